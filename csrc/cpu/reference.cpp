@@ -1,0 +1,178 @@
+// CPU reference implementations of every flashhead op: plain ATen, float32 arithmetic, written
+// for clarity rather than speed. The CUDA kernels are tested against these.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <limits>
+
+#include "kernels/philox.cuh"
+#include "ops/checks.h"
+
+namespace flashhead {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int32_t kNoToken = std::numeric_limits<int32_t>::max();
+
+at::Tensor row_scores(const at::Tensor& hidden, const at::Tensor& rows) {
+  return at::matmul(hidden.to(at::kFloat), rows.to(at::kFloat).t());
+}
+
+// NaN ranks below every number: mapping it to -inf before a stable sort keeps it last, and
+// ties (including among -inf) stay in index order, i.e. the smaller id wins.
+at::Tensor nan_to_neg_inf(const at::Tensor& x) { return at::where(at::isnan(x), at::full({}, kNegInf), x); }
+
+at::Tensor top_indices(const at::Tensor& keys, int64_t k) {
+  auto order = std::get<1>(at::sort(nan_to_neg_inf(keys), /*stable=*/true, /*dim=*/1, /*descending=*/true));
+  return order.narrow(1, 0, k).contiguous();
+}
+
+at::Tensor gumbel(int64_t seed, RandomStream stream, int64_t rows, int64_t cols) {
+  auto noise = at::empty({rows, cols}, at::kFloat);
+  auto acc = noise.accessor<float, 2>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      acc[r][c] = gumbel_noise(static_cast<uint64_t>(seed), stream, static_cast<uint32_t>(r), static_cast<uint32_t>(c));
+  return noise;
+}
+
+std::tuple<at::Tensor, at::Tensor> clusters_by_key(const at::Tensor& scores, const at::Tensor& keys, int64_t probes) {
+  auto idx = top_indices(keys, probes);
+  return {idx.to(at::kInt), scores.gather(1, idx)};
+}
+
+// Position of the best candidate per row: highest key, ties to the smallest token id; masked
+// slots never win unless every slot is masked (then the position of a masked slot, token -1).
+at::Tensor best_position(const at::Tensor& keys, const at::Tensor& candidate_ids, const at::Tensor& valid) {
+  auto clean = nan_to_neg_inf(keys).masked_fill(~valid, kNegInf);
+  auto best_key = clean.amax(1, /*keepdim=*/true);
+  auto is_best = valid & (clean == best_key);
+  auto best_token = at::where(is_best, candidate_ids, at::full({}, kNoToken, at::kInt)).amin(1, /*keepdim=*/true);
+  return (is_best & (candidate_ids == best_token)).to(at::kInt).argmax(1);
+}
+
+at::Tensor tokens_at(const at::Tensor& candidate_ids, const at::Tensor& valid, const at::Tensor& position) {
+  auto pos = position.unsqueeze(1);
+  auto token = candidate_ids.gather(1, pos).to(at::kLong);
+  return at::where(valid.gather(1, pos), token, at::full({}, -1, at::kLong)).squeeze(1);
+}
+
+at::Tensor valid_candidates(const at::Tensor& candidate_ids, int64_t vocab) {
+  return (candidate_ids >= 0) & (candidate_ids < vocab);
+}
+
+std::tuple<at::Tensor, at::Tensor> select_clusters_cpu(const at::Tensor& hidden, const at::Tensor& centroids,
+                                                       int64_t probes) {
+  constexpr const char* op = "select_clusters";
+  check_hidden_and_rows(op, hidden, centroids, "centroids");
+  check_probes(op, probes, centroids.size(0));
+  auto scores = row_scores(hidden, centroids);
+  return clusters_by_key(scores, scores, probes);
+}
+
+// Gumbel-top-k: the p largest of scores/T + Gumbel noise are p draws without replacement from
+// softmax(scores / T), in draw order.
+std::tuple<at::Tensor, at::Tensor> sample_clusters_cpu(const at::Tensor& hidden, const at::Tensor& centroids,
+                                                       int64_t probes, double temperature, const at::Tensor& seed) {
+  constexpr const char* op = "sample_clusters";
+  check_hidden_and_rows(op, hidden, centroids, "centroids");
+  check_probes(op, probes, centroids.size(0));
+  check_temperature(op, temperature);
+  check_seed(op, seed, hidden);
+  auto scores = row_scores(hidden, centroids);
+  auto keys = scores / temperature + gumbel(seed.item<int64_t>(), kClusterStream, scores.size(0), scores.size(1));
+  return clusters_by_key(scores, keys, probes);
+}
+
+at::Tensor gather_candidates_cpu(const at::Tensor& cluster_ids, const at::Tensor& cluster_tokens,
+                                 const c10::optional<at::Tensor>& extra_ids) {
+  constexpr const char* op = "gather_candidates";
+  check_cluster_table(op, cluster_tokens, cluster_ids, "cluster_ids");
+  check_cluster_ids(op, cluster_ids, cluster_tokens);
+  check_extra_ids(op, extra_ids, cluster_ids, "cluster_ids");
+  const int64_t batch = cluster_ids.size(0), probes = cluster_ids.size(1);
+  const int64_t num_clusters = cluster_tokens.size(0), cluster_size = cluster_tokens.size(1);
+
+  // An out-of-range cluster id contributes a row of masked slots instead of reading out of bounds.
+  auto ids = cluster_ids.to(at::kLong);
+  auto in_range = (ids >= 0) & (ids < num_clusters);
+  auto gathered = cluster_tokens.index_select(0, ids.clamp(0, num_clusters - 1).flatten()).view({batch, probes, cluster_size});
+  gathered = gathered.masked_fill(~in_range.unsqueeze(2), -1).view({batch, probes * cluster_size});
+  if (!extra_ids.has_value() || extra_ids->numel() == 0) return gathered.contiguous();
+
+  // An extra token already among the candidates (or repeated in extra_ids) is masked, so each
+  // token appears once and sampling probabilities are not doubled.
+  auto extra = extra_ids->to(at::kInt).unsqueeze(0).expand({batch, -1});
+  auto in_gathered = (gathered.unsqueeze(2) == extra.unsqueeze(1)).any(1);
+  auto repeats = (extra_ids->unsqueeze(0) == extra_ids->unsqueeze(1)).tril(-1).any(1).unsqueeze(0);
+  auto extra_kept = extra.masked_fill(in_gathered | repeats, -1);
+  return at::cat({gathered, extra_kept}, 1).contiguous();
+}
+
+at::Tensor candidate_logits_cpu(const at::Tensor& hidden, const at::Tensor& embedding, const at::Tensor& candidate_ids) {
+  constexpr const char* op = "candidate_logits";
+  check_hidden_and_rows(op, hidden, embedding, "embedding");
+  check_candidates(op, candidate_ids, hidden);
+  const int64_t vocab = embedding.size(0);
+  auto valid = valid_candidates(candidate_ids, vocab);
+  auto rows = embedding.index_select(0, candidate_ids.to(at::kLong).clamp(0, vocab - 1).flatten())
+                  .view({candidate_ids.size(0), candidate_ids.size(1), embedding.size(1)})
+                  .to(at::kFloat);
+  auto logits = at::matmul(rows, hidden.to(at::kFloat).unsqueeze(2)).squeeze(2);
+  return logits.masked_fill(~valid, kNegInf);
+}
+
+void decode_greedy_out_cpu(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
+                           const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids,
+                           at::Tensor& out) {
+  constexpr const char* op = "decode_greedy";
+  check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
+  check_token_out(op, out, hidden);
+  auto cluster_ids = std::get<0>(select_clusters_cpu(hidden, centroids, probes));
+  auto candidates = gather_candidates_cpu(cluster_ids, cluster_tokens, extra_ids);
+  auto logits = candidate_logits_cpu(hidden, embedding, candidates);
+  auto valid = valid_candidates(candidates, embedding.size(0));
+  out.copy_(tokens_at(candidates, valid, best_position(logits, candidates, valid)));
+}
+
+at::Tensor decode_greedy_cpu(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
+                             const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids) {
+  auto out = at::empty({hidden.dim() > 0 ? hidden.size(0) : 0}, hidden.options().dtype(at::kLong));
+  decode_greedy_out_cpu(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out);
+  return out;
+}
+
+// Gumbel-max over the candidates: argmax of logits/T + noise is a draw from softmax(logits/T)
+// restricted to the candidate set; its log-probability under that distribution comes along.
+std::tuple<at::Tensor, at::Tensor> decode_sample_cpu(const at::Tensor& hidden, const at::Tensor& centroids,
+                                                     const at::Tensor& cluster_tokens, const at::Tensor& embedding,
+                                                     int64_t probes, double temperature, const at::Tensor& seed,
+                                                     const c10::optional<at::Tensor>& extra_ids) {
+  constexpr const char* op = "decode_sample";
+  check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
+  check_temperature(op, temperature);
+  check_seed(op, seed, hidden);
+  auto cluster_ids = std::get<0>(sample_clusters_cpu(hidden, centroids, probes, temperature, seed));
+  auto candidates = gather_candidates_cpu(cluster_ids, cluster_tokens, extra_ids);
+  auto scaled = candidate_logits_cpu(hidden, embedding, candidates) / temperature;
+  auto valid = valid_candidates(candidates, embedding.size(0));
+  auto keys = scaled + gumbel(seed.item<int64_t>(), kTokenStream, scaled.size(0), scaled.size(1));
+  auto position = best_position(keys, candidates, valid);
+  auto log_norm = at::logsumexp(scaled, 1);
+  auto token_logprobs = scaled.gather(1, position.unsqueeze(1)).squeeze(1) - log_norm;
+  return {tokens_at(candidates, valid, position), token_logprobs};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashhead, CPU, m) {
+  m.impl("select_clusters", &select_clusters_cpu);
+  m.impl("sample_clusters", &sample_clusters_cpu);
+  m.impl("gather_candidates", &gather_candidates_cpu);
+  m.impl("candidate_logits", &candidate_logits_cpu);
+  m.impl("decode_greedy", &decode_greedy_cpu);
+  m.impl("decode_greedy_out", &decode_greedy_out_cpu);
+  m.impl("decode_sample", &decode_sample_cpu);
+}
+
+}  // namespace flashhead

@@ -1,0 +1,131 @@
+// Argument checks shared by the CPU references and the CUDA wrappers, so both reject the same
+// inputs with the same messages. Every check is host-side metadata only (never reads tensor
+// data), which keeps the ops free of host syncs and capturable in CUDA graphs.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+
+namespace flashhead {
+
+// TORCH_CHECK_TYPE / TORCH_CHECK_VALUE surface in Python as TypeError / ValueError.
+#define FH_CHECK_TYPE(op, cond, ...) TORCH_CHECK_TYPE(cond, "flashhead.", op, ": ", __VA_ARGS__)
+#define FH_CHECK_VALUE(op, cond, ...) TORCH_CHECK_VALUE(cond, "flashhead.", op, ": ", __VA_ARGS__)
+
+inline bool is_float_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+inline void check_rank(const char* op, const at::Tensor& t, const char* name, int64_t rank,
+                       const char* layout) {
+  FH_CHECK_VALUE(op, t.dim() == rank, name, " must be a ", rank, "-D tensor ", layout, ", got shape ",
+                 t.sizes());
+}
+
+inline void check_same_device(const char* op, const at::Tensor& t, const char* name,
+                              const at::Tensor& ref, const char* ref_name) {
+  FH_CHECK_VALUE(op, t.device() == ref.device(), name, " must be on the same device as ", ref_name,
+                 " (", ref.device(), "), got ", t.device());
+}
+
+// hidden [B, D] and a row matrix [R, D] (centroids or embedding): same float dtype, device, D.
+inline void check_hidden_and_rows(const char* op, const at::Tensor& hidden, const at::Tensor& rows,
+                                  const char* rows_name) {
+  check_rank(op, hidden, "hidden", 2, "[batch, hidden_dim]");
+  check_rank(op, rows, rows_name, 2, "[rows, hidden_dim]");
+  FH_CHECK_TYPE(op, is_float_dtype(hidden.scalar_type()),
+                "hidden must be float16, bfloat16 or float32, got ", hidden.scalar_type());
+  FH_CHECK_TYPE(op, rows.scalar_type() == hidden.scalar_type(), rows_name,
+                " must have the dtype of hidden (", hidden.scalar_type(), "), got ", rows.scalar_type());
+  check_same_device(op, rows, rows_name, hidden, "hidden");
+  FH_CHECK_VALUE(op, hidden.size(1) > 0, "hidden_dim must be at least 1");
+  FH_CHECK_VALUE(op, rows.size(1) == hidden.size(1), rows_name, " must have hidden_dim ",
+                 hidden.size(1), " columns like hidden, got shape ", rows.sizes());
+  FH_CHECK_VALUE(op, rows.size(0) > 0, rows_name, " must have at least one row");
+  FH_CHECK_VALUE(op, rows.size(0) < (int64_t{1} << 31), rows_name, " has ", rows.size(0),
+                 " rows; ids are int32, so at most 2^31 - 1");
+}
+
+inline void check_int32(const char* op, const at::Tensor& t, const char* name) {
+  FH_CHECK_TYPE(op, t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type(),
+                " (convert once with .to(torch.int32))");
+}
+
+inline void check_probes(const char* op, int64_t probes, int64_t num_clusters) {
+  FH_CHECK_VALUE(op, probes >= 1 && probes <= num_clusters, "probes must be in 1..", num_clusters,
+                 " (the number of clusters), got ", probes);
+}
+
+inline void check_temperature(const char* op, double temperature) {
+  FH_CHECK_VALUE(op, std::isfinite(temperature) && temperature > 0.0,
+                 "temperature must be a finite number > 0 (use the greedy op for temperature 0), got ",
+                 temperature);
+}
+
+// The seed lives on the device so a captured graph reads a fresh value at every replay.
+inline void check_seed(const char* op, const at::Tensor& seed, const at::Tensor& hidden) {
+  FH_CHECK_TYPE(op, seed.scalar_type() == at::kLong, "seed must be an int64 tensor, got ",
+                seed.scalar_type());
+  FH_CHECK_VALUE(op, seed.numel() == 1, "seed must hold exactly one value, got shape ", seed.sizes());
+  check_same_device(op, seed, "seed", hidden, "hidden");
+}
+
+inline void check_cluster_table(const char* op, const at::Tensor& cluster_tokens, const at::Tensor& ref,
+                                const char* ref_name) {
+  check_rank(op, cluster_tokens, "cluster_tokens", 2, "[num_clusters, cluster_size]");
+  check_int32(op, cluster_tokens, "cluster_tokens");
+  check_same_device(op, cluster_tokens, "cluster_tokens", ref, ref_name);
+  FH_CHECK_VALUE(op, cluster_tokens.size(0) > 0 && cluster_tokens.size(1) > 0,
+                 "cluster_tokens must be non-empty, got shape ", cluster_tokens.sizes());
+}
+
+inline void check_extra_ids(const char* op, const c10::optional<at::Tensor>& extra_ids, const at::Tensor& ref,
+                            const char* ref_name) {
+  if (!extra_ids.has_value()) return;
+  check_rank(op, *extra_ids, "extra_ids", 1, "[num_extra]");
+  check_int32(op, *extra_ids, "extra_ids");
+  check_same_device(op, *extra_ids, "extra_ids", ref, ref_name);
+}
+
+inline int64_t num_extra(const c10::optional<at::Tensor>& extra_ids) {
+  return extra_ids.has_value() ? extra_ids->numel() : 0;
+}
+
+inline void check_cluster_ids(const char* op, const at::Tensor& cluster_ids, const at::Tensor& cluster_tokens) {
+  check_rank(op, cluster_ids, "cluster_ids", 2, "[batch, probes]");
+  check_int32(op, cluster_ids, "cluster_ids");
+  check_same_device(op, cluster_ids, "cluster_ids", cluster_tokens, "cluster_tokens");
+}
+
+inline void check_candidates(const char* op, const at::Tensor& candidate_ids, const at::Tensor& hidden) {
+  check_rank(op, candidate_ids, "candidate_ids", 2, "[batch, num_candidates]");
+  check_int32(op, candidate_ids, "candidate_ids");
+  check_same_device(op, candidate_ids, "candidate_ids", hidden, "hidden");
+  FH_CHECK_VALUE(op, candidate_ids.size(0) == hidden.size(0), "candidate_ids must have batch ",
+                 hidden.size(0), " like hidden, got shape ", candidate_ids.sizes());
+}
+
+// Checks shared by the fused decode ops (greedy and sampling).
+inline void check_decode(const char* op, const at::Tensor& hidden, const at::Tensor& centroids,
+                         const at::Tensor& cluster_tokens, const at::Tensor& embedding, int64_t probes,
+                         const c10::optional<at::Tensor>& extra_ids) {
+  check_hidden_and_rows(op, hidden, centroids, "centroids");
+  check_hidden_and_rows(op, hidden, embedding, "embedding");
+  check_cluster_table(op, cluster_tokens, hidden, "hidden");
+  FH_CHECK_VALUE(op, cluster_tokens.size(0) == centroids.size(0), "cluster_tokens must have one row per centroid (",
+                 centroids.size(0), "), got shape ", cluster_tokens.sizes());
+  check_probes(op, probes, centroids.size(0));
+  check_extra_ids(op, extra_ids, hidden, "hidden");
+}
+
+inline void check_token_out(const char* op, const at::Tensor& out, const at::Tensor& hidden) {
+  check_rank(op, out, "out", 1, "[batch]");
+  FH_CHECK_TYPE(op, out.scalar_type() == at::kLong, "out must be int64, got ", out.scalar_type());
+  check_same_device(op, out, "out", hidden, "hidden");
+  FH_CHECK_VALUE(op, out.size(0) == hidden.size(0), "out must have batch ", hidden.size(0),
+                 " like hidden, got shape ", out.sizes());
+}
+
+}  // namespace flashhead

@@ -1,0 +1,33 @@
+// The one schema block of the flashhead op namespace. Implementations register per backend:
+// csrc/cpu/ (CPU references) and csrc/ops/ (CUDA). Fake kernels live in flashhead_ext/ops.py.
+//
+// Conventions (docs/kernels.md): ids are int32; -1 in a candidate list marks a masked slot
+// (padding, a duplicated extra token, an out-of-range id) whose logit is -inf; scores and logits
+// are float32; ranking puts NaN below every number and breaks ties towards the smaller id.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(flashhead, m) {
+  m.def("select_clusters(Tensor hidden, Tensor centroids, int probes) -> (Tensor cluster_ids, Tensor scores)");
+  m.def(
+      "sample_clusters(Tensor hidden, Tensor centroids, int probes, float temperature, Tensor seed)"
+      " -> (Tensor cluster_ids, Tensor scores)");
+  m.def("gather_candidates(Tensor cluster_ids, Tensor cluster_tokens, Tensor? extra_ids) -> Tensor");
+  m.def("candidate_logits(Tensor hidden, Tensor embedding, Tensor candidate_ids) -> Tensor");
+  m.def(
+      "decode_greedy(Tensor hidden, Tensor centroids, Tensor cluster_tokens, Tensor embedding, int probes,"
+      " Tensor? extra_ids) -> Tensor");
+  m.def(
+      "decode_greedy_out(Tensor hidden, Tensor centroids, Tensor cluster_tokens, Tensor embedding, int probes,"
+      " Tensor? extra_ids, Tensor(a!) out) -> ()");
+  m.def(
+      "decode_sample(Tensor hidden, Tensor centroids, Tensor cluster_tokens, Tensor embedding, int probes,"
+      " float temperature, Tensor seed, Tensor? extra_ids) -> (Tensor tokens, Tensor token_logprobs)");
+}
+
+// `import flashhead_ext._C` loads this library, which runs the registrations above; the module
+// itself is empty (no pybind11, so no ABI tie to a Python minor version beyond the build's).
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}

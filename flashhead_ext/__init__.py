@@ -1,0 +1,15 @@
+"""flashhead_ext: FlashHead retrieval heads as torch ops (CPU reference + CUDA kernels)."""
+from ._loader import load_extension
+
+BUILD_INFO = load_extension()
+
+from . import ops  # noqa: E402
+from .head import DenseHead, FlashHead  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["ops", "FlashHead", "DenseHead", "BUILD_INFO", "cuda_kernels_built"]
+
+
+def cuda_kernels_built() -> bool:
+    """True when the CUDA kernels were compiled into this build (independent of any GPU being present)."""
+    return bool(BUILD_INFO.WITH_CUDA)

@@ -1,0 +1,198 @@
+"""FlashHead and DenseHead: interchangeable next-token heads over a model's output embedding.
+
+Both take final hidden states ``[..., D]`` and offer the same three calls:
+
+* ``next_token(hidden)`` -> int64 token ids ``[...]`` (greedy),
+* ``sample(hidden, temperature, generator)`` -> ``(tokens, token_logprobs)``,
+* ``candidate_logits(hidden)`` -> ``(candidate_ids int32 [B, N], logits float32 [B, N])``.
+
+DenseHead is the baseline every benchmark compares against: one matmul over the whole
+vocabulary, then argmax or a Gumbel-max draw, in plain torch.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from . import ops
+
+
+def _check_embedding(embedding) -> None:
+    if not isinstance(embedding, Tensor):
+        raise TypeError(f"embedding must be a torch.Tensor [vocab_size, hidden_dim], got {type(embedding).__name__}")
+    if embedding.dim() != 2 or embedding.numel() == 0:
+        raise ValueError(f"embedding must be a non-empty 2-D tensor [vocab_size, hidden_dim], got shape {tuple(embedding.shape)}")
+    if embedding.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"embedding must be float16, bfloat16 or float32, got {embedding.dtype}")
+
+
+class _HeadBase(nn.Module):
+    embedding: Tensor
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embedding.shape[0]
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.embedding.shape[1]
+
+    def _rows(self, hidden: Tensor) -> Tensor:
+        """hidden ``[..., D]`` as ``[B, D]``, after checks that name what was expected."""
+        if not isinstance(hidden, Tensor):
+            raise TypeError(f"hidden must be a torch.Tensor [..., {self.hidden_dim}], got {type(hidden).__name__}")
+        if hidden.dim() == 0 or hidden.shape[-1] != self.hidden_dim:
+            raise ValueError(f"hidden must have last dimension {self.hidden_dim} (the head's hidden_dim), got shape {tuple(hidden.shape)}")
+        if hidden.dtype != self.embedding.dtype:
+            raise TypeError(f"hidden must have the head's dtype {self.embedding.dtype}, got {hidden.dtype}")
+        if hidden.device != self.embedding.device:
+            raise ValueError(f"hidden must be on the head's device {self.embedding.device}, got {hidden.device}")
+        return hidden.reshape(-1, self.hidden_dim)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.next_token(hidden)
+
+
+class DenseHead(_HeadBase):
+    """The full-vocabulary head: ``logits = hidden @ embedding.T`` in the model dtype, as HF's lm_head."""
+
+    def __init__(self, embedding: Tensor):
+        super().__init__()
+        _check_embedding(embedding)
+        # Not persistent: it is the model's own weight, shared, never a copy.
+        self.register_buffer("embedding", embedding.detach(), persistent=False)
+
+    def next_token(self, hidden: Tensor) -> Tensor:
+        rows = self._rows(hidden)
+        return (rows @ self.embedding.t()).argmax(dim=-1).reshape(hidden.shape[:-1])
+
+    def sample(self, hidden: Tensor, temperature: float = 1.0, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+        temperature = ops._require_float("temperature", temperature)
+        if not temperature > 0 or temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number > 0 (use next_token for greedy), got {temperature}")
+        rows = self._rows(hidden)
+        scaled = (rows @ self.embedding.t()).float() / temperature
+        # Gumbel-max: argmax(logits/T + G) is a draw from softmax(logits/T), with no host sync.
+        uniform = torch.rand(scaled.shape, device=scaled.device, generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
+        tokens = (scaled - torch.log(-torch.log(uniform))).argmax(dim=-1)
+        logprobs = scaled.log_softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return tokens.reshape(hidden.shape[:-1]), logprobs.reshape(hidden.shape[:-1])
+
+    def candidate_logits(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        rows = self._rows(hidden)
+        logits = (rows @ self.embedding.t()).float()
+        ids = torch.arange(self.vocab_size, device=rows.device, dtype=torch.int32).expand(rows.shape[0], -1)
+        return ids, logits
+
+
+class FlashHead(_HeadBase):
+    """Retrieval head: score C centroids, keep the best ``probes`` clusters, exact logits on their tokens.
+
+    Args:
+        embedding: the output embedding ``[V, D]`` (kept by reference, not copied).
+        centroids: ``[C, D]`` cluster centroids used to rank clusters for greedy decoding (cast to
+            the embedding's dtype and device).
+        cluster_tokens: ``[C, b]`` token ids of each cluster; -1 pads clusters when V is not a
+            multiple of b. Checked once here (ids in range, disjoint, no empty cluster).
+        probes: clusters kept per step, 1..C.
+        special_token_ids: tokens scored at every step whatever the clusters (e.g. EOS).
+        sampling_centroids: centroids for sampling mode, if they differ from ``centroids`` (the
+            published FlashHead ranks greedy with L2-normalised and samples with raw centroids).
+    """
+
+    def __init__(
+        self,
+        embedding: Tensor,
+        centroids: Tensor,
+        cluster_tokens: Tensor,
+        probes: int,
+        special_token_ids: Union[Sequence[int], Tensor, None] = None,
+        sampling_centroids: Optional[Tensor] = None,
+    ):
+        super().__init__()
+        _check_embedding(embedding)
+        vocab, dim = embedding.shape
+        self.register_buffer("embedding", embedding.detach(), persistent=False)
+        self.register_buffer("centroids", self._as_centroids("centroids", centroids, embedding))
+        sampling = centroids if sampling_centroids is None else sampling_centroids
+        self.register_buffer("sampling_centroids", self._as_centroids("sampling_centroids", sampling, embedding))
+        ops.validate_cluster_table(cluster_tokens, vocab)
+        if cluster_tokens.shape[0] != self.centroids.shape[0]:
+            raise ValueError(f"cluster_tokens must have one row per centroid ({self.centroids.shape[0]}), got shape {tuple(cluster_tokens.shape)}")
+        self.register_buffer("cluster_tokens", cluster_tokens.detach().to(embedding.device, torch.int32).contiguous())
+        self.register_buffer("extra_ids", self._as_extra_ids(special_token_ids, vocab, embedding.device))
+        self.probes = probes
+
+    @staticmethod
+    def _as_centroids(name: str, centroids, embedding: Tensor) -> Tensor:
+        if not isinstance(centroids, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [num_clusters, hidden_dim], got {type(centroids).__name__}")
+        if centroids.dim() != 2 or centroids.shape[1] != embedding.shape[1] or centroids.shape[0] == 0:
+            raise ValueError(f"{name} must have shape [num_clusters, {embedding.shape[1]}], got {tuple(centroids.shape)}")
+        if not centroids.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor, got {centroids.dtype}")
+        return centroids.detach().to(embedding.device, embedding.dtype).contiguous()
+
+    @staticmethod
+    def _as_extra_ids(special_token_ids, vocab: int, device) -> Optional[Tensor]:
+        if special_token_ids is None:
+            return None
+        ids = torch.as_tensor(special_token_ids).flatten()
+        if ids.numel() == 0:
+            return None
+        if ids.is_floating_point() or ids.dtype == torch.bool:
+            raise TypeError(f"special_token_ids must be integer token ids, got {ids.dtype}")
+        ids = ids.to("cpu", torch.int64)
+        if ((ids < 0) | (ids >= vocab)).any():
+            raise ValueError(f"special_token_ids must be in [0, {vocab}), got {ids.tolist()}")
+        return torch.unique(ids).to(device, torch.int32)
+
+    @property
+    def num_clusters(self) -> int:
+        return self.centroids.shape[0]
+
+    @property
+    def cluster_size(self) -> int:
+        return self.cluster_tokens.shape[1]
+
+    @property
+    def probes(self) -> int:
+        return self._probes
+
+    @probes.setter
+    def probes(self, value: int) -> None:
+        value = ops._require_int("probes", value)
+        if not 1 <= value <= self.num_clusters:
+            raise ValueError(f"probes must be in 1..{self.num_clusters} (the number of clusters), got {value}")
+        self._probes = value
+
+    @property
+    def num_candidates(self) -> int:
+        """Tokens scored per row: probes * cluster_size, plus the special tokens."""
+        return self.probes * self.cluster_size + (0 if self.extra_ids is None else self.extra_ids.numel())
+
+    def next_token(self, hidden: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
+        rows = self._rows(hidden)
+        tokens = ops.decode_greedy(rows, self.centroids, self.cluster_tokens, self.embedding, self.probes, self.extra_ids, out=out)
+        return tokens if out is not None else tokens.reshape(hidden.shape[:-1])
+
+    def sample(self, hidden: Tensor, temperature: float = 1.0, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+        rows = self._rows(hidden)
+        tokens, logprobs = ops.decode_sample(
+            rows, self.sampling_centroids, self.cluster_tokens, self.embedding, self.probes, temperature,
+            self.extra_ids, generator=generator,
+        )
+        return tokens.reshape(hidden.shape[:-1]), logprobs.reshape(hidden.shape[:-1])
+
+    def candidate_logits(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        rows = self._rows(hidden)
+        cluster_ids, _ = ops.select_clusters(rows, self.centroids, self.probes)
+        candidates = ops.gather_candidates(cluster_ids, self.cluster_tokens, self.extra_ids)
+        return candidates, ops.candidate_logits(rows, self.embedding, candidates)
+
+    def extra_repr(self) -> str:
+        return (f"vocab_size={self.vocab_size}, hidden_dim={self.hidden_dim}, num_clusters={self.num_clusters}, "
+                f"cluster_size={self.cluster_size}, probes={self.probes}, "
+                f"special_tokens={0 if self.extra_ids is None else self.extra_ids.numel()}")
