@@ -1,0 +1,18 @@
+"""``python -m flashhead_ext.bench <benchmark>``; each benchmark prints a table and writes JSON."""
+import sys
+
+from . import head
+
+BENCHMARKS = {"head": head.main}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in BENCHMARKS:
+        print(f"usage: python -m flashhead_ext.bench {{{','.join(BENCHMARKS)}}} [options]  (--help after the name)")
+        return 2
+    return BENCHMARKS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

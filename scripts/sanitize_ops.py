@@ -1,0 +1,66 @@
+"""Runs every flashhead CUDA op once per dtype on small odd shapes, for compute-sanitizer.
+
+Includes the masking paths (out-of-range cluster and token ids, padding, duplicated extras), a
+batch of 0 and sizes that are not multiples of the vector width, then compares with the CPU op.
+Exit status 1 on a mismatch.
+"""
+import sys
+
+import torch
+
+import flashhead_ext  # noqa: F401
+from flashhead_ext import ops
+
+
+def case(dtype, batch, dim, clusters, size, probes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    vocab = clusters * size - 3  # padding in the last cluster
+    order = torch.randperm(clusters * size, generator=gen)
+    table = torch.where(order < vocab, order, torch.full_like(order, -1)).view(clusters, size).int()
+    cpu = dict(
+        hidden=torch.randn(batch, dim, generator=gen).to(dtype),
+        centroids=torch.randn(clusters, dim, generator=gen).to(dtype),
+        embedding=torch.randn(vocab, dim, generator=gen).to(dtype),
+        table=table,
+        extra=torch.tensor([0, 5, 5, vocab - 1], dtype=torch.int32),
+        bad_ids=torch.tensor([[0, clusters, -4]] * batch, dtype=torch.int32).view(batch, 3),
+        bad_cands=torch.tensor([[1, -1, vocab, 2**30]] * batch, dtype=torch.int32).view(batch, 4),
+        seed=torch.tensor(seed, dtype=torch.int64),
+    )
+    return cpu, {k: v.cuda() for k, v in cpu.items()}
+
+
+def run(t, probes):
+    ids, scores = ops.select_clusters(t["hidden"], t["centroids"], probes)
+    sids, _ = ops.sample_clusters(t["hidden"], t["centroids"], probes, 0.7, seed=t["seed"])
+    cands = ops.gather_candidates(ids, t["table"], t["extra"])
+    bad_gather = ops.gather_candidates(t["bad_ids"], t["table"], t["extra"])
+    logits = ops.candidate_logits(t["hidden"], t["embedding"], cands)
+    bad_logits = ops.candidate_logits(t["hidden"], t["embedding"], t["bad_cands"])
+    greedy = ops.decode_greedy(t["hidden"], t["centroids"], t["table"], t["embedding"], probes, t["extra"])
+    tokens, logprobs = ops.decode_sample(t["hidden"], t["centroids"], t["table"], t["embedding"], probes, 0.7, t["extra"], seed=t["seed"])
+    return dict(ids=ids, sids=sids, cands=cands, bad_gather=bad_gather, bad_logits=bad_logits, greedy=greedy, tokens=tokens,
+                logits=logits, logprobs=logprobs)
+
+
+def main() -> int:
+    failures = 0
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for batch, dim, clusters, size, probes in ((3, 77, 37, 4, 5), (2, 576, 257, 16, 257), (0, 64, 37, 8, 3), (5, 1024, 989, 16, 61)):
+            cpu, gpu = case(dtype, batch, dim, clusters, size, probes, seed=batch * 1000 + dim)
+            got, want = run(gpu, probes), run(cpu, probes)
+            torch.cuda.synchronize()
+            for key in ("bad_gather", "bad_logits"):
+                if not torch.equal(got[key].cpu(), want[key]):
+                    print(f"MISMATCH {key} {dtype} B={batch} D={dim} C={clusters} b={size} p={probes}")
+                    failures += 1
+            tol = 1e-3 if dtype == torch.float32 else 2e-2
+            if not torch.allclose(got["logits"].cpu(), want["logits"], rtol=tol, atol=tol):
+                print(f"MISMATCH logits {dtype} B={batch} D={dim}")
+                failures += 1
+    print("sanitize_ops: done,", failures, "mismatches")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
