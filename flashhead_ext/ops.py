@@ -130,6 +130,8 @@ def decode_greedy(
     """
     for name, value in (("hidden", hidden), ("centroids", centroids), ("cluster_tokens", cluster_tokens), ("embedding", embedding)):
         _require_tensor(name, value)
+    if extra_ids is not None:
+        _require_tensor("extra_ids", extra_ids)
     probes = _require_int("probes", probes)
     if out is None:
         return _ops.decode_greedy(hidden, centroids, cluster_tokens, embedding, probes, extra_ids)
@@ -159,6 +161,8 @@ def decode_sample(
     """
     for name, value in (("hidden", hidden), ("centroids", centroids), ("cluster_tokens", cluster_tokens), ("embedding", embedding)):
         _require_tensor(name, value)
+    if extra_ids is not None:
+        _require_tensor("extra_ids", extra_ids)
     seed_t = make_seed(hidden.device, seed, generator)
     return _ops.decode_sample(
         hidden, centroids, cluster_tokens, embedding, _require_int("probes", probes),

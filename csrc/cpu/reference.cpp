@@ -14,8 +14,10 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int32_t kNoToken = std::numeric_limits<int32_t>::max();
 
+// Contiguous float32 copies first (as the CUDA ops do): the matmul's summation order, hence the
+// last bits of every score, must not depend on the caller's memory layout.
 at::Tensor row_scores(const at::Tensor& hidden, const at::Tensor& rows) {
-  return at::matmul(hidden.to(at::kFloat), rows.to(at::kFloat).t());
+  return at::matmul(hidden.to(at::kFloat).contiguous(), rows.to(at::kFloat).contiguous().t());
 }
 
 // NaN ranks below every number: mapping it to -inf before a stable sort keeps it last, and
@@ -118,7 +120,7 @@ at::Tensor candidate_logits_cpu(const at::Tensor& hidden, const at::Tensor& embe
   auto rows = embedding.index_select(0, candidate_ids.to(at::kLong).clamp(0, vocab - 1).flatten())
                   .view({candidate_ids.size(0), candidate_ids.size(1), embedding.size(1)})
                   .to(at::kFloat);
-  auto logits = at::matmul(rows, hidden.to(at::kFloat).unsqueeze(2)).squeeze(2);
+  auto logits = at::matmul(rows, hidden.to(at::kFloat).contiguous().unsqueeze(2)).squeeze(2);
   return logits.masked_fill(~valid, kNegInf);
 }
 

@@ -1,0 +1,369 @@
+"""One test per class of bad input: the exception type and a message naming the argument.
+
+The checks live in the C++ ops (shared by the CPU and CUDA paths) and in the Python wrappers, so
+every op is called through flashhead_ext.ops on every device; a few classes are also checked on
+the raw torch.ops.flashhead ops.
+"""
+import re
+
+import pytest
+import torch
+
+from flashhead_ext import DenseHead, FlashHead, ops
+from helpers import DEVICES, Shape, make_problem, seed_tensor
+
+SHAPE = Shape(B=3, D=16, C=7, b=4, p=2, pad=1, extras=True)
+
+
+def valid_args(device):
+    problem = make_problem(SHAPE, device=device)
+    return {
+        "hidden": problem.hidden, "centroids": problem.centroids, "cluster_tokens": problem.cluster_tokens,
+        "embedding": problem.embedding, "probes": problem.probes, "extra_ids": problem.extra_ids,
+        "temperature": 0.8, "seed": seed_tensor(5, device),
+        "cluster_ids": torch.tensor([[0, 6], [1, 2], [3, 3]], dtype=torch.int32, device=device),
+        "candidate_ids": torch.tensor([[0, 5, 9], [1, 2, 3], [4, 4, -1]], dtype=torch.int32, device=device),
+        "out": torch.empty(SHAPE.B, dtype=torch.int64, device=device),
+    }
+
+
+CALLS = {
+    "select_clusters": lambda a: ops.select_clusters(a["hidden"], a["centroids"], a["probes"]),
+    "sample_clusters": lambda a: ops.sample_clusters(a["hidden"], a["centroids"], a["probes"], a["temperature"], seed=a["seed"]),
+    "gather_candidates": lambda a: ops.gather_candidates(a["cluster_ids"], a["cluster_tokens"], a["extra_ids"]),
+    "candidate_logits": lambda a: ops.candidate_logits(a["hidden"], a["embedding"], a["candidate_ids"]),
+    "decode_greedy": lambda a: ops.decode_greedy(a["hidden"], a["centroids"], a["cluster_tokens"], a["embedding"],
+                                                 a["probes"], a["extra_ids"]),
+    "decode_greedy_out": lambda a: ops.decode_greedy(a["hidden"], a["centroids"], a["cluster_tokens"], a["embedding"],
+                                                     a["probes"], a["extra_ids"], out=a["out"]),
+    "decode_sample": lambda a: ops.decode_sample(a["hidden"], a["centroids"], a["cluster_tokens"], a["embedding"],
+                                                 a["probes"], a["temperature"], a["extra_ids"], seed=a["seed"]),
+}
+USES = {
+    "select_clusters": {"hidden", "centroids", "probes"},
+    "sample_clusters": {"hidden", "centroids", "probes", "temperature", "seed"},
+    "gather_candidates": {"cluster_ids", "cluster_tokens", "extra_ids"},
+    "candidate_logits": {"hidden", "embedding", "candidate_ids"},
+    "decode_greedy": {"hidden", "centroids", "cluster_tokens", "embedding", "probes", "extra_ids"},
+    "decode_greedy_out": {"hidden", "centroids", "cluster_tokens", "embedding", "probes", "extra_ids", "out"},
+    "decode_sample": {"hidden", "centroids", "cluster_tokens", "embedding", "probes", "temperature", "seed", "extra_ids"},
+}
+
+
+def cases(*names):
+    """(op, argument) pairs for every op taking one of ``names``."""
+    return [(op, name) for op in CALLS for name in names if name in USES[op]]
+
+
+def expect(error, fragment, op, args):
+    with pytest.raises(error, match=re.escape(fragment)):
+        CALLS[op](args)
+
+
+device_params = pytest.mark.parametrize("device", DEVICES)
+
+
+@device_params
+@pytest.mark.parametrize("op", list(CALLS))
+def test_valid_arguments_are_accepted(op, device):
+    CALLS[op](valid_args(device))  # the baseline every bad-input test below perturbs
+
+
+@device_params
+@pytest.mark.parametrize("op,name", cases("hidden", "centroids", "cluster_tokens", "embedding", "cluster_ids",
+                                          "candidate_ids", "extra_ids", "out"))
+def test_non_tensor_argument(op, name, device):
+    args = valid_args(device)
+    args[name] = args[name].tolist()
+    expect(TypeError, name, op, args)
+
+
+@device_params
+@pytest.mark.parametrize("op", [op for op in CALLS if "hidden" in USES[op]])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.bool], ids=str)
+def test_unsupported_float_dtype(op, dtype, device):
+    args = valid_args(device)
+    for name in ("hidden", "centroids", "embedding"):
+        args[name] = args[name].to(dtype)
+    expect(TypeError, "hidden must be float16, bfloat16 or float32", op, args)
+
+
+@device_params
+@pytest.mark.parametrize("op,name", cases("centroids", "embedding"))
+def test_mismatched_float_dtypes(op, name, device):
+    args = valid_args(device)
+    args[name] = args[name].to(torch.bfloat16)
+    expect(TypeError, f"{name} must have the dtype of hidden", op, args)
+
+
+@device_params
+@pytest.mark.parametrize("op,name", cases("cluster_tokens", "cluster_ids", "candidate_ids", "extra_ids"))
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int16], ids=str)
+def test_ids_must_be_int32(op, name, dtype, device):
+    args = valid_args(device)
+    args[name] = args[name].to(dtype)
+    expect(TypeError, f"{name} must be int32", op, args)
+
+
+@device_params
+@pytest.mark.parametrize("op,name", cases("hidden", "centroids", "embedding", "cluster_tokens", "cluster_ids",
+                                          "candidate_ids", "extra_ids", "out"))
+def test_wrong_rank(op, name, device):
+    args = valid_args(device)
+    value = args[name]
+    args[name] = value.flatten() if value.dim() == 2 else value.unsqueeze(0)
+    expect(ValueError, f"{name} must be a {value.dim()}-D tensor", op, args)
+
+
+@device_params
+@pytest.mark.parametrize("op,name", cases("centroids", "embedding"))
+def test_hidden_dim_mismatch(op, name, device):
+    args = valid_args(device)
+    args[name] = torch.cat([args[name], args[name][:, :1]], dim=1)
+    expect(ValueError, f"{name} must have hidden_dim {SHAPE.D} columns like hidden", op, args)
+
+
+@device_params
+@pytest.mark.parametrize("op", [op for op in CALLS if "probes" in USES[op]])
+@pytest.mark.parametrize("probes", [0, SHAPE.C + 1, -1])
+def test_probes_out_of_range(op, probes, device):
+    args = valid_args(device)
+    args["probes"] = probes
+    expect(ValueError, f"probes must be in 1..{SHAPE.C}", op, args)
+
+
+@device_params
+@pytest.mark.parametrize("op", [op for op in CALLS if "probes" in USES[op]])
+@pytest.mark.parametrize("probes", [2.0, True, "2", torch.tensor(2)], ids=repr)
+def test_probes_not_an_int(op, probes, device):
+    args = valid_args(device)
+    args["probes"] = probes
+    expect(TypeError, "probes must be an int", op, args)
+
+
+@device_params
+@pytest.mark.parametrize("op", [op for op in CALLS if "temperature" in USES[op]])
+@pytest.mark.parametrize("temperature", [0.0, -0.5, float("inf"), float("nan"), 0])
+def test_temperature_out_of_range(op, temperature, device):
+    args = valid_args(device)
+    args["temperature"] = temperature
+    expect(ValueError, "temperature must be a finite number > 0", op, args)
+
+
+@device_params
+@pytest.mark.parametrize("op", [op for op in CALLS if "temperature" in USES[op]])
+def test_temperature_not_a_number(op, device):
+    args = valid_args(device)
+    args["temperature"] = "warm"
+    expect(TypeError, "temperature must be a float", op, args)
+
+
+@device_params
+@pytest.mark.parametrize("op", [op for op in CALLS if "seed" in USES[op]])
+@pytest.mark.parametrize("seed,error,fragment", [
+    (lambda d: torch.tensor(5, dtype=torch.int32, device=d), TypeError, "seed must be an int64 tensor"),
+    (lambda d: torch.tensor(5.0, device=d), TypeError, "seed must be an int64 tensor"),
+    (lambda d: torch.tensor([5, 6], device=d), ValueError, "seed must hold exactly one value"),
+    (lambda d: torch.empty(0, dtype=torch.int64, device=d), ValueError, "seed must hold exactly one value"),
+    (lambda d: 5.5, TypeError, "seed must be an int"),
+    (lambda d: "5", TypeError, "seed must be an int"),
+], ids=["int32", "float", "two-values", "empty", "float-scalar", "string"])
+def test_bad_seed(op, seed, error, fragment, device):
+    args = valid_args(device)
+    args["seed"] = seed(device)
+    expect(error, fragment, op, args)
+
+
+@device_params
+@pytest.mark.parametrize("op", [op for op in CALLS if "seed" in USES[op]])
+def test_seed_of_shape_one_and_python_int_are_accepted(op, device):
+    args = valid_args(device)
+    reference = CALLS[op](args)
+    for seed in (torch.tensor([5], device=device), 5):
+        args["seed"] = seed
+        for got, want in zip(CALLS[op](args), reference):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,name", cases("centroids", "embedding", "cluster_tokens", "cluster_ids", "candidate_ids",
+                                          "extra_ids", "seed", "out"))
+def test_device_mismatch(op, name):
+    args = valid_args("cuda")
+    args[name] = args[name].cpu()
+    with pytest.raises(ValueError, match="must be on the same device as") as error:
+        CALLS[op](args)
+    assert name in str(error.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", [op for op in CALLS if "hidden" in USES[op]])
+def test_hidden_on_another_device(op):
+    args = valid_args("cuda")
+    args["hidden"] = args["hidden"].cpu()
+    with pytest.raises(ValueError, match="must be on the same device as") as error:
+        CALLS[op](args)
+    assert "hidden" in str(error.value)
+
+
+@pytest.mark.gpu
+def test_generator_on_another_device():
+    args = valid_args("cuda")
+    with pytest.raises(ValueError, match="generator must be a cuda generator"):
+        ops.decode_sample(*[args[k] for k in ("hidden", "centroids", "cluster_tokens", "embedding", "probes")],
+                          generator=torch.Generator("cpu"))
+
+
+@device_params
+@pytest.mark.parametrize("op", ["decode_greedy", "decode_greedy_out", "decode_sample"])
+@pytest.mark.parametrize("rows", [SHAPE.C - 1, SHAPE.C + 1])
+def test_cluster_table_rows_must_match_centroids(op, rows, device):
+    args = valid_args(device)
+    table = args["cluster_tokens"]
+    args["cluster_tokens"] = table[:rows] if rows < SHAPE.C else torch.cat([table, table[:1]])
+    expect(ValueError, f"cluster_tokens must have one row per centroid ({SHAPE.C})", op, args)
+
+
+@device_params
+@pytest.mark.parametrize("op,name,fragment", [
+    ("select_clusters", "centroids", "centroids must have at least one row"),
+    ("candidate_logits", "embedding", "embedding must have at least one row"),
+    ("gather_candidates", "cluster_tokens", "cluster_tokens must be non-empty"),
+    ("decode_greedy", "hidden", "hidden_dim must be at least 1"),
+])
+def test_empty_tables(op, name, fragment, device):
+    args = valid_args(device)
+    args[name] = args[name][:0] if name != "hidden" else args[name][:, :0]
+    expect(ValueError, fragment, op, args)
+
+
+@device_params
+@pytest.mark.parametrize("name,value,error,fragment", [
+    ("candidate_ids", lambda a: a["candidate_ids"][:2], ValueError, f"candidate_ids must have batch {SHAPE.B}"),
+    ("out", lambda a: a["out"][:2], ValueError, f"out must have batch {SHAPE.B}"),
+    ("out", lambda a: a["out"].int(), TypeError, "out must be int64"),
+], ids=["candidate-batch", "out-batch", "out-dtype"])
+def test_batch_and_out_mismatch(name, value, error, fragment, device):
+    args = valid_args(device)
+    args[name] = value(args)
+    op = "candidate_logits" if name == "candidate_ids" else "decode_greedy_out"
+    expect(error, fragment, op, args)
+
+
+@device_params
+def test_raw_ops_check_too(device):
+    # The C++ checks guard torch.ops.flashhead callers that bypass the Python wrappers.
+    a = valid_args(device)
+    raw = torch.ops.flashhead
+    with pytest.raises(ValueError, match=re.escape("probes must be in 1..")):
+        raw.select_clusters(a["hidden"], a["centroids"], 0)
+    with pytest.raises(TypeError, match=re.escape("cluster_tokens must be int32")):
+        raw.decode_greedy(a["hidden"], a["centroids"], a["cluster_tokens"].long(), a["embedding"], 2, None)
+    with pytest.raises(ValueError, match=re.escape("temperature must be a finite number > 0")):
+        raw.decode_sample(a["hidden"], a["centroids"], a["cluster_tokens"], a["embedding"], 2, 0.0, a["seed"], None)
+    with pytest.raises(ValueError, match=re.escape("seed must hold exactly one value")):
+        raw.sample_clusters(a["hidden"], a["centroids"], 2, 1.0, a["seed"].expand(2))
+
+
+# ------------------------------------------------------------------------------------------
+# validate_cluster_table and the heads.
+
+@pytest.mark.parametrize("mutate,error,fragment", [
+    (lambda t, V: t.index_put_((torch.tensor(2), torch.tensor(1)), torch.tensor(V, dtype=t.dtype)), ValueError,
+     "ids must be in [0,"),
+    (lambda t, V: t.index_put_((torch.tensor(0), torch.tensor(0)), torch.tensor(-2, dtype=t.dtype)), ValueError,
+     "ids must be in [0,"),
+    (lambda t, V: t.index_put_((torch.tensor(4), torch.tensor(3)), t[1][t[1] >= 0][0]), ValueError, "more than once"),
+    (lambda t, V: t.index_fill_(0, torch.tensor(3), -1), ValueError, "holds only padding"),
+    (lambda t, V: t.flatten(), ValueError, "must be a non-empty 2-D tensor"),
+    (lambda t, V: t[:0], ValueError, "must be a non-empty 2-D tensor"),
+    (lambda t, V: t.float(), TypeError, "cluster_tokens must hold integer token ids"),
+], ids=["id-too-large", "id-below-padding", "duplicate", "all-padding", "rank", "empty", "float"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+def test_validate_cluster_table(mutate, error, fragment, dtype):
+    problem = make_problem(SHAPE)
+    table = problem.cluster_tokens.to(dtype)
+    ops.validate_cluster_table(table, problem.vocab)  # the valid table passes (padding included)
+    with pytest.raises(error, match=re.escape(fragment)):
+        ops.validate_cluster_table(mutate(table.clone(), problem.vocab), problem.vocab)
+
+
+def test_validate_cluster_table_argument_types():
+    table = make_problem(SHAPE).cluster_tokens
+    with pytest.raises(TypeError, match="cluster_tokens must be a torch.Tensor"):
+        ops.validate_cluster_table(table.tolist(), 27)
+    with pytest.raises(TypeError, match="vocab_size must be an int"):
+        ops.validate_cluster_table(table, 27.0)
+
+
+def head_args(device="cpu"):
+    p = make_problem(SHAPE, device=device)
+    return dict(embedding=p.embedding, centroids=p.centroids, cluster_tokens=p.cluster_tokens, probes=p.probes,
+                special_token_ids=p.extra_ids.tolist())
+
+
+@pytest.mark.parametrize("change,error,fragment", [
+    (dict(special_token_ids=[SHAPE.V]), ValueError, "special_token_ids must be in [0, 27)"),
+    (dict(special_token_ids=[-1, 3]), ValueError, "special_token_ids must be in [0, 27)"),
+    (dict(special_token_ids=[1.5]), TypeError, "special_token_ids must be integer token ids"),
+    (dict(centroids=lambda a: a["centroids"][:, :-1]), ValueError, "centroids must have shape [num_clusters, 16]"),
+    (dict(centroids=lambda a: a["centroids"][0]), ValueError, "centroids must have shape [num_clusters, 16]"),
+    (dict(centroids=lambda a: a["centroids"][:0]), ValueError, "centroids must have shape [num_clusters, 16]"),
+    (dict(centroids=lambda a: a["centroids"].int()), TypeError, "centroids must be a float tensor"),
+    (dict(centroids=lambda a: a["centroids"].tolist()), TypeError, "centroids must be a torch.Tensor"),
+    (dict(sampling_centroids=lambda a: a["centroids"][:, :-1]), ValueError, "sampling_centroids must have shape"),
+    (dict(cluster_tokens=lambda a: a["cluster_tokens"][:-1]), ValueError, "cluster_tokens must have one row per centroid"),
+    (dict(cluster_tokens=lambda a: a["cluster_tokens"].clamp(min=0)), ValueError, "more than once"),
+    (dict(probes=0), ValueError, "probes must be in 1..7"),
+    (dict(probes=SHAPE.C + 1), ValueError, "probes must be in 1..7"),
+    (dict(probes=1.5), TypeError, "probes must be an int"),
+    (dict(embedding=lambda a: a["embedding"][0]), ValueError, "embedding must be a non-empty 2-D tensor"),
+    (dict(embedding=lambda a: a["embedding"].double()), TypeError, "embedding must be float16, bfloat16 or float32"),
+    (dict(embedding=lambda a: a["embedding"].tolist()), TypeError, "embedding must be a torch.Tensor"),
+], ids=lambda v: None)
+def test_flashhead_constructor_errors(change, error, fragment):
+    args = head_args()
+    FlashHead(**args)  # baseline
+    for key, value in change.items():
+        args[key] = value(args) if callable(value) else value
+    with pytest.raises(error, match=re.escape(fragment)):
+        FlashHead(**args)
+
+
+@pytest.mark.parametrize("make_head", [lambda a: FlashHead(**a), lambda a: DenseHead(a["embedding"])],
+                         ids=["FlashHead", "DenseHead"])
+def test_head_call_errors(make_head):
+    head = make_head(head_args())
+    hidden = make_problem(SHAPE).hidden
+    for call in (head.next_token, head.sample, head.candidate_logits):
+        with pytest.raises(ValueError, match=re.escape(f"hidden must have last dimension {SHAPE.D}")):
+            call(hidden[:, :-1])
+        with pytest.raises(ValueError, match="hidden must have last dimension"):
+            call(torch.tensor(1.0))
+        with pytest.raises(TypeError, match=re.escape("hidden must have the head's dtype torch.float32")):
+            call(hidden.half())
+        with pytest.raises(TypeError, match="hidden must be a torch.Tensor"):
+            call(hidden.tolist())
+    for temperature in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+            head.sample(hidden, temperature)
+    with pytest.raises(TypeError, match="temperature must be a float"):
+        head.sample(hidden, "hot")
+
+
+def test_flashhead_probes_setter():
+    head = FlashHead(**head_args())
+    head.probes = SHAPE.C
+    assert head.num_candidates == SHAPE.C * SHAPE.b + len(set(head_args()["special_token_ids"]))
+    with pytest.raises(ValueError, match=re.escape("probes must be in 1..7")):
+        head.probes = 0
+    with pytest.raises(TypeError, match="probes must be an int"):
+        head.probes = 2.0
+    assert head.probes == SHAPE.C
+
+
+@pytest.mark.gpu
+def test_head_hidden_on_another_device():
+    head = FlashHead(**head_args("cuda"))
+    with pytest.raises(ValueError, match="hidden must be on the head's device"):
+        head.next_token(make_problem(SHAPE).hidden)

@@ -1,0 +1,171 @@
+"""torch.compile(fullgraph=True) over the Python API, CUDA-graph capture and replay, and no host sync.
+
+Compiled and captured results must equal eager ones exactly (same kernels, same inputs).
+The inductor backend is used on both devices (about 5 s per compile on 2 CPU cores).
+"""
+import pytest
+import torch
+
+from flashhead_ext import FlashHead, ops
+from helpers import DEVICES, Shape, make_problem, seed_tensor
+
+device_params = pytest.mark.parametrize("device", DEVICES)
+SHAPE = Shape(B=5, D=64, C=37, b=8, p=3, pad=2, extras=True)
+
+
+def flash_head(problem):
+    return FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, problem.probes,
+                     special_token_ids=problem.extra_ids)
+
+
+def compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend="inductor")
+
+
+@pytest.mark.slow
+@device_params
+def test_compile_next_token(device):
+    problem = make_problem(SHAPE, torch.bfloat16, device)
+    head = flash_head(problem)
+    step = compiled(head.next_token)
+    for hidden in (problem.hidden, problem.hidden.flip(0).contiguous()):
+        assert torch.equal(step(hidden), head.next_token(hidden))
+    hidden3 = problem.hidden[:4].reshape(2, 2, SHAPE.D)
+    assert torch.equal(compiled(head.next_token)(hidden3), head.next_token(hidden3))
+
+
+@pytest.mark.slow
+@device_params
+def test_compile_next_token_out(device):
+    # The destination-passing op inside a compiled function, writing into a column of a buffer.
+    problem = make_problem(SHAPE, torch.float32, device)
+    head = flash_head(problem)
+
+    def step(hidden, buffer, column: int):
+        head.next_token(hidden, out=buffer[:, column])
+        return buffer
+
+    buffer = torch.full((SHAPE.B, 4), -7, dtype=torch.int64, device=device)
+    result = compiled(step)(problem.hidden, buffer, 2)
+    expected = torch.full((SHAPE.B, 4), -7, dtype=torch.int64, device=device)
+    expected[:, 2] = head.next_token(problem.hidden)
+    assert torch.equal(result, expected) and torch.equal(buffer, expected)
+
+
+@pytest.mark.slow
+@device_params
+def test_compile_decode_sample_and_candidate_logits(device):
+    problem = make_problem(SHAPE, torch.float16, device)
+    head = flash_head(problem)
+
+    def sample(hidden, seed):
+        return ops.decode_sample(hidden, problem.centroids, problem.cluster_tokens, problem.embedding,
+                                 problem.probes, 0.7, problem.extra_ids, seed=seed)
+
+    fn = compiled(sample)
+    for value in (11, 12):
+        seed = seed_tensor(value, device)
+        got, want = fn(problem.hidden, seed), sample(problem.hidden, seed)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    ids, logits = compiled(head.candidate_logits)(problem.hidden)
+    eager_ids, eager_logits = head.candidate_logits(problem.hidden)
+    assert torch.equal(ids, eager_ids) and torch.equal(logits, eager_logits)
+
+
+# ------------------------------------------------------------------------------------------
+# CUDA only: graph capture and host syncs.
+
+def capture(fn):
+    """Warm up on a side stream, then capture ``fn`` in a CUDA graph; returns (graph, outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_graph_decode_greedy(dtype):
+    problem = make_problem(SHAPE, dtype, "cuda")
+    hidden = problem.hidden.clone()
+    args = lambda: (hidden, *problem.args()[1:])
+    buffer = torch.full((SHAPE.B, 3), -7, dtype=torch.int64, device="cuda")
+    graph, tokens = capture(lambda: ops.decode_greedy(*args()))
+    graph_out, _ = capture(lambda: ops.decode_greedy(*args(), out=buffer[:, 1]))
+    other = make_problem(SHAPE, dtype, "cuda", seed=1).hidden
+    for new_hidden in (problem.hidden, other):
+        hidden.copy_(new_hidden)  # the graph reads its inputs at replay
+        buffer.fill_(-7)
+        graph.replay()
+        graph_out.replay()
+        expected = ops.decode_greedy(*args())
+        assert torch.equal(tokens, expected)
+        assert torch.equal(buffer[:, 1], expected) and (buffer[:, [0, 2]] == -7).all()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_sample_reads_seed_at_replay():
+    problem = make_problem(SHAPE, torch.bfloat16, "cuda")
+    seed = seed_tensor(100, "cuda")
+    run = lambda: ops.decode_sample(*problem.args()[:5], 0.8, problem.extra_ids, seed=seed)
+    graph, (tokens, logprobs) = capture(run)
+    draws = {}
+    for value in (100, 101, 100, 102):
+        seed.fill_(value)
+        graph.replay()
+        replayed = (tokens.clone(), logprobs.clone())
+        eager = run()
+        assert torch.equal(replayed[0], eager[0]) and torch.equal(replayed[1], eager[1])
+        if value in draws:
+            assert torch.equal(draws[value][0], replayed[0])  # reproducible
+        draws[value] = replayed
+    assert not (torch.equal(draws[100][0], draws[101][0]) and torch.equal(draws[100][0], draws[102][0]))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_fresh_seed_each_replay():
+    # Without a seed, make_seed draws one on the device inside the graph: each replay differs.
+    problem = make_problem(SHAPE, torch.float32, "cuda")
+    graph, (tokens, _) = capture(lambda: ops.decode_sample(*problem.args()[:5], 1.0, problem.extra_ids))
+    seen = set()
+    for _ in range(4):
+        graph.replay()
+        seen.add(tuple(tokens.tolist()))
+    assert len(seen) > 1
+
+
+@pytest.mark.gpu
+def test_no_host_sync():
+    problem = make_problem(SHAPE, torch.bfloat16, "cuda")
+    seed = seed_tensor(3, "cuda")
+    generator = torch.Generator("cuda").manual_seed(3)
+    out = torch.empty(SHAPE.B, dtype=torch.int64, device="cuda")
+    cluster_ids = torch.randint(0, SHAPE.C, (SHAPE.B, 3), dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.decode_greedy(*problem.args())
+        ops.decode_greedy(*problem.args(), out=out)
+        ops.decode_sample(*problem.args()[:5], 0.9, problem.extra_ids)  # seed drawn by make_seed
+        ops.decode_sample(*problem.args()[:5], 0.9, problem.extra_ids, generator=generator)
+        ops.decode_sample(*problem.args()[:5], 0.9, problem.extra_ids, seed=seed)
+        ops.select_clusters(problem.hidden, problem.centroids, 3)
+        ops.sample_clusters(problem.hidden, problem.centroids, 3, 0.9, seed=seed)
+        candidates = ops.gather_candidates(cluster_ids, problem.cluster_tokens, problem.extra_ids)
+        ops.candidate_logits(problem.hidden, problem.embedding, candidates)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    head = flash_head(problem)  # building a head validates its table (a sync, once): not in the checked region
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        head.next_token(problem.hidden)
+        head.sample(problem.hidden, 0.9, generator)
+        head.candidate_logits(problem.hidden)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,172 @@
+"""FlashHead and DenseHead: agreement with each other and with the ops, shapes, out=, sampling."""
+import pytest
+import torch
+
+import reference as ref
+from flashhead_ext import DenseHead, FlashHead, ops
+from helpers import (DEVICES, P_VALUE, Shape, assert_same_ids, check_decoded_tokens, chi_square_pvalue, counts_of,
+                     exact_on, make_problem, softmax_np)
+
+device_params = pytest.mark.parametrize("device", DEVICES)
+SHAPE = Shape(B=17, D=64, C=37, b=16, p=3, pad=5, extras=True)
+
+
+def flash_head(problem, probes=None, **kw):
+    return FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens,
+                     problem.probes if probes is None else probes,
+                     special_token_ids=None if problem.extra_ids is None else problem.extra_ids.tolist(), **kw)
+
+
+@device_params
+@pytest.mark.parametrize("integer", [False, True], ids=["random", "integer-ties"])
+def test_all_probes_equals_dense_argmax(device, integer):
+    problem = make_problem(SHAPE, torch.float32, device, integer=integer)
+    dense = DenseHead(problem.embedding).next_token(problem.hidden)
+    flash = flash_head(problem, probes=SHAPE.C).next_token(problem.hidden)
+    assert flash.dtype == dense.dtype == torch.int64
+    check_decoded_tokens(flash, ref.scores(problem.hidden, problem.centroids),
+                         ref.dense_logits(problem.hidden, problem.embedding), problem.with_(probes=SHAPE.C), dense,
+                         problem.score_tol(), problem.logit_tol(), exact_on(device, integer))
+
+
+@device_params
+def test_candidate_logits_consistent_with_ops(device):
+    problem = make_problem(SHAPE, torch.float32, device)
+    head = flash_head(problem)
+    ids, logits = head.candidate_logits(problem.hidden)
+    cluster_ids, _ = ops.select_clusters(problem.hidden, problem.centroids, problem.probes)
+    expected_ids = ops.gather_candidates(cluster_ids, problem.cluster_tokens, head.extra_ids)
+    assert_same_ids(ids, expected_ids, "candidate ids")
+    assert torch.equal(logits, ops.candidate_logits(problem.hidden, problem.embedding, ids))
+    assert ids.shape == logits.shape == (SHAPE.B, head.num_candidates)
+    # next_token is the best of these candidates (ties to the smaller token id).
+    _, best = ref.best_candidate(logits, ids, ref.valid_candidates(ids, problem.vocab))
+    tokens = head.next_token(problem.hidden)
+    if exact_on(device):
+        assert_same_ids(tokens, best, "next_token vs argmax of candidate_logits")
+    else:
+        got = logits.gather(1, (ids.long() == tokens.unsqueeze(1)).int().argmax(1, keepdim=True)).squeeze(1)
+        assert (got >= logits.amax(1) - problem.logit_tol().squeeze(1)).all()
+
+
+@device_params
+def test_dense_candidate_logits(device):
+    problem = make_problem(SHAPE, torch.float32, device)
+    ids, logits = DenseHead(problem.embedding).candidate_logits(problem.hidden)
+    assert ids.dtype == torch.int32 and (ids.cpu() == torch.arange(problem.vocab, dtype=torch.int32)).all()
+    torch.testing.assert_close(logits, ref.dense_logits(problem.hidden, problem.embedding), rtol=1e-5, atol=1e-5)
+
+
+@device_params
+def test_special_tokens_always_scored(device):
+    # A special token outside every probed cluster wins when its logit is the largest.
+    problem = make_problem(SHAPE, torch.float32, device)
+    hidden = problem.hidden
+    probed = ops.select_clusters(hidden, problem.centroids, 1)[0]
+    special = next(t for t in range(problem.vocab) if not (problem.cluster_tokens[probed.long()] == t).any())
+    embedding = problem.embedding.clone()
+    embedding[special] = hidden.float().sum(0) / hidden.float().sum(0).norm() * 100
+    # Rows where the special token's logit is positive and large: it must be chosen.
+    head = FlashHead(embedding, problem.centroids, problem.cluster_tokens, 1, special_token_ids=torch.tensor([special]))
+    ids, logits = head.candidate_logits(hidden)
+    assert (ids[:, -1] == special).all()
+    wins = logits[:, -1] > logits[:, :-1].amax(1)
+    assert wins.any()
+    tokens = head.next_token(hidden)
+    assert (tokens[wins] == special).all() and (tokens[~wins] != special).all()
+
+
+@device_params
+def test_leading_batch_dims_preserved(device):
+    problem = make_problem(SHAPE, torch.float32, device)
+    hidden = problem.hidden[:6].reshape(2, 3, SHAPE.D)
+    for head in (flash_head(problem), DenseHead(problem.embedding)):
+        tokens = head.next_token(hidden)
+        assert tokens.shape == (2, 3)
+        assert torch.equal(tokens.reshape(6), head.next_token(problem.hidden[:6]))
+        assert torch.equal(head(hidden), tokens)  # forward is next_token
+        g = lambda: torch.Generator(device).manual_seed(3)
+        drawn, logprobs = head.sample(hidden, 0.9, g())
+        assert drawn.shape == logprobs.shape == (2, 3)
+        flat = head.sample(problem.hidden[:6], 0.9, g())
+        assert torch.equal(drawn.reshape(6), flat[0]) and torch.equal(logprobs.reshape(6), flat[1])
+        ids, logits = head.candidate_logits(hidden)
+        assert ids.shape[0] == logits.shape[0] == 6
+
+
+@device_params
+def test_next_token_out_writes_into_a_strided_view(device):
+    problem = make_problem(SHAPE, torch.float32, device)
+    head = flash_head(problem)
+    buffer = torch.full((SHAPE.B, 5), -7, dtype=torch.int64, device=device)
+    column = buffer[:, 2]
+    assert not column.is_contiguous()
+    returned = head.next_token(problem.hidden, out=column)
+    assert returned.data_ptr() == column.data_ptr()
+    assert torch.equal(buffer[:, 2], head.next_token(problem.hidden))
+    assert (buffer[:, [0, 1, 3, 4]] == -7).all()
+    # Leading dims: [2, 3, D] writes 6 tokens into a column of a [6, K] buffer.
+    buffer6 = torch.full((6, 4), -7, dtype=torch.int64, device=device)
+    head.next_token(problem.hidden[:6].reshape(2, 3, SHAPE.D), out=buffer6[:, 1])
+    assert torch.equal(buffer6[:, 1], head.next_token(problem.hidden[:6]))
+    assert (buffer6[:, [0, 2, 3]] == -7).all()
+
+
+@device_params
+@pytest.mark.parametrize("make_head", [flash_head, lambda p: DenseHead(p.embedding)], ids=["flash", "dense"])
+def test_sample_reproducible_with_generator(device, make_head):
+    problem = make_problem(SHAPE, torch.float32, device)
+    head = make_head(problem)
+    draw = lambda s: head.sample(problem.hidden, 0.8, torch.Generator(device).manual_seed(s))
+    a, b, c = draw(1), draw(1), draw(2)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+    assert a[0].dtype == torch.int64 and a[1].dtype == torch.float32
+    assert ((a[0] >= 0) & (a[0] < problem.vocab)).all() and (a[1] <= 0).all()
+
+
+@device_params
+def test_flash_sample_uses_sampling_centroids(device):
+    problem = make_problem(SHAPE, torch.float32, device)
+    other = torch.flip(problem.centroids, dims=[0]).contiguous()
+    head = flash_head(problem, sampling_centroids=other)
+    drawn = head.sample(problem.hidden, 0.8, torch.Generator(device).manual_seed(5))
+    seed = ops.make_seed(device, generator=torch.Generator(device).manual_seed(5))
+    expected = ops.decode_sample(problem.hidden, other, problem.cluster_tokens, problem.embedding, problem.probes, 0.8,
+                                 head.extra_ids, seed=seed)
+    assert torch.equal(drawn[0], expected[0]) and torch.equal(drawn[1], expected[1])
+
+
+@device_params
+def test_dense_sample_follows_softmax(device):
+    problem = make_problem(Shape(B=1, D=6, C=3, b=4, p=1, pad=1), torch.float32, device)
+    rows = problem.hidden.expand(40000, -1).contiguous() * 1.5
+    T = 0.7
+    tokens, logprobs = DenseHead(problem.embedding).sample(rows, T, torch.Generator(device).manual_seed(12))
+    logits = ref.dense_logits(rows[:1], problem.embedding)[0].cpu()
+    assert chi_square_pvalue(counts_of(tokens, problem.vocab), softmax_np(logits, T)) > P_VALUE
+    expected = torch.log_softmax(logits.double() / T, 0)[tokens.cpu()].float()
+    torch.testing.assert_close(logprobs.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@device_params
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_head(device, dtype):
+    # Float32 centroids are cast to the embedding's dtype; results equal the ops on those tensors.
+    problem = make_problem(SHAPE, dtype, device)
+    head = FlashHead(problem.embedding, problem.centroids.float(), problem.cluster_tokens.long(), problem.probes,
+                     special_token_ids=problem.extra_ids)
+    assert head.centroids.dtype == dtype and head.cluster_tokens.dtype == torch.int32
+    assert torch.equal(head.next_token(problem.hidden), ops.decode_greedy(*problem.args()))
+
+
+def test_head_buffers():
+    problem = make_problem(SHAPE)
+    head = flash_head(problem)
+    state = head.state_dict()
+    assert "embedding" not in state  # the model's own weight, shared and not saved twice
+    assert {"centroids", "sampling_centroids", "cluster_tokens", "extra_ids"} <= set(state)
+    assert head.embedding.data_ptr() == problem.embedding.data_ptr()
+    assert head.extra_ids.tolist() == sorted(set(problem.extra_ids.tolist()))
+    assert (head.vocab_size, head.hidden_dim, head.num_clusters, head.cluster_size) == (SHAPE.V, SHAPE.D, SHAPE.C, SHAPE.b)
+    assert "probes=3" in repr(head)

@@ -1,0 +1,179 @@
+"""Masking and memory safety: out-of-range ids, padding, all-masked rows, NaN/inf inputs, empty batch.
+
+The ops never read out of bounds for ids they cannot trust (the cluster table is validated once by
+the heads, not per call): an out-of-range cluster id yields a row of -1, an out-of-range candidate id
+a -inf logit, and a row with no valid candidate the token -1. NaN ranks below every number.
+Ids are compared exactly on every device where the arithmetic is exact or NaN/inf propagation
+does not depend on the summation order; elsewhere with the usual CUDA near-tie comparators.
+"""
+import pytest
+import torch
+
+import reference as ref
+from flashhead_ext import ops
+from helpers import (DEVICES, Shape, assert_same_ids, assert_values_close, check_decode_greedy,
+                     check_decoded_tokens, exact_on, generator, make_problem)
+
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+device_params = pytest.mark.parametrize("device", DEVICES)
+
+
+@device_params
+def test_out_of_range_cluster_ids_give_masked_rows(device):
+    problem = make_problem(Shape(B=4, D=8, C=37, b=4, p=3, pad=2, extras=True), device=device)
+    C = problem.cluster_tokens.shape[0]
+    cluster_ids = torch.tensor([[0, -1, C], [INT32_MIN, 5, INT32_MAX], [C - 1, C + 100, -37], [2, 3, 4]],
+                               dtype=torch.int32, device=device)
+    got = ops.gather_candidates(cluster_ids, problem.cluster_tokens, problem.extra_ids)
+    assert_same_ids(got, ref.gather_candidates(cluster_ids, problem.cluster_tokens, problem.extra_ids))
+    b = problem.cluster_tokens.shape[1]
+    rows = got[:, : 3 * b].reshape(4, 3, b).cpu()
+    bad = ((cluster_ids < 0) | (cluster_ids >= C)).cpu()
+    assert (rows[bad] == -1).all() and (rows[~bad] != -1).any()
+
+
+@device_params
+def test_out_of_range_candidate_ids_give_neg_inf(device):
+    problem = make_problem(Shape(B=3, D=64, C=37, b=4, p=2), device=device)
+    V = problem.vocab
+    g = generator("candidates")
+    candidates = torch.randint(0, V, (3, 11), generator=g, dtype=torch.int32)
+    candidates[0, [1, 4]] = torch.tensor([-1, V], dtype=torch.int32)
+    candidates[1, [0, 10]] = torch.tensor([INT32_MIN, INT32_MAX], dtype=torch.int32)
+    candidates[2, [2, 3, 5]] = torch.tensor([V + 5, -2, -1], dtype=torch.int32)
+    candidates = candidates.to(device)
+    got = ops.candidate_logits(problem.hidden, problem.embedding, candidates)
+    invalid = ((candidates < 0) | (candidates >= V)).cpu()
+    assert (got.cpu()[invalid] == float("-inf")).all()
+    assert torch.isfinite(got.cpu()[~invalid]).all()
+    assert_values_close(got, ref.candidate_logits(problem.hidden, problem.embedding, candidates), problem.logit_tol())
+
+
+def _table_with_invalid_cluster(problem):
+    """Cluster 0 holds only ids the ops must mask: padding, ids >= V and negative ids."""
+    table = problem.cluster_tokens.clone()
+    b = table.shape[1]
+    table[0] = torch.tensor([-1, problem.vocab, -5, INT32_MAX, INT32_MIN, problem.vocab + 3, -1, -2][:b], dtype=torch.int32)
+    # Make cluster 0 the best for every row: its centroid is each row's direction, scaled up.
+    centroids = problem.centroids.clone()
+    centroids[0] = problem.hidden.float().sum(0).to(centroids.dtype) * 10
+    return problem.with_(cluster_tokens=table, centroids=centroids, probes=1)
+
+
+@device_params
+def test_all_masked_rows_give_token_minus_one(device):
+    base = make_problem(Shape(B=3, D=16, C=37, b=8, p=1), device=device, integer=True)
+    problem = _table_with_invalid_cluster(base.with_(hidden=base.hidden.abs() + 1))
+    assert (ref.select_clusters(problem.hidden, problem.centroids, 1)[0] == 0).all()
+    tokens = ops.decode_greedy(*problem.args())
+    assert tokens.tolist() == [-1, -1, -1]
+    check_decode_greedy(tokens, problem, exact=True)
+    sampled, _ = ops.decode_sample(*problem.args()[:5], 1.0, None, seed=3)
+    # The sampled cluster may differ, but a token is either a real token or -1, never garbage.
+    assert ((sampled == -1) | ((sampled >= 0) & (sampled < problem.vocab))).all()
+    # An always-on extra token rescues every row.
+    extra = torch.tensor([problem.vocab - 1, -1], dtype=torch.int32, device=device)
+    rescued = ops.decode_greedy(*problem.args()[:5], extra)
+    assert rescued.tolist() == [problem.vocab - 1] * 3
+
+
+@device_params
+def test_masked_slots_never_win(device):
+    # Invalid ids in the best cluster, next to valid ones whose logits are low: a valid one wins.
+    base = make_problem(Shape(B=5, D=16, C=37, b=8, p=1), device=device, integer=True)
+    problem = _table_with_invalid_cluster(base.with_(hidden=base.hidden.abs() + 1))
+    table = problem.cluster_tokens.clone()
+    table[0, 3] = base.cluster_tokens[0, 3]  # a real token of the original cluster 0
+    problem = problem.with_(cluster_tokens=table)
+    tokens = ops.decode_greedy(*problem.args())
+    assert (tokens == int(table[0, 3])).all()
+    check_decode_greedy(tokens, problem, exact=True)
+
+
+@device_params
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_padding_when_vocab_not_multiple_of_cluster_size(device, dtype):
+    # V = 10 tokens in 3 clusters of 4; with p = C the candidates are the whole vocabulary, so the
+    # answer is the dense argmax (first index on ties, as torch.argmax).
+    problem = make_problem(Shape(B=17, D=7, C=3, b=4, p=3, pad=2), dtype, device)
+    assert (problem.cluster_tokens == -1).sum() == 2
+    tokens = ops.decode_greedy(*problem.args())
+    dense = ref.dense_logits(problem.hidden, problem.embedding)
+    check_decoded_tokens(tokens, ref.scores(problem.hidden, problem.centroids), dense, problem, dense.argmax(1),
+                         problem.score_tol(), problem.logit_tol(), exact_on(device))
+    candidates = ops.gather_candidates(ops.select_clusters(problem.hidden, problem.centroids, 3)[0], problem.cluster_tokens)
+    assert ((candidates == -1).sum(1) == 2).all()
+    logits = ops.candidate_logits(problem.hidden, problem.embedding, candidates)
+    assert torch.equal((logits == float("-inf")).cpu(), (candidates == -1).cpu())
+
+
+def _special_rows(D, device, dtype):
+    """Hidden rows with NaN / inf entries (each row exercises one case)."""
+    g = generator("special", D)
+    rows = torch.randn(7, D, generator=g)
+    rows[0] = float("nan")               # every score NaN
+    rows[1, 3] = float("nan")            # one NaN component: still every score NaN
+    rows[2, 0] = float("inf")            # scores +-inf by the sign of column 0
+    rows[3, 1] = float("-inf")
+    rows[4, 0], rows[4, 1] = float("inf"), float("-inf")  # +inf + -inf: NaN where signs agree
+    rows[5] = float("inf")
+    rows[6, 2] = float("inf")
+    rows[6, 5] = float("nan")
+    return rows.to(device, dtype)
+
+
+@device_params
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_nan_and_inf_hidden_states(device, dtype):
+    problem = make_problem(Shape(B=7, D=16, C=37, b=4, p=5, pad=3, extras=True), dtype, device)
+    problem = problem.with_(hidden=_special_rows(16, device, dtype))
+    # NaN / inf propagation does not depend on the summation order: exact on every device.
+    ids, _ = ops.select_clusters(problem.hidden, problem.centroids, problem.probes)
+    assert_same_ids(ids, ref.select_clusters(problem.hidden, problem.centroids, problem.probes)[0])
+    tokens = ops.decode_greedy(*problem.args())
+    check_decode_greedy(tokens, problem, exact=True)
+    assert ((tokens >= 0) & (tokens < problem.vocab)).all()
+    # Every score NaN: NaN ties with NaN, so the smallest cluster ids win.
+    assert ids[0].tolist() == list(range(problem.probes))
+    drawn, _ = ops.decode_sample(*problem.args()[:5], 0.9, problem.extra_ids, seed=11)
+    trace = ref.decode_sample(*problem.args()[:5], 0.9, 11, problem.extra_ids)
+    assert_same_ids(drawn[:2], trace.tokens[:2], "sampled tokens of all-NaN rows (deterministic)")
+    assert ((drawn >= 0) & (drawn < problem.vocab)).all()
+
+
+@device_params
+def test_nan_rows_rank_below_every_number(device):
+    # A NaN centroid is ranked after every scored cluster, a NaN embedding row after every token.
+    base = make_problem(Shape(B=3, D=16, C=37, b=4, p=37), device=device)
+    nan_cluster, best_cluster = 5, 9
+    nan_token = int(base.cluster_tokens[best_cluster, 0])
+    hidden = base.hidden.abs() + 1  # positive rows: a positive centroid scores highest
+    centroids, embedding = base.centroids.clone(), base.embedding.clone()
+    centroids[nan_cluster, 2] = float("nan")
+    centroids[best_cluster] = 10.0
+    embedding[nan_token, 0] = float("nan")
+    problem = base.with_(hidden=hidden, centroids=centroids, embedding=embedding)
+    ids, _ = ops.select_clusters(hidden, centroids, 37)
+    assert (ids[:, 0] == best_cluster).all() and (ids[:, -1] == nan_cluster).all()
+    candidates = ops.gather_candidates(ids, problem.cluster_tokens)
+    logits = ops.candidate_logits(hidden, embedding, candidates)
+    assert torch.isnan(logits[candidates == nan_token]).all()
+    # Probing only the best cluster, the NaN token competes with its cluster's finite logits and loses.
+    single = problem.with_(probes=1)
+    tokens = ops.decode_greedy(*single.args())
+    members = problem.cluster_tokens[best_cluster]
+    assert (tokens != nan_token).all() and torch.isin(tokens, members.long()).all()
+    check_decode_greedy(tokens, single, exact=exact_on(device))
+
+
+@device_params
+def test_empty_batch(device):
+    problem = make_problem(Shape(B=1, D=8, C=5, b=3, p=2, extras=True), device=device)
+    empty = problem.with_(hidden=problem.hidden[:0])
+    assert ops.select_clusters(empty.hidden, empty.centroids, 2)[0].shape == (0, 2)
+    assert ops.sample_clusters(empty.hidden, empty.centroids, 2, seed=1)[0].shape == (0, 2)
+    assert ops.decode_greedy(*empty.args()).shape == (0,)
+    assert ops.decode_sample(*empty.args()[:5], 1.0, empty.extra_ids, seed=1)[0].shape == (0,)
+    no_ids = torch.empty(0, 2, dtype=torch.int32, device=device)
+    assert ops.gather_candidates(no_ids, empty.cluster_tokens, empty.extra_ids).shape == (0, 2 * 3 + 4)
+    assert ops.candidate_logits(empty.hidden, empty.embedding, no_ids).shape == (0, 2)

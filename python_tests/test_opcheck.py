@@ -1,0 +1,56 @@
+"""torch.library.opcheck on every op: schema, fake kernel, autograd registration, AOT dispatch."""
+import pytest
+import torch
+
+import reference as ref
+from helpers import DEVICES, Shape, make_problem, seed_tensor
+
+OPS = torch.ops.flashhead
+INPUTS = [
+    (Shape(B=1, D=8, C=5, b=3, p=1), torch.float32),
+    (Shape(B=3, D=7, C=37, b=4, p=2, pad=3, extras=True), torch.bfloat16),
+    (Shape(B=17, D=64, C=37, b=16, p=37, pad=1, extras=True), torch.float16),
+]
+input_params = pytest.mark.parametrize("shape,dtype", INPUTS, ids=[f"{s}-{d}" for s, d in INPUTS])
+device_params = pytest.mark.parametrize("device", DEVICES)
+
+
+def op_arguments(op, problem):
+    h, c, t, e, p, x = problem.args()
+    seed = seed_tensor(1234, problem.device)
+    cluster_ids = ref.select_clusters(h, c, p)[0]
+    candidates = ref.gather_candidates(cluster_ids, t, x)
+    return {
+        "select_clusters": (h, c, p),
+        "sample_clusters": (h, c, p, 0.7, seed),
+        "gather_candidates": (cluster_ids, t, x),
+        "candidate_logits": (h, e, candidates),
+        "decode_greedy": (h, c, t, e, p, x),
+        "decode_greedy_out": (h, c, t, e, p, x, torch.empty(h.shape[0], dtype=torch.int64, device=problem.device)),
+        "decode_sample": (h, c, t, e, p, 0.7, seed, x),
+    }[op]
+
+
+@device_params
+@input_params
+@pytest.mark.parametrize("op", ["select_clusters", "sample_clusters", "gather_candidates", "candidate_logits",
+                                "decode_greedy", "decode_greedy_out", "decode_sample"])
+def test_opcheck(op, shape, dtype, device):
+    problem = make_problem(shape, dtype, device)
+    torch.library.opcheck(getattr(OPS, op).default, op_arguments(op, problem))
+
+
+@device_params
+def test_opcheck_out_into_strided_view(device):
+    problem = make_problem(INPUTS[1][0], INPUTS[1][1], device)
+    buffer = torch.zeros(problem.hidden.shape[0], 4, dtype=torch.int64, device=device)
+    torch.library.opcheck(OPS.decode_greedy_out.default, (*problem.args(), buffer[:, 3]))
+
+
+@device_params
+def test_opcheck_without_extra_ids_and_empty_extra_ids(device):
+    problem = make_problem(INPUTS[1][0], INPUTS[1][1], device)
+    h, c, t, e, p, _ = problem.args()
+    for extra in (None, torch.empty(0, dtype=torch.int32, device=device)):
+        torch.library.opcheck(OPS.decode_greedy.default, (h, c, t, e, p, extra))
+        torch.library.opcheck(OPS.gather_candidates.default, (ref.select_clusters(h, c, p)[0], t, extra))

@@ -1,0 +1,172 @@
+"""Every op against the plain-torch reference over odd shapes and all dtypes, on each device.
+
+Ids must match exactly on the CPU; on CUDA (another summation order) exactly wherever the float32
+reference has no near-tie (see helpers.check_*). Integer-valued inputs make the arithmetic exact on
+every device: there ids must match exactly everywhere, ties included.
+"""
+import pytest
+import torch
+
+import reference as ref
+from flashhead_ext import ops
+from helpers import (DEVICES, DTYPES, Shape, assert_same_ids, assert_values_close, check_decode_greedy,
+                     check_decode_sample, check_ranked_selection, exact_on, make_problem)
+
+# B in 1, 3, 17; D in 64, 576 and odd 7 and 1; C not a power of two; p in 1, C//16, C; b in 1, 4, 16;
+# padded tables (V not a multiple of b); extra ids (one already a candidate, one repeated).
+CASES = [
+    Shape(B=1, D=64, C=37, b=1, p=1),
+    Shape(B=3, D=64, C=37, b=4, p=37 // 16, pad=3, extras=True),
+    Shape(B=17, D=64, C=37, b=16, p=37, pad=5, extras=True),
+    Shape(B=3, D=576, C=257, b=4, p=257 // 16),
+    Shape(B=17, D=576, C=257, b=1, p=257, extras=True),
+    Shape(B=1, D=576, C=989, b=16, p=989 // 16, pad=7, extras=True),
+    Shape(B=17, D=576, C=989, b=4, p=1),
+    Shape(B=3, D=64, C=989, b=16, p=989, pad=100, extras=True),
+    Shape(B=17, D=7, C=257, b=16, p=16, pad=1, extras=True),
+    Shape(B=3, D=1, C=37, b=4, p=37, extras=True),
+]
+# Integer-valued inputs: many exact ties in scores and logits.
+TIE_CASES = [
+    Shape(B=17, D=64, C=37, b=4, p=2, pad=3, extras=True),
+    Shape(B=3, D=7, C=257, b=16, p=16, extras=True),
+    Shape(B=17, D=576, C=257, b=1, p=1),
+]
+
+case_params = pytest.mark.parametrize("shape", CASES, ids=str)
+tie_params = pytest.mark.parametrize("shape", TIE_CASES, ids=str)
+dtype_params = pytest.mark.parametrize("dtype", DTYPES, ids=str)
+device_params = pytest.mark.parametrize("device", DEVICES)
+TEMPERATURE = 0.7
+
+
+def _select_and_check(problem, exact):
+    ids, scores = ops.select_clusters(problem.hidden, problem.centroids, problem.probes)
+    assert ids.dtype == torch.int32 and scores.dtype == torch.float32
+    assert ids.device == problem.device and ids.shape == (problem.hidden.shape[0], problem.probes)
+    ref_scores = ref.scores(problem.hidden, problem.centroids)
+    check_ranked_selection(ids, ref_scores, problem.probes, problem.score_tol(), exact)
+    # The returned scores are the float32 scores of the returned ids.
+    assert_values_close(scores, ref_scores.gather(1, ids.long()), problem.score_tol(), "scores")
+
+
+@device_params
+@dtype_params
+@case_params
+def test_select_clusters(shape, dtype, device):
+    problem = make_problem(shape, dtype, device)
+    _select_and_check(problem, exact_on(device))
+
+
+@device_params
+@dtype_params
+@tie_params
+def test_select_clusters_ties(shape, dtype, device):
+    _select_and_check(make_problem(shape, dtype, device, integer=True), exact=True)
+
+
+@device_params
+@case_params
+def test_gather_candidates(shape, device):
+    problem = make_problem(shape, torch.float32, device)
+    cluster_ids = ref.select_clusters(problem.hidden, problem.centroids, problem.probes)[0]
+    got = ops.gather_candidates(cluster_ids, problem.cluster_tokens, problem.extra_ids)
+    expected = ref.gather_candidates(cluster_ids, problem.cluster_tokens, problem.extra_ids)
+    assert got.dtype == torch.int32 and got.device == problem.device
+    assert_same_ids(got, expected, "candidate ids")
+    # Each valid token appears at most once per row (an extra id is never doubled).
+    for row in got.cpu():
+        kept = row[row >= 0]
+        assert kept.unique().numel() == kept.numel()
+
+
+@device_params
+@dtype_params
+@case_params
+def test_candidate_logits(shape, dtype, device):
+    problem = make_problem(shape, dtype, device)
+    candidates = ref.gather_candidates(ref.select_clusters(problem.hidden, problem.centroids, problem.probes)[0],
+                                       problem.cluster_tokens, problem.extra_ids)
+    got = ops.candidate_logits(problem.hidden, problem.embedding, candidates)
+    assert got.dtype == torch.float32 and got.shape == candidates.shape and got.device == problem.device
+    expected = ref.candidate_logits(problem.hidden, problem.embedding, candidates)
+    assert torch.equal(torch.isinf(got).cpu(), (candidates < 0).cpu()), "-inf exactly at the masked slots"
+    assert_values_close(got, expected, problem.logit_tol(), "logits")
+
+
+@device_params
+@dtype_params
+@case_params
+def test_decode_greedy(shape, dtype, device):
+    problem = make_problem(shape, dtype, device)
+    tokens = ops.decode_greedy(*problem.args())
+    assert tokens.dtype == torch.int64 and tokens.shape == (shape.B,) and tokens.device == problem.device
+    check_decode_greedy(tokens, problem, exact_on(device))
+    out = torch.full((shape.B,), -7, dtype=torch.int64, device=device)
+    assert ops.decode_greedy(*problem.args(), out=out) is out
+    assert_same_ids(out, tokens, "decode_greedy_out vs decode_greedy")
+
+
+@device_params
+@dtype_params
+@tie_params
+def test_decode_greedy_ties(shape, dtype, device):
+    problem = make_problem(shape, dtype, device, integer=True)
+    check_decode_greedy(ops.decode_greedy(*problem.args()), problem, exact=True)
+
+
+@device_params
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@case_params
+def test_sample_clusters_matches_philox_reference(shape, dtype, device):
+    problem = make_problem(shape, dtype, device)
+    seed = 1000 + shape.C
+    ids, raw = ops.sample_clusters(problem.hidden, problem.centroids, problem.probes, TEMPERATURE, seed=seed)
+    trace = ref.sample_clusters(problem.hidden, problem.centroids, problem.probes, TEMPERATURE, seed)
+    key_tol = problem.score_tol() / TEMPERATURE + 1e-5
+    check_ranked_selection(ids, trace.cluster_keys, problem.probes, key_tol, exact_on(device))
+    assert_values_close(raw, trace.cluster_scores.gather(1, ids.long()), problem.score_tol(), "raw scores")
+
+
+@device_params
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@case_params
+def test_decode_sample_matches_philox_reference(shape, dtype, device):
+    problem = make_problem(shape, dtype, device)
+    seed = 77 + shape.B
+    tokens, logprobs = ops.decode_sample(*problem.args()[:5], TEMPERATURE, problem.extra_ids, seed=seed)
+    assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32 and tokens.shape == (shape.B,)
+    check_decode_sample(tokens, logprobs, problem, TEMPERATURE, seed, exact_on(device))
+
+
+@device_params
+@dtype_params
+def test_duplicate_rows_tie_to_smaller_id(dtype, device):
+    # Exact ties on purpose, with random float data: a centroid row copied to a larger cluster id, and
+    # an embedding row copied to a larger token id placed *earlier* in the candidate list. Identical
+    # rows give bit-identical scores on any device, so the smaller id must win on every device.
+    problem = make_problem(Shape(B=3, D=576, C=257, b=4, p=2), dtype, "cpu")
+    hidden, centroids, table, embedding = problem.hidden, problem.centroids.clone(), problem.cluster_tokens, problem.embedding.clone()
+    scores = ref.scores(hidden, centroids)
+    best = int(scores[0].argmax())
+    low, high = sorted([best, (best + 100) % 257])
+    # The duplicated pair becomes the best two clusters of every row (10x the other scores' scale).
+    direction = hidden.float().sum(0)
+    centroids[low] = centroids[high] = (direction / direction.norm() * 10).to(dtype)
+    ids, _ = ops.select_clusters(hidden.to(device), centroids.to(device), 2)
+    assert ids.cpu().tolist() == [[low, high]] * 3
+    # Tokens: one of cluster `low` (earlier in the candidate list) and one of `high` get the same
+    # row; below, swapping the two clusters' tokens puts the smaller id first, then last.
+    t_low, t_high = int(table[low, 1]), int(table[high, 2])
+    winner, loser = min(t_low, t_high), max(t_low, t_high)
+    embedding[t_low] = embedding[t_high] = (direction / direction.norm() * 10).to(dtype)
+    tokens = ops.decode_greedy(hidden.to(device), centroids.to(device), table.to(device), embedding.to(device), 2)
+    assert tokens.cpu().tolist() == [winner] * 3
+    candidates = ops.gather_candidates(ids, table.to(device))
+    logits = ops.candidate_logits(hidden.to(device), embedding.to(device), candidates)
+    pos = lambda t: int((candidates[0] == t).nonzero()[0, 0])
+    assert logits[0, pos(winner)] == logits[0, pos(loser)]  # bit-identical
+    swapped = table.clone()
+    swapped[[low, high]] = table[[high, low]]
+    tokens = ops.decode_greedy(hidden.to(device), centroids.to(device), swapped.to(device), embedding.to(device), 2)
+    assert tokens.cpu().tolist() == [winner] * 3
