@@ -36,11 +36,12 @@ FH_HOST_DEVICE uint32_t philox_first_word(uint64_t seed, uint32_t col, uint32_t 
   return c0;
 }
 
-// Standard Gumbel sample from a uniform in the open interval (0, 1) with 24-bit resolution;
-// the truncated tails (|g| beyond ~17) carry under 1e-7 of the mass.
+// Standard Gumbel sample from a uniform in the open interval (0, 1) with 23-bit resolution: with
+// 24 bits, 2^24 - 0.5 rounds up to 2^24 in float32, u becomes 1 and the noise +inf. The truncated
+// tails (g beyond about -2.8 or 16.6) carry under 1e-6 of the mass.
 FH_HOST_DEVICE float gumbel_noise(uint64_t seed, uint32_t stream, uint32_t row, uint32_t col) {
   const uint32_t bits = philox_first_word(seed, col, row, stream);
-  const float u = (static_cast<float>(bits >> 8) + 0.5f) * (1.0f / 16777216.0f);
+  const float u = (static_cast<float>(bits >> 9) + 0.5f) * (1.0f / 8388608.0f);
   return -logf(-logf(u));
 }
 
