@@ -7,8 +7,23 @@
 #include <c10/util/Exception.h>
 
 #include <string>
+#include <type_traits>
 
 namespace flashhead {
+
+// Numbers in messages are pre-formatted with std::to_string rather than streamed: on the lent
+// H200 image (torch 2.11, Python 3.12) streaming an integer inside a check message segfaulted
+// while streaming strings worked.
+template <typename N, typename = std::enable_if_t<std::is_arithmetic_v<N>>>
+std::string num_str(N value) {
+  return std::to_string(value);
+}
+
+inline std::string shape_str(at::IntArrayRef sizes) {
+  std::string text = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) text += (i ? ", " : "") + std::to_string(sizes[i]);
+  return text + "]";
+}
 
 // TORCH_CHECK_TYPE / TORCH_CHECK_VALUE surface in Python as TypeError / ValueError.
 #define FH_CHECK_TYPE(op, cond, ...) TORCH_CHECK_TYPE(cond, "flashhead.", op, ": ", __VA_ARGS__)
@@ -20,8 +35,8 @@ inline bool is_float_dtype(at::ScalarType t) {
 
 inline void check_rank(const char* op, const at::Tensor& t, const char* name, int64_t rank,
                        const char* layout) {
-  FH_CHECK_VALUE(op, t.dim() == rank, name, " must be a ", rank, "-D tensor ", layout, ", got shape ",
-                 t.sizes());
+  FH_CHECK_VALUE(op, t.dim() == rank, name, " must be a ", num_str(rank), "-D tensor ", layout, ", got shape ",
+                 shape_str(t.sizes()));
 }
 
 inline void check_same_device(const char* op, const at::Tensor& t, const char* name,
@@ -42,9 +57,9 @@ inline void check_hidden_and_rows(const char* op, const at::Tensor& hidden, cons
   check_same_device(op, rows, rows_name, hidden, "hidden");
   FH_CHECK_VALUE(op, hidden.size(1) > 0, "hidden_dim must be at least 1");
   FH_CHECK_VALUE(op, rows.size(1) == hidden.size(1), rows_name, " must have hidden_dim ",
-                 hidden.size(1), " columns like hidden, got shape ", rows.sizes());
+                 num_str(hidden.size(1)), " columns like hidden, got shape ", shape_str(rows.sizes()));
   FH_CHECK_VALUE(op, rows.size(0) > 0, rows_name, " must have at least one row");
-  FH_CHECK_VALUE(op, rows.size(0) < (int64_t{1} << 31), rows_name, " has ", rows.size(0),
+  FH_CHECK_VALUE(op, rows.size(0) < (int64_t{1} << 31), rows_name, " has ", num_str(rows.size(0)),
                  " rows; ids are int32, so at most 2^31 - 1");
 }
 
@@ -54,21 +69,21 @@ inline void check_int32(const char* op, const at::Tensor& t, const char* name) {
 }
 
 inline void check_probes(const char* op, int64_t probes, int64_t num_clusters) {
-  FH_CHECK_VALUE(op, probes >= 1 && probes <= num_clusters, "probes must be in 1..", num_clusters,
-                 " (the number of clusters), got ", probes);
+  FH_CHECK_VALUE(op, probes >= 1 && probes <= num_clusters, "probes must be in 1..", num_str(num_clusters),
+                 " (the number of clusters), got ", num_str(probes));
 }
 
 inline void check_temperature(const char* op, double temperature) {
   FH_CHECK_VALUE(op, std::isfinite(temperature) && temperature > 0.0,
                  "temperature must be a finite number > 0 (use the greedy op for temperature 0), got ",
-                 temperature);
+                 num_str(temperature));
 }
 
 // The seed lives on the device so a captured graph reads a fresh value at every replay.
 inline void check_seed(const char* op, const at::Tensor& seed, const at::Tensor& hidden) {
   FH_CHECK_TYPE(op, seed.scalar_type() == at::kLong, "seed must be an int64 tensor, got ",
                 seed.scalar_type());
-  FH_CHECK_VALUE(op, seed.numel() == 1, "seed must hold exactly one value, got shape ", seed.sizes());
+  FH_CHECK_VALUE(op, seed.numel() == 1, "seed must hold exactly one value, got shape ", shape_str(seed.sizes()));
   check_same_device(op, seed, "seed", hidden, "hidden");
 }
 
@@ -78,7 +93,7 @@ inline void check_cluster_table(const char* op, const at::Tensor& cluster_tokens
   check_int32(op, cluster_tokens, "cluster_tokens");
   check_same_device(op, cluster_tokens, "cluster_tokens", ref, ref_name);
   FH_CHECK_VALUE(op, cluster_tokens.size(0) > 0 && cluster_tokens.size(1) > 0,
-                 "cluster_tokens must be non-empty, got shape ", cluster_tokens.sizes());
+                 "cluster_tokens must be non-empty, got shape ", shape_str(cluster_tokens.sizes()));
 }
 
 inline void check_extra_ids(const char* op, const c10::optional<at::Tensor>& extra_ids, const at::Tensor& ref,
@@ -104,7 +119,7 @@ inline void check_candidates(const char* op, const at::Tensor& candidate_ids, co
   check_int32(op, candidate_ids, "candidate_ids");
   check_same_device(op, candidate_ids, "candidate_ids", hidden, "hidden");
   FH_CHECK_VALUE(op, candidate_ids.size(0) == hidden.size(0), "candidate_ids must have batch ",
-                 hidden.size(0), " like hidden, got shape ", candidate_ids.sizes());
+                 num_str(hidden.size(0)), " like hidden, got shape ", shape_str(candidate_ids.sizes()));
 }
 
 // Checks shared by the fused decode ops (greedy and sampling).
@@ -115,7 +130,7 @@ inline void check_decode(const char* op, const at::Tensor& hidden, const at::Ten
   check_hidden_and_rows(op, hidden, embedding, "embedding");
   check_cluster_table(op, cluster_tokens, hidden, "hidden");
   FH_CHECK_VALUE(op, cluster_tokens.size(0) == centroids.size(0), "cluster_tokens must have one row per centroid (",
-                 centroids.size(0), "), got shape ", cluster_tokens.sizes());
+                 num_str(centroids.size(0)), "), got shape ", shape_str(cluster_tokens.sizes()));
   check_probes(op, probes, centroids.size(0));
   check_extra_ids(op, extra_ids, hidden, "hidden");
 }
@@ -124,8 +139,8 @@ inline void check_token_out(const char* op, const at::Tensor& out, const at::Ten
   check_rank(op, out, "out", 1, "[batch]");
   FH_CHECK_TYPE(op, out.scalar_type() == at::kLong, "out must be int64, got ", out.scalar_type());
   check_same_device(op, out, "out", hidden, "hidden");
-  FH_CHECK_VALUE(op, out.size(0) == hidden.size(0), "out must have batch ", hidden.size(0),
-                 " like hidden, got shape ", out.sizes());
+  FH_CHECK_VALUE(op, out.size(0) == hidden.size(0), "out must have batch ", num_str(hidden.size(0)),
+                 " like hidden, got shape ", shape_str(out.sizes()));
 }
 
 }  // namespace flashhead
