@@ -1,0 +1,271 @@
+"""FlashHead clusterings on disk, in the layout of published FlashHead checkpoints.
+
+Layout of an assets directory ``<dir>``::
+
+    <dir>/flash_head_config.json                            config keys (below); written by us
+    <dir>/<flash_head_cache_dir>/clustering_cache.safetensors
+        centroids            float32 [D, C] (hidden x clusters; leading singleton dims accepted on load)
+        cluster_assignments  int64 [V], the cluster id of each vocabulary token
+
+Config keys: ``flash_head_cache_dir`` (default ``"flash_head_assets"``), ``n_clusters``,
+``n_probes`` (default C/16), ``flash_head_special_token_ids`` (tokens scored at every step),
+``enforce_equal_cluster_sizes`` (default true). A model directory that carries these keys in its
+``config.json`` instead, as published checkpoints do, loads the same way.
+
+The stored centroids are raw, unnormalised cluster centroids (ours: the mean of the members'
+unit rows, see :mod:`flashhead_ext.clustering`). Greedy decoding ranks clusters with their
+L2-normalised copies, sampling scores them raw; both are kept.
+
+With ``enforce_equal_cluster_sizes`` every cluster must hold the same number of tokens. Without
+it clusters may differ in size: the cluster table is as wide as the largest and shorter rows are
+padded with -1 (what :mod:`flashhead_ext.clustering` produces when V is not a multiple of b).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from .clustering import ALGORITHM_VERSION, Clustering, build_clusters, cluster_table
+from .head import FlashHead
+
+CONFIG_NAME = "flash_head_config.json"
+TENSORS_NAME = "clustering_cache.safetensors"
+DEFAULT_CACHE_DIR = "flash_head_assets"
+CONFIG_KEYS = ("flash_head_cache_dir", "n_clusters", "n_probes", "flash_head_special_token_ids", "enforce_equal_cluster_sizes")
+
+PathLike = Union[str, os.PathLike]
+
+
+def user_cache_dir() -> Path:
+    """Where flashhead_ext caches what it builds: $FLASHHEAD_CACHE_DIR, else $XDG_CACHE_HOME/flashhead_ext, else ~/.cache/flashhead_ext."""
+    if os.environ.get("FLASHHEAD_CACHE_DIR"):
+        return Path(os.environ["FLASHHEAD_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "flashhead_ext"
+
+
+def default_probes(n_clusters: int) -> int:
+    """C/16 (at least 1), the published default when ``n_probes`` is absent."""
+    return max(1, n_clusters // 16)
+
+
+@dataclass
+class FlashHeadAssets:
+    """A clustering with its FlashHead settings, as stored on disk.
+
+    Attributes:
+        raw_centroids: float32 ``[C, D]`` centroids as stored, unnormalised (sampling scores these).
+        cluster_assignments: int64 ``[V]`` cluster id of each token.
+        cluster_tokens: int32 ``[C, b]`` token ids per cluster, -1 padded.
+        n_probes: clusters kept per step.
+        special_token_ids: tokens scored at every step.
+        enforce_equal_cluster_sizes: whether every cluster holds the same number of tokens.
+        cache_dir: name of the sub-directory holding the tensors.
+    """
+
+    raw_centroids: Tensor
+    cluster_assignments: Tensor
+    cluster_tokens: Tensor
+    n_probes: int
+    special_token_ids: list = field(default_factory=list)
+    enforce_equal_cluster_sizes: bool = True
+    cache_dir: str = DEFAULT_CACHE_DIR
+
+    @property
+    def centroids(self) -> Tensor:
+        """Unit-norm centroids ``[C, D]``: what greedy decoding ranks clusters with."""
+        return torch.nn.functional.normalize(self.raw_centroids, dim=1)
+
+    @property
+    def num_clusters(self) -> int:
+        return self.raw_centroids.shape[0]
+
+    @classmethod
+    def from_clustering(cls, clustering: Clustering, n_probes: Optional[int] = None,
+                        special_token_ids: Sequence[int] = (), cache_dir: str = DEFAULT_CACHE_DIR) -> "FlashHeadAssets":
+        table = clustering.cluster_tokens
+        return cls(
+            raw_centroids=clustering.raw_centroids.float().cpu(),
+            cluster_assignments=clustering.cluster_assignments.long().cpu(),
+            cluster_tokens=table.cpu(),
+            n_probes=default_probes(table.shape[0]) if n_probes is None else n_probes,
+            special_token_ids=[int(t) for t in special_token_ids],
+            enforce_equal_cluster_sizes=bool((table >= 0).all()),
+            cache_dir=cache_dir,
+        )
+
+    def config(self) -> dict:
+        return {
+            "flash_head_cache_dir": self.cache_dir,
+            "n_clusters": self.num_clusters,
+            "n_probes": self.n_probes,
+            "flash_head_special_token_ids": list(self.special_token_ids),
+            "enforce_equal_cluster_sizes": self.enforce_equal_cluster_sizes,
+        }
+
+    def head(self, embedding: Tensor, probes: Optional[int] = None) -> FlashHead:
+        """A FlashHead over ``embedding`` (the model's output embedding, kept by reference)."""
+        _check_against_embedding(self.raw_centroids.shape[1], self.cluster_assignments.numel(), embedding)
+        return FlashHead(
+            embedding, self.centroids, self.cluster_tokens, self.n_probes if probes is None else probes,
+            special_token_ids=self.special_token_ids, sampling_centroids=self.raw_centroids,
+        )
+
+
+def _check_against_embedding(dim: int, vocab: int, embedding: Tensor) -> None:
+    if not isinstance(embedding, Tensor):
+        raise TypeError(f"embedding must be a torch.Tensor [vocab_size, hidden_dim], got {type(embedding).__name__}")
+    if embedding.dim() != 2:
+        raise ValueError(f"embedding must be 2-D [vocab_size, hidden_dim], got shape {tuple(embedding.shape)}")
+    if embedding.shape[1] != dim:
+        raise ValueError(f"assets have centroids of hidden size {dim} but the embedding has hidden size {embedding.shape[1]}")
+    if embedding.shape[0] != vocab:
+        raise ValueError(f"assets assign {vocab} tokens (cluster_assignments) but the embedding has vocab size {embedding.shape[0]}")
+
+
+def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering], **settings) -> Path:
+    """Writes ``assets`` (or a :class:`Clustering`, with ``settings`` as in
+    :meth:`FlashHeadAssets.from_clustering`) under ``directory``; returns the directory."""
+    if isinstance(assets, Clustering):
+        assets = FlashHeadAssets.from_clustering(assets, **settings)
+    elif settings:
+        raise TypeError(f"settings {sorted(settings)} apply only when saving a Clustering")
+    directory = Path(directory)
+    (directory / assets.cache_dir).mkdir(parents=True, exist_ok=True)
+    save_file(
+        {"centroids": assets.raw_centroids.T.contiguous(), "cluster_assignments": assets.cluster_assignments.contiguous()},
+        str(directory / assets.cache_dir / TENSORS_NAME),
+    )
+    (directory / CONFIG_NAME).write_text(json.dumps(assets.config(), indent=2) + "\n")
+    return directory
+
+
+def _read_config(directory: Path) -> dict:
+    """FlashHead keys from our config file, else from a model's config.json; empty if neither has them."""
+    for name in (CONFIG_NAME, "config.json"):
+        path = directory / name
+        if path.is_file():
+            found = {k: v for k, v in json.loads(path.read_text()).items() if k in CONFIG_KEYS}
+            if found or name == CONFIG_NAME:
+                return found
+    return {}
+
+
+def _squeeze_leading(name: str, tensor: Tensor, rank: int, expected: str) -> Tensor:
+    while tensor.dim() > rank and tensor.shape[0] == 1:
+        tensor = tensor[0]
+    if tensor.dim() != rank:
+        raise ValueError(f"{name} in {TENSORS_NAME} must have shape {expected}, got {tuple(tensor.shape)}")
+    return tensor
+
+
+def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> FlashHeadAssets:
+    """Reads an assets directory (ours or a published FlashHead checkpoint's) and checks it.
+
+    With ``embedding`` the vocabulary size and hidden size are checked against it too.
+    Raises FileNotFoundError for a missing tensors file, ValueError for malformed contents.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"FlashHead assets directory {directory} does not exist")
+    config = _read_config(directory)
+    cache_dir = config.get("flash_head_cache_dir", DEFAULT_CACHE_DIR)
+    path = directory / cache_dir / TENSORS_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"expected FlashHead clustering tensors at {path} (flash_head_cache_dir={cache_dir!r})")
+    tensors = load_file(str(path))
+    for name in ("centroids", "cluster_assignments"):
+        if name not in tensors:
+            raise ValueError(f"{path} has no tensor {name!r} (found {sorted(tensors)}); "
+                             "expected 'centroids' [hidden, clusters] and 'cluster_assignments' [vocab]")
+    centroids = _squeeze_leading("centroids", tensors["centroids"], 2, "[hidden, clusters]")
+    assignments = _squeeze_leading("cluster_assignments", tensors["cluster_assignments"], 1, "[vocab]")
+    if not centroids.is_floating_point():
+        raise ValueError(f"centroids in {path} must be floating point, got {centroids.dtype}")
+    if assignments.is_floating_point() or assignments.dtype == torch.bool:
+        raise ValueError(f"cluster_assignments in {path} must hold integer cluster ids, got {assignments.dtype}")
+    dim, count = centroids.shape
+    if embedding is not None:
+        _check_against_embedding(dim, assignments.numel(), embedding)
+    if "n_clusters" in config and config["n_clusters"] != count:
+        raise ValueError(f"config says n_clusters={config['n_clusters']} but centroids in {path} have {count} clusters "
+                         f"(shape {tuple(centroids.shape)}, expected [hidden, n_clusters])")
+    assignments = assignments.long()
+    bad = (assignments < 0) | (assignments >= count)
+    if bad.any():
+        token = int(bad.nonzero()[0])
+        raise ValueError(f"cluster_assignments[{token}] = {int(assignments[token])} is not a cluster id in [0, {count})")
+    counts = torch.bincount(assignments, minlength=count)
+    if (counts == 0).any():
+        raise ValueError(f"cluster {int((counts == 0).nonzero()[0])} has no tokens in cluster_assignments; every cluster needs one")
+    enforce = bool(config.get("enforce_equal_cluster_sizes", True))
+    if enforce and counts.min() != counts.max():
+        raise ValueError(f"enforce_equal_cluster_sizes is set but cluster sizes range from {int(counts.min())} "
+                         f"(cluster {int(counts.argmin())}) to {int(counts.max())} (cluster {int(counts.argmax())}); "
+                         "expected every cluster to hold the same number of tokens")
+    probes = config.get("n_probes", default_probes(count))
+    if isinstance(probes, bool) or not isinstance(probes, int) or not 1 <= probes <= count:
+        raise ValueError(f"n_probes must be an int in 1..{count} (n_clusters), got {probes!r}")
+    specials = config.get("flash_head_special_token_ids") or []
+    if not isinstance(specials, list) or not all(isinstance(t, int) and 0 <= t < assignments.numel() for t in specials):
+        raise ValueError(f"flash_head_special_token_ids must be a list of token ids in [0, {assignments.numel()}), got {specials!r}")
+    return FlashHeadAssets(
+        raw_centroids=centroids.T.float().contiguous(),
+        cluster_assignments=assignments,
+        cluster_tokens=cluster_table(assignments, count),
+        n_probes=probes,
+        special_token_ids=specials,
+        enforce_equal_cluster_sizes=enforce,
+        cache_dir=cache_dir,
+    )
+
+
+def embedding_digest(embedding: Tensor) -> str:
+    """sha256 of the embedding's float32 values and shape: names a clustering in the cache."""
+    data = embedding.detach().to("cpu", torch.float32).contiguous()
+    digest = hashlib.sha256(repr(tuple(data.shape)).encode())
+    digest.update(data.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def flash_head_for(
+    embedding: Tensor,
+    cluster_size: int = 16,
+    probes: Optional[int] = None,
+    *,
+    special_token_ids: Sequence[int] = (),
+    iters: int = 15,
+    seed: int = 0,
+    cache: bool = True,
+    progress: bool = True,
+) -> tuple[FlashHead, FlashHeadAssets]:
+    """A ready FlashHead for ``embedding``, clustering it unless a cached clustering exists.
+
+    The clustering is cached under :func:`user_cache_dir` in the published layout, keyed by the
+    embedding's values and the clustering settings; ``cache=False`` rebuilds and overwrites it.
+    Returns the head and its assets (``assets.head(embedding, probes)`` makes more heads cheaply).
+    """
+    key = f"{embedding_digest(embedding)[:16]}-b{cluster_size}-i{iters}-s{seed}-v{ALGORITHM_VERSION}"
+    directory = user_cache_dir() / "clusters" / key
+    if cache and (directory / CONFIG_NAME).is_file():
+        assets = load_assets(directory, embedding)
+    else:
+        clustering = build_clusters(embedding, cluster_size, iters=iters, seed=seed, progress=progress)
+        assets = FlashHeadAssets.from_clustering(clustering)
+        save_assets(directory, assets)
+    assets.special_token_ids = [int(t) for t in special_token_ids]
+    return assets.head(embedding, probes), assets
+
+
+__all__ = [
+    "FlashHeadAssets", "save_assets", "load_assets", "flash_head_for", "user_cache_dir", "default_probes",
+    "embedding_digest", "CONFIG_NAME", "TENSORS_NAME", "DEFAULT_CACHE_DIR",
+]

