@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
 from ..bench.timing import run_metadata
+from ..prompts import DEFAULT_PROMPTS, load_prompts
 from .draft import early_exit_draft, make_draft_head
 from .driver import SpeculativeDecoder
-from .runner import encode_prompt, load_prompts, plan_configs, run_interleaved, summarize, format_summary, write_json
+from .runner import encode_prompt, plan_configs, run_interleaved, summarize, format_summary, write_json
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench_question.jsonl"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EARLY_EXIT = "early-exit:"
 
@@ -53,7 +52,7 @@ def load_model(name: str, dtype: torch.dtype, device: str):
     """(model, tokenizer) for 'smollm2' or a local transformers path / cached name (nothing is downloaded)."""
     from .. import hf
 
-    model, tokenizer = hf.load_smollm2(dtype) if name == "smollm2" else hf._from_pretrained(name, dtype)
+    model, tokenizer = hf.load_smollm2(dtype) if name == "smollm2" else hf.from_pretrained(name, dtype)
     return model.to(device).eval(), tokenizer
 
 
@@ -72,7 +71,11 @@ def _load_draft(spec: str, target, target_tokenizer, dtype, device):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext spec", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    return run(parser.parse_args(argv), parser)
+
+
+def run(args, parser: argparse.ArgumentParser) -> int:
+    """Runs the parsed ``spec`` command (also reached through ``python -m flashhead_ext spec``)."""
     for name in ("k", "num_prompts", "max_new_tokens", "warmup_tokens", "threads"):
         lowest = 0 if name == "threads" else 1
         if getattr(args, name) < lowest:

@@ -7,7 +7,6 @@ drifts of the machine (clock, caches, other load) fall evenly on all of them.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -40,35 +39,6 @@ def plan_configs(heads, modes) -> list:
             raise ValueError(f"heads must be drawn from {HEADS}, got {head!r}")
     configs = [RunConfig("baseline", None)] if "baseline" in modes else []
     return configs + [RunConfig(mode, head) for head in heads for mode in modes if mode != "baseline"]
-
-
-def load_prompts(path, num_prompts: int) -> list:
-    """``num_prompts`` Spec-Bench questions (jsonl: ``question_id``, ``category``, ``turns``).
-
-    Odd question ids only (even ids are reserved for calibrating data-aware clusterings), taken
-    round-robin over the categories, largest first, in file order, so that a few prompts already
-    span the categories, whose acceptance rates differ widely. The first turn is the prompt.
-    """
-    by_category = defaultdict(list)
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not {"question_id", "category", "turns"} <= row.keys() or not row["turns"]:
-                raise ValueError(f"{path}:{line_no}: expected fields question_id, category and a non-empty turns list")
-            if row["question_id"] % 2 == 1:
-                by_category[row["category"]].append(row)
-    queues = sorted(by_category.values(), key=len, reverse=True)
-    chosen = []
-    while len(chosen) < num_prompts and any(queues):
-        for queue in queues:
-            if queue and len(chosen) < num_prompts:
-                row = queue.pop(0)
-                chosen.append(dict(question_id=row["question_id"], category=row["category"], text=row["turns"][0]))
-    if not chosen:
-        raise ValueError(f"{path} holds no prompts with an odd question_id")
-    return chosen
 
 
 def encode_prompt(tokenizer, text: str) -> torch.Tensor:
@@ -161,4 +131,4 @@ def write_json(path, meta: dict, rows: list, records: list) -> Path:
     return path
 
 
-__all__ = ["RunConfig", "plan_configs", "load_prompts", "encode_prompt", "run_interleaved", "summarize", "format_summary", "write_json"]
+__all__ = ["RunConfig", "plan_configs", "encode_prompt", "run_interleaved", "summarize", "format_summary", "write_json"]
