@@ -167,14 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
     spec = commands.add_parser("spec", help="speculative decoding on Spec-Bench prompts, dense vs FlashHead drafts",
                                description=spec_cli.__doc__.split("\n\n")[0])
     spec_cli.add_arguments(spec)
-    spec.set_defaults(run_spec=lambda args: spec_cli.run(args, spec))
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "spec":
-        return args.run_spec(args)
+        from .speculative import cli as spec_cli
+
+        return spec_cli.run(args, parser)
     result = args.run(args)
     print(args.report(result))
     args.json.parent.mkdir(parents=True, exist_ok=True)

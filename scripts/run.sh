@@ -25,7 +25,9 @@ python -c "import flashhead_ext as f; print('flashhead_ext built against torch',
 
 case "$task" in
   install) ;;
-  demo) python -m flashhead_ext compare-heads "$@" ;;
+  # The README demo: SmolLM2-135M-Instruct as target, its first 8 layers as an early-exit draft,
+  # dense vs FlashHead draft heads, a few Spec-Bench prompts; a few minutes on 2 CPU cores.
+  demo) python -m flashhead_ext spec --draft early-exit:8 --k 4 --num-prompts 3 --max-new-tokens 32 --threads 1 "$@" ;;
   test)
     bash scripts/build_cpp_bench.sh
     status=0

@@ -1,0 +1,203 @@
+// Shared harness of the cpp_bench binaries: device buffers with random contents, a synthetic head
+// (Qwen3-0.6B shapes by default), CUDA-graph replay timed with CUDA events (Google Benchmark's
+// manual time), an L2 flush before each timed replay, and bytes/s and % of a peak bandwidth as
+// counters. JSON comes from Google Benchmark's own flags (--benchmark_format=json,
+// --benchmark_out=FILE). Extra flags of ours, read before Google Benchmark's:
+//   --peak_gbps=N   peak memory bandwidth for the pct_of_peak counter (env FLASHHEAD_PEAK_GBPS)
+//   --warm_l2       skip the L2 flush (the head then partly lives in L2 across iterations)
+#pragma once
+
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "kernels/api.h"
+
+namespace fhbench {
+
+#define FHB_CHECK(call)                                                                                  \
+  do {                                                                                                   \
+    const cudaError_t err_ = (call);                                                                     \
+    if (err_ != cudaSuccess) {                                                                           \
+      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
+      std::exit(1);                                                                                      \
+    }                                                                                                    \
+  } while (0)
+
+struct Flags {
+  double peak_gbps = 0.0;
+  bool warm_l2 = false;
+};
+inline Flags& flags() {
+  static Flags f;
+  return f;
+}
+
+template <typename T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  explicit DeviceArray(size_t n) : n_(n) {
+    if (n) FHB_CHECK(cudaMalloc(&ptr_, n * sizeof(T)));
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  DeviceArray(DeviceArray&& o) noexcept : ptr_(o.ptr_), n_(o.n_) { o.ptr_ = nullptr; }
+  DeviceArray& operator=(DeviceArray&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(n_, o.n_);
+    return *this;
+  }
+  ~DeviceArray() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  T* get() const { return ptr_; }
+  size_t size() const { return n_; }
+  void upload(const std::vector<T>& host) {
+    FHB_CHECK(cudaMemcpy(ptr_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+
+ private:
+  T* ptr_ = nullptr;
+  size_t n_ = 0;
+};
+
+__host__ __device__ inline uint32_t mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return static_cast<uint32_t>(x);
+}
+
+// Uniform values in [-scale, scale): never zeros, which would hide unwritten outputs.
+template <typename T>
+__global__ void fill_uniform(T* out, size_t n, uint64_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    const float u = (mix(seed * 0x9e3779b97f4a7c15ull + i) >> 8) * (1.0f / 16777216.0f);
+    out[i] = static_cast<T>((2.0f * u - 1.0f) * scale);
+  }
+}
+
+template <typename T>
+DeviceArray<T> random_array(size_t n, uint64_t seed, float scale) {
+  DeviceArray<T> a(n);
+  if (n) {
+    fill_uniform<<<1024, 256>>>(a.get(), n, seed, scale);
+    FHB_CHECK(cudaGetLastError());
+  }
+  return a;
+}
+
+// Qwen3-0.6B head by default: V=151936, D=1024, C=9496, b=16.
+struct Dims {
+  int vocab = 151936, hidden_dim = 1024, num_clusters = 9496, cluster_size = 16;
+};
+
+// A synthetic head: random weights, and a cluster table that is a fixed permutation of the
+// vocabulary (clusters of scattered rows, like a real clustering).
+template <typename T>
+struct Head {
+  Dims dims;
+  DeviceArray<T> embedding, centroids;
+  DeviceArray<int32_t> cluster_tokens;
+
+  explicit Head(const Dims& d) : dims(d) {
+    embedding = random_array<T>(size_t(d.vocab) * d.hidden_dim, 1, 1.0f);
+    centroids = random_array<T>(size_t(d.num_clusters) * d.hidden_dim, 2, 0.05f);
+    const size_t slots = size_t(d.num_clusters) * d.cluster_size;
+    std::vector<int32_t> table(slots);
+    // i -> (i * a + c) mod V is a permutation when a is coprime with V.
+    uint64_t a = 2654435761ull % d.vocab;
+    while (std::gcd<uint64_t>(a, d.vocab) != 1) ++a;
+    for (size_t i = 0; i < slots; ++i) table[i] = i < size_t(d.vocab) ? int32_t((i * a + 12345) % d.vocab) : -1;
+    cluster_tokens = DeviceArray<int32_t>(slots);
+    cluster_tokens.upload(table);
+  }
+};
+
+// Times `launch` (a sequence of kernel launches on `stream`) captured once in a CUDA graph and
+// replayed each iteration between two events; `bytes` per iteration feed the counters.
+inline void run_timed(benchmark::State& state, double bytes, const std::function<void(cudaStream_t)>& launch) {
+  cudaStream_t stream;
+  FHB_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  launch(stream);  // warm-up, outside capture
+  FHB_CHECK(cudaStreamSynchronize(stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  FHB_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  launch(stream);
+  FHB_CHECK(cudaStreamEndCapture(stream, &graph));
+  FHB_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  int device = 0, l2 = 0;
+  FHB_CHECK(cudaGetDevice(&device));
+  FHB_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+  DeviceArray<char> flush(flags().warm_l2 ? 0 : size_t(l2) * 4);
+  cudaEvent_t start, stop;
+  FHB_CHECK(cudaEventCreate(&start));
+  FHB_CHECK(cudaEventCreate(&stop));
+  double seconds = 0.0;
+  for (auto _ : state) {
+    if (flush.size()) FHB_CHECK(cudaMemsetAsync(flush.get(), int(state.iterations() & 0x7f), flush.size(), stream));
+    FHB_CHECK(cudaEventRecord(start, stream));
+    FHB_CHECK(cudaGraphLaunch(exec, stream));
+    FHB_CHECK(cudaEventRecord(stop, stream));
+    FHB_CHECK(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    FHB_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    state.SetIterationTime(ms * 1e-3);
+    seconds += ms * 1e-3;
+  }
+  FHB_CHECK(cudaGetLastError());
+  state.counters["bytes_per_second"] = benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate);
+  if (flags().peak_gbps > 0 && seconds > 0)
+    state.counters["pct_of_peak"] = 100.0 * bytes * state.iterations() / seconds / (flags().peak_gbps * 1e9);
+  state.counters["floor_bytes"] = bytes;
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// Batch sizes x probes of the Qwen3-0.6B head that every binary reports.
+inline void head_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"B", "p"});
+  for (int batch : {1, 8, 64})
+    for (int probes : {32, 256, 593, 1024}) b->Args({batch, probes});
+  b->UseManualTime()->Unit(benchmark::kMicrosecond);
+}
+
+inline int main_with_flags(int argc, char** argv) {
+  if (const char* env = std::getenv("FLASHHEAD_PEAK_GBPS")) flags().peak_gbps = std::atof(env);
+  std::vector<char*> rest;
+  for (int i = 0; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--peak_gbps=", 12) == 0) {
+      flags().peak_gbps = std::atof(argv[i] + 12);
+    } else if (std::strcmp(argv[i], "--warm_l2") == 0) {
+      flags().warm_l2 = true;
+    } else {
+      rest.push_back(argv[i]);
+    }
+  }
+  int n = static_cast<int>(rest.size());
+  benchmark::Initialize(&n, rest.data());
+  if (benchmark::ReportUnrecognizedArguments(n, rest.data())) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
+
+}  // namespace fhbench
+
+#define FHBENCH_MAIN() \
+  int main(int argc, char** argv) { return fhbench::main_with_flags(argc, argv); }

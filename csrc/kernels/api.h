@@ -1,0 +1,108 @@
+// Host-visible API of the torch-free FlashHead kernels: shapes, workspace sizes, launchers.
+//
+// Included by host C++ (csrc/ops/ wrappers, cpp_bench/) as well as by the .cu files. Launchers
+// take raw pointers, sizes and a cudaStream_t and return the launch's cudaError_t; they never
+// synchronise or allocate, so they are safe inside CUDA-graph capture. Scratch memory comes from
+// the caller as one `workspace` of the size the matching *_workspace_bytes() returns, which
+// depends on shapes only. Every launcher is instantiated for T = float, __half, __nv_bfloat16.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace flashhead {
+
+// Sizes of one head call. Ids are int32, so every count here is below 2^31.
+struct HeadShape {
+  int batch = 0;         // B rows of hidden
+  int hidden_dim = 0;    // D
+  int num_clusters = 0;  // C
+  int cluster_size = 0;  // b tokens per cluster (rows of cluster_tokens)
+  int vocab = 0;         // V rows of the embedding
+  int probes = 0;        // p clusters kept per row
+  int num_extra = 0;     // E always-on extra token ids
+  int num_candidates() const { return probes * cluster_size + num_extra; }
+};
+
+// The device tensors of a head (all contiguous, row-major).
+template <typename T>
+struct HeadTensors {
+  const T* hidden = nullptr;                  // [B, D]
+  const T* centroids = nullptr;               // [C, D]
+  const int32_t* cluster_tokens = nullptr;    // [C, b]
+  const T* embedding = nullptr;               // [V, D]
+  const int32_t* extra_ids = nullptr;         // [E], may be null when E == 0
+};
+
+// Temperature sampling. The seed is read on the device so a captured graph can be replayed with
+// fresh seeds written into the same tensor.
+struct Sampling {
+  float temperature = 1.0f;
+  const int64_t* seed = nullptr;  // one int64 on the device
+};
+
+// Programmatic dependent launch lets a kernel of a multi-kernel op start while its predecessor
+// drains; it is used only where the device supports it (compute capability 9.0+).
+struct LaunchOptions {
+  bool dependent_launch = true;
+};
+
+// ---- Stages ---------------------------------------------------------------------------------
+
+// scores[B, C] = hidden . centroids^T in fp32; with `sampling`, also Gumbel keys
+// keys[B, C] = scores / T + gumbel(seed, kClusterStream, row, cluster).
+template <typename T>
+cudaError_t launch_centroid_scores(const T* hidden, const T* centroids, int batch, int num_clusters, int hidden_dim,
+                                   float* scores, const Sampling* sampling, float* keys, cudaStream_t stream);
+
+// The `probes` best clusters per row by `keys` [B, C] (ties to the smaller cluster id, NaN as -inf).
+// ordered: outputs in rank order (best first). Writes any of the non-null outputs:
+// cluster_ids / selected_scores [B, p] (the latter read from `scores` [B, C]); candidates
+// [B, p*b + E] gathered from `tensors.cluster_tokens` / `tensors.extra_ids` as gather_candidates does.
+// row_counters [B] are zeroed for a kernel that follows (the fused decode's candidate kernel).
+struct SelectOutputs {
+  int32_t* cluster_ids = nullptr;
+  float* selected_scores = nullptr;
+  const float* scores = nullptr;  // needed with selected_scores
+  int32_t* candidates = nullptr;
+  uint32_t* row_counters = nullptr;
+};
+size_t select_workspace_bytes(const HeadShape& shape, bool ordered);
+cudaError_t launch_select(const float* keys, const HeadShape& shape, bool ordered, const int32_t* cluster_tokens,
+                          const int32_t* extra_ids, const SelectOutputs& out, void* workspace, cudaStream_t stream,
+                          const LaunchOptions& options = {});
+
+// candidates[B, probes*b + E]: the tokens of the given clusters, a row of -1 for an out-of-range
+// cluster id, then the extra ids, each masked to -1 if already present or repeated.
+cudaError_t launch_gather_candidates(const int32_t* cluster_ids, int batch, int probes, const int32_t* cluster_tokens,
+                                     int num_clusters, int cluster_size, const int32_t* extra_ids, int num_extra,
+                                     int32_t* candidates, cudaStream_t stream);
+
+// logits[B, N] = embedding[candidates] . hidden in fp32; -inf where the id is outside [0, V).
+template <typename T>
+cudaError_t launch_candidate_logits(const T* hidden, const T* embedding, int batch, int vocab, int hidden_dim,
+                                    const int32_t* candidates, int num_candidates, float* logits, cudaStream_t stream);
+
+// ---- Whole ops ------------------------------------------------------------------------------
+
+// select_clusters / sample_clusters: cluster_ids and scores [B, p] in rank order.
+size_t cluster_select_workspace_bytes(const HeadShape& shape, bool sampling);
+template <typename T>
+cudaError_t launch_cluster_select(const T* hidden, const T* centroids, const HeadShape& shape,
+                                  const Sampling* sampling, int32_t* cluster_ids, float* scores, void* workspace,
+                                  cudaStream_t stream, const LaunchOptions& options = {});
+
+// decode_greedy: token id per row into tokens[row * token_stride] (-1 when every candidate is masked).
+// decode_sample (sampling non-null): a Gumbel-max draw from softmax(logits / T) over the
+// candidates of p clusters drawn without replacement, plus its log-probability token_logprobs[B].
+size_t decode_workspace_bytes(const HeadShape& shape, bool sampling);
+template <typename T>
+cudaError_t launch_decode(const HeadTensors<T>& tensors, const HeadShape& shape, const Sampling* sampling,
+                          int64_t* tokens, int64_t token_stride, float* token_logprobs, void* workspace,
+                          cudaStream_t stream, const LaunchOptions& options = {});
+
+}  // namespace flashhead

@@ -1,0 +1,87 @@
+// Stage 3: candidate logits, logits[row, j] = embedding[candidates[row, j]] . hidden[row] in fp32.
+//
+// A gather-GEMV: each warp takes kCandRowsPerWarp candidate slots of one row at a time and
+// streams their embedding rows (1-8 KB each, read in place) with 16-byte loads; the blocks of a
+// row split its N slots, the grid's y dimension walks the rows. The grid is sized to what stays
+// resident (kCandBlocksPerSm per SM), each warp looping over slot groups. A slot whose id is outside [0, V) is masked:
+// its row is never read and its logit is -inf.
+#pragma once
+
+#include <algorithm>
+
+#include "kernels/common.cuh"
+
+namespace flashhead {
+namespace detail {
+
+constexpr int kCandThreads = 256;
+constexpr int kCandRowsPerWarp = 2;
+constexpr int kCandUnroll = 4;
+constexpr int kCandSlotsPerBlock = kCandThreads / kWarpSize * kCandRowsPerWarp;
+constexpr int kCandBlocksPerSm = 2;
+// gridDim.y limit; larger batches are launched in slices.
+constexpr int kMaxGridRows = 65535;
+
+// Blocks per row: enough slot groups for every block, and no more blocks than stay resident.
+inline int candidate_blocks_per_row(int num_candidates, int rows, int sms) {
+  const int wanted = ceil_div(num_candidates, kCandSlotsPerBlock);
+  return std::max(1, std::min(wanted, sms * kCandBlocksPerSm / rows));
+}
+
+template <typename T>
+struct CandidateRows {
+  const T* hidden;     // [B, D]
+  const T* embedding;  // [V, D]
+  int vocab, hidden_dim;
+  bool vec;
+  const int32_t* candidates;  // [B, N]
+  int num_candidates;
+};
+
+// Logits of kCandRowsPerWarp consecutive slots, in every lane of the warp.
+struct WarpSlots {
+  int32_t token[kCandRowsPerWarp];
+  bool valid[kCandRowsPerWarp];
+  float logit[kCandRowsPerWarp];
+};
+
+// Calls f(slots, first_slot) for each group of kCandRowsPerWarp slots of `row` this warp owns:
+// a grid-stride loop over the row's slots, so a grid sized to the GPU pays each block's fixed
+// costs once. The next group's ids are loaded before the current group's rows are read, so the
+// two latencies overlap.
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_slot_group(const CandidateRows<T>& a, int64_t row, F f) {
+  const int stride = gridDim.x * kCandSlotsPerBlock;
+  const int32_t* ids = a.candidates + row * a.num_candidates;
+  auto fetch = [&](int first, int32_t (&token)[kCandRowsPerWarp]) {
+#pragma unroll
+    for (int r = 0; r < kCandRowsPerWarp; ++r) token[r] = first + r < a.num_candidates ? ids[first + r] : -1;
+  };
+  const T* hid[1] = {a.hidden + row * a.hidden_dim};
+  int first = blockIdx.x * kCandSlotsPerBlock + threadIdx.x / kWarpSize * kCandRowsPerWarp;
+  int32_t token[kCandRowsPerWarp];
+  fetch(first, token);
+  for (; first < a.num_candidates; first += stride) {  // uniform within the warp
+    int32_t next[kCandRowsPerWarp];
+    fetch(first + stride, next);
+    WarpSlots s;
+    const T* rows[kCandRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kCandRowsPerWarp; ++r) {
+      s.token[r] = token[r];
+      s.valid[r] = token[r] >= 0 && token[r] < a.vocab;
+      rows[r] = s.valid[r] ? a.embedding + int64_t{token[r]} * a.hidden_dim : nullptr;
+    }
+    float acc[kCandRowsPerWarp][1];
+    warp_dot<T, kCandRowsPerWarp, 1, kCandUnroll>(rows, hid, a.hidden_dim, a.vec, acc);
+#pragma unroll
+    for (int r = 0; r < kCandRowsPerWarp; ++r) {
+      s.logit[r] = s.valid[r] ? acc[r][0] : -INFINITY;
+      token[r] = next[r];
+    }
+    f(s, first);
+  }
+}
+
+}  // namespace detail
+}  // namespace flashhead

@@ -1,0 +1,46 @@
+#include <algorithm>
+
+#include "kernels/centroid_scores.cuh"
+
+namespace flashhead {
+
+namespace {
+
+template <typename T, int RB>
+cudaError_t launch_scores(const detail::ScoreArgs<T>& args, int sms, cudaStream_t stream) {
+  using namespace detail;
+  const int64_t items = int64_t{ceil_div(args.num_clusters, kScoreRowsPerWarp)} * ceil_div(args.batch, RB);
+  if (items > INT32_MAX) return cudaErrorInvalidValue;
+  const int64_t wanted = ceil_div<int64_t>(items, kScoreThreads / kWarpSize);
+  const int blocks = static_cast<int>(std::min<int64_t>(wanted, int64_t{sms} * kScoreBlocksPerSm<RB>));
+  return launch_kernel(centroid_scores_kernel<T, RB>, dim3(blocks), dim3(kScoreThreads), 0, stream, false, args);
+}
+
+}  // namespace
+
+// Batch tiles: one row is the memory-bound case worth its own instantiation; larger batches
+// share each centroid load among 8 rows.
+template <typename T>
+cudaError_t launch_centroid_scores(const T* hidden, const T* centroids, int batch, int num_clusters, int hidden_dim,
+                                   float* scores, const Sampling* sampling, float* keys, cudaStream_t stream) {
+  using namespace detail;
+  if (batch == 0) return cudaSuccess;
+  ScoreArgs<T> args{hidden, centroids, batch, num_clusters, hidden_dim,
+                    rows_vectorizable<T>(hidden, hidden_dim) && rows_vectorizable<T>(centroids, hidden_dim),
+                    scores, sampling ? keys : nullptr, sampling ? sampling->temperature : 1.0f,
+                    sampling ? sampling->seed : nullptr};
+  int sms = 0;
+  const cudaError_t err = multiprocessor_count(&sms);
+  if (err != cudaSuccess) return err;
+  return batch == 1 ? launch_scores<T, 1>(args, sms, stream) : launch_scores<T, 8>(args, sms, stream);
+}
+
+#define FLASHHEAD_INSTANTIATE(T)                                                                              \
+  template cudaError_t launch_centroid_scores<T>(const T*, const T*, int, int, int, float*, const Sampling*, \
+                                                 float*, cudaStream_t);
+FLASHHEAD_INSTANTIATE(float)
+FLASHHEAD_INSTANTIATE(__half)
+FLASHHEAD_INSTANTIATE(__nv_bfloat16)
+#undef FLASHHEAD_INSTANTIATE
+
+}  // namespace flashhead

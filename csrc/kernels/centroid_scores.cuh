@@ -1,0 +1,78 @@
+// Stage 1: centroid scores, a skinny GEMM scores[B, C] = hidden[B, D] . centroids[C, D]^T.
+//
+// Memory-bound at small B: the centroid matrix is read once, 16 bytes per lane, each warp
+// streaming kRowsPerWarp rows with several loads in flight. Hidden rows are re-read per chunk
+// from L1 (they are a few KB). B is processed in tiles of RB rows; the tile index varies fastest
+// across warps so the tiles of one centroid group run side by side and share its loads in cache.
+#pragma once
+
+#include "kernels/common.cuh"
+
+namespace flashhead {
+namespace detail {
+
+constexpr int kScoreThreads = 256;
+constexpr int kScoreRowsPerWarp = 4;
+
+template <typename T>
+struct ScoreArgs {
+  const T* hidden;
+  const T* centroids;
+  int batch, num_clusters, hidden_dim;
+  bool vec;
+  float* scores;  // [B, C]
+  float* keys;    // [B, C] Gumbel keys, only when sampling
+  float temperature;
+  const int64_t* seed;
+};
+
+// Blocks per SM that stay resident (a register cap); the launcher sizes the grid to that, so the
+// whole matrix streams in one wave with no tail of late blocks.
+template <int RB>
+constexpr int kScoreBlocksPerSm = RB == 1 ? 3 : 2;
+// Loads in flight per lane: kScoreRowsPerWarp * unroll centroid chunks plus RB * unroll hidden chunks.
+template <int RB>
+constexpr int kScoreUnroll = RB == 1 ? 2 : 1;
+
+template <typename T, int RB>
+__global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid_scores_kernel(ScoreArgs<T> a) {
+  // Let the selection kernel get resident while this one streams the centroids.
+  let_next_kernel_start();
+  constexpr int kWarps = kScoreThreads / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int tiles = ceil_div(a.batch, RB);
+  // Fits in int: the launcher refuses shapes whose B x C scores would not.
+  const int items = ceil_div(a.num_clusters, kScoreRowsPerWarp) * tiles;
+  const uint64_t seed = a.keys ? static_cast<uint64_t>(*a.seed) : 0;
+  for (int item = blockIdx.x * kWarps + threadIdx.x / kWarpSize; item < items; item += gridDim.x * kWarps) {
+    const int c0 = item / tiles * kScoreRowsPerWarp;
+    const int b0 = item % tiles * RB;
+    const T* rows[kScoreRowsPerWarp];
+    const T* hid[RB];
+#pragma unroll
+    for (int r = 0; r < kScoreRowsPerWarp; ++r)
+      rows[r] = c0 + r < a.num_clusters ? a.centroids + int64_t{c0 + r} * a.hidden_dim : nullptr;
+#pragma unroll
+    for (int b = 0; b < RB; ++b) hid[b] = b0 + b < a.batch ? a.hidden + int64_t{b0 + b} * a.hidden_dim : nullptr;
+    float acc[kScoreRowsPerWarp][RB];
+    warp_dot<T, kScoreRowsPerWarp, RB, kScoreUnroll<RB>>(rows, hid, a.hidden_dim, a.vec, acc);
+    // Lane r * RB + b writes score (c0 + r, b0 + b), so the Gumbel noise is drawn once per score.
+    float flat[kScoreRowsPerWarp * RB];
+#pragma unroll
+    for (int r = 0; r < kScoreRowsPerWarp; ++r)
+#pragma unroll
+      for (int b = 0; b < RB; ++b) flat[r * RB + b] = acc[r][b];
+    const int c = c0 + lane / RB, b = b0 + lane % RB;
+    if (lane < kScoreRowsPerWarp * RB && c < a.num_clusters && b < a.batch) {
+      const float score = pick(flat, lane);
+      const int64_t at = int64_t{b} * a.num_clusters + c;
+      a.scores[at] = score;
+      if (a.keys)
+        a.keys[at] = score / a.temperature +
+                     gumbel_noise(seed, kClusterStream, static_cast<uint32_t>(b), static_cast<uint32_t>(c));
+    }
+  }
+}
+
+}  // namespace detail
+}  // namespace flashhead

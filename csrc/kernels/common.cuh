@@ -1,0 +1,206 @@
+// Device helpers shared by the FlashHead kernels: loads and fp32 conversion of the storage
+// dtypes, the warp-level dot product every stage is built on, order-preserving keys for
+// ranking, dependent-launch hooks, and the host-side launch helper.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "kernels/api.h"
+#include "kernels/philox.cuh"
+
+namespace flashhead {
+namespace detail {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+template <typename T>
+__host__ __device__ constexpr T ceil_div(T a, T b) {
+  return (a + b - 1) / b;
+}
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// W consecutive elements, loaded with one instruction: 16 bytes when the rows allow it (the
+// fast path), one element otherwise.
+template <typename T, int W>
+struct alignas(sizeof(T) * W) Chunk {
+  T v[W];
+};
+
+template <typename T, int W>
+__device__ __forceinline__ Chunk<T, W> load_chunk(const T* p) {
+  Chunk<T, W> c;
+  if constexpr (sizeof(Chunk<T, W>) == 16) {
+    const int4 raw = __ldg(reinterpret_cast<const int4*>(p));
+    memcpy(&c, &raw, sizeof(raw));
+  } else {
+    static_assert(W == 1, "chunks are 16 bytes or one element");
+    c.v[0] = __ldg(p);
+  }
+  return c;
+}
+
+template <typename T>
+constexpr int kVecWidth = 16 / sizeof(T);
+
+// Rows of D elements can use 16-byte loads when every row starts 16-byte aligned.
+template <typename T>
+inline bool rows_vectorizable(const void* base, int hidden_dim) {
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (static_cast<size_t>(hidden_dim) * sizeof(T)) % 16 == 0;
+}
+
+// arr[i] for a run-time i through selects: indexing a register array at run time would move it
+// to local memory.
+template <typename V, int N>
+__device__ __forceinline__ V pick(const V (&arr)[N], int i) {
+  V v = arr[0];
+#pragma unroll
+  for (int k = 1; k < N; ++k) v = i == k ? arr[k] : v;
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) x += __shfl_xor_sync(kFullMask, x, offset);
+  return x;
+}
+
+// Dot products of ROWS rows with RB hidden rows over D elements, fp32 accumulation. A null row
+// pointer is a masked row: it is never read and its sums are 0. The loop keeps ROWS * U loads of
+// each lane in flight before the first use. Every lane returns the full sums.
+template <typename T, int W, int ROWS, int RB, int U>
+__device__ __forceinline__ void warp_dot_chunks(const T* const (&rows)[ROWS], const T* const (&hid)[RB], int dim,
+                                                float (&acc)[ROWS][RB]) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int num_chunks = dim / W;
+  for (int base = 0; base < num_chunks; base += kWarpSize * U) {
+    Chunk<T, W> c[ROWS][U];
+    Chunk<T, W> h[RB][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int idx = base + u * kWarpSize + lane;
+      const bool in_range = idx < num_chunks;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) c[r][u] = (in_range && rows[r]) ? load_chunk<T, W>(rows[r] + int64_t{idx} * W) : Chunk<T, W>{};
+#pragma unroll
+      for (int b = 0; b < RB; ++b) h[b][u] = (in_range && hid[b]) ? load_chunk<T, W>(hid[b] + int64_t{idx} * W) : Chunk<T, W>{};
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int e = 0; e < W; ++e) {
+        float hf[RB];
+#pragma unroll
+        for (int b = 0; b < RB; ++b) hf[b] = to_float(h[b][u].v[e]);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          const float cf = to_float(c[r][u].v[e]);
+#pragma unroll
+          for (int b = 0; b < RB; ++b) acc[r][b] = fmaf(cf, hf[b], acc[r][b]);
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int ROWS, int RB, int U>
+__device__ __forceinline__ void warp_dot(const T* const (&rows)[ROWS], const T* const (&hid)[RB], int dim, bool vec,
+                                         float (&acc)[ROWS][RB]) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int b = 0; b < RB; ++b) acc[r][b] = 0.0f;
+  // Scalar loads when rows are not 16-byte aligned (odd D, offset views): correct, slower.
+  if (vec) {
+    warp_dot_chunks<T, kVecWidth<T>, ROWS, RB, U>(rows, hid, dim, acc);
+  } else {
+    warp_dot_chunks<T, 1, ROWS, RB, U * 2>(rows, hid, dim, acc);
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int b = 0; b < RB; ++b) acc[r][b] = warp_sum(acc[r][b]);
+}
+
+// Ranking keys: a larger uint32 is a better score. NaN ranks like -inf (the reference maps NaN
+// to -inf before ranking) and -0 like +0 (they compare equal, so the id decides).
+__device__ __forceinline__ uint32_t order_key(float x) {
+  if (isnan(x)) x = -INFINITY;
+  if (x == 0.0f) x = 0.0f;
+  const uint32_t bits = __float_as_uint(x);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// (key, id) in one uint64 ordered by key, then by the smaller id: a max over packed values is
+// the ranking with its tie-break. Every packed entry is > 0 (order_key(-inf) > 0), so 0 is "none".
+__device__ __forceinline__ uint64_t pack_ranked(uint32_t key, int32_t id) {
+  return (static_cast<uint64_t>(key) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(id));
+}
+__device__ __forceinline__ int32_t packed_id(uint64_t packed) {
+  return static_cast<int32_t>(~static_cast<uint32_t>(packed));
+}
+constexpr uint64_t kNoneRanked = 0;
+
+// Programmatic dependent launch (sm_90+): a dependent kernel may start early and must wait for
+// its predecessor's results before touching memory the predecessor writes or reads.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_next_kernel_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+bool dependent_launch_supported();
+cudaError_t multiprocessor_count(int* count);
+
+// Launch with an optional programmatic-dependency on the previous kernel in the stream.
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          bool dependent, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  if (dependent && dependent_launch_supported()) {
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// Carves one caller-provided workspace into aligned arrays; with a null base it only measures.
+class WorkspaceCarver {
+ public:
+  explicit WorkspaceCarver(void* base) : base_(static_cast<char*>(base)) {}
+  template <typename U>
+  U* take(size_t count) {
+    const size_t offset = used_;
+    used_ += (count * sizeof(U) + kAlign - 1) / kAlign * kAlign;
+    return base_ ? reinterpret_cast<U*>(base_ + offset) : nullptr;
+  }
+  size_t bytes() const { return used_; }
+
+ private:
+  static constexpr size_t kAlign = 256;
+  char* base_;
+  size_t used_ = 0;
+};
+
+}  // namespace detail
+}  // namespace flashhead

@@ -1,0 +1,147 @@
+// The whole-op launchers: select_clusters / sample_clusters (scores, then an ordered selection)
+// and the fused decode (scores, selection + gather, candidate reduction), three kernels chained
+// with programmatic dependent launch where the device has it.
+#include <algorithm>
+
+#include "kernels/decode.cuh"
+
+namespace flashhead {
+namespace detail {
+namespace {
+
+struct DecodeWorkspace {
+  float* scores;
+  float* keys;
+  int32_t* candidates;
+  uint32_t* counters;
+  RowPartial* partials;
+  void* select;
+};
+
+// Upper bound of the candidate kernel's blocks per row (the grid is smaller on small GPUs or
+// large batches): sizes the partials from shapes alone.
+int max_candidate_blocks(const HeadShape& shape) { return ceil_div(shape.num_candidates(), kCandSlotsPerBlock); }
+
+// Scores and (sampling) keys [B, C], then what the selection kernel needs.
+template <typename Carve>
+void carve_scores(WorkspaceCarver& carver, const HeadShape& shape, bool sampling, bool ordered, Carve& ws) {
+  const size_t scores = size_t(shape.batch) * shape.num_clusters;
+  ws.scores = carver.take<float>(scores);
+  ws.keys = sampling ? carver.take<float>(scores) : nullptr;
+  ws.select = carver.take<char>(select_workspace_bytes(shape, ordered));
+}
+
+DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bool sampling) {
+  DecodeWorkspace ws{};
+  carve_scores(carver, shape, sampling, /*ordered=*/sampling, ws);
+  ws.candidates = carver.take<int32_t>(size_t(shape.batch) * shape.num_candidates());
+  ws.counters = carver.take<uint32_t>(shape.batch);
+  ws.partials = carver.take<RowPartial>(size_t(shape.batch) * max_candidate_blocks(shape));
+  return ws;
+}
+
+struct SelectWorkspace {
+  float* scores;
+  float* keys;
+  void* select;
+};
+
+template <typename T, bool kSample>
+cudaError_t launch_decode_candidates(const HeadTensors<T>& t, const HeadShape& shape, const Sampling* sampling,
+                                     const DecodeWorkspace& ws, int64_t* tokens, int64_t token_stride,
+                                     float* token_logprobs, cudaStream_t stream, bool dependent) {
+  const int n = shape.num_candidates(), d = shape.hidden_dim, max_blocks = max_candidate_blocks(shape);
+  const bool vec = rows_vectorizable<T>(t.hidden, d) && rows_vectorizable<T>(t.embedding, d);
+  int sms = 0;
+  const cudaError_t attr = multiprocessor_count(&sms);
+  if (attr != cudaSuccess) return attr;
+  for (int r0 = 0; r0 < shape.batch; r0 += kMaxGridRows) {
+    const int rows = std::min(kMaxGridRows, shape.batch - r0);
+    const int blocks = candidate_blocks_per_row(n, rows, sms);
+    DecodeArgs<T> args{};
+    args.rows = {t.hidden + int64_t{r0} * d, t.embedding, shape.vocab, d, vec, ws.candidates + int64_t{r0} * n, n};
+    args.row_offset = r0;
+    args.temperature = kSample ? sampling->temperature : 1.0f;
+    args.seed = kSample ? sampling->seed : nullptr;
+    args.partials = ws.partials + int64_t{r0} * max_blocks;
+    args.counters = ws.counters + r0;
+    args.tokens = tokens + r0 * token_stride;
+    args.token_stride = token_stride;
+    args.token_logprobs = kSample ? token_logprobs + r0 : nullptr;
+    const cudaError_t err = launch_kernel(decode_candidates_kernel<T, kSample>, dim3(blocks, rows), dim3(kCandThreads),
+                                          0, stream, dependent, args);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+}  // namespace detail
+
+size_t cluster_select_workspace_bytes(const HeadShape& shape, bool sampling) {
+  detail::WorkspaceCarver carver(nullptr);
+  detail::SelectWorkspace ws{};
+  detail::carve_scores(carver, shape, sampling, /*ordered=*/true, ws);
+  return carver.bytes();
+}
+
+template <typename T>
+cudaError_t launch_cluster_select(const T* hidden, const T* centroids, const HeadShape& shape,
+                                  const Sampling* sampling, int32_t* cluster_ids, float* scores, void* workspace,
+                                  cudaStream_t stream, const LaunchOptions& options) {
+  if (shape.batch == 0) return cudaSuccess;
+  detail::WorkspaceCarver carver(workspace);
+  detail::SelectWorkspace ws{};
+  detail::carve_scores(carver, shape, sampling != nullptr, /*ordered=*/true, ws);
+  cudaError_t err = launch_centroid_scores(hidden, centroids, shape.batch, shape.num_clusters, shape.hidden_dim,
+                                           ws.scores, sampling, ws.keys, stream);
+  if (err != cudaSuccess) return err;
+  SelectOutputs out;
+  out.cluster_ids = cluster_ids;
+  out.selected_scores = scores;
+  out.scores = ws.scores;
+  return launch_select(sampling ? ws.keys : ws.scores, shape, /*ordered=*/true, nullptr, nullptr, out, ws.select,
+                       stream, options);
+}
+
+size_t decode_workspace_bytes(const HeadShape& shape, bool sampling) {
+  detail::WorkspaceCarver carver(nullptr);
+  detail::carve_decode(carver, shape, sampling);
+  return carver.bytes();
+}
+
+template <typename T>
+cudaError_t launch_decode(const HeadTensors<T>& tensors, const HeadShape& shape, const Sampling* sampling,
+                          int64_t* tokens, int64_t token_stride, float* token_logprobs, void* workspace,
+                          cudaStream_t stream, const LaunchOptions& options) {
+  if (shape.batch == 0) return cudaSuccess;
+  detail::WorkspaceCarver carver(workspace);
+  const detail::DecodeWorkspace ws = detail::carve_decode(carver, shape, sampling != nullptr);
+  cudaError_t err = launch_centroid_scores(tensors.hidden, tensors.centroids, shape.batch, shape.num_clusters,
+                                           shape.hidden_dim, ws.scores, sampling, ws.keys, stream);
+  if (err != cudaSuccess) return err;
+  // Sampling numbers candidates by the rank of their cluster (the Gumbel noise is indexed by
+  // position), so it needs the clusters in draw order; the greedy argmax does not.
+  SelectOutputs out;
+  out.candidates = ws.candidates;
+  out.row_counters = ws.counters;
+  err = launch_select(sampling ? ws.keys : ws.scores, shape, /*ordered=*/sampling != nullptr, tensors.cluster_tokens,
+                      tensors.extra_ids, out, ws.select, stream, options);
+  if (err != cudaSuccess) return err;
+  return sampling ? detail::launch_decode_candidates<T, true>(tensors, shape, sampling, ws, tokens, token_stride,
+                                                              token_logprobs, stream, options.dependent_launch)
+                  : detail::launch_decode_candidates<T, false>(tensors, shape, sampling, ws, tokens, token_stride,
+                                                               token_logprobs, stream, options.dependent_launch);
+}
+
+#define FLASHHEAD_INSTANTIATE(T)                                                                                    \
+  template cudaError_t launch_cluster_select<T>(const T*, const T*, const HeadShape&, const Sampling*, int32_t*,    \
+                                                float*, void*, cudaStream_t, const LaunchOptions&);                \
+  template cudaError_t launch_decode<T>(const HeadTensors<T>&, const HeadShape&, const Sampling*, int64_t*, int64_t, \
+                                        float*, void*, cudaStream_t, const LaunchOptions&);
+FLASHHEAD_INSTANTIATE(float)
+FLASHHEAD_INSTANTIATE(__half)
+FLASHHEAD_INSTANTIATE(__nv_bfloat16)
+#undef FLASHHEAD_INSTANTIATE
+
+}  // namespace flashhead

@@ -1,0 +1,105 @@
+#include <algorithm>
+
+#include "kernels/select.cuh"
+
+namespace flashhead {
+namespace detail {
+namespace {
+
+struct SelectArgs {
+  const float* keys;  // [B, C]
+  int num_clusters, probes;
+  bool ordered;
+  int list_len;           // p, or the next power of two when sorting
+  uint64_t* list_spill;   // [B, list_len] when the list does not fit in shared memory, else null
+  uint32_t survivor_capacity;  // pairs of shared memory for the compacted keys
+  SelectOutputs out;
+  const int32_t* cluster_tokens;
+  int cluster_size;
+  const int32_t* extra_ids;
+  int num_extra;
+};
+
+__global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
+  // [survivor_capacity pairs: compacted keys, then the sort's scratch][list_len pairs: the list,
+  // when not spilled]
+  extern __shared__ uint64_t smem[];
+  __shared__ SelectShared sh;
+  wait_for_previous_kernel();
+  let_next_kernel_start();
+  const int64_t row = blockIdx.x;
+  RowKeys keys;
+  keys.load(a.keys + row * a.num_clusters, a.num_clusters);
+  uint64_t* survivors = smem;
+  uint64_t* list = a.list_spill ? a.list_spill + row * a.list_len : smem + a.survivor_capacity;
+  select_top(keys, a.probes, list, survivors, a.survivor_capacity, sh);
+  if (a.ordered) {
+    for (int i = a.probes + threadIdx.x; i < a.list_len; i += blockDim.x) list[i] = kNoneRanked;
+    __syncthreads();
+    sort_descending(list, a.list_len, survivors);
+  }
+  const SelectOutputs& out = a.out;
+  if (out.cluster_ids || out.selected_scores) {
+    for (int k = threadIdx.x; k < a.probes; k += blockDim.x) {
+      const int32_t id = packed_id(list[k]);
+      if (out.cluster_ids) out.cluster_ids[row * a.probes + k] = id;
+      if (out.selected_scores) out.selected_scores[row * a.probes + k] = out.scores[row * a.num_clusters + id];
+    }
+  }
+  if (out.candidates) {
+    const int64_t width = int64_t{a.probes} * a.cluster_size + a.num_extra;
+    gather_row([&](int k) { return packed_id(list[k]); }, a.probes, a.cluster_tokens, a.num_clusters, a.cluster_size,
+               a.extra_ids, a.num_extra, out.candidates + row * width, sh.gather);
+  }
+  if (out.row_counters && threadIdx.x == 0) out.row_counters[row] = 0;
+}
+
+int list_length(int probes, bool ordered) {
+  if (!ordered) return probes;
+  int n = 1;
+  while (n < probes) n <<= 1;
+  return n;
+}
+
+uint64_t* carve_select(WorkspaceCarver& carver, const HeadShape& shape, bool ordered) {
+  const int len = list_length(shape.probes, ordered);
+  return len > kSmemListMax ? carver.take<uint64_t>(size_t(shape.batch) * len) : nullptr;
+}
+
+}  // namespace
+}  // namespace detail
+
+size_t select_workspace_bytes(const HeadShape& shape, bool ordered) {
+  detail::WorkspaceCarver carver(nullptr);
+  detail::carve_select(carver, shape, ordered);
+  return carver.bytes();
+}
+
+cudaError_t launch_select(const float* keys, const HeadShape& shape, bool ordered, const int32_t* cluster_tokens,
+                          const int32_t* extra_ids, const SelectOutputs& out, void* workspace, cudaStream_t stream,
+                          const LaunchOptions& options) {
+  if (shape.batch == 0) return cudaSuccess;
+  detail::WorkspaceCarver carver(workspace);
+  const int len = detail::list_length(shape.probes, ordered);
+  uint64_t* spill = detail::carve_select(carver, shape, ordered);
+  // Shared memory: the list unless spilled, and as many survivor slots as the device allows
+  // (at least the sort's scratch of 2 * kSelectThreads pairs).
+  int device = 0, optin = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  const size_t list_bytes = spill ? 0 : sizeof(uint64_t) * len;
+  const size_t room = (optin - sizeof(detail::SelectShared) - list_bytes) / sizeof(uint64_t);
+  const uint32_t capacity = static_cast<uint32_t>(std::min<size_t>(room, detail::kMaxSurvivors));
+  if (capacity < 2 * detail::kSelectThreads) return cudaErrorInvalidConfiguration;
+  const size_t smem = list_bytes + sizeof(uint64_t) * capacity;
+  err = cudaFuncSetAttribute(detail::select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  const detail::SelectArgs args{keys,     shape.num_clusters, shape.probes,       ordered,    len,
+                                spill,    capacity,           out,                cluster_tokens,
+                                shape.cluster_size, extra_ids, shape.num_extra};
+  return detail::launch_kernel(detail::select_kernel, dim3(shape.batch), dim3(detail::kSelectThreads), smem, stream,
+                               options.dependent_launch, args);
+}
+
+}  // namespace flashhead

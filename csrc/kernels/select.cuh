@@ -1,0 +1,340 @@
+// Stage 2a: per-row top-p selection over C keys, one block of kSelectThreads per row.
+//
+// Latency is what counts here (one block, a chain of block-wide steps), so the work is cut
+// before it starts:
+//  1. Keys (order-preserving uint32) sit in registers. A lower bound of the p-th largest key
+//     comes cheaply: with w = ceil(p / 32), every warp's w-th largest lane maximum is met by w
+//     keys of that warp, so the minimum over the 32 warps is met by >= 32 w >= p keys. Keys below
+//     it cannot be selected (p <= 1024; larger p skips the bound).
+//  2. The survivors are compacted into shared memory by a block-wide prefix sum (a few hundred
+//     keys for p = 256 of ~10k).
+//  3. A most-significant-digit radix select over the survivors (4 passes of 8 bits, shared
+//     histograms, early exit once the boundary digit holds exactly the keys still needed)
+//     finds the p-th key; a last pass collects the winners as packed (key, id) pairs. If the
+//     survivors overflow shared memory, steps 3-4 read the register keys instead.
+//  4. Only an exact tie at the boundary needs id order (ties go to the smaller cluster id):
+//     a block-wide prefix count over the register keys, in id order, picks the smallest ids.
+// Rank order, when asked for, is a bitonic sort of the p pairs: one pair per thread, shuffles
+// within a warp, one barrier per step across warps; warps without pairs skip the work.
+#pragma once
+
+#include "kernels/common.cuh"
+#include "kernels/gather.cuh"
+
+namespace flashhead {
+namespace detail {
+
+constexpr int kSelectThreads = 1024;
+constexpr int kSelectWarps = kSelectThreads / kWarpSize;
+// Keys a thread keeps in registers: rows of up to 16384 clusters are read from memory once.
+constexpr int kSelectCached = 16;
+// Longest selection list kept (and sorted) in shared memory; longer lists live in the workspace.
+constexpr int kSmemListMax = 4096;
+constexpr int kMaxSurvivors = 8192;
+constexpr int kRadixBits = 8;
+constexpr int kRadixBins = 1 << kRadixBits;
+
+struct SelectShared {
+  uint32_t hist[2][kRadixBins];  // double-buffered: the next pass's histogram is cleared early
+  uint32_t warp_counts[kSelectWarps];
+  uint32_t digit, need, tied;
+  uint32_t count;
+  GatherShared gather;
+};
+
+// Appends `value` for each lane with `take` to list[*count ...], one shared atomic per warp.
+__device__ __forceinline__ void warp_append(bool take, uint64_t value, uint64_t* list, uint32_t* count) {
+  const unsigned ballot = __ballot_sync(kFullMask, take);
+  if (ballot == 0) return;
+  const int lane = threadIdx.x % kWarpSize, leader = __ffs(ballot) - 1;
+  uint32_t base = 0;
+  if (lane == leader) base = atomicAdd(count, static_cast<uint32_t>(__popc(ballot)));
+  base = __shfl_sync(kFullMask, base, leader);
+  const uint32_t at = base + __popc(ballot & ((1u << lane) - 1));
+  if (take) list[at] = value;
+}
+
+// The keys of one row as seen by one thread: ids threadIdx.x + i * kSelectThreads, the first
+// kSelectCached of them in registers. Keys below `floor` do not take part.
+struct RowKeys {
+  const float* keys;
+  int n;
+  uint32_t floor;
+  uint32_t cached[kSelectCached];
+
+  __device__ __forceinline__ void load(const float* row_keys, int num) {
+    keys = row_keys;
+    n = num;
+    floor = 0;
+    // Unconditional (clamped) loads first, so all of them are in flight together.
+    float raw[kSelectCached];
+#pragma unroll
+    for (int i = 0; i < kSelectCached; ++i) raw[i] = row_keys[min(i * kSelectThreads + static_cast<int>(threadIdx.x), n - 1)];
+#pragma unroll
+    for (int i = 0; i < kSelectCached; ++i)
+      cached[i] = i * kSelectThreads + static_cast<int>(threadIdx.x) < n ? order_key(raw[i]) : 0;
+  }
+
+  // g(id, key, valid) once per round of kSelectThreads consecutive ids, in increasing id, every
+  // thread of the block taking part in every round (so g may vote and synchronise the block).
+  template <typename G>
+  __device__ __forceinline__ void for_each_round(G g) const {
+    const int rounds = ceil_div(n, kSelectThreads);
+#pragma unroll
+    for (int i = 0; i < kSelectCached; ++i) {
+      const int idx = i * kSelectThreads + threadIdx.x;
+      if (i < rounds) g(idx, cached[i], idx < n && cached[i] >= floor);
+    }
+    for (int i = kSelectCached; i < rounds; ++i) {
+      const int idx = i * kSelectThreads + threadIdx.x;
+      const uint32_t key = idx < n ? order_key(keys[idx]) : 0u;
+      g(idx, key, idx < n && key >= floor);
+    }
+  }
+
+  // Largest key of this thread (0 when it has none; real keys are > 0).
+  __device__ __forceinline__ uint32_t thread_max() const {
+    uint32_t m = 0;
+    for_each_round([&](int, uint32_t key, bool valid) { m = valid ? max(m, key) : m; });
+    return m;
+  }
+};
+
+// Survivors compacted in shared memory as packed (key, id) pairs, in no particular order.
+struct SurvivorKeys {
+  const uint64_t* pairs;
+  int n;
+
+  template <typename G>
+  __device__ __forceinline__ void for_each_round(G g) const {
+    for (int base = 0; base < n; base += kSelectThreads) {
+      const int e = base + threadIdx.x;
+      const uint64_t pair = e < n ? pairs[e] : kNoneRanked;
+      g(packed_id(pair), static_cast<uint32_t>(pair >> 32), e < n);
+    }
+  }
+};
+
+// k-th largest (k in 1..32) of the lanes' values, in every lane: a bitonic sort across the warp.
+__device__ __forceinline__ uint32_t warp_kth_largest(uint32_t v, int k) {
+  const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+  for (int size = 2; size <= kWarpSize; size <<= 1) {
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      const uint32_t other = __shfl_xor_sync(kFullMask, v, stride);
+      v = (((lane & size) == 0) == ((lane & stride) == 0)) ? max(v, other) : min(v, other);
+    }
+  }
+  return __shfl_sync(kFullMask, v, k - 1);
+}
+
+// A key every one of the p best keys reaches (step 1 above); 0 (no bound) when p > 1024.
+__device__ __forceinline__ uint32_t selection_floor(const RowKeys& keys, int p, SelectShared& sh) {
+  const int per_warp = ceil_div(p, kSelectWarps);
+  if (per_warp > kWarpSize) return 0;
+  const uint32_t bound = warp_kth_largest(keys.thread_max(), per_warp);
+  if (threadIdx.x % kWarpSize == 0) sh.warp_counts[threadIdx.x / kWarpSize] = bound;
+  __syncthreads();
+  uint32_t floor = 0xffffffffu;
+  for (int w = 0; w < kSelectWarps; ++w) floor = min(floor, sh.warp_counts[w]);
+  __syncthreads();  // warp_counts is reused
+  return floor;
+}
+
+// Exclusive prefix sum of one value per thread over the block, and the total.
+__device__ __forceinline__ uint32_t block_exclusive_sum(uint32_t value, uint32_t& total, SelectShared& sh) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  uint32_t inclusive = value;
+#pragma unroll
+  for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+    const uint32_t v = __shfl_up_sync(kFullMask, inclusive, offset);
+    if (lane >= offset) inclusive += v;
+  }
+  if (lane == kWarpSize - 1) sh.warp_counts[warp] = inclusive;
+  __syncthreads();
+  uint32_t before = 0;
+  total = 0;
+  for (int w = 0; w < kSelectWarps; ++w) {
+    const uint32_t c = sh.warp_counts[w];
+    before += w < warp ? c : 0;
+    total += c;
+  }
+  __syncthreads();  // warp_counts is reused
+  return before + inclusive - value;
+}
+
+// The selected set is {key : key & mask > prefix} plus `need` of the `tied` keys with
+// key & mask == prefix (all of them when need == tied).
+struct Threshold {
+  uint32_t mask, prefix, need, tied;
+};
+
+template <typename Keys>
+__device__ __forceinline__ Threshold radix_select(const Keys& keys, uint32_t k, SelectShared& sh) {
+  uint32_t mask = 0, prefix = 0, need = k, tied = 0;
+  if (threadIdx.x < kRadixBins) sh.hist[1][threadIdx.x] = 0;
+  __syncthreads();
+  for (int pass = 0; pass < 32 / kRadixBits; ++pass) {
+    const int shift = 32 - kRadixBits * (pass + 1);
+    uint32_t* hist = sh.hist[(pass + 1) & 1];
+    keys.for_each_round([&](int, uint32_t key, bool valid) {
+      if (valid && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & (kRadixBins - 1)], 1u);
+    });
+    __syncthreads();
+    if (threadIdx.x < kWarpSize) {
+      // Lane l scans bins 255-8l down to 248-8l: a warp prefix sum from the top bin down finds the
+      // bin holding the need-th largest key.
+      constexpr int kPerLane = kRadixBins / kWarpSize;
+      const int lane = threadIdx.x;
+      uint32_t counts[kPerLane], total = 0;
+#pragma unroll
+      for (int q = 0; q < kPerLane; ++q) total += counts[q] = hist[kRadixBins - 1 - kPerLane * lane - q];
+      uint32_t inclusive = total;
+#pragma unroll
+      for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+        const uint32_t v = __shfl_up_sync(kFullMask, inclusive, offset);
+        if (lane >= offset) inclusive += v;
+      }
+      uint32_t before = inclusive - total;
+      if (before < need && need <= inclusive) {
+        bool found = false;
+#pragma unroll
+        for (int q = 0; q < kPerLane; ++q) {
+          if (!found && before + counts[q] >= need) {
+            found = true;
+            sh.digit = kRadixBins - 1 - kPerLane * lane - q;
+            sh.need = need - before;
+            sh.tied = counts[q];
+          }
+          if (!found) before += counts[q];
+        }
+      }
+    } else if (threadIdx.x >= kWarpSize && threadIdx.x < kWarpSize + kRadixBins) {
+      sh.hist[pass & 1][threadIdx.x - kWarpSize] = 0;
+    }
+    __syncthreads();
+    prefix |= sh.digit << shift;
+    mask |= static_cast<uint32_t>(kRadixBins - 1) << shift;
+    need = sh.need;
+    tied = sh.tied;
+    if (tied == need) break;
+  }
+  return {mask, prefix, need, tied};
+}
+
+// Appends the selected keys above the boundary (and the boundary keys too when all of them are
+// needed) to list; sh.count must be 0.
+template <typename Keys>
+__device__ __forceinline__ void collect_above(const Keys& keys, const Threshold& th, uint64_t* list,
+                                              SelectShared& sh) {
+  const bool take_all_tied = th.need == th.tied;
+  keys.for_each_round([&](int idx, uint32_t key, bool valid) {
+    const uint32_t masked = key & th.mask;
+    const bool take = valid && (masked > th.prefix || (take_all_tied && masked == th.prefix));
+    warp_append(take, pack_ranked(key, idx), list, &sh.count);
+  });
+}
+
+// More keys equal the boundary key than are needed: the smallest ids win, found by counting
+// tied keys in id order, a round of kSelectThreads ids at a time.
+__device__ __forceinline__ void collect_ties(const RowKeys& keys, const Threshold& th, uint64_t* list,
+                                             SelectShared& sh) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  uint32_t taken = 0;
+  keys.for_each_round([&](int idx, uint32_t key, bool valid) {
+    if (taken >= th.need) return;  // uniform: every thread holds the same count
+    const bool is_tied = valid && key == th.prefix;
+    const unsigned ballot = __ballot_sync(kFullMask, is_tied);
+    if (lane == 0) sh.warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    uint32_t rank = taken + __popc(ballot & ((1u << lane) - 1)), round_total = 0;
+    for (int w = 0; w < kSelectWarps; ++w) {
+      const uint32_t c = sh.warp_counts[w];
+      if (w < warp) rank += c;
+      round_total += c;
+    }
+    warp_append(is_tied && rank < th.need, pack_ranked(key, idx), list, &sh.count);
+    taken += round_total;
+    __syncthreads();  // warp_counts is rewritten next round
+  });
+}
+
+// Writes the p best (key, id) pairs of the row, packed, to list[0, p) in no particular order.
+// `survivors` is shared scratch for up to `capacity` pairs.
+__device__ __forceinline__ void select_top(RowKeys& keys, int p, uint64_t* list, uint64_t* survivors,
+                                           uint32_t capacity, SelectShared& sh) {
+  keys.floor = selection_floor(keys, p, sh);
+  // Compaction without atomics: each thread's count, a block-wide exclusive scan, then writes.
+  uint32_t mine = 0;
+  keys.for_each_round([&](int, uint32_t, bool valid) { mine += valid; });
+  uint32_t num_survivors;
+  uint32_t at = block_exclusive_sum(mine, num_survivors, sh);
+  if (num_survivors <= capacity)
+    keys.for_each_round([&](int idx, uint32_t key, bool valid) {
+      if (valid) survivors[at++] = pack_ranked(key, idx);
+    });
+  if (threadIdx.x == 0) sh.count = 0;  // the list's fill count from here on
+  __syncthreads();
+  Threshold th;
+  if (num_survivors <= capacity) {
+    const SurvivorKeys compact{survivors, static_cast<int>(num_survivors)};
+    th = radix_select(compact, p, sh);
+    collect_above(compact, th, list, sh);
+  } else {
+    th = radix_select(keys, p, sh);
+    collect_above(keys, th, list, sh);
+  }
+  if (th.need != th.tied) collect_ties(keys, th, list, sh);
+  __syncthreads();
+}
+
+// Block-wide bitonic sort of list[0, n) (n a power of two), best first. Up to kSelectThreads
+// pairs, one per thread: steps within a warp use shuffles, steps across warps one barrier each
+// through `scratch` (2 * n pairs of shared memory). Longer lists sort in place.
+__device__ inline void sort_descending(uint64_t* list, int n, uint64_t* scratch) {
+  if (n > kSelectThreads) {
+    for (int k = 2; k <= n; k <<= 1) {
+      for (int j = k >> 1; j > 0; j >>= 1) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+          const int partner = i ^ j;
+          if (partner > i) {
+            const uint64_t x = list[i], y = list[partner];
+            if ((i & k) == 0 ? x < y : x > y) {
+              list[i] = y;
+              list[partner] = x;
+            }
+          }
+        }
+        __syncthreads();
+      }
+    }
+    return;
+  }
+  // Only the warps holding pairs do the work (all of warp 0 when n < 32); the others just keep
+  // step with the barriers of the steps across warps.
+  const int i = threadIdx.x;
+  const bool active = i < max(n, kWarpSize);  // whole warps
+  const bool mine = i < n;
+  uint64_t v = mine ? list[i] : kNoneRanked;
+  int buffer = 0;
+  for (int k = 2; k <= n; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      uint64_t other = kNoneRanked;
+      if (j >= kWarpSize) {  // n >= 64 here
+        if (mine) scratch[buffer * n + i] = v;
+        __syncthreads();
+        if (mine) other = scratch[buffer * n + (i ^ j)];
+        buffer ^= 1;
+      } else if (active) {
+        other = __shfl_xor_sync(kFullMask, v, j);
+      }
+      if (active) v = (((i & k) == 0) == ((i & j) == 0)) ? max(v, other) : min(v, other);
+    }
+  }
+  if (mine) list[i] = v;
+  __syncthreads();
+}
+
+}  // namespace detail
+}  // namespace flashhead

@@ -1,0 +1,234 @@
+// CUDA implementations of the flashhead ops: the argument checks shared with the CPU references
+// (ops/checks.h), contiguous inputs, the tensors' device and its current stream, workspaces from
+// the caching allocator sized by shapes alone, and a check of every launch. Nothing here reads
+// tensor data on the host, so every op is free of host syncs and capturable in a CUDA graph.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <type_traits>
+
+#include "kernels/api.h"
+#include "ops/checks.h"
+
+namespace flashhead {
+namespace {
+
+// Calls f(static_cast<T*>(nullptr)) with T the CUDA element type of `dtype`; checks.h has already
+// rejected every other dtype.
+template <typename F>
+void dispatch_float(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat:
+      return f(static_cast<float*>(nullptr));
+    case at::kHalf:
+      return f(static_cast<__half*>(nullptr));
+    case at::kBFloat16:
+      return f(static_cast<__nv_bfloat16*>(nullptr));
+    default:
+      TORCH_CHECK(false, "flashhead: no CUDA kernel for dtype ", dtype);
+  }
+}
+
+template <typename T>
+const T* data_as(const at::Tensor& t) {
+  return static_cast<const T*>(t.data_ptr());
+}
+
+const int32_t* optional_ids(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->numel() > 0 ? t->data_ptr<int32_t>() : nullptr;
+}
+
+// The kernels index with int; shapes beyond that are refused rather than silently wrapped.
+void check_fits_int(const char* op, int64_t value, const char* what) {
+  FH_CHECK_VALUE(op, value <= std::numeric_limits<int32_t>::max(), what, " is ", num_str(value),
+                 ", above the CUDA kernels' limit of 2^31 - 1");
+}
+
+at::Tensor workspace(size_t bytes, const at::Tensor& like) {
+  return at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+}
+
+HeadShape head_shape(const char* op, const at::Tensor& hidden, const at::Tensor& centroids, int64_t probes) {
+  check_fits_int(op, hidden.size(0), "the batch size");
+  check_fits_int(op, hidden.size(1), "hidden_dim");
+  HeadShape s;
+  s.batch = static_cast<int>(hidden.size(0));
+  s.hidden_dim = static_cast<int>(hidden.size(1));
+  s.num_clusters = static_cast<int>(centroids.size(0));
+  s.probes = static_cast<int>(probes);
+  return s;
+}
+
+void add_candidates(const char* op, HeadShape& s, const at::Tensor& cluster_tokens, const at::Tensor& embedding,
+                    const c10::optional<at::Tensor>& extra_ids) {
+  check_fits_int(op, cluster_tokens.size(1), "cluster_size");
+  check_fits_int(op, num_extra(extra_ids), "the number of extra ids");
+  check_fits_int(op, s.probes * cluster_tokens.size(1) + num_extra(extra_ids), "the number of candidates per row");
+  s.cluster_size = static_cast<int>(cluster_tokens.size(1));
+  s.vocab = static_cast<int>(embedding.size(0));
+  s.num_extra = static_cast<int>(num_extra(extra_ids));
+}
+
+c10::optional<at::Tensor> contiguous(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? c10::optional<at::Tensor>(t->contiguous()) : c10::nullopt;
+}
+
+std::tuple<at::Tensor, at::Tensor> cluster_select(const char* op, const at::Tensor& hidden_in,
+                                                  const at::Tensor& centroids_in, int64_t probes,
+                                                  const Sampling* sampling) {
+  const c10::cuda::CUDAGuard guard(hidden_in.device());
+  const at::Tensor hidden = hidden_in.contiguous(), centroids = centroids_in.contiguous();
+  const HeadShape shape = head_shape(op, hidden, centroids, probes);
+  auto cluster_ids = at::empty({shape.batch, probes}, hidden.options().dtype(at::kInt));
+  auto scores = at::empty({shape.batch, probes}, hidden.options().dtype(at::kFloat));
+  auto ws = workspace(cluster_select_workspace_bytes(shape, sampling != nullptr), hidden);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  dispatch_float(hidden.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    C10_CUDA_CHECK(launch_cluster_select<T>(data_as<T>(hidden), data_as<T>(centroids), shape, sampling,
+                                            cluster_ids.data_ptr<int32_t>(), scores.data_ptr<float>(),
+                                            ws.data_ptr(), stream));
+  });
+  return {cluster_ids, scores};
+}
+
+std::tuple<at::Tensor, at::Tensor> select_clusters_cuda(const at::Tensor& hidden, const at::Tensor& centroids,
+                                                        int64_t probes) {
+  constexpr const char* op = "select_clusters";
+  check_hidden_and_rows(op, hidden, centroids, "centroids");
+  check_probes(op, probes, centroids.size(0));
+  return cluster_select(op, hidden, centroids, probes, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> sample_clusters_cuda(const at::Tensor& hidden, const at::Tensor& centroids,
+                                                        int64_t probes, double temperature, const at::Tensor& seed) {
+  constexpr const char* op = "sample_clusters";
+  check_hidden_and_rows(op, hidden, centroids, "centroids");
+  check_probes(op, probes, centroids.size(0));
+  check_temperature(op, temperature);
+  check_seed(op, seed, hidden);
+  const Sampling sampling{static_cast<float>(temperature), seed.data_ptr<int64_t>()};
+  return cluster_select(op, hidden, centroids, probes, &sampling);
+}
+
+at::Tensor gather_candidates_cuda(const at::Tensor& cluster_ids_in, const at::Tensor& cluster_tokens_in,
+                                  const c10::optional<at::Tensor>& extra_ids_in) {
+  constexpr const char* op = "gather_candidates";
+  check_cluster_table(op, cluster_tokens_in, cluster_ids_in, "cluster_ids");
+  check_cluster_ids(op, cluster_ids_in, cluster_tokens_in);
+  check_extra_ids(op, extra_ids_in, cluster_ids_in, "cluster_ids");
+  const c10::cuda::CUDAGuard guard(cluster_ids_in.device());
+  const at::Tensor cluster_ids = cluster_ids_in.contiguous(), cluster_tokens = cluster_tokens_in.contiguous();
+  const auto extra_ids = contiguous(extra_ids_in);
+  const int64_t batch = cluster_ids.size(0), probes = cluster_ids.size(1), extra = num_extra(extra_ids);
+  check_fits_int(op, batch, "the batch size");
+  check_fits_int(op, cluster_tokens.size(1), "cluster_size");
+  check_fits_int(op, probes * cluster_tokens.size(1) + extra, "the number of candidates per row");
+  auto out = at::empty({batch, probes * cluster_tokens.size(1) + extra}, cluster_ids.options());
+  C10_CUDA_CHECK(launch_gather_candidates(cluster_ids.data_ptr<int32_t>(), static_cast<int>(batch),
+                                          static_cast<int>(probes), cluster_tokens.data_ptr<int32_t>(),
+                                          static_cast<int>(cluster_tokens.size(0)),
+                                          static_cast<int>(cluster_tokens.size(1)), optional_ids(extra_ids),
+                                          static_cast<int>(extra), out.data_ptr<int32_t>(),
+                                          at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+at::Tensor candidate_logits_cuda(const at::Tensor& hidden_in, const at::Tensor& embedding_in,
+                                 const at::Tensor& candidate_ids_in) {
+  constexpr const char* op = "candidate_logits";
+  check_hidden_and_rows(op, hidden_in, embedding_in, "embedding");
+  check_candidates(op, candidate_ids_in, hidden_in);
+  const c10::cuda::CUDAGuard guard(hidden_in.device());
+  const at::Tensor hidden = hidden_in.contiguous(), embedding = embedding_in.contiguous();
+  const at::Tensor candidate_ids = candidate_ids_in.contiguous();
+  check_fits_int(op, hidden.size(0), "the batch size");
+  check_fits_int(op, hidden.size(1), "hidden_dim");
+  check_fits_int(op, candidate_ids.size(1), "the number of candidates per row");
+  auto logits = at::empty(candidate_ids.sizes(), hidden.options().dtype(at::kFloat));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  dispatch_float(hidden.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    C10_CUDA_CHECK(launch_candidate_logits<T>(
+        data_as<T>(hidden), data_as<T>(embedding), static_cast<int>(hidden.size(0)),
+        static_cast<int>(embedding.size(0)), static_cast<int>(hidden.size(1)), candidate_ids.data_ptr<int32_t>(),
+        static_cast<int>(candidate_ids.size(1)), logits.data_ptr<float>(), stream));
+  });
+  return logits;
+}
+
+// The fused decode, greedy (sampling == nullptr) or sampling; checks already done by the caller.
+void decode(const char* op, const at::Tensor& hidden_in, const at::Tensor& centroids_in,
+            const at::Tensor& cluster_tokens_in, const at::Tensor& embedding_in, int64_t probes,
+            const c10::optional<at::Tensor>& extra_ids_in, const Sampling* sampling, at::Tensor& tokens,
+            float* token_logprobs) {
+  const c10::cuda::CUDAGuard guard(hidden_in.device());
+  const at::Tensor hidden = hidden_in.contiguous(), centroids = centroids_in.contiguous();
+  const at::Tensor cluster_tokens = cluster_tokens_in.contiguous(), embedding = embedding_in.contiguous();
+  const auto extra_ids = contiguous(extra_ids_in);
+  HeadShape shape = head_shape(op, hidden, centroids, probes);
+  add_candidates(op, shape, cluster_tokens, embedding, extra_ids);
+  auto ws = workspace(decode_workspace_bytes(shape, sampling != nullptr), hidden);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  dispatch_float(hidden.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    HeadTensors<T> t;
+    t.hidden = data_as<T>(hidden);
+    t.centroids = data_as<T>(centroids);
+    t.cluster_tokens = cluster_tokens.data_ptr<int32_t>();
+    t.embedding = data_as<T>(embedding);
+    t.extra_ids = optional_ids(extra_ids);
+    C10_CUDA_CHECK(launch_decode<T>(t, shape, sampling, tokens.data_ptr<int64_t>(), tokens.stride(0), token_logprobs,
+                                    ws.data_ptr(), stream));
+  });
+}
+
+void decode_greedy_out_cuda(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
+                            const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids,
+                            at::Tensor& out) {
+  constexpr const char* op = "decode_greedy";
+  check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
+  check_token_out(op, out, hidden);
+  decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, nullptr, out, nullptr);
+}
+
+at::Tensor decode_greedy_cuda(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
+                              const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids) {
+  auto out = at::empty({hidden.dim() > 0 ? hidden.size(0) : 0}, hidden.options().dtype(at::kLong));
+  decode_greedy_out_cuda(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_sample_cuda(const at::Tensor& hidden, const at::Tensor& centroids,
+                                                      const at::Tensor& cluster_tokens, const at::Tensor& embedding,
+                                                      int64_t probes, double temperature, const at::Tensor& seed,
+                                                      const c10::optional<at::Tensor>& extra_ids) {
+  constexpr const char* op = "decode_sample";
+  check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
+  check_temperature(op, temperature);
+  check_seed(op, seed, hidden);
+  auto tokens = at::empty({hidden.size(0)}, hidden.options().dtype(at::kLong));
+  auto token_logprobs = at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat));
+  const Sampling sampling{static_cast<float>(temperature), seed.data_ptr<int64_t>()};
+  decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, &sampling, tokens,
+         token_logprobs.data_ptr<float>());
+  return {tokens, token_logprobs};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashhead, CUDA, m) {
+  m.impl("select_clusters", &select_clusters_cuda);
+  m.impl("sample_clusters", &sample_clusters_cuda);
+  m.impl("gather_candidates", &gather_candidates_cuda);
+  m.impl("candidate_logits", &candidate_logits_cuda);
+  m.impl("decode_greedy", &decode_greedy_cuda);
+  m.impl("decode_greedy_out", &decode_greedy_out_cuda);
+  m.impl("decode_sample", &decode_sample_cuda);
+}
+
+}  // namespace flashhead
