@@ -9,6 +9,9 @@ cd "$(dirname "$0")/.."
 task=${1:-}
 case "$task" in demo|test|install) shift ;; *) echo "usage: bash scripts/run.sh {demo|test|install} [args]" >&2; exit 2 ;; esac
 
+# torch finds nvcc through CUDA_HOME; without it, a /usr/local/bin/nvcc wrapper makes it guess
+# /usr/local, which lacks the CUDA headers.
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 venv=${FLASHHEAD_VENV:-.venv}
 [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
 # shellcheck disable=SC1091
