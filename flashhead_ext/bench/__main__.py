@@ -1,9 +1,9 @@
 """``python -m flashhead_ext.bench <benchmark>``; each benchmark prints a table and writes JSON."""
 import sys
 
-from . import head
+from . import clusters, head
 
-BENCHMARKS = {"head": head.main}
+BENCHMARKS = {"head": head.main, "clusters": clusters.main}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,60 @@
+"""``python -m flashhead_ext.bench clusters``: time to build an equal-size clustering of a head.
+
+Random embeddings at real head shapes (the time depends on the shape, not on trained values);
+wall time of ``build_clusters`` including the device work, one run per shape after a small
+warm-up build that loads kernels and libraries.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ..clustering import build_clusters
+from .timing import format_table, run_metadata
+
+# (vocab, hidden_dim, clusters) of the heads issue 4 names.
+SHAPES = {"qwen3-0.6b": (151936, 1024, 9496), "smollm2": (49152, 576, 3072), "tiny": (2000, 32, 125)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench clusters", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="qwen3-0.6b,smollm2", help=f"comma list of {sorted(SHAPES)}")
+    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", default="results/bench_clusters.json")
+    args = parser.parse_args(argv)
+    names = args.shapes.split(",")
+    for name in names:
+        if name not in SHAPES:
+            parser.error(f"--shapes: unknown shape {name!r}; choose from {sorted(SHAPES)}")
+
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    warm = torch.randn(*SHAPES["tiny"][:2], generator=gen, device=args.device)
+    build_clusters(warm, n_clusters=SHAPES["tiny"][2], iters=2, device=args.device, progress=False)
+    rows = []
+    for name in names:
+        vocab, dim, clusters = SHAPES[name]
+        embedding = torch.randn(vocab, dim, generator=gen, device=args.device)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = build_clusters(embedding, n_clusters=clusters, iters=args.iters, device=args.device, progress=False)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        sizes = (result.cluster_tokens >= 0).sum(1)
+        rows.append(dict(shape=name, vocab=vocab, dim=dim, clusters=clusters, iters=args.iters, device=args.device,
+                         threads=torch.get_num_threads(), seconds=seconds,
+                         equal_sizes=bool(sizes.min() >= sizes.max() - 1)))
+    print(format_table(rows, [("shape", "shape", ""), ("vocab", "V", "d"), ("dim", "D", "d"), ("clusters", "C", "d"),
+                              ("iters", "iters", "d"), ("device", "device", ""), ("threads", "threads", "d"),
+                              ("seconds", "seconds", ".1f"), ("equal_sizes", "equal", "")]))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": run_metadata(), "rows": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
