@@ -79,8 +79,7 @@ std::tuple<at::Tensor, at::Tensor> sample_clusters_cpu(const at::Tensor& hidden,
   constexpr const char* op = "sample_clusters";
   check_hidden_and_rows(op, hidden, centroids, "centroids");
   check_probes(op, probes, centroids.size(0));
-  check_temperature(op, temperature);
-  check_seed(op, seed, hidden);
+  check_sampling(op, temperature, seed, hidden);
   auto scores = row_scores(hidden, centroids);
   auto keys = scores / temperature + gumbel(seed.item<int64_t>(), kClusterStream, scores.size(0), scores.size(1));
   return clusters_by_key(scores, keys, probes);
@@ -139,7 +138,7 @@ void decode_greedy_out_cpu(const at::Tensor& hidden, const at::Tensor& centroids
 
 at::Tensor decode_greedy_cpu(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
                              const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids) {
-  auto out = at::empty({hidden.dim() > 0 ? hidden.size(0) : 0}, hidden.options().dtype(at::kLong));
+  auto out = token_buffer(hidden);
   decode_greedy_out_cpu(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out);
   return out;
 }
@@ -152,8 +151,7 @@ std::tuple<at::Tensor, at::Tensor> decode_sample_cpu(const at::Tensor& hidden, c
                                                      const c10::optional<at::Tensor>& extra_ids) {
   constexpr const char* op = "decode_sample";
   check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
-  check_temperature(op, temperature);
-  check_seed(op, seed, hidden);
+  check_sampling(op, temperature, seed, hidden);
   auto cluster_ids = std::get<0>(sample_clusters_cpu(hidden, centroids, probes, temperature, seed));
   auto candidates = gather_candidates_cpu(cluster_ids, cluster_tokens, extra_ids);
   auto scaled = candidate_logits_cpu(hidden, embedding, candidates) / temperature;

@@ -87,6 +87,12 @@ inline void check_seed(const char* op, const at::Tensor& seed, const at::Tensor&
   check_same_device(op, seed, "seed", hidden, "hidden");
 }
 
+// The arguments every sampling op takes on top of its greedy twin's.
+inline void check_sampling(const char* op, double temperature, const at::Tensor& seed, const at::Tensor& hidden) {
+  check_temperature(op, temperature);
+  check_seed(op, seed, hidden);
+}
+
 inline void check_cluster_table(const char* op, const at::Tensor& cluster_tokens, const at::Tensor& ref,
                                 const char* ref_name) {
   check_rank(op, cluster_tokens, "cluster_tokens", 2, "[num_clusters, cluster_size]");
@@ -141,6 +147,12 @@ inline void check_token_out(const char* op, const at::Tensor& out, const at::Ten
   check_same_device(op, out, "out", hidden, "hidden");
   FH_CHECK_VALUE(op, out.size(0) == hidden.size(0), "out must have batch ", num_str(hidden.size(0)),
                  " like hidden, got shape ", shape_str(out.sizes()));
+}
+
+// decode_greedy's functional form allocates what decode_greedy_out writes: int64 [B]. A hidden
+// of the wrong rank gets an empty buffer here and is rejected by decode_greedy_out's checks.
+inline at::Tensor token_buffer(const at::Tensor& hidden) {
+  return at::empty({hidden.dim() > 0 ? hidden.size(0) : 0}, hidden.options().dtype(at::kLong));
 }
 
 }  // namespace flashhead

@@ -109,8 +109,7 @@ std::tuple<at::Tensor, at::Tensor> sample_clusters_cuda(const at::Tensor& hidden
   constexpr const char* op = "sample_clusters";
   check_hidden_and_rows(op, hidden, centroids, "centroids");
   check_probes(op, probes, centroids.size(0));
-  check_temperature(op, temperature);
-  check_seed(op, seed, hidden);
+  check_sampling(op, temperature, seed, hidden);
   const Sampling sampling{static_cast<float>(temperature), seed.data_ptr<int64_t>()};
   return cluster_select(op, hidden, centroids, probes, &sampling);
 }
@@ -198,7 +197,7 @@ void decode_greedy_out_cuda(const at::Tensor& hidden, const at::Tensor& centroid
 
 at::Tensor decode_greedy_cuda(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
                               const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids) {
-  auto out = at::empty({hidden.dim() > 0 ? hidden.size(0) : 0}, hidden.options().dtype(at::kLong));
+  auto out = token_buffer(hidden);
   decode_greedy_out_cuda(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out);
   return out;
 }
@@ -209,8 +208,7 @@ std::tuple<at::Tensor, at::Tensor> decode_sample_cuda(const at::Tensor& hidden, 
                                                       const c10::optional<at::Tensor>& extra_ids) {
   constexpr const char* op = "decode_sample";
   check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
-  check_temperature(op, temperature);
-  check_seed(op, seed, hidden);
+  check_sampling(op, temperature, seed, hidden);
   auto tokens = at::empty({hidden.size(0)}, hidden.options().dtype(at::kLong));
   auto token_logprobs = at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat));
   const Sampling sampling{static_cast<float>(temperature), seed.data_ptr<int64_t>()};
