@@ -45,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0,
                         help="CPU threads for torch (0: torch's default); on a busy machine 1 can be several times faster")
     parser.add_argument("--warmup-tokens", type=int, default=8, help="new tokens of the one warm-up run per config")
+    parser.add_argument("--fast", action="store_true",
+                        help="the fast path (flashhead_ext.fast: Llama/Qwen3 only, CUDA graphs on a GPU) instead of the transformers driver")
+    parser.add_argument("--draft-device", default=None, help="--fast: the draft's device, e.g. cuda:1 (default: --device)")
+    parser.add_argument("--synthetic-acceptance", type=float, default=None,
+                        help="--fast: accept each proposal with this probability instead of verifying (timing only; labelled synthetic)")
     parser.add_argument("--json", default="results/spec.json", help="where to write every run and the summary")
 
 
@@ -68,6 +73,30 @@ def _load_draft(spec: str, target, target_tokenizer, dtype, device):
     return draft
 
 
+def _fast_models(args, target, draft, longest_prompt: int):
+    """The fast path's Decoders for the loaded models (an early-exit draft: the target's first layers)."""
+    from ..fast import Decoder
+
+    max_len = 8 * -(-(longest_prompt + args.max_new_tokens + args.k + 1) // 8)
+    max_len = max(max_len, 3 * (args.k + 2))  # room for the graph-capture warm-ups
+    fast_target = Decoder.from_hf(target, max_len=max_len, device=args.device)
+    if draft is None:
+        return fast_target, None
+    draft_device = args.draft_device or args.device
+    if args.draft.startswith(EARLY_EXIT):
+        return fast_target, Decoder.from_hf(target, max_len=max_len, num_layers=draft.config.num_hidden_layers, device=draft_device)
+    return fast_target, Decoder.from_hf(draft, max_len=max_len, device=draft_device)
+
+
+def _decoder(args, target, draft, head, eos_ids):
+    if not args.fast:
+        return SpeculativeDecoder(target, draft, "dense" if head is None else head, k=args.k, eos_token_id=eos_ids)
+    from ..fast import FastSpeculativeDecoder
+
+    return FastSpeculativeDecoder(target, draft, "dense" if head is None else head, k=args.k, eos_token_id=eos_ids,
+                                  synthetic_acceptance=None if draft is None else args.synthetic_acceptance, seed=args.seed)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext spec", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
@@ -85,19 +114,24 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     except ValueError as error:
         parser.error(str(error))
 
+    if not args.fast and (args.draft_device is not None or args.synthetic_acceptance is not None):
+        parser.error("--draft-device and --synthetic-acceptance need --fast")
+    if args.synthetic_acceptance is not None and not 0.0 <= args.synthetic_acceptance <= 1.0:
+        parser.error(f"--synthetic-acceptance must be in [0, 1], got {args.synthetic_acceptance}")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     target, tokenizer = load_model(args.target, dtype, args.device)
-    decoders = {None: SpeculativeDecoder(target, k=args.k)}  # EOS ids from the target's generation config
-    eos_ids = sorted(decoders[None].eos)
-    if any(c.head for c in configs):
-        draft = _load_draft(args.draft, target, tokenizer, dtype, args.device)
-        for kind in dict.fromkeys(c.head for c in configs if c.head):  # in --head order
-            head = make_draft_head(kind, draft, probes=args.probes, cluster_size=args.cluster_size,
-                                   kmeans_iters=args.kmeans_iters, seed=args.seed, special_token_ids=eos_ids, progress=True)
-            decoders[kind] = SpeculativeDecoder(target, draft, head, k=args.k, eos_token_id=eos_ids)
     prompts = [dict(p, input_ids=encode_prompt(tokenizer, p["text"])) for p in load_prompts(args.prompts, args.num_prompts)]
+    eos_ids = sorted(SpeculativeDecoder(target).eos)  # from the target's generation config
+    draft = _load_draft(args.draft, target, tokenizer, dtype, args.device) if any(c.head for c in configs) else None
+    if args.fast:
+        target, draft = _fast_models(args, target, draft, max(len(p["input_ids"]) for p in prompts))
+    decoders = {None: _decoder(args, target, None, None, eos_ids)}
+    for kind in dict.fromkeys(c.head for c in configs if c.head):  # in --head order
+        head = make_draft_head(kind, draft.lm_head if args.fast else draft, probes=args.probes, cluster_size=args.cluster_size,
+                               kmeans_iters=args.kmeans_iters, seed=args.seed, special_token_ids=eos_ids, progress=True)
+        decoders[kind] = _decoder(args, target, draft, head, eos_ids)
 
     records = run_interleaved(decoders, configs, prompts, args.max_new_tokens, warmup_tokens=args.warmup_tokens)
     rows = summarize(records, configs)

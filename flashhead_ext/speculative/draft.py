@@ -53,7 +53,8 @@ def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clusterin
                     progress: bool = False):
     """The draft's head over its output embedding (shared, not copied).
 
-    ``kind`` is ``"dense"`` or ``"flashhead"``. For FlashHead, ``clustering`` (anything with
+    ``draft`` is a transformers causal LM or its output embedding ``[V, D]`` itself (the fast path's
+    :class:`~flashhead_ext.fast.Decoder` keeps it as ``lm_head``). ``kind`` is ``"dense"`` or ``"flashhead"``. For FlashHead, ``clustering`` (anything with
     ``.centroids`` and ``.cluster_tokens``, e.g. from :func:`flashhead_ext.clustering.build_clusters`)
     is used when given; otherwise one is built, or loaded from the user cache when it was built
     before (:func:`flashhead_ext.assets.flash_head_for`). ``probes`` defaults to C/16;
@@ -61,7 +62,7 @@ def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clusterin
     """
     if kind not in HEADS:
         raise ValueError(f"kind must be one of {HEADS}, got {kind!r}")
-    embedding = output_embedding(draft)
+    embedding = draft.detach() if isinstance(draft, torch.Tensor) else output_embedding(draft)
     if kind == "dense":
         return DenseHead(embedding)
     if clustering is None:

@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -41,6 +41,11 @@ class GenerationStats:
     calls and the rest is the loop's own overhead. Round ``i`` proposed ``k`` tokens (0 for the
     last token of a generation, when nothing it proposed could be emitted), accepted
     ``accepted_per_round[i]`` and emitted ``emitted_per_round[i]`` tokens.
+
+    The fast path (:mod:`flashhead_ext.fast`) runs the draft head inside a CUDA graph with the body,
+    so it leaves ``draft_head_s`` None; it fills ``phase_s`` (propose / verify / finalize, which tile
+    the decode time) and, in timing runs with random weights, ``synthetic_acceptance``: then the
+    tokens are not the target's greedy output.
     """
 
     mode: str
@@ -57,10 +62,12 @@ class GenerationStats:
     append_calls: int = 0
     host_syncs: int = 0
     draft_s: float = 0.0
-    draft_head_s: float = 0.0
+    draft_head_s: Optional[float] = 0.0
     target_s: float = 0.0
     accepted_per_round: list = field(default_factory=list)
     emitted_per_round: list = field(default_factory=list)
+    phase_s: dict = field(default_factory=dict)
+    synthetic_acceptance: Optional[float] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,7 +79,7 @@ class Generation:
     stats: GenerationStats
 
 
-class _Clock:
+class Clock:
     """Sums time per phase. On CUDA it records events and reads them once at the end, so timing
     the phases adds no host sync to the rounds; on the CPU a host clock is exact."""
 
@@ -105,12 +112,12 @@ def _untimed(phase: str):
     return nullcontext()
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _require_positive_int(name: str, value) -> int:
+def require_positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 1:
@@ -118,7 +125,7 @@ def _require_positive_int(name: str, value) -> int:
     return value
 
 
-def _eos_ids(eos_token_id, target) -> frozenset:
+def eos_ids(eos_token_id, target) -> frozenset:
     if eos_token_id is None:
         eos_token_id = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
         if eos_token_id is None:
@@ -127,6 +134,59 @@ def _eos_ids(eos_token_id, target) -> frozenset:
     if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
         raise TypeError(f"eos_token_id must be an int or a sequence of ints, got {eos_token_id!r}")
     return frozenset(ids)
+
+
+def check_prompt(input_ids, device: torch.device) -> Tensor:
+    """One prompt as int64 ``[1, T]`` on ``device``, after checks that name the argument."""
+    if not isinstance(input_ids, Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+    if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must hold one prompt ([T] or [1, T]; run prompts one after another), got shape {tuple(input_ids.shape)}")
+    if input_ids.dim() not in (1, 2) or input_ids.numel() == 0:
+        raise ValueError(f"input_ids must be a non-empty [T] or [1, T] tensor, got shape {tuple(input_ids.shape)}")
+    if input_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+    return input_ids.reshape(1, -1).to(device, torch.int64)
+
+
+def check_mode(mode: str, has_draft: bool) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode != "baseline" and not has_draft:
+        raise ValueError(f"mode {mode!r} needs a draft model; this decoder was built without one")
+
+
+class Emitter:
+    """The emitted tokens of one generation and the per-round counters; cuts at EOS or the budget."""
+
+    def __init__(self, stats: GenerationStats, eos: frozenset, max_new_tokens: int):
+        self.tokens: list = []
+        self.stats, self.eos, self.max_new_tokens = stats, eos, max_new_tokens
+
+    def first(self, token: int) -> bool:
+        """The prefill's token; True when it already ends the generation."""
+        self.tokens.append(token)
+        return token in self.eos or self.max_new_tokens == 1
+
+    @property
+    def left(self) -> int:
+        return self.max_new_tokens - len(self.tokens)
+
+    def emit(self, tokens: list, proposed: int, accepted: int) -> bool:
+        """Appends a round's tokens up to EOS or the budget; True when the generation is over."""
+        done = False
+        for count, token in enumerate(tokens, 1):
+            self.tokens.append(token)
+            if token in self.eos or len(self.tokens) == self.max_new_tokens:
+                done = True
+                break
+        s = self.stats
+        s.rounds += 1
+        s.proposed += proposed
+        s.accepted += accepted
+        s.accepted_per_round.append(accepted)
+        s.emitted_per_round.append(count)
+        return done
 
 
 def _vocab_rows(model, role: str) -> int:
@@ -154,8 +214,8 @@ class SpeculativeDecoder:
     def __init__(self, target, draft=None, draft_head: Union[str, DenseHead, FlashHead] = "dense", *, k: int = 6,
                  eos_token_id: Union[int, Sequence[int], None] = None):
         self.target = target
-        self.k = _require_positive_int("k", k)
-        self.eos = _eos_ids(eos_token_id, target)
+        self.k = require_positive_int("k", k)
+        self.eos = eos_ids(eos_token_id, target)
         self.device = next(target.parameters()).device
         vocab = _vocab_rows(target, "target")
         self.draft = draft
@@ -201,17 +261,6 @@ class SpeculativeDecoder:
 
     # ---- generation --------------------------------------------------------------------------
 
-    def _check_prompt(self, input_ids) -> Tensor:
-        if not isinstance(input_ids, Tensor):
-            raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
-        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
-            raise ValueError(f"input_ids must hold one prompt ([T] or [1, T]; run prompts one after another), got shape {tuple(input_ids.shape)}")
-        if input_ids.dim() not in (1, 2) or input_ids.numel() == 0:
-            raise ValueError(f"input_ids must be a non-empty [T] or [1, T] tensor, got shape {tuple(input_ids.shape)}")
-        if input_ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
-        return input_ids.reshape(1, -1).to(self.device, torch.int64)
-
     def _new_cache(self, model, croppable: bool):
         from transformers import DynamicCache
 
@@ -227,29 +276,12 @@ class SpeculativeDecoder:
 
         Generation stops after ``max_new_tokens`` tokens or after an EOS token (which is emitted).
         """
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if mode != "baseline" and self.draft is None:
-            raise ValueError(f"mode {mode!r} needs a draft model; this decoder was built without one")
-        max_new_tokens = _require_positive_int("max_new_tokens", max_new_tokens)
-        prompt = self._check_prompt(input_ids)
+        check_mode(mode, self.draft is not None)
+        max_new_tokens = require_positive_int("max_new_tokens", max_new_tokens)
+        prompt = check_prompt(input_ids, self.device)
         stats = GenerationStats(mode=mode, prompt_tokens=prompt.shape[1], k=self.k if mode != "baseline" else 0)
-        out: list = []
-
-        def emit(tokens: list, proposed: int, accepted: int) -> bool:
-            """Appends a round's tokens up to EOS or the budget; True when the generation is over."""
-            done = False
-            for count, token in enumerate(tokens, 1):
-                out.append(token)
-                if token in self.eos or len(out) == max_new_tokens:
-                    done = True
-                    break
-            stats.rounds += 1
-            stats.proposed += proposed
-            stats.accepted += accepted
-            stats.accepted_per_round.append(accepted)
-            stats.emitted_per_round.append(count)
-            return done
+        output = Emitter(stats, self.eos, max_new_tokens)
+        emit = output.emit
 
         speculative = mode != "baseline"
         start = time.perf_counter()
@@ -259,11 +291,10 @@ class SpeculativeDecoder:
             # The draft's prefill is part of the time to first token: a round cannot start without it.
             draft_cache = self._new_cache(self.draft, True)
             self.draft.base_model(input_ids=prompt, past_key_values=draft_cache, use_cache=True)
-        out.append(int(first))
+        done = output.first(int(first))
         stats.ttft_s = time.perf_counter() - start
-        done = out[-1] in self.eos or max_new_tokens == 1
 
-        clock = _Clock(self.device)
+        clock = Clock(self.device)
         decode_start = time.perf_counter()
         k = self.k
         final = first  # the last emitted token, on the device
@@ -274,7 +305,7 @@ class SpeculativeDecoder:
             stats.append_calls += 1
 
         while not done:
-            left = max_new_tokens - len(out)
+            left = output.left
             if mode == "baseline":
                 final = self._target_argmax(final, target_cache, clock)
                 stats.append_calls += 1
@@ -324,11 +355,11 @@ class SpeculativeDecoder:
                 known = self._target_argmax(final, target_cache, clock)
                 stats.append_calls += 1
 
-        _sync(self.device)
+        sync(self.device)
         stats.decode_s = time.perf_counter() - decode_start
-        stats.new_tokens = len(out)
+        stats.new_tokens = len(output.tokens)
         totals = clock.resolve()
         stats.target_s = totals["target"]
         stats.draft_head_s = totals["draft_head"]
         stats.draft_s = totals["draft_body"] + totals["draft_head"]
-        return Generation(out, stats)
+        return Generation(output.tokens, stats)

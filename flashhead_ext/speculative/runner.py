@@ -70,25 +70,39 @@ def run_interleaved(decoders: dict, configs: list, prompts: list, max_new_tokens
         baseline = next((g.tokens for c, g in outputs.items() if c.head is None), None)
         for config in configs:
             generation = outputs[config]
+            # Synthetic acceptance emits draft tokens by chance: comparing them with the baseline means nothing.
+            comparable = baseline is not None and generation.stats.synthetic_acceptance is None
             records.append(dict(
                 label=config.label, head=config.head, prompt_index=index,
                 question_id=prompt.get("question_id"), category=prompt.get("category"),
-                matches_baseline=None if baseline is None else generation.tokens == baseline,
+                matches_baseline=generation.tokens == baseline if comparable else None,
                 tokens=generation.tokens, **generation.stats.to_dict(),
             ))
     return records
 
 
 def summarize(records: list, configs: list) -> list:
-    """One row per config with the metrics of docs/speculative.md, totals over its prompts."""
+    """One row per config with the metrics of docs/speculative.md, totals over its prompts.
+
+    Runs of the fast path also give the phase profile (``<phase>_share`` of decode time) and are
+    labelled ``synthetic`` (in ``exact`` and ``synthetic_acceptance``) when their acceptance was drawn.
+    """
     rows = []
     for config in configs:
         runs = [r for r in records if r["label"] == config.label]
         total = {key: sum(r[key] for r in runs) for key in (
             "new_tokens", "ttft_s", "decode_s", "rounds", "proposed", "accepted", "verify_calls",
-            "append_calls", "host_syncs", "draft_s", "draft_head_s", "target_s")}
+            "append_calls", "host_syncs", "draft_s", "target_s")}
+        # The fast path cannot time the draft head apart from the captured draft step.
+        head_s = None if any(r["draft_head_s"] is None for r in runs) else sum(r["draft_head_s"] for r in runs)
         decode_tokens = total["new_tokens"] - len(runs)
         exact = [r["matches_baseline"] for r in runs if r["matches_baseline"] is not None]
+        synthetic = {r.get("synthetic_acceptance") for r in runs} - {None}
+        phases = {}
+        for r in runs:
+            for phase, seconds in r.get("phase_s", {}).items():
+                phases[phase] = phases.get(phase, 0.0) + seconds
+        loop_s = total["decode_s"] - total["draft_s"] - total["target_s"]
         rows.append(dict(
             label=config.label, mode=config.mode, head=config.head, samples=len(runs),
             new_tokens=total["new_tokens"],
@@ -101,9 +115,12 @@ def summarize(records: list, configs: list) -> list:
             syncs_per_round=total["host_syncs"] / total["rounds"] if total["rounds"] else None,
             draft_s=total["draft_s"],
             draft_share=total["draft_s"] / total["decode_s"] if total["decode_s"] else None,
-            head_share=total["draft_head_s"] / total["draft_s"] if total["draft_s"] else None,
-            overhead_ms_round=1000 * (total["decode_s"] - total["draft_s"] - total["target_s"]) / total["rounds"] if total["rounds"] else None,
-            exact=f"{sum(exact)}/{len(exact)}" if exact else None,
+            head_share=head_s / total["draft_s"] if total["draft_s"] and head_s is not None else None,
+            overhead_ms_round=1000 * loop_s / total["rounds"] if total["rounds"] else None,
+            overhead_share=loop_s / total["decode_s"] if total["decode_s"] else None,
+            exact="synthetic" if synthetic else (f"{sum(exact)}/{len(exact)}" if exact else None),
+            synthetic_acceptance=synthetic.pop() if len(synthetic) == 1 else None,
+            **{f"{phase}_share": seconds / total["decode_s"] for phase, seconds in phases.items() if total["decode_s"]},
         ))
     base = next((r["decode_tok_s"] for r in rows if r["head"] is None), None)
     for row in rows:
@@ -116,12 +133,26 @@ COLUMNS = [
     ("ttft_ms", "TTFT ms", ".1f"), ("decode_s", "decode s", ".2f"), ("acceptance", "accept", ".3f"),
     ("mean_emitted", "emit/round", ".3f"), ("verify_calls", "verify", "d"), ("append_calls", "append", "d"),
     ("draft_s", "draft s", ".2f"), ("draft_share", "draft %", ".1%"), ("head_share", "head/draft", ".1%"),
-    ("overhead_ms_round", "loop ms/round", ".2f"), ("exact", "exact", "s"),
+    ("overhead_ms_round", "loop ms/round", ".2f"), ("overhead_share", "loop %", ".1%"), ("exact", "exact", "s"),
+]
+# The phase profile of the fast path (docs/speculative.md): shares of decode time.
+PHASE_COLUMNS = [
+    ("label", "config", "s"), ("propose_share", "propose", ".1%"), ("verify_share", "verify", ".1%"),
+    ("finalize_share", "finalize", ".1%"), ("overhead_share", "loop overhead", ".1%"), ("exact", "exact", "s"),
 ]
 
 
 def format_summary(rows: list) -> str:
-    return format_table(rows, COLUMNS)
+    """The metrics table; the phase profile below it when the runs measured phases. Synthetic runs
+    are announced in a line above the tables, besides their ``exact`` column."""
+    text = format_table(rows, COLUMNS)
+    if any(row.get("verify_share") is not None for row in rows):
+        text += "\n\nphase profile (share of decode time)\n" + format_table(rows, PHASE_COLUMNS)
+    synthetic = sorted({row["synthetic_acceptance"] for row in rows if row.get("synthetic_acceptance") is not None})
+    if synthetic:
+        text = (f"SYNTHETIC ACCEPTANCE R={', '.join(map(str, synthetic))}: speculative runs accept proposals at random; "
+                "their tokens are not the target's greedy output\n" + text)
+    return text
 
 
 def write_json(path, meta: dict, rows: list, records: list) -> Path:

@@ -1,0 +1,276 @@
+"""An in-library Llama / Qwen3 decoder with a static KV cache, for fixed-shape, graph-capturable steps.
+
+transformers' own decode step costs tens of milliseconds of host time per token on a GPU, and its
+static cache did not survive CUDA-graph capture (issue 6). This decoder holds the same weights in a
+few fused matrices and runs ``forward(ids)`` over ``n`` new tokens with shapes that depend on ``n``
+and ``max_len`` only: the cache length is a device tensor, the attention mask and the rotary
+positions are derived from it on the device, so a forward never reads anything back to the host and
+can be captured once and replayed. Rolling the cache back is setting that length; the entries beyond
+it are simply overwritten later.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SUPPORTED = ("llama", "qwen3")  # SmolLM2 is a Llama; Qwen3 adds RMSNorm on q and k
+# "sdpa": torch's fused attention; "matmul": baddbmm + softmax + bmm, more parallel for a few
+# query rows over a long cache (docs/benchmarks.md, issue 6, compares them).
+ATTENTION = ("sdpa", "matmul")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @classmethod
+    def from_hf(cls, config, num_layers: Optional[int] = None) -> "DecoderConfig":
+        """From a transformers LlamaConfig / Qwen3Config; ``num_layers`` keeps only the first layers."""
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED:
+            raise ValueError(f"config must be a {' or '.join(SUPPORTED)} config (the fast decoder's family), got model_type {model_type!r}")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"config.hidden_act must be 'silu', got {config.hidden_act!r}")
+        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+            raise ValueError("config has attention or MLP biases, which the fast decoder does not implement")
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("config.use_sliding_window is set; the fast decoder attends to the whole cache")
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"config's rope_type {rope_type!r} is not implemented by the fast decoder (only 'default')")
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        layers = config.num_hidden_layers
+        if num_layers is not None:
+            if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= layers:
+                raise ValueError(f"num_layers must be an int in 1..{layers} (the model's layers), got {num_layers!r}")
+            layers = num_layers
+        heads = config.num_attention_heads
+        return cls(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_layers=layers, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, rms_norm_eps=config.rms_norm_eps,
+            rope_theta=float(theta), qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # One fused kernel that normalises in float32 (transformers also scales in float32, then
+    # rounds once more: a last-bit difference in bf16, none in float32).
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.addcmul(x * cos, torch.cat([-x[..., half:], x[..., :half]], dim=-1), sin)
+
+
+class Decoder:
+    """Weights and a static KV cache of a Llama / Qwen3 decoder, on one device, in one dtype.
+
+    ``forward(ids)`` runs ``ids`` (int64 ``[n]``, on the device) at positions ``length .. length+n-1``,
+    writes their K/V entries there and returns the final-normed hidden states ``[n, D]``; it does
+    not move ``length`` (an int64 0-d device tensor): callers advance or cut it back. ``logits``
+    and ``argmax`` apply the model's own (dense) output head.
+
+    Layout: per layer the q/k/v projections are one ``[(H + 2 KV) hd, D]`` matrix and gate/up one
+    ``[2 I, D]`` matrix (fewer, larger GEMVs). The cache is ``[layers, KV, max_len, hd]`` for K and
+    for V: heads before positions, so a layer's slice is SDPA's ``[batch=1, heads, keys, hd]``
+    without a copy.
+    """
+
+    def __init__(self, config: DecoderConfig, weights: Mapping[str, object], *, max_len: int):
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
+        self.config = config
+        self.embed = weights["embed"]
+        self.lm_head = weights["lm_head"]
+        self.final_norm = weights["final_norm"]
+        self.layers = list(weights["layers"])
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.max_len = max_len
+        self.attention = "sdpa"
+        c = config
+        shape = (c.num_layers, c.num_kv_heads, max_len, c.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.length = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._positions = torch.arange(max_len, device=self.device)
+        # Rotary tables as transformers builds them: angles in float32, cos/sin cast to the model dtype.
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self._cos = angles.cos().to(self.device, self.dtype)
+        self._sin = angles.sin().to(self.device, self.dtype)
+
+    # ---- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, model, *, max_len: int, num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None,
+                device=None) -> "Decoder":
+        """From a transformers Llama / Qwen3 causal LM (its first ``num_layers`` layers when given:
+        an early-exit draft). Weights are copied into the fused layout."""
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(model, "state_dict"):
+            raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
+        return cls.from_state_dict(config, model.state_dict(), max_len=max_len, num_layers=num_layers, dtype=dtype, device=device)
+
+    @classmethod
+    def from_state_dict(cls, hf_config, state_dict: Mapping[str, Tensor], *, max_len: int,
+                        num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None, device=None) -> "Decoder":
+        """From a transformers config and state dict (keys as ``LlamaForCausalLM.state_dict()``)."""
+        c = DecoderConfig.from_hf(hf_config, num_layers)
+        prefix = "model." if "model.embed_tokens.weight" in state_dict else ""
+        embed_key = f"{prefix}embed_tokens.weight"
+        if embed_key not in state_dict:
+            raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers Llama/Qwen3 causal LM")
+        dtype = dtype or state_dict[embed_key].dtype
+        device = torch.device(device) if device is not None else state_dict[embed_key].device
+
+        def get(key: str) -> Tensor:
+            if key not in state_dict:
+                raise ValueError(f"state_dict has no {key!r}")
+            return state_dict[key].detach().to(device, dtype)
+
+        layers = []
+        for i in range(c.num_layers):
+            p = f"{prefix}layers.{i}."
+            layer = dict(
+                qkv=torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous(),
+                o=get(p + "self_attn.o_proj.weight").contiguous(),
+                gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]).contiguous(),
+                down=get(p + "mlp.down_proj.weight").contiguous(),
+                attn_norm=get(p + "input_layernorm.weight"), mlp_norm=get(p + "post_attention_layernorm.weight"),
+            )
+            if c.qk_norm:
+                layer.update(q_norm=get(p + "self_attn.q_norm.weight"), k_norm=get(p + "self_attn.k_norm.weight"))
+            layers.append(layer)
+        embed = get(embed_key).contiguous()
+        tied = c.tie_word_embeddings or "lm_head.weight" not in state_dict
+        lm_head = embed if tied else get("lm_head.weight").contiguous()
+        return cls(c, dict(embed=embed, lm_head=lm_head, final_norm=get(f"{prefix}norm.weight"), layers=layers), max_len=max_len)
+
+    @classmethod
+    def random(cls, config: DecoderConfig, *, max_len: int, dtype: torch.dtype = torch.bfloat16, device="cuda",
+               seed: int = 0, std: float = 0.02) -> "Decoder":
+        """Random weights allocated directly on ``device`` (a 32B-shaped model never passes through the
+        host). For timing: the values are irrelevant, but never zeros, and norms are ones."""
+        device = torch.device(device)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        c = config
+        hd, d = c.head_dim, c.hidden_size
+
+        def normal(*shape):
+            return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+
+        def ones(n):
+            return torch.ones(n, dtype=dtype, device=device)
+
+        layers = []
+        for _ in range(c.num_layers):
+            layer = dict(qkv=normal((c.num_heads + 2 * c.num_kv_heads) * hd, d), o=normal(d, c.num_heads * hd),
+                         gate_up=normal(2 * c.intermediate_size, d), down=normal(d, c.intermediate_size),
+                         attn_norm=ones(d), mlp_norm=ones(d))
+            if c.qk_norm:
+                layer.update(q_norm=ones(hd), k_norm=ones(hd))
+            layers.append(layer)
+        embed = normal(c.vocab_size, d)
+        lm_head = embed if c.tie_word_embeddings else normal(c.vocab_size, d)
+        return cls(c, dict(embed=embed, lm_head=lm_head, final_norm=ones(d), layers=layers), max_len=max_len)
+
+    # ---- the forward -------------------------------------------------------------------------
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """Hidden states ``[n, D]`` (after the final norm) of ``ids`` at positions ``length ..``.
+
+        Host-sync free and allocation-shape fixed by ``n``: safe inside CUDA-graph capture.
+        """
+        c = self.config
+        n = ids.shape[0]
+        kv, group, hd = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
+        pos = self.length + self._positions[:n]
+        cos, sin = self._cos.index_select(0, pos)[:, None], self._sin.index_select(0, pos)[:, None]
+        # Query i sees keys 0..pos[i]. The query heads sharing a KV head are folded into the query
+        # rows (row g*n+i: head g of the group, token i), so SDPA reads each cached KV head once.
+        # An additive mask built once here: a boolean one would be converted in every layer.
+        visible = (self._positions[None, :] <= pos[:, None]).repeat(group, 1)
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+        x = self.embed.index_select(0, ids)
+        for i, w in enumerate(self.layers):
+            h = _rms_norm(x, w["attn_norm"], c.rms_norm_eps)
+            q, k, v = F.linear(h, w["qkv"]).split([c.num_heads * hd, kv * hd, kv * hd], dim=-1)
+            q, k, v = q.view(n, c.num_heads, hd), k.view(n, kv, hd), v.view(n, kv, hd)
+            if c.qk_norm:
+                q, k = _rms_norm(q, w["q_norm"], c.rms_norm_eps), _rms_norm(k, w["k_norm"], c.rms_norm_eps)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            self.k_cache[i].index_copy_(1, pos, k.transpose(0, 1))
+            self.v_cache[i].index_copy_(1, pos, v.transpose(0, 1))
+            q = q.view(n, kv, group, hd).permute(1, 2, 0, 3).reshape(kv, group * n, hd)
+            if self.attention == "sdpa":
+                o = F.scaled_dot_product_attention(q[None], self.k_cache[i][None], self.v_cache[i][None], attn_mask=mask,
+                                                   scale=1.0 / math.sqrt(hd))
+            else:
+                scores = torch.baddbmm(mask, q, self.k_cache[i].transpose(1, 2), alpha=1.0 / math.sqrt(hd))
+                o = torch.bmm(scores.softmax(dim=-1, dtype=torch.float32).to(self.dtype), self.v_cache[i])
+            o = o.view(kv, group, n, hd).permute(2, 0, 1, 3).reshape(n, c.num_heads * hd)
+            x = x + F.linear(o, w["o"])
+            gate, up = F.linear(_rms_norm(x, w["mlp_norm"], c.rms_norm_eps), w["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w["down"])
+        return _rms_norm(x, self.final_norm, c.rms_norm_eps)
+
+    @property
+    def attention(self) -> str:
+        return self._attention
+
+    @attention.setter
+    def attention(self, value: str) -> None:
+        if value not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {value!r}")
+        self._attention = value
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return F.linear(hidden, self.lm_head)
+
+    def argmax(self, hidden: Tensor) -> Tensor:
+        """The dense head's greedy token per row, int64 ``[n]``."""
+        return self.logits(hidden).argmax(dim=-1)
+
+    def reset(self, length: int = 0) -> None:
+        self.length.fill_(length)
+
+    @property
+    def nbytes(self) -> int:
+        """Weight bytes (a tied head counted once)."""
+        tensors = [self.embed, self.final_norm] + [t for layer in self.layers for t in layer.values()]
+        if self.lm_head is not self.embed:
+            tensors.append(self.lm_head)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+__all__ = ["Decoder", "DecoderConfig", "SUPPORTED"]

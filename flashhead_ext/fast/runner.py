@@ -1,0 +1,382 @@
+"""Speculative decoding on :class:`~flashhead_ext.fast.decoder.Decoder` models with CUDA-graph steps.
+
+The same modes, exactness argument and host-sync rules as :mod:`flashhead_ext.speculative.driver`
+(docs/speculative.md), but every per-round step is a fixed-shape function over static buffers,
+captured once as a CUDA graph on the GPU (run eagerly on the CPU):
+
+* ``propose`` (draft device): K draft steps. The first feeds two tokens, the last two of the
+  emitted sequence, so that its shape never depends on how many proposals the last round accepted:
+  the draft cache is always cut back to ``len(sequence) - 2`` entries and the second-to-last token's
+  entry is recomputed (same token, same position, same value).
+* ``verify`` (target device): the K proposals after the cached context (deferred: the pending last
+  token first), the target's argmax at every position.
+* ``append`` (target): one token, its argmax (baseline, ordinary's append, deferred's tail step).
+* ``finalize`` (target): the accepted length ``a`` from the argmaxes (or, with
+  ``synthetic_acceptance``, from seeded uniforms), the emitted tokens, the target cache cut back by
+  setting its length, the draft's next input; then ``rewind`` (draft device) cuts the draft cache.
+
+The host reads one small tensor per round (ordinary: two when it verifies), as the driver does.
+With the draft on another GPU (``Decoder`` built on that device), ordinary mode's append of the
+round's last token runs on the target GPU while the draft GPU already proposes the next block.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from contextlib import nullcontext
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from ..head import DenseHead, FlashHead, _HeadBase
+from ..speculative.driver import (Clock, Emitter, Generation, GenerationStats, check_mode, check_prompt, eos_ids,
+                                  require_positive_int, sync)
+from .decoder import Decoder
+
+
+def on_device(device: torch.device):
+    """Makes ``device`` current for CUDA calls that use the current device (events, graph replay)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+class _Step:
+    """``fn`` run eagerly, or captured once as a CUDA graph on ``device`` and replayed."""
+
+    def __init__(self, fn, device: torch.device):
+        self.fn, self.device, self.graph = fn, device, None
+
+    def capture(self, prepare) -> None:
+        """Warm-up runs on a side stream (as torch recommends), then capture. ``prepare`` puts the
+        state where a run is in bounds (the warm-ups really execute and move cache lengths)."""
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    prepare()
+                    self.fn()
+            torch.cuda.current_stream().wait_stream(side)
+            prepare()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.fn()
+            self.graph = graph
+
+    def __call__(self) -> None:
+        if self.graph is None:
+            self.fn()
+        else:
+            with on_device(self.device):
+                self.graph.replay()
+
+
+class _Marks:
+    """Phase boundaries on the target's timeline: CUDA events read once per generation (no syncs),
+    or a host clock on the CPU. The time from one mark to the next goes to the first mark's phase."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.marks = []
+
+    def __call__(self, phase: Optional[str]) -> None:
+        if self.cuda:
+            with on_device(self.device):
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+        else:
+            event = time.perf_counter()
+        self.marks.append((phase, event))
+
+    def resolve(self) -> dict:
+        totals = {}
+        for (phase, start), (_, stop) in zip(self.marks, self.marks[1:]):
+            if phase is not None:
+                seconds = start.elapsed_time(stop) / 1000.0 if self.cuda else stop - start
+                totals[phase] = totals.get(phase, 0.0) + seconds
+        return totals
+
+
+class FastSpeculativeDecoder:
+    """Greedy speculative decoding of ``target`` with ``draft`` proposing ``k`` tokens a round.
+
+    Args:
+        target, draft: :class:`Decoder` models with the same vocabulary (``draft`` None: baseline
+            only). They may sit on different devices: ``draft_device`` placement.
+        draft_head: ``"dense"`` (the draft's own output embedding) or a DenseHead / FlashHead on the
+            draft's device.
+        k: proposals per round.
+        eos_token_id: int or ints that end a generation; None or ``[]``: none.
+        synthetic_acceptance: None for the exact greedy verifier; a probability R in [0, 1] makes the
+            verifier accept each proposal independently with probability R (seeded by ``seed``), for
+            timing at real shapes with random weights; a generation's draws depend on ``seed`` and
+            its prompt only. The round then emits the draft's proposals up
+            to the first rejection plus the target's token at that position; the output is not the
+            target's greedy decoding, and the stats say so.
+        graphs: capture the steps as CUDA graphs; default: when the target is on a GPU.
+        max_new_tokens: the longest generation the caches must hold, with ``max_len`` of both models
+            ``>= prompt + max_new_tokens + k + 1`` (checked per call).
+    """
+
+    def __init__(self, target: Decoder, draft: Optional[Decoder] = None,
+                 draft_head: Union[str, DenseHead, FlashHead] = "dense", *, k: int = 6,
+                 eos_token_id: Union[int, Sequence[int], None] = None, synthetic_acceptance: Optional[float] = None,
+                 seed: int = 0, graphs: Optional[bool] = None):
+        if not isinstance(target, Decoder):
+            raise TypeError(f"target must be a flashhead_ext.fast.Decoder, got {type(target).__name__}")
+        if draft is not None and not isinstance(draft, Decoder):
+            raise TypeError(f"draft must be a flashhead_ext.fast.Decoder or None, got {type(draft).__name__}")
+        self.target, self.draft, self.k = target, draft, require_positive_int("k", k)
+        self.eos = eos_ids(eos_token_id, None)
+        if synthetic_acceptance is not None:
+            if isinstance(synthetic_acceptance, bool) or not isinstance(synthetic_acceptance, (int, float)) \
+                    or not 0.0 <= synthetic_acceptance <= 1.0:
+                raise ValueError(f"synthetic_acceptance must be a probability in [0, 1] or None, got {synthetic_acceptance!r}")
+            synthetic_acceptance = float(synthetic_acceptance)
+        self.synthetic = synthetic_acceptance
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.seed = seed
+        self.graphs = target.device.type == "cuda" if graphs is None else bool(graphs)
+        if self.graphs and target.device.type != "cuda":
+            raise ValueError(f"graphs=True needs the models on a CUDA device, the target is on {target.device}")
+        self.head = None
+        if draft is not None:
+            self.head = self._check_draft(draft, draft_head)
+        self._build()
+
+    def _check_draft(self, draft: Decoder, head) -> _HeadBase:
+        vocab = self.target.config.vocab_size
+        if draft.config.vocab_size != vocab:
+            raise ValueError(f"draft must share the target's tokenizer: its vocabulary has {draft.config.vocab_size} rows, the target's {vocab}")
+        if self.graphs and draft.device.type != "cuda":
+            raise ValueError(f"draft must be on a CUDA device like the target when graphs are used, got {draft.device}")
+        if isinstance(head, str):
+            if head != "dense":
+                raise ValueError(f"draft_head must be 'dense' or a DenseHead/FlashHead instance, got {head!r}")
+            head = DenseHead(draft.lm_head)
+        if not isinstance(head, _HeadBase):
+            raise TypeError(f"draft_head must be 'dense', a DenseHead or a FlashHead, got {type(head).__name__}")
+        if head.vocab_size != vocab:
+            raise ValueError(f"draft_head must cover the target's vocabulary of {vocab} tokens, got {head.vocab_size}")
+        if head.embedding.device != draft.device:
+            raise ValueError(f"draft_head must be on the draft's device {draft.device}, got {head.embedding.device}")
+        return head
+
+    # ---- static buffers and steps ------------------------------------------------------------
+
+    def _build(self) -> None:
+        t, k = self.target, self.k
+        dev = t.device
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.vin = torch.zeros(k + 1, **i64)     # [last emitted token, d1..dK]
+        self.checks = torch.zeros(k + 1, **i64)  # target argmax per position; checks[0] is the known next token
+        self.out = torch.zeros(k + 2, **i64)     # [a, emitted tokens (the first a + 1 are valid)]
+        self.send = torch.zeros(3, **i64)        # [a, next draft input pair], for the draft device
+        self.round = torch.zeros((), **i64)
+        self.uniform = torch.zeros(t.max_len, k, dtype=torch.float32, device=dev)
+        self._slots = torch.arange(k + 1, device=dev)
+        self.steps = dict(append=_Step(self._append, dev), baseline=_Step(self._baseline_step, dev))
+        if self.draft is not None:
+            d = self.draft
+            self.pair = torch.zeros(2, dtype=torch.int64, device=d.device)  # the draft's first input of a round
+            self.proposals = torch.zeros(k, dtype=torch.int64, device=d.device)
+            self.recv = self.send if d.device == dev else torch.zeros(3, dtype=torch.int64, device=d.device)
+            self.steps.update(
+                propose=_Step(self._propose, d.device), rewind=_Step(self._rewind, d.device),
+                verify_deferred=_Step(lambda: self._verify(self.vin), dev),
+                verify_ordinary=_Step(lambda: self._verify(self.vin[1:]), dev),
+                finalize_deferred=_Step(lambda: self._finalize(1), dev),
+                finalize_ordinary=_Step(lambda: self._finalize(0), dev),
+            )
+        if self.graphs:
+            for step in self.steps.values():
+                step.capture(self._warmup_state)
+
+    def _warmup_state(self) -> None:
+        """Lengths with room on both sides (finalize moves them by up to k), valid token ids."""
+        for model in (self.target, self.draft):
+            if model is not None:
+                if model.max_len < 3 * (self.k + 2):
+                    raise ValueError(f"max_len must be >= 3 * (k + 2) = {3 * (self.k + 2)} for graph capture, got {model.max_len}")
+                model.reset(self.k + 2)
+        self.round.zero_()
+
+    def _append(self) -> None:
+        """The target runs the last emitted token; ``checks[0]`` becomes the token after it."""
+        t = self.target
+        self.checks[:1].copy_(t.argmax(t.forward(self.vin[:1])))
+        t.length += 1
+
+    def _baseline_step(self) -> None:
+        self._append()
+        self.vin[:1].copy_(self.checks[:1])
+
+    def _propose(self) -> None:
+        d, head = self.draft, self.head
+        ids = self.pair
+        for i in range(self.k):
+            hidden = d.forward(ids)[-1:].to(head.embedding.dtype)
+            d.length += ids.shape[0]
+            slot = self.proposals[i:i + 1]
+            if isinstance(head, FlashHead):
+                head.next_token(hidden, out=slot)
+            else:
+                slot.copy_(head.next_token(hidden))
+            ids = slot
+
+    def _verify(self, ids: Tensor) -> None:
+        """Writes the target's KV entries of ``ids`` (the length stays: finalize keeps the accepted)
+        and its argmax at each; ordinary's ``ids`` are the K proposals, after the known ``checks[0]``."""
+        t = self.target
+        self.checks[self.k + 1 - ids.shape[0]:].copy_(t.argmax(t.forward(ids)))
+
+    def _matches(self) -> Tensor:
+        """bool ``[K]``: would proposal i be accepted, given proposals 1..i-1 were."""
+        if self.synthetic is None:
+            return self.vin[1:] == self.checks[:self.k]
+        return self.uniform.index_select(0, self.round.view(1))[0] < self.synthetic
+
+    def _finalize(self, pending: int) -> None:
+        """Accepted length, emitted tokens, target cache cut back. ``pending``: 1 when the verify
+        batch began with the last emitted token (deferred), whose entry is kept too."""
+        a = self._matches().to(torch.int64).cumprod(0).sum()
+        final = self.checks.gather(0, a.view(1))
+        self.out[0] = a
+        self.out[1:].copy_(torch.where(self._slots == a, final, torch.cat([self.vin[1:], final])))
+        self.send[0] = a
+        self.send[1:].copy_(torch.cat([self.vin.gather(0, a.view(1)), final]))
+        self.vin[:1].copy_(final)
+        self.target.length += a + pending
+        self.round += 1
+
+    def _rewind(self) -> None:
+        """The draft cache kept its proposals' entries; keep those of the accepted ones only, minus
+        the second-to-last emitted token, which the next proposal re-feeds."""
+        self.draft.length -= self.k - self.recv[0]
+        self.pair.copy_(self.recv[1:])
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def _check_room(self, prompt_len: int, max_new_tokens: int) -> None:
+        need = prompt_len + max_new_tokens + self.k + 1
+        for role, model in (("target", self.target), ("draft", self.draft)):
+            if model is not None and model.max_len < need:
+                raise ValueError(f"max_new_tokens={max_new_tokens} with a {prompt_len}-token prompt and k={self.k} needs "
+                                 f"max_len >= {need}, the {role}'s is {model.max_len}")
+
+    @torch.inference_mode()
+    def generate(self, input_ids: Tensor, *, mode: str = "deferred", max_new_tokens: int = 64) -> Generation:
+        """As :meth:`SpeculativeDecoder.generate`: the target's greedy tokens (unless synthetic), with stats."""
+        check_mode(mode, self.draft is not None)
+        max_new_tokens = require_positive_int("max_new_tokens", max_new_tokens)
+        t, d, k = self.target, self.draft, self.k
+        prompt = check_prompt(input_ids, t.device)[0]
+        self._check_room(prompt.shape[0], max_new_tokens)
+        speculative = mode != "baseline"
+        stats = GenerationStats(mode=mode, prompt_tokens=prompt.shape[0], k=k if speculative else 0,
+                                synthetic_acceptance=self.synthetic if speculative else None,
+                                draft_head_s=None if speculative else 0.0)
+        output = Emitter(stats, self.eos, max_new_tokens)
+        if self.synthetic is not None:
+            # Seeded by the seed and the prompt, so every mode and head draws the same acceptances for
+            # the same prompt. Drawn before the clock starts; rounds never outnumber the new tokens.
+            # (One 32-bit hash: torch's CPU generator keeps only the low 32 bits of a seed.)
+            key = zlib.crc32(prompt.cpu().numpy().tobytes(), zlib.crc32(self.seed.to_bytes(8, "little", signed=True)))
+            self.uniform[:max_new_tokens].copy_(torch.rand(max_new_tokens, k, generator=torch.Generator().manual_seed(key)))
+        steps = self.steps
+        sync(t.device)
+
+        start = time.perf_counter()
+        t.reset()
+        self.vin[:1].copy_(t.argmax(t.forward(prompt)[-1:]))  # prefill: reported as TTFT only
+        t.reset(prompt.shape[0])
+        if speculative:
+            d.reset()
+            if prompt.shape[0] > 1:
+                d.forward(prompt[:-1].to(d.device))
+            d.reset(prompt.shape[0] - 1)
+            self.pair.copy_(torch.cat([prompt[-1:], self.vin[:1]]))
+            self.round.zero_()
+        done = output.first(int(self.vin[0]))
+        stats.ttft_s = time.perf_counter() - start
+
+        clock, marks = Clock(t.device), _Marks(t.device)
+        draft_clock = clock if d is None or d.device == t.device else Clock(d.device)
+        decode_start = time.perf_counter()
+        if mode == "ordinary" and not done:
+            with clock("target"):
+                steps["append"]()
+            stats.append_calls += 1
+        while not done:
+            if mode == "baseline":
+                marks("verify")
+                with clock("target"):
+                    steps["baseline"]()
+                marks("finalize")
+                stats.append_calls += 1
+                stats.host_syncs += 1
+                done = output.emit([int(self.checks[0])], 0, 0)
+                continue
+            if output.left == 1:
+                # Only the target's next token is still wanted: proposals could not be emitted.
+                marks("finalize")
+                if mode == "deferred":  # the tail step: the last token has not been through the target
+                    with clock("target"):
+                        steps["append"]()
+                    stats.append_calls += 1
+                stats.host_syncs += 1
+                done = output.emit([int(self.checks[0])], 0, 0)
+                continue
+
+            marks("propose")
+            with on_device(d.device), draft_clock("draft"):
+                steps["propose"]()
+            self.vin[1:].copy_(self.proposals)
+            marks("verify")
+            verified = True
+            if mode == "ordinary":
+                first_match, known = torch.stack([self._matches()[0].to(torch.int64), self.checks[0]]).tolist()
+                stats.host_syncs += 1
+                # A refuted first proposal means the verify could accept nothing: skip it.
+                verified = bool(first_match)
+                if verified:
+                    with clock("target"):
+                        steps["verify_ordinary"]()
+                else:
+                    stats.skipped_verifies += 1
+            else:
+                with clock("target"):
+                    steps["verify_deferred"]()
+            marks("finalize")
+            steps[f"finalize_{mode}"]()  # on a skipped round: a = 0 and the known token, no cache to cut
+            if self.recv is not self.send:
+                self.recv.copy_(self.send)
+            steps["rewind"]()
+            if verified:
+                stats.verify_calls += 1
+                packed = self.out.tolist()
+                stats.host_syncs += 1
+                accepted, emitted = packed[0], packed[1:packed[0] + 2]
+            else:
+                accepted, emitted = 0, [known]
+            done = output.emit(emitted, k, accepted)
+            if mode == "ordinary" and not done:
+                # On two GPUs this runs while the draft GPU proposes the next block.
+                with clock("target"):
+                    steps["append"]()
+                stats.append_calls += 1
+        marks(None)
+        sync(t.device)
+        if d is not None and d.device != t.device:
+            sync(d.device)
+        stats.decode_s = time.perf_counter() - decode_start
+        stats.new_tokens = len(output.tokens)
+        totals = clock.resolve()
+        stats.target_s, stats.draft_s = totals["target"], draft_clock.resolve()["draft"]
+        stats.phase_s = marks.resolve()
+        return Generation(output.tokens, stats)
+
+
+__all__ = ["FastSpeculativeDecoder"]
