@@ -1,9 +1,10 @@
 """``python -m flashhead_ext.bench <benchmark>``; each benchmark prints a table and writes JSON."""
 import sys
 
-from . import clusters, head
+from . import clusters, head, spec
 
-BENCHMARKS = {"head": head.main, "clusters": clusters.main}
+BENCHMARKS = {"head": head.main, "clusters": clusters.main, "draft-step": spec.draft_step_main,
+              "spec": spec.spec_main}
 
 
 def main(argv=None) -> int:

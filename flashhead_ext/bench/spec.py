@@ -1,0 +1,222 @@
+"""``python -m flashhead_ext.bench draft-step`` and ``... spec``: the fast path at real shapes (issue 6).
+
+Both build :class:`~flashhead_ext.fast.Decoder` models with random weights (allocated on the GPU)
+at named shapes. FlashHead heads use random equal-size clusters (a random permutation of the
+vocabulary, centroids the normalised member means): the greedy path's cost does not depend on
+which tokens share a cluster, and a k-means build at 151936 x 1024 would take longer than the
+benchmark. Every result file records this.
+
+* ``draft-step``: one draft decode step (1 token -> body -> head -> token) replayed as a CUDA graph,
+  dense vs FlashHead head, with the body alone timed the same way, and the weight-traffic floor.
+* ``spec``: end to end, a target and a draft at the given shapes, baseline / ordinary / deferred
+  with dense and FlashHead drafts, interleaved (:mod:`flashhead_ext.speculative.runner`). Random
+  weights cannot agree, so ``--synthetic-acceptance R`` (default 0.77: the thesis's 3.666 tokens per
+  round at K=6) draws the acceptances; those rows are labelled synthetic everywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+
+from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
+from ..fast.decoder import ATTENTION
+from ..head import DenseHead, FlashHead
+from ..speculative.runner import format_summary, plan_configs, run_interleaved, summarize, write_json
+from .timing import capture_graph, copy_bandwidth_gbs, format_table, run_metadata, time_calls
+
+# Named shapes. Gemma-3-270M's own body (sliding windows, 4 norms a layer, scaled embeddings) is not
+# the fast decoder's family: "gemma3-270m-llama" is a Llama body with its dimensions and head.
+SHAPES = {
+    "qwen3-0.6b": DecoderConfig(151936, 1024, 3072, 28, 16, 8, 128, rope_theta=1e6, qk_norm=True, tie_word_embeddings=True),
+    "qwen3-32b": DecoderConfig(151936, 5120, 25600, 64, 64, 8, 128, rope_theta=1e6, qk_norm=True),
+    "gemma3-270m-llama": DecoderConfig(262144, 640, 2048, 18, 4, 1, 256, tie_word_embeddings=True),
+    # SmolLM2-135M's first 8 layers + norm + head: the README demo's early-exit draft.
+    "smollm2-early-exit-8": DecoderConfig(49152, 576, 1536, 8, 9, 3, 64, rope_theta=1e5, tie_word_embeddings=True),
+    "tiny": DecoderConfig(1000, 64, 96, 2, 4, 2, 16, qk_norm=True, tie_word_embeddings=True),  # CLI checks on a CPU
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CLUSTERS = "random equal-size clusters (timing only)"
+
+
+def random_flash_head(embedding: torch.Tensor, cluster_size: int, probes, seed: int = 0) -> FlashHead:
+    """A FlashHead over ``embedding`` with a random partition of the vocabulary; ``probes`` None: C/16."""
+    vocab = embedding.shape[0]
+    clusters = math.ceil(vocab / cluster_size)
+    gen = torch.Generator(device=embedding.device).manual_seed(seed)
+    order = torch.randperm(clusters * cluster_size, generator=gen, device=embedding.device)
+    table = torch.where(order < vocab, order, torch.full_like(order, -1)).view(clusters, cluster_size)
+    members = embedding[table.clamp(min=0)].float() * (table >= 0).unsqueeze(-1)
+    centroids = torch.nn.functional.normalize(members.sum(1), dim=1)
+    return FlashHead(embedding, centroids, table, max(1, clusters // 16) if probes is None else probes)
+
+
+def make_head(kind: str, embedding: torch.Tensor, args):
+    return DenseHead(embedding) if kind == "dense" else random_flash_head(embedding, args.cluster_size, args.probes)
+
+
+def _common(parser: argparse.ArgumentParser, json_default: str) -> None:
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--probes", type=int, default=None, help="FlashHead clusters per step (default C/16)")
+    parser.add_argument("--cluster-size", type=int, default=16)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--attention", default="sdpa", choices=ATTENTION, help="the decoders' attention implementation")
+    parser.add_argument("--json", default=json_default)
+
+
+def _check_shapes(parser, names: str) -> list:
+    shapes = [name for name in names.split(",") if name]
+    for name in shapes:
+        if name not in SHAPES:
+            parser.error(f"unknown shape {name!r}; choose from {sorted(SHAPES)}")
+    return shapes
+
+
+# ---- draft step ------------------------------------------------------------------------------
+
+def draft_step_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench draft-step",
+                                     description="One draft decode step, graph-replayed: dense vs FlashHead head.")
+    parser.add_argument("--shapes", default="qwen3-0.6b,gemma3-270m-llama,smollm2-early-exit-8", help=f"comma list of {sorted(SHAPES)}")
+    parser.add_argument("--context", type=int, default=1024, help="cache length attended over (max_len)")
+    parser.add_argument("--samples", type=int, default=30)
+    parser.add_argument("--calls", type=int, default=20, help="graph replays per timed sample")
+    _common(parser, "results/bench_draft_step.json")
+    args = parser.parse_args(argv)
+    shapes = _check_shapes(parser, args.shapes)
+    cuda = args.device != "cpu"
+    dtype = DTYPES[args.dtype]
+    meta = dict(run_metadata(), clusters=CLUSTERS, args=vars(args))
+    bandwidth = copy_bandwidth_gbs() if cuda else None
+    meta["copy_bandwidth_gbs"] = bandwidth
+    rows = []
+    for name in shapes:
+        model = Decoder.random(SHAPES[name], max_len=args.context, dtype=dtype, device=args.device)
+        model.attention = args.attention
+        model.reset(args.context - 1)  # the step attends over the whole cache whatever the length: a fixed cost
+        ids = torch.zeros(1, dtype=torch.int64, device=args.device)
+        token = torch.zeros(1, dtype=torch.int64, device=args.device)
+        body_us = _time(lambda: model.forward(ids), args, cuda)
+        body_bytes = model.nbytes - model.lm_head.numel() * model.lm_head.element_size() * (model.lm_head is not model.embed)
+        for kind in ("dense", "flashhead"):
+            head = make_head(kind, model.lm_head, args)
+
+            def step(head=head):
+                hidden = model.forward(ids)
+                if isinstance(head, FlashHead):
+                    head.next_token(hidden, out=token)
+                else:
+                    token.copy_(head.next_token(hidden))
+
+            step_us = _time(step, args, cuda)
+            head_bytes = model.lm_head.numel() * model.lm_head.element_size() if kind == "dense" else None
+            rows.append(dict(shape=name, head=kind, layers=SHAPES[name].num_layers, step_us=step_us, body_us=body_us,
+                             head_us=step_us - body_us,
+                             probes=getattr(head, "probes", None), clusters=getattr(head, "num_clusters", None),
+                             body_floor_us=body_bytes / (bandwidth * 1e3) if bandwidth else None,
+                             dense_head_floor_us=head_bytes / (bandwidth * 1e3) if bandwidth and head_bytes else None))
+        dense, flash = rows[-2], rows[-1]
+        flash["dense_over_flash"] = dense["step_us"] / flash["step_us"]
+    print(f"draft step, {'CUDA graph replay' if cuda else 'eager (CPU)'}, {args.dtype}, attention {args.attention}, FlashHead: {CLUSTERS}")
+    print(format_table(rows, STEP_COLUMNS))
+    _write(args.json, dict(meta=meta, rows=rows))
+    return 0
+
+
+STEP_COLUMNS = [("shape", "shape", "s"), ("layers", "layers", "d"), ("head", "head", "s"), ("probes", "p", "d"),
+                ("step_us", "step us", ".1f"), ("body_us", "body us", ".1f"), ("head_us", "head us", ".1f"),
+                ("body_floor_us", "body floor us", ".1f"), ("dense_over_flash", "dense/flash", ".3f")]
+
+
+def _time(fn, args, cuda: bool) -> float:
+    if not cuda:
+        return time_calls(fn, calls_per_sample=1, samples=args.samples, warmup=2, device="cpu")
+    graph = capture_graph(fn)
+
+    def replays():
+        for _ in range(args.calls):
+            graph.replay()
+
+    return time_calls(replays, calls_per_sample=args.calls, samples=args.samples, warmup=2)
+
+
+def _write(path, payload: dict) -> None:
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {path}")
+
+
+# ---- end to end ------------------------------------------------------------------------------
+
+def spec_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench spec",
+                                     description="End-to-end speculative decoding on the fast path, random weights.")
+    parser.add_argument("--target", default="qwen3-32b", help=f"target shape, one of {sorted(SHAPES)}")
+    parser.add_argument("--draft", default="qwen3-0.6b", help="draft shape (same vocabulary)")
+    parser.add_argument("--target-layers", type=int, default=None,
+                        help="keep only this many target layers (quick runs; reported numbers use the full shape)")
+    parser.add_argument("--draft-device", default=None, help="e.g. cuda:1 for the draft on a second GPU (default: the target's)")
+    parser.add_argument("--synthetic-acceptance", type=float, default=0.77,
+                        help="probability that the verifier accepts each proposal (random weights never agree)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic acceptances and the prompts")
+    parser.add_argument("--head", default="dense,flashhead")
+    parser.add_argument("--mode", default="baseline,ordinary,deferred")
+    parser.add_argument("--k", type=int, default=6)
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--warmup-tokens", type=int, default=16)
+    _common(parser, "results/bench_spec.json")
+    args = parser.parse_args(argv)
+    for name in ("target", "draft"):
+        _check_shapes(parser, getattr(args, name))
+    if not 0.0 <= args.synthetic_acceptance <= 1.0:
+        parser.error(f"--synthetic-acceptance must be in [0, 1], got {args.synthetic_acceptance}")
+    for name in ("k", "num_prompts", "prompt_tokens", "max_new_tokens", "warmup_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        configs = plan_configs([h for h in args.head.split(",") if h], [m for m in args.mode.split(",") if m])
+    except ValueError as error:
+        parser.error(str(error))
+    target_shape, draft_shape = SHAPES[args.target], SHAPES[args.draft]
+    if target_shape.vocab_size != draft_shape.vocab_size:
+        parser.error(f"--draft {args.draft} must share --target {args.target}'s vocabulary")
+    if args.target_layers is not None:
+        if not 1 <= args.target_layers <= target_shape.num_layers:
+            parser.error(f"--target-layers must be in 1..{target_shape.num_layers}, got {args.target_layers}")
+        target_shape = DecoderConfig(**{**vars(target_shape), "num_layers": args.target_layers})
+
+    dtype = DTYPES[args.dtype]
+    max_len = args.prompt_tokens + args.max_new_tokens + args.k + 1
+    max_len = max(8 * math.ceil(max_len / 8), 3 * (args.k + 2))  # a multiple of 8 keeps SDPA's mask aligned
+    target = Decoder.random(target_shape, max_len=max_len, dtype=dtype, device=args.device, seed=args.seed)
+    draft_device = args.draft_device or args.device
+    draft = Decoder.random(draft_shape, max_len=max_len, dtype=dtype, device=draft_device, seed=args.seed + 1)
+    target.attention = draft.attention = args.attention
+    decoders = {None: FastSpeculativeDecoder(target, k=args.k, eos_token_id=[])}
+    for kind in dict.fromkeys(c.head for c in configs if c.head):
+        # One seed for every config: a prompt gets the same acceptances in every mode and head.
+        decoders[kind] = FastSpeculativeDecoder(target, draft, make_head(kind, draft.lm_head, args), k=args.k, eos_token_id=[],
+                                                synthetic_acceptance=args.synthetic_acceptance, seed=args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [dict(input_ids=torch.randint(0, target_shape.vocab_size, (args.prompt_tokens,), generator=gen), question_id=i)
+               for i in range(args.num_prompts)]
+    records = run_interleaved(decoders, configs, prompts, args.max_new_tokens, warmup_tokens=args.warmup_tokens)
+    rows = summarize(records, configs)
+    flash = decoders.get("flashhead")
+    meta = dict(run_metadata(), args=vars(args), synthetic_acceptance=args.synthetic_acceptance, clusters=CLUSTERS, max_len=max_len,
+                target_gb=target.nbytes / 1e9, draft_gb=draft.nbytes / 1e9,
+                probes_used=flash.head.probes if flash else None, num_clusters=flash.head.num_clusters if flash else None,
+                graphs=decoders[None].graphs)
+    print(f"target {args.target}" + (f" ({args.target_layers} layers)" if args.target_layers else "") +
+          f" {meta['target_gb']:.1f} GB, draft {args.draft} on {draft_device}, K={args.k}, {args.dtype}, "
+          f"attention {args.attention}, FlashHead {CLUSTERS}, graphs={meta['graphs']}")
+    print(format_summary(rows))
+    print(f"wrote {write_json(args.json, meta, rows, records)}")
+    return 0
