@@ -354,6 +354,22 @@ def test_graph_replay_equals_eager(mode, head, attention):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["ordinary", "deferred"])
+def test_compiled_layers_match_eager_and_replay_exactly(mode):
+    target, draft = _cuda_models("qwen3")
+    ids = torch.tensor([3, 17, 5], device="cuda")
+    target.reset(4)
+    eager = target.forward(ids)
+    target.compiled = True
+    target.reset(4)
+    torch.testing.assert_close(target.forward(ids), eager, rtol=1e-5, atol=1e-5)
+    draft.compiled = True
+    gen = FastSpeculativeDecoder(target, draft, head_for(draft, "flashhead"), k=3).generate(prompt(6), mode=mode,
+                                                                                          max_new_tokens=NEW)
+    assert tuple(gen.tokens) == reference("qwen3", 6)
+
+
+@pytest.mark.gpu
 def test_no_host_sync_inside_captured_steps():
     target, draft = _cuda_models("llama")
     runner = FastSpeculativeDecoder(target, draft, head_for(draft, "flashhead"), k=4, synthetic_acceptance=0.5)

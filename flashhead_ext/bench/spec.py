@@ -63,6 +63,8 @@ def _common(parser: argparse.ArgumentParser, json_default: str) -> None:
     parser.add_argument("--cluster-size", type=int, default=16)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--attention", default="sdpa", choices=ATTENTION, help="the decoders' attention implementation")
+    parser.add_argument("--compile", action="store_true",
+                        help="run steps of a few tokens through torch.compile'd layers (fuses the small kernels)")
     parser.add_argument("--json", default=json_default)
 
 
@@ -94,7 +96,7 @@ def draft_step_main(argv=None) -> int:
     rows = []
     for name in shapes:
         model = Decoder.random(SHAPES[name], max_len=args.context, dtype=dtype, device=args.device)
-        model.attention = args.attention
+        model.attention, model.compiled = args.attention, args.compile
         model.reset(args.context - 1)  # the step attends over the whole cache whatever the length: a fixed cost
         ids = torch.zeros(1, dtype=torch.int64, device=args.device)
         token = torch.zeros(1, dtype=torch.int64, device=args.device)
@@ -119,7 +121,8 @@ def draft_step_main(argv=None) -> int:
                              dense_head_floor_us=head_bytes / (bandwidth * 1e3) if bandwidth and head_bytes else None))
         dense, flash = rows[-2], rows[-1]
         flash["dense_over_flash"] = dense["step_us"] / flash["step_us"]
-    print(f"draft step, {'CUDA graph replay' if cuda else 'eager (CPU)'}, {args.dtype}, attention {args.attention}, FlashHead: {CLUSTERS}")
+    print(f"draft step, {'CUDA graph replay' if cuda else 'eager (CPU)'}, {args.dtype}, attention {args.attention}, "
+          f"compiled layers {args.compile}, FlashHead: {CLUSTERS}")
     print(format_table(rows, STEP_COLUMNS))
     _write(args.json, dict(meta=meta, rows=rows))
     return 0
@@ -199,6 +202,7 @@ def spec_main(argv=None) -> int:
     draft_device = args.draft_device or args.device
     draft = Decoder.random(draft_shape, max_len=max_len, dtype=dtype, device=draft_device, seed=args.seed + 1)
     target.attention = draft.attention = args.attention
+    target.compiled = draft.compiled = args.compile
     decoders = {None: FastSpeculativeDecoder(target, k=args.k, eos_token_id=[])}
     for kind in dict.fromkeys(c.head for c in configs if c.head):
         # One seed for every config: a prompt gets the same acceptances in every mode and head.
@@ -216,7 +220,7 @@ def spec_main(argv=None) -> int:
                 graphs=decoders[None].graphs)
     print(f"target {args.target}" + (f" ({args.target_layers} layers)" if args.target_layers else "") +
           f" {meta['target_gb']:.1f} GB, draft {args.draft} on {draft_device}, K={args.k}, {args.dtype}, "
-          f"attention {args.attention}, FlashHead {CLUSTERS}, graphs={meta['graphs']}")
+          f"attention {args.attention}, compiled layers {args.compile}, FlashHead {CLUSTERS}, graphs={meta['graphs']}")
     print(format_summary(rows))
     print(f"wrote {write_json(args.json, meta, rows, records)}")
     return 0
