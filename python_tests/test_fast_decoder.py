@@ -277,6 +277,12 @@ def test_runner_summary_labels_synthetic_runs():
     assert rows["deferred/dense"]["head_share"] is None  # the fast path does not time the head apart
     shares = [rows["deferred/dense"][f"{p}_share"] for p in ("propose", "verify", "finalize")]
     assert all(0 < s < 1 for s in shares) and sum(shares) == pytest.approx(1.0, abs=0.2)
+    assert rows["deferred/dense"]["overhead_share"] is not None
+    # A draft on another GPU overlaps the target: the loop's overhead is then not derivable.
+    for record in records:
+        record["draft_overlaps_target"] = record["mode"] != "baseline"
+    rows = {row["label"]: row for row in summarize(records, configs)}
+    assert rows["deferred/dense"]["overhead_share"] is None and rows["baseline"]["overhead_share"] is not None
 
 
 def test_runner_bad_arguments_name_the_argument():
@@ -367,6 +373,18 @@ def test_compiled_layers_match_eager_and_replay_exactly(mode):
     gen = FastSpeculativeDecoder(target, draft, head_for(draft, "flashhead"), k=3).generate(prompt(6), mode=mode,
                                                                                           max_new_tokens=NEW)
     assert tuple(gen.tokens) == reference("qwen3", 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="draft_device placement needs two GPUs")
+@pytest.mark.parametrize("mode", MODES)
+def test_draft_on_a_second_gpu_is_exact(mode):
+    model = hf_model("llama", dtype=torch.float32)
+    target = Decoder.from_hf(model, max_len=48, device="cuda:0")
+    draft = Decoder.from_hf(model, max_len=48, num_layers=1, device="cuda:1")
+    runner = FastSpeculativeDecoder(target, draft, head_for(draft, "flashhead"), k=3)
+    gen = runner.generate(prompt(5), mode=mode, max_new_tokens=NEW)
+    assert tuple(gen.tokens) == reference("llama", 5)
 
 
 @pytest.mark.gpu

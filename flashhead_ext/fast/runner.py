@@ -59,7 +59,10 @@ class _Step:
             torch.cuda.current_stream().wait_stream(side)
             prepare()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # A capture stream of this device: torch.cuda.graph's default one belongs to whichever
+            # device was current when it was first made, and capturing the draft's device through
+            # it would leave that device's work on its legacy stream.
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
                 self.fn()
             self.graph = graph
 
@@ -277,7 +280,8 @@ class FastSpeculativeDecoder:
         speculative = mode != "baseline"
         stats = GenerationStats(mode=mode, prompt_tokens=prompt.shape[0], k=k if speculative else 0,
                                 synthetic_acceptance=self.synthetic if speculative else None,
-                                draft_head_s=None if speculative else 0.0)
+                                draft_head_s=None if speculative else 0.0,
+                                draft_overlaps_target=speculative and d.device != t.device)
         output = Emitter(stats, self.eos, max_new_tokens)
         if self.synthetic is not None:
             # Seeded by the seed and the prompt, so every mode and head draws the same acceptances for

@@ -68,6 +68,9 @@ class GenerationStats:
     emitted_per_round: list = field(default_factory=list)
     phase_s: dict = field(default_factory=dict)
     synthetic_acceptance: Optional[float] = None
+    # The draft ran on another GPU, concurrently with the target: wall time is then no sum of the
+    # two models' times, and the loop's overhead cannot be derived from them.
+    draft_overlaps_target: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -102,7 +102,8 @@ def summarize(records: list, configs: list) -> list:
         for r in runs:
             for phase, seconds in r.get("phase_s", {}).items():
                 phases[phase] = phases.get(phase, 0.0) + seconds
-        loop_s = total["decode_s"] - total["draft_s"] - total["target_s"]
+        overlapped = any(r.get("draft_overlaps_target") for r in runs)
+        loop_s = None if overlapped else total["decode_s"] - total["draft_s"] - total["target_s"]
         rows.append(dict(
             label=config.label, mode=config.mode, head=config.head, samples=len(runs),
             new_tokens=total["new_tokens"],
@@ -116,8 +117,8 @@ def summarize(records: list, configs: list) -> list:
             draft_s=total["draft_s"],
             draft_share=total["draft_s"] / total["decode_s"] if total["decode_s"] else None,
             head_share=head_s / total["draft_s"] if total["draft_s"] and head_s is not None else None,
-            overhead_ms_round=1000 * loop_s / total["rounds"] if total["rounds"] else None,
-            overhead_share=loop_s / total["decode_s"] if total["decode_s"] else None,
+            overhead_ms_round=1000 * loop_s / total["rounds"] if total["rounds"] and loop_s is not None else None,
+            overhead_share=loop_s / total["decode_s"] if total["decode_s"] and loop_s is not None else None,
             exact="synthetic" if synthetic else (f"{sum(exact)}/{len(exact)}" if exact else None),
             synthetic_acceptance=synthetic.pop() if len(synthetic) == 1 else None,
             **{f"{phase}_share": seconds / total["decode_s"] for phase, seconds in phases.items() if total["decode_s"]},
