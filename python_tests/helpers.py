@@ -380,3 +380,69 @@ def counts_of(values: Tensor, n: int) -> np.ndarray:
 
 def seed_tensor(value: int, device) -> Tensor:
     return torch.tensor(value, dtype=torch.int64, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding tests (test_speculative.py, test_fast_decoder.py).
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared machine a second thread spins for ~5x the time."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_prompt(seed: int, vocab: int, length: int = 7) -> Tensor:
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy_tokens(model, ids: Tensor, new_tokens: int) -> tuple:
+    """Target-only greedy decoding by a transformers model, recomputing the whole sequence each step
+    (no cache): the reference every speculative mode must reproduce."""
+    ids = ids.view(1, -1)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tuple(ids[0, -new_tokens:].tolist())
+
+
+def random_partition(vocab: int, cluster_size: int, seed: int = 0) -> Tensor:
+    """A valid but meaningless cluster table ``[ceil(V / b), b]`` (int64): a random partition of the
+    vocabulary, -1 padding at the end."""
+    clusters = -(-vocab // cluster_size)
+    order = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+    return torch.cat([order, order.new_full((clusters * cluster_size - vocab,), -1)]).view(clusters, cluster_size)
+
+
+def check_counters(gen, mode: str, k: int, max_new: int) -> None:
+    """Invariants every speculative generation (eager driver or fast path) must satisfy, whatever the
+    draft proposed."""
+    s = gen.stats
+    assert s.new_tokens == len(gen.tokens) <= max_new
+    # Each token is emitted once: the first by the prefill, every other one by exactly one round.
+    assert sum(s.emitted_per_round) == len(gen.tokens) - 1
+    assert len(s.emitted_per_round) == len(s.accepted_per_round) == s.rounds
+    assert s.accepted == sum(s.accepted_per_round) <= s.proposed
+    assert all(1 <= e <= k + 1 for e in s.emitted_per_round)
+    proposing = s.proposed // k if k else 0
+    assert s.decode_s >= s.draft_s + s.target_s - 1e-9 >= 0
+    assert s.draft_head_s is None or s.draft_s >= s.draft_head_s  # the fast path does not time the head apart
+    if mode == "baseline":
+        assert (s.proposed, s.verify_calls, s.append_calls, s.host_syncs) == (0, 0, s.rounds, s.rounds)
+    elif mode == "deferred":
+        # Deferred appends nothing except the tail step, which ends the generation with one token.
+        assert s.verify_calls == proposing and s.skipped_verifies == 0
+        assert s.append_calls == (1 if s.proposed < k * s.rounds else 0)
+        assert s.host_syncs == s.rounds  # one per round
+    else:
+        # Ordinary verifies unless the known next token refutes the first proposal: then it accepts 0.
+        assert s.verify_calls + s.skipped_verifies == proposing
+        assert s.skipped_verifies == sum(1 for a in s.accepted_per_round if a == 0) - (s.rounds - proposing)
+        assert s.host_syncs == s.rounds + s.verify_calls
+        # One append after the first token and one after every round but the last (which ends it).
+        assert s.append_calls == s.rounds
+    if s.phase_s and s.rounds:  # the fast path's phases tile the rounds
+        assert set(s.phase_s) <= {"propose", "verify", "finalize"}
+        assert sum(s.phase_s.values()) == pytest.approx(s.decode_s, rel=0.2, abs=2e-3)

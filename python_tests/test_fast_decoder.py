@@ -18,19 +18,13 @@ from flashhead_ext import DenseHead, FlashHead
 from flashhead_ext.fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from flashhead_ext.speculative import MODES
 from flashhead_ext.speculative.runner import plan_configs, run_interleaved, summarize
+from helpers import one_thread  # noqa: F401  (an autouse fixture)
+from helpers import check_counters, greedy_tokens, random_partition, random_prompt
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 97
 NEW = 20
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,54 +42,24 @@ def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64):
 
 
 def prompt(seed: int, length: int = 7) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+    return random_prompt(seed, VOCAB, length)
 
 
 @functools.lru_cache(maxsize=None)
 def reference(arch: str, prompt_seed: int, new_tokens: int = NEW) -> tuple:
-    """Target-only greedy decoding by transformers, recomputing the whole sequence each step."""
-    model, ids = hf_model(arch), prompt(prompt_seed).view(1, -1)
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return tuple(ids[0, -new_tokens:].tolist())
+    return greedy_tokens(hf_model(arch), prompt(prompt_seed), new_tokens)
 
 
 def random_flash_head(embedding: torch.Tensor, cluster_size: int = 4, probes: int = 1) -> FlashHead:
     """A meaningless clustering, so that FlashHead's proposals are often wrong."""
-    vocab = embedding.shape[0]
-    clusters = -(-vocab // cluster_size)
-    order = torch.randperm(clusters * cluster_size, generator=torch.Generator().manual_seed(0)).to(embedding.device)
-    table = torch.where(order < vocab, order, torch.full_like(order, -1)).view(clusters, cluster_size)
-    centroids = torch.nn.functional.normalize(torch.randn(clusters, embedding.shape[1], generator=torch.Generator().manual_seed(1)), dim=1)
+    table = random_partition(embedding.shape[0], cluster_size).to(embedding.device)
+    centroids = torch.nn.functional.normalize(torch.randn(table.shape[0], embedding.shape[1], generator=torch.Generator().manual_seed(1)), dim=1)
     return FlashHead(embedding, centroids.to(embedding.device), table, probes)
 
 
 def head_for(decoder: Decoder, kind: str):
     embedding = decoder.lm_head.float()  # the heads take no float64
     return DenseHead(embedding) if kind == "dense" else random_flash_head(embedding)
-
-
-def check_counters(gen, mode: str, k: int, max_new: int) -> None:
-    s = gen.stats
-    assert s.new_tokens == len(gen.tokens) <= max_new
-    assert sum(s.emitted_per_round) == len(gen.tokens) - 1
-    assert len(s.emitted_per_round) == len(s.accepted_per_round) == s.rounds
-    assert s.accepted == sum(s.accepted_per_round) <= s.proposed
-    assert all(1 <= e <= k + 1 for e in s.emitted_per_round)
-    proposing = s.proposed // k if k else 0
-    assert s.decode_s >= s.draft_s + s.target_s - 1e-9 >= 0
-    if mode == "baseline":
-        assert (s.proposed, s.verify_calls, s.append_calls, s.host_syncs) == (0, 0, s.rounds, s.rounds)
-    elif mode == "deferred":
-        assert s.verify_calls == proposing and s.host_syncs == s.rounds
-        assert s.append_calls == (1 if s.proposed < k * s.rounds else 0)
-    else:
-        assert s.verify_calls + s.skipped_verifies == proposing and s.append_calls == s.rounds
-        assert s.host_syncs == s.rounds + s.verify_calls
-    if s.rounds:  # the phases tile the rounds
-        assert set(s.phase_s) <= {"propose", "verify", "finalize"}
-        assert sum(s.phase_s.values()) == pytest.approx(s.decode_s, rel=0.2, abs=2e-3)
 
 
 # ---- the decoder -------------------------------------------------------------------------------

@@ -20,21 +20,14 @@ from flashhead_ext import DenseHead, FlashHead
 from flashhead_ext.speculative import MODES, SpeculativeDecoder, early_exit_draft
 from flashhead_ext.speculative.driver import Generation, GenerationStats
 from flashhead_ext.speculative.runner import plan_configs, run_interleaved, summarize
+from helpers import one_thread  # noqa: F401  (an autouse fixture)
+from helpers import check_counters, greedy_tokens, random_partition, random_prompt
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 101
 NEW = 20  # new tokens per exactness run
 ARCHS = ("llama", "qwen3", "gemma3")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine a second thread spins for ~5x the time."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _config(arch: str):
@@ -59,25 +52,17 @@ def tiny_model(arch: str, seed: int = 0):
 
 
 def prompt(seed: int, length: int = 7) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+    return random_prompt(seed, VOCAB, length)
 
 
 @functools.lru_cache(maxsize=None)
 def reference(arch: str, prompt_seed: int, new_tokens: int = NEW) -> tuple:
-    """Target-only greedy decoding recomputing the whole sequence each step (no cache)."""
-    model, ids = tiny_model(arch), prompt(prompt_seed).view(1, -1)
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return tuple(ids[0, -new_tokens:].tolist())
+    return greedy_tokens(tiny_model(arch), prompt(prompt_seed), new_tokens)
 
 
 def random_clustering(embedding: torch.Tensor, cluster_size: int, seed: int = 0):
     """A valid but meaningless clustering: a random partition, mean-row centroids."""
-    vocab = embedding.shape[0]
-    clusters = -(-vocab // cluster_size)
-    order = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
-    table = torch.cat([order, order.new_full((clusters * cluster_size - vocab,), -1)]).view(clusters, cluster_size)
+    table = random_partition(embedding.shape[0], cluster_size, seed)
     members = embedding[table.clamp(min=0)] * (table >= 0).unsqueeze(-1)
     centroids = torch.nn.functional.normalize(members.sum(1), dim=1)
     return SimpleNamespace(centroids=centroids, cluster_tokens=table.to(torch.int32))
@@ -99,33 +84,6 @@ def make_draft(arch: str, kind: str):
     """'self': the target itself; 'early': its first layer; 'other': unrelated random weights."""
     target = tiny_model(arch)
     return {"self": target, "early": early_exit_draft(target, 1), "other": tiny_model(arch, seed=1)}[kind]
-
-
-def check_counters(gen: Generation, mode: str, k: int, max_new: int) -> None:
-    """Invariants every generation must satisfy, whatever the draft proposed."""
-    s = gen.stats
-    assert s.new_tokens == len(gen.tokens) <= max_new
-    # Each token is emitted once: the first by the prefill, every other one by exactly one round.
-    assert sum(s.emitted_per_round) == len(gen.tokens) - 1
-    assert len(s.emitted_per_round) == len(s.accepted_per_round) == s.rounds
-    assert s.accepted == sum(s.accepted_per_round) <= s.proposed
-    assert all(1 <= e <= k + 1 for e in s.emitted_per_round)
-    proposing = s.proposed // k if k else 0
-    assert s.decode_s >= s.draft_s + s.target_s - 1e-9 >= 0 and s.draft_s >= s.draft_head_s
-    if mode == "baseline":
-        assert (s.proposed, s.verify_calls, s.append_calls, s.host_syncs) == (0, 0, s.rounds, s.rounds)
-    elif mode == "deferred":
-        # Deferred appends nothing except the tail step, which ends the generation with one token.
-        assert s.verify_calls == proposing and s.skipped_verifies == 0
-        assert s.append_calls == (1 if s.proposed < k * s.rounds else 0)
-        assert s.host_syncs == s.rounds  # one per round
-    else:
-        # Ordinary verifies unless the known next token refutes the first proposal: then it accepts 0.
-        assert s.verify_calls + s.skipped_verifies == proposing
-        assert s.skipped_verifies == sum(1 for a in s.accepted_per_round if a == 0) - (s.rounds - proposing)
-        assert s.host_syncs == s.rounds + s.verify_calls
-        # One append after the first token and one after every round but the last (which ends it).
-        assert s.append_calls == s.rounds
 
 
 @pytest.mark.parametrize("mode", MODES)
