@@ -9,12 +9,16 @@ Layout of an assets directory ``<dir>``::
 
 Config keys: ``flash_head_cache_dir`` (default ``"flash_head_assets"``), ``n_clusters``,
 ``n_probes`` (default C/16), ``flash_head_special_token_ids`` (tokens scored at every step),
-``enforce_equal_cluster_sizes`` (default true). A model directory that carries these keys in its
+``enforce_equal_cluster_sizes`` (default true), and one key of ours,
+``flash_head_greedy_scoring``: ``"normalized"`` (the default, and what published checkpoints
+mean) or ``"raw"`` (calibrated clusterings, whose centroids are fitted max-logit estimators and
+lose their meaning when normalised). A model directory that carries these keys in its
 ``config.json`` instead, as published checkpoints do, loads the same way.
 
-The stored centroids are raw, unnormalised cluster centroids (ours: the mean of the members'
+The stored centroids are raw, unnormalised cluster centroids (k-means: the mean of the members'
 unit rows, see :mod:`flashhead_ext.clustering`). Greedy decoding ranks clusters with their
-L2-normalised copies, sampling scores them raw; both are kept.
+L2-normalised copies (or, with ``flash_head_greedy_scoring: "raw"``, the stored vectors), sampling
+scores them raw; both are kept.
 
 With ``enforce_equal_cluster_sizes`` every cluster must hold the same number of tokens. Without
 it clusters may differ in size: the cluster table is as wide as the largest and shorter rows are
@@ -33,13 +37,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from .clustering import ALGORITHM_VERSION, Clustering, build_clusters, cluster_table
+from .clustering import (ALGORITHM_VERSION, GREEDY_SCORINGS, Clustering, build_clusters, calibrate_clusters, cluster_table,
+                         greedy_centroids)
 from .head import FlashHead
 
 CONFIG_NAME = "flash_head_config.json"
 TENSORS_NAME = "clustering_cache.safetensors"
 DEFAULT_CACHE_DIR = "flash_head_assets"
-CONFIG_KEYS = ("flash_head_cache_dir", "n_clusters", "n_probes", "flash_head_special_token_ids", "enforce_equal_cluster_sizes")
+CONFIG_KEYS = ("flash_head_cache_dir", "n_clusters", "n_probes", "flash_head_special_token_ids", "enforce_equal_cluster_sizes",
+               "flash_head_greedy_scoring")
 
 PathLike = Union[str, os.PathLike]
 
@@ -69,6 +75,7 @@ class FlashHeadAssets:
         special_token_ids: tokens scored at every step.
         enforce_equal_cluster_sizes: whether every cluster holds the same number of tokens.
         cache_dir: name of the sub-directory holding the tensors.
+        greedy_scoring: ``"normalized"`` or ``"raw"``: which centroids greedy decoding ranks with.
     """
 
     raw_centroids: Tensor
@@ -78,11 +85,12 @@ class FlashHeadAssets:
     special_token_ids: list = field(default_factory=list)
     enforce_equal_cluster_sizes: bool = True
     cache_dir: str = DEFAULT_CACHE_DIR
+    greedy_scoring: str = "normalized"
 
     @property
     def centroids(self) -> Tensor:
-        """Unit-norm centroids ``[C, D]``: what greedy decoding ranks clusters with."""
-        return torch.nn.functional.normalize(self.raw_centroids, dim=1)
+        """Centroids ``[C, D]`` greedy decoding ranks clusters with: unit-norm, or raw (``greedy_scoring``)."""
+        return greedy_centroids(self.raw_centroids, self.greedy_scoring)
 
     @property
     def num_clusters(self) -> int:
@@ -100,6 +108,7 @@ class FlashHeadAssets:
             special_token_ids=[int(t) for t in special_token_ids],
             enforce_equal_cluster_sizes=bool((table >= 0).all()),
             cache_dir=cache_dir,
+            greedy_scoring=clustering.greedy_scoring,
         )
 
     def config(self) -> dict:
@@ -109,6 +118,7 @@ class FlashHeadAssets:
             "n_probes": self.n_probes,
             "flash_head_special_token_ids": list(self.special_token_ids),
             "enforce_equal_cluster_sizes": self.enforce_equal_cluster_sizes,
+            "flash_head_greedy_scoring": self.greedy_scoring,
         }
 
     def head(self, embedding: Tensor, probes: Optional[int] = None) -> FlashHead:
@@ -217,6 +227,9 @@ def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> Flas
     specials = config.get("flash_head_special_token_ids") or []
     if not isinstance(specials, list) or not all(isinstance(t, int) and 0 <= t < assignments.numel() for t in specials):
         raise ValueError(f"flash_head_special_token_ids must be a list of token ids in [0, {assignments.numel()}), got {specials!r}")
+    scoring = config.get("flash_head_greedy_scoring", "normalized")
+    if scoring not in GREEDY_SCORINGS:
+        raise ValueError(f"flash_head_greedy_scoring must be one of {GREEDY_SCORINGS}, got {scoring!r}")
     return FlashHeadAssets(
         raw_centroids=centroids.T.float().contiguous(),
         cluster_assignments=assignments,
@@ -225,11 +238,12 @@ def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> Flas
         special_token_ids=specials,
         enforce_equal_cluster_sizes=enforce,
         cache_dir=cache_dir,
+        greedy_scoring=scoring,
     )
 
 
 def embedding_digest(embedding: Tensor) -> str:
-    """sha256 of the embedding's float32 values and shape: names a clustering in the cache."""
+    """sha256 of a tensor's float32 values and shape (an embedding, calibration states): names a clustering in the cache."""
     data = embedding.detach().to("cpu", torch.float32).contiguous()
     digest = hashlib.sha256(repr(tuple(data.shape)).encode())
     digest.update(data.numpy().tobytes())
@@ -242,6 +256,7 @@ def flash_head_for(
     probes: Optional[int] = None,
     *,
     special_token_ids: Sequence[int] = (),
+    hidden: Optional[Tensor] = None,
     iters: int = 15,
     seed: int = 0,
     cache: bool = True,
@@ -249,16 +264,24 @@ def flash_head_for(
 ) -> tuple[FlashHead, FlashHeadAssets]:
     """A ready FlashHead for ``embedding``, clustering it unless a cached clustering exists.
 
-    The clustering is cached under :func:`user_cache_dir` in the published layout, keyed by the
-    embedding's values and the clustering settings; ``cache=False`` rebuilds and overwrites it.
-    Returns the head and its assets (``assets.head(embedding, probes)`` makes more heads cheaply).
+    With ``hidden``, final hidden states of the model on calibration text ``[N, D]``, the
+    clustering is calibrated on them (:func:`~flashhead_ext.clustering.calibrate_clusters`: far
+    higher agreement with the dense head at the same cost, docs/quality.md); without, it is plain
+    k-means. It is cached under :func:`user_cache_dir` in the published layout, keyed by the
+    method, the embedding's (and states') values and the settings; ``cache=False`` rebuilds and
+    overwrites it. Returns the head and its assets (``assets.head(embedding, probes)`` makes more
+    heads cheaply).
     """
-    key = f"{embedding_digest(embedding)[:16]}-b{cluster_size}-i{iters}-s{seed}-v{ALGORITHM_VERSION}"
+    # Plain k-means keeps the key it always had, so its cached entries stay valid; a calibrated
+    # clustering is named by its states too, so neither method ever reads the other's entry.
+    method = "" if hidden is None else f"-calibrated-{embedding_digest(hidden)[:16]}"
+    key = f"{embedding_digest(embedding)[:16]}{method}-b{cluster_size}-i{iters}-s{seed}-v{ALGORITHM_VERSION}"
     directory = user_cache_dir() / "clusters" / key
     if cache and (directory / CONFIG_NAME).is_file():
         assets = load_assets(directory, embedding)
     else:
-        clustering = build_clusters(embedding, cluster_size, iters=iters, seed=seed, progress=progress)
+        clustering = (build_clusters(embedding, cluster_size, iters=iters, seed=seed, progress=progress) if hidden is None
+                      else calibrate_clusters(embedding, hidden, cluster_size, iters=iters, seed=seed, progress=progress))
         assets = FlashHeadAssets.from_clustering(clustering)
         save_assets(directory, assets)
     assets.special_token_ids = [int(t) for t in special_token_ids]

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from flashhead_ext import assets as assets_mod
 from flashhead_ext.assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, flash_head_for, load_assets,
                                   save_assets)
-from flashhead_ext.clustering import build_clusters
+from flashhead_ext.clustering import build_clusters, calibrate_clusters
 
 VOCAB, DIM, SIZE = 96, 12, 8
 
@@ -34,7 +34,8 @@ def test_save_then_load_round_trip(tmp_path, embedding, clustering):
     assert stored["cluster_assignments"].shape == (VOCAB,)
     config = json.loads((tmp_path / CONFIG_NAME).read_text())
     assert config == {"flash_head_cache_dir": "flash_head_assets", "n_clusters": VOCAB // SIZE, "n_probes": 3,
-                      "flash_head_special_token_ids": [5, 2], "enforce_equal_cluster_sizes": True}
+                      "flash_head_special_token_ids": [5, 2], "enforce_equal_cluster_sizes": True,
+                      "flash_head_greedy_scoring": "normalized"}
 
     loaded = load_assets(tmp_path, embedding)
     assert torch.equal(loaded.cluster_assignments, clustering.cluster_assignments)
@@ -123,6 +124,7 @@ def _write_bad(directory, *, centroids=None, assignments=None, config=None, drop
     ({"centroids": torch.randn(DIM, 12, 2)}, r"centroids .* must have shape \[hidden, clusters\], got \(12, 12, 2\)"),
     ({"config": {"n_clusters": 10}}, "config says n_clusters=10 but centroids .* have 12 clusters"),
     ({"config": {"n_probes": 13}}, r"n_probes must be an int in 1..12"),
+    ({"config": {"flash_head_greedy_scoring": "unit"}}, r"flash_head_greedy_scoring must be one of \('normalized', 'raw'\)"),
     ({"config": {"flash_head_special_token_ids": [VOCAB]}}, r"flash_head_special_token_ids must be a list of token ids in \[0, 96\)"),
     ({"centroids": torch.randn(DIM + 1, 12)}, "centroids of hidden size 13 but the embedding has hidden size 12"),
     ({"assignments": torch.arange(VOCAB + 12) % 12}, "assign 108 tokens .* but the embedding has vocab size 96"),
@@ -170,3 +172,37 @@ def test_flash_head_for_caches_the_clustering(tmp_path, monkeypatch, embedding):
     # A different embedding is a different cache entry.
     with pytest.raises(AssertionError, match="must not be rebuilt"):
         flash_head_for(embedding * 2, SIZE, iters=2, progress=False)
+
+
+def test_calibrated_clustering_round_trip_keeps_raw_greedy_scoring(tmp_path, embedding):
+    calibrated = calibrate_clusters(embedding, _hidden(40), SIZE, iters=2, progress=False)
+    save_assets(tmp_path, calibrated, n_probes=2)
+    assert json.loads((tmp_path / CONFIG_NAME).read_text())["flash_head_greedy_scoring"] == "raw"
+    loaded = load_assets(tmp_path, embedding)
+    assert loaded.greedy_scoring == "raw" and torch.equal(loaded.centroids, calibrated.raw_centroids)
+    head = loaded.head(embedding)
+    # Fitted centroids are ranked as they are for greedy decoding, and sampled raw as always.
+    assert torch.equal(head.centroids, calibrated.raw_centroids) and torch.equal(head.sampling_centroids, calibrated.raw_centroids)
+    best = (_hidden() @ calibrated.raw_centroids.T).argmax(1)
+    candidates = loaded.head(embedding, probes=1).candidate_logits(_hidden())[0]
+    assert torch.equal(candidates.sort(1).values, calibrated.cluster_tokens[best].sort(1).values)
+
+
+def test_flash_head_for_keeps_methods_apart_in_the_cache(tmp_path, monkeypatch, embedding):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    _, plain = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    _, calibrated = flash_head_for(embedding, SIZE, hidden=_hidden(30), iters=2, progress=False)
+    assert (plain.greedy_scoring, calibrated.greedy_scoring) == ("normalized", "raw")
+    assert len(list((tmp_path / "clusters").iterdir())) == 2
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("a cached clustering must not be rebuilt")
+
+    monkeypatch.setattr(assets_mod, "build_clusters", no_rebuild)
+    monkeypatch.setattr(assets_mod, "calibrate_clusters", no_rebuild)
+    assert flash_head_for(embedding, SIZE, iters=2, progress=False)[1].greedy_scoring == "normalized"
+    again = flash_head_for(embedding, SIZE, hidden=_hidden(30), iters=2, progress=False)[1]
+    assert torch.equal(again.raw_centroids, calibrated.raw_centroids)
+    # Other calibration states are another clustering.
+    with pytest.raises(AssertionError, match="must not be rebuilt"):
+        flash_head_for(embedding, SIZE, hidden=_hidden(31), iters=2, progress=False)

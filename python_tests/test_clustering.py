@@ -1,9 +1,9 @@
-"""build_clusters: equal sizes, padding, determinism, recovery of planted clusters, bad input."""
+"""build_clusters and calibrate_clusters: equal sizes, padding, determinism, recovery of planted clusters, bad input."""
 import pytest
 import torch
 
 from flashhead_ext import FlashHead
-from flashhead_ext.clustering import build_clusters, cluster_sizes, cluster_table
+from flashhead_ext.clustering import build_clusters, calibrate_clusters, cluster_sizes, cluster_table, fit_max_logit_centroids
 
 
 def _embedding(vocab, dim, seed=0):
@@ -149,3 +149,64 @@ def test_cuda_matches_partition_rules():
     _check_partition(result, 301)
     again = build_clusters(emb, 16, iters=4, progress=False)
     assert torch.equal(again.cluster_tokens, result.cluster_tokens)
+
+
+def _planted(vocab=96, states=400, seed=0):
+    """Logits decided in a 2-D subspace the states span, token rows dominated by 4 dimensions the
+    states barely reach: plain k-means groups tokens by those irrelevant dimensions."""
+    g = torch.Generator().manual_seed(seed)
+    angle = torch.arange(vocab) * (2 * torch.pi / vocab)
+    emb = torch.cat([torch.stack([angle.cos(), angle.sin()], 1), 3 * torch.randn(vocab, 4, generator=g)], 1)
+    scale = torch.tensor([3.0, 3.0, 0.05, 0.05, 0.05, 0.05])
+    return emb, torch.randn(states, 6, generator=g) * scale, torch.randn(states, 6, generator=g) * scale
+
+
+def _agreement(clustering, emb, hidden, probes):
+    head = FlashHead(emb, clustering.centroids, clustering.cluster_tokens, probes)
+    return float((head.next_token(hidden) == (hidden @ emb.T).argmax(1)).float().mean())
+
+
+def test_calibrated_beats_kmeans_on_a_planted_problem():
+    emb, calibration, held_out = _planted()
+    plain = build_clusters(emb, 8, iters=10, progress=False)
+    calibrated = calibrate_clusters(emb, calibration, 8, iters=10, progress=False)
+    assert calibrated.method == "calibrated" and calibrated.greedy_scoring == "raw"
+    assert torch.equal(calibrated.centroids, calibrated.raw_centroids)  # ranked raw, not normalised
+    plain_score, calibrated_score = _agreement(plain, emb, held_out, 2), _agreement(calibrated, emb, held_out, 2)
+    assert calibrated_score >= 0.85 and calibrated_score > plain_score + 0.4, (plain_score, calibrated_score)
+
+
+@pytest.mark.parametrize("vocab,size", [(96, 8), (99, 7)])
+def test_calibrated_is_deterministic_with_equal_clusters(vocab, size):
+    emb, calibration, _ = _planted(vocab, states=37, seed=5)
+    first = calibrate_clusters(emb, calibration, size, iters=3, seed=2, progress=False)
+    again = calibrate_clusters(emb, calibration, size, iters=3, seed=2, progress=False)
+    assert torch.equal(first.cluster_tokens, again.cluster_tokens) and torch.equal(first.raw_centroids, again.raw_centroids)
+    _check_partition(first, vocab)
+    # Same sizes and padding scheme as plain k-means.
+    assert torch.equal(torch.bincount(first.cluster_assignments), cluster_sizes(vocab, size)[1])
+
+
+def test_fitted_centroids_solve_the_ridge_least_squares():
+    emb, calibration, _ = _planted(48, states=50, seed=1)
+    table = build_clusters(emb, 6, iters=2, progress=False).cluster_tokens
+    fitted = fit_max_logit_centroids(emb, calibration, table, ridge=0.01)
+    # Brute force: each cluster's best member logit per state, then the normal equations.
+    targets = torch.stack([(calibration @ emb[row].T).amax(1) for row in table.long()], 1)
+    gram = calibration.T @ calibration
+    expected = torch.linalg.solve(gram + 0.01 * gram.diagonal().mean() * torch.eye(6), calibration.T @ targets).T
+    torch.testing.assert_close(fitted, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"hidden": [[1.0]]}, TypeError, "hidden must be a torch.Tensor"),
+    ({"hidden": torch.zeros(5, 4)}, ValueError, "hidden must have the embedding's hidden size 3"),
+    ({"hidden": torch.zeros(0, 3)}, ValueError, "hidden must be a non-empty 2-D float tensor"),
+    ({"hidden": torch.full((5, 3), float("inf"))}, ValueError, "hidden holds NaN or infinite"),
+    ({"ridge": 0.0}, ValueError, "ridge must be a number > 0"),
+    ({"cluster_size": 0}, ValueError, r"cluster_size must be in 1..12"),
+])
+def test_calibrated_bad_input(kwargs, error, match):
+    args = {"hidden": _embedding(5, 3, seed=1), "cluster_size": 4, "progress": False, **kwargs}
+    with pytest.raises(error, match=match):
+        calibrate_clusters(_embedding(12, 3), args.pop("hidden"), **args)
