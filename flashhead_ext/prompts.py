@@ -1,21 +1,25 @@
-"""Spec-Bench prompts (jsonl: ``question_id``, ``category``, ``turns``), shared by the CLIs."""
+"""Spec-Bench prompts (jsonl: ``question_id``, ``category``, ``turns``), shared by the CLIs.
+
+Odd question ids are for evaluation, even ids only for calibrating data-aware clusterings: every
+loader here takes one ``parity`` and returns nothing of the other, so the two sets never mix.
+"""
 from __future__ import annotations
 
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 # The repository's checkout sits beside shared/, which holds the Spec-Bench questions.
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl"
+PARITIES = ("odd", "even")
 
 
-def load_prompts(path, num_prompts: int) -> list:
-    """``num_prompts`` Spec-Bench questions (jsonl: ``question_id``, ``category``, ``turns``).
-
-    Odd question ids only (even ids are reserved for calibrating data-aware clusterings), taken
-    round-robin over the categories, largest first, in file order, so that a few prompts already
-    span the categories, whose acceptance rates differ widely. The first turn is the prompt.
-    """
+def questions_by_category(path, parity: str = "odd") -> dict:
+    """Questions with an odd (or even) ``question_id``, per category in file order, as dicts
+    ``question_id``, ``category``, ``text`` (the first turn)."""
+    if parity not in PARITIES:
+        raise ValueError(f"parity must be 'odd' (evaluation) or 'even' (calibration), got {parity!r}")
     if not Path(path).is_file():
         raise FileNotFoundError(f"no Spec-Bench prompts at {path}; pass --prompts PATH to a spec_bench_question.jsonl")
     by_category = defaultdict(list)
@@ -26,15 +30,29 @@ def load_prompts(path, num_prompts: int) -> list:
             row = json.loads(line)
             if not {"question_id", "category", "turns"} <= row.keys() or not row["turns"]:
                 raise ValueError(f"{path}:{line_no}: expected fields question_id, category and a non-empty turns list")
-            if row["question_id"] % 2 == 1:
-                by_category[row["category"]].append(row)
-    queues = sorted(by_category.values(), key=len, reverse=True)
+            if row["question_id"] % 2 == (parity == "odd"):
+                by_category[row["category"]].append(dict(question_id=row["question_id"], category=row["category"], text=row["turns"][0]))
+    if not by_category:
+        raise ValueError(f"{path} holds no prompts with an {parity} question_id")
+    return dict(by_category)
+
+
+def load_prompts(path, num_prompts: int, parity: str = "odd") -> list:
+    """``num_prompts`` Spec-Bench questions of one ``parity`` (odd by default: even ids are
+    reserved for calibrating data-aware clusterings), taken round-robin over the categories,
+    largest first, in file order, so that a few prompts already span the categories, whose
+    acceptance rates differ widely. The first turn is the prompt."""
+    queues = sorted(questions_by_category(path, parity).values(), key=len, reverse=True)
     chosen = []
     while len(chosen) < num_prompts and any(queues):
         for queue in queues:
             if queue and len(chosen) < num_prompts:
-                row = queue.pop(0)
-                chosen.append(dict(question_id=row["question_id"], category=row["category"], text=row["turns"][0]))
-    if not chosen:
-        raise ValueError(f"{path} holds no prompts with an odd question_id")
+                chosen.append(queue.pop(0))
     return chosen
+
+
+def prompts_per_category(path, per_category: Optional[int], parity: str = "odd") -> list:
+    """The first ``per_category`` questions of one ``parity`` from every category (all with None)."""
+    if per_category is not None and (isinstance(per_category, bool) or not isinstance(per_category, int) or per_category < 1):
+        raise ValueError(f"per_category must be a positive int or None, got {per_category!r}")
+    return [row for rows in questions_by_category(path, parity).values() for row in rows[:per_category]]

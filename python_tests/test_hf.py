@@ -8,6 +8,7 @@ import torch
 from flashhead_ext import DenseHead, FlashHead
 from flashhead_ext.assets import CONFIG_NAME, FlashHeadAssets, save_assets
 from flashhead_ext.clustering import build_clusters
+from flashhead_ext import hf
 from flashhead_ext.hf import attach, detach, output_embedding, record_hidden_states
 
 transformers = pytest.importorskip("transformers")
@@ -39,6 +40,19 @@ def test_output_embedding_rejects_non_lm():
 def _tiny_assets(model, size=4, probes=2):
     # V = 67 is not a multiple of 4: a padded clustering, 17 clusters.
     return FlashHeadAssets.from_clustering(build_clusters(output_embedding(model), size, iters=2, progress=False), n_probes=probes)
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer (97 ids: <unk>, <eos>, printable ASCII) with a chat template."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<eos>": 1, **{chr(c): c - 30 for c in range(32, 127)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>",
+                                                     pad_token="<eos>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tokenizer
 
 
 class _Tokenizer:
@@ -83,6 +97,23 @@ def test_attach_routes_next_token_choice_through_flashhead():
     detach(model)
     assert "forward" not in vars(model.lm_head) and not hasattr(model, "flash_head")
     torch.testing.assert_close(model(torch.tensor([[3, 1, 4, 1, 5]])).logits, dense_logits)
+
+
+def test_batched_recording_matches_one_prompt_at_a_time():
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=1, pad_token_id=1)
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    tokenizer = char_tokenizer()
+    prompts = ["a", "a much longer prompt", "mid size", "x y z", "the last one"]
+    single = record_hidden_states(model, tokenizer, prompts, 7, progress=False)
+    batched = record_hidden_states(model, tokenizer, prompts, 7, progress=False, batch_size=3)
+    assert tokenizer.padding_side == "right"  # restored
+    for one, many in zip(single[1:], batched[1:]):
+        assert torch.equal(one, many)  # tokens and prompt order, whatever the batching
+    torch.testing.assert_close(single[0], batched[0], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+        record_hidden_states(model, tokenizer, prompts, 7, batch_size=0)
 
 
 def test_attach_with_every_cluster_probed_generates_like_dense():
@@ -131,6 +162,29 @@ def test_attach_builds_or_refuses_when_no_assets(tmp_path, monkeypatch):
     attachment = attach(model, cluster_size=8, iters=2, progress=False)
     assert attachment.assets.num_clusters == 9 and attachment.probes == 1
     assert len(list((tmp_path / "clusters").iterdir())) == 1
+
+
+def test_attach_with_a_tokenizer_calibrates_on_even_ids_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"q{i}"]}) + "\n" for i in range(1, 9)))
+    seen = []
+    real = hf.prompts_per_category
+
+    def small_set(path, per_category, parity):
+        chosen = real(questions, per_category, parity)
+        seen.extend(row["question_id"] for row in chosen)
+        return chosen
+
+    monkeypatch.setattr(hf, "prompts_per_category", small_set)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=1, pad_token_id=1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    attachment = attach(model, tokenizer=char_tokenizer(), cluster_size=8, iters=2, progress=False)
+    assert seen == [2, 4, 6, 8]
+    assert attachment.assets.greedy_scoring == "raw" and attachment.head().num_clusters == 13
+    assert torch.equal(attachment.head().centroids, attachment.assets.raw_centroids)
 
 
 def test_attach_bad_input(tmp_path):
