@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from .. import ops
-from .timing import capture_graph, copy_bandwidth_gbs, format_table, run_metadata, time_calls
+from ..graphs import capture_graph
+from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
 
 @dataclass(frozen=True)

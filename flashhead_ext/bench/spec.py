@@ -25,7 +25,8 @@ from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION
 from ..head import DenseHead, FlashHead
 from ..speculative.runner import format_summary, plan_configs, run_interleaved, summarize, write_json
-from .timing import capture_graph, copy_bandwidth_gbs, format_table, run_metadata, time_calls
+from ..graphs import capture_graph
+from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
 # Named shapes. Gemma-3-270M's own body (sliding windows, 4 norms a layer, scaled embeddings) is not
 # the fast decoder's family: "gemma3-270m-llama" is a Llama body with its dimensions and head.

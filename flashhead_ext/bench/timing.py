@@ -12,18 +12,30 @@ from typing import Callable
 import torch
 
 
+def source_commit(mark_dirty: bool = False) -> str:
+    """Short commit of the checkout this package runs from ("unknown" outside one); the
+    FLASHHEAD_COMMIT variable overrides it (the device gets a copy without .git). With
+    ``mark_dirty``, "+dirty" is appended when the checkout has uncommitted changes."""
+    commit = os.environ.get("FLASHHEAD_COMMIT")
+    if commit:
+        return commit
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
+                              check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + ("+dirty" if mark_dirty and git("status", "--porcelain") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def run_metadata() -> dict:
     """Device, versions, date and commit, recorded with every result file."""
-    commit = os.environ.get("FLASHHEAD_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit,
+        "commit": source_commit(),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
@@ -62,20 +74,6 @@ def time_calls(fn: Callable[[], object], *, calls_per_sample: int, samples: int 
         stop.synchronize()
         times.append(start.elapsed_time(stop) / calls_per_sample)
     return median_us(times)
-
-
-def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """Captures ``fn`` (after a warm-up on a side stream, as torch recommends) into a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:

@@ -29,6 +29,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from ..graphs import capture_graph
 from ..head import DenseHead, FlashHead, _HeadBase
 from ..speculative.driver import (Clock, Emitter, Generation, GenerationStats, check_mode, check_prompt, eos_ids,
                                   require_positive_int, sync)
@@ -47,24 +48,9 @@ class _Step:
         self.fn, self.device, self.graph = fn, device, None
 
     def capture(self, prepare) -> None:
-        """Warm-up runs on a side stream (as torch recommends), then capture. ``prepare`` puts the
-        state where a run is in bounds (the warm-ups really execute and move cache lengths)."""
-        with torch.cuda.device(self.device):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    prepare()
-                    self.fn()
-            torch.cuda.current_stream().wait_stream(side)
-            prepare()
-            graph = torch.cuda.CUDAGraph()
-            # A capture stream of this device: torch.cuda.graph's default one belongs to whichever
-            # device was current when it was first made, and capturing the draft's device through
-            # it would leave that device's work on its legacy stream.
-            with torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
-                self.fn()
-            self.graph = graph
+        """``prepare`` puts the state where a run is in bounds (the warm-ups really execute and move
+        cache lengths)."""
+        self.graph = capture_graph(self.fn, device=self.device, prepare=prepare, warmups=2)
 
     def __call__(self) -> None:
         if self.graph is None:
