@@ -23,6 +23,17 @@ TORCH_LIBRARY(flashhead, m) {
   m.def(
       "decode_sample(Tensor hidden, Tensor centroids, Tensor cluster_tokens, Tensor embedding, int probes,"
       " float temperature, Tensor seed, Tensor? extra_ids) -> (Tensor tokens, Tensor token_logprobs)");
+
+  // Decoder-layer ops for the fast path's draft steps (flashhead_ext.fast): few tokens, GEMVs at
+  // memory bandwidth with the norms, gating and residual adds fused in; the cache length is a
+  // device tensor so a captured step replays at any length.
+  m.def(
+      "fused_linear(Tensor x, Tensor weight, Tensor? norm_weight, float eps, bool gated, Tensor? residual)"
+      " -> Tensor");
+  m.def(
+      "rotary_cache_write(Tensor qkv, Tensor cos, Tensor sin, Tensor length, Tensor(a!) k_cache,"
+      " Tensor(b!) v_cache, int num_heads, Tensor? q_norm, Tensor? k_norm, float eps) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor length, float scale) -> Tensor");
 }
 
 // `import flashhead_ext._C` loads this library, which runs the registrations above; the module

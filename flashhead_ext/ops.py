@@ -15,9 +15,15 @@ Conventions shared by every op (docs/kernels.md):
 * ranking: higher score first, NaN below every number, ties to the smaller id (cluster id for
   cluster selection, token id for the final argmax, as ``torch.argmax`` on a dense row).
 * non-contiguous inputs are copied to contiguous memory first.
+
+The decoder-layer ops (:func:`fused_linear`, :func:`rotary_cache_write`, :func:`decode_attention`)
+serve the fast path's draft steps: activations of dtype T (float16, bfloat16 or float32) and
+weights of the same dtype, float32 accumulation, results in T; the KV-cache length is an int64
+device tensor read by the kernels, so a captured step replays at any length.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -31,6 +37,17 @@ SeedLike = Union[Tensor, int, None]
 def _require_tensor(name: str, value) -> None:
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _require_optional_tensor(name: str, value) -> None:
+    if value is not None:
+        _require_tensor(name, value)
+
+
+def _require_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
 
 
 def _require_int(name: str, value) -> int:
@@ -170,6 +187,80 @@ def decode_sample(
     )
 
 
+def fused_linear(
+    x: Tensor,
+    weight: Tensor,
+    *,
+    norm_weight: Optional[Tensor] = None,
+    eps: float = 1e-6,
+    gated: bool = False,
+    residual: Optional[Tensor] = None,
+) -> Tensor:
+    """``[residual +] (norm or gate of x) @ weight.T``: one projection of a decoder layer, ``[M, N]``.
+
+    ``x [M, K]`` (``[M, 2K]`` when ``gated``: gate columns, then up columns), ``weight [N, K]``.
+    ``norm_weight [K]`` applies RMSNorm to ``x`` first (float32, rounded once to x's dtype, like
+    ``F.rms_norm``); ``gated`` uses ``F.silu(gate) * up`` instead (not both). The product is
+    accumulated in float32 and rounded to x's dtype, then ``residual [M, N]`` is added in that
+    dtype. Host-sync free, capturable in CUDA graphs.
+    """
+    _require_tensor("x", x)
+    _require_tensor("weight", weight)
+    _require_optional_tensor("norm_weight", norm_weight)
+    _require_optional_tensor("residual", residual)
+    return _ops.fused_linear(x, weight, norm_weight, _require_float("eps", eps), _require_bool("gated", gated), residual)
+
+
+def rotary_cache_write(
+    qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    length: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    num_heads: int,
+    *,
+    q_norm: Optional[Tensor] = None,
+    k_norm: Optional[Tensor] = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Rotary embedding of M new tokens and their write into one layer's KV cache; returns q ``[M, H, hd]``.
+
+    ``qkv [M, (H + 2 KV) hd]`` holds each token's H query heads, KV key heads, KV value heads;
+    ``k_cache``, ``v_cache [KV, max_len, hd]``; ``cos``, ``sin [max_len, hd]`` by position;
+    ``length``: int64 device tensor of one element, the cache length before these tokens, so token
+    i sits at position ``length + i``. Query and key heads get RMSNorm over hd with ``q_norm`` /
+    ``k_norm [hd]`` when given (both or neither), then ``addcmul(x * cos, rotate_half(x), sin)``;
+    rotated keys and the value heads go to the caches at their positions (in place). A token whose
+    position is outside ``[0, max_len)`` writes nothing and gets a NaN q row. Host-sync free,
+    capturable in CUDA graphs.
+    """
+    for name, value in (("qkv", qkv), ("cos", cos), ("sin", sin), ("length", length), ("k_cache", k_cache),
+                        ("v_cache", v_cache)):
+        _require_tensor(name, value)
+    _require_optional_tensor("q_norm", q_norm)
+    _require_optional_tensor("k_norm", k_norm)
+    return _ops.rotary_cache_write(qkv, cos, sin, length, k_cache, v_cache, _require_int("num_heads", num_heads), q_norm,
+                                   k_norm, _require_float("eps", eps))
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, length: Tensor, scale: Optional[float] = None) -> Tensor:
+    """Causal attention of M new tokens over one layer's KV cache, ``[M, H * hd]`` in q's dtype.
+
+    ``q [M, H, hd]``, ``k_cache``, ``v_cache [KV, max_len, hd]`` (query head h uses KV head
+    ``h // (H // KV)``), ``length`` as in :func:`rotary_cache_write`: token i attends to keys
+    ``0 .. min(length + i, max_len - 1)``, softmax in float32 with ``scale`` (default
+    ``1 / sqrt(hd)``). A token with no visible key (``length + i < 0``) gives NaN. Host-sync free,
+    capturable in CUDA graphs.
+    """
+    for name, value in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("length", length)):
+        _require_tensor(name, value)
+    if scale is None:
+        # A q of another shape is rejected by the op before it reads scale.
+        scale = 1.0 / math.sqrt(q.shape[2]) if q.dim() == 3 and q.shape[2] > 0 else 1.0
+    return _ops.decode_attention(q, k_cache, v_cache, length, _require_float("scale", scale))
+
+
 def validate_cluster_table(cluster_tokens: Tensor, vocab_size: int) -> None:
     """Checks a cluster table's ids (reads the data, so it syncs: call it once, not per step).
 
@@ -237,7 +328,23 @@ def _decode_sample_fake(hidden, centroids, cluster_tokens, embedding, probes, te
     return hidden.new_empty(batch, dtype=torch.int64), hidden.new_empty(batch, dtype=torch.float32)
 
 
+@torch.library.register_fake("flashhead::fused_linear")
+def _fused_linear_fake(x, weight, norm_weight, eps, gated, residual):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.register_fake("flashhead::rotary_cache_write")
+def _rotary_cache_write_fake(qkv, cos, sin, length, k_cache, v_cache, num_heads, q_norm, k_norm, eps):
+    return qkv.new_empty((qkv.shape[0], num_heads, k_cache.shape[2]))  # the caches are written in place
+
+
+@torch.library.register_fake("flashhead::decode_attention")
+def _decode_attention_fake(q, k_cache, v_cache, length, scale):
+    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+
+
 __all__ = [
     "select_clusters", "sample_clusters", "gather_candidates", "candidate_logits",
-    "decode_greedy", "decode_sample", "make_seed", "validate_cluster_table"
+    "decode_greedy", "decode_sample", "make_seed", "validate_cluster_table",
+    "fused_linear", "rotary_cache_write", "decode_attention",
 ]

@@ -1,0 +1,104 @@
+// CPU references of the decoder-layer ops (fused_linear, rotary_cache_write, decode_attention):
+// plain ATen, float32 arithmetic where the semantics (docs/kernels.md) say so, rounded to the
+// input dtype T exactly where they say so. The CUDA kernels are tested against these. Unlike the
+// CUDA ops they read the cache length on the host, which is free on the CPU.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "ops/decoder_checks.h"
+
+namespace flashhead {
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// RMSNorm over the last dimension, normalised and scaled in float32 and rounded once to the
+// input's dtype (torch.nn.functional.rms_norm's fused kernels do the same; older composite ones
+// rounded before the scale, hence no call to at::rms_norm here).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  auto xf = x.to(at::kFloat);
+  auto inv_rms = at::rsqrt(xf.square().mean(-1, /*keepdim=*/true) + eps);
+  return (xf * inv_rms * weight.to(at::kFloat)).to(x.scalar_type());
+}
+
+at::Tensor fused_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& norm_weight,
+                            double eps, bool gated, const c10::optional<at::Tensor>& residual) {
+  check_fused_linear("fused_linear", x, weight, norm_weight, eps, gated, residual);
+  at::Tensor h = x;
+  if (norm_weight.has_value()) h = rms_norm(x, *norm_weight, eps);
+  if (gated) {
+    auto halves = x.chunk(2, 1);  // gate columns, then up columns
+    h = at::silu(halves[0]) * halves[1];
+  }
+  // Products of the stored values summed in float32, rounded once (contiguous float32 copies, so
+  // the summation order does not depend on the caller's layout).
+  auto y = at::matmul(h.to(at::kFloat).contiguous(), weight.to(at::kFloat).contiguous().t()).to(x.scalar_type());
+  return residual.has_value() ? (*residual + y).contiguous() : y;
+}
+
+// The rotation of one head: x * cos + cat(-x2, x1) * sin, as torch.addcmul in the dtype of x.
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  auto halves = x.chunk(2, -1);
+  return at::addcmul(x * cos, at::cat({-halves[1], halves[0]}, -1), sin);
+}
+
+at::Tensor rotary_cache_write_cpu(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& length, at::Tensor& k_cache, at::Tensor& v_cache,
+                                  int64_t num_heads, const c10::optional<at::Tensor>& q_norm,
+                                  const c10::optional<at::Tensor>& k_norm, double eps) {
+  check_rotary_cache_write("rotary_cache_write", qkv, cos, sin, length, k_cache, v_cache, num_heads, q_norm, k_norm,
+                           eps);
+  const int64_t tokens = qkv.size(0), kv = k_cache.size(0), max_len = k_cache.size(1), hd = k_cache.size(2);
+  auto heads = qkv.reshape({tokens, num_heads + 2 * kv, hd});
+  auto q = heads.narrow(1, 0, num_heads), k = heads.narrow(1, num_heads, kv), v = heads.narrow(1, num_heads + kv, kv);
+  if (q_norm.has_value()) {
+    q = rms_norm(q, *q_norm, eps);
+    k = rms_norm(k, *k_norm, eps);
+  }
+  // Token i sits at position length + i. Out-of-range positions read row 0 of the tables (any row
+  // would do): their results are dropped.
+  auto pos = at::arange(tokens, at::kLong) + length.item<int64_t>();
+  auto in_range = (pos >= 0) & (pos < max_len);
+  auto table_rows = pos.clamp(0, max_len - 1);
+  auto cos_pos = cos.index_select(0, table_rows).unsqueeze(1), sin_pos = sin.index_select(0, table_rows).unsqueeze(1);
+  auto q_rot = rotate(q, cos_pos, sin_pos).masked_fill(~in_range.view({tokens, 1, 1}), kNaN);
+  auto rows = in_range.nonzero().squeeze(1);
+  auto cache_pos = pos.index_select(0, rows);
+  k_cache.index_copy_(1, cache_pos, rotate(k, cos_pos, sin_pos).index_select(0, rows).transpose(0, 1));
+  v_cache.index_copy_(1, cache_pos, v.index_select(0, rows).transpose(0, 1));
+  return q_rot.contiguous();
+}
+
+// Token by token: each row reads exactly its visible keys, so nothing beyond them (stale or
+// non-finite cache entries) can reach its result.
+at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& length, double scale) {
+  check_decode_attention("decode_attention", q, k_cache, v_cache, length, scale);
+  const int64_t tokens = q.size(0), heads = q.size(1), kv = k_cache.size(0), max_len = k_cache.size(1),
+                hd = k_cache.size(2);
+  const int64_t first = length.item<int64_t>();
+  // Query head h uses KV head h / group: heads [kv, group] share keys and values.
+  auto qf = q.to(at::kFloat).reshape({tokens, kv, heads / kv, hd});
+  auto kf = k_cache.to(at::kFloat), vf = v_cache.to(at::kFloat);
+  auto out = at::full({tokens, kv, heads / kv, hd}, kNaN, at::kFloat);  // NaN: rows with no visible key
+  for (int64_t i = 0; i < tokens; ++i) {
+    const int64_t visible = std::min(first + i, max_len - 1) + 1;
+    if (visible <= 0) continue;
+    auto scores = at::matmul(qf[i], kf.narrow(1, 0, visible).transpose(1, 2)) * scale;  // [kv, group, visible]
+    out[i].copy_(at::matmul(at::softmax(scores, -1), vf.narrow(1, 0, visible)));
+  }
+  return out.view({tokens, heads * hd}).to(q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashhead, CPU, m) {
+  m.impl("fused_linear", &fused_linear_cpu);
+  m.impl("rotary_cache_write", &rotary_cache_write_cpu);
+  m.impl("decode_attention", &decode_attention_cpu);
+}
+
+}  // namespace flashhead

@@ -1,0 +1,120 @@
+// Argument checks of the decoder-layer ops (fused_linear, rotary_cache_write, decode_attention),
+// shared by the CPU references and the CUDA wrappers. Metadata only: the cache length is a device
+// tensor and is never read here, so the ops stay free of host syncs.
+#pragma once
+
+#include "ops/checks.h"
+
+namespace flashhead {
+
+inline void check_float_tensor(const char* op, const at::Tensor& t, const char* name) {
+  FH_CHECK_TYPE(op, is_float_dtype(t.scalar_type()), name, " must be float16, bfloat16 or float32, got ",
+                t.scalar_type());
+}
+
+inline void check_like(const char* op, const at::Tensor& t, const char* name, const at::Tensor& ref,
+                       const char* ref_name) {
+  FH_CHECK_TYPE(op, t.scalar_type() == ref.scalar_type(), name, " must have the dtype of ", ref_name, " (",
+                ref.scalar_type(), "), got ", t.scalar_type());
+  check_same_device(op, t, name, ref, ref_name);
+}
+
+inline void check_shape(const char* op, const at::Tensor& t, const char* name, at::IntArrayRef expected) {
+  FH_CHECK_VALUE(op, t.sizes() == expected, name, " must have shape ", shape_str(expected), ", got ",
+                 shape_str(t.sizes()));
+}
+
+// The cache length: one int64 on the device of the cache (read by the kernels, never by the host).
+inline void check_length(const char* op, const at::Tensor& length, const at::Tensor& ref, const char* ref_name) {
+  FH_CHECK_TYPE(op, length.scalar_type() == at::kLong, "length must be an int64 tensor, got ", length.scalar_type());
+  FH_CHECK_VALUE(op, length.numel() == 1, "length must hold exactly one value, got shape ",
+                 shape_str(length.sizes()));
+  check_same_device(op, length, "length", ref, ref_name);
+}
+
+// One layer's cache, [num_kv_heads, max_len, head_dim] for K and for V.
+inline void check_kv_cache(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& ref,
+                           const char* ref_name) {
+  check_rank(op, k_cache, "k_cache", 3, "[num_kv_heads, max_len, head_dim]");
+  check_like(op, k_cache, "k_cache", ref, ref_name);
+  check_like(op, v_cache, "v_cache", ref, ref_name);
+  check_shape(op, v_cache, "v_cache", k_cache.sizes());
+  FH_CHECK_VALUE(op, k_cache.numel() > 0, "k_cache must be non-empty, got shape ", shape_str(k_cache.sizes()));
+}
+
+// x [M, K] (gated: [M, 2K] holding gate then up), weight [N, K], norm_weight [K], residual [M, N].
+inline void check_fused_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                               const c10::optional<at::Tensor>& norm_weight, double eps, bool gated,
+                               const c10::optional<at::Tensor>& residual) {
+  check_rank(op, x, "x", 2, "[tokens, in_features]");
+  check_float_tensor(op, x, "x");
+  check_rank(op, weight, "weight", 2, "[out_features, in_features]");
+  check_like(op, weight, "weight", x, "x");
+  FH_CHECK_VALUE(op, x.size(0) > 0 && weight.size(0) > 0 && weight.size(1) > 0,
+                 "x and weight must be non-empty, got shapes ", shape_str(x.sizes()), " and ",
+                 shape_str(weight.sizes()));
+  const int64_t in_features = weight.size(1);
+  FH_CHECK_VALUE(op, x.size(1) == (gated ? 2 : 1) * in_features, "x must have ",
+                 gated ? "2 * in_features (gate then up) = " : "in_features = ",
+                 num_str((gated ? 2 : 1) * in_features), " columns for weight of shape ", shape_str(weight.sizes()),
+                 ", got shape ", shape_str(x.sizes()));
+  FH_CHECK_VALUE(op, !(gated && norm_weight.has_value()), "norm_weight and gated cannot be combined");
+  if (norm_weight.has_value()) {
+    check_like(op, *norm_weight, "norm_weight", x, "x");
+    check_shape(op, *norm_weight, "norm_weight", {in_features});
+    FH_CHECK_VALUE(op, std::isfinite(eps) && eps >= 0.0, "eps must be a finite number >= 0, got ", num_str(eps));
+  }
+  if (residual.has_value()) {
+    check_like(op, *residual, "residual", x, "x");
+    check_shape(op, *residual, "residual", {x.size(0), weight.size(0)});
+  }
+}
+
+// qkv [M, (H + 2 KV) hd], cos / sin [max_len, hd], q_norm / k_norm [hd] (both or neither).
+inline void check_rotary_cache_write(const char* op, const at::Tensor& qkv, const at::Tensor& cos,
+                                     const at::Tensor& sin, const at::Tensor& length, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache, int64_t num_heads,
+                                     const c10::optional<at::Tensor>& q_norm,
+                                     const c10::optional<at::Tensor>& k_norm, double eps) {
+  check_rank(op, qkv, "qkv", 2, "[tokens, (num_heads + 2 * num_kv_heads) * head_dim]");
+  check_float_tensor(op, qkv, "qkv");
+  check_kv_cache(op, k_cache, v_cache, qkv, "qkv");
+  check_length(op, length, qkv, "qkv");
+  FH_CHECK_VALUE(op, k_cache.is_contiguous() && v_cache.is_contiguous(),
+                 "k_cache and v_cache must be contiguous (they are written in place)");
+  const int64_t kv = k_cache.size(0), max_len = k_cache.size(1), hd = k_cache.size(2);
+  FH_CHECK_VALUE(op, num_heads >= 1 && num_heads % kv == 0, "num_heads must be a positive multiple of num_kv_heads (",
+                 num_str(kv), ", k_cache.size(0)), got ", num_str(num_heads));
+  FH_CHECK_VALUE(op, hd % 2 == 0, "head_dim (k_cache.size(2)) must be even for rotary embeddings, got ", num_str(hd));
+  FH_CHECK_VALUE(op, qkv.size(0) > 0 && qkv.size(1) == (num_heads + 2 * kv) * hd, "qkv must have (num_heads + 2 * ",
+                 "num_kv_heads) * head_dim = ", num_str((num_heads + 2 * kv) * hd), " columns and at least one row, ",
+                 "got shape ", shape_str(qkv.sizes()));
+  check_like(op, cos, "cos", qkv, "qkv");
+  check_shape(op, cos, "cos", {max_len, hd});
+  check_like(op, sin, "sin", qkv, "qkv");
+  check_shape(op, sin, "sin", {max_len, hd});
+  FH_CHECK_VALUE(op, q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm must be given together");
+  if (q_norm.has_value()) {
+    check_like(op, *q_norm, "q_norm", qkv, "qkv");
+    check_shape(op, *q_norm, "q_norm", {hd});
+    check_like(op, *k_norm, "k_norm", qkv, "qkv");
+    check_shape(op, *k_norm, "k_norm", {hd});
+    FH_CHECK_VALUE(op, std::isfinite(eps) && eps >= 0.0, "eps must be a finite number >= 0, got ", num_str(eps));
+  }
+}
+
+// q [M, H, hd] against one layer's cache; H a multiple of num_kv_heads.
+inline void check_decode_attention(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& length, double scale) {
+  check_rank(op, q, "q", 3, "[tokens, num_heads, head_dim]");
+  check_float_tensor(op, q, "q");
+  check_kv_cache(op, k_cache, v_cache, q, "q");
+  check_length(op, length, q, "q");
+  FH_CHECK_VALUE(op, q.size(0) > 0 && q.size(1) > 0 && q.size(1) % k_cache.size(0) == 0 &&
+                         q.size(2) == k_cache.size(2),
+                 "q must be [tokens >= 1, a multiple of num_kv_heads (", num_str(k_cache.size(0)), "), head_dim ",
+                 num_str(k_cache.size(2)), "], got shape ", shape_str(q.sizes()));
+  FH_CHECK_VALUE(op, std::isfinite(scale) && scale > 0.0, "scale must be a finite number > 0, got ", num_str(scale));
+}
+
+}  // namespace flashhead
