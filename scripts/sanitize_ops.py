@@ -2,7 +2,8 @@
 
 Includes the masking paths (out-of-range cluster and token ids, padding, duplicated extras), a
 batch of 0 and sizes that are not multiples of the vector width, then compares with the CPU op.
-Exit status 1 on a mismatch.
+The decoder-layer ops run every fused_linear prologue (one input chunk and several), rotary with
+positions past the cache, and attention on the vector and scalar paths. Exit status 1 on a mismatch.
 """
 import sys
 
@@ -60,8 +61,49 @@ def main() -> int:
                 if not torch.allclose(got[key].cpu(), want[key], rtol=tol, atol=tol, equal_nan=False):
                     print(f"MISMATCH {key} {where}")
                     failures += 1
+    failures += decoder_layer_ops()
     print("sanitize_ops: done,", failures, "mismatches")
     return 1 if failures else 0
+
+
+def decoder_layer_ops() -> int:
+    failures = 0
+    gen = torch.Generator().manual_seed(7)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        tol = 1e-3 if dtype == torch.float32 else 3e-2
+
+        def check(name, got, want):
+            nonlocal failures
+            if not torch.allclose(got.cpu().float(), want.float(), rtol=tol, atol=tol, equal_nan=True):
+                print(f"MISMATCH {name} {dtype}")
+                failures += 1
+
+        def rand(*shape):
+            return (torch.randn(*shape, generator=gen) * 0.5).to(dtype)
+
+        # 12003 input features: several staged chunks at 3 tokens; 77: the scalar weight path.
+        for tokens, k, n in ((1, 1024, 37), (3, 12000, 19), (5, 77, 29), (9, 64, 11)):
+            x, w, g, res = rand(tokens, k), rand(n, k) / k ** 0.5, rand(k), rand(tokens, n)
+            gated_x = rand(tokens, 2 * k)
+            for kwargs, inp in ((dict(norm_weight=g), x), (dict(residual=res), x), (dict(gated=True, residual=res), gated_x)):
+                check(f"fused_linear {tokens}x{k}->{n} {sorted(kwargs)}", ops.fused_linear(inp.cuda(), w.cuda(), **{
+                    key: v.cuda() if torch.is_tensor(v) else v for key, v in kwargs.items()}), ops.fused_linear(inp, w, **kwargs))
+        for tokens, heads, kv, hd, max_len, length in ((3, 6, 2, 64, 40, 36), (2, 4, 4, 6, 6, 5), (1, 8, 1, 256, 70, 69)):
+            qkv = rand(tokens, (heads + 2 * kv) * hd)
+            cos, sin = rand(max_len, hd), rand(max_len, hd)
+            norms = dict(q_norm=rand(hd), k_norm=rand(hd))
+            length_t = torch.tensor(length)
+            initial = rand(kv, max_len, hd), rand(kv, max_len, hd)  # position 5 of max_len 6 + 2 tokens: one past the cache
+            caches = {}
+            for device in ("cuda", "cpu"):
+                k_cache, v_cache = initial[0].to(device, copy=True), initial[1].to(device, copy=True)
+                q = ops.rotary_cache_write(qkv.to(device), cos.to(device), sin.to(device), length_t.to(device), k_cache, v_cache,
+                                           heads, **{key: v.to(device) for key, v in norms.items()})
+                out = ops.decode_attention(q, k_cache, v_cache, length_t.to(device))
+                caches[device] = (q, k_cache, out)
+            for name, got, want in zip(("rotary q", "k_cache", "attention"), caches["cuda"], caches["cpu"]):
+                check(f"{name} T={tokens} H={heads} KV={kv} hd={hd} max_len={max_len} length={length}", got, want)
+    return failures
 
 
 if __name__ == "__main__":

@@ -105,4 +105,33 @@ cudaError_t launch_decode(const HeadTensors<T>& tensors, const HeadShape& shape,
                           int64_t* tokens, int64_t token_stride, float* token_logprobs, void* workspace,
                           cudaStream_t stream, const LaunchOptions& options = {});
 
+// ---- Decoder-layer ops (csrc/kernels/decoder_layer.cu) ------------------------------------------
+
+// out[M, N] = (residual +) h . weight^T, h = x (plain), RMSNorm(x) * norm_weight (norm_weight
+// non-null), or silu(gate) * up with x = [gate | up] of 2K columns (gated). Bandwidth-bound GEMV
+// for a few tokens; any M works, each 8 tokens re-read the weight.
+template <typename T>
+cudaError_t launch_fused_linear(const T* x, const T* weight, const T* norm_weight, bool gated, float eps,
+                                const T* residual, T* out, int tokens, int out_features, int in_features,
+                                cudaStream_t stream, const LaunchOptions& options = {});
+
+// Rotary embedding (after the optional q/k RMSNorms) of the query and key heads of qkv
+// [M, (H + 2 KV) hd] at positions *length + i; keys and values go to the caches [KV, max_len, hd],
+// the rotated queries to q_out [M, H, hd]. A position outside the cache writes nothing and
+// gives NaN queries.
+template <typename T>
+cudaError_t launch_rotary_cache_write(const T* qkv, const T* cos, const T* sin, const int64_t* length, const T* q_norm,
+                                      const T* k_norm, float eps, T* k_cache, T* v_cache, T* q_out, int tokens,
+                                      int num_heads, int num_kv_heads, int head_dim, int max_len, cudaStream_t stream,
+                                      const LaunchOptions& options = {});
+
+// out[M, H hd]: token i's heads attend to cache positions 0 .. *length + i (clipped to the cache).
+// head_dim <= 256.
+constexpr int kDecodeAttentionMaxHeadDim = 256;
+size_t decode_attention_workspace_bytes(int tokens, int num_heads, int head_dim, int max_len);
+template <typename T>
+cudaError_t launch_decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* length, float scale,
+                                    T* out, int tokens, int num_heads, int num_kv_heads, int head_dim, int max_len,
+                                    void* workspace, cudaStream_t stream, const LaunchOptions& options = {});
+
 }  // namespace flashhead

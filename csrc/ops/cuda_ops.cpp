@@ -13,6 +13,7 @@
 
 #include "kernels/api.h"
 #include "ops/checks.h"
+#include "ops/decoder_checks.h"
 
 namespace flashhead {
 namespace {
@@ -217,6 +218,90 @@ std::tuple<at::Tensor, at::Tensor> decode_sample_cuda(const at::Tensor& hidden, 
   return {tokens, token_logprobs};
 }
 
+template <typename T>
+const T* optional_data(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? data_as<T>(*t) : nullptr;
+}
+
+at::Tensor fused_linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in,
+                             const c10::optional<at::Tensor>& norm_weight_in, double eps, bool gated,
+                             const c10::optional<at::Tensor>& residual_in) {
+  constexpr const char* op = "fused_linear";
+  check_fused_linear(op, x_in, weight_in, norm_weight_in, eps, gated, residual_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  const auto norm_weight = contiguous(norm_weight_in), residual = contiguous(residual_in);
+  check_fits_int(op, x.size(0), "the number of tokens");
+  check_fits_int(op, x.size(1), "in_features");
+  check_fits_int(op, weight.size(0), "out_features");
+  auto out = at::empty({x.size(0), weight.size(0)}, x.options());
+  dispatch_float(x.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    C10_CUDA_CHECK(launch_fused_linear<T>(data_as<T>(x), data_as<T>(weight), optional_data<T>(norm_weight), gated,
+                                          static_cast<float>(eps), optional_data<T>(residual),
+                                          static_cast<T*>(out.data_ptr()), static_cast<int>(x.size(0)),
+                                          static_cast<int>(weight.size(0)), static_cast<int>(weight.size(1)),
+                                          at::cuda::getCurrentCUDAStream()));
+  });
+  return out;
+}
+
+at::Tensor rotary_cache_write_cuda(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                                   const at::Tensor& length, at::Tensor& k_cache, at::Tensor& v_cache,
+                                   int64_t num_heads, const c10::optional<at::Tensor>& q_norm_in,
+                                   const c10::optional<at::Tensor>& k_norm_in, double eps) {
+  constexpr const char* op = "rotary_cache_write";
+  check_rotary_cache_write(op, qkv_in, cos_in, sin_in, length, k_cache, v_cache, num_heads, q_norm_in, k_norm_in, eps);
+  const c10::cuda::CUDAGuard guard(qkv_in.device());
+  const at::Tensor qkv = qkv_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const auto q_norm = contiguous(q_norm_in), k_norm = contiguous(k_norm_in);
+  const int64_t kv = k_cache.size(0), max_len = k_cache.size(1), hd = k_cache.size(2);
+  check_fits_int(op, qkv.size(0), "the number of tokens");
+  check_fits_int(op, num_heads + kv, "num_heads + num_kv_heads");
+  check_fits_int(op, max_len, "max_len");
+  FH_CHECK_VALUE(op, hd <= 2048, "head_dim must be at most 2048 for the CUDA kernel, got ", num_str(hd));
+  auto q = at::empty({qkv.size(0), num_heads, hd}, qkv.options());
+  dispatch_float(qkv.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    C10_CUDA_CHECK(launch_rotary_cache_write<T>(
+        data_as<T>(qkv), data_as<T>(cos), data_as<T>(sin), length.data_ptr<int64_t>(), optional_data<T>(q_norm),
+        optional_data<T>(k_norm), static_cast<float>(eps), static_cast<T*>(k_cache.data_ptr()),
+        static_cast<T*>(v_cache.data_ptr()), static_cast<T*>(q.data_ptr()), static_cast<int>(qkv.size(0)),
+        static_cast<int>(num_heads), static_cast<int>(kv), static_cast<int>(hd), static_cast<int>(max_len),
+        at::cuda::getCurrentCUDAStream()));
+  });
+  return q;
+}
+
+at::Tensor decode_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
+                                 const at::Tensor& length, double scale) {
+  constexpr const char* op = "decode_attention";
+  check_decode_attention(op, q_in, k_cache_in, v_cache_in, length, scale);
+  const int64_t kv = k_cache_in.size(0), max_len = k_cache_in.size(1), hd = k_cache_in.size(2);
+  FH_CHECK_VALUE(op, hd <= kDecodeAttentionMaxHeadDim, "head_dim must be at most ",
+                 num_str(kDecodeAttentionMaxHeadDim), " for the CUDA kernel, got ", num_str(hd));
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = q_in.contiguous(), k_cache = k_cache_in.contiguous(), v_cache = v_cache_in.contiguous();
+  const int64_t tokens = q.size(0), heads = q.size(1);
+  check_fits_int(op, tokens * heads, "tokens * num_heads");
+  // The merge keeps two floats per split of 32 positions in shared memory (at most 48 KB).
+  FH_CHECK_VALUE(op, max_len <= 32 * 6144, "max_len (k_cache.size(1)) must be at most 196608 for the CUDA kernel, got ",
+                 num_str(max_len));
+  auto out = at::empty({tokens, heads * hd}, q.options());
+  auto ws = workspace(decode_attention_workspace_bytes(static_cast<int>(tokens), static_cast<int>(heads),
+                                                       static_cast<int>(hd), static_cast<int>(max_len)),
+                      q);
+  dispatch_float(q.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    C10_CUDA_CHECK(launch_decode_attention<T>(
+        data_as<T>(q), data_as<T>(k_cache), data_as<T>(v_cache), length.data_ptr<int64_t>(),
+        static_cast<float>(scale), static_cast<T*>(out.data_ptr()), static_cast<int>(tokens),
+        static_cast<int>(heads), static_cast<int>(kv), static_cast<int>(hd), static_cast<int>(max_len),
+        ws.data_ptr(), at::cuda::getCurrentCUDAStream()));
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashhead, CUDA, m) {
@@ -227,6 +312,9 @@ TORCH_LIBRARY_IMPL(flashhead, CUDA, m) {
   m.impl("decode_greedy", &decode_greedy_cuda);
   m.impl("decode_greedy_out", &decode_greedy_out_cuda);
   m.impl("decode_sample", &decode_sample_cuda);
+  m.impl("fused_linear", &fused_linear_cuda);
+  m.impl("rotary_cache_write", &rotary_cache_write_cuda);
+  m.impl("decode_attention", &decode_attention_cuda);
 }
 
 }  // namespace flashhead
