@@ -1,10 +1,10 @@
 """``python -m flashhead_ext.bench <benchmark>``; each benchmark prints a table and writes JSON."""
 import sys
 
-from . import clusters, head, spec
+from . import clusters, head, layer_ops, spec
 
 BENCHMARKS = {"head": head.main, "clusters": clusters.main, "draft-step": spec.draft_step_main,
-              "spec": spec.spec_main}
+              "spec": spec.spec_main, "layer-ops": layer_ops.main}
 
 
 def main(argv=None) -> int:

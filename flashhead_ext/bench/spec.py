@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
-from ..fast.decoder import ATTENTION
+from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
 from ..speculative.runner import format_summary, plan_configs, run_interleaved, summarize, write_json
 from ..graphs import capture_graph
@@ -64,9 +64,15 @@ def _common(parser: argparse.ArgumentParser, json_default: str) -> None:
     parser.add_argument("--cluster-size", type=int, default=16)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--attention", default="sdpa", choices=ATTENTION, help="the decoders' attention implementation")
-    parser.add_argument("--compile", action="store_true",
-                        help="run steps of a few tokens through torch.compile'd layers (fuses the small kernels)")
     parser.add_argument("--json", default=json_default)
+
+
+def _check_bodies(parser, names: str) -> list:
+    bodies = [name for name in names.split(",") if name]
+    for name in bodies:
+        if name not in BODIES:
+            parser.error(f"unknown body {name!r}; choose from {BODIES}")
+    return bodies
 
 
 def _check_shapes(parser, names: str) -> list:
@@ -86,9 +92,12 @@ def draft_step_main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=1024, help="cache length attended over (max_len)")
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--calls", type=int, default=20, help="graph replays per timed sample")
+    parser.add_argument("--bodies", default="eager,fused",
+                        help=f"comma list of {BODIES}: how the layers run (Decoder.body), each timed in this run")
     _common(parser, "results/bench_draft_step.json")
     args = parser.parse_args(argv)
     shapes = _check_shapes(parser, args.shapes)
+    bodies = _check_bodies(parser, args.bodies)
     cuda = args.device != "cpu"
     dtype = DTYPES[args.dtype]
     meta = dict(run_metadata(), clusters=CLUSTERS, args=vars(args))
@@ -97,41 +106,50 @@ def draft_step_main(argv=None) -> int:
     rows = []
     for name in shapes:
         model = Decoder.random(SHAPES[name], max_len=args.context, dtype=dtype, device=args.device)
-        model.attention, model.compiled = args.attention, args.compile
-        model.reset(args.context - 1)  # the step attends over the whole cache whatever the length: a fixed cost
+        model.attention = args.attention
+        # The last position: eager/compiled attend over the whole cache at any length, fused reads
+        # the cache up to the length, so this is the fused body's most expensive step.
+        model.reset(args.context - 1)
         ids = torch.zeros(1, dtype=torch.int64, device=args.device)
         token = torch.zeros(1, dtype=torch.int64, device=args.device)
-        body_us = _time(lambda: model.forward(ids), args, cuda)
         body_bytes = model.nbytes - model.lm_head.numel() * model.lm_head.element_size() * (model.lm_head is not model.embed)
-        for kind in ("dense", "flashhead"):
-            head = make_head(kind, model.lm_head, args)
+        heads = {kind: make_head(kind, model.lm_head, args) for kind in ("dense", "flashhead")}
+        first_body_step = {}
+        for body in bodies:
+            model.body = body
+            body_us = _time(lambda: model.forward(ids), args, cuda)
+            for kind, head in heads.items():
 
-            def step(head=head):
-                hidden = model.forward(ids)
-                if isinstance(head, FlashHead):
-                    head.next_token(hidden, out=token)
-                else:
-                    token.copy_(head.next_token(hidden))
+                def step(head=head):
+                    hidden = model.forward(ids)
+                    if isinstance(head, FlashHead):
+                        head.next_token(hidden, out=token)
+                    else:
+                        token.copy_(head.next_token(hidden))
 
-            step_us = _time(step, args, cuda)
-            head_bytes = model.lm_head.numel() * model.lm_head.element_size() if kind == "dense" else None
-            rows.append(dict(shape=name, head=kind, layers=SHAPES[name].num_layers, step_us=step_us, body_us=body_us,
-                             head_us=step_us - body_us,
-                             probes=getattr(head, "probes", None), clusters=getattr(head, "num_clusters", None),
-                             body_floor_us=body_bytes / (bandwidth * 1e3) if bandwidth else None,
-                             dense_head_floor_us=head_bytes / (bandwidth * 1e3) if bandwidth and head_bytes else None))
-        dense, flash = rows[-2], rows[-1]
-        flash["dense_over_flash"] = dense["step_us"] / flash["step_us"]
-    print(f"draft step, {'CUDA graph replay' if cuda else 'eager (CPU)'}, {args.dtype}, attention {args.attention}, "
-          f"compiled layers {args.compile}, FlashHead: {CLUSTERS}")
+                step_us = _time(step, args, cuda)
+                head_bytes = model.lm_head.numel() * model.lm_head.element_size() if kind == "dense" else None
+                first_body_step.setdefault(kind, step_us)
+                rows.append(dict(shape=name, body=body, head=kind, layers=SHAPES[name].num_layers, step_us=step_us,
+                                 body_us=body_us, head_us=step_us - body_us,
+                                 probes=getattr(head, "probes", None), clusters=getattr(head, "num_clusters", None),
+                                 body_floor_us=body_bytes / (bandwidth * 1e3) if bandwidth else None,
+                                 dense_head_floor_us=head_bytes / (bandwidth * 1e3) if bandwidth and head_bytes else None,
+                                 speedup_vs_first_body=first_body_step[kind] / step_us))
+            dense, flash = rows[-2], rows[-1]
+            flash["dense_over_flash"] = dense["step_us"] / flash["step_us"]
+    print(f"draft step, {'CUDA graph replay' if cuda else 'eager (CPU)'}, {args.dtype}, attention {args.attention} "
+          f"(eager/compiled bodies), context {args.context}, FlashHead: {CLUSTERS}; "
+          f"x {bodies[0]} = the {bodies[0]} body's step time over this one's, same head")
     print(format_table(rows, STEP_COLUMNS))
     _write(args.json, dict(meta=meta, rows=rows))
     return 0
 
 
-STEP_COLUMNS = [("shape", "shape", "s"), ("layers", "layers", "d"), ("head", "head", "s"), ("probes", "p", "d"),
-                ("step_us", "step us", ".1f"), ("body_us", "body us", ".1f"), ("head_us", "head us", ".1f"),
-                ("body_floor_us", "body floor us", ".1f"), ("dense_over_flash", "dense/flash", ".3f")]
+STEP_COLUMNS = [("shape", "shape", "s"), ("layers", "layers", "d"), ("body", "body", "s"), ("head", "head", "s"),
+                ("probes", "p", "d"), ("step_us", "step us", ".1f"), ("body_us", "body us", ".1f"),
+                ("head_us", "head us", ".1f"), ("body_floor_us", "body floor us", ".1f"),
+                ("dense_over_flash", "dense/flash", ".3f"), ("speedup_vs_first_body", "x first body", ".2f")]
 
 
 def _time(fn, args, cuda: bool) -> float:
@@ -175,8 +193,11 @@ def spec_main(argv=None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--warmup-tokens", type=int, default=16)
+    parser.add_argument("--body", default="fused", choices=BODIES, help="how both models run their layers (Decoder.body)")
+    parser.add_argument("--target-body", default=None, choices=BODIES, help="the target's body when it differs from --body")
     _common(parser, "results/bench_spec.json")
     args = parser.parse_args(argv)
+    args.target_body = args.target_body or args.body
     for name in ("target", "draft"):
         _check_shapes(parser, getattr(args, name))
     if not 0.0 <= args.synthetic_acceptance <= 1.0:
@@ -203,7 +224,7 @@ def spec_main(argv=None) -> int:
     draft_device = args.draft_device or args.device
     draft = Decoder.random(draft_shape, max_len=max_len, dtype=dtype, device=draft_device, seed=args.seed + 1)
     target.attention = draft.attention = args.attention
-    target.compiled = draft.compiled = args.compile
+    target.body, draft.body = args.target_body, args.body
     decoders = {None: FastSpeculativeDecoder(target, k=args.k, eos_token_id=[])}
     for kind in dict.fromkeys(c.head for c in configs if c.head):
         # One seed for every config: a prompt gets the same acceptances in every mode and head.
@@ -221,7 +242,7 @@ def spec_main(argv=None) -> int:
                 graphs=decoders[None].graphs)
     print(f"target {args.target}" + (f" ({args.target_layers} layers)" if args.target_layers else "") +
           f" {meta['target_gb']:.1f} GB, draft {args.draft} on {draft_device}, K={args.k}, {args.dtype}, "
-          f"attention {args.attention}, compiled layers {args.compile}, FlashHead {CLUSTERS}, graphs={meta['graphs']}")
+          f"body {args.body} (target {args.target_body}), attention {args.attention}, FlashHead {CLUSTERS}, graphs={meta['graphs']}")
     print(format_summary(rows))
     print(f"wrote {write_json(args.json, meta, rows, records)}")
     return 0

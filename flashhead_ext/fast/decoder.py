@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import ops
+
 SUPPORTED = ("llama", "qwen3")  # SmolLM2 is a Llama; Qwen3 adds RMSNorm on q and k
 # "sdpa": torch's fused attention; "matmul": baddbmm + softmax + bmm, more parallel for a few
 # query rows over a long cache (docs/benchmarks.md, issue 6, compares them).
@@ -118,9 +120,25 @@ def _layer(x: Tensor, w: dict, k_cache: Tensor, v_cache: Tensor, pos: Tensor, co
     return x + F.linear(F.silu(gate) * up, w["down"])
 
 
-# Steps of at most this many tokens (draft steps, verify batches) may run the compiled layer; longer
-# forwards (prefills, whose length varies) stay eager rather than compile once per length.
-COMPILED_MAX_TOKENS = 16
+def _fused_layer(x: Tensor, w: dict, k_cache: Tensor, v_cache: Tensor, length: Tensor, cos: Tensor, sin: Tensor,
+                 num_heads: int, head_dim: int, eps: float) -> Tensor:
+    """``_layer`` as six flashhead ops (seven CUDA kernels): the norms, gate and residual adds ride
+    in the GEMVs, rotary and the cache write are one kernel, attention reads only the cache up to
+    ``length``. ``cos`` / ``sin`` are the whole tables: the ops index them by ``length``."""
+    qkv = ops.fused_linear(x, w["qkv"], norm_weight=w["attn_norm"], eps=eps)
+    q = ops.rotary_cache_write(qkv, cos, sin, length, k_cache, v_cache, num_heads,
+                               q_norm=w.get("q_norm"), k_norm=w.get("k_norm"), eps=eps)
+    o = ops.decode_attention(q, k_cache, v_cache, length, 1.0 / math.sqrt(head_dim))
+    x = ops.fused_linear(o, w["o"], residual=x)
+    gate_up = ops.fused_linear(x, w["gate_up"], norm_weight=w["mlp_norm"], eps=eps)
+    return ops.fused_linear(gate_up, w["down"], gated=True, residual=x)
+
+
+# How a forward of at most STEP_MAX_TOKENS tokens (draft steps, verify batches) runs its layers:
+# "eager" the torch ops of ``_layer``, "compiled" ``_layer`` through torch.compile, "fused" the
+# flashhead decoder-layer ops. Longer forwards (prefills, whose length varies) always run eager.
+BODIES = ("eager", "compiled", "fused")
+STEP_MAX_TOKENS = 16
 _compiled_layer = None
 
 
@@ -142,9 +160,10 @@ class Decoder:
     not move ``length`` (an int64 0-d device tensor): callers advance or cut it back. ``logits``
     and ``argmax`` apply the model's own (dense) output head.
 
-    ``compiled = True`` runs forwards of at most ``COMPILED_MAX_TOKENS`` tokens through a
-    torch.compile'd layer (fused elementwise kernels; 1.6x faster draft steps on an H200); the
-    first such call of each token count compiles (tens of seconds).
+    ``body`` picks how forwards of at most ``STEP_MAX_TOKENS`` tokens run (see ``BODIES``):
+    ``"compiled"`` a torch.compile'd layer (the first call of each token count compiles, tens of
+    seconds), ``"fused"`` flashhead's decoder-layer ops (float16 / bfloat16 / float32; on a GPU,
+    bandwidth-bound GEMVs with the norms fused in; docs/benchmarks.md compares the three).
 
     Layout: per layer the q/k/v projections are one ``[(H + 2 KV) hd, D]`` matrix and gate/up one
     ``[2 I, D]`` matrix (fewer, larger GEMVs). The cache is ``[layers, KV, max_len, hd]`` for K and
@@ -163,7 +182,7 @@ class Decoder:
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.max_len = max_len
         self.attention = "sdpa"
-        self.compiled = False  # see COMPILED_MAX_TOKENS
+        self.body = "eager"
         c = config
         shape = (c.num_layers, c.num_kv_heads, max_len, c.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -261,6 +280,13 @@ class Decoder:
         """
         c = self.config
         n = ids.shape[0]
+        short = n <= STEP_MAX_TOKENS
+        if self.body == "fused" and short:
+            x = self.embed.index_select(0, ids)
+            for i, w in enumerate(self.layers):
+                x = _fused_layer(x, w, self.k_cache[i], self.v_cache[i], self.length, self._cos, self._sin,
+                                 c.num_heads, c.head_dim, c.rms_norm_eps)
+            return _rms_norm(x, self.final_norm, c.rms_norm_eps)
         group = c.num_heads // c.num_kv_heads
         pos = self.length + self._positions[:n]
         cos, sin = self._cos.index_select(0, pos)[:, None], self._sin.index_select(0, pos)[:, None]
@@ -268,12 +294,24 @@ class Decoder:
         # once here: a boolean one would be converted in every layer.
         visible = (self._positions[None, :] <= pos[:, None]).repeat(group, 1)
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-        layer = _get_compiled_layer() if self.compiled and n <= COMPILED_MAX_TOKENS else _layer
+        layer = _get_compiled_layer() if self.body == "compiled" and short else _layer
         x = self.embed.index_select(0, ids)
         for i, w in enumerate(self.layers):
             x = layer(x, w, self.k_cache[i], self.v_cache[i], pos, cos, sin, mask,
                       c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.attention)
         return _rms_norm(x, self.final_norm, c.rms_norm_eps)
+
+    @property
+    def body(self) -> str:
+        return self._body
+
+    @body.setter
+    def body(self, value: str) -> None:
+        if value not in BODIES:
+            raise ValueError(f"body must be one of {BODIES}, got {value!r}")
+        if value == "fused" and self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"body 'fused' needs a float16, bfloat16 or float32 model, this one is {self.dtype}")
+        self._body = value
 
     @property
     def attention(self) -> str:
@@ -304,4 +342,4 @@ class Decoder:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-__all__ = ["Decoder", "DecoderConfig", "SUPPORTED"]
+__all__ = ["BODIES", "Decoder", "DecoderConfig", "STEP_MAX_TOKENS", "SUPPORTED"]

@@ -1,0 +1,123 @@
+"""``python -m flashhead_ext.bench layer-ops``: the decoder-layer ops alone, against torch, at model shapes.
+
+Each op (and a whole layer) is captured ``--calls`` times in one CUDA graph and the replay is timed.
+The weights rotate over enough copies to exceed the L2 cache, so every call streams its weights
+from memory as it does inside a model. ``torch`` is the same computation with torch ops (the eager
+decoder's: ``F.rms_norm``, ``F.linear``, ``F.silu``, a residual add; the whole layer is
+:func:`flashhead_ext.fast.decoder._layer` with matmul attention over the whole cache). The floor
+is the bytes an op must read (weights, or the cache up to the length for attention) over the
+measured copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..fast.decoder import Decoder, _fused_layer, _layer
+from ..graphs import capture_graph
+from .spec import SHAPES, _check_shapes, _write
+from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
+
+COLUMNS = [("shape", "shape", "s"), ("tokens", "M", "d"), ("op", "op", "s"), ("ours_us", "ours us", ".1f"),
+           ("torch_us", "torch us", ".1f"), ("floor_us", "floor us", ".1f"), ("of_floor", "floor/ours", ".2f"),
+           ("torch_over_ours", "torch/ours", ".2f")]
+L2_DEFEAT_BYTES = 256 << 20
+
+
+def _timed_graph(calls, args) -> float:
+    """Median µs per call of the ``calls`` (a list of closures, one per weight copy, cycled)."""
+
+    def body():
+        for i in range(args.calls):
+            calls[i % len(calls)]()
+
+    graph = capture_graph(body)
+    return time_calls(graph.replay, calls_per_sample=args.calls, samples=args.samples, warmup=2)
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, min(32, math.ceil(L2_DEFEAT_BYTES / max(nbytes, 1))))
+
+
+def _layer_rows(name: str, tokens: int, args, bandwidth: float) -> list[dict]:
+    config = SHAPES[name]
+    c = type(config)(**{**vars(config), "num_layers": 1})
+    model = Decoder.random(c, max_len=args.context, dtype=torch.bfloat16, device="cuda")
+    w = model.layers[0]
+    layer_bytes = sum(t.numel() * t.element_size() for t in w.values())
+    copies = _copies(layer_bytes)
+    weights = [w] + [{k: t.clone() for k, t in w.items()} for _ in range(copies - 1)]
+    gen = torch.Generator("cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+
+    x = rand(tokens, c.hidden_size)
+    o = rand(tokens, c.num_heads * c.head_dim)
+    gate_up = rand(tokens, 2 * c.intermediate_size)
+    eps = c.rms_norm_eps
+    gemvs = {
+        "qkv: norm+linear": (lambda w: ops.fused_linear(x, w["qkv"], norm_weight=w["attn_norm"], eps=eps),
+                             lambda w: F.linear(F.rms_norm(x, (c.hidden_size,), w["attn_norm"], eps), w["qkv"]), "qkv"),
+        "o: linear+residual": (lambda w: ops.fused_linear(o, w["o"], residual=x), lambda w: x + F.linear(o, w["o"]), "o"),
+        "gate_up: norm+linear": (lambda w: ops.fused_linear(x, w["gate_up"], norm_weight=w["mlp_norm"], eps=eps),
+                                 lambda w: F.linear(F.rms_norm(x, (c.hidden_size,), w["mlp_norm"], eps), w["gate_up"]),
+                                 "gate_up"),
+        "down: silu gate+linear+residual": (
+            lambda w: ops.fused_linear(gate_up, w["down"], gated=True, residual=x),
+            lambda w: x + F.linear(F.silu(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:], w["down"]),
+            "down"),
+    }
+    rows = []
+    for op, (ours, reference, key) in gemvs.items():
+        floor = w[key].numel() * w[key].element_size() / (bandwidth * 1e3)
+        rows.append(dict(op=op, floor_us=floor, ours_us=_timed_graph([lambda w=w: ours(w) for w in weights], args),
+                         torch_us=_timed_graph([lambda w=w: reference(w) for w in weights], args)))
+
+    # The whole layer at the last positions of the cache (the fused body's most expensive step).
+    model.reset(args.context - tokens)
+    ids_pos = model.length + torch.arange(tokens, device="cuda")
+    cos, sin = model._cos.index_select(0, ids_pos)[:, None], model._sin.index_select(0, ids_pos)[:, None]
+    group = c.num_heads // c.num_kv_heads
+    positions = torch.arange(args.context, device="cuda")
+    visible = (positions[None, :] <= ids_pos[:, None]).repeat(group, 1)
+    mask = torch.zeros(visible.shape, dtype=torch.bfloat16, device="cuda").masked_fill_(~visible, float("-inf"))
+    k_cache, v_cache = model.k_cache[0], model.v_cache[0]
+    cache_bytes = 2 * c.num_kv_heads * args.context * c.head_dim * 2
+    rows.append(dict(
+        op="layer (fused ops vs eager torch)", floor_us=(layer_bytes + cache_bytes) / (bandwidth * 1e3),
+        ours_us=_timed_graph([lambda w=w: _fused_layer(x, w, k_cache, v_cache, model.length, model._cos, model._sin,
+                                                       c.num_heads, c.head_dim, eps) for w in weights], args),
+        torch_us=_timed_graph([lambda w=w: _layer(x, w, k_cache, v_cache, ids_pos, cos, sin, mask, c.num_heads,
+                                                  c.num_kv_heads, c.head_dim, eps, "matmul") for w in weights], args)))
+    for row in rows:
+        row.update(shape=name, tokens=tokens, of_floor=row["floor_us"] / row["ours_us"],
+                   torch_over_ours=row["torch_us"] / row["ours_us"])
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench layer-ops",
+                                     description="Decoder-layer ops (fused_linear, a whole fused layer) vs torch, bf16, graph-replayed.")
+    parser.add_argument("--shapes", default="qwen3-0.6b,gemma3-270m-llama,smollm2-early-exit-8,qwen3-32b")
+    parser.add_argument("--tokens", default="1,8", help="comma list of tokens per call (M)")
+    parser.add_argument("--context", type=int, default=1024, help="cache length (max_len); the layer row attends to all of it")
+    parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=32, help="calls per graph replay")
+    parser.add_argument("--json", default="results/bench_layer_ops.json")
+    args = parser.parse_args(argv)
+    shapes = _check_shapes(parser, args.shapes)
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    if not torch.cuda.is_available():
+        parser.error("layer-ops times CUDA kernels and needs a GPU")
+    bandwidth = copy_bandwidth_gbs()
+    rows = [row for name in shapes for m in tokens for row in _layer_rows(name, m, args, bandwidth)]
+    print(f"decoder-layer ops, bf16, CUDA graph replay, weights rotated past L2, context {args.context}, "
+          f"copy bandwidth {bandwidth:.0f} GB/s")
+    print(format_table(rows, COLUMNS))
+    _write(args.json, dict(meta=dict(run_metadata(), copy_bandwidth_gbs=bandwidth, args=vars(args)), rows=rows))
+    return 0
