@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..fast.decoder import Decoder, _fused_layer, _layer
 from ..graphs import capture_graph
-from .spec import SHAPES, _check_shapes, _write
+from .spec import SHAPES, _check_choices, _write
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
 COLUMNS = [("shape", "shape", "s"), ("tokens", "M", "d"), ("op", "op", "s"), ("ours_us", "ours us", ".1f"),
@@ -80,19 +80,14 @@ def _layer_rows(name: str, tokens: int, args, bandwidth: float) -> list[dict]:
 
     # The whole layer at the last positions of the cache (the fused body's most expensive step).
     model.reset(args.context - tokens)
-    ids_pos = model.length + torch.arange(tokens, device="cuda")
-    cos, sin = model._cos.index_select(0, ids_pos)[:, None], model._sin.index_select(0, ids_pos)[:, None]
-    group = c.num_heads // c.num_kv_heads
-    positions = torch.arange(args.context, device="cuda")
-    visible = (positions[None, :] <= ids_pos[:, None]).repeat(group, 1)
-    mask = torch.zeros(visible.shape, dtype=torch.bfloat16, device="cuda").masked_fill_(~visible, float("-inf"))
+    pos, cos, sin, mask = model.step_inputs(tokens)
     k_cache, v_cache = model.k_cache[0], model.v_cache[0]
     cache_bytes = 2 * c.num_kv_heads * args.context * c.head_dim * 2
     rows.append(dict(
         op="layer (fused ops vs eager torch)", floor_us=(layer_bytes + cache_bytes) / (bandwidth * 1e3),
         ours_us=_timed_graph([lambda w=w: _fused_layer(x, w, k_cache, v_cache, model.length, model._cos, model._sin,
                                                        c.num_heads, c.head_dim, eps) for w in weights], args),
-        torch_us=_timed_graph([lambda w=w: _layer(x, w, k_cache, v_cache, ids_pos, cos, sin, mask, c.num_heads,
+        torch_us=_timed_graph([lambda w=w: _layer(x, w, k_cache, v_cache, pos, cos, sin, mask, c.num_heads,
                                                   c.num_kv_heads, c.head_dim, eps, "matmul") for w in weights], args)))
     for row in rows:
         row.update(shape=name, tokens=tokens, of_floor=row["floor_us"] / row["ours_us"],
@@ -110,7 +105,7 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=32, help="calls per graph replay")
     parser.add_argument("--json", default="results/bench_layer_ops.json")
     args = parser.parse_args(argv)
-    shapes = _check_shapes(parser, args.shapes)
+    shapes = _check_choices(parser, args.shapes, SHAPES, "shape")
     tokens = [int(t) for t in args.tokens.split(",") if t]
     if not torch.cuda.is_available():
         parser.error("layer-ops times CUDA kernels and needs a GPU")

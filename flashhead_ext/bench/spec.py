@@ -67,20 +67,13 @@ def _common(parser: argparse.ArgumentParser, json_default: str) -> None:
     parser.add_argument("--json", default=json_default)
 
 
-def _check_bodies(parser, names: str) -> list:
-    bodies = [name for name in names.split(",") if name]
-    for name in bodies:
-        if name not in BODIES:
-            parser.error(f"unknown body {name!r}; choose from {BODIES}")
-    return bodies
-
-
-def _check_shapes(parser, names: str) -> list:
-    shapes = [name for name in names.split(",") if name]
-    for name in shapes:
-        if name not in SHAPES:
-            parser.error(f"unknown shape {name!r}; choose from {sorted(SHAPES)}")
-    return shapes
+def _check_choices(parser, names: str, choices, what: str) -> list:
+    """The comma list ``names``, each one of ``choices`` (a parser error names the bad one)."""
+    picked = [name for name in names.split(",") if name]
+    for name in picked:
+        if name not in choices:
+            parser.error(f"unknown {what} {name!r}; choose from {sorted(choices)}")
+    return picked
 
 
 # ---- draft step ------------------------------------------------------------------------------
@@ -96,8 +89,8 @@ def draft_step_main(argv=None) -> int:
                         help=f"comma list of {BODIES}: how the layers run (Decoder.body), each timed in this run")
     _common(parser, "results/bench_draft_step.json")
     args = parser.parse_args(argv)
-    shapes = _check_shapes(parser, args.shapes)
-    bodies = _check_bodies(parser, args.bodies)
+    shapes = _check_choices(parser, args.shapes, SHAPES, "shape")
+    bodies = _check_choices(parser, args.bodies, BODIES, "body")
     cuda = args.device != "cpu"
     dtype = DTYPES[args.dtype]
     meta = dict(run_metadata(), clusters=CLUSTERS, args=vars(args))
@@ -199,7 +192,7 @@ def spec_main(argv=None) -> int:
     _common(parser, "results/bench_spec.json")
     args = parser.parse_args(argv)
     for name in ("target", "draft"):
-        _check_shapes(parser, getattr(args, name))
+        _check_choices(parser, getattr(args, name), SHAPES, "shape")
     if not 0.0 <= args.synthetic_acceptance <= 1.0:
         parser.error(f"--synthetic-acceptance must be in [0, 1], got {args.synthetic_acceptance}")
     for name in ("k", "num_prompts", "prompt_tokens", "max_new_tokens", "warmup_tokens"):

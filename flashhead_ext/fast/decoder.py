@@ -281,25 +281,30 @@ class Decoder:
         c = self.config
         n = ids.shape[0]
         short = n <= STEP_MAX_TOKENS
+        x = self.embed.index_select(0, ids)
         if self.body == "fused" and short:
-            x = self.embed.index_select(0, ids)
             for i, w in enumerate(self.layers):
                 x = _fused_layer(x, w, self.k_cache[i], self.v_cache[i], self.length, self._cos, self._sin,
                                  c.num_heads, c.head_dim, c.rms_norm_eps)
-            return _rms_norm(x, self.final_norm, c.rms_norm_eps)
-        group = c.num_heads // c.num_kv_heads
+        else:
+            pos, cos, sin, mask = self.step_inputs(n)
+            layer = _get_compiled_layer() if self.body == "compiled" and short else _layer
+            for i, w in enumerate(self.layers):
+                x = layer(x, w, self.k_cache[i], self.v_cache[i], pos, cos, sin, mask,
+                          c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.attention)
+        return _rms_norm(x, self.final_norm, c.rms_norm_eps)
+
+    def step_inputs(self, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """What ``_layer`` takes for ``n`` tokens at the current length, derived on the device:
+        their positions, rotary rows ``[n, 1, hd]`` and the additive attention mask."""
+        c = self.config
         pos = self.length + self._positions[:n]
         cos, sin = self._cos.index_select(0, pos)[:, None], self._sin.index_select(0, pos)[:, None]
         # Query row g*n+i (head g of a KV group, token i) sees keys 0..pos[i]. An additive mask built
-        # once here: a boolean one would be converted in every layer.
-        visible = (self._positions[None, :] <= pos[:, None]).repeat(group, 1)
+        # once per forward: a boolean one would be converted in every layer.
+        visible = (self._positions[None, :] <= pos[:, None]).repeat(c.num_heads // c.num_kv_heads, 1)
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-        layer = _get_compiled_layer() if self.body == "compiled" and short else _layer
-        x = self.embed.index_select(0, ids)
-        for i, w in enumerate(self.layers):
-            x = layer(x, w, self.k_cache[i], self.v_cache[i], pos, cos, sin, mask,
-                      c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.attention)
-        return _rms_norm(x, self.final_norm, c.rms_norm_eps)
+        return pos, cos, sin, mask
 
     @property
     def body(self) -> str:
