@@ -247,10 +247,9 @@ __global__ void __launch_bounds__(kLinearThreads) fused_linear_kernel(LinearPara
 }
 
 template <typename T, int W, int MB, int R>
-cudaError_t launch_linear(const LinearParams<T>& p, size_t smem, cudaStream_t stream, bool dependent) {
+cudaError_t launch_linear(const LinearParams<T>& p, int sms, size_t smem, cudaStream_t stream, bool dependent) {
   const auto kernel = fused_linear_kernel<T, W, MB, R>;
-  int sms = 0, per_sm = 0;
-  if (const cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
+  int per_sm = 0;
   if (const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLinearThreads, smem);
       err != cudaSuccess)
     return err;
@@ -265,8 +264,9 @@ cudaError_t launch_linear_rows(const LinearParams<T>& p, size_t smem, cudaStream
   // Two rows per warp when there are rows enough to fill the GPU twice over.
   int sms = 0;
   if (const cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
-  if (ceil_div(p.out_features, kLinearWarps * 2) >= 2 * sms) return launch_linear<T, W, MB, 2>(p, smem, stream, dependent);
-  return launch_linear<T, W, MB, 1>(p, smem, stream, dependent);
+  if (ceil_div(p.out_features, kLinearWarps * 2) >= 2 * sms)
+    return launch_linear<T, W, MB, 2>(p, sms, smem, stream, dependent);
+  return launch_linear<T, W, MB, 1>(p, sms, smem, stream, dependent);
 }
 
 template <typename T, int W>
