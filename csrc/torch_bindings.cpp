@@ -34,6 +34,13 @@ TORCH_LIBRARY(flashhead, m) {
       "rotary_cache_write(Tensor qkv, Tensor cos, Tensor sin, Tensor length, Tensor(a!) k_cache,"
       " Tensor(b!) v_cache, int num_heads, Tensor? q_norm, Tensor? k_norm, float eps) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor length, float scale) -> Tensor");
+  // One token through every layer of a decoder (weights stacked per kind along a leading layer
+  // dimension, caches [L, KV, max_len, hd]): the composition of the three ops above per layer,
+  // one persistent kernel on CUDA. Returns the residual stream after the last layer (no final norm).
+  m.def(
+      "decoder_step(Tensor x, Tensor qkv_weight, Tensor o_weight, Tensor gate_up_weight, Tensor down_weight,"
+      " Tensor attn_norm, Tensor mlp_norm, Tensor? q_norm, Tensor? k_norm, Tensor(a!) k_cache, Tensor(b!) v_cache,"
+      " Tensor cos, Tensor sin, Tensor length, int num_heads, float eps, float scale) -> Tensor");
 }
 
 // `import flashhead_ext._C` loads this library, which runs the registrations above; the module

@@ -16,14 +16,16 @@ Conventions shared by every op (docs/kernels.md):
   cluster selection, token id for the final argmax, as ``torch.argmax`` on a dense row).
 * non-contiguous inputs are copied to contiguous memory first.
 
-The decoder-layer ops (:func:`fused_linear`, :func:`rotary_cache_write`, :func:`decode_attention`)
-serve the fast path's draft steps: activations of dtype T (float16, bfloat16 or float32) and
-weights of the same dtype, float32 accumulation, results in T; the KV-cache length is an int64
-device tensor read by the kernels, so a captured step replays at any length.
+The decoder-layer ops (:func:`fused_linear`, :func:`rotary_cache_write`, :func:`decode_attention`,
+and :func:`decoder_step`, one token through every layer at once) serve the fast path's draft
+steps: activations of dtype T (float16, bfloat16 or float32) and weights of the same dtype,
+float32 accumulation, results in T; the KV-cache length is an int64 device tensor read by the
+kernels, so a captured step replays at any length.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Optional, Union
 
 import torch
@@ -261,6 +263,71 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, length: Tensor
     return _ops.decode_attention(q, k_cache, v_cache, length, _require_float("scale", scale))
 
 
+_DECODER_STEP_WEIGHTS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm")
+_DECODER_STEP_OPTIONAL = ("q_norm", "k_norm")
+
+
+def decoder_step(
+    x: Tensor,
+    weights: Mapping,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    length: Tensor,
+    num_heads: int,
+    *,
+    eps: float = 1e-6,
+    scale: Optional[float] = None,
+) -> Tensor:
+    """One decoding step of one token through every layer of a Llama/Qwen3 decoder; returns ``[1, D]``.
+
+    ``x [1, D]``: the token's hidden state (exactly one token). ``weights`` maps ``"qkv"``
+    ``[L, (H + 2 KV) hd, D]``, ``"o"`` ``[L, D, H hd]``, ``"gate_up"`` ``[L, 2 I, D]`` (gate rows,
+    then up rows), ``"down"`` ``[L, D, I]``, ``"attn_norm"``, ``"mlp_norm"`` ``[L, D]`` and,
+    optionally (both or neither), ``"q_norm"``, ``"k_norm"`` ``[L, hd]``: each layer's weights
+    stacked along a leading layer dimension, all of x's dtype. ``k_cache``, ``v_cache
+    [L, KV, max_len, hd]`` (contiguous) get each layer's key and value at position ``length``
+    (in place); ``cos``, ``sin``, ``length`` and ``num_heads`` as in :func:`rotary_cache_write`,
+    ``scale`` as in :func:`decode_attention` (default ``1 / sqrt(hd)``). Per layer ``i``, exactly::
+
+        qkv = fused_linear(x, qkv[i], norm_weight=attn_norm[i], eps=eps)
+        q = rotary_cache_write(qkv, cos, sin, length, k_cache[i], v_cache[i], num_heads,
+                               q_norm=q_norm[i], k_norm=k_norm[i], eps=eps)
+        x = fused_linear(decode_attention(q, k_cache[i], v_cache[i], length, scale), o[i], residual=x)
+        x = fused_linear(fused_linear(x, gate_up[i], norm_weight=mlp_norm[i], eps=eps), down[i],
+                         gated=True, residual=x)
+
+    The result is the residual stream after the last layer (no final norm), in x's dtype. A
+    ``length`` outside ``[0, max_len)`` gives NaN and writes nothing. One persistent kernel on
+    CUDA; host-sync free, capturable in CUDA graphs.
+    """
+    _require_tensor("x", x)
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"weights must be a mapping of stacked weight tensors, got {type(weights).__name__}")
+    for key in _DECODER_STEP_WEIGHTS:
+        if key not in weights:
+            raise ValueError(f"weights is missing {key!r} (needs {', '.join(_DECODER_STEP_WEIGHTS)}; "
+                             f"optionally {' and '.join(_DECODER_STEP_OPTIONAL)})")
+        _require_tensor(f"weights[{key!r}]", weights[key])
+    for key in _DECODER_STEP_OPTIONAL:
+        _require_optional_tensor(f"weights[{key!r}]", weights.get(key))
+    unknown = sorted(set(weights) - set(_DECODER_STEP_WEIGHTS) - set(_DECODER_STEP_OPTIONAL))
+    if unknown:  # a misspelt optional weight would otherwise be dropped silently
+        raise ValueError(f"weights has unknown keys {unknown}; expected {', '.join(_DECODER_STEP_WEIGHTS + _DECODER_STEP_OPTIONAL)}")
+    for name, value in (("k_cache", k_cache), ("v_cache", v_cache), ("cos", cos), ("sin", sin), ("length", length)):
+        _require_tensor(name, value)
+    if scale is None:
+        # A k_cache of another shape is rejected by the op before it reads scale.
+        scale = 1.0 / math.sqrt(k_cache.shape[3]) if k_cache.dim() == 4 and k_cache.shape[3] > 0 else 1.0
+    w = weights
+    return _ops.decoder_step(
+        x, w["qkv"], w["o"], w["gate_up"], w["down"], w["attn_norm"], w["mlp_norm"], w.get("q_norm"), w.get("k_norm"),
+        k_cache, v_cache, cos, sin, length, _require_int("num_heads", num_heads), _require_float("eps", eps),
+        _require_float("scale", scale),
+    )
+
+
 def validate_cluster_table(cluster_tokens: Tensor, vocab_size: int) -> None:
     """Checks a cluster table's ids (reads the data, so it syncs: call it once, not per step).
 
@@ -343,8 +410,14 @@ def _decode_attention_fake(q, k_cache, v_cache, length, scale):
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
+@torch.library.register_fake("flashhead::decoder_step")
+def _decoder_step_fake(x, qkv_weight, o_weight, gate_up_weight, down_weight, attn_norm, mlp_norm, q_norm, k_norm,
+                       k_cache, v_cache, cos, sin, length, num_heads, eps, scale):
+    return x.new_empty(x.shape)  # [1, D]; the caches are written in place
+
+
 __all__ = [
     "select_clusters", "sample_clusters", "gather_candidates", "candidate_logits",
     "decode_greedy", "decode_sample", "make_seed", "validate_cluster_table",
-    "fused_linear", "rotary_cache_write", "decode_attention",
+    "fused_linear", "rotary_cache_write", "decode_attention", "decoder_step",
 ]

@@ -3,7 +3,9 @@
 Includes the masking paths (out-of-range cluster and token ids, padding, duplicated extras), a
 batch of 0 and sizes that are not multiples of the vector width, then compares with the CPU op.
 The decoder-layer ops run every fused_linear prologue (one input chunk and several), rotary with
-positions past the cache, and attention on the vector and scalar paths. Exit status 1 on a mismatch.
+positions past the cache, and attention on the vector and scalar paths; decoder_step (the
+persistent kernel) at the first, a middle and the last position and one past the cache, with and
+without q/k norms. Exit status 1 on a mismatch.
 """
 import sys
 
@@ -44,7 +46,7 @@ def run(t, probes):
                 logits=logits, logprobs=logprobs)
 
 
-def main() -> int:
+def head_ops() -> int:
     failures = 0
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for batch, dim, clusters, size, probes in ((3, 77, 37, 4, 5), (2, 576, 257, 16, 257), (0, 64, 37, 8, 3), (5, 1024, 989, 16, 61)):
@@ -61,7 +63,15 @@ def main() -> int:
                 if not torch.allclose(got[key].cpu(), want[key], rtol=tol, atol=tol, equal_nan=False):
                     print(f"MISMATCH {key} {where}")
                     failures += 1
-    failures += decoder_layer_ops()
+    return failures
+
+
+GROUPS = {"head": lambda: head_ops(), "layer": lambda: decoder_layer_ops(), "step": lambda: decoder_step()}
+
+
+def main(groups) -> int:
+    """``groups``: names from GROUPS (all when empty)."""
+    failures = sum(GROUPS[name]() for name in groups or GROUPS)
     print("sanitize_ops: done,", failures, "mismatches")
     return 1 if failures else 0
 
@@ -106,5 +116,38 @@ def decoder_layer_ops() -> int:
     return failures
 
 
+def decoder_step() -> int:
+    failures = 0
+    gen = torch.Generator().manual_seed(11)
+    # (layers, hidden, intermediate, heads, kv_heads, head_dim, max_len, q/k norms); sizes are whole
+    # 16-byte vectors, as the kernel needs.
+    for layers, d, inter, heads, kv, hd, max_len, qk_norm in ((2, 64, 136, 4, 2, 16, 600, True),
+                                                               (1, 96, 40, 3, 3, 32, 40, False)):
+        for dtype in (torch.float32, torch.bfloat16):
+            def rand(*shape, scale=0.5):
+                return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+            weights = dict(qkv=rand(layers, (heads + 2 * kv) * hd, d, scale=d ** -0.5), o=rand(layers, d, heads * hd, scale=0.2),
+                           gate_up=rand(layers, 2 * inter, d, scale=d ** -0.5), down=rand(layers, d, inter, scale=inter ** -0.5),
+                           attn_norm=rand(layers, d) + 1, mlp_norm=rand(layers, d) + 1)
+            if qk_norm:
+                weights.update(q_norm=rand(layers, hd) + 1, k_norm=rand(layers, hd) + 1)
+            x, cos, sin = rand(1, d), rand(max_len, hd), rand(max_len, hd)
+            caches = rand(layers, kv, max_len, hd), rand(layers, kv, max_len, hd)
+            for length in (0, max_len // 2 + 1, max_len - 1, max_len):
+                results = {}
+                for device in ("cuda", "cpu"):
+                    k_cache, v_cache = caches[0].to(device, copy=True), caches[1].to(device, copy=True)
+                    out = ops.decoder_step(x.to(device), {k: v.to(device) for k, v in weights.items()}, k_cache, v_cache,
+                                           cos.to(device), sin.to(device), torch.tensor(length, device=device), heads, eps=0.01)
+                    results[device] = out, k_cache, v_cache
+                tol = 1e-3 if dtype == torch.float32 else 5e-2
+                for name, got, want in zip(("out", "k_cache", "v_cache"), results["cuda"], results["cpu"]):
+                    if not torch.allclose(got.cpu().float(), want.float(), rtol=tol, atol=tol, equal_nan=True):
+                        print(f"MISMATCH decoder_step {name} {dtype} L={layers} D={d} length={length}")
+                        failures += 1
+    return failures
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -1,7 +1,8 @@
-// CPU references of the decoder-layer ops (fused_linear, rotary_cache_write, decode_attention):
-// plain ATen, float32 arithmetic where the semantics (docs/kernels.md) say so, rounded to the
-// input dtype T exactly where they say so. The CUDA kernels are tested against these. Unlike the
-// CUDA ops they read the cache length on the host, which is free on the CPU.
+// CPU references of the decoder-layer ops (fused_linear, rotary_cache_write, decode_attention, and
+// decoder_step, their composition over every layer of a decoder): plain ATen, float32 arithmetic
+// where the semantics (docs/kernels.md) say so, rounded to the input dtype T exactly where they
+// say so. The CUDA kernels are tested against these. Unlike the CUDA ops they read the cache
+// length on the host, which is free on the CPU.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -93,12 +94,41 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   return out.view({tokens, heads * hd}).to(q.scalar_type());
 }
 
+// One token through every layer: exactly the composition of the three ops above, layer by layer,
+// on views of the stacked weights and caches (so the cache writes land in the caller's caches).
+// No final norm: the result is the residual stream after the last layer.
+at::Tensor decoder_step_cpu(const at::Tensor& x, const at::Tensor& qkv_weight, const at::Tensor& o_weight,
+                            const at::Tensor& gate_up_weight, const at::Tensor& down_weight,
+                            const at::Tensor& attn_norm, const at::Tensor& mlp_norm,
+                            const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                            at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& length, int64_t num_heads, double eps, double scale) {
+  check_decoder_step("decoder_step", x, qkv_weight, o_weight, gate_up_weight, down_weight, attn_norm, mlp_norm, q_norm,
+                     k_norm, k_cache, v_cache, cos, sin, length, num_heads, eps, scale);
+  const auto layer = [](const c10::optional<at::Tensor>& t, int64_t i) -> c10::optional<at::Tensor> {
+    return t.has_value() ? c10::optional<at::Tensor>(t->select(0, i)) : c10::nullopt;
+  };
+  at::Tensor h = x;
+  for (int64_t i = 0; i < k_cache.size(0); ++i) {
+    at::Tensor k_layer = k_cache.select(0, i), v_layer = v_cache.select(0, i);  // views of the caller's caches
+    auto qkv = fused_linear_cpu(h, qkv_weight.select(0, i), attn_norm.select(0, i), eps, false, c10::nullopt);
+    auto q = rotary_cache_write_cpu(qkv, cos, sin, length, k_layer, v_layer, num_heads, layer(q_norm, i),
+                                    layer(k_norm, i), eps);
+    auto o = decode_attention_cpu(q, k_layer, v_layer, length, scale);  // [1, H * hd]
+    h = fused_linear_cpu(o, o_weight.select(0, i), c10::nullopt, eps, false, h);
+    auto gate_up = fused_linear_cpu(h, gate_up_weight.select(0, i), mlp_norm.select(0, i), eps, false, c10::nullopt);
+    h = fused_linear_cpu(gate_up, down_weight.select(0, i), c10::nullopt, eps, true, h);
+  }
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashhead, CPU, m) {
   m.impl("fused_linear", &fused_linear_cpu);
   m.impl("rotary_cache_write", &rotary_cache_write_cpu);
   m.impl("decode_attention", &decode_attention_cpu);
+  m.impl("decoder_step", &decoder_step_cpu);
 }
 
 }  // namespace flashhead

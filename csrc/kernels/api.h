@@ -134,4 +134,49 @@ cudaError_t launch_decode_attention(const T* q, const T* k_cache, const T* v_cac
                                     T* out, int tokens, int num_heads, int num_kv_heads, int head_dim, int max_len,
                                     void* workspace, cudaStream_t stream, const LaunchOptions& options = {});
 
+// ---- One-token decoder step (csrc/kernels/decoder_step.cu) -------------------------------------
+
+// A Llama / Qwen3 decoder's shape; its weights stacked over layers, [layers, rows, columns]:
+// qkv [(H + 2 KV) hd, D], o [D, H hd], gate_up [2 I, D] (gate rows, then up rows), down [D, I],
+// attn_norm / mlp_norm [D], q_norm / k_norm [hd] (both null when the model has none).
+struct DecoderStepShape {
+  int layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, max_len;
+  float eps, scale;
+};
+template <typename T>
+struct DecoderStepWeights {
+  const T* qkv;
+  const T* o;
+  const T* gate_up;
+  const T* down;
+  const T* attn_norm;
+  const T* mlp_norm;
+  const T* q_norm;
+  const T* k_norm;
+};
+
+// Weight rows stream through shared-memory stages of this many bytes: a row (a gate and an up
+// row for gate_up) must fit one. Rows must be whole 16-byte vectors; head_dim at most 256.
+constexpr int kDecoderStepStageBytes = 32 * 1024;
+constexpr int kDecoderStepMaxHeadDim = 256;
+
+// How a step runs on the current device: one resident block per SM, its shared memory, the
+// workspace it needs. cudaErrorInvalidValue when the shape does not fit shared memory.
+struct DecoderStepPlan {
+  int grid, stages, max_splits;
+  size_t smem_bytes, workspace_bytes;
+};
+template <typename T>
+cudaError_t plan_decoder_step(const DecoderStepShape& shape, DecoderStepPlan* plan);
+
+// out[D] = the residual stream of token x[D] at position *length after every layer (no final
+// norm); each layer's K/V of the token go to k_cache / v_cache [layers, KV, max_len, hd]. The
+// same values as fused_linear, rotary_cache_write, decode_attention and fused_linear again per
+// layer, as one persistent (cooperative) kernel. A position outside the cache gives NaN and
+// writes nothing.
+template <typename T>
+cudaError_t launch_decoder_step(const T* x, const DecoderStepWeights<T>& weights, T* k_cache, T* v_cache, const T* cos,
+                                const T* sin, const int64_t* length, const DecoderStepShape& shape,
+                                const DecoderStepPlan& plan, T* out, void* workspace, cudaStream_t stream);
+
 }  // namespace flashhead

@@ -73,6 +73,27 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// The value as the storage dtype would hold it: the reference rounds between its torch ops.
+template <typename T>
+__device__ __forceinline__ float rounded(float x) {
+  return to_float(from_float<T>(x));
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));
+  return x;
+}
+
 // Dot products of ROWS rows with RB hidden rows over D elements, fp32 accumulation. A null row
 // pointer is a masked row: it is never read and its sums are 0. The loop keeps ROWS * U loads of
 // each lane in flight before the first use. Every lane returns the full sums.

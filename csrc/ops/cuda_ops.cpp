@@ -10,6 +10,7 @@
 
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include "kernels/api.h"
 #include "ops/checks.h"
@@ -302,6 +303,67 @@ at::Tensor decode_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cac
   return out;
 }
 
+at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weight_in, const at::Tensor& o_weight_in,
+                             const at::Tensor& gate_up_weight_in, const at::Tensor& down_weight_in,
+                             const at::Tensor& attn_norm_in, const at::Tensor& mlp_norm_in,
+                             const c10::optional<at::Tensor>& q_norm_in, const c10::optional<at::Tensor>& k_norm_in,
+                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cos_in,
+                             const at::Tensor& sin_in, const at::Tensor& length, int64_t num_heads, double eps,
+                             double scale) {
+  constexpr const char* op = "decoder_step";
+  check_decoder_step(op, x_in, qkv_weight_in, o_weight_in, gate_up_weight_in, down_weight_in, attn_norm_in,
+                     mlp_norm_in, q_norm_in, k_norm_in, k_cache, v_cache, cos_in, sin_in, length, num_heads, eps,
+                     scale);
+  const int64_t layers = k_cache.size(0), kv = k_cache.size(1), max_len = k_cache.size(2), hd = k_cache.size(3);
+  const int64_t hidden = x_in.size(1), intermediate = down_weight_in.size(2), attn_cols = num_heads * hd;
+  const int64_t element = x_in.element_size(), vector = 16 / element;
+  // The kernel streams whole 16-byte vectors of rows through shared-memory stages of fixed size.
+  FH_CHECK_VALUE(op, hd <= kDecoderStepMaxHeadDim, "head_dim must be at most ", num_str(kDecoderStepMaxHeadDim),
+                 " for the CUDA kernel, got ", num_str(hd));
+  FH_CHECK_VALUE(op, hidden % vector == 0 && attn_cols % vector == 0 && intermediate % vector == 0,
+                 "the CUDA kernel needs hidden_size, num_heads * head_dim and intermediate_size to be multiples of ",
+                 num_str(vector), " for ", x_in.scalar_type(), ", got ", num_str(hidden), ", ", num_str(attn_cols),
+                 " and ", num_str(intermediate));
+  FH_CHECK_VALUE(op, 2 * hidden * element <= kDecoderStepStageBytes && attn_cols * element <= kDecoderStepStageBytes &&
+                         intermediate * element <= kDecoderStepStageBytes,
+                 "the CUDA kernel needs a weight row of at most ", num_str(kDecoderStepStageBytes),
+                 " bytes (two for gate_up), got hidden_size ", num_str(hidden), ", num_heads * head_dim ",
+                 num_str(attn_cols), " and intermediate_size ", num_str(intermediate), " in ", x_in.scalar_type());
+  check_fits_int(op, layers * kv * max_len * hd, "the KV cache's elements");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous(), qkv_weight = qkv_weight_in.contiguous(), o_weight = o_weight_in.contiguous(),
+                   gate_up_weight = gate_up_weight_in.contiguous(), down_weight = down_weight_in.contiguous(),
+                   attn_norm = attn_norm_in.contiguous(), mlp_norm = mlp_norm_in.contiguous(),
+                   cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const auto q_norm = contiguous(q_norm_in), k_norm = contiguous(k_norm_in);
+  for (const auto& [weight, name] : {std::pair{&qkv_weight, "qkv_weight"}, std::pair{&o_weight, "o_weight"},
+                                     std::pair{&gate_up_weight, "gate_up_weight"}, std::pair{&down_weight, "down_weight"}})
+    FH_CHECK_VALUE(op, reinterpret_cast<uintptr_t>(weight->data_ptr()) % 16 == 0, name,
+                   " must start at a 16-byte aligned address for the CUDA kernel (a view at an odd offset?)");
+  const DecoderStepShape shape{static_cast<int>(layers), static_cast<int>(hidden), static_cast<int>(intermediate),
+                               static_cast<int>(num_heads), static_cast<int>(kv), static_cast<int>(hd),
+                               static_cast<int>(max_len), static_cast<float>(eps), static_cast<float>(scale)};
+  auto out = at::empty_like(x);
+  dispatch_float(x.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    DecoderStepPlan plan{};
+    const cudaError_t planned = plan_decoder_step<T>(shape, &plan);
+    FH_CHECK_VALUE(op, planned != cudaErrorInvalidValue, "hidden_size ", num_str(hidden), ", intermediate_size ",
+                   num_str(intermediate), " and ", num_str(num_heads), " heads of ", num_str(hd),
+                   " need more shared memory than this GPU has for the CUDA kernel");
+    C10_CUDA_CHECK(planned);
+    auto ws = workspace(plan.workspace_bytes, x);
+    const DecoderStepWeights<T> weights{data_as<T>(qkv_weight), data_as<T>(o_weight),  data_as<T>(gate_up_weight),
+                                        data_as<T>(down_weight), data_as<T>(attn_norm), data_as<T>(mlp_norm),
+                                        optional_data<T>(q_norm),  optional_data<T>(k_norm)};
+    C10_CUDA_CHECK(launch_decoder_step<T>(data_as<T>(x), weights, static_cast<T*>(k_cache.data_ptr()),
+                                          static_cast<T*>(v_cache.data_ptr()), data_as<T>(cos), data_as<T>(sin),
+                                          length.data_ptr<int64_t>(), shape, plan, static_cast<T*>(out.data_ptr()),
+                                          ws.data_ptr(), at::cuda::getCurrentCUDAStream()));
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashhead, CUDA, m) {
@@ -315,6 +377,7 @@ TORCH_LIBRARY_IMPL(flashhead, CUDA, m) {
   m.impl("fused_linear", &fused_linear_cuda);
   m.impl("rotary_cache_write", &rotary_cache_write_cuda);
   m.impl("decode_attention", &decode_attention_cuda);
+  m.impl("decoder_step", &decoder_step_cuda);
 }
 
 }  // namespace flashhead

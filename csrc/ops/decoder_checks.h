@@ -1,5 +1,5 @@
-// Argument checks of the decoder-layer ops (fused_linear, rotary_cache_write, decode_attention),
-// shared by the CPU references and the CUDA wrappers. Metadata only: the cache length is a device
+// Argument checks of the decoder-layer ops (fused_linear, rotary_cache_write, decode_attention,
+// decoder_step), shared by the CPU references and the CUDA wrappers. Metadata only: the cache length is a device
 // tensor and is never read here, so the ops stay free of host syncs.
 #pragma once
 
@@ -114,6 +114,75 @@ inline void check_decode_attention(const char* op, const at::Tensor& q, const at
                          q.size(2) == k_cache.size(2),
                  "q must be [tokens >= 1, a multiple of num_kv_heads (", num_str(k_cache.size(0)), "), head_dim ",
                  num_str(k_cache.size(2)), "], got shape ", shape_str(q.sizes()));
+  FH_CHECK_VALUE(op, std::isfinite(scale) && scale > 0.0, "scale must be a finite number > 0, got ", num_str(scale));
+}
+
+// A per-layer stack of the decoder step, [num_layers, ...]: rank, x's dtype and device, shape.
+inline void check_stacked(const char* op, const at::Tensor& t, const char* name, const char* layout,
+                          at::IntArrayRef expected, const at::Tensor& x) {
+  check_rank(op, t, name, static_cast<int64_t>(expected.size()), layout);
+  check_like(op, t, name, x, "x");
+  FH_CHECK_VALUE(op, t.sizes() == expected, name, " must have shape ", layout, " = ", shape_str(expected),
+                 ", got shape ", shape_str(t.sizes()));
+}
+
+// One token through every layer of a decoder, weights stacked per kind along a leading layer
+// dimension. num_layers, num_kv_heads, max_len and head_dim are read from k_cache, hidden_size
+// from x, intermediate_size from gate_up_weight; every other tensor must agree with them:
+// x [1, D], qkv_weight [L, (H + 2 KV) hd, D], o_weight [L, D, H hd], gate_up_weight [L, 2 I, D]
+// (gate rows, then up rows), down_weight [L, D, I], attn_norm / mlp_norm [L, D], q_norm / k_norm
+// [L, hd] (both or neither), k_cache / v_cache [L, KV, max_len, hd] (contiguous, written in
+// place), cos / sin [max_len, hd], length one int64 on x's device.
+inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Tensor& qkv_weight,
+                               const at::Tensor& o_weight, const at::Tensor& gate_up_weight,
+                               const at::Tensor& down_weight, const at::Tensor& attn_norm,
+                               const at::Tensor& mlp_norm, const c10::optional<at::Tensor>& q_norm,
+                               const c10::optional<at::Tensor>& k_norm, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
+                               const at::Tensor& length, int64_t num_heads, double eps, double scale) {
+  check_rank(op, x, "x", 2, "[1, hidden_size] (one token)");
+  check_float_tensor(op, x, "x");
+  FH_CHECK_VALUE(op, x.size(0) == 1 && x.size(1) > 0, "x must have shape [1, hidden_size >= 1] (one token), got shape ",
+                 shape_str(x.sizes()));
+  const int64_t D = x.size(1);
+
+  check_rank(op, k_cache, "k_cache", 4, "[num_layers, num_kv_heads, max_len, head_dim]");
+  check_like(op, k_cache, "k_cache", x, "x");
+  FH_CHECK_VALUE(op, k_cache.numel() > 0, "k_cache must be non-empty, got shape ", shape_str(k_cache.sizes()));
+  check_like(op, v_cache, "v_cache", x, "x");
+  check_shape(op, v_cache, "v_cache", k_cache.sizes());
+  FH_CHECK_VALUE(op, k_cache.is_contiguous() && v_cache.is_contiguous(),
+                 "k_cache and v_cache must be contiguous (they are written in place)");
+  const int64_t L = k_cache.size(0), kv = k_cache.size(1), max_len = k_cache.size(2), hd = k_cache.size(3);
+  FH_CHECK_VALUE(op, num_heads >= 1 && num_heads % kv == 0, "num_heads must be a positive multiple of num_kv_heads (",
+                 num_str(kv), ", k_cache.size(1)), got ", num_str(num_heads));
+  FH_CHECK_VALUE(op, hd % 2 == 0, "head_dim (k_cache.size(3)) must be even for rotary embeddings, got ", num_str(hd));
+  check_length(op, length, x, "x");
+
+  check_stacked(op, qkv_weight, "qkv_weight", "[num_layers, (num_heads + 2 * num_kv_heads) * head_dim, hidden_size]",
+                {L, (num_heads + 2 * kv) * hd, D}, x);
+  check_stacked(op, o_weight, "o_weight", "[num_layers, hidden_size, num_heads * head_dim]", {L, D, num_heads * hd}, x);
+  check_rank(op, gate_up_weight, "gate_up_weight", 3, "[num_layers, 2 * intermediate_size, hidden_size]");
+  check_like(op, gate_up_weight, "gate_up_weight", x, "x");
+  FH_CHECK_VALUE(op, gate_up_weight.size(0) == L && gate_up_weight.size(1) > 0 && gate_up_weight.size(1) % 2 == 0 &&
+                         gate_up_weight.size(2) == D,
+                 "gate_up_weight must have shape [num_layers = ", num_str(L), ", 2 * intermediate_size (gate rows, ",
+                 "then up rows; even and >= 2), hidden_size = ", num_str(D), "], got shape ",
+                 shape_str(gate_up_weight.sizes()));
+  const int64_t I = gate_up_weight.size(1) / 2;
+  check_stacked(op, down_weight, "down_weight", "[num_layers, hidden_size, intermediate_size]", {L, D, I}, x);
+  check_stacked(op, attn_norm, "attn_norm", "[num_layers, hidden_size]", {L, D}, x);
+  check_stacked(op, mlp_norm, "mlp_norm", "[num_layers, hidden_size]", {L, D}, x);
+  FH_CHECK_VALUE(op, q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm must be given together");
+  if (q_norm.has_value()) {
+    check_stacked(op, *q_norm, "q_norm", "[num_layers, head_dim]", {L, hd}, x);
+    check_stacked(op, *k_norm, "k_norm", "[num_layers, head_dim]", {L, hd}, x);
+  }
+  check_like(op, cos, "cos", x, "x");
+  check_shape(op, cos, "cos", {max_len, hd});
+  check_like(op, sin, "sin", x, "x");
+  check_shape(op, sin, "sin", {max_len, hd});
+  FH_CHECK_VALUE(op, std::isfinite(eps) && eps >= 0.0, "eps must be a finite number >= 0, got ", num_str(eps));
   FH_CHECK_VALUE(op, std::isfinite(scale) && scale > 0.0, "scale must be a finite number > 0, got ", num_str(scale));
 }
 

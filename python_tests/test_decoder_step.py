@@ -1,0 +1,559 @@
+"""decoder_step: one token through every layer of a decoder, weights stacked per layer (docs/kernels.md).
+
+Its semantics are the composition, layer by layer, of fused_linear, rotary_cache_write and
+decode_attention. CPU: the op against a float64 computation of that composition (the float64
+references of test_decoder_ops, rounded where the semantics round) over odd sizes, GQA groups,
+with and without q/k norms and the cache edges; and bitwise against the composition of the CPU
+ops themselves. Bad inputs: one test per class. opcheck on each device. GPU: the CUDA op (one
+persistent kernel) against the CPU op on the same inputs at real models' shapes, consecutive
+steps, CUDA-graph replay at another length, no host sync, the CUDA-only size limits.
+"""
+import math
+import re
+
+import pytest
+import torch
+
+from flashhead_ext import ops
+from flashhead_ext.graphs import capture_graph
+from helpers import DEVICES, DTYPES, generator
+from test_decoder_ops import TOL, decode_attention64, fused_linear64, randn, rotary_cache_write64, rotary_tables
+
+device_params = pytest.mark.parametrize("device", DEVICES)
+dtype_params = pytest.mark.parametrize("dtype", DTYPES, ids=str)
+
+# The C++ argument name of each key of the Python API's weights mapping.
+WEIGHT_ARG = {"qkv": "qkv_weight", "o": "o_weight", "gate_up": "gate_up_weight", "down": "down_weight",
+              "attn_norm": "attn_norm", "mlp_norm": "mlp_norm", "q_norm": "q_norm", "k_norm": "k_norm"}
+
+
+def to(args: dict, device) -> dict:
+    """``args`` (and its weights mapping) on ``device``: new tensors, so the caches are copies."""
+    return {k: to(v, device) if isinstance(v, dict) else v.to(device) if isinstance(v, torch.Tensor) else v
+            for k, v in args.items()}
+
+
+def clone(args: dict) -> dict:
+    return {k: clone(v) if isinstance(v, dict) else v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in args.items()}
+
+
+# ---- inputs (keyword arguments of ops.decoder_step) -------------------------------------------
+
+def step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=1e-6, scale=None, key=()):
+    """Random seeded weights scaled by fan_in^-0.5 (values stay O(1) through the layers), random
+    (stale) caches, random rotary tables and norm weights around 1."""
+    g = generator("decoder_step", L, D, I, H, KV, hd, max_len, length, qk_norm, str(dtype), *key)
+    weight = lambda rows, cols: randn(g, L, rows, cols, dtype=dtype, scale=cols ** -0.5)
+    norm = lambda n: randn(g, L, n, dtype=dtype, scale=0.3, shift=1.0)
+    weights = dict(qkv=weight((H + 2 * KV) * hd, D), o=weight(D, H * hd), gate_up=weight(2 * I, D),
+                   down=weight(D, I), attn_norm=norm(D), mlp_norm=norm(D))
+    if qk_norm:
+        weights.update(q_norm=norm(hd), k_norm=norm(hd))
+    cos, sin = rotary_tables(g, max_len, hd, dtype)
+    return dict(x=randn(g, 1, D, dtype=dtype), weights=weights,
+                k_cache=randn(g, L, KV, max_len, hd, dtype=dtype), v_cache=randn(g, L, KV, max_len, hd, dtype=dtype),
+                cos=cos, sin=sin, length=torch.tensor(length), num_heads=H, eps=eps, scale=scale)
+
+
+def layer_norms(weights, i):
+    return {name: weights[name][i] if weights.get(name) is not None else None for name in ("q_norm", "k_norm")}
+
+
+# ---- references -------------------------------------------------------------------------------
+
+def decoder_step64(x, weights, k_cache, v_cache, cos, sin, length, num_heads, eps, scale):
+    """(out, k_cache, v_cache) as new tensors: the float64 references of each op, composed per layer."""
+    k_out, v_out = k_cache.clone(), v_cache.clone()
+    for i in range(k_cache.shape[0]):
+        qkv = fused_linear64(x, weights["qkv"][i], weights["attn_norm"][i], eps, False, None)
+        norms = layer_norms(weights, i)
+        q, k_out[i], v_out[i] = rotary_cache_write64(qkv, cos, sin, length, k_out[i], v_out[i], num_heads,
+                                                     norms["q_norm"], norms["k_norm"], eps)
+        o = decode_attention64(q, k_out[i], v_out[i], length, scale)
+        x = fused_linear64(o, weights["o"][i], None, eps, False, x)
+        gate_up = fused_linear64(x, weights["gate_up"][i], weights["mlp_norm"][i], eps, False, None)
+        x = fused_linear64(gate_up, weights["down"][i], None, eps, True, x)
+    return x, k_out, v_out
+
+
+def composition(x, weights, k_cache, v_cache, cos, sin, length, num_heads, eps, scale):
+    """The brief's definition with the single-layer ops (the caches' layers are written in place)."""
+    for i in range(k_cache.shape[0]):
+        qkv = ops.fused_linear(x, weights["qkv"][i], norm_weight=weights["attn_norm"][i], eps=eps)
+        q = ops.rotary_cache_write(qkv, cos, sin, length, k_cache[i], v_cache[i], num_heads, eps=eps,
+                                   **layer_norms(weights, i))
+        o = ops.decode_attention(q, k_cache[i], v_cache[i], length, scale)
+        x = ops.fused_linear(o.view(1, -1), weights["o"][i], residual=x)
+        gate_up = ops.fused_linear(x, weights["gate_up"][i], norm_weight=weights["mlp_norm"][i], eps=eps)
+        x = ops.fused_linear(gate_up, weights["down"][i], gated=True, residual=x)
+    return x
+
+
+def run_step(args):
+    """The op on ``args`` (caches written in place): (out, k_cache, v_cache)."""
+    return ops.decoder_step(**args), args["k_cache"], args["v_cache"]
+
+
+def close(actual, expected, dtype, what, tol=TOL):
+    torch.testing.assert_close(actual.cpu(), expected.cpu(), equal_nan=True, msg=lambda m: f"{what}: {m}", **tol[dtype])
+
+
+def check_step(got, expected, before, length, dtype, what="", tol=TOL):
+    """``got``/``expected``: (out, k_cache, v_cache) after the step; ``before``: the caches before it.
+
+    Out of range (``length`` outside [0, max_len)): NaN out and untouched caches. In range: no NaN,
+    out and each layer's new key and value close, every other cache position unchanged, bit for bit.
+    """
+    out, k_cache, v_cache = (t.cpu() for t in got)
+    max_len = before[0].shape[2]
+    assert out.shape == expected[0].shape and out.dtype == dtype, f"{what}: out {tuple(out.shape)} {out.dtype}"
+    in_range = 0 <= length < max_len
+    if in_range:
+        assert not out.isnan().any(), f"{what}: NaN in the output at an in-range length {length}"
+    else:
+        assert out.isnan().all(), f"{what}: length {length} is outside the cache, the output must be NaN"
+    close(out, expected[0], dtype, f"{what} out", tol)
+    written = [length] if in_range else []
+    kept = [p for p in range(max_len) if p not in written]
+    for name, cache, want, old in zip(("k_cache", "v_cache"), (k_cache, v_cache), expected[1:], before):
+        assert torch.equal(cache[:, :, kept], old.cpu()[:, :, kept]), f"{what} {name}: a position other than {length} changed"
+        close(cache[:, :, written], want.cpu()[:, :, written], dtype, f"{what} {name} at {length}", tol)
+
+
+# ---- CPU against float64 ----------------------------------------------------------------------
+
+# (name, L, D, I, H, KV, hd, max_len, qk_norm, eps, scale): odd sizes, GQA groups 2, 1 (MHA) and 5
+# (one KV head), with and without q/k norms; a large eps where an op that dropped it would fail.
+CPU_CASES = [
+    ("odd-gqa2-qk-norm", 3, 40, 72, 4, 2, 10, 12, True, 0.1, None),
+    ("gqa2-no-qk-norm", 2, 64, 96, 6, 3, 16, 9, False, 1e-6, None),
+    ("mha-qk-norm", 2, 24, 40, 3, 3, 8, 7, True, 1e-6, 0.37),
+    ("one-kv-head", 1, 36, 20, 5, 1, 12, 6, False, 0.1, None),
+]
+# The cache length before the token, as a function of max_len: the edges and both sides out of range.
+LENGTHS = {"0": lambda n: 0, "middle": lambda n: n // 2, "last": lambda n: n - 1, "max_len": lambda n: n,
+           "-1": lambda n: -1}
+
+
+@dtype_params
+@pytest.mark.parametrize("length_name", list(LENGTHS))
+@pytest.mark.parametrize("name,L,D,I,H,KV,hd,max_len,qk_norm,eps,scale", CPU_CASES, ids=[c[0] for c in CPU_CASES])
+def test_decoder_step(name, L, D, I, H, KV, hd, max_len, qk_norm, eps, scale, length_name, dtype):
+    length = LENGTHS[length_name](max_len)
+    args = step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=eps, scale=scale)
+    before = (args["k_cache"].clone(), args["v_cache"].clone())
+    expected = decoder_step64(**{**clone(args), "scale": hd ** -0.5 if scale is None else scale})
+    check_step(run_step(args), expected, before, length, dtype, name)
+
+
+def test_decoder_step_options_matter():
+    # eps, scale, the q/k norms and each layer change the result by far more than the tolerance
+    # (so the test above can fail), and the default scale is 1 / sqrt(head_dim).
+    base = step_args(2, 40, 72, 4, 2, 10, 12, 5, True, torch.float32, eps=0.1)
+    out = ops.decoder_step(**clone(base))
+    assert torch.equal(ops.decoder_step(**{**clone(base), "scale": 1.0 / math.sqrt(10)}), out)
+    no_qk_norm = {k: v for k, v in base["weights"].items() if k not in ("q_norm", "k_norm")}
+    one_layer = {k: v[:1] for k, v in base["weights"].items()}
+    for change in (dict(eps=1e-6), dict(scale=0.9), dict(weights=no_qk_norm),
+                   dict(weights=one_layer, k_cache=base["k_cache"][:1], v_cache=base["v_cache"][:1])):
+        changed = ops.decoder_step(**{**clone(base), **clone(change)})
+        assert not torch.allclose(changed, out, **TOL[torch.float32]), list(change)
+
+
+@dtype_params
+@pytest.mark.parametrize("length_name", ["0", "middle", "max_len"])
+@pytest.mark.parametrize("name,L,D,I,H,KV,hd,max_len,qk_norm,eps,scale", CPU_CASES[:2], ids=[c[0] for c in CPU_CASES[:2]])
+def test_decoder_step_is_the_composition_of_the_layer_ops(name, L, D, I, H, KV, hd, max_len, qk_norm, eps, scale,
+                                                          length_name, dtype):
+    # The same CPU code path: bitwise equal, caches included.
+    args = step_args(L, D, I, H, KV, hd, max_len, LENGTHS[length_name](max_len), qk_norm, dtype, eps=eps, scale=scale)
+    want = clone(args)
+    got = run_step(args)
+    expected = composition(**want)
+    torch.testing.assert_close(got[0], expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(got[1], want["k_cache"]) and torch.equal(got[2], want["v_cache"])
+
+
+# ---- bad inputs: the exception type and a message naming the argument --------------------------
+
+L_, D_, I_, H_, KV_, HD_, MAX_LEN_ = 2, 16, 16, 4, 2, 8, 12
+
+
+def valid_args(device):
+    """float32; D, H * hd and I multiples of 8, so valid for the CUDA op's limits too."""
+    return to(step_args(L_, D_, I_, H_, KV_, HD_, MAX_LEN_, 3, True, torch.float32, scale=0.5, key=("bad",)), device)
+
+
+def expect(error, fragment, args):
+    with pytest.raises(error, match=re.escape(fragment)):
+        ops.decoder_step(**args)
+
+
+@device_params
+def test_valid_arguments_are_accepted(device):
+    out = ops.decoder_step(**valid_args(device))  # the baseline every bad-input test below perturbs
+    assert out.shape == (1, D_) and not out.isnan().any()
+
+
+@device_params
+@pytest.mark.parametrize("name", ["x", "k_cache", "v_cache", "cos", "sin", "length", *WEIGHT_ARG])
+def test_non_tensor_argument(name, device):
+    args = valid_args(device)
+    if name in WEIGHT_ARG:
+        args["weights"][name] = args["weights"][name].tolist()
+        fragment = f"weights[{name!r}] must be a torch.Tensor"
+    else:
+        args[name] = args[name].tolist()
+        fragment = f"{name} must be a torch.Tensor"
+    expect(TypeError, fragment, args)
+
+
+@device_params
+def test_weights_must_be_a_mapping_with_every_required_key(device):
+    args = valid_args(device)
+    expect(TypeError, "weights must be a mapping", {**args, "weights": list(args["weights"].values())})
+    for key in ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm"):
+        expect(ValueError, f"weights is missing {key!r}",
+               {**args, "weights": {k: v for k, v in args["weights"].items() if k != key}})
+    misspelt = {("q_norms" if k == "q_norm" else k): v for k, v in args["weights"].items()}
+    expect(ValueError, "weights has unknown keys ['q_norms']", {**args, "weights": misspelt})
+
+
+@device_params
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32], ids=str)
+def test_unsupported_dtype(dtype, device):
+    args = valid_args(device)
+    args["x"] = args["x"].to(dtype)
+    expect(TypeError, "x must be float16, bfloat16 or float32", args)
+
+
+@device_params
+@pytest.mark.parametrize("name", ["k_cache", "v_cache", "cos", "sin", *WEIGHT_ARG])
+def test_mixed_dtypes(name, device):
+    args = valid_args(device)
+    holder = args["weights"] if name in WEIGHT_ARG else args
+    holder[name] = holder[name].to(torch.bfloat16)
+    expect(TypeError, f"{WEIGHT_ARG.get(name, name)} must have the dtype of x", args)
+
+
+@device_params
+@pytest.mark.parametrize("name", ["x", "k_cache", *WEIGHT_ARG])
+def test_wrong_rank(name, device):
+    args = valid_args(device)
+    holder = args["weights"] if name in WEIGHT_ARG else args
+    rank = holder[name].dim()
+    holder[name] = holder[name].unsqueeze(0)
+    expect(ValueError, f"{WEIGHT_ARG.get(name, name)} must be a {rank}-D tensor", args)
+
+
+QKV_ROWS = (H_ + 2 * KV_) * HD_
+QKV_LAYOUT = "qkv_weight must have shape [num_layers, (num_heads + 2 * num_kv_heads) * head_dim, hidden_size]"
+
+
+def weights_change(**changes):
+    """A change of the weights mapping: key -> function of the valid tensor (None: drop the key)."""
+    def change(a):
+        weights = dict(a["weights"])
+        for key, f in changes.items():
+            if f is None:
+                del weights[key]
+            else:
+                weights[key] = f(weights[key])
+        return dict(weights=weights)
+    return change
+
+
+# (id, changed arguments from the valid ones, message fragment)
+SHAPE_CASES = [
+    ("qkv-rows", weights_change(qkv=lambda w: w[:, :-HD_]),
+     f"{QKV_LAYOUT} = [{L_}, {QKV_ROWS}, {D_}], got shape [{L_}, {QKV_ROWS - HD_}, {D_}]"),
+    ("qkv-columns", weights_change(qkv=lambda w: w[:, :, :-1]), f"{QKV_LAYOUT} = [{L_}, {QKV_ROWS}, {D_}]"),
+    ("qkv-layers", weights_change(qkv=lambda w: w[:1]), f"{QKV_LAYOUT} = [{L_}, {QKV_ROWS}, {D_}]"),
+    ("o", weights_change(o=lambda w: w[:, :, :-1]),
+     f"o_weight must have shape [num_layers, hidden_size, num_heads * head_dim] = [{L_}, {D_}, {H_ * HD_}]"),
+    ("o-rows", weights_change(o=lambda w: w[:, :-1]), "o_weight must have shape"),
+    ("gate_up-odd-rows", weights_change(gate_up=lambda w: w[:, :-1]),
+     f"gate_up_weight must have shape [num_layers = {L_}, 2 * intermediate_size (gate rows, then up rows; even and "
+     f">= 2), hidden_size = {D_}], got shape [{L_}, {2 * I_ - 1}, {D_}]"),
+    ("gate_up-no-rows", weights_change(gate_up=lambda w: w[:, :0]), "gate_up_weight must have shape"),
+    ("gate_up-columns", weights_change(gate_up=lambda w: w[:, :, :-1]), "gate_up_weight must have shape"),
+    ("gate_up-rows-vs-down", weights_change(gate_up=lambda w: w[:, :-2]),  # I_ - 1 from gate_up, I_ in down
+     f"down_weight must have shape [num_layers, hidden_size, intermediate_size] = [{L_}, {D_}, {I_ - 1}]"),
+    ("down", weights_change(down=lambda w: w[:, :, :-1]),
+     f"down_weight must have shape [num_layers, hidden_size, intermediate_size] = [{L_}, {D_}, {I_}]"),
+    ("down-rows", weights_change(down=lambda w: w[:, 1:]), "down_weight must have shape"),
+    ("attn_norm", weights_change(attn_norm=lambda w: w[:, :-1]),
+     f"attn_norm must have shape [num_layers, hidden_size] = [{L_}, {D_}]"),
+    ("mlp_norm", weights_change(mlp_norm=lambda w: w[:1]),
+     f"mlp_norm must have shape [num_layers, hidden_size] = [{L_}, {D_}]"),
+    ("q_norm", weights_change(q_norm=lambda w: w[:, :-1]), f"q_norm must have shape [num_layers, head_dim] = [{L_}, {HD_}]"),
+    ("k_norm", weights_change(k_norm=lambda w: w[:1]), f"k_norm must have shape [num_layers, head_dim] = [{L_}, {HD_}]"),
+    ("q_norm-without-k_norm", weights_change(k_norm=None), "q_norm and k_norm must be given together"),
+    ("k_norm-without-q_norm", weights_change(q_norm=None), "q_norm and k_norm must be given together"),
+    ("v_cache", lambda a: dict(v_cache=a["v_cache"][:, :, :-1].contiguous()),
+     f"v_cache must have shape [{L_}, {KV_}, {MAX_LEN_}, {HD_}], got [{L_}, {KV_}, {MAX_LEN_ - 1}, {HD_}]"),
+    ("cache-layers", lambda a: dict(k_cache=a["k_cache"][:1], v_cache=a["v_cache"][:1]),  # L is the cache's
+     f"{QKV_LAYOUT} = [1, {QKV_ROWS}, {D_}]"),
+    ("empty-cache", lambda a: dict(k_cache=a["k_cache"][:, :, :0], v_cache=a["v_cache"][:, :, :0]),
+     "k_cache must be non-empty"),
+    ("cos", lambda a: dict(cos=a["cos"][:-1]), f"cos must have shape [{MAX_LEN_}, {HD_}]"),
+    ("sin", lambda a: dict(sin=a["sin"][:, :-2]), f"sin must have shape [{MAX_LEN_}, {HD_}]"),
+    ("x-two-rows", lambda a: dict(x=torch.cat([a["x"], a["x"]])),
+     f"x must have shape [1, hidden_size >= 1] (one token), got shape [2, {D_}]"),
+    ("x-no-columns", lambda a: dict(x=a["x"][:, :0]), "x must have shape [1, hidden_size >= 1] (one token)"),
+    ("x-columns", lambda a: dict(x=a["x"][:, :-1]), f"{QKV_LAYOUT} = [{L_}, {QKV_ROWS}, {D_ - 1}]"),
+]
+
+
+@device_params
+@pytest.mark.parametrize("change,fragment", [c[1:] for c in SHAPE_CASES], ids=[c[0] for c in SHAPE_CASES])
+def test_shape_mismatch(change, fragment, device):
+    args = valid_args(device)
+    args.update(change(args))
+    expect(ValueError, fragment, args)
+
+
+@device_params
+@pytest.mark.parametrize("num_heads,error,fragment", [
+    (H_ + 1, ValueError, f"num_heads must be a positive multiple of num_kv_heads ({KV_}, k_cache.size(1)), got {H_ + 1}"),
+    (0, ValueError, "num_heads must be a positive multiple of num_kv_heads"),
+    (-KV_, ValueError, "num_heads must be a positive multiple of num_kv_heads"),
+    (float(H_), TypeError, "num_heads must be an int"),
+    (True, TypeError, "num_heads must be an int"),
+])
+def test_bad_num_heads(num_heads, error, fragment, device):
+    args = valid_args(device)
+    args["num_heads"] = num_heads
+    expect(error, fragment, args)
+
+
+@device_params
+def test_odd_head_dim(device):
+    args = valid_args(device)
+    for name in ("k_cache", "v_cache", "cos", "sin"):
+        args[name] = args[name][..., :-1].contiguous()
+    for name in ("q_norm", "k_norm"):
+        args["weights"][name] = args["weights"][name][:, :-1]
+    args["weights"]["qkv"] = args["weights"]["qkv"][:, :(H_ + 2 * KV_) * (HD_ - 1)]
+    args["weights"]["o"] = args["weights"]["o"][:, :, :H_ * (HD_ - 1)]
+    expect(ValueError, f"head_dim (k_cache.size(3)) must be even for rotary embeddings, got {HD_ - 1}", args)
+
+
+@device_params
+@pytest.mark.parametrize("length,error,fragment", [
+    (lambda d: torch.tensor(2, dtype=torch.int32, device=d), TypeError, "length must be an int64 tensor"),
+    (lambda d: torch.tensor(2.0, device=d), TypeError, "length must be an int64 tensor"),
+    (lambda d: torch.tensor([2, 3], device=d), ValueError, "length must hold exactly one value"),
+    (lambda d: torch.empty(0, dtype=torch.int64, device=d), ValueError, "length must hold exactly one value"),
+    (lambda d: 2, TypeError, "length must be a torch.Tensor"),
+], ids=["int32", "float", "two-values", "empty", "python-int"])
+def test_bad_length(length, error, fragment, device):
+    args = valid_args(device)
+    args["length"] = length(device)
+    expect(error, fragment, args)
+
+
+@device_params
+@pytest.mark.parametrize("name", ["k_cache", "v_cache"])
+def test_cache_must_be_contiguous(name, device):
+    args = valid_args(device)
+    args[name] = args[name].transpose(1, 2).contiguous().transpose(1, 2)  # same shape, heads not outside positions
+    expect(ValueError, "k_cache and v_cache must be contiguous", args)
+
+
+@device_params
+@pytest.mark.parametrize("name,value,error,fragment", [
+    *[("eps", v, ValueError, "eps must be a finite number >= 0") for v in (float("nan"), float("inf"), -1e-6)],
+    *[("scale", v, ValueError, "scale must be a finite number > 0") for v in (float("nan"), float("inf"), 0.0, -0.5)],
+    ("eps", "small", TypeError, "eps must be a float"),
+    ("eps", None, TypeError, "eps must be a float"),
+    ("scale", "big", TypeError, "scale must be a float"),
+], ids=repr)
+def test_bad_scalars(name, value, error, fragment, device):
+    args = valid_args(device)
+    args[name] = value
+    expect(error, fragment, args)
+
+
+@device_params
+def test_raw_op_checks_too(device):
+    # The C++ checks guard torch.ops.flashhead callers that bypass the Python wrapper.
+    a = valid_args(device)
+    w = a["weights"]
+
+    def raw(**changes):
+        kw = dict(x=a["x"], qkv_weight=w["qkv"], o_weight=w["o"], gate_up_weight=w["gate_up"], down_weight=w["down"],
+                  attn_norm=w["attn_norm"], mlp_norm=w["mlp_norm"], q_norm=w["q_norm"], k_norm=w["k_norm"],
+                  k_cache=a["k_cache"], v_cache=a["v_cache"], cos=a["cos"], sin=a["sin"], length=a["length"],
+                  num_heads=H_, eps=1e-6, scale=0.5)
+        return torch.ops.flashhead.decoder_step(**{**kw, **changes})
+
+    raw()
+    with pytest.raises(TypeError, match=re.escape("length must be an int64 tensor")):
+        raw(length=a["length"].int())
+    with pytest.raises(ValueError, match=re.escape("scale must be a finite number > 0")):
+        raw(scale=0.0)
+    with pytest.raises(ValueError, match=re.escape("q_norm and k_norm must be given together")):
+        raw(k_norm=None)
+    with pytest.raises(ValueError, match=re.escape("o_weight must have shape")):
+        raw(o_weight=w["o"][:, :-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["k_cache", "v_cache", "cos", "sin", "length", *WEIGHT_ARG])
+def test_wrong_device(name):
+    args = valid_args("cuda")
+    holder = args["weights"] if name in WEIGHT_ARG else args
+    holder[name] = holder[name].cpu()
+    expect(ValueError, f"{WEIGHT_ARG.get(name, name)} must be on the same device as x", args)
+
+
+# ---- opcheck (the op writes k_cache and v_cache in place) ----------------------------------------
+
+def raw_kwargs(args):
+    """ops.decoder_step's keyword arguments as the schema's."""
+    w = args["weights"]
+    hd = args["k_cache"].shape[3]
+    return dict(x=args["x"], qkv_weight=w["qkv"], o_weight=w["o"], gate_up_weight=w["gate_up"], down_weight=w["down"],
+                attn_norm=w["attn_norm"], mlp_norm=w["mlp_norm"], q_norm=w.get("q_norm"), k_norm=w.get("k_norm"),
+                k_cache=args["k_cache"], v_cache=args["v_cache"], cos=args["cos"], sin=args["sin"],
+                length=args["length"], num_heads=args["num_heads"], eps=args["eps"],
+                scale=hd ** -0.5 if args["scale"] is None else args["scale"])
+
+
+OPCHECK_CASES = {
+    "qk-norm-bf16": lambda: step_args(2, 16, 24, 4, 2, 8, 10, 3, True, torch.bfloat16, eps=0.1),
+    "no-qk-norm-fp32": lambda: step_args(1, 24, 8, 3, 1, 8, 6, 0, False, torch.float32, scale=0.3),
+}
+
+
+@device_params
+@pytest.mark.parametrize("case", list(OPCHECK_CASES))
+def test_opcheck(case, device):
+    torch.library.opcheck(torch.ops.flashhead.decoder_step.default, (), raw_kwargs(to(OPCHECK_CASES[case](), device)))
+
+
+# ---- GPU: the CUDA op against the CPU op ------------------------------------------------------
+
+# The CUDA kernel sums in another order than the CPU op and folds RMSNorm into the product without
+# rounding the normalised input (docs/kernels.md), so the two differ by an ulp here and there, and
+# a difference in one layer moves every later layer's result a little. Measured on an H100 over 40
+# seeds at Qwen3's and SmolLM2's dims (two layers): the largest difference was 0.03 of TOL in
+# float32, 0.9 in float16 and 2.1 in bfloat16 (median 1.0). Hence TOL in float32, twice it in
+# float16 and four times in bfloat16; a wrong layer, norm, rotation or cache position is off by O(1).
+GPU_TOL = {torch.float32: TOL[torch.float32],
+           torch.float16: {k: 2 * v for k, v in TOL[torch.float16].items()},
+           torch.bfloat16: {k: 4 * v for k, v in TOL[torch.bfloat16].items()}}
+GPU_MAX_LEN = 1024
+# (name, L, D, I, H, KV, hd, max_len, qk_norm): a small odd shape (D, H * hd, I multiples of 8),
+# Qwen3-0.6B's dims with two layers, SmolLM2-135M's (GQA 3) with two.
+GPU_SHAPES = {
+    "small": (2, 64, 136, 4, 2, 16, 40, True),
+    "qwen3": (2, 1024, 3072, 16, 8, 128, GPU_MAX_LEN, True),
+    "smollm2": (2, 576, 1536, 9, 3, 64, GPU_MAX_LEN, False),
+}
+# (shape, length): each shape at 0, the last position and beyond on both sides; qwen3 also at 37, 500.
+GPU_CASES = [
+    *[(s, n) for s in GPU_SHAPES for n in (0, GPU_SHAPES[s][6] - 1, GPU_SHAPES[s][6], -1)],
+    ("small", 17), ("qwen3", 37), ("qwen3", 500), ("smollm2", 300),
+]
+
+
+def cuda_vs_cpu(args, length, dtype, what):
+    """The CUDA op against the CPU op on the same inputs; both caches checked."""
+    before = (args["k_cache"].clone(), args["v_cache"].clone())
+    got = run_step(to(args, "cuda"))
+    check_step(got, run_step(clone(args)), before, length, dtype, what, GPU_TOL)
+    return got
+
+
+@pytest.mark.gpu
+@dtype_params
+@pytest.mark.parametrize("shape,length", GPU_CASES, ids=[f"{s}-{n}" for s, n in GPU_CASES])
+def test_cuda_decoder_step(shape, length, dtype):
+    L, D, I, H, KV, hd, max_len, qk_norm = GPU_SHAPES[shape]
+    args = step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype)
+    cuda_vs_cpu(args, length, dtype, f"{shape} at {length}")
+
+
+@pytest.mark.gpu
+@dtype_params
+@pytest.mark.parametrize("shape", ["small", "qwen3"])
+def test_cuda_consecutive_steps(shape, dtype):
+    # Each device keeps its own caches across steps (the CUDA op reads what it wrote at the
+    # previous lengths); each step gets a fresh token, the same on both devices.
+    L, D, I, H, KV, hd, max_len, qk_norm = GPU_SHAPES[shape]
+    cpu = step_args(L, D, I, H, KV, hd, max_len, 5, qk_norm, dtype, eps=0.1)
+    cuda = to(cpu, "cuda")
+    g = generator("consecutive", shape, str(dtype))
+    for length in range(5, 11):
+        x = randn(g, 1, D, dtype=dtype)
+        cpu.update(x=x, length=torch.tensor(length))
+        cuda["x"] = x.cuda()
+        cuda["length"].fill_(length)
+        before = (cuda["k_cache"].cpu(), cuda["v_cache"].cpu())
+        got = run_step(cuda)
+        expected = run_step(cpu)
+        check_step(got, expected, before, length, dtype, f"step at {length}", GPU_TOL)
+        for name in ("k_cache", "v_cache"):  # the whole caches, every earlier step's writes included
+            close(cuda[name], cpu[name], dtype, f"{name} after the step at {length}", GPU_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_graph_replay_at_another_length(dtype):
+    L, D, I, H, KV, hd, max_len, qk_norm = GPU_SHAPES["qwen3"]
+    args = to(step_args(L, D, I, H, KV, hd, max_len, 3, qk_norm, dtype), "cuda")
+    initial = (args["k_cache"].clone(), args["v_cache"].clone())
+
+    def restore():
+        args["k_cache"].copy_(initial[0])
+        args["v_cache"].copy_(initial[1])
+
+    outputs = []
+    graph = capture_graph(lambda: outputs.append(ops.decoder_step(**args)), prepare=restore)
+    for length in (3, 500, 0, max_len - 1, max_len, -1):
+        args["length"].fill_(length)  # the graph reads the length at replay
+        restore()
+        graph.replay()
+        replayed = (outputs[-1].clone(), args["k_cache"].clone(), args["v_cache"].clone())
+        restore()
+        eager = ops.decoder_step(**args)
+        # Exactly equal (the same kernel); out of range: NaN and untouched caches.
+        torch.testing.assert_close(replayed[0], eager, rtol=0, atol=0, equal_nan=True, msg=f"length {length}")
+        assert torch.equal(replayed[1], args["k_cache"]) and torch.equal(replayed[2], args["v_cache"]), length
+        assert eager.isnan().all().item() == (not 0 <= length < max_len), length
+
+
+@pytest.mark.gpu
+def test_cuda_no_host_sync():
+    L, D, I, H, KV, hd, max_len, qk_norm = GPU_SHAPES["smollm2"]
+    args = to(step_args(L, D, I, H, KV, hd, max_len, 7, qk_norm, torch.bfloat16), "cuda")
+    ops.decoder_step(**args)  # a first call outside the check (lazy initialisation may sync)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.decoder_step(**args)
+        ops.decoder_step(**{**args, "scale": None})
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+# (id, dtype, L, D, I, H, KV, hd): consistent shapes the CPU op accepts but the CUDA op does not:
+# D, H * hd and I must be multiples of 8 (16-bit dtypes) or 4 (float32), head_dim at most 256.
+CUDA_LIMIT_CASES = [
+    ("D60-bf16", torch.bfloat16, 1, 60, 64, 2, 1, 16),
+    ("I68-fp16", torch.float16, 1, 64, 68, 2, 1, 16),
+    ("D62-fp32", torch.float32, 1, 62, 64, 2, 1, 16),
+    ("hd264-bf16", torch.bfloat16, 1, 64, 64, 1, 1, 264),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,L,D,I,H,KV,hd", [c[1:] for c in CUDA_LIMIT_CASES], ids=[c[0] for c in CUDA_LIMIT_CASES])
+def test_cuda_size_limits(dtype, L, D, I, H, KV, hd):
+    args = step_args(L, D, I, H, KV, hd, 8, 2, False, dtype)
+    ops.decoder_step(**clone(args))  # valid for the CPU op
+    with pytest.raises(ValueError, match="decoder_step"):
+        ops.decoder_step(**to(args, "cuda"))
