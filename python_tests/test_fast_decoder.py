@@ -29,14 +29,19 @@ NEW = 20
 
 @functools.lru_cache(maxsize=None)
 def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64):
-    if arch == "llama":  # GQA 6:2, head_dim 8 from hidden/heads, untied head
+    """``arch`` "llama" or "qwen3" (odd sizes); "-aligned": sizes that are whole 16-byte vectors of
+    float32, which the CUDA decoder_step kernel needs."""
+    aligned = arch.endswith("-aligned")
+    if arch.startswith("llama"):  # GQA 6:2, head_dim 8 from hidden/heads, untied head
         cls, config = transformers.LlamaForCausalLM, transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=48, intermediate_size=71, num_hidden_layers=3, num_attention_heads=6,
-            num_key_value_heads=2, max_position_embeddings=256, rope_theta=500.0, tie_word_embeddings=False)
-    else:  # MHA 5:5 with head_dim 6 != hidden/heads, q/k norms, tied head
+            vocab_size=VOCAB, hidden_size=48, intermediate_size=72 if aligned else 71, num_hidden_layers=3,
+            num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, rope_theta=500.0,
+            tie_word_embeddings=False)
+    else:  # MHA 5:5 with head_dim != hidden/heads (odd sizes), q/k norms, tied head
         cls, config = transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
-            vocab_size=VOCAB, hidden_size=40, intermediate_size=53, num_hidden_layers=3, num_attention_heads=5,
-            num_key_value_heads=5, head_dim=6, max_position_embeddings=256, tie_word_embeddings=True, initializer_range=0.3)
+            vocab_size=VOCAB, hidden_size=40, intermediate_size=56 if aligned else 53, num_hidden_layers=3,
+            num_attention_heads=5, num_key_value_heads=5, head_dim=8 if aligned else 6, max_position_embeddings=256,
+            tie_word_embeddings=True, initializer_range=0.3)
     torch.manual_seed(seed)
     return cls(config).to(dtype).eval()
 
@@ -328,38 +333,57 @@ def test_graph_replay_equals_eager(mode, head, attention):
 
 def _check_short_step_body(target: Decoder, draft: Decoder, body: str, mode: str, arch: str) -> None:
     """``body`` gives the eager body's hidden states on a short step, and the runner stays exact."""
-    ids = torch.tensor([3, 17, 5], device=target.device)
-    target.reset(4)
-    eager = target.forward(ids)
-    target.body = body
-    target.reset(4)
-    # The fused ops accumulate in another order (GEMV rows, split softmax): float32 rounding only.
-    torch.testing.assert_close(target.forward(ids), eager, rtol=1e-4, atol=1e-4)
+    for ids in (torch.tensor([3, 17, 5], device=target.device), torch.tensor([11], device=target.device)):
+        target.body = "eager"
+        target.reset(4)
+        eager = target.forward(ids)
+        target.body = body
+        target.reset(4)
+        # The fused ops accumulate in another order (GEMV rows, split softmax): float32 rounding only.
+        torch.testing.assert_close(target.forward(ids), eager, rtol=1e-4, atol=1e-4)
     draft.body = body
     gen = FastSpeculativeDecoder(target, draft, head_for(draft, "flashhead"), k=3).generate(prompt(6), mode=mode,
                                                                                           max_new_tokens=NEW)
     assert tuple(gen.tokens) == reference(arch, 6)
 
 
+@pytest.mark.parametrize("body", ["fused", "persistent"])
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_fused_body_on_cpu_matches_eager_and_is_exact(arch, mode):
+def test_fused_bodies_on_cpu_match_eager_and_are_exact(arch, mode, body):
     model = hf_model(arch, dtype=torch.float32)
     target, draft = Decoder.from_hf(model, max_len=48), Decoder.from_hf(model, max_len=48, num_layers=1)
-    _check_short_step_body(target, draft, "fused", mode, arch)
+    _check_short_step_body(target, draft, body, mode, arch)
+
+
+def test_persistent_body_one_token_step_matches_eager():
+    """A one-token step is where "persistent" differs from "fused" (one decoder_step call): hidden
+    states and the cache entries it writes agree with the eager body's."""
+    model = hf_model("qwen3", dtype=torch.float32)
+    decoder = Decoder.from_hf(model, max_len=48)
+    decoder.forward(torch.tensor([5, 9, 2, 11]))
+    results = {}
+    for body in ("eager", "persistent"):
+        decoder.body = body
+        decoder.reset(4)
+        results[body] = decoder.forward(torch.tensor([7])), decoder.k_cache[:, :, 4].clone(), decoder.v_cache[:, :, 4].clone()
+    for got, expected in zip(results["persistent"], results["eager"]):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_decoder_body_is_checked():
     decoder = Decoder.from_hf(hf_model("llama"), max_len=8)  # float64
     with pytest.raises(ValueError, match="body must be one of"):
         decoder.body = "jit"
-    with pytest.raises(ValueError, match="body 'fused' needs a float16, bfloat16 or float32 model"):
-        decoder.body = "fused"
+    for body in ("fused", "persistent"):
+        with pytest.raises(ValueError, match=f"body '{body}' needs a float16, bfloat16 or float32 model"):
+            decoder.body = body
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
-@pytest.mark.parametrize("arch,body", [("qwen3", "compiled"), ("qwen3", "fused"), ("llama", "fused")])
+@pytest.mark.parametrize("arch,body", [("qwen3", "compiled"), ("qwen3", "fused"), ("llama", "fused"),
+                                       ("qwen3-aligned", "persistent"), ("llama-aligned", "persistent")])
 def test_short_step_bodies_match_eager_and_replay_exactly(arch, body, mode):
     _check_short_step_body(*_cuda_models(arch), body, mode, arch)
 
@@ -377,9 +401,9 @@ def test_draft_on_a_second_gpu_is_exact(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("body", ["eager", "fused"])
+@pytest.mark.parametrize("body", ["eager", "fused", "persistent"])
 def test_no_host_sync_inside_captured_steps(body):
-    target, draft = _cuda_models("llama")
+    target, draft = _cuda_models("llama-aligned")
     target.body = draft.body = body
     runner = FastSpeculativeDecoder(target, draft, head_for(draft, "flashhead"), k=4, synthetic_acceptance=0.5)
     runner.generate(prompt(7), mode="deferred", max_new_tokens=6)  # leaves the state of a real generation
@@ -398,7 +422,7 @@ def test_no_host_sync_inside_captured_steps(body):
 @pytest.mark.parametrize("tokens", [1, 7])
 def test_fused_body_bf16_at_draft_shapes(tokens):
     """Qwen3-0.6B's and SmolLM2's layer shapes (2 layers), bf16, a cache of 700 entries: the fused
-    body's hidden states and cache writes agree with the eager body's to bf16 rounding."""
+    and persistent bodies' hidden states and cache writes agree with the eager body's to bf16 rounding."""
     for config in (DecoderConfig(151936, 1024, 3072, 2, 16, 8, 128, rope_theta=1e6, qk_norm=True, tie_word_embeddings=True),
                    DecoderConfig(49152, 576, 1536, 2, 9, 3, 64, rope_theta=1e5, tie_word_embeddings=True)):
         model = Decoder.random(config, max_len=1024, dtype=torch.bfloat16, device="cuda", seed=3)
@@ -407,16 +431,18 @@ def test_fused_body_bf16_at_draft_shapes(tokens):
         ids = torch.randint(0, config.vocab_size, (tokens,), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
         model.reset(700)
         results = {}
-        for body in ("eager", "fused"):
+        for body in ("eager", "fused", "persistent"):
             model.body = body
             hidden = model.forward(ids).float()
             results[body] = hidden, model.k_cache[:, :, 700:700 + tokens].float().clone()
-        (eager, k_eager), (fused, k_fused) = results["eager"], results["fused"]
-        assert torch.nn.functional.cosine_similarity(fused, eager, dim=-1).min() > 0.999
-        # Layer 0's keys come from the same inputs; later layers' inputs carry bf16 noise.
-        torch.testing.assert_close(k_fused[0], k_eager[0], rtol=2e-2, atol=2e-2)
-        cos = torch.nn.functional.cosine_similarity(k_fused.flatten(2), k_eager.flatten(2), dim=-1)
-        assert cos.min() > 0.999
+        eager, k_eager = results["eager"]
+        for body in ("fused", "persistent"):
+            hidden, k_body = results[body]
+            assert torch.nn.functional.cosine_similarity(hidden, eager, dim=-1).min() > 0.999, body
+            # Layer 0's keys come from the same inputs; later layers' inputs carry bf16 noise.
+            torch.testing.assert_close(k_body[0], k_eager[0], rtol=2e-2, atol=2e-2, msg=body)
+            cos = torch.nn.functional.cosine_similarity(k_body.flatten(2), k_eager.flatten(2), dim=-1)
+            assert cos.min() > 0.999, body
 
 
 @pytest.mark.gpu

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The fast path on a lent GPU in one call (issue 6): build for sm_90, the fast-path and decoder-op
-# GPU tests, a kernel profile of one fused draft step, the draft-step benchmark (eager and fused
-# bodies), then the Qwen3-32B-shaped end-to-end benchmark. Logs and JSON under $OUT; a short table last.
-# Usage: FLASHHEAD_COMMIT=<sha> bash scripts/device_fast.sh [PROMPTS] [NEW_TOKENS] [TARGET_BODIES]
+# GPU tests, a kernel profile of one draft step, the draft-step benchmark (eager, fused and
+# persistent bodies), then the Qwen3-32B-shaped end-to-end benchmark. Logs and JSON under $OUT; a
+# short table last.
+# Usage: FLASHHEAD_COMMIT=<sha> [STAGES="tests sanitize profile layer draft spec"] \
+#          bash scripts/device_fast.sh [PROMPTS] [NEW_TOKENS] [TARGET_BODIES] [DRAFT_BODY]
+# (STAGES picks a subset, to stay within one device call's time limit.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/device_fast}
@@ -10,8 +13,11 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=$(nproc)
 prompts=${1:-4}
 new_tokens=${2:-128}
-target_bodies=${3:-fused}
+target_bodies=${3:-eager}
+draft_body=${4:-persistent}
+stages=" ${STAGES:-tests sanitize profile layer draft spec} "
 step() { echo; echo "=== $* ($(date +%T))"; }
+want() { [[ "$stages" == *" $1 "* ]]; }
 
 step "device"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -24,19 +30,24 @@ if ! python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build
 fi
 echo "build ok in $(( $(date +%s) - start )) s"
 
-step "fast-path and decoder-op GPU tests"
-timeout 300 python3 -m pytest python_tests/test_fast_decoder.py $(ls python_tests/test_decoder_ops.py 2>/dev/null) -q -m gpu -n 4 --continue-on-collection-errors \
+want tests && step "fast-path and decoder-op GPU tests" && timeout 300 python3 -m pytest python_tests/test_fast_decoder.py python_tests/test_decoder_ops.py python_tests/test_decoder_step.py -q -m gpu -n 4 --continue-on-collection-errors \
   -p no:cacheprovider 2>&1 | tee "$OUT/tests_gpu.log" | tail -25
 
-step "where a fused draft step's time goes (CUDA kernels of one qwen3-0.6b step)"
-timeout 120 python3 - > "$OUT/profile.log" 2>&1 <<'PY'
+want sanitize && step "compute-sanitizer on decoder_step" && for tool in memcheck racecheck; do
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool "$tool" --print-limit 20 \
+    python3 scripts/sanitize_ops.py step > "$OUT/sanitizer_step_$tool.log" 2>&1
+  echo "$tool: exit $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_step_$tool.log" | tail -1)" | tee -a "$OUT/sanitizer_step.txt"
+done
+
+want profile && step "where a $draft_body draft step's time goes (CUDA kernels of one qwen3-0.6b step)" && DRAFT_BODY=$draft_body timeout 120 python3 - > "$OUT/profile.log" 2>&1 <<'PY'
+import os
 import torch
 from torch.profiler import ProfilerActivity, profile
 from flashhead_ext.bench.spec import SHAPES
 from flashhead_ext.fast import Decoder
 model = Decoder.random(SHAPES["qwen3-0.6b"], max_len=1024, dtype=torch.bfloat16, device="cuda")
 model.reset(1000)
-model.body = "fused"
+model.body = os.environ["DRAFT_BODY"]
 ids = torch.zeros(1, dtype=torch.int64, device="cuda")
 for _ in range(3):
     model.forward(ids)
@@ -47,26 +58,26 @@ with profile(activities=[ProfilerActivity.CUDA]) as prof:
 print(f"kernels per step {sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)}")
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
 PY
-grep -E "^kernels|Self CUDA time total" "$OUT/profile.log"
+want profile && grep -E "^kernels|Self CUDA time total" "$OUT/profile.log"
 
-step "decoder-layer ops vs torch"
-timeout 150 python3 -m flashhead_ext.bench layer-ops --json "$OUT/layer_ops.json" 2>&1 | tee "$OUT/layer_ops.log"
+want layer && step "decoder-layer ops vs torch" && timeout 150 python3 -m flashhead_ext.bench layer-ops --json "$OUT/layer_ops.json" 2>&1 | tee "$OUT/layer_ops.log"
 
-step "draft step (eager and fused bodies)"
-timeout 200 python3 -m flashhead_ext.bench draft-step --attention matmul --bodies eager,fused \
+want draft && step "draft step (eager, fused and persistent bodies)" && timeout 200 python3 -m flashhead_ext.bench draft-step --attention matmul --bodies eager,fused,persistent \
   --json "$OUT/draft_step.json" 2>&1 | tee "$OUT/draft_step.log"
 
-for body in $target_bodies; do
-  step "spec: Qwen3-32B-shaped target ($body), Qwen3-0.6B-shaped draft (fused), synthetic R=0.77, K=6"
-  timeout 300 python3 -m flashhead_ext.bench spec --attention matmul --body fused --target-body "$body" \
+want spec && for body in $target_bodies; do
+  step "spec: Qwen3-32B-shaped target ($body), Qwen3-0.6B-shaped draft ($draft_body), synthetic R=0.77, K=6"
+  timeout 300 python3 -m flashhead_ext.bench spec --attention matmul --body "$draft_body" --target-body "$body" \
     --num-prompts "$prompts" --max-new-tokens "$new_tokens" --json "$OUT/spec_target_$body.json" 2>&1 \
     | grep -v "prompts:" > "$OUT/spec_target_$body.log"
   echo "exit $?"
 done
 
-step "summary"
-grep -E "(passed|failed|error)" "$OUT/tests_gpu.log" | tail -1
-grep -E "^FAILED" "$OUT/tests_gpu.log" | head
-grep -v wrote "$OUT/layer_ops.log"
-grep -v wrote "$OUT/draft_step.log"
-for body in $target_bodies; do cat "$OUT/spec_target_$body.log"; done
+step "summary ($stages)"
+want tests && grep -E "(passed|failed|error)" "$OUT/tests_gpu.log" | tail -1
+want tests && grep -E "^FAILED" "$OUT/tests_gpu.log" | head
+want sanitize && cat "$OUT/sanitizer_step.txt"
+want layer && grep -v wrote "$OUT/layer_ops.log"
+want draft && grep -v wrote "$OUT/draft_step.log"
+want spec && for body in $target_bodies; do cat "$OUT/spec_target_$body.log"; done
+true

@@ -136,8 +136,10 @@ def _fused_layer(x: Tensor, w: dict, k_cache: Tensor, v_cache: Tensor, length: T
 
 # How a forward of at most STEP_MAX_TOKENS tokens (draft steps, verify batches) runs its layers:
 # "eager" the torch ops of ``_layer``, "compiled" ``_layer`` through torch.compile, "fused" the
-# flashhead decoder-layer ops. Longer forwards (prefills, whose length varies) always run eager.
-BODIES = ("eager", "compiled", "fused")
+# flashhead decoder-layer ops, "persistent" one-token forwards as the single flashhead
+# ``decoder_step`` (every layer in one kernel) and other short ones as "fused". Longer forwards
+# (prefills, whose length varies) always run eager.
+BODIES = ("eager", "compiled", "fused", "persistent")
 STEP_MAX_TOKENS = 16
 _compiled_layer = None
 
@@ -163,12 +165,14 @@ class Decoder:
     ``body`` picks how forwards of at most ``STEP_MAX_TOKENS`` tokens run (see ``BODIES``):
     ``"compiled"`` a torch.compile'd layer (the first call of each token count compiles, tens of
     seconds), ``"fused"`` flashhead's decoder-layer ops (float16 / bfloat16 / float32; on a GPU,
-    bandwidth-bound GEMVs with the norms fused in; docs/benchmarks.md compares the three).
+    bandwidth-bound GEMVs with the norms fused in), ``"persistent"`` one-token steps as one
+    kernel for all layers (docs/benchmarks.md compares them).
 
     Layout: per layer the q/k/v projections are one ``[(H + 2 KV) hd, D]`` matrix and gate/up one
-    ``[2 I, D]`` matrix (fewer, larger GEMVs). The cache is ``[layers, KV, max_len, hd]`` for K and
-    for V: heads before positions, so a layer's slice is SDPA's ``[batch=1, heads, keys, hd]``
-    without a copy.
+    ``[2 I, D]`` matrix (fewer, larger GEMVs); each kind of weight is one tensor stacked over the
+    layers (``stacked``, what ``decoder_step`` reads), and ``layers[i]`` holds views of layer i.
+    The cache is ``[layers, KV, max_len, hd]`` for K and for V: heads before positions, so a
+    layer's slice is SDPA's ``[batch=1, heads, keys, hd]`` without a copy.
     """
 
     def __init__(self, config: DecoderConfig, weights: Mapping[str, object], *, max_len: int):
@@ -178,7 +182,8 @@ class Decoder:
         self.embed = weights["embed"]
         self.lm_head = weights["lm_head"]
         self.final_norm = weights["final_norm"]
-        self.layers = list(weights["layers"])
+        self.stacked = dict(weights["layers"])
+        self.layers = [{name: w[i] for name, w in self.stacked.items()} for i in range(config.num_layers)]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.max_len = max_len
         self.attention = "sdpa"
@@ -225,19 +230,19 @@ class Decoder:
                 raise ValueError(f"state_dict has no {key!r}")
             return state_dict[key].detach().to(device, dtype)
 
-        layers = []
-        for i in range(c.num_layers):
-            p = f"{prefix}layers.{i}."
-            layer = dict(
-                qkv=torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous(),
-                o=get(p + "self_attn.o_proj.weight").contiguous(),
-                gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]).contiguous(),
-                down=get(p + "mlp.down_proj.weight").contiguous(),
-                attn_norm=get(p + "input_layernorm.weight"), mlp_norm=get(p + "post_attention_layernorm.weight"),
-            )
-            if c.qk_norm:
-                layer.update(q_norm=get(p + "self_attn.q_norm.weight"), k_norm=get(p + "self_attn.k_norm.weight"))
-            layers.append(layer)
+        sources = dict(qkv=[f"self_attn.{x}_proj.weight" for x in "qkv"], o=["self_attn.o_proj.weight"],
+                       gate_up=["mlp.gate_proj.weight", "mlp.up_proj.weight"], down=["mlp.down_proj.weight"],
+                       attn_norm=["input_layernorm.weight"], mlp_norm=["post_attention_layernorm.weight"])
+        if c.qk_norm:
+            sources.update(q_norm=["self_attn.q_norm.weight"], k_norm=["self_attn.k_norm.weight"])
+        # Each kind stacked over the layers, filled layer by layer (no second copy of the model).
+        layers = {}
+        for name, keys in sources.items():
+            for i in range(c.num_layers):
+                w = torch.cat([get(f"{prefix}layers.{i}.{key}") for key in keys])
+                if i == 0:
+                    layers[name] = torch.empty((c.num_layers, *w.shape), dtype=dtype, device=device)
+                layers[name][i].copy_(w)
         embed = get(embed_key).contiguous()
         tied = c.tie_word_embeddings or "lm_head.weight" not in state_dict
         lm_head = embed if tied else get("lm_head.weight").contiguous()
@@ -256,17 +261,15 @@ class Decoder:
         def normal(*shape):
             return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
 
-        def ones(n):
-            return torch.ones(n, dtype=dtype, device=device)
+        def ones(*shape):
+            return torch.ones(shape, dtype=dtype, device=device)
 
-        layers = []
-        for _ in range(c.num_layers):
-            layer = dict(qkv=normal((c.num_heads + 2 * c.num_kv_heads) * hd, d), o=normal(d, c.num_heads * hd),
-                         gate_up=normal(2 * c.intermediate_size, d), down=normal(d, c.intermediate_size),
-                         attn_norm=ones(d), mlp_norm=ones(d))
-            if c.qk_norm:
-                layer.update(q_norm=ones(hd), k_norm=ones(hd))
-            layers.append(layer)
+        n = c.num_layers
+        layers = dict(qkv=normal(n, (c.num_heads + 2 * c.num_kv_heads) * hd, d), o=normal(n, d, c.num_heads * hd),
+                      gate_up=normal(n, 2 * c.intermediate_size, d), down=normal(n, d, c.intermediate_size),
+                      attn_norm=ones(n, d), mlp_norm=ones(n, d))
+        if c.qk_norm:
+            layers.update(q_norm=ones(n, hd), k_norm=ones(n, hd))
         embed = normal(c.vocab_size, d)
         lm_head = embed if c.tie_word_embeddings else normal(c.vocab_size, d)
         return cls(c, dict(embed=embed, lm_head=lm_head, final_norm=ones(d), layers=layers), max_len=max_len)
@@ -282,7 +285,10 @@ class Decoder:
         n = ids.shape[0]
         short = n <= STEP_MAX_TOKENS
         x = self.embed.index_select(0, ids)
-        if self.body == "fused" and short:
+        if self.body == "persistent" and n == 1:
+            x = ops.decoder_step(x, self.stacked, self.k_cache, self.v_cache, self._cos, self._sin, self.length,
+                                 c.num_heads, eps=c.rms_norm_eps, scale=1.0 / math.sqrt(c.head_dim))
+        elif self.body in ("fused", "persistent") and short:
             for i, w in enumerate(self.layers):
                 x = _fused_layer(x, w, self.k_cache[i], self.v_cache[i], self.length, self._cos, self._sin,
                                  c.num_heads, c.head_dim, c.rms_norm_eps)
@@ -314,8 +320,8 @@ class Decoder:
     def body(self, value: str) -> None:
         if value not in BODIES:
             raise ValueError(f"body must be one of {BODIES}, got {value!r}")
-        if value == "fused" and self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"body 'fused' needs a float16, bfloat16 or float32 model, this one is {self.dtype}")
+        if value in ("fused", "persistent") and self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"body {value!r} needs a float16, bfloat16 or float32 model, this one is {self.dtype}")
         self._body = value
 
     @property
@@ -341,7 +347,7 @@ class Decoder:
     @property
     def nbytes(self) -> int:
         """Weight bytes (a tied head counted once)."""
-        tensors = [self.embed, self.final_norm] + [t for layer in self.layers for t in layer.values()]
+        tensors = [self.embed, self.final_norm, *self.stacked.values()]
         if self.lm_head is not self.embed:
             tensors.append(self.lm_head)
         return sum(t.numel() * t.element_size() for t in tensors)
