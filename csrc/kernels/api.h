@@ -156,9 +156,12 @@ struct DecoderStepWeights {
 };
 
 // Weight rows stream through shared-memory stages of this many bytes: a row (a gate and an up
-// row for gate_up) must fit one. Rows must be whole 16-byte vectors; head_dim at most 256.
+// row for gate_up) must fit one. Rows and heads must be whole 16-byte vectors; head_dim at most
+// 256, at most 8 query heads per KV head, max_len at most 512 * 512 (the merge's split weights).
 constexpr int kDecoderStepStageBytes = 32 * 1024;
 constexpr int kDecoderStepMaxHeadDim = 256;
+constexpr int kDecoderStepMaxGroup = 8;
+constexpr int kDecoderStepMaxLen = 512 * 512;
 
 // How a step runs on the current device: one resident block per SM, its shared memory, the
 // workspace it needs. cudaErrorInvalidValue when the shape does not fit shared memory.

@@ -24,11 +24,19 @@ namespace {
 
 constexpr int kStepThreads = 256;
 constexpr int kStepWarps = kStepThreads / kWarpSize;
+// The last warp issues no weight copies: its thread signals the grid, and a release there does
+// not wait for a stage's worth of copies in flight.
+constexpr int kCopyThreads = kStepThreads - kWarpSize;
+constexpr int kSignalThread = kCopyThreads;
 constexpr int kStageBytes = kDecoderStepStageBytes;
 constexpr int kMaxStages = 8;
 constexpr int kSplitMaxKeys = 512;  // keys of one attention work item: their scores sit in shared memory
 constexpr int kSplitMinKeys = 32;
 constexpr int kHeadDimPerLane = kDecoderStepMaxHeadDim / kWarpSize;
+constexpr int kMaxGroup = kDecoderStepMaxGroup;  // query heads per KV head, in registers
+constexpr int kThreadsPerKey = 4;                 // threads that score one key together
+constexpr int kValueKeys = 4;                     // keys whose values a warp loads at once
+constexpr int kMergeSplits = 16;                  // splits whose partials a thread loads at once
 
 enum WeightPhase : int { kQkv = 0, kOut = 1, kGateUp = 2, kDown = 3, kPhases = 4 };
 
@@ -126,13 +134,21 @@ __device__ __forceinline__ float load_shared_result(const T* p) {
   }
 }
 
+// An arrival that publishes the block's writes (release: with the __syncthreads before it, the
+// whole block's), returning the count before it; acquire: the caller then sees what the blocks
+// that arrived earlier published.
+__device__ __forceinline__ unsigned arrive(unsigned* counter) {
+  unsigned before;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
+  return before;
+}
+
 // Every block arrives once per barrier; the arrivals only count up during a step (the launch
 // zeroes them), so barrier number n waits for n * gridDim.x arrivals.
 __device__ __forceinline__ void grid_barrier(unsigned* arrivals, unsigned target) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(arrivals, 1u);
+  if (threadIdx.x == kSignalThread) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(arrivals) : "memory");
     unsigned seen = 0;
     do {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrivals) : "memory");
@@ -151,7 +167,7 @@ struct WeightStream {
   int stages, per_layer, total, issued;
 
   __device__ void issue() {
-    if (issued < total) {
+    if (issued < total && threadIdx.x < kCopyThreads) {
       const int layer = issued / per_layer;
       int c = issued - layer * per_layer, phase = 0;
       while (c >= plans[phase].chunks) c -= plans[phase++].chunks;
@@ -163,7 +179,7 @@ struct WeightStream {
       unsigned char* dst = ring + (issued % stages) * kStageBytes;
       for (int part = 0; part < pl.unit; ++part) {
         const unsigned char* from = reinterpret_cast<const unsigned char*>(src + part * pl.second);
-        for (int off = threadIdx.x * 16; off < bytes; off += kStepThreads * 16)
+        for (int off = threadIdx.x * 16; off < bytes; off += kCopyThreads * 16)
           copy_async_16(dst + part * bytes + off, from + off);
       }
     }
@@ -182,9 +198,12 @@ struct WeightStream {
 };
 
 // The phase's input as float in shared memory: the RMSNorm weight folded in (y = inv_rms * (W .
-// (x * g))), so the input is read once. Returns inv_rms (1 without a norm).
+// (x * g))), so the input is read once; for o and down also the residual stream's values of the
+// block's rows, loaded with the input rather than one round trip per result. Returns inv_rms (1
+// without a norm).
 template <typename T>
-__device__ float stage_input(const StepParams<T>& p, int layer, int phase, float* xs, float* reduce) {
+__device__ float stage_input(const StepParams<T>& p, const PhasePlan<T>& pl, int layer, int phase, float* xs,
+                             float* residual_rows, float* reduce) {
   const DecoderStepShape& s = p.s;
   const T* src = p.act;
   const T* norm = nullptr;
@@ -197,14 +216,29 @@ __device__ float stage_input(const StepParams<T>& p, int layer, int phase, float
     src = p.attn;
     k = s.num_heads * s.head_dim;
   }
+  constexpr int V = kVecWidth<T>;
+  if (phase == kOut || phase == kDown) {
+    const T* residual = phase == kOut && layer == 0 ? p.x : p.out;
+    for (int row = pl.row_lo + threadIdx.x; row < pl.row_hi; row += kStepThreads)
+      residual_rows[row - pl.row_lo] = load_shared_result(residual + row);
+  }
   float sum_sq = 0.0f;
-  for (int i = threadIdx.x; i < k; i += kStepThreads) {
-    float v = load_shared_result(src + i);
-    if (norm) {
-      sum_sq = fmaf(v, v, sum_sq);
-      v *= to_float(norm[i]);
+  // Whole 16-byte vectors (k is a multiple of V): one or two loads a thread, all in flight at once.
+#pragma unroll 2
+  for (int i = threadIdx.x * V; i < k; i += kStepThreads * V) {
+    Chunk<T, V> x;
+    const int4 bits = __ldcg(reinterpret_cast<const int4*>(src + i));
+    memcpy(&x, &bits, sizeof(bits));
+    const Chunk<T, V> g = norm ? load_chunk<T, V>(norm + i) : Chunk<T, V>{};
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      float v = to_float(x.v[e]);
+      if (norm) {
+        sum_sq = fmaf(v, v, sum_sq);
+        v *= to_float(g.v[e]);
+      }
+      xs[i + e] = v;
     }
-    xs[i] = v;
   }
   if (!norm) return 1.0f;
   sum_sq = warp_sum(sum_sq);
@@ -251,12 +285,29 @@ __device__ __forceinline__ void gemv_chunk(const T* chunk, const float* xs, int 
   }
 }
 
+// Shared-memory floats of the attention stage: the group's queries, the new key and value, the
+// scores of one item, per-head stats, and each warp's share of the weighted values.
+__host__ __device__ inline size_t attention_scratch_floats(int group, int head_dim) {
+  const size_t g = static_cast<size_t>(group), hd = static_cast<size_t>(head_dim);
+  // warp_values also holds the merge's per-split sums, up to kSplitMaxKeys a head.
+  return g * hd + 2 * hd + g * kSplitMaxKeys + 2 * g + g * max(size_t{kStepWarps} * hd, size_t{kSplitMaxKeys});
+}
+
 // The attention of one layer. Work items are (KV head, split of the keys 0..pos); each gets the
 // group's queries and the new key ready (RMSNorm, rotary: rotary_cache_write's arithmetic), scores
-// its keys (warp per key), and leaves a softmax partial; the last split of a KV head to finish
-// merges them (decode_attention's merge) into attn.
+// a key per thread, weights the values with a warp per key and lanes over dimensions, and leaves a
+// softmax partial; the last split of a KV head to finish merges them (decode_attention's merge)
+// into attn. Every loop over keys keeps its loads independent, so they are in flight together.
+// The block's residual rows follow the larger of a stage's input and the attention's scratch.
+__host__ __device__ inline size_t residual_rows_offset(const DecoderStepShape& s) {
+  const size_t input_floats = max(max(s.hidden, s.num_heads * s.head_dim), s.intermediate);
+  const size_t floats = max(input_floats, attention_scratch_floats(s.num_heads / s.num_kv_heads, s.head_dim));
+  return (floats + 31) / 32 * 32;
+}
+
 template <typename T>
 __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int* merge_here) {
+  constexpr int V = kVecWidth<T>;
   const DecoderStepShape& s = p.s;
   const int hd = s.head_dim, half = hd / 2, kv_heads = s.num_kv_heads, group = s.num_heads / kv_heads;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -270,11 +321,12 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int
   // Enough items to fill the grid, each at least kSplitMinKeys keys and at most kSplitMaxKeys.
   const int splits = max(ceil_div(keys, kSplitMaxKeys),
                          min(ceil_div(keys, kSplitMinKeys), max(1, static_cast<int>(gridDim.x) / kv_heads)));
-  float* q_rows = scratch;                     // [group][hd]
-  float* k_new = q_rows + group * hd;          // [hd]
-  float* v_new = k_new + hd;                   // [hd]
-  float* scores = v_new + hd;                  // [group][kSplitMaxKeys]
+  float* q_rows = scratch;                        // [group][hd]
+  float* k_new = q_rows + group * hd;             // [hd]
+  float* v_new = k_new + hd;                      // [hd]
+  float* scores = v_new + hd;                     // [group][kSplitMaxKeys]; the merge's split weights
   float* stats = scores + group * kSplitMaxKeys;  // [group][2]
+  float* warp_values = stats + 2 * group;         // [kStepWarps][group][hd]
   const T* cos = p.cos + pos * hd;
   const T* sin = p.sin + pos * hd;
   const int64_t layer_cache = int64_t{kv_heads} * s.max_len * hd;
@@ -282,7 +334,7 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int
   for (int item = blockIdx.x; item < kv_heads * splits; item += gridDim.x) {
     const int kv = item / splits, split = item % splits;
     const int key0 = static_cast<int>(int64_t{split} * keys / splits);
-    const int key1 = static_cast<int>(int64_t{split + 1} * keys / splits);
+    const int n = static_cast<int>(int64_t{split + 1} * keys / splits) - key0;
     __syncthreads();  // the previous item is done with the scratch
 
     for (int vec = warp; vec <= group; vec += kStepWarps) {  // vec == group: the new key
@@ -290,13 +342,22 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int
       const int head = is_key ? s.num_heads + kv : kv * group + vec;
       const T* src = p.qkv + int64_t{head} * hd;
       const T* norm = is_key ? p.w.k_norm : p.w.q_norm;
-      float lo[kHeadDimPerLane / 2], hi[kHeadDimPerLane / 2];
+      // Everything the rotation reads is loaded up front: one round trip, not three.
+      float lo[kHeadDimPerLane / 2], hi[kHeadDimPerLane / 2], norm_lo[kHeadDimPerLane / 2],
+          norm_hi[kHeadDimPerLane / 2], c[kHeadDimPerLane], sn[kHeadDimPerLane];
       float sum_sq = 0.0f;
 #pragma unroll
       for (int i = 0; i < kHeadDimPerLane / 2; ++i) {
         const int t = lane + i * kWarpSize;
-        lo[i] = t < half ? load_shared_result(src + t) : 0.0f;
-        hi[i] = t < half ? load_shared_result(src + t + half) : 0.0f;
+        const bool active = t < half;
+        lo[i] = active ? load_shared_result(src + t) : 0.0f;
+        hi[i] = active ? load_shared_result(src + t + half) : 0.0f;
+        norm_lo[i] = active && norm ? to_float(norm[int64_t{layer} * hd + t]) : 1.0f;
+        norm_hi[i] = active && norm ? to_float(norm[int64_t{layer} * hd + t + half]) : 1.0f;
+        c[2 * i] = active ? to_float(cos[t]) : 0.0f;
+        c[2 * i + 1] = active ? to_float(cos[t + half]) : 0.0f;
+        sn[2 * i] = active ? to_float(sin[t]) : 0.0f;
+        sn[2 * i + 1] = active ? to_float(sin[t + half]) : 0.0f;
         sum_sq += lo[i] * lo[i] + hi[i] * hi[i];
       }
       const float inv_rms = norm ? rsqrtf(warp_sum(sum_sq) / static_cast<float>(hd) + s.eps) : 1.0f;
@@ -307,11 +368,11 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int
         if (t >= half) continue;
         float l = lo[i], h = hi[i];
         if (norm) {
-          l = rounded<T>(l * inv_rms * to_float(norm[int64_t{layer} * hd + t]));
-          h = rounded<T>(h * inv_rms * to_float(norm[int64_t{layer} * hd + t + half]));
+          l = rounded<T>(l * inv_rms * norm_lo[i]);
+          h = rounded<T>(h * inv_rms * norm_hi[i]);
         }
-        dst[t] = rounded<T>(rounded<T>(l * to_float(cos[t])) - h * to_float(sin[t]));
-        dst[t + half] = rounded<T>(rounded<T>(h * to_float(cos[t + half])) + l * to_float(sin[t + half]));
+        dst[t] = rounded<T>(rounded<T>(l * c[2 * i]) - h * sn[2 * i]);
+        dst[t + half] = rounded<T>(rounded<T>(h * c[2 * i + 1]) + l * sn[2 * i + 1]);
         if (is_key) {
           const T* v_src = p.qkv + int64_t{s.num_heads + kv_heads + kv} * hd;
           v_new[t] = load_shared_result(v_src + t);
@@ -323,30 +384,50 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int
 
     T* k_cache = p.k_cache + layer * layer_cache + int64_t{kv} * s.max_len * hd;
     T* v_cache = p.v_cache + layer * layer_cache + int64_t{kv} * s.max_len * hd;
-    if (key1 == keys) {  // the split holding the new token stores it
+    if (key0 + n == keys) {
+      // The split holding the new token stores it, and then reads it back like every other key:
+      // no per-key branch, so the loops below issue their loads together.
       for (int d = threadIdx.x; d < hd; d += kStepThreads) {
         k_cache[pos * hd + d] = from_float<T>(k_new[d]);
         v_cache[pos * hd + d] = from_float<T>(v_new[d]);
       }
+      __syncthreads();
     }
-    const int n = key1 - key0;
-    for (int j = warp; j < n; j += kStepWarps) {
-      const int key = key0 + j;
-      float k_reg[kHeadDimPerLane];
+    // Scores: kThreadsPerKey threads per key, each a few 16-byte vectors of its row (all loaded at
+    // once), dotted with every query of the group and summed over the key's threads.
+    constexpr int kMaxVectorsPerThread = kDecoderStepMaxHeadDim / V / kThreadsPerKey;
+    for (int j0 = 0; j0 < n; j0 += kStepThreads / kThreadsPerKey) {
+      const int j = j0 + threadIdx.x / kThreadsPerKey, part = threadIdx.x % kThreadsPerKey;
+      const int key = key0 + min(j, n - 1);  // threads past the split repeat its last key, unused
+      const T* k_row = k_cache + int64_t{key} * hd;
+      float dot[kMaxGroup];
 #pragma unroll
-      for (int i = 0; i < kHeadDimPerLane; ++i) {
-        const int d = lane + i * kWarpSize;
-        k_reg[i] = d >= hd ? 0.0f : key == pos ? k_new[d] : to_float(k_cache[int64_t{key} * hd + d]);
+      for (int h = 0; h < kMaxGroup; ++h) dot[h] = 0.0f;
+      // Loads are unconditional (clamped indices; the surplus is never used): a conditional load
+      // is compiled as a branch, and the loads then go one round trip at a time.
+      Chunk<T, V> k_vec[kMaxVectorsPerThread];
+#pragma unroll
+      for (int i = 0; i < kMaxVectorsPerThread; ++i) {
+        const int v = min(part + i * kThreadsPerKey, hd / V - 1);
+        k_vec[i] = *reinterpret_cast<const Chunk<T, V>*>(k_row + v * V);
       }
-      for (int h = 0; h < group; ++h) {
-        float dot = 0.0f;
 #pragma unroll
-        for (int i = 0; i < kHeadDimPerLane; ++i) {
-          const int d = lane + i * kWarpSize;
-          if (d < hd) dot = fmaf(q_rows[h * hd + d], k_reg[i], dot);
+      for (int i = 0; i < kMaxVectorsPerThread; ++i) {
+        const int v = part + i * kThreadsPerKey;
+        if (v >= hd / V) break;
+#pragma unroll
+        for (int h = 0; h < kMaxGroup; ++h) {
+          if (h >= group) break;
+#pragma unroll
+          for (int e = 0; e < V; ++e) dot[h] = fmaf(q_rows[h * hd + v * V + e], to_float(k_vec[i].v[e]), dot[h]);
         }
-        dot = warp_sum(dot);
-        if (lane == 0) scores[h * kSplitMaxKeys + j] = dot * s.scale;
+      }
+#pragma unroll
+      for (int h = 0; h < kMaxGroup; ++h) {
+#pragma unroll
+        for (int offset = kThreadsPerKey / 2; offset > 0; offset >>= 1)
+          dot[h] += __shfl_xor_sync(kFullMask, dot[h], offset);
+        if (h < group && part == 0 && j < n) scores[h * kSplitMaxKeys + j] = dot[h] * s.scale;
       }
     }
     __syncthreads();
@@ -365,37 +446,100 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int
       if (lane == 0) stats[2 * h] = m, stats[2 * h + 1] = sum;
     }
     __syncthreads();
+    // Weighted values: warp w takes keys w, w + 8, ...; lane owns dimensions lane, lane + 32, ...
+    float acc[kMaxGroup][kHeadDimPerLane];
+#pragma unroll
+    for (int h = 0; h < kMaxGroup; ++h)
+#pragma unroll
+      for (int i = 0; i < kHeadDimPerLane; ++i) acc[h][i] = 0.0f;
+    // Batches of kValueKeys keys a warp, loaded together: unconditional loads at clamped indices
+    // (keys past the split and dimensions past hd are loaded but not used).
+    for (int base = warp; base < n; base += kStepWarps * kValueKeys) {
+      T v[kValueKeys][kHeadDimPerLane];
+#pragma unroll
+      for (int u = 0; u < kValueKeys; ++u) {
+        const T* value_row = v_cache + int64_t{key0 + min(base + u * kStepWarps, n - 1)} * hd;
+#pragma unroll
+        for (int i = 0; i < kHeadDimPerLane; ++i) v[u][i] = value_row[min(lane + i * kWarpSize, hd - 1)];
+      }
+#pragma unroll
+      for (int u = 0; u < kValueKeys; ++u) {
+        const int j = base + u * kStepWarps;
+        if (j >= n) break;
+#pragma unroll
+        for (int h = 0; h < kMaxGroup; ++h) {
+          if (h >= group) break;
+          const float weight = scores[h * kSplitMaxKeys + j];
+#pragma unroll
+          for (int i = 0; i < kHeadDimPerLane; ++i) acc[h][i] = fmaf(weight, to_float(v[u][i]), acc[h][i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < kMaxGroup; ++h) {
+      if (h >= group) break;
+#pragma unroll
+      for (int i = 0; i < kHeadDimPerLane; ++i) {
+        const int d = lane + i * kWarpSize;
+        if (d < hd) warp_values[(warp * group + h) * hd + d] = acc[h][i];
+      }
+    }
+    __syncthreads();
     for (int idx = threadIdx.x; idx < group * hd; idx += kStepThreads) {
-      const int h = idx / hd, d = idx % hd;
-      const float* weights = scores + h * kSplitMaxKeys;
       float o = 0.0f;
-#pragma unroll 4
-      for (int j = 0; j < n; ++j) {
-        const int key = key0 + j;
-        o = fmaf(weights[j], key == pos ? v_new[d] : to_float(v_cache[int64_t{key} * hd + d]), o);
+#pragma unroll
+      for (int w = 0; w < kStepWarps; ++w) o += warp_values[w * group * hd + idx];  // a fixed order
+      const int h = idx / hd, d = idx % hd;
+      if (splits == 1) {  // the whole softmax is here: no partials, no merge (the merge's result exactly)
+        p.attn[int64_t{kv * group + h} * hd + d] = from_float<T>(o / stats[2 * h + 1]);
+        continue;
       }
       const int64_t at = int64_t{kv * group + h} * p.max_splits + split;
       p.partial_out[at * hd + d] = o;
       if (d == 0) p.partial_stats[2 * at] = stats[2 * h], p.partial_stats[2 * at + 1] = stats[2 * h + 1];
     }
-    __threadfence();
+    if (splits == 1) continue;
     __syncthreads();
-    if (threadIdx.x == 0) *merge_here = atomicAdd(p.merged + kv, 1u) + 1 == static_cast<unsigned>(layer + 1) * splits;
+    if (threadIdx.x == kSignalThread)
+      *merge_here = arrive(p.merged + kv) + 1 == static_cast<unsigned>(layer + 1) * splits;
     __syncthreads();
     if (!*merge_here) continue;
-    __threadfence();
+    // The merge: the splits' stats in one round of loads (maxima in scores, sums in warp_values),
+    // then a warp per head weighs the splits (exp(m_s - m), kept in scores) and sums them up.
+    for (int i = threadIdx.x; i < group * splits; i += kStepThreads) {
+      const int h = i / splits, sp = i % splits;
+      const float* at = p.partial_stats + 2 * (int64_t{kv * group + h} * p.max_splits + sp);
+      scores[h * kSplitMaxKeys + sp] = __ldcg(at);
+      warp_values[h * kSplitMaxKeys + sp] = __ldcg(at + 1);
+    }
+    __syncthreads();
+    for (int h = warp; h < group; h += kStepWarps) {
+      float* weights = scores + h * kSplitMaxKeys;
+      float m = -INFINITY;
+      for (int sp = lane; sp < splits; sp += kWarpSize) m = fmaxf(m, weights[sp]);
+      m = warp_max(m);
+      float total = 0.0f;
+      for (int sp = lane; sp < splits; sp += kWarpSize) {
+        weights[sp] = expf(weights[sp] - m);
+        total = fmaf(weights[sp], warp_values[h * kSplitMaxKeys + sp], total);
+      }
+      total = warp_sum(total);
+      if (lane == 0) stats[2 * h + 1] = total;
+    }
+    __syncthreads();
     for (int idx = threadIdx.x; idx < group * hd; idx += kStepThreads) {
       const int h = idx / hd, d = idx % hd;
-      const int64_t row = int64_t{kv * group + h} * p.max_splits;
-      float m = -INFINITY;
-      for (int sp = 0; sp < splits; ++sp) m = fmaxf(m, __ldcg(p.partial_stats + 2 * (row + sp)));
-      float total = 0.0f, o = 0.0f;
-      for (int sp = 0; sp < splits; ++sp) {
-        const float weight = expf(__ldcg(p.partial_stats + 2 * (row + sp)) - m);
-        total = fmaf(weight, __ldcg(p.partial_stats + 2 * (row + sp) + 1), total);
-        o = fmaf(__ldcg(p.partial_out + (row + sp) * hd + d), weight, o);
+      const float* partial = p.partial_out + int64_t{kv * group + h} * p.max_splits * hd + d;
+      float o = 0.0f;
+      for (int base = 0; base < splits; base += kMergeSplits) {  // kMergeSplits unconditional loads in flight
+        float part[kMergeSplits];
+#pragma unroll
+        for (int u = 0; u < kMergeSplits; ++u) part[u] = __ldcg(partial + int64_t{min(base + u, splits - 1)} * hd);
+#pragma unroll
+        for (int u = 0; u < kMergeSplits; ++u)
+          if (base + u < splits) o = fmaf(part[u], scores[h * kSplitMaxKeys + base + u], o);
       }
-      p.attn[int64_t{kv * group + h} * hd + d] = from_float<T>(o / total);
+      p.attn[int64_t{kv * group + h} * hd + d] = from_float<T>(o / stats[2 * h + 1]);
     }
   }
 }
@@ -404,6 +548,7 @@ template <typename T>
 __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParams<T> p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   float* scratch = reinterpret_cast<float*>(smem_raw + size_t{static_cast<unsigned>(p.stages)} * kStageBytes);
+  float* residual_rows = scratch + residual_rows_offset(p.s);
   __shared__ PhasePlan<T> plans[kPhases];
   __shared__ float reduce[kStepWarps];
   __shared__ int merge_here;
@@ -425,7 +570,8 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
         grid_barrier(p.barrier, ++barriers * gridDim.x);
       }
       const PhasePlan<T>& pl = plans[phase];
-      const float inv_rms = pl.chunks > 0 ? stage_input(p, layer, phase, scratch, reduce) : 1.0f;
+      const float inv_rms =
+          pl.chunks > 0 ? stage_input(p, pl, layer, phase, scratch, residual_rows, reduce) : 1.0f;
       for (int c = 0; c < pl.chunks; ++c) {
         const T* chunk = stream.acquire(consumed++);
         const int row0 = pl.row_lo + c * pl.rows_per_chunk;
@@ -442,8 +588,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
             if (phase == kQkv) {
               p.qkv[row] = from_float<T>(sum * inv_rms);
             } else {  // o and down: + the residual stream (the input token's row in the first layer)
-              const T* residual = phase == kOut && layer == 0 ? p.x : p.out;
-              p.out[row] = from_float<T>(rounded<T>(sum) + load_shared_result(residual + row));
+              p.out[row] = from_float<T>(rounded<T>(sum) + residual_rows[row - pl.row_lo]);
             }
           }
         });
@@ -470,11 +615,8 @@ cudaError_t plan_decoder_step(const DecoderStepShape& s, DecoderStepPlan* plan) 
     return err;
   cudaFuncAttributes attributes{};
   if (cudaError_t err = cudaFuncGetAttributes(&attributes, kernel); err != cudaSuccess) return err;
-  const int group = s.num_heads / s.num_kv_heads;
-  const size_t input_floats = std::max({s.hidden, s.num_heads * s.head_dim, s.intermediate});
-  const size_t attention_floats =
-      size_t{static_cast<unsigned>(group)} * (s.head_dim + kSplitMaxKeys + 2) + 2 * size_t{static_cast<unsigned>(s.head_dim)};
-  const size_t scratch_bytes = (std::max(input_floats, attention_floats) * sizeof(float) + 127) / 128 * 128;
+  // A block's residual rows: o and down have hidden_size rows over at least one block per SM.
+  const size_t scratch_bytes = (residual_rows_offset(s) + ceil_div(s.hidden, sms) + 1) * sizeof(float);
   const long long room = static_cast<long long>(max_smem) - static_cast<long long>(attributes.sharedSizeBytes) -
                          static_cast<long long>(scratch_bytes);
   plan->stages = static_cast<int>(std::min<long long>(kMaxStages, room / kStageBytes));
@@ -491,6 +633,7 @@ cudaError_t plan_decoder_step(const DecoderStepShape& s, DecoderStepPlan* plan) 
   if (per_sm < 1) return cudaErrorInvalidValue;
   plan->grid = sms * per_sm;
   plan->max_splits = std::max(ceil_div(s.max_len, kSplitMaxKeys), std::max(1, plan->grid / s.num_kv_heads));
+  if (plan->max_splits > kSplitMaxKeys) return cudaErrorInvalidValue;  // the merge keeps split weights in scores
   WorkspaceCarver carver(nullptr);
   const size_t heads = static_cast<size_t>(s.num_heads), splits = static_cast<size_t>(plan->max_splits);
   carver.take<T>(size_t{static_cast<unsigned>(s.num_heads + 2 * s.num_kv_heads)} * s.head_dim);

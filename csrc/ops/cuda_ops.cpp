@@ -320,10 +320,15 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
   // The kernel streams whole 16-byte vectors of rows through shared-memory stages of fixed size.
   FH_CHECK_VALUE(op, hd <= kDecoderStepMaxHeadDim, "head_dim must be at most ", num_str(kDecoderStepMaxHeadDim),
                  " for the CUDA kernel, got ", num_str(hd));
-  FH_CHECK_VALUE(op, hidden % vector == 0 && attn_cols % vector == 0 && intermediate % vector == 0,
-                 "the CUDA kernel needs hidden_size, num_heads * head_dim and intermediate_size to be multiples of ",
-                 num_str(vector), " for ", x_in.scalar_type(), ", got ", num_str(hidden), ", ", num_str(attn_cols),
-                 " and ", num_str(intermediate));
+  FH_CHECK_VALUE(op, hidden % vector == 0 && hd % vector == 0 && intermediate % vector == 0,
+                 "the CUDA kernel needs hidden_size, head_dim and intermediate_size to be multiples of ",
+                 num_str(vector), " for ", x_in.scalar_type(), ", got ", num_str(hidden), ", ", num_str(hd), " and ",
+                 num_str(intermediate));
+  FH_CHECK_VALUE(op, num_heads / kv <= kDecoderStepMaxGroup, "the CUDA kernel takes at most ",
+                 num_str(kDecoderStepMaxGroup), " query heads per KV head, got ", num_str(num_heads), " and ",
+                 num_str(kv));
+  FH_CHECK_VALUE(op, max_len <= kDecoderStepMaxLen, "max_len (k_cache.size(2)) must be at most ",
+                 num_str(kDecoderStepMaxLen), " for the CUDA kernel, got ", num_str(max_len));
   FH_CHECK_VALUE(op, 2 * hidden * element <= kDecoderStepStageBytes && attn_cols * element <= kDecoderStepStageBytes &&
                          intermediate * element <= kDecoderStepStageBytes,
                  "the CUDA kernel needs a weight row of at most ", num_str(kDecoderStepStageBytes),
@@ -336,9 +341,12 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
                    attn_norm = attn_norm_in.contiguous(), mlp_norm = mlp_norm_in.contiguous(),
                    cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const auto q_norm = contiguous(q_norm_in), k_norm = contiguous(k_norm_in);
-  for (const auto& [weight, name] : {std::pair{&qkv_weight, "qkv_weight"}, std::pair{&o_weight, "o_weight"},
-                                     std::pair{&gate_up_weight, "gate_up_weight"}, std::pair{&down_weight, "down_weight"}})
-    FH_CHECK_VALUE(op, reinterpret_cast<uintptr_t>(weight->data_ptr()) % 16 == 0, name,
+  for (const auto& [tensor, name] :
+       {std::pair{&x, "x"}, std::pair{&qkv_weight, "qkv_weight"}, std::pair{&o_weight, "o_weight"},
+        std::pair{&gate_up_weight, "gate_up_weight"}, std::pair{&down_weight, "down_weight"},
+        std::pair{&attn_norm, "attn_norm"}, std::pair{&mlp_norm, "mlp_norm"}, std::pair{&std::as_const(k_cache), "k_cache"},
+        std::pair{&std::as_const(v_cache), "v_cache"}})
+    FH_CHECK_VALUE(op, reinterpret_cast<uintptr_t>(tensor->data_ptr()) % 16 == 0, name,
                    " must start at a 16-byte aligned address for the CUDA kernel (a view at an odd offset?)");
   const DecoderStepShape shape{static_cast<int>(layers), static_cast<int>(hidden), static_cast<int>(intermediate),
                                static_cast<int>(num_heads), static_cast<int>(kv), static_cast<int>(hd),
