@@ -149,10 +149,12 @@ __device__ __forceinline__ void grid_barrier(unsigned* arrivals, unsigned target
   __syncthreads();
   if (threadIdx.x == kSignalThread) {
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(arrivals) : "memory");
+    // Spin on relaxed loads; one acquire load then orders what the block reads next.
     unsigned seen = 0;
     do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrivals) : "memory");
+      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrivals) : "memory");
     } while (seen < target);
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrivals) : "memory");
   }
   __syncthreads();
 }
