@@ -474,5 +474,14 @@ def test_spec_cli_fast_path_is_exact(tmp_path, monkeypatch):
                      "--num-prompts", "2", "--max-new-tokens", "6", "--kmeans-iters", "2", "--fast", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())["summary"]
     assert all(row["exact"] == "2/2" for row in summary) and summary[-1]["verify_share"] is not None
+    assert json.loads(out.read_text())["meta"]["draft_body"] == "persistent"  # the default
+    for body in ("fused", "eager"):  # the draft's body is the user's to pick; each stays exact
+        assert cli.main(["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--k", "3", "--prompts", str(questions),
+                         "--num-prompts", "1", "--max-new-tokens", "4", "--kmeans-iters", "2", "--fast", "--draft-body", body,
+                         "--json", str(out)]) == 0
+        assert json.loads(out.read_text())["meta"]["draft_body"] == body
+        assert all(row["exact"] == "1/1" for row in json.loads(out.read_text())["summary"])
+    with pytest.raises(SystemExit):
+        cli.main(["--target", str(tmp_path / "model"), "--draft-body", "fused", "--prompts", str(questions)])
     with pytest.raises(SystemExit):
         cli.main(["--target", str(tmp_path / "model"), "--synthetic-acceptance", "0.5", "--prompts", str(questions)])

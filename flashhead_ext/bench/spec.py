@@ -85,7 +85,7 @@ def draft_step_main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=1024, help="cache length attended over (max_len)")
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--calls", type=int, default=20, help="graph replays per timed sample")
-    parser.add_argument("--bodies", default="eager,fused",
+    parser.add_argument("--bodies", default="eager,fused,persistent",
                         help=f"comma list of {BODIES}: how the layers run (Decoder.body), each timed in this run")
     _common(parser, "results/bench_draft_step.json")
     args = parser.parse_args(argv)
@@ -100,8 +100,8 @@ def draft_step_main(argv=None) -> int:
     for name in shapes:
         model = Decoder.random(SHAPES[name], max_len=args.context, dtype=dtype, device=args.device)
         model.attention = args.attention
-        # The last position: eager/compiled attend over the whole cache at any length, fused reads
-        # the cache up to the length, so this is the fused body's most expensive step.
+        # The last position: eager/compiled attend over the whole cache at any length, fused and
+        # persistent read the cache up to the length, so this is their most expensive step.
         model.reset(args.context - 1)
         ids = torch.zeros(1, dtype=torch.int64, device=args.device)
         token = torch.zeros(1, dtype=torch.int64, device=args.device)
@@ -186,7 +186,7 @@ def spec_main(argv=None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--warmup-tokens", type=int, default=16)
-    parser.add_argument("--body", default="fused", choices=BODIES, help="how the draft runs its layers (Decoder.body)")
+    parser.add_argument("--body", default="persistent", choices=BODIES, help="how the draft runs its layers (Decoder.body)")
     # The fused GEMV is built for one token; a verify of K+1 tokens is faster on cuBLAS (bench layer-ops).
     parser.add_argument("--target-body", default="eager", choices=BODIES, help="how the target runs its layers")
     _common(parser, "results/bench_spec.json")

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from ..bench.timing import run_metadata
+from ..fast.decoder import BODIES
 from ..prompts import DEFAULT_PROMPTS, load_prompts
 from .draft import early_exit_draft, make_draft_head
 from .driver import SpeculativeDecoder
@@ -48,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fast", action="store_true",
                         help="the fast path (flashhead_ext.fast: Llama/Qwen3 only, CUDA graphs on a GPU) instead of the transformers driver")
     parser.add_argument("--draft-device", default=None, help="--fast: the draft's device, e.g. cuda:1 (default: --device)")
+    parser.add_argument("--draft-body", default=None, choices=BODIES,
+                        help="--fast: how the draft runs its layers (Decoder.body; default persistent: one kernel a step)")
     parser.add_argument("--synthetic-acceptance", type=float, default=None,
                         help="--fast: accept each proposal with this probability instead of verifying (timing only; labelled synthetic)")
     parser.add_argument("--json", default="results/spec.json", help="where to write every run and the summary")
@@ -84,8 +87,11 @@ def _fast_models(args, target, draft, longest_prompt: int):
         return fast_target, None
     draft_device = args.draft_device or args.device
     if args.draft.startswith(EARLY_EXIT):
-        return fast_target, Decoder.from_hf(target, max_len=max_len, num_layers=draft.config.num_hidden_layers, device=draft_device)
-    return fast_target, Decoder.from_hf(draft, max_len=max_len, device=draft_device)
+        fast_draft = Decoder.from_hf(target, max_len=max_len, num_layers=draft.config.num_hidden_layers, device=draft_device)
+    else:
+        fast_draft = Decoder.from_hf(draft, max_len=max_len, device=draft_device)
+    fast_draft.body = args.draft_body
+    return fast_target, fast_draft
 
 
 def _decoder(args, target, draft, head, eos_ids):
@@ -114,8 +120,10 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     except ValueError as error:
         parser.error(str(error))
 
-    if not args.fast and (args.draft_device is not None or args.synthetic_acceptance is not None):
-        parser.error("--draft-device and --synthetic-acceptance need --fast")
+    if not args.fast and (args.draft_device is not None or args.synthetic_acceptance is not None or args.draft_body):
+        parser.error("--draft-device, --draft-body and --synthetic-acceptance need --fast")
+    if args.fast and args.draft_body is None:
+        args.draft_body = "persistent"
     if args.synthetic_acceptance is not None and not 0.0 <= args.synthetic_acceptance <= 1.0:
         parser.error(f"--synthetic-acceptance must be in [0, 1], got {args.synthetic_acceptance}")
     if args.threads:
