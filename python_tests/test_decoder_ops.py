@@ -394,29 +394,35 @@ def test_wrong_device(op, name):
     assert name in str(error.value)
 
 
-@device_params
-@pytest.mark.parametrize("op", ["rotary_cache_write", "decode_attention"])
-@pytest.mark.parametrize("length,error,fragment", [
+# (length on device d, error, fragment): every way a cache length can be malformed.
+BAD_LENGTHS = [
     (lambda d: torch.tensor(2, dtype=torch.int32, device=d), TypeError, "length must be an int64 tensor"),
     (lambda d: torch.tensor(2.0, device=d), TypeError, "length must be an int64 tensor"),
     (lambda d: torch.tensor([2, 3], device=d), ValueError, "length must hold exactly one value"),
     (lambda d: torch.empty(0, dtype=torch.int64, device=d), ValueError, "length must hold exactly one value"),
     (lambda d: 2, TypeError, "length must be a torch.Tensor"),
-], ids=["int32", "float", "two-values", "empty", "python-int"])
+]
+
+
+@device_params
+@pytest.mark.parametrize("op", ["rotary_cache_write", "decode_attention"])
+@pytest.mark.parametrize("length,error,fragment", BAD_LENGTHS, ids=["int32", "float", "two-values", "empty", "python-int"])
 def test_bad_length(op, length, error, fragment, device):
     args = valid_args(device)
     args["length"] = length(device)
     expect(error, fragment, op, args)
 
 
+def bad_num_heads_cases(heads: int, kv_heads: int, kv_dim: int) -> list:
+    """(num_heads, error, fragment) for ops whose k_cache holds num_kv_heads in dimension kv_dim."""
+    multiple = "num_heads must be a positive multiple of num_kv_heads"
+    return [(heads + 1, ValueError, f"{multiple} ({kv_heads}, k_cache.size({kv_dim})), got {heads + 1}"),
+            (0, ValueError, multiple), (-kv_heads, ValueError, multiple),
+            (float(heads), TypeError, "num_heads must be an int"), (True, TypeError, "num_heads must be an int")]
+
+
 @device_params
-@pytest.mark.parametrize("num_heads,error,fragment", [
-    (H_ + 1, ValueError, f"num_heads must be a positive multiple of num_kv_heads ({KV_}, k_cache.size(0)), got {H_ + 1}"),
-    (0, ValueError, "num_heads must be a positive multiple of num_kv_heads"),
-    (-KV_, ValueError, "num_heads must be a positive multiple of num_kv_heads"),
-    (float(H_), TypeError, "num_heads must be an int"),
-    (True, TypeError, "num_heads must be an int"),
-])
+@pytest.mark.parametrize("num_heads,error,fragment", bad_num_heads_cases(H_, KV_, 0))
 def test_bad_num_heads(num_heads, error, fragment, device):
     args = valid_args(device)
     args["num_heads"] = num_heads

@@ -17,7 +17,8 @@ import torch
 from flashhead_ext import ops
 from flashhead_ext.graphs import capture_graph
 from helpers import DEVICES, DTYPES, generator
-from test_decoder_ops import TOL, decode_attention64, fused_linear64, randn, rotary_cache_write64, rotary_tables
+from test_decoder_ops import (BAD_LENGTHS, TOL, bad_num_heads_cases, decode_attention64, fused_linear64, randn, rotary_cache_write64,
+                              rotary_tables)
 
 device_params = pytest.mark.parametrize("device", DEVICES)
 dtype_params = pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -315,13 +316,7 @@ def test_shape_mismatch(change, fragment, device):
 
 
 @device_params
-@pytest.mark.parametrize("num_heads,error,fragment", [
-    (H_ + 1, ValueError, f"num_heads must be a positive multiple of num_kv_heads ({KV_}, k_cache.size(1)), got {H_ + 1}"),
-    (0, ValueError, "num_heads must be a positive multiple of num_kv_heads"),
-    (-KV_, ValueError, "num_heads must be a positive multiple of num_kv_heads"),
-    (float(H_), TypeError, "num_heads must be an int"),
-    (True, TypeError, "num_heads must be an int"),
-])
+@pytest.mark.parametrize("num_heads,error,fragment", bad_num_heads_cases(H_, KV_, 1))
 def test_bad_num_heads(num_heads, error, fragment, device):
     args = valid_args(device)
     args["num_heads"] = num_heads
@@ -341,13 +336,7 @@ def test_odd_head_dim(device):
 
 
 @device_params
-@pytest.mark.parametrize("length,error,fragment", [
-    (lambda d: torch.tensor(2, dtype=torch.int32, device=d), TypeError, "length must be an int64 tensor"),
-    (lambda d: torch.tensor(2.0, device=d), TypeError, "length must be an int64 tensor"),
-    (lambda d: torch.tensor([2, 3], device=d), ValueError, "length must hold exactly one value"),
-    (lambda d: torch.empty(0, dtype=torch.int64, device=d), ValueError, "length must hold exactly one value"),
-    (lambda d: 2, TypeError, "length must be a torch.Tensor"),
-], ids=["int32", "float", "two-values", "empty", "python-int"])
+@pytest.mark.parametrize("length,error,fragment", BAD_LENGTHS, ids=["int32", "float", "two-values", "empty", "python-int"])
 def test_bad_length(length, error, fragment, device):
     args = valid_args(device)
     args["length"] = length(device)

@@ -300,6 +300,22 @@ __host__ __device__ inline size_t attention_scratch_floats(int group, int head_d
 // a key per thread, weights the values with a warp per key and lanes over dimensions, and leaves a
 // softmax partial; the last split of a KV head to finish merges them (decode_attention's merge)
 // into attn. Every loop over keys keeps its loads independent, so they are in flight together.
+// One warp over a row of n floats in shared memory: each x becomes exp(x - max); returns the max
+// and the sum of the new values (each times weight[j] when weight is given). The split softmax
+// and the merge's split weights.
+__device__ __forceinline__ float2 warp_exp_shift(float* row, int n, const float* weight) {
+  const int lane = threadIdx.x % kWarpSize;
+  float m = -INFINITY;
+  for (int j = lane; j < n; j += kWarpSize) m = fmaxf(m, row[j]);
+  m = warp_max(m);
+  float sum = 0.0f;
+  for (int j = lane; j < n; j += kWarpSize) {
+    row[j] = expf(row[j] - m);
+    sum = weight ? fmaf(row[j], weight[j], sum) : sum + row[j];
+  }
+  return make_float2(m, warp_sum(sum));
+}
+
 // The block's residual rows follow the larger of a stage's input and the attention's scratch.
 __host__ __device__ inline size_t residual_rows_offset(const DecoderStepShape& s) {
   const size_t input_floats = max(max(s.hidden, s.num_heads * s.head_dim), s.intermediate);
@@ -434,18 +450,8 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int
     }
     __syncthreads();
     for (int h = warp; h < group; h += kStepWarps) {
-      float* row = scores + h * kSplitMaxKeys;
-      float m = -INFINITY;
-      for (int j = lane; j < n; j += kWarpSize) m = fmaxf(m, row[j]);
-      m = warp_max(m);
-      float sum = 0.0f;
-      for (int j = lane; j < n; j += kWarpSize) {
-        const float e = expf(row[j] - m);
-        row[j] = e;
-        sum += e;
-      }
-      sum = warp_sum(sum);
-      if (lane == 0) stats[2 * h] = m, stats[2 * h + 1] = sum;
+      const float2 max_sum = warp_exp_shift(scores + h * kSplitMaxKeys, n, nullptr);
+      if (lane == 0) stats[2 * h] = max_sum.x, stats[2 * h + 1] = max_sum.y;
     }
     __syncthreads();
     // Weighted values: warp w takes keys w, w + 8, ...; lane owns dimensions lane, lane + 32, ...
@@ -516,17 +522,8 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int
     }
     __syncthreads();
     for (int h = warp; h < group; h += kStepWarps) {
-      float* weights = scores + h * kSplitMaxKeys;
-      float m = -INFINITY;
-      for (int sp = lane; sp < splits; sp += kWarpSize) m = fmaxf(m, weights[sp]);
-      m = warp_max(m);
-      float total = 0.0f;
-      for (int sp = lane; sp < splits; sp += kWarpSize) {
-        weights[sp] = expf(weights[sp] - m);
-        total = fmaf(weights[sp], warp_values[h * kSplitMaxKeys + sp], total);
-      }
-      total = warp_sum(total);
-      if (lane == 0) stats[2 * h + 1] = total;
+      const float2 max_total = warp_exp_shift(scores + h * kSplitMaxKeys, splits, warp_values + h * kSplitMaxKeys);
+      if (lane == 0) stats[2 * h + 1] = max_total.y;
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < group * hd; idx += kStepThreads) {
