@@ -66,16 +66,6 @@ def head_ops() -> int:
     return failures
 
 
-GROUPS = {"head": lambda: head_ops(), "layer": lambda: decoder_layer_ops(), "step": lambda: decoder_step()}
-
-
-def main(groups) -> int:
-    """``groups``: names from GROUPS (all when empty)."""
-    failures = sum(GROUPS[name]() for name in groups or GROUPS)
-    print("sanitize_ops: done,", failures, "mismatches")
-    return 1 if failures else 0
-
-
 def decoder_layer_ops() -> int:
     failures = 0
     gen = torch.Generator().manual_seed(7)
@@ -147,6 +137,19 @@ def decoder_step() -> int:
                         print(f"MISMATCH decoder_step {name} {dtype} L={layers} D={d} length={length}")
                         failures += 1
     return failures
+
+
+GROUPS = {"head": head_ops, "layer": decoder_layer_ops, "step": decoder_step}
+
+
+def main(groups) -> int:
+    """``groups``: names from GROUPS (all when empty)."""
+    unknown = sorted(set(groups) - set(GROUPS))
+    if unknown:
+        sys.exit(f"sanitize_ops: unknown groups {unknown}; expected some of {sorted(GROUPS)}")
+    failures = sum(GROUPS[name]() for name in groups or GROUPS)
+    print("sanitize_ops: done,", failures, "mismatches")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
