@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Configures and compiles cpp_bench/ (Google Benchmark over csrc/kernels, no libtorch) so that a
-# kernel or benchmark that does not compile fails the test command, GPU or not.
+# kernel or benchmark that does not compile fails the test command, GPU or not; then runs the
+# launcher checks that need no GPU.
 # Skips with a message only where no nvcc exists at all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,3 +14,4 @@ build=${CPP_BENCH_BUILD:-build/cpp_bench}
 cmake -S . -B "$build" -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_BUILD_TYPE=Release ${CPP_BENCH_CMAKE_ARGS:-} >/dev/null
 cmake --build "$build" -j "${MAX_JOBS:-2}"
 echo "cpp_bench: built $(ls "$build"/bench_* 2>/dev/null | wc -l) binaries in $build"
+"$build"/test_launcher_limits

@@ -164,7 +164,8 @@ constexpr int kDecoderStepMaxGroup = 8;
 constexpr int kDecoderStepMaxLen = 512 * 512;
 
 // How a step runs on the current device: one resident block per SM, its shared memory, the
-// workspace it needs. cudaErrorInvalidValue when the shape does not fit shared memory.
+// workspace it needs. cudaErrorInvalidValue when the shape breaks the limits above or does not fit
+// shared memory.
 struct DecoderStepPlan {
   int grid, stages, max_splits;
   size_t smem_bytes, workspace_bytes;

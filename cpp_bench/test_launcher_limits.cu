@@ -1,0 +1,64 @@
+// The torch-free decoder_step launcher's own limits, for C++ callers that skip the ATen
+// wrapper's checks: a shape the kernel cannot run is cudaErrorInvalidValue from the plan, before
+// anything asks the device (so this runs without a GPU too), never a launch that divides by zero.
+#include <cstdio>
+
+#include "kernels/api.h"
+
+namespace {
+
+using flashhead::DecoderStepPlan;
+using flashhead::DecoderStepShape;
+
+// A shape the kernel runs: 2 layers, hidden 64, intermediate 136, 4 heads over 2 KV heads of 16.
+constexpr DecoderStepShape kGood{2, 64, 136, 4, 2, 16, 600, 1e-6f, 0.25f};
+
+template <typename Change>
+DecoderStepShape with(Change change) {
+  DecoderStepShape shape = kGood;
+  change(shape);
+  return shape;
+}
+
+}  // namespace
+
+int main() {
+  struct Case {
+    const char* what;
+    DecoderStepShape shape;
+  };
+  // bf16: whole 16-byte vectors are multiples of 8 elements; a stage holds 32 KB of a row.
+  const Case bad[] = {
+      {"no layers", with([](DecoderStepShape& s) { s.layers = 0; })},
+      {"hidden_size 60: not whole vectors", with([](DecoderStepShape& s) { s.hidden = 60; })},
+      {"intermediate_size 132: not whole vectors", with([](DecoderStepShape& s) { s.intermediate = 132; })},
+      {"head_dim 12: not whole vectors", with([](DecoderStepShape& s) { s.head_dim = 12; })},
+      {"head_dim 264 > 256", with([](DecoderStepShape& s) { s.head_dim = 264; })},
+      {"no KV heads", with([](DecoderStepShape& s) { s.num_kv_heads = 0; })},
+      {"heads not a multiple of KV heads", with([](DecoderStepShape& s) { s.num_heads = 5; })},
+      {"16 query heads per KV head > 8", with([](DecoderStepShape& s) { s.num_heads = 32; })},
+      {"an intermediate row over a stage", with([](DecoderStepShape& s) { s.intermediate = 16392; })},
+      {"a gate_up unit over a stage", with([](DecoderStepShape& s) { s.hidden = 8200; })},
+      {"an o row over a stage", with([](DecoderStepShape& s) { s.num_heads = 72, s.num_kv_heads = 9, s.head_dim = 256; })},
+      {"max_len over 512 * 512", with([](DecoderStepShape& s) { s.max_len = 512 * 512 + 1; })},
+  };
+  int failures = 0;
+  for (const Case& c : bad) {
+    DecoderStepPlan plan{};
+    const cudaError_t got = flashhead::plan_decoder_step<__nv_bfloat16>(c.shape, &plan);
+    if (got != cudaErrorInvalidValue) {
+      std::printf("FAIL %s: %s, expected cudaErrorInvalidValue\n", c.what, cudaGetErrorName(got));
+      ++failures;
+    }
+  }
+  // Within the limits the plan goes on to the device: success on a GPU, a device error without one.
+  DecoderStepPlan plan{};
+  const cudaError_t good = flashhead::plan_decoder_step<__nv_bfloat16>(kGood, &plan);
+  if (good == cudaErrorInvalidValue) {
+    std::printf("FAIL a shape within the limits: cudaErrorInvalidValue\n");
+    ++failures;
+  }
+  std::printf("test_launcher_limits: %d of %d cases failed (the valid shape: %s)\n", failures,
+              static_cast<int>(sizeof(bad) / sizeof(bad[0])) + 1, cudaGetErrorName(good));
+  return failures == 0 ? 0 : 1;
+}
