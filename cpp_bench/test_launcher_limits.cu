@@ -1,12 +1,14 @@
 // The torch-free decoder_step launcher's own limits, for C++ callers that skip the ATen
-// wrapper's checks: a shape the kernel cannot run is cudaErrorInvalidValue from the plan, before
-// anything asks the device (so this runs without a GPU too), never a launch that divides by zero.
+// wrapper's checks: decoder_step_limit names the limit a shape breaks, and the plan returns
+// cudaErrorInvalidValue for it before anything asks the device (so this runs without a GPU too),
+// never a launch that divides by zero.
 #include <cstdio>
 
 #include "kernels/api.h"
 
 namespace {
 
+using flashhead::DecoderStepLimit;
 using flashhead::DecoderStepPlan;
 using flashhead::DecoderStepShape;
 
@@ -26,35 +28,49 @@ int main() {
   struct Case {
     const char* what;
     DecoderStepShape shape;
+    DecoderStepLimit broken;
   };
   // bf16: whole 16-byte vectors are multiples of 8 elements; a stage holds 32 KB of a row.
   const Case bad[] = {
-      {"no layers", with([](DecoderStepShape& s) { s.layers = 0; })},
-      {"hidden_size 60: not whole vectors", with([](DecoderStepShape& s) { s.hidden = 60; })},
-      {"intermediate_size 132: not whole vectors", with([](DecoderStepShape& s) { s.intermediate = 132; })},
-      {"head_dim 12: not whole vectors", with([](DecoderStepShape& s) { s.head_dim = 12; })},
-      {"head_dim 264 > 256", with([](DecoderStepShape& s) { s.head_dim = 264; })},
-      {"no KV heads", with([](DecoderStepShape& s) { s.num_kv_heads = 0; })},
-      {"heads not a multiple of KV heads", with([](DecoderStepShape& s) { s.num_heads = 5; })},
-      {"16 query heads per KV head > 8", with([](DecoderStepShape& s) { s.num_heads = 32; })},
-      {"an intermediate row over a stage", with([](DecoderStepShape& s) { s.intermediate = 16392; })},
-      {"a gate_up unit over a stage", with([](DecoderStepShape& s) { s.hidden = 8200; })},
-      {"an o row over a stage", with([](DecoderStepShape& s) { s.num_heads = 72, s.num_kv_heads = 9, s.head_dim = 256; })},
-      {"max_len over 512 * 512", with([](DecoderStepShape& s) { s.max_len = 512 * 512 + 1; })},
+      {"no layers", with([](DecoderStepShape& s) { s.layers = 0; }), DecoderStepLimit::kShape},
+      {"hidden_size 60: not whole vectors", with([](DecoderStepShape& s) { s.hidden = 60; }),
+       DecoderStepLimit::kWholeVectors},
+      {"intermediate_size 132: not whole vectors", with([](DecoderStepShape& s) { s.intermediate = 132; }),
+       DecoderStepLimit::kWholeVectors},
+      {"head_dim 12: not whole vectors", with([](DecoderStepShape& s) { s.head_dim = 12; }),
+       DecoderStepLimit::kWholeVectors},
+      {"head_dim 264 > 256", with([](DecoderStepShape& s) { s.head_dim = 264; }), DecoderStepLimit::kHeadDim},
+      {"no KV heads", with([](DecoderStepShape& s) { s.num_kv_heads = 0; }), DecoderStepLimit::kShape},
+      {"heads not a multiple of KV heads", with([](DecoderStepShape& s) { s.num_heads = 5; }),
+       DecoderStepLimit::kShape},
+      {"16 query heads per KV head > 8", with([](DecoderStepShape& s) { s.num_heads = 32; }),
+       DecoderStepLimit::kGroup},
+      {"an intermediate row over a stage", with([](DecoderStepShape& s) { s.intermediate = 16392; }),
+       DecoderStepLimit::kRowBytes},
+      {"a gate_up unit over a stage", with([](DecoderStepShape& s) { s.hidden = 8200; }),
+       DecoderStepLimit::kRowBytes},
+      {"an o row over a stage",
+       with([](DecoderStepShape& s) { s.num_heads = 72, s.num_kv_heads = 9, s.head_dim = 256; }),
+       DecoderStepLimit::kRowBytes},
+      {"max_len over 512 * 512", with([](DecoderStepShape& s) { s.max_len = 512 * 512 + 1; }),
+       DecoderStepLimit::kMaxLen},
   };
   int failures = 0;
   for (const Case& c : bad) {
+    const DecoderStepLimit limit = flashhead::decoder_step_limit(c.shape, sizeof(__nv_bfloat16));
     DecoderStepPlan plan{};
     const cudaError_t got = flashhead::plan_decoder_step<__nv_bfloat16>(c.shape, &plan);
-    if (got != cudaErrorInvalidValue) {
-      std::printf("FAIL %s: %s, expected cudaErrorInvalidValue\n", c.what, cudaGetErrorName(got));
+    if (limit != c.broken || got != cudaErrorInvalidValue) {
+      std::printf("FAIL %s: limit %d (expected %d), %s (expected cudaErrorInvalidValue)\n", c.what,
+                  static_cast<int>(limit), static_cast<int>(c.broken), cudaGetErrorName(got));
       ++failures;
     }
   }
   // Within the limits the plan goes on to the device: success on a GPU, a device error without one.
   DecoderStepPlan plan{};
   const cudaError_t good = flashhead::plan_decoder_step<__nv_bfloat16>(kGood, &plan);
-  if (good == cudaErrorInvalidValue) {
+  if (flashhead::decoder_step_limit(kGood, sizeof(__nv_bfloat16)) != DecoderStepLimit::kNone ||
+      good == cudaErrorInvalidValue) {
     std::printf("FAIL a shape within the limits: cudaErrorInvalidValue\n");
     ++failures;
   }

@@ -163,9 +163,15 @@ constexpr int kDecoderStepMaxHeadDim = 256;
 constexpr int kDecoderStepMaxGroup = 8;
 constexpr int kDecoderStepMaxLen = 512 * 512;
 
+// The first of these limits a shape breaks with elements of `element_bytes` (kShape: a dimension
+// not positive, or heads not a multiple of KV heads); the one statement of them, which the plan
+// enforces and the ATen wrapper turns into its messages.
+enum class DecoderStepLimit { kNone, kShape, kHeadDim, kWholeVectors, kGroup, kMaxLen, kRowBytes };
+DecoderStepLimit decoder_step_limit(const DecoderStepShape& shape, int element_bytes);
+
 // How a step runs on the current device: one resident block per SM, its shared memory, the
-// workspace it needs. cudaErrorInvalidValue when the shape breaks the limits above or does not fit
-// shared memory.
+// workspace it needs. cudaErrorInvalidValue when the shape breaks a limit (decoder_step_limit) or
+// does not fit shared memory.
 struct DecoderStepPlan {
   int grid, stages, max_splits;
   size_t smem_bytes, workspace_bytes;

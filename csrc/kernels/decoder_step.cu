@@ -601,23 +601,29 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
 }  // namespace
 }  // namespace detail
 
+DecoderStepLimit decoder_step_limit(const DecoderStepShape& s, int element_bytes) {
+  const int64_t element = element_bytes, vector = 16 / element;
+  if (s.layers <= 0 || s.hidden <= 0 || s.intermediate <= 0 || s.num_heads <= 0 || s.num_kv_heads <= 0 ||
+      s.head_dim <= 0 || s.max_len <= 0 || s.num_heads % s.num_kv_heads != 0)
+    return DecoderStepLimit::kShape;
+  if (s.head_dim > kDecoderStepMaxHeadDim) return DecoderStepLimit::kHeadDim;
+  if (s.hidden % vector != 0 || s.head_dim % vector != 0 || s.intermediate % vector != 0)
+    return DecoderStepLimit::kWholeVectors;
+  if (s.num_heads / s.num_kv_heads > kDecoderStepMaxGroup) return DecoderStepLimit::kGroup;
+  if (s.max_len > kDecoderStepMaxLen) return DecoderStepLimit::kMaxLen;
+  // A weight row (a gate and an up row for gate_up) must fit one shared-memory stage.
+  if (2 * s.hidden * element > kDecoderStepStageBytes ||
+      int64_t{s.num_heads} * s.head_dim * element > kDecoderStepStageBytes ||
+      s.intermediate * element > kDecoderStepStageBytes)
+    return DecoderStepLimit::kRowBytes;
+  return DecoderStepLimit::kNone;
+}
+
 template <typename T>
 cudaError_t plan_decoder_step(const DecoderStepShape& s, DecoderStepPlan* plan) {
   using namespace detail;
-  // The kernel's limits (api.h), for callers of this launcher that skip the ATen wrapper's checks;
-  // checked before anything asks the device.
-  constexpr int V = kVecWidth<T>;
-  constexpr int64_t element = sizeof(T);
-  const bool positive = s.layers > 0 && s.hidden > 0 && s.intermediate > 0 && s.num_heads > 0 && s.num_kv_heads > 0 &&
-                        s.head_dim > 0 && s.max_len > 0;
-  const bool whole_vectors = s.hidden % V == 0 && s.head_dim % V == 0 && s.intermediate % V == 0;
-  const bool rows_fit_stage = 2 * s.hidden * element <= kStageBytes &&
-                              int64_t{s.num_heads} * s.head_dim * element <= kStageBytes &&
-                              s.intermediate * element <= kStageBytes;
-  const bool heads_fit = positive && s.num_heads % s.num_kv_heads == 0 && s.num_heads / s.num_kv_heads <= kMaxGroup &&
-                         s.head_dim <= kDecoderStepMaxHeadDim;
-  if (!positive || !whole_vectors || !rows_fit_stage || !heads_fit || s.max_len > kDecoderStepMaxLen)
-    return cudaErrorInvalidValue;
+  // Checked here too, before anything asks the device, for callers that skip the ATen wrapper.
+  if (decoder_step_limit(s, sizeof(T)) != DecoderStepLimit::kNone) return cudaErrorInvalidValue;
   const auto kernel = decoder_step_kernel<T>;
   int device = 0, sms = 0, max_smem = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;

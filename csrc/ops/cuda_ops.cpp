@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -317,23 +318,30 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
   const int64_t layers = k_cache.size(0), kv = k_cache.size(1), max_len = k_cache.size(2), hd = k_cache.size(3);
   const int64_t hidden = x_in.size(1), intermediate = down_weight_in.size(2), attn_cols = num_heads * hd;
   const int64_t element = x_in.element_size(), vector = 16 / element;
+  // Saturated: a size past int breaks a kernel limit instead of wrapping around.
+  const auto dim = [](int64_t size) {
+    return static_cast<int>(std::min<int64_t>(size, std::numeric_limits<int>::max()));
+  };
+  const DecoderStepShape shape{dim(layers), dim(hidden), dim(intermediate), dim(num_heads), dim(kv), dim(hd),
+                               dim(max_len), static_cast<float>(eps), static_cast<float>(scale)};
   // The kernel streams whole 16-byte vectors of rows through shared-memory stages of fixed size.
-  FH_CHECK_VALUE(op, hd <= kDecoderStepMaxHeadDim, "head_dim must be at most ", num_str(kDecoderStepMaxHeadDim),
-                 " for the CUDA kernel, got ", num_str(hd));
-  FH_CHECK_VALUE(op, hidden % vector == 0 && hd % vector == 0 && intermediate % vector == 0,
+  const DecoderStepLimit limit = decoder_step_limit(shape, static_cast<int>(element));
+  FH_CHECK_VALUE(op, limit != DecoderStepLimit::kHeadDim, "head_dim must be at most ",
+                 num_str(kDecoderStepMaxHeadDim), " for the CUDA kernel, got ", num_str(hd));
+  FH_CHECK_VALUE(op, limit != DecoderStepLimit::kWholeVectors,
                  "the CUDA kernel needs hidden_size, head_dim and intermediate_size to be multiples of ",
                  num_str(vector), " for ", x_in.scalar_type(), ", got ", num_str(hidden), ", ", num_str(hd), " and ",
                  num_str(intermediate));
-  FH_CHECK_VALUE(op, num_heads / kv <= kDecoderStepMaxGroup, "the CUDA kernel takes at most ",
+  FH_CHECK_VALUE(op, limit != DecoderStepLimit::kGroup, "the CUDA kernel takes at most ",
                  num_str(kDecoderStepMaxGroup), " query heads per KV head, got ", num_str(num_heads), " and ",
                  num_str(kv));
-  FH_CHECK_VALUE(op, max_len <= kDecoderStepMaxLen, "max_len (k_cache.size(2)) must be at most ",
+  FH_CHECK_VALUE(op, limit != DecoderStepLimit::kMaxLen, "max_len (k_cache.size(2)) must be at most ",
                  num_str(kDecoderStepMaxLen), " for the CUDA kernel, got ", num_str(max_len));
-  FH_CHECK_VALUE(op, 2 * hidden * element <= kDecoderStepStageBytes && attn_cols * element <= kDecoderStepStageBytes &&
-                         intermediate * element <= kDecoderStepStageBytes,
-                 "the CUDA kernel needs a weight row of at most ", num_str(kDecoderStepStageBytes),
-                 " bytes (two for gate_up), got hidden_size ", num_str(hidden), ", num_heads * head_dim ",
-                 num_str(attn_cols), " and intermediate_size ", num_str(intermediate), " in ", x_in.scalar_type());
+  FH_CHECK_VALUE(op, limit != DecoderStepLimit::kRowBytes, "the CUDA kernel needs a weight row of at most ",
+                 num_str(kDecoderStepStageBytes), " bytes (two for gate_up), got hidden_size ", num_str(hidden),
+                 ", num_heads * head_dim ", num_str(attn_cols), " and intermediate_size ", num_str(intermediate), " in ",
+                 x_in.scalar_type());
+  TORCH_INTERNAL_ASSERT(limit == DecoderStepLimit::kNone, "check_decoder_step passed a shape the kernel rejects");
   check_fits_int(op, layers * kv * max_len * hd, "the KV cache's elements");
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), qkv_weight = qkv_weight_in.contiguous(), o_weight = o_weight_in.contiguous(),
@@ -348,9 +356,6 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
         std::pair{&std::as_const(v_cache), "v_cache"}})
     FH_CHECK_VALUE(op, reinterpret_cast<uintptr_t>(tensor->data_ptr()) % 16 == 0, name,
                    " must start at a 16-byte aligned address for the CUDA kernel (a view at an odd offset?)");
-  const DecoderStepShape shape{static_cast<int>(layers), static_cast<int>(hidden), static_cast<int>(intermediate),
-                               static_cast<int>(num_heads), static_cast<int>(kv), static_cast<int>(hd),
-                               static_cast<int>(max_len), static_cast<float>(eps), static_cast<float>(scale)};
   auto out = at::empty_like(x);
   dispatch_float(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
