@@ -155,10 +155,13 @@ struct DecoderStepWeights {
   const T* k_norm;
 };
 
-// Weight rows stream through shared-memory stages of this many bytes: a row (a gate and an up
-// row for gate_up) must fit one. Rows and heads must be whole 16-byte vectors; head_dim at most
-// 256, at most 8 query heads per KV head, max_len at most 512 * 512 (the merge's split weights).
+// Weight rows stream through shared-memory stages of at least this many bytes: a row (a gate and
+// an up row for gate_up) must fit one. Rows and heads must be whole 16-byte vectors; head_dim at
+// most 256, at most 8 query heads per KV head, max_len at most 512 * 512 (the merge's split weights).
 constexpr int kDecoderStepStageBytes = 32 * 1024;
+// Stages grow up to this size while shared memory still holds three of them (the plan): every
+// chunk costs a fixed wait, hand-over and issue, so fewer, larger chunks a layer are faster.
+constexpr int kDecoderStepMaxStageBytes = 64 * 1024;
 constexpr int kDecoderStepMaxHeadDim = 256;
 constexpr int kDecoderStepMaxGroup = 8;
 constexpr int kDecoderStepMaxLen = 512 * 512;
@@ -173,7 +176,7 @@ DecoderStepLimit decoder_step_limit(const DecoderStepShape& shape, int element_b
 // workspace it needs. cudaErrorInvalidValue when the shape breaks a limit (decoder_step_limit) or
 // does not fit shared memory.
 struct DecoderStepPlan {
-  int grid, stages, max_splits;
+  int grid, stages, stage_bytes, max_splits;
   size_t smem_bytes, workspace_bytes;
 };
 template <typename T>

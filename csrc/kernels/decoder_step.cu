@@ -28,7 +28,6 @@ constexpr int kStepWarps = kStepThreads / kWarpSize;
 // not wait for a stage's worth of copies in flight.
 constexpr int kCopyThreads = kStepThreads - kWarpSize;
 constexpr int kSignalThread = kCopyThreads;
-constexpr int kStageBytes = kDecoderStepStageBytes;
 constexpr int kMaxStages = 8;
 constexpr int kSplitMaxKeys = 512;  // keys of one attention work item: their scores sit in shared memory
 constexpr int kSplitMinKeys = 32;
@@ -58,7 +57,7 @@ struct StepParams {
   float* partial_stats;  // [H][max_splits][2]: max, sum
   unsigned* barrier;     // arrivals, counted up over the whole step
   unsigned* merged;      // [KV]: finished splits, counted up over the layers
-  int stages, max_splits;
+  int stages, stage_bytes, max_splits;
 };
 
 // A block's share of one weight phase: rows [row_lo, row_hi) of every layer's matrix (gate_up:
@@ -97,7 +96,7 @@ __device__ PhasePlan<T> phase_plan(const StepParams<T>& p, int phase) {
   plan.layer_stride = int64_t{rows} * plan.unit * plan.in_features;
   plan.row_lo = static_cast<int>(int64_t{blockIdx.x} * rows / gridDim.x);
   plan.row_hi = static_cast<int>(int64_t{blockIdx.x + 1} * rows / gridDim.x);
-  plan.rows_per_chunk = kStageBytes / (plan.unit * plan.in_features * static_cast<int>(sizeof(T)));
+  plan.rows_per_chunk = p.stage_bytes / (plan.unit * plan.in_features * static_cast<int>(sizeof(T)));
   plan.chunks = ceil_div(plan.row_hi - plan.row_lo, plan.rows_per_chunk);
   return plan;
 }
@@ -166,7 +165,7 @@ template <typename T>
 struct WeightStream {
   const PhasePlan<T>* plans;
   unsigned char* ring;
-  int stages, per_layer, total, issued;
+  int stages, stage_bytes, per_layer, total, issued;
 
   __device__ void issue() {
     if (issued < total && threadIdx.x < kCopyThreads) {
@@ -178,7 +177,7 @@ struct WeightStream {
       const int rows = min(pl.rows_per_chunk, pl.row_hi - row0);
       const int bytes = rows * pl.in_features * static_cast<int>(sizeof(T));
       const T* src = pl.weight + layer * pl.layer_stride + int64_t{row0} * pl.in_features;
-      unsigned char* dst = ring + (issued % stages) * kStageBytes;
+      unsigned char* dst = ring + (issued % stages) * stage_bytes;
       for (int part = 0; part < pl.unit; ++part) {
         const unsigned char* from = reinterpret_cast<const unsigned char*>(src + part * pl.second);
         for (int off = threadIdx.x * 16; off < bytes; off += kCopyThreads * 16)
@@ -195,7 +194,7 @@ struct WeightStream {
     wait_async_except(stages - 2);
     __syncthreads();
     issue();
-    return reinterpret_cast<const T*>(ring + (index % stages) * kStageBytes);
+    return reinterpret_cast<const T*>(ring + (index % stages) * stage_bytes);
   }
 };
 
@@ -546,7 +545,8 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int
 template <typename T>
 __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParams<T> p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  float* scratch = reinterpret_cast<float*>(smem_raw + size_t{static_cast<unsigned>(p.stages)} * kStageBytes);
+  float* scratch =
+      reinterpret_cast<float*>(smem_raw + size_t{static_cast<unsigned>(p.stages)} * static_cast<unsigned>(p.stage_bytes));
   float* residual_rows = scratch + residual_rows_offset(p.s);
   __shared__ PhasePlan<T> plans[kPhases];
   __shared__ float reduce[kStepWarps];
@@ -557,7 +557,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   int per_layer = 0;
 #pragma unroll
   for (int phase = 0; phase < kPhases; ++phase) per_layer += plans[phase].chunks;
-  WeightStream<T> stream{plans, smem_raw, p.stages, per_layer, per_layer * p.s.layers, 0};
+  WeightStream<T> stream{plans, smem_raw, p.stages, p.stage_bytes, per_layer, per_layer * p.s.layers, 0};
   for (int i = 0; i < p.stages - 1; ++i) stream.issue();
 
   int consumed = 0;
@@ -638,9 +638,12 @@ cudaError_t plan_decoder_step(const DecoderStepShape& s, DecoderStepPlan* plan) 
   const size_t scratch_bytes = (residual_rows_offset(s) + ceil_div(s.hidden, sms) + 1) * sizeof(float);
   const long long room = static_cast<long long>(max_smem) - static_cast<long long>(attributes.sharedSizeBytes) -
                          static_cast<long long>(scratch_bytes);
-  plan->stages = static_cast<int>(std::min<long long>(kMaxStages, room / kStageBytes));
+  // The largest stage (in 16 KB steps) that leaves three of them; otherwise the smallest, at least two.
+  plan->stage_bytes = kDecoderStepMaxStageBytes;
+  while (plan->stage_bytes > kDecoderStepStageBytes && room < 3LL * plan->stage_bytes) plan->stage_bytes -= 16 * 1024;
+  plan->stages = static_cast<int>(std::min<long long>(kMaxStages, room / plan->stage_bytes));
   if (plan->stages < 2) return cudaErrorInvalidValue;
-  plan->smem_bytes = size_t{static_cast<unsigned>(plan->stages)} * kStageBytes + scratch_bytes;
+  plan->smem_bytes = size_t{static_cast<unsigned>(plan->stages)} * static_cast<unsigned>(plan->stage_bytes) + scratch_bytes;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(plan->smem_bytes));
       err != cudaSuccess)
@@ -691,6 +694,7 @@ cudaError_t launch_decoder_step(const T* x, const DecoderStepWeights<T>& weights
   p.barrier = counters;
   p.merged = counters + 1;
   p.stages = plan.stages;
+  p.stage_bytes = plan.stage_bytes;
   p.max_splits = plan.max_splits;
   if (cudaError_t err = cudaMemsetAsync(counters, 0, (1 + size_t{static_cast<unsigned>(s.num_kv_heads)}) * sizeof(unsigned),
                                         stream);
