@@ -436,11 +436,16 @@ GPU_TOL = {torch.float32: TOL[torch.float32],
            torch.bfloat16: {k: 4 * v for k, v in TOL[torch.bfloat16].items()}}
 GPU_MAX_LEN = 1024
 # (name, L, D, I, H, KV, hd, max_len, qk_norm): a small odd shape (D, H * hd, I multiples of 8),
-# Qwen3-0.6B's dims with two layers, SmolLM2-135M's (GQA 3) with two.
+# Qwen3-0.6B's dims with two layers, SmolLM2-135M's (GQA 3) with two. These get 64 KB weight
+# stages on a GPU with 227 KB of shared memory a block (H100, H200); the plan picks smaller ones
+# when the attention scratch leaves less room: Gemma-3-270M's dims (hd 256, 4 query heads on one
+# KV head) get 48 KB stages there, 8 query heads of 256 on one KV head 32 KB stages.
 GPU_SHAPES = {
     "small": (2, 64, 136, 4, 2, 16, 40, True),
     "qwen3": (2, 1024, 3072, 16, 8, 128, GPU_MAX_LEN, True),
     "smollm2": (2, 576, 1536, 9, 3, 64, GPU_MAX_LEN, False),
+    "gemma3-270m": (2, 640, 2048, 4, 1, 256, 64, True),
+    "group8-hd256": (2, 512, 1024, 8, 1, 256, 64, True),
 }
 # (shape, length): each shape at 0, the last position and beyond on both sides; qwen3 also at 37, 500.
 GPU_CASES = [
