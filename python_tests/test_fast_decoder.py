@@ -234,6 +234,25 @@ def test_synthetic_tokens_are_proposals_then_the_targets_token():
             check_counters(gen, mode, 3, NEW)
 
 
+@pytest.mark.parametrize("mode", ["ordinary", "deferred"])
+def test_first_draft_step_feeds_the_pair_only_after_all_k_were_accepted(mode):
+    """After a round that accepted fewer than K, the draft cache already holds the second-to-last
+    token's entry and ``propose`` feeds one token; after the prefill and after a round that accepted
+    all K, ``propose_pair`` feeds two. With the target as its own draft any stale or misplaced entry
+    would change the proposals, hence the tokens."""
+    k = 3
+    target, drafts = fast_models("qwen3")
+    runner = FastSpeculativeDecoder(target, drafts["self"], head_for(drafts["self"], "dense"), k=k, synthetic_acceptance=0.6)
+    calls = []
+    for name in ("propose", "propose_pair"):
+        runner.steps[name] = functools.partial(lambda step, name: (calls.append(name), step()), runner.steps[name], name)
+    gen = runner.generate(prompt(5), mode=mode, max_new_tokens=NEW)
+    assert tuple(gen.tokens) == reference("qwen3", 5)
+    after = gen.stats.accepted_per_round[:len(calls) - 1]
+    assert calls == ["propose_pair"] + ["propose_pair" if a == k else "propose" for a in after]
+    assert {"propose", "propose_pair"} <= set(calls[1:]), calls  # both kinds of round occurred
+
+
 def test_runner_summary_labels_synthetic_runs():
     target, drafts = fast_models("llama")
     configs = plan_configs(["dense"], ["baseline", "deferred"])
@@ -410,7 +429,8 @@ def test_no_host_sync_inside_captured_steps(body):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for name in ("propose", "verify_deferred", "finalize_deferred", "rewind", "append", "verify_ordinary", "finalize_ordinary"):
+        for name in ("propose", "propose_pair", "verify_deferred", "finalize_deferred", "rewind", "append", "verify_ordinary",
+                     "finalize_ordinary"):
             assert runner.steps[name].graph is not None, name
             runner.steps[name]()
     finally:

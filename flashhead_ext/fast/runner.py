@@ -4,10 +4,12 @@ The same modes, exactness argument and host-sync rules as :mod:`flashhead_ext.sp
 (docs/speculative.md), but every per-round step is a fixed-shape function over static buffers,
 captured once as a CUDA graph on the GPU (run eagerly on the CPU):
 
-* ``propose`` (draft device): K draft steps. The first feeds two tokens, the last two of the
-  emitted sequence, so that its shape never depends on how many proposals the last round accepted:
-  the draft cache is always cut back to ``len(sequence) - 2`` entries and the second-to-last token's
-  entry is recomputed (same token, same position, same value).
+* ``propose`` / ``propose_pair`` (draft device): K draft steps. The draft cache is always cut back
+  to ``len(sequence) - 2`` entries and the next input is the last two emitted tokens. When the last
+  round accepted fewer than K proposals, the draft already fed the second-to-last token, so
+  ``propose`` keeps its entry and feeds one token (the step the draft body is fastest at); when all
+  K were accepted (and after the prefill) ``propose_pair``'s first step feeds both. The host knows
+  ``a`` from the round's one read, so picking the graph adds no sync.
 * ``verify`` (target device): the K proposals after the cached context (deferred: the pending last
   token first), the target's argmax at every position.
 * ``append`` (target): one token, its argmax (baseline, ordinary's append, deferred's tail step).
@@ -173,7 +175,9 @@ class FastSpeculativeDecoder:
             self.proposals = torch.zeros(k, dtype=torch.int64, device=d.device)
             self.recv = self.send if d.device == dev else torch.zeros(3, dtype=torch.int64, device=d.device)
             self.steps.update(
-                propose=_Step(self._propose, d.device), rewind=_Step(self._rewind, d.device),
+                propose=_Step(lambda: self._propose(pair=False), d.device),
+                propose_pair=_Step(lambda: self._propose(pair=True), d.device),
+                rewind=_Step(self._rewind, d.device),
                 verify_deferred=_Step(lambda: self._verify(self.vin), dev),
                 verify_ordinary=_Step(lambda: self._verify(self.vin[1:]), dev),
                 finalize_deferred=_Step(lambda: self._finalize(1), dev),
@@ -202,9 +206,14 @@ class FastSpeculativeDecoder:
         self._append()
         self.vin[:1].copy_(self.checks[:1])
 
-    def _propose(self) -> None:
+    def _propose(self, pair: bool) -> None:
+        """K draft steps from the rewound cache (``len(sequence) - 2`` entries). Without ``pair``
+        the second-to-last token's entry is already there: keep it and feed the last token only."""
         d, head = self.draft, self.head
         ids = self.pair
+        if not pair:
+            d.length += 1
+            ids = self.pair[1:]
         for i in range(self.k):
             hidden = d.forward(ids)[-1:].to(head.embedding.dtype)
             d.length += ids.shape[0]
@@ -242,7 +251,7 @@ class FastSpeculativeDecoder:
 
     def _rewind(self) -> None:
         """The draft cache kept its proposals' entries; keep those of the accepted ones only, minus
-        the second-to-last emitted token, which the next proposal re-feeds."""
+        the second-to-last emitted token, which ``propose_pair`` re-feeds and ``propose`` keeps."""
         self.draft.length -= self.k - self.recv[0]
         self.pair.copy_(self.recv[1:])
 
@@ -289,6 +298,9 @@ class FastSpeculativeDecoder:
             d.reset(prompt.shape[0] - 1)
             self.pair.copy_(torch.cat([prompt[-1:], self.vin[:1]]))
             self.round.zero_()
+        # The draft has no entry of the prompt's last token yet, nor, after a round that accepted
+        # all K, of the last proposal (proposals are fed one step behind).
+        pair_needed = True
         done = output.first(int(self.vin[0]))
         stats.ttft_s = time.perf_counter() - start
 
@@ -322,7 +334,7 @@ class FastSpeculativeDecoder:
 
             marks("propose")
             with on_device(d.device), draft_clock("draft"):
-                steps["propose"]()
+                steps["propose_pair" if pair_needed else "propose"]()
             self.vin[1:].copy_(self.proposals)
             marks("verify")
             verified = True
@@ -351,6 +363,7 @@ class FastSpeculativeDecoder:
                 accepted, emitted = packed[0], packed[1:packed[0] + 2]
             else:
                 accepted, emitted = 0, [known]
+            pair_needed = accepted == k
             done = output.emit(emitted, k, accepted)
             if mode == "ordinary" and not done:
                 # On two GPUs this runs while the draft GPU proposes the next block.
