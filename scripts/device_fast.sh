@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=$(nproc)
 prompts=${1:-4}
 new_tokens=${2:-128}
-target_bodies=${3:-eager}
+target_bodies=${3:-compiled}
 draft_body=${4:-persistent}
 stages=" ${STAGES:-tests sanitize profile layer draft spec} "
 step() { echo; echo "=== $* ($(date +%T))"; }
