@@ -144,7 +144,8 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     records = run_interleaved(decoders, configs, prompts, args.max_new_tokens, warmup_tokens=args.warmup_tokens)
     rows = summarize(records, configs)
     flash = decoders.get("flashhead")
-    meta = dict(run_metadata(), **vars(args),
+    # The arguments first: run_metadata's device (the GPU's name) must not give way to --device's "cuda".
+    meta = dict(vars(args), **run_metadata(),
                 probes_used=flash.head.probes if flash else None,
                 num_clusters=flash.head.num_clusters if flash else None)
     print(format_summary(rows))
