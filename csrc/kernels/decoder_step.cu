@@ -294,11 +294,6 @@ __host__ __device__ inline size_t attention_scratch_floats(int group, int head_d
   return g * hd + 2 * hd + g * kSplitMaxKeys + 2 * g + g * max(size_t{kStepWarps} * hd, size_t{kSplitMaxKeys});
 }
 
-// The attention of one layer. Work items are (KV head, split of the keys 0..pos); each gets the
-// group's queries and the new key ready (RMSNorm, rotary: rotary_cache_write's arithmetic), scores
-// a key per thread, weights the values with a warp per key and lanes over dimensions, and leaves a
-// softmax partial; the last split of a KV head to finish merges them (decode_attention's merge)
-// into attn. Every loop over keys keeps its loads independent, so they are in flight together.
 // One warp over a row of n floats in shared memory: each x becomes exp(x - max); returns the max
 // and the sum of the new values (each times weight[j] when weight is given). The split softmax
 // and the merge's split weights.
@@ -322,6 +317,11 @@ __host__ __device__ inline size_t residual_rows_offset(const DecoderStepShape& s
   return (floats + 31) / 32 * 32;
 }
 
+// The attention of one layer. Work items are (KV head, split of the keys 0..pos); each gets the
+// group's queries and the new key ready (RMSNorm, rotary: rotary_cache_write's arithmetic), scores
+// a key per thread, weights the values with a warp per key and lanes over dimensions, and leaves a
+// softmax partial; the last split of a KV head to finish merges them (decode_attention's merge)
+// into attn. Every loop over keys keeps its loads independent, so they are in flight together.
 template <typename T>
 __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int* merge_here) {
   constexpr int V = kVecWidth<T>;
