@@ -396,17 +396,18 @@ def test_wrong_device(op, name):
 
 # (length on device d, error, fragment): every way a cache length can be malformed.
 BAD_LENGTHS = [
-    (lambda d: torch.tensor(2, dtype=torch.int32, device=d), TypeError, "length must be an int64 tensor"),
-    (lambda d: torch.tensor(2.0, device=d), TypeError, "length must be an int64 tensor"),
-    (lambda d: torch.tensor([2, 3], device=d), ValueError, "length must hold exactly one value"),
-    (lambda d: torch.empty(0, dtype=torch.int64, device=d), ValueError, "length must hold exactly one value"),
-    (lambda d: 2, TypeError, "length must be a torch.Tensor"),
+    pytest.param(lambda d: torch.tensor(2, dtype=torch.int32, device=d), TypeError, "length must be an int64 tensor", id="int32"),
+    pytest.param(lambda d: torch.tensor(2.0, device=d), TypeError, "length must be an int64 tensor", id="float"),
+    pytest.param(lambda d: torch.tensor([2, 3], device=d), ValueError, "length must hold exactly one value", id="two-values"),
+    pytest.param(lambda d: torch.empty(0, dtype=torch.int64, device=d), ValueError, "length must hold exactly one value",
+                 id="empty"),
+    pytest.param(lambda d: 2, TypeError, "length must be a torch.Tensor", id="python-int"),
 ]
 
 
 @device_params
 @pytest.mark.parametrize("op", ["rotary_cache_write", "decode_attention"])
-@pytest.mark.parametrize("length,error,fragment", BAD_LENGTHS, ids=["int32", "float", "two-values", "empty", "python-int"])
+@pytest.mark.parametrize("length,error,fragment", BAD_LENGTHS)
 def test_bad_length(op, length, error, fragment, device):
     args = valid_args(device)
     args["length"] = length(device)
