@@ -53,7 +53,7 @@ constexpr int kVecWidth = 16 / sizeof(T);
 
 // Rows of D elements can use 16-byte loads when every row starts 16-byte aligned.
 template <typename T>
-inline bool rows_vectorizable(const void* base, int hidden_dim) {
+__host__ __device__ inline bool rows_vectorizable(const void* base, int hidden_dim) {
   return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (static_cast<size_t>(hidden_dim) * sizeof(T)) % 16 == 0;
 }
 
