@@ -20,6 +20,7 @@ struct SelectArgs {
   int num_extra;
 };
 
+template <int kCached>
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
   // [survivor_capacity pairs: compacted keys, then the sort's scratch][list_len pairs: the list,
   // when not spilled]
@@ -28,7 +29,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
   wait_for_previous_kernel();
   let_next_kernel_start();
   const int64_t row = blockIdx.x;
-  RowKeys keys;
+  RowKeys<kCached> keys;
   keys.load(a.keys + row * a.num_clusters, a.num_clusters);
   uint64_t* survivors = smem;
   uint64_t* list = a.list_spill ? a.list_spill + row * a.list_len : smem + a.survivor_capacity;
@@ -93,13 +94,19 @@ cudaError_t launch_select(const float* keys, const HeadShape& shape, bool ordere
   const uint32_t capacity = static_cast<uint32_t>(std::min<size_t>(room, detail::kMaxSurvivors));
   if (capacity < 2 * detail::kSelectThreads) return cudaErrorInvalidConfiguration;
   const size_t smem = list_bytes + sizeof(uint64_t) * capacity;
-  err = cudaFuncSetAttribute(detail::select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
   const detail::SelectArgs args{keys,     shape.num_clusters, shape.probes,       ordered,    len,
                                 spill,    capacity,           out,                cluster_tokens,
                                 shape.cluster_size, extra_ids, shape.num_extra};
-  return detail::launch_kernel(detail::select_kernel, dim3(shape.batch), dim3(detail::kSelectThreads), smem, stream,
-                               options.dependent_launch, args);
+  const int rounds = detail::ceil_div(shape.num_clusters, detail::kSelectThreads);
+  const auto launch = [&](auto kernel) {
+    const cudaError_t set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (set != cudaSuccess) return set;
+    return detail::launch_kernel(kernel, dim3(shape.batch), dim3(detail::kSelectThreads), smem, stream,
+                                 options.dependent_launch, args);
+  };
+  if (rounds <= 8) return launch(detail::select_kernel<8>);
+  if (rounds <= 12) return launch(detail::select_kernel<12>);
+  return launch(detail::select_kernel<detail::kSelectCached>);
 }
 
 }  // namespace flashhead

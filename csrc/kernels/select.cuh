@@ -26,7 +26,10 @@ namespace detail {
 
 constexpr int kSelectThreads = 1024;
 constexpr int kSelectWarps = kSelectThreads / kWarpSize;
-// Keys a thread keeps in registers: rows of up to 16384 clusters are read from memory once.
+static_assert(kSelectWarps == kWarpSize, "per-warp values are combined by a warp, one a lane");
+// Keys a thread keeps in registers, at most: rows of up to 16384 clusters are read from memory
+// once. The kernel is also compiled for 8 and 12 (fewer would spill) and launched with the
+// smallest count that holds the row, since every register slot costs instructions in every pass.
 constexpr int kSelectCached = 16;
 // Longest selection list kept (and sorted) in shared memory; longer lists live in the workspace.
 constexpr int kSmemListMax = 4096;
@@ -55,23 +58,24 @@ __device__ __forceinline__ void warp_append(bool take, uint64_t value, uint64_t*
 }
 
 // The keys of one row as seen by one thread: ids threadIdx.x + i * kSelectThreads, the first
-// kSelectCached of them in registers. Keys below `floor` do not take part.
+// kCached of them in registers. Keys below `floor` do not take part.
+template <int kCached>
 struct RowKeys {
   const float* keys;
   int n;
   uint32_t floor;
-  uint32_t cached[kSelectCached];
+  uint32_t cached[kCached];
 
   __device__ __forceinline__ void load(const float* row_keys, int num) {
     keys = row_keys;
     n = num;
     floor = 0;
     // Unconditional (clamped) loads first, so all of them are in flight together.
-    float raw[kSelectCached];
+    float raw[kCached];
 #pragma unroll
-    for (int i = 0; i < kSelectCached; ++i) raw[i] = row_keys[min(i * kSelectThreads + static_cast<int>(threadIdx.x), n - 1)];
+    for (int i = 0; i < kCached; ++i) raw[i] = row_keys[min(i * kSelectThreads + static_cast<int>(threadIdx.x), n - 1)];
 #pragma unroll
-    for (int i = 0; i < kSelectCached; ++i)
+    for (int i = 0; i < kCached; ++i)
       cached[i] = i * kSelectThreads + static_cast<int>(threadIdx.x) < n ? order_key(raw[i]) : 0;
   }
 
@@ -81,21 +85,30 @@ struct RowKeys {
   __device__ __forceinline__ void for_each_round(G g) const {
     const int rounds = ceil_div(n, kSelectThreads);
 #pragma unroll
-    for (int i = 0; i < kSelectCached; ++i) {
+    for (int i = 0; i < kCached; ++i) {
       const int idx = i * kSelectThreads + threadIdx.x;
       if (i < rounds) g(idx, cached[i], idx < n && cached[i] >= floor);
     }
-    for (int i = kSelectCached; i < rounds; ++i) {
+    for_each_uncached_round(g);
+  }
+
+  // for_each_round's rounds past the cached ones, read from memory (rows of over kCached rounds).
+  template <typename G>
+  __device__ __forceinline__ void for_each_uncached_round(G g) const {
+    for (int i = kCached; i < ceil_div(n, kSelectThreads); ++i) {
       const int idx = i * kSelectThreads + threadIdx.x;
       const uint32_t key = idx < n ? order_key(keys[idx]) : 0u;
       g(idx, key, idx < n && key >= floor);
     }
   }
 
-  // Largest key of this thread (0 when it has none; real keys are > 0).
+  // Largest key of this thread (0 when it has none; real keys are > 0). Ids past the row's end
+  // are cached as 0, so the cached keys need no bounds checks.
   __device__ __forceinline__ uint32_t thread_max() const {
     uint32_t m = 0;
-    for_each_round([&](int, uint32_t key, bool valid) { m = valid ? max(m, key) : m; });
+#pragma unroll
+    for (int i = 0; i < kCached; ++i) m = max(m, cached[i]);
+    for_each_uncached_round([&](int, uint32_t key, bool valid) { m = valid ? max(m, key) : m; });
     return m;
   }
 };
@@ -130,36 +143,46 @@ __device__ __forceinline__ uint32_t warp_kth_largest(uint32_t v, int k) {
 }
 
 // A key every one of the p best keys reaches (step 1 above); 0 (no bound) when p > 1024.
-__device__ __forceinline__ uint32_t selection_floor(const RowKeys& keys, int p, SelectShared& sh) {
+template <typename Keys>
+__device__ __forceinline__ uint32_t selection_floor(const Keys& keys, int p, SelectShared& sh) {
   const int per_warp = ceil_div(p, kSelectWarps);
   if (per_warp > kWarpSize) return 0;
   const uint32_t bound = warp_kth_largest(keys.thread_max(), per_warp);
   if (threadIdx.x % kWarpSize == 0) sh.warp_counts[threadIdx.x / kWarpSize] = bound;
   __syncthreads();
-  uint32_t floor = 0xffffffffu;
-  for (int w = 0; w < kSelectWarps; ++w) floor = min(floor, sh.warp_counts[w]);
+  uint32_t floor = sh.warp_counts[threadIdx.x % kWarpSize];
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) floor = min(floor, __shfl_xor_sync(kFullMask, floor, offset));
   __syncthreads();  // warp_counts is reused
   return floor;
 }
 
-// Exclusive prefix sum of one value per thread over the block, and the total.
-__device__ __forceinline__ uint32_t block_exclusive_sum(uint32_t value, uint32_t& total, SelectShared& sh) {
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  uint32_t inclusive = value;
+// Inclusive prefix sum over the lanes of a warp.
+__device__ __forceinline__ uint32_t warp_inclusive_sum(uint32_t value) {
+  const int lane = threadIdx.x % kWarpSize;
 #pragma unroll
   for (int offset = 1; offset < kWarpSize; offset <<= 1) {
-    const uint32_t v = __shfl_up_sync(kFullMask, inclusive, offset);
-    if (lane >= offset) inclusive += v;
+    const uint32_t v = __shfl_up_sync(kFullMask, value, offset);
+    if (lane >= offset) value += v;
   }
-  if (lane == kWarpSize - 1) sh.warp_counts[warp] = inclusive;
+  return value;
+}
+
+// The sum of the per-warp counts of the warps before this one, and their total, from
+// counts[kSelectWarps] in shared memory: every warp scans them, a count a lane.
+__device__ __forceinline__ uint32_t warps_before(const uint32_t* counts, uint32_t& total) {
+  const uint32_t inclusive = warp_inclusive_sum(counts[threadIdx.x % kWarpSize]);
+  total = __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
+  const int warp = threadIdx.x / kWarpSize;
+  return warp == 0 ? 0 : __shfl_sync(kFullMask, inclusive, warp - 1);
+}
+
+// Exclusive prefix sum of one value per thread over the block, and the total.
+__device__ __forceinline__ uint32_t block_exclusive_sum(uint32_t value, uint32_t& total, SelectShared& sh) {
+  const uint32_t inclusive = warp_inclusive_sum(value);
+  if (threadIdx.x % kWarpSize == kWarpSize - 1) sh.warp_counts[threadIdx.x / kWarpSize] = inclusive;
   __syncthreads();
-  uint32_t before = 0;
-  total = 0;
-  for (int w = 0; w < kSelectWarps; ++w) {
-    const uint32_t c = sh.warp_counts[w];
-    before += w < warp ? c : 0;
-    total += c;
-  }
+  const uint32_t before = warps_before(sh.warp_counts, total);
   __syncthreads();  // warp_counts is reused
   return before + inclusive - value;
 }
@@ -190,12 +213,7 @@ __device__ __forceinline__ Threshold radix_select(const Keys& keys, uint32_t k, 
       uint32_t counts[kPerLane], total = 0;
 #pragma unroll
       for (int q = 0; q < kPerLane; ++q) total += counts[q] = hist[kRadixBins - 1 - kPerLane * lane - q];
-      uint32_t inclusive = total;
-#pragma unroll
-      for (int offset = 1; offset < kWarpSize; offset <<= 1) {
-        const uint32_t v = __shfl_up_sync(kFullMask, inclusive, offset);
-        if (lane >= offset) inclusive += v;
-      }
+      const uint32_t inclusive = warp_inclusive_sum(total);
       uint32_t before = inclusive - total;
       if (before < need && need <= inclusive) {
         bool found = false;
@@ -238,7 +256,8 @@ __device__ __forceinline__ void collect_above(const Keys& keys, const Threshold&
 
 // More keys equal the boundary key than are needed: the smallest ids win, found by counting
 // tied keys in id order, a round of kSelectThreads ids at a time.
-__device__ __forceinline__ void collect_ties(const RowKeys& keys, const Threshold& th, uint64_t* list,
+template <typename Keys>
+__device__ __forceinline__ void collect_ties(const Keys& keys, const Threshold& th, uint64_t* list,
                                              SelectShared& sh) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   uint32_t taken = 0;
@@ -248,12 +267,8 @@ __device__ __forceinline__ void collect_ties(const RowKeys& keys, const Threshol
     const unsigned ballot = __ballot_sync(kFullMask, is_tied);
     if (lane == 0) sh.warp_counts[warp] = __popc(ballot);
     __syncthreads();
-    uint32_t rank = taken + __popc(ballot & ((1u << lane) - 1)), round_total = 0;
-    for (int w = 0; w < kSelectWarps; ++w) {
-      const uint32_t c = sh.warp_counts[w];
-      if (w < warp) rank += c;
-      round_total += c;
-    }
+    uint32_t round_total;
+    const uint32_t rank = taken + warps_before(sh.warp_counts, round_total) + __popc(ballot & ((1u << lane) - 1));
     warp_append(is_tied && rank < th.need, pack_ranked(key, idx), list, &sh.count);
     taken += round_total;
     __syncthreads();  // warp_counts is rewritten next round
@@ -262,7 +277,8 @@ __device__ __forceinline__ void collect_ties(const RowKeys& keys, const Threshol
 
 // Writes the p best (key, id) pairs of the row, packed, to list[0, p) in no particular order.
 // `survivors` is shared scratch for up to `capacity` pairs.
-__device__ __forceinline__ void select_top(RowKeys& keys, int p, uint64_t* list, uint64_t* survivors,
+template <typename Keys>
+__device__ __forceinline__ void select_top(Keys& keys, int p, uint64_t* list, uint64_t* survivors,
                                            uint32_t capacity, SelectShared& sh) {
   keys.floor = selection_floor(keys, p, sh);
   // Compaction without atomics: each thread's count, a block-wide exclusive scan, then writes.
