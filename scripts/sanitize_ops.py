@@ -49,7 +49,10 @@ def run(t, probes):
 def head_ops() -> int:
     failures = 0
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for batch, dim, clusters, size, probes in ((3, 77, 37, 4, 5), (2, 576, 257, 16, 257), (0, 64, 37, 8, 3), (5, 1024, 989, 16, 61)):
+        # The last two: the selection's 12- and 16-key variants, with clusters whose b is no
+        # multiple of 4 (the gather's slot-by-slot path).
+        for batch, dim, clusters, size, probes in ((3, 77, 37, 4, 5), (2, 576, 257, 16, 257), (0, 64, 37, 8, 3),
+                                                   (5, 1024, 989, 16, 61), (2, 64, 9001, 3, 40), (1, 32, 13001, 1, 7)):
             cpu, gpu = case(dtype, batch, dim, clusters, size, probes, seed=batch * 1000 + dim)
             got, want = run(gpu, probes), run(cpu, probes)
             torch.cuda.synchronize()
