@@ -15,6 +15,16 @@ constexpr int kExtraChunk = 1024;
 constexpr int kGatherBatch = 4;
 constexpr int kGatherQuadBatch = 2;
 
+// A masked unit of slots: -1 in each.
+template <typename Unit>
+__device__ __forceinline__ Unit masked_unit() {
+  if constexpr (sizeof(Unit) == sizeof(int32_t)) {
+    return -1;
+  } else {
+    return make_int4(-1, -1, -1, -1);
+  }
+}
+
 struct GatherShared {
   int32_t extra[kExtraChunk];
   int present[kExtraChunk];
@@ -26,60 +36,45 @@ __device__ void gather_row(ClusterAt cluster_at, int probes, const int32_t* __re
                            int num_clusters, int cluster_size, const int32_t* __restrict__ extra_ids, int num_extra,
                            int32_t* __restrict__ out, GatherShared& sh) {
   const int gathered = probes * cluster_size;
-  // f(j, token) for this thread's slots j = k * cluster_size + i, stepping (k, i) without a
-  // division per slot. kGatherBatch slots at a time: their table loads are unconditional (clamped
-  // indices; a conditional load compiles to a branch, one round trip each), so they are in flight
-  // together, and f runs once they are all back.
-  auto for_each_slot = [&](auto f) {
-    const int step_k = blockDim.x / cluster_size, step_i = blockDim.x % cluster_size;
-    int k = threadIdx.x / cluster_size, i = threadIdx.x % cluster_size;
-    for (int j0 = threadIdx.x; j0 < gathered; j0 += kGatherBatch * blockDim.x) {
-      int32_t token[kGatherBatch];
-      bool known[kGatherBatch];
+  // f(j, unit) for this thread's units of the slots: one token (Unit int32_t) or, where rows are
+  // whole 16-byte vectors, four (int4: a quarter of the slot arithmetic); unit j is unit i of
+  // chosen cluster k, with (k, i) stepped without a division per unit. A batch of units at a
+  // time: their table loads are unconditional (clamped indices; a conditional load compiles to a
+  // branch, one round trip each), so they are in flight together, and f runs once they are back.
+  auto for_each_unit = [&](auto unit_type, auto f) {
+    using Unit = decltype(unit_type);
+    constexpr int kWidth = sizeof(Unit) / sizeof(int32_t);
+    constexpr int kBatch = kWidth == 1 ? kGatherBatch : kGatherQuadBatch;
+    const int per_cluster = cluster_size / kWidth, units = gathered / kWidth;
+    const int step_k = blockDim.x / per_cluster, step_i = blockDim.x % per_cluster;
+    int k = threadIdx.x / per_cluster, i = threadIdx.x % per_cluster;
+    for (int j0 = threadIdx.x; j0 < units; j0 += kBatch * blockDim.x) {
+      Unit unit[kBatch];
+      bool known[kBatch];
 #pragma unroll
-      for (int u = 0; u < kGatherBatch; ++u) {
+      for (int u = 0; u < kBatch; ++u) {
         const int32_t cluster = cluster_at(min(k, probes - 1));
         known[u] = cluster >= 0 && cluster < num_clusters;
-        token[u] = cluster_tokens[int64_t{known[u] ? cluster : 0} * cluster_size + i];
+        unit[u] = reinterpret_cast<const Unit*>(cluster_tokens + int64_t{known[u] ? cluster : 0} * cluster_size)[i];
         k += step_k;
         i += step_i;
-        if (i >= cluster_size) {
-          i -= cluster_size;
+        if (i >= per_cluster) {
+          i -= per_cluster;
           ++k;
         }
       }
 #pragma unroll
-      for (int u = 0; u < kGatherBatch; ++u) {
+      for (int u = 0; u < kBatch; ++u) {
         const int j = j0 + u * static_cast<int>(blockDim.x);
-        if (j < gathered) f(j, known[u] ? token[u] : -1);
+        if (j < units) f(j, known[u] ? unit[u] : masked_unit<Unit>());
       }
     }
   };
   if (num_extra == 0) {
-    if (rows_vectorizable<int32_t>(cluster_tokens, cluster_size) && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
-      // Four tokens of a cluster per 16-byte load and store: a quarter of the slot arithmetic.
-      const int quads_per_cluster = cluster_size / 4, quads = gathered / 4;
-      for (int q0 = threadIdx.x; q0 < quads; q0 += kGatherQuadBatch * blockDim.x) {
-        int4 tokens[kGatherQuadBatch];
-        bool known[kGatherQuadBatch];
-#pragma unroll
-        for (int u = 0; u < kGatherQuadBatch; ++u) {  // clamped, unconditional loads (see above)
-          const int q = min(q0 + u * static_cast<int>(blockDim.x), quads - 1);
-          const int k = q / quads_per_cluster;
-          const int32_t cluster = cluster_at(k);
-          known[u] = cluster >= 0 && cluster < num_clusters;
-          tokens[u] = *reinterpret_cast<const int4*>(cluster_tokens + int64_t{known[u] ? cluster : 0} * cluster_size +
-                                                     4 * (q - k * quads_per_cluster));
-        }
-#pragma unroll
-        for (int u = 0; u < kGatherQuadBatch; ++u) {
-          const int q = q0 + u * static_cast<int>(blockDim.x);
-          if (q < quads) reinterpret_cast<int4*>(out)[q] = known[u] ? tokens[u] : make_int4(-1, -1, -1, -1);
-        }
-      }
-      return;
-    }
-    for_each_slot([&](int j, int32_t token) { out[j] = token; });
+    if (rows_vectorizable<int32_t>(cluster_tokens, cluster_size) && reinterpret_cast<uintptr_t>(out) % 16 == 0)
+      for_each_unit(int4{}, [&](int j, int4 quad) { reinterpret_cast<int4*>(out)[j] = quad; });
+    else
+      for_each_unit(int32_t{}, [&](int j, int32_t token) { out[j] = token; });
     return;
   }
   for (int e0 = 0; e0 < num_extra; e0 += kExtraChunk) {
@@ -89,7 +84,7 @@ __device__ void gather_row(ClusterAt cluster_at, int probes, const int32_t* __re
       sh.present[i] = 0;
     }
     __syncthreads();
-    for_each_slot([&](int j, int32_t token) {
+    for_each_unit(int32_t{}, [&](int j, int32_t token) {
       if (e0 == 0) out[j] = token;
       for (int i = 0; i < chunk; ++i)
         if (sh.extra[i] == token) atomicOr(&sh.present[i], 1);
