@@ -34,8 +34,44 @@ struct CandidateRows {
   const T* embedding;  // [V, D]
   int vocab, hidden_dim;
   bool vec;
-  const int32_t* candidates;  // [B, N]
+  int num_candidates;  // N slots a row
+};
+
+// Where a slot's token id comes from: token(row, slot) for slot < N, and an L2 warm-up a block
+// may run before its inputs are ready.
+// A written list of candidates [B, N].
+struct ListedTokens {
+  const int32_t* candidates;
   int num_candidates;
+  __device__ __forceinline__ int32_t token(int64_t row, int slot) const {
+    return candidates[row * num_candidates + slot];
+  }
+  __device__ __forceinline__ void warm_l2() const {}
+};
+
+// Token i of the k-th chosen cluster for slot k * b + i, read from the cluster table itself: the
+// fused decode without extra ids writes no candidate list (the selection's chosen ids are always
+// in range).
+struct ClusterTokens {
+  const int32_t* cluster_ids;     // [B, p]
+  const int32_t* cluster_tokens;  // [C, b]
+  int probes, cluster_size, num_clusters;
+  __device__ __forceinline__ int32_t token(int64_t row, int slot) const {
+    const int k = slot / cluster_size;
+    const int32_t cluster = cluster_ids[row * probes + k];
+    return cluster_tokens[int64_t{cluster} * cluster_size + (slot - k * cluster_size)];
+  }
+  // The table is an input of the op, never written by the kernels before this one, so its lines
+  // can be pulled into L2 while the selection still runs; the slots' lookups then hit L2.
+  __device__ __forceinline__ void warm_l2() const {
+    constexpr int kLine = 128;
+    const int64_t lines = ceil_div<int64_t>(int64_t{num_clusters} * cluster_size * sizeof(int32_t), kLine);
+    const int64_t blocks = int64_t{gridDim.x} * gridDim.y, block = int64_t{blockIdx.y} * gridDim.x + blockIdx.x;
+    const int64_t per_block = ceil_div<int64_t>(lines, blocks), end = min(lines, (block + 1) * per_block);
+    const char* base = reinterpret_cast<const char*>(cluster_tokens);
+    for (int64_t line = block * per_block + threadIdx.x; line < end; line += blockDim.x)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(base + line * kLine));
+  }
 };
 
 // Logits of kCandRowsPerWarp consecutive slots, in every lane of the warp.
@@ -45,17 +81,18 @@ struct WarpSlots {
   float logit[kCandRowsPerWarp];
 };
 
-// Calls f(slots, first_slot) for each group of kCandRowsPerWarp slots of `row` this warp owns:
+// Calls f(slots, first_slot) for each group of kCandRowsPerWarp slots of `row` this warp owns
+// (token ids from `tokens`):
 // a grid-stride loop over the row's slots, so a grid sized to the GPU pays each block's fixed
 // costs once. The next group's ids are loaded before the current group's rows are read, so the
 // two latencies overlap.
-template <typename T, typename F>
-__device__ __forceinline__ void for_each_slot_group(const CandidateRows<T>& a, int64_t row, F f) {
+template <typename T, typename Tokens, typename F>
+__device__ __forceinline__ void for_each_slot_group(const CandidateRows<T>& a, const Tokens& tokens, int64_t row, F f) {
   const int stride = gridDim.x * kCandSlotsPerBlock;
-  const int32_t* ids = a.candidates + row * a.num_candidates;
   auto fetch = [&](int first, int32_t (&token)[kCandRowsPerWarp]) {
 #pragma unroll
-    for (int r = 0; r < kCandRowsPerWarp; ++r) token[r] = first + r < a.num_candidates ? ids[first + r] : -1;
+    for (int r = 0; r < kCandRowsPerWarp; ++r)
+      token[r] = first + r < a.num_candidates ? tokens.token(row, first + r) : -1;
   };
   const T* hid[1] = {a.hidden + row * a.hidden_dim};
   int first = blockIdx.x * kCandSlotsPerBlock + threadIdx.x / kWarpSize * kCandRowsPerWarp;

@@ -1,6 +1,8 @@
 // The whole-op launchers: select_clusters / sample_clusters (scores, then an ordered selection)
-// and the fused decode (scores, selection + gather, candidate reduction), three kernels chained
-// with programmatic dependent launch where the device has it.
+// and the fused decode (scores, selection, candidate reduction), three kernels chained with
+// programmatic dependent launch where the device has it. Without extra ids the candidate kernel
+// reads each slot's token from the chosen clusters' table rows; with extra ids the selection
+// kernel writes the candidate list, since deduplicating an extra id needs every gathered token.
 #include <algorithm>
 
 #include "kernels/decode.cuh"
@@ -12,11 +14,14 @@ namespace {
 struct DecodeWorkspace {
   float* scores;
   float* keys;
-  int32_t* candidates;
+  int32_t* candidates;   // [B, N] with extra ids, else null
+  int32_t* cluster_ids;  // [B, p] without extra ids, else null
   uint32_t* counters;
   RowPartial* partials;
   void* select;
 };
+
+bool lists_candidates(const HeadShape& shape) { return shape.num_extra > 0; }
 
 // Upper bound of the candidate kernel's blocks per row (the grid is smaller on small GPUs or
 // large batches): sizes the partials from shapes alone.
@@ -34,7 +39,10 @@ void carve_scores(WorkspaceCarver& carver, const HeadShape& shape, bool sampling
 DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bool sampling) {
   DecodeWorkspace ws{};
   carve_scores(carver, shape, sampling, /*ordered=*/sampling, ws);
-  ws.candidates = carver.take<int32_t>(size_t(shape.batch) * shape.num_candidates());
+  if (lists_candidates(shape))
+    ws.candidates = carver.take<int32_t>(size_t(shape.batch) * shape.num_candidates());
+  else
+    ws.cluster_ids = carver.take<int32_t>(size_t(shape.batch) * shape.probes);
   ws.counters = carver.take<uint32_t>(shape.batch);
   ws.partials = carver.take<RowPartial>(size_t(shape.batch) * max_candidate_blocks(shape));
   return ws;
@@ -46,10 +54,13 @@ struct SelectWorkspace {
   void* select;
 };
 
-template <typename T, bool kSample>
+// tokens_from(r0): the slot tokens (ListedTokens or ClusterTokens) of the batch rows from r0 on.
+template <typename T, bool kSample, typename TokensFrom>
 cudaError_t launch_decode_candidates(const HeadTensors<T>& t, const HeadShape& shape, const Sampling* sampling,
-                                     const DecodeWorkspace& ws, int64_t* tokens, int64_t token_stride,
-                                     float* token_logprobs, cudaStream_t stream, bool dependent) {
+                                     const DecodeWorkspace& ws, TokensFrom tokens_from, int64_t* tokens,
+                                     int64_t token_stride, float* token_logprobs, cudaStream_t stream,
+                                     bool dependent) {
+  using Tokens = decltype(tokens_from(0));
   const int n = shape.num_candidates(), d = shape.hidden_dim, max_blocks = max_candidate_blocks(shape);
   const bool vec = rows_vectorizable<T>(t.hidden, d) && rows_vectorizable<T>(t.embedding, d);
   int sms = 0;
@@ -58,8 +69,9 @@ cudaError_t launch_decode_candidates(const HeadTensors<T>& t, const HeadShape& s
   for (int r0 = 0; r0 < shape.batch; r0 += kMaxGridRows) {
     const int rows = std::min(kMaxGridRows, shape.batch - r0);
     const int blocks = candidate_blocks_per_row(n, rows, sms);
-    DecodeArgs<T> args{};
-    args.rows = {t.hidden + int64_t{r0} * d, t.embedding, shape.vocab, d, vec, ws.candidates + int64_t{r0} * n, n};
+    DecodeArgs<T, Tokens> args{};
+    args.rows = {t.hidden + int64_t{r0} * d, t.embedding, shape.vocab, d, vec, n};
+    args.slot_tokens = tokens_from(r0);
     args.row_offset = r0;
     args.temperature = kSample ? sampling->temperature : 1.0f;
     args.seed = kSample ? sampling->seed : nullptr;
@@ -68,8 +80,8 @@ cudaError_t launch_decode_candidates(const HeadTensors<T>& t, const HeadShape& s
     args.tokens = tokens + r0 * token_stride;
     args.token_stride = token_stride;
     args.token_logprobs = kSample ? token_logprobs + r0 : nullptr;
-    const cudaError_t err = launch_kernel(decode_candidates_kernel<T, kSample>, dim3(blocks, rows), dim3(kCandThreads),
-                                          0, stream, dependent, args);
+    const cudaError_t err = launch_kernel(decode_candidates_kernel<T, kSample, Tokens>, dim3(blocks, rows),
+                                          dim3(kCandThreads), 0, stream, dependent, args);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
@@ -122,16 +134,28 @@ cudaError_t launch_decode(const HeadTensors<T>& tensors, const HeadShape& shape,
   if (err != cudaSuccess) return err;
   // Sampling numbers candidates by the rank of their cluster (the Gumbel noise is indexed by
   // position), so it needs the clusters in draw order; the greedy argmax does not.
+  const bool listed = detail::lists_candidates(shape);
   SelectOutputs out;
   out.candidates = ws.candidates;
+  out.cluster_ids = ws.cluster_ids;
   out.row_counters = ws.counters;
-  err = launch_select(sampling ? ws.keys : ws.scores, shape, /*ordered=*/sampling != nullptr, tensors.cluster_tokens,
-                      tensors.extra_ids, out, ws.select, stream, options);
+  err = launch_select(sampling ? ws.keys : ws.scores, shape, /*ordered=*/sampling != nullptr,
+                      listed ? tensors.cluster_tokens : nullptr, tensors.extra_ids, out, ws.select, stream, options);
   if (err != cudaSuccess) return err;
-  return sampling ? detail::launch_decode_candidates<T, true>(tensors, shape, sampling, ws, tokens, token_stride,
-                                                              token_logprobs, stream, options.dependent_launch)
-                  : detail::launch_decode_candidates<T, false>(tensors, shape, sampling, ws, tokens, token_stride,
-                                                               token_logprobs, stream, options.dependent_launch);
+  const auto reduce = [&](auto tokens_from) {
+    return sampling ? detail::launch_decode_candidates<T, true>(tensors, shape, sampling, ws, tokens_from, tokens,
+                                                                token_stride, token_logprobs, stream,
+                                                                options.dependent_launch)
+                    : detail::launch_decode_candidates<T, false>(tensors, shape, sampling, ws, tokens_from, tokens,
+                                                                 token_stride, token_logprobs, stream,
+                                                                 options.dependent_launch);
+  };
+  const int n = shape.num_candidates();
+  if (listed) return reduce([&](int r0) { return detail::ListedTokens{ws.candidates + int64_t{r0} * n, n}; });
+  return reduce([&](int r0) {
+    return detail::ClusterTokens{ws.cluster_ids + int64_t{r0} * shape.probes, tensors.cluster_tokens, shape.probes,
+                                 shape.cluster_size, shape.num_clusters};
+  });
 }
 
 #define FLASHHEAD_INSTANTIATE(T)                                                                                    \

@@ -59,9 +59,10 @@ __device__ __forceinline__ RowPartial load_partial(const RowPartial* p) {
   return {__ldcg(&p->best), __ldcg(&p->best_scaled), __ldcg(&p->max), __ldcg(&p->sum)};
 }
 
-template <typename T>
+template <typename T, typename Tokens>
 struct DecodeArgs {
   CandidateRows<T> rows;
+  Tokens slot_tokens;
   int row_offset;  // batch row of blockIdx.y == 0 (the Gumbel noise is indexed by the absolute row)
   float temperature;
   const int64_t* seed;
@@ -72,11 +73,12 @@ struct DecodeArgs {
   float* token_logprobs;
 };
 
-template <typename T, bool kSample>
-__global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candidates_kernel(DecodeArgs<T> a) {
+template <typename T, bool kSample, typename Tokens>
+__global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candidates_kernel(DecodeArgs<T, Tokens> a) {
   constexpr int kWarps = kCandThreads / kWarpSize;
   __shared__ RowPartial warp_partials[kWarps];
   __shared__ bool is_last_block;
+  a.slot_tokens.warm_l2();
   wait_for_previous_kernel();
   const int64_t row = blockIdx.y;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
@@ -84,7 +86,7 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
 
   // Lane r folds slot first + r of each group, so each slot draws its Gumbel noise once.
   RowPartial p = empty_partial();
-  for_each_slot_group(a.rows, row, [&](const WarpSlots& s, int first) {
+  for_each_slot_group(a.rows, a.slot_tokens, row, [&](const WarpSlots& s, int first) {
     if (lane >= kCandRowsPerWarp || !pick(s.valid, lane)) return;
     const float logit = pick(s.logit, lane);
     const int32_t token = pick(s.token, lane);
