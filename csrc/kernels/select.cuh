@@ -8,9 +8,12 @@
 //     it cannot be selected (p <= 1024; larger p skips the bound).
 //  2. The survivors are compacted into shared memory by a block-wide prefix sum (a few hundred
 //     keys for p = 256 of ~10k).
-//  3. A most-significant-digit radix select over the survivors (4 passes of 8 bits, shared
-//     histograms, early exit once the boundary digit holds exactly the keys still needed)
-//     finds the p-th key; a last pass collects the winners as packed (key, id) pairs. If the
+//  3. A radix select over the survivors finds the p-th key: each pass splits the key range still
+//     in question, [floor, row maximum] at first, into 256 shared-histogram bins of 2^s keys, s
+//     the smallest that covers the range, and keeps the bin holding the p-th key; it ends once
+//     that bin holds exactly the keys still needed, or one key value. Fitting the bins to the
+//     range (the survivors span a few binades) takes two passes where fixed 8-bit digits of the
+//     key take three. A last pass collects the winners as packed (key, id) pairs. If the
 //     survivors overflow shared memory, steps 3-4 read the register keys instead.
 //  4. Only an exact tie at the boundary needs id order (ties go to the smaller cluster id):
 //     a block-wide prefix count over the register keys, in id order, picks the smallest ids.
@@ -40,6 +43,7 @@ constexpr int kRadixBins = 1 << kRadixBits;
 struct SelectShared {
   uint32_t hist[2][kRadixBins];  // double-buffered: the next pass's histogram is cleared early
   uint32_t warp_counts[kSelectWarps];
+  uint32_t warp_max[kSelectWarps];
   uint32_t digit, need, tied;
   uint32_t count;
   GatherShared gather;
@@ -142,19 +146,27 @@ __device__ __forceinline__ uint32_t warp_kth_largest(uint32_t v, int k) {
   return __shfl_sync(kFullMask, v, k - 1);
 }
 
-// A key every one of the p best keys reaches (step 1 above); 0 (no bound) when p > 1024.
+// The range of keys that can be selected: a key every one of the p best keys reaches (step 1
+// above) and the row's largest key; [0, 2^32) (no bound) when p > 1024.
+struct KeyRange {
+  uint32_t lo, hi;
+};
 template <typename Keys>
-__device__ __forceinline__ uint32_t selection_floor(const Keys& keys, int p, SelectShared& sh) {
+__device__ __forceinline__ KeyRange selection_range(const Keys& keys, int p, SelectShared& sh) {
   const int per_warp = ceil_div(p, kSelectWarps);
-  if (per_warp > kWarpSize) return 0;
-  const uint32_t bound = warp_kth_largest(keys.thread_max(), per_warp);
-  if (threadIdx.x % kWarpSize == 0) sh.warp_counts[threadIdx.x / kWarpSize] = bound;
+  if (per_warp > kWarpSize) return {0u, ~0u};
+  const uint32_t mine = keys.thread_max();
+  const uint32_t bound = warp_kth_largest(mine, per_warp), warp_max = __reduce_max_sync(kFullMask, mine);
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  if (lane == 0) {
+    sh.warp_counts[warp] = bound;
+    sh.warp_max[warp] = warp_max;
+  }
   __syncthreads();
-  uint32_t floor = sh.warp_counts[threadIdx.x % kWarpSize];
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) floor = min(floor, __shfl_xor_sync(kFullMask, floor, offset));
+  const KeyRange range{__reduce_min_sync(kFullMask, sh.warp_counts[lane]),
+                       __reduce_max_sync(kFullMask, sh.warp_max[lane])};
   __syncthreads();  // warp_counts is reused
-  return floor;
+  return range;
 }
 
 // Inclusive prefix sum over the lanes of a warp.
@@ -187,22 +199,24 @@ __device__ __forceinline__ uint32_t block_exclusive_sum(uint32_t value, uint32_t
   return before + inclusive - value;
 }
 
-// The selected set is {key : key & mask > prefix} plus `need` of the `tied` keys with
-// key & mask == prefix (all of them when need == tied).
+// The selected set is the keys above hi plus `need` of the `tied` keys in [lo, hi] (all of them
+// when need == tied; lo == hi otherwise).
 struct Threshold {
-  uint32_t mask, prefix, need, tied;
+  uint32_t lo, hi, need, tied;
 };
 
+// The k-th largest of the valid keys, all of them in `range`.
 template <typename Keys>
-__device__ __forceinline__ Threshold radix_select(const Keys& keys, uint32_t k, SelectShared& sh) {
-  uint32_t mask = 0, prefix = 0, need = k, tied = 0;
+__device__ __forceinline__ Threshold radix_select(const Keys& keys, uint32_t k, KeyRange range, SelectShared& sh) {
+  uint32_t lo = range.lo, hi = range.hi, need = k, tied = 0;
   if (threadIdx.x < kRadixBins) sh.hist[1][threadIdx.x] = 0;
   __syncthreads();
-  for (int pass = 0; pass < 32 / kRadixBits; ++pass) {
-    const int shift = 32 - kRadixBits * (pass + 1);
+  for (int pass = 0;; ++pass) {
+    // Bins of 2^shift keys: (hi - lo) >> shift < kRadixBins.
+    const int shift = max(0, 32 - __clz(hi - lo) - kRadixBits);
     uint32_t* hist = sh.hist[(pass + 1) & 1];
     keys.for_each_round([&](int, uint32_t key, bool valid) {
-      if (valid && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & (kRadixBins - 1)], 1u);
+      if (valid && key >= lo && key <= hi) atomicAdd(&hist[(key - lo) >> shift], 1u);
     });
     __syncthreads();
     if (threadIdx.x < kWarpSize) {
@@ -232,13 +246,13 @@ __device__ __forceinline__ Threshold radix_select(const Keys& keys, uint32_t k, 
       sh.hist[pass & 1][threadIdx.x - kWarpSize] = 0;
     }
     __syncthreads();
-    prefix |= sh.digit << shift;
-    mask |= static_cast<uint32_t>(kRadixBins - 1) << shift;
+    lo += sh.digit << shift;  // <= hi: the bin holds a key
+    hi = lo + min(hi - lo, (1u << shift) - 1);
     need = sh.need;
     tied = sh.tied;
-    if (tied == need) break;
+    if (tied == need || shift == 0) break;
   }
-  return {mask, prefix, need, tied};
+  return {lo, hi, need, tied};
 }
 
 // Appends the selected keys above the boundary (and the boundary keys too when all of them are
@@ -246,10 +260,10 @@ __device__ __forceinline__ Threshold radix_select(const Keys& keys, uint32_t k, 
 template <typename Keys>
 __device__ __forceinline__ void collect_above(const Keys& keys, const Threshold& th, uint64_t* list,
                                               SelectShared& sh) {
-  const bool take_all_tied = th.need == th.tied;
+  // hi + 1 does not wrap: no key exceeds order_key(+inf) < 2^32 - 1.
+  const uint32_t least = th.need == th.tied ? th.lo : th.hi + 1;
   keys.for_each_round([&](int idx, uint32_t key, bool valid) {
-    const uint32_t masked = key & th.mask;
-    const bool take = valid && (masked > th.prefix || (take_all_tied && masked == th.prefix));
+    const bool take = valid && key >= least;
     warp_append(take, pack_ranked(key, idx), list, &sh.count);
   });
 }
@@ -263,7 +277,7 @@ __device__ __forceinline__ void collect_ties(const Keys& keys, const Threshold& 
   uint32_t taken = 0;
   keys.for_each_round([&](int idx, uint32_t key, bool valid) {
     if (taken >= th.need) return;  // uniform: every thread holds the same count
-    const bool is_tied = valid && key == th.prefix;
+    const bool is_tied = valid && key == th.lo;
     const unsigned ballot = __ballot_sync(kFullMask, is_tied);
     if (lane == 0) sh.warp_counts[warp] = __popc(ballot);
     __syncthreads();
@@ -280,7 +294,8 @@ __device__ __forceinline__ void collect_ties(const Keys& keys, const Threshold& 
 template <typename Keys>
 __device__ __forceinline__ void select_top(Keys& keys, int p, uint64_t* list, uint64_t* survivors,
                                            uint32_t capacity, SelectShared& sh) {
-  keys.floor = selection_floor(keys, p, sh);
+  const KeyRange range = selection_range(keys, p, sh);
+  keys.floor = range.lo;
   // Compaction without atomics: each thread's count, a block-wide exclusive scan, then writes.
   uint32_t mine = 0;
   keys.for_each_round([&](int, uint32_t, bool valid) { mine += valid; });
@@ -295,10 +310,10 @@ __device__ __forceinline__ void select_top(Keys& keys, int p, uint64_t* list, ui
   Threshold th;
   if (num_survivors <= capacity) {
     const SurvivorKeys compact{survivors, static_cast<int>(num_survivors)};
-    th = radix_select(compact, p, sh);
+    th = radix_select(compact, p, range, sh);
     collect_above(compact, th, list, sh);
   } else {
-    th = radix_select(keys, p, sh);
+    th = radix_select(keys, p, range, sh);
     collect_above(keys, th, list, sh);
   }
   if (th.need != th.tied) collect_ties(keys, th, list, sh);
