@@ -63,13 +63,17 @@ cudaError_t launch_centroid_scores(const T* hidden, const T* centroids, int batc
 // ordered: outputs in rank order (best first). Writes any of the non-null outputs:
 // cluster_ids / selected_scores [B, p] (the latter read from `scores` [B, C]); candidates
 // [B, p*b + E] gathered from `tensors.cluster_tokens` / `tensors.extra_ids` as gather_candidates does.
-// row_counters [B] are zeroed for a kernel that follows (the fused decode's candidate kernel).
+// row_tickets [B] are zeroed for a kernel that follows (the fused decode's candidate kernel).
+struct RowTicket {
+  uint32_t arrivals;        // blocks of the row done
+  unsigned long long best;  // greedy: the packed (key, token) maximum they fold into
+};
 struct SelectOutputs {
   int32_t* cluster_ids = nullptr;
   float* selected_scores = nullptr;
   const float* scores = nullptr;  // needed with selected_scores
   int32_t* candidates = nullptr;
-  uint32_t* row_counters = nullptr;
+  RowTicket* row_tickets = nullptr;
 };
 size_t select_workspace_bytes(const HeadShape& shape, bool ordered);
 cudaError_t launch_select(const float* keys, const HeadShape& shape, bool ordered, const int32_t* cluster_tokens,

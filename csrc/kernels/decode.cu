@@ -16,7 +16,7 @@ struct DecodeWorkspace {
   float* keys;
   int32_t* candidates;   // [B, N] with extra ids, else null
   int32_t* cluster_ids;  // [B, p] without extra ids, else null
-  uint32_t* counters;
+  RowTicket* tickets;
   RowPartial* partials;
   void* select;
 };
@@ -43,8 +43,8 @@ DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bo
     ws.candidates = carver.take<int32_t>(size_t(shape.batch) * shape.num_candidates());
   else
     ws.cluster_ids = carver.take<int32_t>(size_t(shape.batch) * shape.probes);
-  ws.counters = carver.take<uint32_t>(shape.batch);
-  ws.partials = carver.take<RowPartial>(size_t(shape.batch) * max_candidate_blocks(shape));
+  ws.tickets = carver.take<RowTicket>(shape.batch);
+  if (sampling) ws.partials = carver.take<RowPartial>(size_t(shape.batch) * max_candidate_blocks(shape));
   return ws;
 }
 
@@ -75,8 +75,8 @@ cudaError_t launch_decode_candidates(const HeadTensors<T>& t, const HeadShape& s
     args.row_offset = r0;
     args.temperature = kSample ? sampling->temperature : 1.0f;
     args.seed = kSample ? sampling->seed : nullptr;
-    args.partials = ws.partials + int64_t{r0} * max_blocks;
-    args.counters = ws.counters + r0;
+    args.partials = kSample ? ws.partials + int64_t{r0} * max_blocks : nullptr;
+    args.tickets = ws.tickets + r0;
     args.tokens = tokens + r0 * token_stride;
     args.token_stride = token_stride;
     args.token_logprobs = kSample ? token_logprobs + r0 : nullptr;
@@ -138,7 +138,7 @@ cudaError_t launch_decode(const HeadTensors<T>& tensors, const HeadShape& shape,
   SelectOutputs out;
   out.candidates = ws.candidates;
   out.cluster_ids = ws.cluster_ids;
-  out.row_counters = ws.counters;
+  out.row_tickets = ws.tickets;
   err = launch_select(sampling ? ws.keys : ws.scores, shape, /*ordered=*/sampling != nullptr,
                       listed ? tensors.cluster_tokens : nullptr, tensors.extra_ids, out, ws.select, stream, options);
   if (err != cudaSuccess) return err;

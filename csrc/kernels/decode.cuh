@@ -2,10 +2,12 @@
 // greedy token (argmax, ties to the smaller token id) or to a Gumbel-max draw from
 // softmax(logits / T) over the candidates, with that draw's log-probability.
 //
-// Each block folds its slots into one RowPartial. The last block of a row to finish (an atomic
-// ticket taken after a __threadfence; the selection kernel zeroes the tickets) merges the row's
-// partials: a max over packed (key, token), and an online-softmax merge of (max, sum of exp) for
-// the log-normaliser. No atomics on the result, no memset, so replaying a captured graph is safe.
+// Each block folds its slots into one RowPartial; the last block of a row to finish (an atomic
+// ticket taken after a __threadfence; the selection kernel zeroes the tickets) writes the result.
+// Greedy: each block folds its packed (key, token) into the row's ticket with an atomic max, so
+// the last block only reads it back. Sampling: blocks write their partials and the last block
+// merges them: a max over packed (key, token), and an online-softmax merge of (max, sum of exp)
+// for the log-normaliser. No memset, so replaying a captured graph is safe.
 #pragma once
 
 #include "kernels/candidate_logits.cuh"
@@ -66,8 +68,8 @@ struct DecodeArgs {
   int row_offset;  // batch row of blockIdx.y == 0 (the Gumbel noise is indexed by the absolute row)
   float temperature;
   const int64_t* seed;
-  RowPartial* partials;  // [rows, gridDim.x]
-  uint32_t* counters;    // [rows], zero on entry
+  RowPartial* partials;  // [rows, gridDim.x], sampling
+  RowTicket* tickets;    // [rows], zero on entry
   int64_t* tokens;
   int64_t token_stride;
   float* token_logprobs;
@@ -107,14 +109,25 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
   __syncthreads();
   if (threadIdx.x == 0) {
     for (int w = 1; w < kWarps; ++w) p = merge<kSample>(p, warp_partials[w]);
-    a.partials[row * gridDim.x + blockIdx.x] = p;
+    if constexpr (kSample)
+      a.partials[row * gridDim.x + blockIdx.x] = p;
+    else
+      atomicMax(&a.tickets[row].best, static_cast<unsigned long long>(p.best));
     __threadfence();  // publish the partial before taking a ticket
-    is_last_block = atomicAdd(&a.counters[row], 1u) == gridDim.x - 1;
+    is_last_block = atomicAdd(&a.tickets[row].arrivals, 1u) == gridDim.x - 1;
   }
   __syncthreads();
   if (!is_last_block) return;
 
   __threadfence();
+  if constexpr (!kSample) {
+    if (threadIdx.x == 0) {
+      const uint64_t best = __ldcg(&a.tickets[row].best);
+      a.tokens[row * a.token_stride] = best == kNoneRanked ? -1 : packed_id(best);
+    }
+    return;
+  }
+  // Sampling: merge the row's partials.
   p = empty_partial();
   for (int i = threadIdx.x; i < static_cast<int>(gridDim.x); i += blockDim.x)
     p = merge<kSample>(p, load_partial(&a.partials[row * gridDim.x + i]));
@@ -124,10 +137,8 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
   if (threadIdx.x != 0) return;
   for (int w = 1; w < kWarps; ++w) p = merge<kSample>(p, warp_partials[w]);
   a.tokens[row * a.token_stride] = p.best == kNoneRanked ? -1 : packed_id(p.best);
-  if constexpr (kSample) {
-    const float log_norm = isnan(p.sum) ? NAN : (p.max == -INFINITY ? -INFINITY : p.max + logf(p.sum));
-    a.token_logprobs[row] = p.best == kNoneRanked ? NAN : p.best_scaled - log_norm;
-  }
+  const float log_norm = isnan(p.sum) ? NAN : (p.max == -INFINITY ? -INFINITY : p.max + logf(p.sum));
+  a.token_logprobs[row] = p.best == kNoneRanked ? NAN : p.best_scaled - log_norm;
 }
 
 }  // namespace detail

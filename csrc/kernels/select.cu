@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
     gather_row([&](int k) { return packed_id(list[k]); }, a.probes, a.cluster_tokens, a.num_clusters, a.cluster_size,
                a.extra_ids, a.num_extra, out.candidates + row * width, sh.gather);
   }
-  if (out.row_counters && threadIdx.x == 0) out.row_counters[row] = 0;
+  if (out.row_tickets && threadIdx.x == 0) out.row_tickets[row] = RowTicket{};
 }
 
 int list_length(int probes, bool ordered) {
