@@ -1,7 +1,9 @@
 """Runs every flashhead CUDA op once per dtype on small odd shapes, for compute-sanitizer.
 
 Includes the masking paths (out-of-range cluster and token ids, padding, duplicated extras), a
-batch of 0 and sizes that are not multiples of the vector width, then compares with the CPU op.
+batch of 0 and sizes that are not multiples of the vector width, the fused decodes with and
+without extra ids (sampling with extras reads a written candidate list, the others read the
+cluster table), then compares with the CPU op.
 The decoder-layer ops run every fused_linear prologue (one input chunk and several), rotary with
 positions past the cache, and attention on the vector and scalar paths; decoder_step (the
 persistent kernel) at the first, a middle and the last position and one past the cache, with and
@@ -42,8 +44,10 @@ def run(t, probes):
     bad_logits = ops.candidate_logits(t["hidden"], t["embedding"], t["bad_cands"])
     greedy = ops.decode_greedy(t["hidden"], t["centroids"], t["table"], t["embedding"], probes, t["extra"])
     tokens, logprobs = ops.decode_sample(t["hidden"], t["centroids"], t["table"], t["embedding"], probes, 0.7, t["extra"], seed=t["seed"])
+    plain_greedy = ops.decode_greedy(t["hidden"], t["centroids"], t["table"], t["embedding"], probes)
+    plain_tokens, _ = ops.decode_sample(t["hidden"], t["centroids"], t["table"], t["embedding"], probes, 0.7, seed=t["seed"])
     return dict(ids=ids, sids=sids, cands=cands, bad_gather=bad_gather, bad_logits=bad_logits, greedy=greedy, tokens=tokens,
-                logits=logits, logprobs=logprobs)
+                logits=logits, logprobs=logprobs, plain_greedy=plain_greedy, plain_tokens=plain_tokens)
 
 
 def head_ops() -> int:

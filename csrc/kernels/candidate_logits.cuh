@@ -49,14 +49,19 @@ struct ListedTokens {
   __device__ __forceinline__ void warm_l2() const {}
 };
 
-// Token i of the k-th chosen cluster for slot k * b + i, read from the cluster table itself: the
-// fused decode without extra ids writes no candidate list (the selection's chosen ids are always
-// in range).
+// Token i of the k-th chosen cluster for slot k * b + i, read from the cluster table itself, then
+// the extra ids: the greedy fused decode writes no candidate list (the selection's chosen ids are
+// always in range). An extra id that repeats a gathered token or an earlier extra id is not
+// masked here, as the list masks it: its slot has the same token and logit as its twin, so the
+// argmax is the same.
 struct ClusterTokens {
   const int32_t* cluster_ids;     // [B, p]
   const int32_t* cluster_tokens;  // [C, b]
+  const int32_t* extra_ids;       // [E]
   int probes, cluster_size, num_clusters;
   __device__ __forceinline__ int32_t token(int64_t row, int slot) const {
+    const int gathered = probes * cluster_size;
+    if (slot >= gathered) return extra_ids[slot - gathered];
     const int k = slot / cluster_size;
     const int32_t cluster = cluster_ids[row * probes + k];
     return cluster_tokens[int64_t{cluster} * cluster_size + (slot - k * cluster_size)];

@@ -1,8 +1,9 @@
 // The whole-op launchers: select_clusters / sample_clusters (scores, then an ordered selection)
 // and the fused decode (scores, selection, candidate reduction), three kernels chained with
-// programmatic dependent launch where the device has it. Without extra ids the candidate kernel
-// reads each slot's token from the chosen clusters' table rows; with extra ids the selection
-// kernel writes the candidate list, since deduplicating an extra id needs every gathered token.
+// programmatic dependent launch where the device has it. Greedy, the candidate kernel reads each
+// slot's token from the chosen clusters' table rows; sampling with extra ids, the selection kernel
+// writes the candidate list, since a repeated extra id must be masked (it would count twice in
+// the draw) and finding repeats needs every gathered token of the row.
 #include <algorithm>
 
 #include "kernels/decode.cuh"
@@ -14,14 +15,14 @@ namespace {
 struct DecodeWorkspace {
   float* scores;
   float* keys;
-  int32_t* candidates;   // [B, N] with extra ids, else null
-  int32_t* cluster_ids;  // [B, p] without extra ids, else null
+  int32_t* candidates;   // [B, N] when listed, else null
+  int32_t* cluster_ids;  // [B, p] when not listed, else null
   RowTicket* tickets;
   RowPartial* partials;
   void* select;
 };
 
-bool lists_candidates(const HeadShape& shape) { return shape.num_extra > 0; }
+bool lists_candidates(const HeadShape& shape, bool sampling) { return sampling && shape.num_extra > 0; }
 
 // Upper bound of the candidate kernel's blocks per row (the grid is smaller on small GPUs or
 // large batches): sizes the partials from shapes alone.
@@ -39,7 +40,7 @@ void carve_scores(WorkspaceCarver& carver, const HeadShape& shape, bool sampling
 DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bool sampling) {
   DecodeWorkspace ws{};
   carve_scores(carver, shape, sampling, /*ordered=*/sampling, ws);
-  if (lists_candidates(shape))
+  if (lists_candidates(shape, sampling))
     ws.candidates = carver.take<int32_t>(size_t(shape.batch) * shape.num_candidates());
   else
     ws.cluster_ids = carver.take<int32_t>(size_t(shape.batch) * shape.probes);
@@ -134,7 +135,7 @@ cudaError_t launch_decode(const HeadTensors<T>& tensors, const HeadShape& shape,
   if (err != cudaSuccess) return err;
   // Sampling numbers candidates by the rank of their cluster (the Gumbel noise is indexed by
   // position), so it needs the clusters in draw order; the greedy argmax does not.
-  const bool listed = detail::lists_candidates(shape);
+  const bool listed = detail::lists_candidates(shape, sampling != nullptr);
   SelectOutputs out;
   out.candidates = ws.candidates;
   out.cluster_ids = ws.cluster_ids;
@@ -153,8 +154,8 @@ cudaError_t launch_decode(const HeadTensors<T>& tensors, const HeadShape& shape,
   const int n = shape.num_candidates();
   if (listed) return reduce([&](int r0) { return detail::ListedTokens{ws.candidates + int64_t{r0} * n, n}; });
   return reduce([&](int r0) {
-    return detail::ClusterTokens{ws.cluster_ids + int64_t{r0} * shape.probes, tensors.cluster_tokens, shape.probes,
-                                 shape.cluster_size, shape.num_clusters};
+    return detail::ClusterTokens{ws.cluster_ids + int64_t{r0} * shape.probes, tensors.cluster_tokens,
+                                 tensors.extra_ids, shape.probes, shape.cluster_size, shape.num_clusters};
   });
 }
 
