@@ -37,9 +37,9 @@ struct CandidateRows {
   int num_candidates;  // N slots a row
 };
 
-// Where a slot's token id comes from: token(row, slot) for slot < N, and an L2 warm-up a block
-// may run before its inputs are ready.
-// A written list of candidates [B, N].
+// The slot tokens of for_each_slot_group come from a policy: token(row, slot) for slot < N, and
+// warm_l2(), which a block may run before its inputs are ready.
+// ListedTokens: a written list of candidates [B, N].
 struct ListedTokens {
   const int32_t* candidates;
   int num_candidates;
