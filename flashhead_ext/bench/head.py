@@ -48,9 +48,13 @@ IMPLS = ("dense", "torch_flash", "flash_greedy", "flash_sample")
 class HeadState:
     """Random head weights at one shape, with enough copies of the per-call bytes to defeat L2."""
 
-    def __init__(self, shape: VocabShape, dtype: torch.dtype, device: str, max_batch: int, copies: int, seed: int = 0):
+    def __init__(self, shape: VocabShape, dtype: torch.dtype, device: str, max_batch: int, copies: int, seed: int = 0,
+                 special_tokens: int = 0):
         gen = torch.Generator(device=device).manual_seed(seed)
         vocab, dim, b = shape.vocab, shape.dim, shape.cluster_size
+        # Special tokens sit at the end of real vocabularies (EOS, chat markers); scored every step.
+        self.extra_ids = (torch.arange(vocab - special_tokens, vocab, dtype=torch.int32, device=device)
+                          if special_tokens else None)
         clusters = shape.num_clusters
         scale = dim ** -0.5
         # One embedding: at 100+ MB it never fits in L2, and real candidate rows are scattered in it.
@@ -70,32 +74,37 @@ class HeadState:
         """One head call of ``impl`` on copy ``index``; returns a callable with no arguments."""
         i = index % self.copies
         h, cents, table, emb = self.hidden[i][:batch], self.centroids[i], self.tables[i], self.embedding
+        extra = self.extra_ids
         if impl == "dense":
             return lambda: (h @ emb.t()).argmax(dim=-1)
         if impl == "torch_flash":
-            return lambda: torch_flash_greedy(h, cents, table, emb, probes)
+            return lambda: torch_flash_greedy(h, cents, table, emb, probes, extra)
         if impl == "flash_greedy":
-            return lambda: ops.decode_greedy(h, cents, table, emb, probes)
+            return lambda: ops.decode_greedy(h, cents, table, emb, probes, extra)
         if impl == "flash_sample":
-            return lambda: ops.decode_sample(h, cents, table, emb, probes, 1.0, seed=self.seed)
+            return lambda: ops.decode_sample(h, cents, table, emb, probes, 1.0, extra, seed=self.seed)
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def torch_flash_greedy(hidden, centroids, cluster_tokens, embedding, probes):
+def torch_flash_greedy(hidden, centroids, cluster_tokens, embedding, probes, extra_ids=None):
     """FlashHead in plain torch ops, the path our kernels replace (as in the 2026 thesis)."""
     cluster_ids = (hidden @ centroids.t()).topk(probes, dim=-1).indices
-    candidates = cluster_tokens[cluster_ids].flatten(1).long()
+    candidates = cluster_tokens[cluster_ids].flatten(1)
+    if extra_ids is not None:  # a repeated id scores like its twin: the argmax needs no masking
+        candidates = torch.cat([candidates, extra_ids.expand(candidates.shape[0], -1)], dim=1)
+    candidates = candidates.long()
     logits = torch.einsum("bnd,bd->bn", embedding[candidates.clamp(min=0)], hidden)
     logits = logits.masked_fill(candidates < 0, float("-inf"))
     return candidates.gather(1, logits.argmax(dim=1, keepdim=True)).squeeze(1)
 
 
-def floor_bytes(impl: str, shape: VocabShape, batch: int, probes: int, dtype: torch.dtype) -> int:
+def floor_bytes(impl: str, shape: VocabShape, batch: int, probes: int, dtype: torch.dtype,
+                special_tokens: int = 0) -> int:
     """Fewest bytes a call must read: the whole embedding for dense; centroids + candidate rows otherwise."""
     es = torch.finfo(dtype).bits // 8
     if impl == "dense":
         return shape.vocab * shape.dim * es + batch * shape.dim * es
-    rows = min(shape.vocab, batch * probes * shape.cluster_size)
+    rows = min(shape.vocab, batch * probes * shape.cluster_size + special_tokens)
     return shape.num_clusters * shape.dim * es + rows * (shape.dim * es + 4) + batch * shape.dim * es
 
 
@@ -137,6 +146,9 @@ def main(argv=None) -> int:
     parser.add_argument("--probes", default="32,256,593,1024", help="probes swept at batch 1 on the first shape")
     parser.add_argument("--batches", default="1,2,4,8,16,32,64", help="batch sizes swept on the first shape")
     parser.add_argument("--batch-probes", type=int, default=256, help="probes used in the batch sweep")
+    parser.add_argument("--special-tokens", type=int, default=0,
+                        help="ids scored at every step besides the clusters' (the last N of the vocabulary), "
+                             "as FlashHead(special_token_ids=...) does")
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--modes", default="eager,graph")
     parser.add_argument("--calls", type=int, default=16, help="head calls per timed sample (rotating copies)")
@@ -148,6 +160,8 @@ def main(argv=None) -> int:
     for name in args.shapes:
         if name not in SHAPES:
             parser.error(f"--shapes: unknown shape {name!r}; choose from {sorted(SHAPES)}")
+        if not 0 <= args.special_tokens < SHAPES[name].vocab:
+            parser.error(f"--special-tokens must be in [0, {SHAPES[name].vocab}) for {name}, got {args.special_tokens}")
     args.probes = [int(x) for x in args.probes.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     impls = args.impls.split(",")
@@ -167,17 +181,20 @@ def main(argv=None) -> int:
         max_batch = max(pt["batch"] for pt in points)
         per_copy = shape.num_clusters * shape.dim * 2 + max_batch * shape.dim * 2
         copies = max(1, min(8, math.ceil(3 * l2 / per_copy))) if l2 else 1
-        state = HeadState(shape, dtype, args.device, max_batch, copies)
+        state = HeadState(shape, dtype, args.device, max_batch, copies, special_tokens=args.special_tokens)
         for pt in points:
             for impl in impls:
                 for mode in modes:
                     us = measure(state, impl, pt["batch"], pt["probes"], mode, args.calls, args.samples, args.device)
-                    nbytes = floor_bytes(impl, shape, pt["batch"], pt["probes"], dtype)
+                    nbytes = floor_bytes(impl, shape, pt["batch"], pt["probes"], dtype, args.special_tokens)
                     floor_us = nbytes / (bandwidth * 1e9) * 1e6 if bandwidth else None
-                    rows.append(dict(pt, impl=impl, mode=mode, us=us, floor_bytes=nbytes, floor_us=floor_us,
+                    rows.append(dict(pt, special_tokens=args.special_tokens, impl=impl, mode=mode, us=us,
+                                     floor_bytes=nbytes, floor_us=floor_us,
                                      pct_of_floor=100.0 * floor_us / us if floor_us else None))
         del state
     add_ratios(rows)
+    if args.special_tokens:
+        print(f"{args.special_tokens} special tokens scored at every step")
     print(format_table(rows, COLUMNS))
     print(summary(rows, args.shapes[0]))
     out = Path(args.json)

@@ -1,0 +1,40 @@
+"""The head benchmark's CLI on a tiny shape (CPU): its rows, floors and special tokens."""
+import json
+
+import pytest
+import torch
+
+from flashhead_ext.bench.__main__ import main
+from flashhead_ext.bench.head import SHAPES, HeadState
+
+
+def test_head_bench_cli_with_special_tokens(tmp_path, capsys):
+    out = tmp_path / "head.json"
+    assert main(["head", "--shapes", "tiny", "--device", "cpu", "--dtype", "fp32", "--probes", "7,31",
+                 "--batches", "1,3", "--samples", "2", "--calls", "2", "--special-tokens", "5", "--json", str(out)]) == 0
+    assert "5 special tokens scored at every step" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    shape = SHAPES["tiny"]
+    points = {(r["batch"], r["probes"]) for r in rows}
+    assert points == {(1, 7), (1, 31), (3, min(256, shape.num_clusters))}
+    assert all(r["special_tokens"] == 5 and r["us"] > 0 and r["x_vs_dense"] > 0 for r in rows)
+    assert len(rows) == 4 * len(points)  # every impl at every point (eager only on a CPU)
+    greedy = next(r for r in rows if r["impl"] == "flash_greedy" and r["batch"] == 1 and r["probes"] == 7)
+    rows_read = 1 * 7 * shape.cluster_size + 5
+    assert greedy["floor_bytes"] == shape.num_clusters * shape.dim * 4 + rows_read * (shape.dim * 4 + 4) + shape.dim * 4
+
+
+def test_plain_torch_baseline_decodes_like_ours_with_special_tokens():
+    state = HeadState(SHAPES["tiny"], torch.float32, "cpu", max_batch=3, copies=1, special_tokens=5)
+    assert state.extra_ids.tolist() == list(range(SHAPES["tiny"].vocab - 5, SHAPES["tiny"].vocab))
+    for probes in (1, 9, 40):
+        plain = state.head_call("torch_flash", 3, probes, 0)()
+        ours = state.head_call("flash_greedy", 3, probes, 0)()
+        assert torch.equal(plain, ours), probes
+
+
+def test_head_bench_refuses_bad_special_tokens():
+    with pytest.raises(SystemExit):
+        main(["head", "--shapes", "tiny", "--device", "cpu", "--special-tokens", "-1"])
+    with pytest.raises(SystemExit):
+        main(["head", "--shapes", "tiny", "--device", "cpu", "--special-tokens", str(SHAPES["tiny"].vocab)])
