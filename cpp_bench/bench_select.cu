@@ -19,7 +19,7 @@ static void BM_select(benchmark::State& state) {
   out.cluster_ids = ids.get();
   const double bytes = 4.0 * batch * d.num_clusters + 4.0 * batch * probes;
   run_timed(state, bytes, [&](cudaStream_t s) {
-    FHB_CHECK(flashhead::launch_select(keys.get(), shape, ordered, nullptr, nullptr, out, workspace.get(), s));
+    FHB_CHECK(flashhead::launch_select(keys.get(), shape, ordered, out, workspace.get(), s));
   });
 }
 BENCHMARK(BM_select)

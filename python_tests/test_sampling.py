@@ -12,8 +12,8 @@ import torch
 
 import reference as ref
 from flashhead_ext import ops
-from helpers import (DEVICES, P_VALUE, Shape, chi_square_pvalue, counts_of, generator, make_problem, seed_tensor,
-                     softmax_np, stable_seed)
+from helpers import (DEVICES, P_VALUE, Shape, check_decode_sample, chi_square_pvalue, counts_of, exact_on, generator,
+                     make_problem, seed_tensor, softmax_np, stable_seed)
 
 device_params = pytest.mark.parametrize("device", DEVICES)
 SHAPE = Shape(B=17, D=64, C=257, b=4, p=16, pad=3, extras=True)
@@ -210,16 +210,33 @@ def test_decode_sample_two_stage_law(device, extras):
     assert chi_square_pvalue(counts_of(tokens, problem.vocab), _two_stage_token_law(problem, T)) > P_VALUE
 
 
+def _many_extra_ids(problem, ids):
+    """38 extra ids, more than a warp has lanes (the CUDA decode reads those past the 32nd from
+    memory), with repeats on both sides of that boundary: tokens gathered for row 0 (``ids``) and
+    ids repeating earlier extra ids, which must be masked as gather_candidates masks them."""
+    fresh = torch.randperm(problem.vocab, generator=generator("many extras"))[:31].tolist()
+    row0 = [t for t in ops.gather_candidates(ids, problem.cluster_tokens)[0].tolist() if t >= 0]
+    extras = (fresh[:20] + [row0[0], fresh[3]] + fresh[20:30]  # 0..31
+              + [row0[1], fresh[25], fresh[3], row0[2], fresh[30], fresh[30]])  # 32..37
+    return torch.tensor(extras, dtype=torch.int32, device=problem.hidden.device)
+
+
 @device_params
-def test_decode_sample_uses_the_sample_clusters_draw(device):
+@pytest.mark.parametrize("many_extras", [False, True], ids=["4-extras", "38-extras"])
+def test_decode_sample_uses_the_sample_clusters_draw(device, many_extras):
     # Same seed => decode_sample's clusters are sample_clusters' clusters; its token is one of
-    # their candidates and its log-probability is log_softmax over exactly those candidates.
+    # their candidates and its log-probability is log_softmax over exactly those candidates (a
+    # repeated extra id counted once).
     problem = make_problem(SHAPE, device=device)
     T, seed = 0.8, 4321
     ids, _ = ops.sample_clusters(problem.hidden, problem.centroids, problem.probes, T, seed=seed)
+    if many_extras:
+        problem = problem.with_(extra_ids=_many_extra_ids(problem, ids))
     candidates = ops.gather_candidates(ids, problem.cluster_tokens, problem.extra_ids)
     scaled = ops.candidate_logits(problem.hidden, problem.embedding, candidates) / T
     tokens, logprobs = ops.decode_sample(*problem.args()[:5], T, problem.extra_ids, seed=seed)
+    if many_extras:  # the reference draw as well (the 4 extras' case is in test_ops_equality)
+        check_decode_sample(tokens, logprobs, problem, T, seed, exact_on(device))
     hit = candidates.long() == tokens.unsqueeze(1)
     assert (hit.sum(1) == 1).all(), "the token is exactly one of the row's candidates"
     position = hit.int().argmax(1, keepdim=True)

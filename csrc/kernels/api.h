@@ -61,9 +61,9 @@ cudaError_t launch_centroid_scores(const T* hidden, const T* centroids, int batc
 
 // The `probes` best clusters per row by `keys` [B, C] (ties to the smaller cluster id, NaN as -inf).
 // ordered: outputs in rank order (best first). Writes any of the non-null outputs:
-// cluster_ids / selected_scores [B, p] (the latter read from `scores` [B, C]); candidates
-// [B, p*b + E] gathered from `tensors.cluster_tokens` / `tensors.extra_ids` as gather_candidates does.
-// row_tickets [B] are zeroed for a kernel that follows (the fused decode's candidate kernel).
+// cluster_ids / selected_scores [B, p] (the latter read from `scores` [B, C]). row_tickets [B]
+// and extra_repeats [B, shape.num_extra] are zeroed for a kernel that follows (the fused
+// decode's candidate kernel).
 struct RowTicket {
   uint32_t arrivals;        // blocks of the row done
   unsigned long long best;  // greedy: the packed (key, token) maximum they fold into
@@ -72,13 +72,12 @@ struct SelectOutputs {
   int32_t* cluster_ids = nullptr;
   float* selected_scores = nullptr;
   const float* scores = nullptr;  // needed with selected_scores
-  int32_t* candidates = nullptr;
   RowTicket* row_tickets = nullptr;
+  uint32_t* extra_repeats = nullptr;
 };
 size_t select_workspace_bytes(const HeadShape& shape, bool ordered);
-cudaError_t launch_select(const float* keys, const HeadShape& shape, bool ordered, const int32_t* cluster_tokens,
-                          const int32_t* extra_ids, const SelectOutputs& out, void* workspace, cudaStream_t stream,
-                          const LaunchOptions& options = {});
+cudaError_t launch_select(const float* keys, const HeadShape& shape, bool ordered, const SelectOutputs& out,
+                          void* workspace, cudaStream_t stream, const LaunchOptions& options = {});
 
 // candidates[B, probes*b + E]: the tokens of the given clusters, a row of -1 for an out-of-range
 // cluster id, then the extra ids, each masked to -1 if already present or repeated.

@@ -49,11 +49,9 @@ struct ListedTokens {
   __device__ __forceinline__ void warm_l2() const {}
 };
 
-// Token i of the k-th chosen cluster for slot k * b + i, read from the cluster table itself, then
-// the extra ids: the greedy fused decode writes no candidate list (the selection's chosen ids are
-// always in range). An extra id that repeats a gathered token or an earlier extra id is not
-// masked here, as the list masks it: its slot has the same token and logit as its twin, so the
-// argmax is the same.
+// Token i of the k-th chosen cluster for slot k * b + i, read from the cluster table itself (the
+// selection's chosen ids are always in range), then the extra ids as given: the fused decode
+// deals with repeated extras itself (decode.cuh).
 struct ClusterTokens {
   const int32_t* cluster_ids;     // [B, p]
   const int32_t* cluster_tokens;  // [C, b]

@@ -1,9 +1,7 @@
 // The whole-op launchers: select_clusters / sample_clusters (scores, then an ordered selection)
 // and the fused decode (scores, selection, candidate reduction), three kernels chained with
-// programmatic dependent launch where the device has it. Greedy, the candidate kernel reads each
-// slot's token from the chosen clusters' table rows; sampling with extra ids, the selection kernel
-// writes the candidate list, since a repeated extra id must be masked (it would count twice in
-// the draw) and finding repeats needs every gathered token of the row.
+// programmatic dependent launch where the device has it. The candidate kernel reads each slot's
+// token from the chosen clusters' table rows.
 #include <algorithm>
 
 #include "kernels/decode.cuh"
@@ -15,14 +13,13 @@ namespace {
 struct DecodeWorkspace {
   float* scores;
   float* keys;
-  int32_t* candidates;   // [B, N] when listed, else null
-  int32_t* cluster_ids;  // [B, p] when not listed, else null
+  int32_t* cluster_ids;  // [B, p]
   RowTicket* tickets;
   RowPartial* partials;
+  uint32_t* extra_repeats;  // [B, E], sampling
+  float* extra_logits;      // [B, E], sampling
   void* select;
 };
-
-bool lists_candidates(const HeadShape& shape, bool sampling) { return sampling && shape.num_extra > 0; }
 
 // Upper bound of the candidate kernel's blocks per row (the grid is smaller on small GPUs or
 // large batches): sizes the partials from shapes alone.
@@ -40,12 +37,16 @@ void carve_scores(WorkspaceCarver& carver, const HeadShape& shape, bool sampling
 DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bool sampling) {
   DecodeWorkspace ws{};
   carve_scores(carver, shape, sampling, /*ordered=*/sampling, ws);
-  if (lists_candidates(shape, sampling))
-    ws.candidates = carver.take<int32_t>(size_t(shape.batch) * shape.num_candidates());
-  else
-    ws.cluster_ids = carver.take<int32_t>(size_t(shape.batch) * shape.probes);
+  ws.cluster_ids = carver.take<int32_t>(size_t(shape.batch) * shape.probes);
   ws.tickets = carver.take<RowTicket>(shape.batch);
-  if (sampling) ws.partials = carver.take<RowPartial>(size_t(shape.batch) * max_candidate_blocks(shape));
+  if (sampling) {
+    ws.partials = carver.take<RowPartial>(size_t(shape.batch) * max_candidate_blocks(shape));
+    if (shape.num_extra > 0) {
+      const size_t extras = size_t(shape.batch) * shape.num_extra;
+      ws.extra_repeats = carver.take<uint32_t>(extras);
+      ws.extra_logits = carver.take<float>(extras);
+    }
+  }
   return ws;
 }
 
@@ -55,13 +56,10 @@ struct SelectWorkspace {
   void* select;
 };
 
-// tokens_from(r0): the slot tokens (ListedTokens or ClusterTokens) of the batch rows from r0 on.
-template <typename T, bool kSample, typename TokensFrom>
+template <typename T, bool kSample>
 cudaError_t launch_decode_candidates(const HeadTensors<T>& t, const HeadShape& shape, const Sampling* sampling,
-                                     const DecodeWorkspace& ws, TokensFrom tokens_from, int64_t* tokens,
-                                     int64_t token_stride, float* token_logprobs, cudaStream_t stream,
-                                     bool dependent) {
-  using Tokens = decltype(tokens_from(0));
+                                     const DecodeWorkspace& ws, int64_t* tokens, int64_t token_stride,
+                                     float* token_logprobs, cudaStream_t stream, bool dependent) {
   const int n = shape.num_candidates(), d = shape.hidden_dim, max_blocks = max_candidate_blocks(shape);
   const bool vec = rows_vectorizable<T>(t.hidden, d) && rows_vectorizable<T>(t.embedding, d);
   int sms = 0;
@@ -70,9 +68,13 @@ cudaError_t launch_decode_candidates(const HeadTensors<T>& t, const HeadShape& s
   for (int r0 = 0; r0 < shape.batch; r0 += kMaxGridRows) {
     const int rows = std::min(kMaxGridRows, shape.batch - r0);
     const int blocks = candidate_blocks_per_row(n, rows, sms);
-    DecodeArgs<T, Tokens> args{};
+    const int64_t extras_from = int64_t{r0} * shape.num_extra;
+    DecodeArgs<T> args{};
     args.rows = {t.hidden + int64_t{r0} * d, t.embedding, shape.vocab, d, vec, n};
-    args.slot_tokens = tokens_from(r0);
+    args.slot_tokens = {ws.cluster_ids + int64_t{r0} * shape.probes, t.cluster_tokens, t.extra_ids,
+                        shape.probes, shape.cluster_size, shape.num_clusters};
+    if (ws.extra_repeats)
+      args.extras = {shape.num_extra, ws.extra_repeats + extras_from, ws.extra_logits + extras_from};
     args.row_offset = r0;
     args.temperature = kSample ? sampling->temperature : 1.0f;
     args.seed = kSample ? sampling->seed : nullptr;
@@ -81,8 +83,10 @@ cudaError_t launch_decode_candidates(const HeadTensors<T>& t, const HeadShape& s
     args.tokens = tokens + r0 * token_stride;
     args.token_stride = token_stride;
     args.token_logprobs = kSample ? token_logprobs + r0 : nullptr;
-    const cudaError_t err = launch_kernel(decode_candidates_kernel<T, kSample, Tokens>, dim3(blocks, rows),
-                                          dim3(kCandThreads), 0, stream, dependent, args);
+    auto kernel = decode_candidates_kernel<T, kSample, false>;
+    if constexpr (kSample)
+      if (ws.extra_repeats) kernel = decode_candidates_kernel<T, true, true>;
+    const cudaError_t err = launch_kernel(kernel, dim3(blocks, rows), dim3(kCandThreads), 0, stream, dependent, args);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
@@ -113,8 +117,7 @@ cudaError_t launch_cluster_select(const T* hidden, const T* centroids, const Hea
   out.cluster_ids = cluster_ids;
   out.selected_scores = scores;
   out.scores = ws.scores;
-  return launch_select(sampling ? ws.keys : ws.scores, shape, /*ordered=*/true, nullptr, nullptr, out, ws.select,
-                       stream, options);
+  return launch_select(sampling ? ws.keys : ws.scores, shape, /*ordered=*/true, out, ws.select, stream, options);
 }
 
 size_t decode_workspace_bytes(const HeadShape& shape, bool sampling) {
@@ -135,28 +138,17 @@ cudaError_t launch_decode(const HeadTensors<T>& tensors, const HeadShape& shape,
   if (err != cudaSuccess) return err;
   // Sampling numbers candidates by the rank of their cluster (the Gumbel noise is indexed by
   // position), so it needs the clusters in draw order; the greedy argmax does not.
-  const bool listed = detail::lists_candidates(shape, sampling != nullptr);
   SelectOutputs out;
-  out.candidates = ws.candidates;
   out.cluster_ids = ws.cluster_ids;
   out.row_tickets = ws.tickets;
-  err = launch_select(sampling ? ws.keys : ws.scores, shape, /*ordered=*/sampling != nullptr,
-                      listed ? tensors.cluster_tokens : nullptr, tensors.extra_ids, out, ws.select, stream, options);
+  out.extra_repeats = ws.extra_repeats;
+  err = launch_select(sampling ? ws.keys : ws.scores, shape, /*ordered=*/sampling != nullptr, out, ws.select, stream,
+                      options);
   if (err != cudaSuccess) return err;
-  const auto reduce = [&](auto tokens_from) {
-    return sampling ? detail::launch_decode_candidates<T, true>(tensors, shape, sampling, ws, tokens_from, tokens,
-                                                                token_stride, token_logprobs, stream,
-                                                                options.dependent_launch)
-                    : detail::launch_decode_candidates<T, false>(tensors, shape, sampling, ws, tokens_from, tokens,
-                                                                 token_stride, token_logprobs, stream,
-                                                                 options.dependent_launch);
-  };
-  const int n = shape.num_candidates();
-  if (listed) return reduce([&](int r0) { return detail::ListedTokens{ws.candidates + int64_t{r0} * n, n}; });
-  return reduce([&](int r0) {
-    return detail::ClusterTokens{ws.cluster_ids + int64_t{r0} * shape.probes, tensors.cluster_tokens,
-                                 tensors.extra_ids, shape.probes, shape.cluster_size, shape.num_clusters};
-  });
+  return sampling ? detail::launch_decode_candidates<T, true>(tensors, shape, sampling, ws, tokens, token_stride,
+                                                              token_logprobs, stream, options.dependent_launch)
+                  : detail::launch_decode_candidates<T, false>(tensors, shape, sampling, ws, tokens, token_stride,
+                                                               token_logprobs, stream, options.dependent_launch);
 }
 
 #define FLASHHEAD_INSTANTIATE(T)                                                                                    \

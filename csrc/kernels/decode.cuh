@@ -1,6 +1,7 @@
 // Stage 4, fused with stage 3: candidate logits reduced on the fly, never written out, to the
 // greedy token (argmax, ties to the smaller token id) or to a Gumbel-max draw from
-// softmax(logits / T) over the candidates, with that draw's log-probability.
+// softmax(logits / T) over the candidates, with that draw's log-probability. Slot tokens come
+// from the chosen clusters' table rows (ClusterTokens).
 //
 // Each block folds its slots into one RowPartial; the last block of a row to finish (an atomic
 // ticket taken after a __threadfence; the selection kernel zeroes the tickets) writes the result.
@@ -8,6 +9,12 @@
 // the last block only reads it back. Sampling: blocks write their partials and the last block
 // merges them: a max over packed (key, token), and an online-softmax merge of (max, sum of exp)
 // for the log-normaliser. No memset, so replaying a captured graph is safe.
+//
+// Extra ids, sampling: an extra id that repeats a gathered token or an earlier extra id would be
+// drawn twice, so it is masked, as gather_candidates masks it. The blocks mark such extras as they
+// meet their twins (flags the selection kernel zeroes) and set the extras' logits aside instead of
+// folding them; the last block folds the unmarked ones. Greedy folds every extra: a repeat has
+// the same token and logit as its twin, so the argmax is the same.
 #pragma once
 
 #include "kernels/candidate_logits.cuh"
@@ -61,10 +68,18 @@ __device__ __forceinline__ RowPartial load_partial(const RowPartial* p) {
   return {__ldcg(&p->best), __ldcg(&p->best_scaled), __ldcg(&p->max), __ldcg(&p->sum)};
 }
 
-template <typename T, typename Tokens>
+// The extra ids' side state in sampling, [rows, E] each (null when greedy or E == 0).
+struct ExtraSlots {
+  int count;            // E
+  uint32_t* repeated;   // nonzero: the extra id repeats a gathered token or an earlier extra id
+  float* logits;        // the extras' logits, set aside for the last block
+};
+
+template <typename T>
 struct DecodeArgs {
   CandidateRows<T> rows;
-  Tokens slot_tokens;
+  ClusterTokens slot_tokens;
+  ExtraSlots extras;
   int row_offset;  // batch row of blockIdx.y == 0 (the Gumbel noise is indexed by the absolute row)
   float temperature;
   const int64_t* seed;
@@ -75,38 +90,71 @@ struct DecodeArgs {
   float* token_logprobs;
 };
 
-template <typename T, bool kSample, typename Tokens>
-__global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candidates_kernel(DecodeArgs<T, Tokens> a) {
+// A slot's share of a sampling row: its Gumbel key (the noise indexed by row and slot) and its
+// term of the softmax.
+__device__ __forceinline__ RowPartial sampled_slot(float logit, int32_t token, float temperature, uint64_t seed,
+                                                   int64_t abs_row, int slot) {
+  const float x = logit / temperature;
+  const float key = x + gumbel_noise(seed, kTokenStream, static_cast<uint32_t>(abs_row), static_cast<uint32_t>(slot));
+  return {pack_ranked(order_key(key), token), x, isnan(x) ? -INFINITY : x,
+          isnan(x) ? NAN : (x == -INFINITY ? 0.0f : 1.0f)};
+}
+
+// Flags the extra ids that repeat a token of this warp's slot group: any extra for a gathered
+// slot, the later extras for an extra slot. The whole warp takes part, an extra a lane; the first
+// kWarpSize extras come from `lane_extra` (extra `lane`, loaded once), the rest from memory.
+__device__ __forceinline__ void mark_repeated_extras(const ClusterTokens& tokens, const ExtraSlots& extras,
+                                                     int32_t lane_extra, const WarpSlots& s, int first, int64_t row) {
+  const int lane = threadIdx.x % kWarpSize, gathered = tokens.probes * tokens.cluster_size;
+  uint32_t* repeated = extras.repeated + row * extras.count;
+#pragma unroll
+  for (int r = 0; r < kCandRowsPerWarp; ++r) {
+    if (!s.valid[r]) continue;  // uniform; also every slot past the row's end
+    const int after = first + r < gathered ? 0 : first + r - gathered + 1;
+    if (lane >= after && lane < extras.count && lane_extra == s.token[r]) repeated[lane] = 1;
+    for (int j = max(after, kWarpSize) + lane; j < extras.count; j += kWarpSize)
+      if (tokens.extra_ids[j] == s.token[r]) repeated[j] = 1;
+  }
+}
+
+// kExtrasAside: sampling with extra ids (the extras' flags and logits); its own instance, so the
+// other decodes' slot loop carries none of it.
+template <typename T, bool kSample, bool kExtrasAside>
+__global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candidates_kernel(DecodeArgs<T> a) {
+  static_assert(kSample || !kExtrasAside, "greedy folds every extra id");
   constexpr int kWarps = kCandThreads / kWarpSize;
   __shared__ RowPartial warp_partials[kWarps];
   __shared__ bool is_last_block;
   a.slot_tokens.warm_l2();
   wait_for_previous_kernel();
-  const int64_t row = blockIdx.y;
+  const int64_t row = blockIdx.y, abs_row = a.row_offset + row;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int gathered = a.slot_tokens.probes * a.slot_tokens.cluster_size;
   const uint64_t seed = kSample ? static_cast<uint64_t>(*a.seed) : 0;
+  const int32_t lane_extra = kExtrasAside && lane < a.extras.count ? a.slot_tokens.extra_ids[lane] : -1;
 
   // Lane r folds slot first + r of each group, so each slot draws its Gumbel noise once.
   RowPartial p = empty_partial();
   for_each_slot_group(a.rows, a.slot_tokens, row, [&](const WarpSlots& s, int first) {
+    if constexpr (kExtrasAside) mark_repeated_extras(a.slot_tokens, a.extras, lane_extra, s, first, row);
     if (lane >= kCandRowsPerWarp || !pick(s.valid, lane)) return;
+    const int slot = first + lane;
     const float logit = pick(s.logit, lane);
     const int32_t token = pick(s.token, lane);
-    RowPartial slot = empty_partial();
-    if constexpr (kSample) {
-      const float x = logit / a.temperature;
-      const float key = x + gumbel_noise(seed, kTokenStream, static_cast<uint32_t>(a.row_offset + row),
-                                         static_cast<uint32_t>(first + lane));
-      slot = {pack_ranked(order_key(key), token), x, isnan(x) ? -INFINITY : x,
-              isnan(x) ? NAN : (x == -INFINITY ? 0.0f : 1.0f)};
-    } else {
-      slot.best = pack_ranked(order_key(logit), token);
+    if (kExtrasAside && slot >= gathered) {
+      a.extras.logits[row * a.extras.count + slot - gathered] = logit;
+      return;
     }
-    p = merge<kSample>(p, slot);
+    RowPartial mine = empty_partial();
+    if constexpr (kSample)
+      mine = sampled_slot(logit, token, a.temperature, seed, abs_row, slot);
+    else
+      mine.best = pack_ranked(order_key(logit), token);
+    p = merge<kSample>(p, mine);
   });
   p = warp_merge<kSample>(p, kCandRowsPerWarp);
   if (lane == 0) warp_partials[warp] = p;
-  __syncthreads();
+  __syncthreads();  // also orders this block's extra flags and logits before the fence below
   if (threadIdx.x == 0) {
     for (int w = 1; w < kWarps; ++w) p = merge<kSample>(p, warp_partials[w]);
     if constexpr (kSample)
@@ -127,10 +175,19 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
     }
     return;
   }
-  // Sampling: merge the row's partials.
+  // Sampling: merge the row's partials and the extras no block marked as repeats.
   p = empty_partial();
   for (int i = threadIdx.x; i < static_cast<int>(gridDim.x); i += blockDim.x)
     p = merge<kSample>(p, load_partial(&a.partials[row * gridDim.x + i]));
+  for (int j = threadIdx.x; kExtrasAside && j < a.extras.count; j += blockDim.x) {
+    // Three independent loads, so they are in flight together.
+    const int32_t id = a.slot_tokens.extra_ids[j];
+    const int64_t at = row * a.extras.count + j;
+    const uint32_t repeated = __ldcg(&a.extras.repeated[at]);
+    const float logit = __ldcg(&a.extras.logits[at]);
+    if (id >= 0 && id < a.rows.vocab && !repeated)
+      p = merge<kSample>(p, sampled_slot(logit, id, a.temperature, seed, abs_row, gathered + j));
+  }
   p = warp_merge<kSample>(p, kWarpSize);
   if (lane == 0) warp_partials[warp] = p;
   __syncthreads();

@@ -1,7 +1,7 @@
 // Stage 2b: equal-cluster gather. Candidates of a row are the b tokens of each chosen cluster
 // (a row of -1 for an out-of-range cluster id), then the extra ids, an extra id masked to -1
 // when it is already among the gathered tokens or repeats an earlier extra id. One block per
-// row (gather.cu); the fused decode calls gather_row from its selection block.
+// row (gather.cu).
 #pragma once
 
 #include "kernels/common.cuh"

@@ -14,9 +14,6 @@ struct SelectArgs {
   uint64_t* list_spill;   // [B, list_len] when the list does not fit in shared memory, else null
   uint32_t survivor_capacity;  // pairs of shared memory for the compacted keys
   SelectOutputs out;
-  const int32_t* cluster_tokens;
-  int cluster_size;
-  const int32_t* extra_ids;
   int num_extra;
 };
 
@@ -47,12 +44,9 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
       if (out.selected_scores) out.selected_scores[row * a.probes + k] = out.scores[row * a.num_clusters + id];
     }
   }
-  if (out.candidates) {
-    const int64_t width = int64_t{a.probes} * a.cluster_size + a.num_extra;
-    gather_row([&](int k) { return packed_id(list[k]); }, a.probes, a.cluster_tokens, a.num_clusters, a.cluster_size,
-               a.extra_ids, a.num_extra, out.candidates + row * width, sh.gather);
-  }
   if (out.row_tickets && threadIdx.x == 0) out.row_tickets[row] = RowTicket{};
+  if (out.extra_repeats)
+    for (int j = threadIdx.x; j < a.num_extra; j += blockDim.x) out.extra_repeats[row * a.num_extra + j] = 0;
 }
 
 int list_length(int probes, bool ordered) {
@@ -76,9 +70,8 @@ size_t select_workspace_bytes(const HeadShape& shape, bool ordered) {
   return carver.bytes();
 }
 
-cudaError_t launch_select(const float* keys, const HeadShape& shape, bool ordered, const int32_t* cluster_tokens,
-                          const int32_t* extra_ids, const SelectOutputs& out, void* workspace, cudaStream_t stream,
-                          const LaunchOptions& options) {
+cudaError_t launch_select(const float* keys, const HeadShape& shape, bool ordered, const SelectOutputs& out,
+                          void* workspace, cudaStream_t stream, const LaunchOptions& options) {
   if (shape.batch == 0) return cudaSuccess;
   detail::WorkspaceCarver carver(workspace);
   const int len = detail::list_length(shape.probes, ordered);
@@ -94,9 +87,8 @@ cudaError_t launch_select(const float* keys, const HeadShape& shape, bool ordere
   const uint32_t capacity = static_cast<uint32_t>(std::min<size_t>(room, detail::kMaxSurvivors));
   if (capacity < 2 * detail::kSelectThreads) return cudaErrorInvalidConfiguration;
   const size_t smem = list_bytes + sizeof(uint64_t) * capacity;
-  const detail::SelectArgs args{keys,     shape.num_clusters, shape.probes,       ordered,    len,
-                                spill,    capacity,           out,                cluster_tokens,
-                                shape.cluster_size, extra_ids, shape.num_extra};
+  const detail::SelectArgs args{keys, shape.num_clusters, shape.probes, ordered, len, spill, capacity, out,
+                                shape.num_extra};
   const int rounds = detail::ceil_div(shape.num_clusters, detail::kSelectThreads);
   const auto launch = [&](auto kernel) {
     const cudaError_t set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));

@@ -22,7 +22,6 @@
 #pragma once
 
 #include "kernels/common.cuh"
-#include "kernels/gather.cuh"
 
 namespace flashhead {
 namespace detail {
@@ -46,7 +45,6 @@ struct SelectShared {
   uint32_t warp_max[kSelectWarps];
   uint32_t digit, need, tied;
   uint32_t count;
-  GatherShared gather;
 };
 
 // Appends `value` for each lane with `take` to list[*count ...], one shared atomic per warp.
