@@ -17,7 +17,7 @@ struct DecodeWorkspace {
   RowTicket* tickets;
   RowPartial* partials;
   uint32_t* extra_repeats;  // [B, E], sampling
-  float* extra_logits;      // [B, E], sampling
+  RowPartial* extra_partials;  // [B, E], sampling
   void* select;
 };
 
@@ -44,7 +44,7 @@ DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bo
     if (shape.num_extra > 0) {
       const size_t extras = size_t(shape.batch) * shape.num_extra;
       ws.extra_repeats = carver.take<uint32_t>(extras);
-      ws.extra_logits = carver.take<float>(extras);
+      ws.extra_partials = carver.take<RowPartial>(extras);
     }
   }
   return ws;
@@ -74,7 +74,7 @@ cudaError_t launch_decode_candidates(const HeadTensors<T>& t, const HeadShape& s
     args.slot_tokens = {ws.cluster_ids + int64_t{r0} * shape.probes, t.cluster_tokens, t.extra_ids,
                         shape.probes, shape.cluster_size, shape.num_clusters};
     if (ws.extra_repeats)
-      args.extras = {shape.num_extra, ws.extra_repeats + extras_from, ws.extra_logits + extras_from};
+      args.extras = {shape.num_extra, ws.extra_repeats + extras_from, ws.extra_partials + extras_from};
     args.row_offset = r0;
     args.temperature = kSample ? sampling->temperature : 1.0f;
     args.seed = kSample ? sampling->seed : nullptr;

@@ -12,8 +12,10 @@
 //
 // Extra ids, sampling: an extra id that repeats a gathered token or an earlier extra id would be
 // drawn twice, so it is masked, as gather_candidates masks it. The blocks mark such extras as they
-// meet their twins (flags the selection kernel zeroes) and set the extras' logits aside instead of
-// folding them; the last block folds the unmarked ones. Greedy folds every extra: a repeat has
+// meet their twins (flags the selection kernel zeroes) and set the extras' slot partials aside
+// instead of folding them; the last block folds the unmarked ones with the blocks' partials (the
+// same code: a second copy of the noise's arithmetic there cost a few µs of cold instruction
+// fetches on that one SM). Greedy folds every extra: a repeat has
 // the same token and logit as its twin, so the argmax is the same.
 #pragma once
 
@@ -72,7 +74,7 @@ __device__ __forceinline__ RowPartial load_partial(const RowPartial* p) {
 struct ExtraSlots {
   int count;            // E
   uint32_t* repeated;   // nonzero: the extra id repeats a gathered token or an earlier extra id
-  float* logits;        // the extras' logits, set aside for the last block
+  RowPartial* partials;  // each extra's slot partial, set aside for the last block
 };
 
 template <typename T>
@@ -117,7 +119,7 @@ __device__ __forceinline__ void mark_repeated_extras(const ClusterTokens& tokens
   }
 }
 
-// kExtrasAside: sampling with extra ids (the extras' flags and logits); its own instance, so the
+// kExtrasAside: sampling with extra ids (the extras' flags and partials); its own instance, so the
 // other decodes' slot loop carries none of it.
 template <typename T, bool kSample, bool kExtrasAside>
 __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candidates_kernel(DecodeArgs<T> a) {
@@ -141,20 +143,20 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
     const int slot = first + lane;
     const float logit = pick(s.logit, lane);
     const int32_t token = pick(s.token, lane);
-    if (kExtrasAside && slot >= gathered) {
-      a.extras.logits[row * a.extras.count + slot - gathered] = logit;
-      return;
-    }
     RowPartial mine = empty_partial();
     if constexpr (kSample)
       mine = sampled_slot(logit, token, a.temperature, seed, abs_row, slot);
     else
       mine.best = pack_ranked(order_key(logit), token);
+    if (kExtrasAside && slot >= gathered) {
+      a.extras.partials[row * a.extras.count + slot - gathered] = mine;
+      return;
+    }
     p = merge<kSample>(p, mine);
   });
   p = warp_merge<kSample>(p, kCandRowsPerWarp);
   if (lane == 0) warp_partials[warp] = p;
-  __syncthreads();  // also orders this block's extra flags and logits before the fence below
+  __syncthreads();  // also orders this block's extra flags and partials before the fence below
   if (threadIdx.x == 0) {
     for (int w = 1; w < kWarps; ++w) p = merge<kSample>(p, warp_partials[w]);
     if constexpr (kSample)
@@ -175,18 +177,20 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
     }
     return;
   }
-  // Sampling: merge the row's partials and the extras no block marked as repeats.
+  // Sampling: merge the row's partials and the extras no block marked as repeats (an extra id
+  // outside the vocabulary wrote no partial).
   p = empty_partial();
-  for (int i = threadIdx.x; i < static_cast<int>(gridDim.x); i += blockDim.x)
-    p = merge<kSample>(p, load_partial(&a.partials[row * gridDim.x + i]));
-  for (int j = threadIdx.x; kExtrasAside && j < a.extras.count; j += blockDim.x) {
-    // Three independent loads, so they are in flight together.
-    const int32_t id = a.slot_tokens.extra_ids[j];
-    const int64_t at = row * a.extras.count + j;
-    const uint32_t repeated = __ldcg(&a.extras.repeated[at]);
-    const float logit = __ldcg(&a.extras.logits[at]);
-    if (id >= 0 && id < a.rows.vocab && !repeated)
-      p = merge<kSample>(p, sampled_slot(logit, id, a.temperature, seed, abs_row, gathered + j));
+  const int blocks = gridDim.x, extras = kExtrasAside ? a.extras.count : 0;
+  for (int i = threadIdx.x; i < blocks + extras; i += blockDim.x) {
+    const int64_t extra = row * extras + i - blocks;
+    const bool is_block = i < blocks;
+    const RowPartial q = load_partial(is_block ? &a.partials[row * blocks + i] : &a.extras.partials[extra]);
+    bool take = is_block;
+    if (!is_block) {
+      const int32_t id = a.slot_tokens.extra_ids[i - blocks];
+      take = id >= 0 && id < a.rows.vocab && !__ldcg(&a.extras.repeated[extra]);
+    }
+    if (take) p = merge<kSample>(p, q);
   }
   p = warp_merge<kSample>(p, kWarpSize);
   if (lane == 0) warp_partials[warp] = p;
