@@ -183,6 +183,15 @@ __device__ __forceinline__ void let_next_kernel_start() {
 #endif
 }
 
+// An arrival that publishes the block's writes (release: with the __syncthreads before it, the
+// whole block's), returning the count before it; acquire: the caller then sees what the blocks
+// that arrived earlier published.
+__device__ __forceinline__ unsigned arrive(unsigned* counter) {
+  unsigned before;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
+  return before;
+}
+
 bool dependent_launch_supported();
 cudaError_t multiprocessor_count(int* count);
 

@@ -3,8 +3,9 @@
 // softmax(logits / T) over the candidates, with that draw's log-probability. Slot tokens come
 // from the chosen clusters' table rows (ClusterTokens).
 //
-// Each block folds its slots into one RowPartial; the last block of a row to finish (an atomic
-// ticket taken after a __threadfence; the selection kernel zeroes the tickets) writes the result.
+// Each block folds its slots into one RowPartial; the last block of a row to finish (an
+// acquire-release arrival on the row's ticket; the selection kernel zeroes the tickets) writes the
+// result.
 // Greedy: each block folds its packed (key, token) into the row's ticket with an atomic max, so
 // the last block only reads it back. Sampling: blocks write their partials and the last block
 // merges them: a max over packed (key, token), and an online-softmax merge of (max, sum of exp)
@@ -156,20 +157,18 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
   });
   p = warp_merge<kSample>(p, kCandRowsPerWarp);
   if (lane == 0) warp_partials[warp] = p;
-  __syncthreads();  // also orders this block's extra flags and partials before the fence below
+  __syncthreads();  // also orders this block's extra flags and partials before the arrival below
   if (threadIdx.x == 0) {
     for (int w = 1; w < kWarps; ++w) p = merge<kSample>(p, warp_partials[w]);
     if constexpr (kSample)
       a.partials[row * gridDim.x + blockIdx.x] = p;
     else
       atomicMax(&a.tickets[row].best, static_cast<unsigned long long>(p.best));
-    __threadfence();  // publish the partial before taking a ticket
-    is_last_block = atomicAdd(&a.tickets[row].arrivals, 1u) == gridDim.x - 1;
+    is_last_block = arrive(&a.tickets[row].arrivals) == gridDim.x - 1;
   }
   __syncthreads();
   if (!is_last_block) return;
 
-  __threadfence();
   if constexpr (!kSample) {
     if (threadIdx.x == 0) {
       const uint64_t best = __ldcg(&a.tickets[row].best);

@@ -133,15 +133,6 @@ __device__ __forceinline__ float load_shared_result(const T* p) {
   }
 }
 
-// An arrival that publishes the block's writes (release: with the __syncthreads before it, the
-// whole block's), returning the count before it; acquire: the caller then sees what the blocks
-// that arrived earlier published.
-__device__ __forceinline__ unsigned arrive(unsigned* counter) {
-  unsigned before;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
-  return before;
-}
-
 // Every block arrives once per barrier; the arrivals only count up during a step (the launch
 // zeroes them), so barrier number n waits for n * gridDim.x arrivals.
 __device__ __forceinline__ void grid_barrier(unsigned* arrivals, unsigned target) {
