@@ -16,8 +16,8 @@
 // meet their twins (flags the selection kernel zeroes) and set the extras' slot partials aside
 // instead of folding them; the last block folds the unmarked ones with the blocks' partials (the
 // same code: a second copy of the noise's arithmetic there cost a few µs of cold instruction
-// fetches on that one SM). Greedy folds every extra: a repeat has
-// the same token and logit as its twin, so the argmax is the same.
+// fetches on that one SM). Greedy folds every extra: a repeat has the same token and logit as its
+// twin, so the argmax is the same.
 #pragma once
 
 #include "kernels/candidate_logits.cuh"
@@ -73,8 +73,8 @@ __device__ __forceinline__ RowPartial load_partial(const RowPartial* p) {
 
 // The extra ids' side state in sampling, [rows, E] each (null when greedy or E == 0).
 struct ExtraSlots {
-  int count;            // E
-  uint32_t* repeated;   // nonzero: the extra id repeats a gathered token or an earlier extra id
+  int count;             // E
+  uint32_t* repeated;    // nonzero: the extra id repeats a gathered token or an earlier extra id
   RowPartial* partials;  // each extra's slot partial, set aside for the last block
 };
 
