@@ -168,12 +168,17 @@ def philox4x32_10(counter, key) -> tuple[np.ndarray, ...]:
     return c0, c1, c2, c3
 
 
-def philox_bits(seed: int, stream: int, rows: int, cols: int) -> np.ndarray:
-    """First Philox word for counter (col, row, stream, 0), key (seed low, seed high): [rows, cols]."""
+def philox_bits_at(seed: int, stream: int, columns: np.ndarray) -> np.ndarray:
+    """First Philox word for counter (columns[r, c], r, stream, 0), key (seed low, seed high)."""
     seed &= (1 << 64) - 1
-    col = np.arange(cols, dtype=np.uint64)[None, :]
-    row = np.arange(rows, dtype=np.uint64)[:, None]
+    col = np.asarray(columns).astype(np.uint64)
+    row = np.arange(col.shape[0], dtype=np.uint64)[:, None]
     return philox4x32_10((col, row, stream, 0), (seed & 0xFFFFFFFF, seed >> 32))[0]
+
+
+def philox_bits(seed: int, stream: int, rows: int, cols: int) -> np.ndarray:
+    """philox_bits_at for columns 0 .. cols - 1 of every row: [rows, cols]."""
+    return philox_bits_at(seed, stream, np.broadcast_to(np.arange(cols, dtype=np.uint64), (rows, cols)))
 
 
 def gumbel_from_bits(bits: np.ndarray) -> np.ndarray:
@@ -187,6 +192,12 @@ def gumbel_from_bits(bits: np.ndarray) -> np.ndarray:
 
 def gumbel(seed: int, stream: int, rows: int, cols: int, device="cpu") -> Tensor:
     return torch.from_numpy(gumbel_from_bits(philox_bits(seed, stream, rows, cols))).to(device)
+
+
+def token_gumbel(seed: int, candidates: Tensor) -> Tensor:
+    """The token draw's noise at each candidate, indexed by its token id (a masked -1 takes id 0)."""
+    ids = candidates.clamp(min=0).cpu().numpy()
+    return torch.from_numpy(gumbel_from_bits(philox_bits_at(seed, TOKEN_STREAM, ids))).to(candidates.device)
 
 
 @dataclass
@@ -206,8 +217,8 @@ def sample_clusters(hidden, centroids, probes, temperature, seed: int) -> Sample
 
 
 def decode_sample(hidden, centroids, cluster_tokens, embedding, probes, temperature, seed: int, extra_ids=None) -> SampleTrace:
-    """Gumbel-top-k over clusters then Gumbel-max over their candidates (clusters only when
-    ``cluster_tokens`` is None)."""
+    """Gumbel-top-k over clusters then Gumbel-max over their candidates, the token noise indexed
+    by token id (clusters only when ``cluster_tokens`` is None)."""
     s = scores(hidden, centroids)
     keys = s / temperature + gumbel(seed, CLUSTER_STREAM, s.shape[0], s.shape[1], s.device)
     cluster_ids = ranking(keys)[:, :probes].to(torch.int32)
@@ -215,7 +226,7 @@ def decode_sample(hidden, centroids, cluster_tokens, embedding, probes, temperat
         return SampleTrace(s, keys, cluster_ids, *([None] * 5))
     candidates = gather_candidates(cluster_ids, cluster_tokens, extra_ids)
     scaled = candidate_logits(hidden, embedding, candidates) / temperature
-    token_keys = scaled + gumbel(seed, TOKEN_STREAM, scaled.shape[0], scaled.shape[1], s.device)
+    token_keys = scaled + token_gumbel(seed, candidates)
     valid = valid_candidates(candidates, embedding.shape[0])
     position, tokens = best_candidate(token_keys, candidates, valid)
     logprobs = torch.log_softmax(scaled, dim=1).gather(1, position.unsqueeze(1)).squeeze(1)

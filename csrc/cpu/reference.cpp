@@ -29,12 +29,17 @@ at::Tensor top_indices(const at::Tensor& keys, int64_t k) {
   return order.narrow(1, 0, k).contiguous();
 }
 
-at::Tensor gumbel(int64_t seed, RandomStream stream, int64_t rows, int64_t cols) {
-  auto noise = at::empty({rows, cols}, at::kFloat);
+// Noise [rows, n] with Philox counter (columns[r][c], r): cluster ids for the cluster draw, token
+// ids for the token draw (a masked candidate, -1, takes column 0; it is never drawn).
+at::Tensor gumbel(int64_t seed, RandomStream stream, const at::Tensor& columns) {
+  const auto cols = columns.to(at::kLong).clamp_min(0).contiguous();
+  auto noise = at::empty(cols.sizes(), at::kFloat);
   auto acc = noise.accessor<float, 2>();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c)
-      acc[r][c] = gumbel_noise(static_cast<uint64_t>(seed), stream, static_cast<uint32_t>(r), static_cast<uint32_t>(c));
+  const auto col = cols.accessor<int64_t, 2>();
+  for (int64_t r = 0; r < cols.size(0); ++r)
+    for (int64_t c = 0; c < cols.size(1); ++c)
+      acc[r][c] = gumbel_noise(static_cast<uint64_t>(seed), stream, static_cast<uint32_t>(r),
+                               static_cast<uint32_t>(col[r][c]));
   return noise;
 }
 
@@ -81,7 +86,8 @@ std::tuple<at::Tensor, at::Tensor> sample_clusters_cpu(const at::Tensor& hidden,
   check_probes(op, probes, centroids.size(0));
   check_sampling(op, temperature, seed, hidden);
   auto scores = row_scores(hidden, centroids);
-  auto keys = scores / temperature + gumbel(seed.item<int64_t>(), kClusterStream, scores.size(0), scores.size(1));
+  const auto cluster_ids = at::arange(scores.size(1), at::kLong).expand({scores.size(0), scores.size(1)});
+  auto keys = scores / temperature + gumbel(seed.item<int64_t>(), kClusterStream, cluster_ids);
   return clusters_by_key(scores, keys, probes);
 }
 
@@ -143,8 +149,9 @@ at::Tensor decode_greedy_cpu(const at::Tensor& hidden, const at::Tensor& centroi
   return out;
 }
 
-// Gumbel-max over the candidates: argmax of logits/T + noise is a draw from softmax(logits/T)
-// restricted to the candidate set; its log-probability under that distribution comes along.
+// Gumbel-max over the candidates: argmax of logits/T + noise (indexed by token id) is a draw from
+// softmax(logits/T) restricted to the candidate set; its log-probability under that distribution
+// comes along.
 std::tuple<at::Tensor, at::Tensor> decode_sample_cpu(const at::Tensor& hidden, const at::Tensor& centroids,
                                                      const at::Tensor& cluster_tokens, const at::Tensor& embedding,
                                                      int64_t probes, double temperature, const at::Tensor& seed,
@@ -156,7 +163,7 @@ std::tuple<at::Tensor, at::Tensor> decode_sample_cpu(const at::Tensor& hidden, c
   auto candidates = gather_candidates_cpu(cluster_ids, cluster_tokens, extra_ids);
   auto scaled = candidate_logits_cpu(hidden, embedding, candidates) / temperature;
   auto valid = valid_candidates(candidates, embedding.size(0));
-  auto keys = scaled + gumbel(seed.item<int64_t>(), kTokenStream, scaled.size(0), scaled.size(1));
+  auto keys = scaled + gumbel(seed.item<int64_t>(), kTokenStream, candidates);
   auto position = best_position(keys, candidates, valid);
   auto log_norm = at::logsumexp(scaled, 1);
   auto token_logprobs = scaled.gather(1, position.unsqueeze(1)).squeeze(1) - log_norm;

@@ -59,8 +59,12 @@ template <typename T>
 cudaError_t launch_centroid_scores(const T* hidden, const T* centroids, int batch, int num_clusters, int hidden_dim,
                                    float* scores, const Sampling* sampling, float* keys, cudaStream_t stream);
 
-// The `probes` best clusters per row by `keys` [B, C] (ties to the smaller cluster id, NaN as -inf).
-// ordered: outputs in rank order (best first). Writes any of the non-null outputs:
+// How the selection lists a row's clusters: in any order (the fastest), in an order that is the
+// same on every run (for a consumer whose float sums follow it), or in rank order (best first).
+enum class SelectOrder { kAny, kStable, kRanked };
+
+// The `probes` best clusters per row by `keys` [B, C] (ties to the smaller cluster id, NaN as -inf),
+// listed in `order`. Writes any of the non-null outputs:
 // cluster_ids / selected_scores [B, p] (the latter read from `scores` [B, C]). row_tickets [B]
 // and extra_repeats [B, shape.num_extra] are zeroed for a kernel that follows (the fused
 // decode's candidate kernel).
@@ -75,8 +79,8 @@ struct SelectOutputs {
   RowTicket* row_tickets = nullptr;
   uint32_t* extra_repeats = nullptr;
 };
-size_t select_workspace_bytes(const HeadShape& shape, bool ordered);
-cudaError_t launch_select(const float* keys, const HeadShape& shape, bool ordered, const SelectOutputs& out,
+size_t select_workspace_bytes(const HeadShape& shape, SelectOrder order);
+cudaError_t launch_select(const float* keys, const HeadShape& shape, SelectOrder order, const SelectOutputs& out,
                           void* workspace, cudaStream_t stream, const LaunchOptions& options = {});
 
 // candidates[B, probes*b + E]: the tokens of the given clusters, a row of -1 for an out-of-range

@@ -21,22 +21,27 @@ struct DecodeWorkspace {
   void* select;
 };
 
+// The decodes' clusters are unranked: the greedy argmax does not depend on their order, nor does
+// the sampled draw, whose Gumbel noise is indexed by token id. Sampling's log-normaliser is a
+// float sum in slot order, though, so its list keeps one order from run to run.
+SelectOrder decode_order(bool sampling) { return sampling ? SelectOrder::kStable : SelectOrder::kAny; }
+
 // Upper bound of the candidate kernel's blocks per row (the grid is smaller on small GPUs or
 // large batches): sizes the partials from shapes alone.
 int max_candidate_blocks(const HeadShape& shape) { return ceil_div(shape.num_candidates(), kCandSlotsPerBlock); }
 
 // Scores and (sampling) keys [B, C], then what the selection kernel needs.
 template <typename Carve>
-void carve_scores(WorkspaceCarver& carver, const HeadShape& shape, bool sampling, bool ordered, Carve& ws) {
+void carve_scores(WorkspaceCarver& carver, const HeadShape& shape, bool sampling, SelectOrder order, Carve& ws) {
   const size_t scores = size_t(shape.batch) * shape.num_clusters;
   ws.scores = carver.take<float>(scores);
   ws.keys = sampling ? carver.take<float>(scores) : nullptr;
-  ws.select = carver.take<char>(select_workspace_bytes(shape, ordered));
+  ws.select = carver.take<char>(select_workspace_bytes(shape, order));
 }
 
 DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bool sampling) {
   DecodeWorkspace ws{};
-  carve_scores(carver, shape, sampling, /*ordered=*/sampling, ws);
+  carve_scores(carver, shape, sampling, decode_order(sampling), ws);
   ws.cluster_ids = carver.take<int32_t>(size_t(shape.batch) * shape.probes);
   ws.tickets = carver.take<RowTicket>(shape.batch);
   if (sampling) {
@@ -98,7 +103,7 @@ cudaError_t launch_decode_candidates(const HeadTensors<T>& t, const HeadShape& s
 size_t cluster_select_workspace_bytes(const HeadShape& shape, bool sampling) {
   detail::WorkspaceCarver carver(nullptr);
   detail::SelectWorkspace ws{};
-  detail::carve_scores(carver, shape, sampling, /*ordered=*/true, ws);
+  detail::carve_scores(carver, shape, sampling, SelectOrder::kRanked, ws);
   return carver.bytes();
 }
 
@@ -109,7 +114,7 @@ cudaError_t launch_cluster_select(const T* hidden, const T* centroids, const Hea
   if (shape.batch == 0) return cudaSuccess;
   detail::WorkspaceCarver carver(workspace);
   detail::SelectWorkspace ws{};
-  detail::carve_scores(carver, shape, sampling != nullptr, /*ordered=*/true, ws);
+  detail::carve_scores(carver, shape, sampling != nullptr, SelectOrder::kRanked, ws);
   cudaError_t err = launch_centroid_scores(hidden, centroids, shape.batch, shape.num_clusters, shape.hidden_dim,
                                            ws.scores, sampling, ws.keys, stream);
   if (err != cudaSuccess) return err;
@@ -117,7 +122,7 @@ cudaError_t launch_cluster_select(const T* hidden, const T* centroids, const Hea
   out.cluster_ids = cluster_ids;
   out.selected_scores = scores;
   out.scores = ws.scores;
-  return launch_select(sampling ? ws.keys : ws.scores, shape, /*ordered=*/true, out, ws.select, stream, options);
+  return launch_select(sampling ? ws.keys : ws.scores, shape, SelectOrder::kRanked, out, ws.select, stream, options);
 }
 
 size_t decode_workspace_bytes(const HeadShape& shape, bool sampling) {
@@ -136,14 +141,12 @@ cudaError_t launch_decode(const HeadTensors<T>& tensors, const HeadShape& shape,
   cudaError_t err = launch_centroid_scores(tensors.hidden, tensors.centroids, shape.batch, shape.num_clusters,
                                            shape.hidden_dim, ws.scores, sampling, ws.keys, stream);
   if (err != cudaSuccess) return err;
-  // Sampling numbers candidates by the rank of their cluster (the Gumbel noise is indexed by
-  // position), so it needs the clusters in draw order; the greedy argmax does not.
   SelectOutputs out;
   out.cluster_ids = ws.cluster_ids;
   out.row_tickets = ws.tickets;
   out.extra_repeats = ws.extra_repeats;
-  err = launch_select(sampling ? ws.keys : ws.scores, shape, /*ordered=*/sampling != nullptr, out, ws.select, stream,
-                      options);
+  err = launch_select(sampling ? ws.keys : ws.scores, shape, detail::decode_order(sampling != nullptr), out, ws.select,
+                      stream, options);
   if (err != cudaSuccess) return err;
   return sampling ? detail::launch_decode_candidates<T, true>(tensors, shape, sampling, ws, tokens, token_stride,
                                                               token_logprobs, stream, options.dependent_launch)

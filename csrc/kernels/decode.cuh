@@ -93,12 +93,12 @@ struct DecodeArgs {
   float* token_logprobs;
 };
 
-// A slot's share of a sampling row: its Gumbel key (the noise indexed by row and slot) and its
-// term of the softmax.
+// A slot's share of a sampling row: its Gumbel key (the noise indexed by row and token id, so a
+// token's key does not depend on where its cluster ranks) and its term of the softmax.
 __device__ __forceinline__ RowPartial sampled_slot(float logit, int32_t token, float temperature, uint64_t seed,
-                                                   int64_t abs_row, int slot) {
+                                                   int64_t abs_row) {
   const float x = logit / temperature;
-  const float key = x + gumbel_noise(seed, kTokenStream, static_cast<uint32_t>(abs_row), static_cast<uint32_t>(slot));
+  const float key = x + gumbel_noise(seed, kTokenStream, static_cast<uint32_t>(abs_row), static_cast<uint32_t>(token));
   return {pack_ranked(order_key(key), token), x, isnan(x) ? -INFINITY : x,
           isnan(x) ? NAN : (x == -INFINITY ? 0.0f : 1.0f)};
 }
@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
   const uint64_t seed = kSample ? static_cast<uint64_t>(*a.seed) : 0;
   const int32_t lane_extra = kExtrasAside && lane < a.extras.count ? a.slot_tokens.extra_ids[lane] : -1;
 
-  // Lane r folds slot first + r of each group, so each slot draws its Gumbel noise once.
+  // Lane r folds slot first + r of each group.
   RowPartial p = empty_partial();
   for_each_slot_group(a.rows, a.slot_tokens, row, [&](const WarpSlots& s, int first) {
     if constexpr (kExtrasAside) mark_repeated_extras(a.slot_tokens, a.extras, lane_extra, s, first, row);
@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
     const int32_t token = pick(s.token, lane);
     RowPartial mine = empty_partial();
     if constexpr (kSample)
-      mine = sampled_slot(logit, token, a.temperature, seed, abs_row, slot);
+      mine = sampled_slot(logit, token, a.temperature, seed, abs_row);
     else
       mine.best = pack_ranked(order_key(logit), token);
     if (kExtrasAside && slot >= gathered) {

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/select.cuh"
 
@@ -9,7 +10,7 @@ namespace {
 struct SelectArgs {
   const float* keys;  // [B, C]
   int num_clusters, probes;
-  bool ordered;
+  SelectOrder order;
   int list_len;           // p, or the next power of two when sorting
   uint64_t* list_spill;   // [B, list_len] when the list does not fit in shared memory, else null
   uint32_t survivor_capacity;  // pairs of shared memory for the compacted keys
@@ -17,7 +18,7 @@ struct SelectArgs {
   int num_extra;
 };
 
-template <int kCached>
+template <int kCached, bool kStable>
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
   // [survivor_capacity pairs: compacted keys, then the sort's scratch][list_len pairs: the list,
   // when not spilled]
@@ -30,8 +31,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
   keys.load(a.keys + row * a.num_clusters, a.num_clusters);
   uint64_t* survivors = smem;
   uint64_t* list = a.list_spill ? a.list_spill + row * a.list_len : smem + a.survivor_capacity;
-  select_top(keys, a.probes, list, survivors, a.survivor_capacity, sh);
-  if (a.ordered) {
+  select_top<kStable>(keys, a.probes, list, survivors, a.survivor_capacity, sh);
+  if (a.order == SelectOrder::kRanked) {
     for (int i = a.probes + threadIdx.x; i < a.list_len; i += blockDim.x) list[i] = kNoneRanked;
     __syncthreads();
     sort_descending(list, a.list_len, survivors);
@@ -49,33 +50,33 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
     for (int j = threadIdx.x; j < a.num_extra; j += blockDim.x) out.extra_repeats[row * a.num_extra + j] = 0;
 }
 
-int list_length(int probes, bool ordered) {
-  if (!ordered) return probes;
+int list_length(int probes, SelectOrder order) {
+  if (order != SelectOrder::kRanked) return probes;
   int n = 1;
   while (n < probes) n <<= 1;
   return n;
 }
 
-uint64_t* carve_select(WorkspaceCarver& carver, const HeadShape& shape, bool ordered) {
-  const int len = list_length(shape.probes, ordered);
+uint64_t* carve_select(WorkspaceCarver& carver, const HeadShape& shape, SelectOrder order) {
+  const int len = list_length(shape.probes, order);
   return len > kSmemListMax ? carver.take<uint64_t>(size_t(shape.batch) * len) : nullptr;
 }
 
 }  // namespace
 }  // namespace detail
 
-size_t select_workspace_bytes(const HeadShape& shape, bool ordered) {
+size_t select_workspace_bytes(const HeadShape& shape, SelectOrder order) {
   detail::WorkspaceCarver carver(nullptr);
-  detail::carve_select(carver, shape, ordered);
+  detail::carve_select(carver, shape, order);
   return carver.bytes();
 }
 
-cudaError_t launch_select(const float* keys, const HeadShape& shape, bool ordered, const SelectOutputs& out,
+cudaError_t launch_select(const float* keys, const HeadShape& shape, SelectOrder order, const SelectOutputs& out,
                           void* workspace, cudaStream_t stream, const LaunchOptions& options) {
   if (shape.batch == 0) return cudaSuccess;
   detail::WorkspaceCarver carver(workspace);
-  const int len = detail::list_length(shape.probes, ordered);
-  uint64_t* spill = detail::carve_select(carver, shape, ordered);
+  const int len = detail::list_length(shape.probes, order);
+  uint64_t* spill = detail::carve_select(carver, shape, order);
   // Shared memory: the list unless spilled, and as many survivor slots as the device allows
   // (at least the sort's scratch of 2 * kSelectThreads pairs).
   int device = 0, optin = 0;
@@ -87,7 +88,7 @@ cudaError_t launch_select(const float* keys, const HeadShape& shape, bool ordere
   const uint32_t capacity = static_cast<uint32_t>(std::min<size_t>(room, detail::kMaxSurvivors));
   if (capacity < 2 * detail::kSelectThreads) return cudaErrorInvalidConfiguration;
   const size_t smem = list_bytes + sizeof(uint64_t) * capacity;
-  const detail::SelectArgs args{keys, shape.num_clusters, shape.probes, ordered, len, spill, capacity, out,
+  const detail::SelectArgs args{keys, shape.num_clusters, shape.probes, order, len, spill, capacity, out,
                                 shape.num_extra};
   const int rounds = detail::ceil_div(shape.num_clusters, detail::kSelectThreads);
   const auto launch = [&](auto kernel) {
@@ -96,9 +97,14 @@ cudaError_t launch_select(const float* keys, const HeadShape& shape, bool ordere
     return detail::launch_kernel(kernel, dim3(shape.batch), dim3(detail::kSelectThreads), smem, stream,
                                  options.dependent_launch, args);
   };
-  if (rounds <= 8) return launch(detail::select_kernel<8>);
-  if (rounds <= 12) return launch(detail::select_kernel<12>);
-  return launch(detail::select_kernel<detail::kSelectCached>);
+  // A stable list is its own instance: its prefix sums would cost the other orders registers.
+  const auto by_rounds = [&](auto stable) {
+    constexpr bool kStable = decltype(stable)::value;
+    if (rounds <= 8) return launch(detail::select_kernel<8, kStable>);
+    if (rounds <= 12) return launch(detail::select_kernel<12, kStable>);
+    return launch(detail::select_kernel<detail::kSelectCached, kStable>);
+  };
+  return order == SelectOrder::kStable ? by_rounds(std::true_type{}) : by_rounds(std::false_type{});
 }
 
 }  // namespace flashhead

@@ -13,8 +13,9 @@
 //     the smallest that covers the range, and keeps the bin holding the p-th key; it ends once
 //     that bin holds exactly the keys still needed, or one key value. Fitting the bins to the
 //     range (the survivors span a few binades) takes two passes where fixed 8-bit digits of the
-//     key take three. A last pass collects the winners as packed (key, id) pairs. If the
-//     survivors overflow shared memory, steps 3-4 read the register keys instead.
+//     key take three. A last pass collects the winners as packed (key, id) pairs: by shared
+//     atomics, or, where the list's order must be the same on every run, by a block-wide prefix
+//     sum. If the survivors overflow shared memory, steps 3-4 read the register keys instead.
 //  4. Only an exact tie at the boundary needs id order (ties go to the smaller cluster id):
 //     a block-wide prefix count over the register keys, in id order, picks the smallest ids.
 // Rank order, when asked for, is a bitonic sort of the p pairs: one pair per thread, shuffles
@@ -47,7 +48,8 @@ struct SelectShared {
   uint32_t count;
 };
 
-// Appends `value` for each lane with `take` to list[*count ...], one shared atomic per warp.
+// Appends `value` for each lane with `take` to list[*count ...], one shared atomic per warp (the
+// warps' order varies from run to run).
 __device__ __forceinline__ void warp_append(bool take, uint64_t value, uint64_t* list, uint32_t* count) {
   const unsigned ballot = __ballot_sync(kFullMask, take);
   if (ballot == 0) return;
@@ -253,23 +255,40 @@ __device__ __forceinline__ Threshold radix_select(const Keys& keys, uint32_t k, 
   return {lo, hi, need, tied};
 }
 
+// Appends `value` where `take` to list[count ...] in thread order (a block-wide prefix sum: the
+// same order on every run, at a barrier pair a round); returns the new count.
+__device__ __forceinline__ uint32_t block_append(bool take, uint64_t value, uint64_t* list, uint32_t count,
+                                                 SelectShared& sh) {
+  uint32_t total;
+  const uint32_t at = count + block_exclusive_sum(take, total, sh);
+  if (take) list[at] = value;
+  return count + total;
+}
+
 // Appends the selected keys above the boundary (and the boundary keys too when all of them are
-// needed) to list; sh.count must be 0.
-template <typename Keys>
-__device__ __forceinline__ void collect_above(const Keys& keys, const Threshold& th, uint64_t* list,
-                                              SelectShared& sh) {
+// needed) to list[0 ...]: kStable in a stable order (block_append), returning how many; otherwise
+// in any order (warp_append, counting in sh.count, which must be 0), returning 0.
+template <bool kStable, typename Keys>
+__device__ __forceinline__ uint32_t collect_above(const Keys& keys, const Threshold& th, uint64_t* list,
+                                                  SelectShared& sh) {
   // hi + 1 does not wrap: no key exceeds order_key(+inf) < 2^32 - 1.
   const uint32_t least = th.need == th.tied ? th.lo : th.hi + 1;
+  uint32_t count = 0;
   keys.for_each_round([&](int idx, uint32_t key, bool valid) {
     const bool take = valid && key >= least;
-    warp_append(take, pack_ranked(key, idx), list, &sh.count);
+    if constexpr (kStable)
+      count = block_append(take, pack_ranked(key, idx), list, count, sh);
+    else
+      warp_append(take, pack_ranked(key, idx), list, &sh.count);
   });
+  return count;
 }
 
 // More keys equal the boundary key than are needed: the smallest ids win, found by counting
-// tied keys in id order, a round of kSelectThreads ids at a time.
-template <typename Keys>
-__device__ __forceinline__ void collect_ties(const Keys& keys, const Threshold& th, uint64_t* list,
+// tied keys in id order, a round of kSelectThreads ids at a time; they follow the collect_above
+// list (kStable: at list[count ...] in id order).
+template <bool kStable, typename Keys>
+__device__ __forceinline__ void collect_ties(const Keys& keys, const Threshold& th, uint64_t* list, uint32_t count,
                                              SelectShared& sh) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   uint32_t taken = 0;
@@ -281,15 +300,21 @@ __device__ __forceinline__ void collect_ties(const Keys& keys, const Threshold& 
     __syncthreads();
     uint32_t round_total;
     const uint32_t rank = taken + warps_before(sh.warp_counts, round_total) + __popc(ballot & ((1u << lane) - 1));
-    warp_append(is_tied && rank < th.need, pack_ranked(key, idx), list, &sh.count);
+    const bool take = is_tied && rank < th.need;
+    if constexpr (kStable) {
+      if (take) list[count + rank] = pack_ranked(key, idx);
+    } else {
+      warp_append(take, pack_ranked(key, idx), list, &sh.count);
+    }
     taken += round_total;
     __syncthreads();  // warp_counts is rewritten next round
   });
 }
 
-// Writes the p best (key, id) pairs of the row, packed, to list[0, p) in no particular order.
-// `survivors` is shared scratch for up to `capacity` pairs.
-template <typename Keys>
+// Writes the p best (key, id) pairs of the row, packed, to list[0, p), unranked: in an order set
+// by the keys alone (kStable), else in any order. `survivors` is shared scratch for up to
+// `capacity` pairs.
+template <bool kStable, typename Keys>
 __device__ __forceinline__ void select_top(Keys& keys, int p, uint64_t* list, uint64_t* survivors,
                                            uint32_t capacity, SelectShared& sh) {
   const KeyRange range = selection_range(keys, p, sh);
@@ -303,18 +328,19 @@ __device__ __forceinline__ void select_top(Keys& keys, int p, uint64_t* list, ui
     keys.for_each_round([&](int idx, uint32_t key, bool valid) {
       if (valid) survivors[at++] = pack_ranked(key, idx);
     });
-  if (threadIdx.x == 0) sh.count = 0;  // the list's fill count from here on
+  if (threadIdx.x == 0) sh.count = 0;  // warp_append's fill count
   __syncthreads();
   Threshold th;
+  uint32_t count;
   if (num_survivors <= capacity) {
     const SurvivorKeys compact{survivors, static_cast<int>(num_survivors)};
     th = radix_select(compact, p, range, sh);
-    collect_above(compact, th, list, sh);
+    count = collect_above<kStable>(compact, th, list, sh);
   } else {
     th = radix_select(keys, p, range, sh);
-    collect_above(keys, th, list, sh);
+    count = collect_above<kStable>(keys, th, list, sh);
   }
-  if (th.need != th.tied) collect_ties(keys, th, list, sh);
+  if (th.need != th.tied) collect_ties<kStable>(keys, th, list, count, sh);
   __syncthreads();
 }
 
