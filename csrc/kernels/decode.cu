@@ -13,10 +13,10 @@ namespace {
 struct DecodeWorkspace {
   float* scores;
   float* keys;
-  int32_t* cluster_ids;  // [B, p]
+  int32_t* cluster_ids;        // [B, p]
   RowTicket* tickets;
   RowPartial* partials;
-  uint32_t* extra_repeats;  // [B, E], sampling
+  uint32_t* extra_repeats;     // [B, E], sampling
   RowPartial* extra_partials;  // [B, E], sampling
   void* select;
 };
