@@ -15,8 +15,8 @@
 // drawn twice, so it is masked, as gather_candidates masks it. The blocks mark such extras as they
 // meet their twins (flags the selection kernel zeroes) and set the extras' slot partials aside
 // instead of folding them; the last block folds the unmarked ones with the blocks' partials (the
-// same code: a second copy of the noise's arithmetic there cost a few µs of cold instruction
-// fetches on that one SM). Greedy folds every extra: a repeat has the same token and logit as its
+// same code: a second copy of the noise's arithmetic there cost that one SM a few µs, most likely
+// in cold instruction fetches). Greedy folds every extra: a repeat has the same token and logit as its
 // twin, so the argmax is the same.
 #pragma once
 
