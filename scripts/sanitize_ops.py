@@ -2,8 +2,8 @@
 
 Includes the masking paths (out-of-range cluster and token ids, padding, duplicated extras), a
 batch of 0 and sizes that are not multiples of the vector width, the fused decodes with and
-without extra ids (sampling with extras reads a written candidate list, the others read the
-cluster table), then compares with the CPU op.
+without extra ids (sampling with extras flags repeated ids and sets the extras aside for the
+row's last block), then compares with the CPU op.
 The decoder-layer ops run every fused_linear prologue (one input chunk and several), rotary with
 positions past the cache, and attention on the vector and scalar paths; decoder_step (the
 persistent kernel) at the first, a middle and the last position and one past the cache, with and

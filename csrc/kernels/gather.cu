@@ -19,9 +19,8 @@ struct GatherArgs {
 __global__ void __launch_bounds__(kGatherThreads) gather_candidates_kernel(GatherArgs a) {
   __shared__ GatherShared sh;
   const int64_t row = blockIdx.x;
-  const int32_t* ids = a.cluster_ids + row * a.probes;
   const int64_t width = int64_t{a.probes} * a.cluster_size + a.num_extra;
-  gather_row([&](int k) { return ids[k]; }, a.probes, a.cluster_tokens, a.num_clusters, a.cluster_size, a.extra_ids,
+  gather_row(a.cluster_ids + row * a.probes, a.probes, a.cluster_tokens, a.num_clusters, a.cluster_size, a.extra_ids,
              a.num_extra, a.candidates + row * width, sh);
 }
 

@@ -30,11 +30,11 @@ struct GatherShared {
   int present[kExtraChunk];
 };
 
-// cluster_at(k): the k-th chosen cluster id of this row (any int32; out of range is masked).
-template <typename ClusterAt>
-__device__ void gather_row(ClusterAt cluster_at, int probes, const int32_t* __restrict__ cluster_tokens,
-                           int num_clusters, int cluster_size, const int32_t* __restrict__ extra_ids, int num_extra,
-                           int32_t* __restrict__ out, GatherShared& sh) {
+// cluster_ids[k]: the k-th chosen cluster id of this row (any int32; out of range is masked).
+__device__ inline void gather_row(const int32_t* __restrict__ cluster_ids, int probes,
+                                  const int32_t* __restrict__ cluster_tokens, int num_clusters, int cluster_size,
+                                  const int32_t* __restrict__ extra_ids, int num_extra, int32_t* __restrict__ out,
+                                  GatherShared& sh) {
   const int gathered = probes * cluster_size;
   // f(j, unit) for this thread's units of the slots: one token (Unit int32_t) or, where rows are
   // whole 16-byte vectors, four (int4: a quarter of the slot arithmetic); unit j is unit i of
@@ -53,7 +53,7 @@ __device__ void gather_row(ClusterAt cluster_at, int probes, const int32_t* __re
       bool known[kBatch];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
-        const int32_t cluster = cluster_at(min(k, probes - 1));
+        const int32_t cluster = cluster_ids[min(k, probes - 1)];
         known[u] = cluster >= 0 && cluster < num_clusters;
         unit[u] = reinterpret_cast<const Unit*>(cluster_tokens + int64_t{known[u] ? cluster : 0} * cluster_size)[i];
         k += step_k;
