@@ -223,6 +223,8 @@ ATTENTION_CASES = [
     (16, 4, 2, 64, 16, 0, None),
     (5, 6, 1, 16, 33, 31, None),    # rows 2.. are beyond the cache: they see every key
     (4, 8, 8, 16, 20, -2, 0.37),    # rows 0, 1 see no key: NaN
+    (17, 4, 2, 32, 48, 9, None),    # 34 rows of a KV head: tiles of 3 rows, the last one of 1
+    (16, 64, 1, 16, 24, 3, None),   # 1024 rows of a KV head: tiles of 32 rows
 ]
 
 
@@ -504,8 +506,9 @@ GPU_LINEAR_CASES = [
     ("smollm2-down", 1536, 576, "gated+residual"), ("smollm2-norm+residual-odd-N", 576, 97, "norm+residual"),
     ("smollm2-gated", 1536, 576, "gated"),
 ]
-# (name, H, KV, hd, qk_norm)
-GPU_HEAD_CONFIGS = [("qwen3", 16, 8, 128, True), ("smollm2", 9, 3, 64, False), ("hd256", 4, 1, 256, True)]
+# (name, H, KV, hd, qk_norm); qwen3-32b and mqa64: attention tiles of several query rows (up to 32).
+GPU_HEAD_CONFIGS = [("qwen3", 16, 8, 128, True), ("smollm2", 9, 3, 64, False), ("hd256", 4, 1, 256, True),
+                    ("qwen3-32b", 64, 8, 128, True), ("mqa64", 64, 1, 64, False)]
 GPU_MAX_LEN = 1024
 # (M, length): lengths 0, 1, 500, 1000, the last position, and tokens running past the cache.
 GPU_STEPS = [(1, 0), (16, 0), (7, 1), (3, 500), (16, 1000), (1, 1023), (9, 1020)]

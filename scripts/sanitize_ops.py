@@ -95,7 +95,9 @@ def decoder_layer_ops() -> int:
             for kwargs, inp in ((dict(norm_weight=g), x), (dict(residual=res), x), (dict(gated=True, residual=res), gated_x)):
                 check(f"fused_linear {tokens}x{k}->{n} {sorted(kwargs)}", ops.fused_linear(inp.cuda(), w.cuda(), **{
                     key: v.cuda() if torch.is_tensor(v) else v for key, v in kwargs.items()}), ops.fused_linear(inp, w, **kwargs))
-        for tokens, heads, kv, hd, max_len, length in ((3, 6, 2, 64, 40, 36), (2, 4, 4, 6, 6, 5), (1, 8, 1, 256, 70, 69)):
+        # 9 x 16 / 2: 72 query rows of a KV head, attention tiles of 5 rows (the last one of 2).
+        for tokens, heads, kv, hd, max_len, length in ((3, 6, 2, 64, 40, 36), (2, 4, 4, 6, 6, 5), (1, 8, 1, 256, 70, 69),
+                                                       (9, 16, 2, 64, 40, 20)):
             qkv = rand(tokens, (heads + 2 * kv) * hd)
             cos, sin = rand(max_len, hd), rand(max_len, hd)
             norms = dict(q_norm=rand(hd), k_norm=rand(hd))

@@ -336,7 +336,8 @@ __global__ void rotary_cache_write_kernel(RotaryParams<T> p) {
 // ---- decode_attention -------------------------------------------------------------------------
 
 constexpr int kKeysPerSplit = kWarpSize;  // one key per lane
-constexpr int kMaxRowsPerTile = 32;       // query rows (token, head of a KV group) per block
+constexpr int kMaxRowsPerTile = 32;       // query rows (token, head of a KV group) per block, at most
+constexpr int kTilesPerSplit = 16;        // tiles of a (split, KV head) once they hold several rows each
 constexpr int kMaxHeadDim = kDecodeAttentionMaxHeadDim;
 constexpr int kAttentionSmemBytes = 40 * 1024;
 constexpr int kKeyPieceBytes = 256;       // key bytes a lane holds in registers at a time
@@ -607,8 +608,12 @@ cudaError_t launch_decode_attention(const T* q, const T* k_cache, const T* v_cac
   p.q_stride = ceil_div(head_dim, piece_dims) * piece_dims;
   const size_t values_bytes = size_t{kKeysPerSplit} * head_dim * sizeof(T);
   const size_t row_bytes = kWarpSize * sizeof(float) + size_t{static_cast<unsigned>(p.q_stride)} * sizeof(T);
-  p.rows_per_tile = static_cast<int>(std::min<size_t>(kMaxRowsPerTile, (kAttentionSmemBytes - values_bytes) / row_bytes));
+  // A warp scores its tile's rows one after another, so tiles hold as few rows as keep their number
+  // to kTilesPerSplit: each tile reads the split's keys and values again (from L2).
   const int group_rows = num_heads / num_kv_heads * tokens;
+  const size_t fits = (kAttentionSmemBytes - values_bytes) / row_bytes;
+  p.rows_per_tile = static_cast<int>(
+      std::min<size_t>({kMaxRowsPerTile, fits, static_cast<size_t>(ceil_div(group_rows, kTilesPerSplit))}));
   const dim3 grid(splits, num_kv_heads, ceil_div(group_rows, p.rows_per_tile));
   const size_t smem = values_bytes + p.rows_per_tile * row_bytes;
   const bool vec = rows_vectorizable<T>(k_cache, head_dim) && rows_vectorizable<T>(v_cache, head_dim) &&
