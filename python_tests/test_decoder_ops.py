@@ -2,8 +2,9 @@
 
 CPU: the reference ops against float64 computations written here, rounded to the input dtype
 where the semantics round, over odd sizes, every option and the cache edges. Bad inputs: one test
-per class. opcheck on each device. GPU: the CUDA ops against the CPU ops on the same inputs at
-real models' shapes, CUDA-graph replay at another cache length, no host sync.
+per class. opcheck on each device; the attention cases on each device too. GPU: the CUDA ops
+against the CPU ops on the same inputs at real models' shapes, CUDA-graph replay at another cache
+length, no host sync.
 """
 import re
 
@@ -223,16 +224,17 @@ ATTENTION_CASES = [
     (16, 4, 2, 64, 16, 0, None),
     (5, 6, 1, 16, 33, 31, None),    # rows 2.. are beyond the cache: they see every key
     (4, 8, 8, 16, 20, -2, 0.37),    # rows 0, 1 see no key: NaN
-    (17, 4, 2, 32, 48, 9, None),    # 34 rows of a KV head: tiles of 3 rows, the last one of 1
-    (16, 64, 1, 16, 24, 3, None),   # 1024 rows of a KV head: tiles of 32 rows
+    (17, 4, 2, 32, 48, 9, None),    # 34 rows of a KV head: CUDA tiles of 3 rows, the last one of 1
+    (16, 64, 1, 16, 24, 3, None),   # 1024 rows of a KV head: CUDA tiles of 32 rows
 ]
 
 
+@device_params
 @dtype_params
 @pytest.mark.parametrize("M,H,KV,hd,max_len,length,scale", ATTENTION_CASES)
-def test_decode_attention(M, H, KV, hd, max_len, length, scale, dtype):
+def test_decode_attention(M, H, KV, hd, max_len, length, scale, dtype, device):
     args = attention_args(M, H, KV, hd, max_len, length, dtype, scale)
-    out = ops.decode_attention(**args)
+    out = ops.decode_attention(**on(args, device)).cpu()
     assert out.shape == (M, H * hd) and out.dtype == dtype
     assert torch.equal(out.isnan().all(1), torch.tensor([length + i < 0 for i in range(M)]))
     assert_close(out, decode_attention64(**args), dtype, "out")
