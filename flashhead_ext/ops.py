@@ -299,8 +299,9 @@ def decoder_step(
                          gated=True, residual=x)
 
     The result is the residual stream after the last layer (no final norm), in x's dtype. A
-    ``length`` outside ``[0, max_len)`` gives NaN and writes nothing. One persistent kernel on
-    CUDA; host-sync free, capturable in CUDA graphs.
+    ``length`` outside ``[0, max_len)`` gives NaN and writes nothing; on CUDA such a step costs
+    only a launch, so a captured graph can skip it on the device. One persistent kernel on CUDA;
+    host-sync free, capturable in CUDA graphs.
     """
     _require_tensor("x", x)
     if not isinstance(weights, Mapping):

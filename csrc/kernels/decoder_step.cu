@@ -319,12 +319,7 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int
   const DecoderStepShape& s = p.s;
   const int hd = s.head_dim, half = hd / 2, kv_heads = s.num_kv_heads, group = s.num_heads / kv_heads;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int64_t pos = *p.length;
-  if (pos < 0 || pos >= s.max_len) {  // outside the cache: nothing is written, the step's result is NaN
-    if (blockIdx.x == 0)
-      for (int i = threadIdx.x; i < s.num_heads * hd; i += kStepThreads) p.attn[i] = from_float<T>(NAN);
-    return;
-  }
+  const int64_t pos = *p.length;  // in [0, max_len): the kernel returns early otherwise
   const int keys = static_cast<int>(pos) + 1;
   // Enough items to fill the grid, each at least kSplitMinKeys keys and at most kSplitMaxKeys.
   const int splits = max(ceil_div(keys, kSplitMaxKeys),
@@ -542,6 +537,14 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   __shared__ PhasePlan<T> plans[kPhases];
   __shared__ float reduce[kStepWarps];
   __shared__ int merge_here;
+  const int64_t pos = *p.length;
+  if (pos < 0 || pos >= p.s.max_len) {
+    // Outside the cache: nothing is written and the result is NaN, at the cost of a launch (a
+    // caller can skip a step on the device by passing such a length).
+    for (int i = blockIdx.x * kStepThreads + threadIdx.x; i < p.s.hidden; i += gridDim.x * kStepThreads)
+      p.out[i] = from_float<T>(NAN);
+    return;
+  }
   if (threadIdx.x < kPhases) plans[threadIdx.x] = phase_plan(p, threadIdx.x);
   __syncthreads();
 
