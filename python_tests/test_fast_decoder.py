@@ -162,6 +162,15 @@ def fast_models(arch: str):
     return target, drafts
 
 
+@functools.lru_cache(maxsize=None)
+def persistent_self_draft():
+    """qwen3's target weights in float32 (the body's dtypes) as a draft on the persistent body
+    (one propose graph)."""
+    draft = Decoder.from_hf(hf_model("qwen3", dtype=torch.float32), max_len=48)
+    draft.body = "persistent"
+    return draft
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fast_runner_is_exact_in_every_mode(arch, mode):
@@ -178,19 +187,21 @@ def test_fast_runner_is_exact_in_every_mode(arch, mode):
             break
 
 
+@pytest.mark.parametrize("body", ["eager", "persistent"])  # persistent: deferred launches proposals ahead
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
-def test_eos_inside_a_block_budget_and_tail_step(mode):
+def test_eos_inside_a_block_budget_and_tail_step(mode, body):
     arch, k = "qwen3", 4
     target, drafts = fast_models(arch)
+    draft = drafts["self"] if body == "eager" else persistent_self_draft()
     ref = reference(arch, 3)
-    runner = FastSpeculativeDecoder(target, drafts["self"], head_for(drafts["self"], "dense"), k=k)
+    runner = FastSpeculativeDecoder(target, draft, head_for(draft, "dense"), k=k)
     gen = runner.generate(prompt(3), mode=mode, max_new_tokens=8)  # 1 + 5 + 2: the second block cut
     assert gen.tokens == list(ref[:8]) and gen.stats.emitted_per_round == [5, 2]
     gen = runner.generate(prompt(3), mode=mode, max_new_tokens=7)  # 1 + 5 + 1: the tail step
     assert gen.tokens == list(ref[:7]) and gen.stats.emitted_per_round == [5, 1]
     assert gen.stats.append_calls == (2 if mode == "ordinary" else 1)
     j = next(j for j in range(2, NEW) if ref[j] not in ref[:j] and (j - 1) % (k + 1) != k)
-    gen = FastSpeculativeDecoder(target, drafts["self"], head_for(drafts["self"], "flashhead"), k=k,
+    gen = FastSpeculativeDecoder(target, draft, head_for(draft, "flashhead"), k=k,
                                  eos_token_id=ref[j]).generate(prompt(3), mode=mode, max_new_tokens=NEW)
     assert gen.tokens == list(ref[:j + 1])
     check_counters(gen, mode, k, NEW)
@@ -234,23 +245,65 @@ def test_synthetic_tokens_are_proposals_then_the_targets_token():
             check_counters(gen, mode, 3, NEW)
 
 
+def logged_steps(runner, log: list) -> None:
+    """Every step call appends its name to ``log``, every read of a round's result "read"."""
+    for name, step in runner.steps.items():
+        runner.steps[name] = functools.partial(lambda step, name: (log.append(name), step()), step, name)
+    wait = runner.out_host.wait
+    runner.out_host.wait = lambda: (log.append("read"), wait())[1]
+
+
+@pytest.mark.parametrize("body", ["eager", "persistent"])
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
-def test_first_draft_step_feeds_the_pair_only_after_all_k_were_accepted(mode):
+def test_first_draft_step_feeds_the_pair_only_after_all_k_were_accepted(mode, body):
     """After a round that accepted fewer than K, the draft cache already holds the second-to-last
-    token's entry and ``propose`` feeds one token; after the prefill and after a round that accepted
-    all K, ``propose_pair`` feeds two. With the target as its own draft any stale or misplaced entry
-    would change the proposals, hence the tokens."""
+    token's entry and the first step feeds one token; after the prefill and after a round that
+    accepted all K it feeds both. The eager body has two graphs the host picks from (``propose``,
+    ``propose_pair``); the persistent body one, whose extra step is skipped on the device unless
+    ``need_pair``. With the target as its own draft any stale or misplaced entry would change the
+    proposals, hence the tokens."""
     k = 3
     target, drafts = fast_models("qwen3")
-    runner = FastSpeculativeDecoder(target, drafts["self"], head_for(drafts["self"], "dense"), k=k, synthetic_acceptance=0.6)
+    draft = drafts["self"] if body == "eager" else persistent_self_draft()
+    runner = FastSpeculativeDecoder(target, draft, head_for(draft, "dense"), k=k, synthetic_acceptance=0.6)
+    assert runner.one_propose == (body == "persistent") and ("propose_pair" in runner.steps) == (body == "eager")
     calls = []
-    for name in ("propose", "propose_pair"):
-        runner.steps[name] = functools.partial(lambda step, name: (calls.append(name), step()), runner.steps[name], name)
+    for name in [n for n in ("propose", "propose_pair") if n in runner.steps]:
+        runner.steps[name] = functools.partial(
+            lambda step, name: (calls.append("propose_pair" if name == "propose_pair" or bool(runner.need_pair) else "propose"),
+                                step()), runner.steps[name], name)
     gen = runner.generate(prompt(5), mode=mode, max_new_tokens=NEW)
     assert tuple(gen.tokens) == reference("qwen3", 5)
     after = gen.stats.accepted_per_round[:len(calls) - 1]
     assert calls == ["propose_pair"] + ["propose_pair" if a == k else "propose" for a in after]
     assert {"propose", "propose_pair"} <= set(calls[1:]), calls  # both kinds of round occurred
+
+
+@pytest.mark.parametrize("max_new_tokens,eos", [(NEW, False), (9, False), (NEW, True)])
+def test_deferred_rounds_launch_the_next_proposals_before_the_read(max_new_tokens, eos):
+    """With one propose graph a deferred round launches the next round's proposals before the host
+    reads its result, unless the round may end the generation: by length, or by an EOS (then no
+    round reads ahead). Nothing is wasted."""
+    k = 3
+    target, _ = fast_models("qwen3")
+    draft = persistent_self_draft()
+    ref = reference("qwen3", 4)
+    # An EOS that first occurs late (the generation ends there), or none.
+    end = next(j for j in range(NEW // 2, NEW) if ref[j] not in ref[:j]) + 1 if eos else max_new_tokens
+    eos_token_id = ref[end - 1] if eos else []
+    runner = FastSpeculativeDecoder(target, draft, head_for(draft, "dense"), k=k, synthetic_acceptance=0.7,
+                                    eos_token_id=eos_token_id)
+    log = []
+    logged_steps(runner, log)
+    gen = runner.generate(prompt(4), mode="deferred", max_new_tokens=max_new_tokens)
+    assert tuple(gen.tokens) == ref[:end]
+    ahead, left = [], max_new_tokens - 1
+    for emitted in gen.stats.emitted_per_round:
+        ahead.append(left >= k + 3 and not eos)
+        left -= emitted
+    reads = [i for i, name in enumerate(log) if name == "read"]
+    assert len(reads) == sum(ahead) and all(log[i - 2:i] == ["rewind", "propose"] for i in reads), log
+    assert log.count("propose") == gen.stats.proposed // k  # one a round that proposed: none wasted
 
 
 def test_runner_summary_labels_synthetic_runs():
@@ -429,10 +482,9 @@ def test_no_host_sync_inside_captured_steps(body):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for name in ("propose", "propose_pair", "verify_deferred", "finalize_deferred", "rewind", "append", "verify_ordinary",
-                     "finalize_ordinary"):
-            assert runner.steps[name].graph is not None, name
-            runner.steps[name]()
+        for name, step in runner.steps.items():
+            assert step.graph is not None, name
+            step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

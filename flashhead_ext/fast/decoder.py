@@ -276,35 +276,41 @@ class Decoder:
 
     # ---- the forward -------------------------------------------------------------------------
 
-    def forward(self, ids: Tensor) -> Tensor:
-        """Hidden states ``[n, D]`` (after the final norm) of ``ids`` at positions ``length ..``.
+    def forward(self, ids: Tensor, *, start: Optional[Tensor] = None) -> Tensor:
+        """Hidden states ``[n, D]`` (after the final norm) of ``ids`` at positions ``start ..``
+        (an int64 0-d device tensor; default ``length``).
 
-        Host-sync free and allocation-shape fixed by ``n``: safe inside CUDA-graph capture.
+        Host-sync free and allocation-shape fixed by ``n``: safe inside CUDA-graph capture. With
+        the fused and persistent bodies a ``start`` outside ``[0, max_len)`` writes nothing and
+        gives NaN; the persistent body's one-token step then costs only a launch, which lets a
+        captured graph skip a step on the device.
         """
         c = self.config
         n = ids.shape[0]
         short = n <= STEP_MAX_TOKENS
+        start = self.length if start is None else start
         x = self.embed.index_select(0, ids)
         if self.body == "persistent" and n == 1:
-            x = ops.decoder_step(x, self.stacked, self.k_cache, self.v_cache, self._cos, self._sin, self.length,
+            x = ops.decoder_step(x, self.stacked, self.k_cache, self.v_cache, self._cos, self._sin, start,
                                  c.num_heads, eps=c.rms_norm_eps, scale=1.0 / math.sqrt(c.head_dim))
         elif self.body in ("fused", "persistent") and short:
             for i, w in enumerate(self.layers):
-                x = _fused_layer(x, w, self.k_cache[i], self.v_cache[i], self.length, self._cos, self._sin,
+                x = _fused_layer(x, w, self.k_cache[i], self.v_cache[i], start, self._cos, self._sin,
                                  c.num_heads, c.head_dim, c.rms_norm_eps)
         else:
-            pos, cos, sin, mask = self.step_inputs(n)
+            pos, cos, sin, mask = self.step_inputs(n, start)
             layer = _get_compiled_layer() if self.body == "compiled" and short else _layer
             for i, w in enumerate(self.layers):
                 x = layer(x, w, self.k_cache[i], self.v_cache[i], pos, cos, sin, mask,
                           c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.attention)
         return _rms_norm(x, self.final_norm, c.rms_norm_eps)
 
-    def step_inputs(self, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """What ``_layer`` takes for ``n`` tokens at the current length, derived on the device:
-        their positions, rotary rows ``[n, 1, hd]`` and the additive attention mask."""
+    def step_inputs(self, n: int, start: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """What ``_layer`` takes for ``n`` tokens from ``start`` (default the current length),
+        derived on the device: their positions, rotary rows ``[n, 1, hd]`` and the additive
+        attention mask."""
         c = self.config
-        pos = self.length + self._positions[:n]
+        pos = (self.length if start is None else start) + self._positions[:n]
         cos, sin = self._cos.index_select(0, pos)[:, None], self._sin.index_select(0, pos)[:, None]
         # Query row g*n+i (head g of a KV group, token i) sees keys 0..pos[i]. An additive mask built
         # once per forward: a boolean one would be converted in every layer.

@@ -62,6 +62,26 @@ class _Step:
                 self.graph.replay()
 
 
+class _HostCopy:
+    """A device tensor's values read by the host without waiting for work queued after the read."""
+
+    def __init__(self, src: Tensor):
+        cuda = src.device.type == "cuda"
+        self.src, self.host = src, torch.zeros(src.shape, dtype=src.dtype, pin_memory=cuda)
+        self.ready = torch.cuda.Event() if cuda else None
+
+    def start(self) -> None:
+        with on_device(self.src.device):
+            self.host.copy_(self.src, non_blocking=True)
+            if self.ready is not None:
+                self.ready.record()
+
+    def wait(self) -> list:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
 class _Marks:
     """Phase boundaries on the target's timeline: CUDA events read once per generation (no syncs),
     or a host clock on the CPU. The time from one mark to the next goes to the first mark's phase."""
@@ -164,19 +184,31 @@ class FastSpeculativeDecoder:
         self.vin = torch.zeros(k + 1, **i64)     # [last emitted token, d1..dK]
         self.checks = torch.zeros(k + 1, **i64)  # target argmax per position; checks[0] is the known next token
         self.out = torch.zeros(k + 2, **i64)     # [a, emitted tokens (the first a + 1 are valid)]
+        self.out_host = _HostCopy(self.out)
         self.send = torch.zeros(3, **i64)        # [a, next draft input pair], for the draft device
         self.round = torch.zeros((), **i64)
         self.uniform = torch.zeros(t.max_len, k, dtype=torch.float32, device=dev)
         self._slots = torch.arange(k + 1, device=dev)
         self.steps = dict(append=_Step(self._append, dev), baseline=_Step(self._baseline_step, dev))
+        self.one_propose = False
         if self.draft is not None:
             d = self.draft
             self.pair = torch.zeros(2, dtype=torch.int64, device=d.device)  # the draft's first input of a round
             self.proposals = torch.zeros(k, dtype=torch.int64, device=d.device)
             self.recv = self.send if d.device == dev else torch.zeros(3, dtype=torch.int64, device=d.device)
+            # The persistent body skips a step at an out-of-range position for the cost of a launch,
+            # so one graph serves both kinds of round: the first step feeds the second-to-last token
+            # where need_pair says so (on the device), and the host can launch the next round's
+            # proposals before it reads this round's result.
+            self.one_propose = d.body == "persistent"
+            self.need_pair = torch.ones(1, dtype=torch.bool, device=d.device)
+            self._outside = torch.full((), -1, dtype=torch.int64, device=d.device)
+            if self.one_propose:
+                self.steps["propose"] = _Step(self._propose_either, d.device)
+            else:
+                self.steps.update(propose=_Step(lambda: self._propose(pair=False), d.device),
+                                  propose_pair=_Step(lambda: self._propose(pair=True), d.device))
             self.steps.update(
-                propose=_Step(lambda: self._propose(pair=False), d.device),
-                propose_pair=_Step(lambda: self._propose(pair=True), d.device),
                 rewind=_Step(self._rewind, d.device),
                 verify_deferred=_Step(lambda: self._verify(self.vin), dev),
                 verify_ordinary=_Step(lambda: self._verify(self.vin[1:]), dev),
@@ -224,6 +256,13 @@ class FastSpeculativeDecoder:
                 slot.copy_(head.next_token(hidden))
             ids = slot
 
+    def _propose_either(self) -> None:
+        """``_propose`` with the pair chosen on the device: the second-to-last token is fed at the
+        cache length when ``need_pair``, else at an out-of-range position (a skipped step)."""
+        d = self.draft
+        d.forward(self.pair[:1], start=torch.where(self.need_pair[0], d.length, self._outside))
+        self._propose(pair=False)
+
     def _verify(self, ids: Tensor) -> None:
         """Writes the target's KV entries of ``ids`` (the length stays: finalize keeps the accepted)
         and its argmax at each; ordinary's ``ids`` are the K proposals, after the known ``checks[0]``."""
@@ -254,6 +293,7 @@ class FastSpeculativeDecoder:
         the second-to-last emitted token, which ``propose_pair`` re-feeds and ``propose`` keeps."""
         self.draft.length -= self.k - self.recv[0]
         self.pair.copy_(self.recv[1:])
+        torch.eq(self.recv[:1], self.k, out=self.need_pair)
 
     # ---- generation --------------------------------------------------------------------------
 
@@ -297,15 +337,22 @@ class FastSpeculativeDecoder:
                 d.forward(prompt[:-1].to(d.device))
             d.reset(prompt.shape[0] - 1)
             self.pair.copy_(torch.cat([prompt[-1:], self.vin[:1]]))
+            self.need_pair.fill_(True)
             self.round.zero_()
         # The draft has no entry of the prompt's last token yet, nor, after a round that accepted
         # all K, of the last proposal (proposals are fed one step behind).
-        pair_needed = True
+        pair_needed, proposed_ahead = True, False
         done = output.first(int(self.vin[0]))
         stats.ttft_s = time.perf_counter() - start
 
         clock, marks = Clock(t.device), _Marks(t.device)
         draft_clock = clock if d is None or d.device == t.device else Clock(d.device)
+
+        def propose():
+            marks("propose")
+            with on_device(d.device), draft_clock("draft"):
+                steps["propose" if self.one_propose or not pair_needed else "propose_pair"]()
+
         decode_start = time.perf_counter()
         if mode == "ordinary" and not done:
             with clock("target"):
@@ -332,9 +379,9 @@ class FastSpeculativeDecoder:
                 done = output.emit([int(self.checks[0])], 0, 0)
                 continue
 
-            marks("propose")
-            with on_device(d.device), draft_clock("draft"):
-                steps["propose_pair" if pair_needed else "propose"]()
+            if not proposed_ahead:
+                propose()
+            proposed_ahead = False
             self.vin[1:].copy_(self.proposals)
             marks("verify")
             verified = True
@@ -358,7 +405,15 @@ class FastSpeculativeDecoder:
             steps["rewind"]()
             if verified:
                 stats.verify_calls += 1
-                packed = self.out.tolist()
+                # The next proposals go in before the host waits, unless this round may end the
+                # generation: by length, or by an EOS (a wasted propose costs K draft steps).
+                if self.one_propose and mode == "deferred" and output.left >= k + 3 and not self.eos:
+                    self.out_host.start()
+                    propose()
+                    proposed_ahead = True
+                    packed = self.out_host.wait()
+                else:
+                    packed = self.out.tolist()
                 stats.host_syncs += 1
                 accepted, emitted = packed[0], packed[1:packed[0] + 2]
             else:
