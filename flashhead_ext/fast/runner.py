@@ -290,7 +290,8 @@ class FastSpeculativeDecoder:
 
     def _rewind(self) -> None:
         """The draft cache kept its proposals' entries; keep those of the accepted ones only, minus
-        the second-to-last emitted token, which ``propose_pair`` re-feeds and ``propose`` keeps."""
+        the second-to-last emitted token, which ``propose_pair`` re-feeds and ``propose`` keeps.
+        ``need_pair``: all K were accepted, so that token has no entry yet (the one-graph propose)."""
         self.draft.length -= self.k - self.recv[0]
         self.pair.copy_(self.recv[1:])
         torch.eq(self.recv[:1], self.k, out=self.need_pair)
