@@ -356,6 +356,7 @@ class FastSpeculativeDecoder:
 
         decode_start = time.perf_counter()
         if mode == "ordinary" and not done:
+            marks("finalize")  # the prefill token's append, as every round's in the finalize phase
             with clock("target"):
                 steps["append"]()
             stats.append_calls += 1
