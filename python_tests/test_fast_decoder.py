@@ -260,7 +260,7 @@ def test_first_draft_step_feeds_the_pair_only_after_all_k_were_accepted(mode, bo
     token's entry and the first step feeds one token; after the prefill and after a round that
     accepted all K it feeds both. The eager body has two graphs the host picks from (``propose``,
     ``propose_pair``); the persistent body one, whose extra step is skipped on the device unless
-    ``need_pair``. With the target as its own draft any stale or misplaced entry would change the
+    the last round accepted all K (``recv[0] == k``, on the device). With the target as its own draft any stale or misplaced entry would change the
     proposals, hence the tokens."""
     k = 3
     target, drafts = fast_models("qwen3")
@@ -270,7 +270,7 @@ def test_first_draft_step_feeds_the_pair_only_after_all_k_were_accepted(mode, bo
     calls = []
     for name in [n for n in ("propose", "propose_pair") if n in runner.steps]:
         runner.steps[name] = functools.partial(
-            lambda step, name: (calls.append("propose_pair" if name == "propose_pair" or bool(runner.need_pair) else "propose"),
+            lambda step, name: (calls.append("propose_pair" if name == "propose_pair" or int(runner.recv[0]) == k else "propose"),
                                 step()), runner.steps[name], name)
     gen = runner.generate(prompt(5), mode=mode, max_new_tokens=NEW)
     assert tuple(gen.tokens) == reference("qwen3", 5)

@@ -80,7 +80,7 @@ def _layer_rows(name: str, tokens: int, args, bandwidth: float) -> list[dict]:
 
     # The whole layer at the last positions of the cache (the fused body's most expensive step).
     model.reset(args.context - tokens)
-    pos, cos, sin, mask = model.step_inputs(tokens)
+    pos, cos, sin, mask = model.step_inputs(tokens, model.length)
     k_cache, v_cache = model.k_cache[0], model.v_cache[0]
     cache_bytes = 2 * c.num_kv_heads * args.context * c.head_dim * 2
     rows.append(dict(

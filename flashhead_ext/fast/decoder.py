@@ -305,12 +305,12 @@ class Decoder:
                           c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.attention)
         return _rms_norm(x, self.final_norm, c.rms_norm_eps)
 
-    def step_inputs(self, n: int, start: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """What ``_layer`` takes for ``n`` tokens from ``start`` (default the current length),
-        derived on the device: their positions, rotary rows ``[n, 1, hd]`` and the additive
-        attention mask."""
+    def step_inputs(self, n: int, start: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """What ``_layer`` takes for ``n`` tokens from position ``start`` (an int64 0-d device
+        tensor), derived on the device: their positions, rotary rows ``[n, 1, hd]`` and the
+        additive attention mask."""
         c = self.config
-        pos = (self.length if start is None else start) + self._positions[:n]
+        pos = start + self._positions[:n]
         cos, sin = self._cos.index_select(0, pos)[:, None], self._sin.index_select(0, pos)[:, None]
         # Query row g*n+i (head g of a KV group, token i) sees keys 0..pos[i]. An additive mask built
         # once per forward: a boolean one would be converted in every layer.

@@ -198,12 +198,11 @@ class FastSpeculativeDecoder:
             self.recv = self.send if d.device == dev else torch.zeros(3, dtype=torch.int64, device=d.device)
             # The persistent body skips a step at an out-of-range position for the cost of a launch,
             # so one graph serves both kinds of round: the first step feeds the second-to-last token
-            # where need_pair says so (on the device), and the host can launch the next round's
-            # proposals before it reads this round's result.
+            # where the last round accepted all K (recv[0], on the device), and the host can launch
+            # the next round's proposals before it reads this round's result.
             self.one_propose = d.body == "persistent"
-            self.need_pair = torch.ones(1, dtype=torch.bool, device=d.device)
-            self._outside = torch.full((), -1, dtype=torch.int64, device=d.device)
             if self.one_propose:
+                self._outside = torch.full((), -1, dtype=torch.int64, device=d.device)
                 self.steps["propose"] = _Step(self._propose_either, d.device)
             else:
                 self.steps.update(propose=_Step(lambda: self._propose(pair=False), d.device),
@@ -258,9 +257,10 @@ class FastSpeculativeDecoder:
 
     def _propose_either(self) -> None:
         """``_propose`` with the pair chosen on the device: the second-to-last token is fed at the
-        cache length when ``need_pair``, else at an out-of-range position (a skipped step)."""
+        cache length when the last round accepted all K (``recv[0] == k``; the prefill counts as
+        such a round), else at an out-of-range position (a skipped step)."""
         d = self.draft
-        d.forward(self.pair[:1], start=torch.where(self.need_pair[0], d.length, self._outside))
+        d.forward(self.pair[:1], start=torch.where(self.recv[0] == self.k, d.length, self._outside))
         self._propose(pair=False)
 
     def _verify(self, ids: Tensor) -> None:
@@ -290,11 +290,9 @@ class FastSpeculativeDecoder:
 
     def _rewind(self) -> None:
         """The draft cache kept its proposals' entries; keep those of the accepted ones only, minus
-        the second-to-last emitted token, which ``propose_pair`` re-feeds and ``propose`` keeps.
-        ``need_pair``: all K were accepted, so that token has no entry yet (the one-graph propose)."""
+        the second-to-last emitted token, which ``propose_pair`` re-feeds and ``propose`` keeps."""
         self.draft.length -= self.k - self.recv[0]
         self.pair.copy_(self.recv[1:])
-        torch.eq(self.recv[:1], self.k, out=self.need_pair)
 
     # ---- generation --------------------------------------------------------------------------
 
@@ -338,7 +336,7 @@ class FastSpeculativeDecoder:
                 d.forward(prompt[:-1].to(d.device))
             d.reset(prompt.shape[0] - 1)
             self.pair.copy_(torch.cat([prompt[-1:], self.vin[:1]]))
-            self.need_pair.fill_(True)
+            self.recv[:1].fill_(k)  # like a round that accepted all K: the pair is fed (one-graph propose)
             self.round.zero_()
         # The draft has no entry of the prompt's last token yet, nor, after a round that accepted
         # all K, of the last proposal (proposals are fed one step behind).
