@@ -446,11 +446,15 @@ GPU_SHAPES = {
     "smollm2": (2, 576, 1536, 9, 3, 64, GPU_MAX_LEN, False),
     "gemma3-270m": (2, 640, 2048, 4, 1, 256, 64, True),
     "group8-hd256": (2, 512, 1024, 8, 1, 256, 64, True),
+    # A split's cached keys and values are read from a copy in a free weight stage when they fit it
+    # (2 n hd bytes of T), from the cache otherwise. 132 blocks over 8 KV heads make 16 splits: at
+    # 1024 keys they all fit (64 keys), at 1501 only in 16-bit types (94), at 3000 in none (187).
+    "qwen3-long": (2, 1024, 3072, 16, 8, 128, 3000, True),
 }
 # (shape, length): each shape at 0, the last position and beyond on both sides; qwen3 also at 37, 500.
 GPU_CASES = [
     *[(s, n) for s in GPU_SHAPES for n in (0, GPU_SHAPES[s][6] - 1, GPU_SHAPES[s][6], -1)],
-    ("small", 17), ("qwen3", 37), ("qwen3", 500), ("smollm2", 300),
+    ("small", 17), ("qwen3", 37), ("qwen3", 500), ("smollm2", 300), ("qwen3-long", 1500),
 ]
 
 

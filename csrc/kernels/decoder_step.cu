@@ -313,8 +313,15 @@ __host__ __device__ inline size_t residual_rows_offset(const DecoderStepShape& s
 // a key per thread, weights the values with a warp per key and lanes over dimensions, and leaves a
 // softmax partial; the last split of a KV head to finish merges them (decode_attention's merge)
 // into attn. Every loop over keys keeps its loads independent, so they are in flight together.
+//
+// The split's cached keys and values do not depend on this step, so when they fit the weight ring's
+// free stage (the one the last consumed chunk used, refilled only at the next chunk) cp.async copies
+// them there while the queries are made ready: the scores and the weighted values then read shared
+// memory instead of waiting on two or three round trips to the cache. The copies are one extra
+// cp.async group, waited for in full before the next chunk is acquired, so the weight stream's
+// group count stays right.
 template <typename T>
-__device__ void attention(const StepParams<T>& p, int layer, float* scratch, int* merge_here) {
+__device__ void attention(const StepParams<T>& p, int layer, float* scratch, T* free_stage, int* merge_here) {
   constexpr int V = kVecWidth<T>;
   const DecoderStepShape& s = p.s;
   const int hd = s.head_dim, half = hd / 2, kv_heads = s.num_kv_heads, group = s.num_heads / kv_heads;
@@ -338,7 +345,25 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int
     const int kv = item / splits, split = item % splits;
     const int key0 = static_cast<int>(int64_t{split} * keys / splits);
     const int n = static_cast<int>(int64_t{split + 1} * keys / splits) - key0;
-    __syncthreads();  // the previous item is done with the scratch
+    __syncthreads();  // the previous item is done with the scratch and the free stage
+
+    T* k_cache = p.k_cache + layer * layer_cache + int64_t{kv} * s.max_len * hd;
+    T* v_cache = p.v_cache + layer * layer_cache + int64_t{kv} * s.max_len * hd;
+    const int split_bytes = n * hd * static_cast<int>(sizeof(T));
+    const bool staged = 2 * split_bytes <= p.stage_bytes;
+    if (staged) {
+      unsigned char* dst = reinterpret_cast<unsigned char*>(free_stage);
+      const unsigned char* k_src = reinterpret_cast<const unsigned char*>(k_cache + int64_t{key0} * hd);
+      const unsigned char* v_src = reinterpret_cast<const unsigned char*>(v_cache + int64_t{key0} * hd);
+      for (int off = threadIdx.x * 16; off < split_bytes; off += kStepThreads * 16) {
+        copy_async_16(dst + off, k_src + off);
+        copy_async_16(dst + split_bytes + off, v_src + off);
+      }
+      commit_async();
+    }
+    // Rows j = 0..n-1 of the split (key key0 + j).
+    T* k_rows = staged ? free_stage : k_cache + int64_t{key0} * hd;
+    T* v_rows = staged ? free_stage + n * hd : v_cache + int64_t{key0} * hd;
 
     for (int vec = warp; vec <= group; vec += kStepWarps) {  // vec == group: the new key
       const bool is_key = vec == group;
@@ -383,16 +408,18 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int
         }
       }
     }
+    if (staged) wait_async_except(0);
     __syncthreads();
 
-    T* k_cache = p.k_cache + layer * layer_cache + int64_t{kv} * s.max_len * hd;
-    T* v_cache = p.v_cache + layer * layer_cache + int64_t{kv} * s.max_len * hd;
     if (key0 + n == keys) {
-      // The split holding the new token stores it, and then reads it back like every other key:
-      // no per-key branch, so the loops below issue their loads together.
+      // The split holding the new token stores it (in the cache, and over its stale staged row),
+      // and then reads it back like every other key: no per-key branch, so the loops below issue
+      // their loads together.
       for (int d = threadIdx.x; d < hd; d += kStepThreads) {
-        k_cache[pos * hd + d] = from_float<T>(k_new[d]);
-        v_cache[pos * hd + d] = from_float<T>(v_new[d]);
+        const T key = from_float<T>(k_new[d]), value = from_float<T>(v_new[d]);
+        k_cache[pos * hd + d] = key;
+        v_cache[pos * hd + d] = value;
+        if (staged) k_rows[(n - 1) * hd + d] = key, v_rows[(n - 1) * hd + d] = value;
       }
       __syncthreads();
     }
@@ -401,8 +428,7 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int
     constexpr int kMaxVectorsPerThread = kDecoderStepMaxHeadDim / V / kThreadsPerKey;
     for (int j0 = 0; j0 < n; j0 += kStepThreads / kThreadsPerKey) {
       const int j = j0 + threadIdx.x / kThreadsPerKey, part = threadIdx.x % kThreadsPerKey;
-      const int key = key0 + min(j, n - 1);  // threads past the split repeat its last key, unused
-      const T* k_row = k_cache + int64_t{key} * hd;
+      const T* k_row = k_rows + int64_t{min(j, n - 1)} * hd;  // threads past the split repeat its last key, unused
       float dot[kMaxGroup];
 #pragma unroll
       for (int h = 0; h < kMaxGroup; ++h) dot[h] = 0.0f;
@@ -451,7 +477,7 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, int
       T v[kValueKeys][kHeadDimPerLane];
 #pragma unroll
       for (int u = 0; u < kValueKeys; ++u) {
-        const T* value_row = v_cache + int64_t{key0 + min(base + u * kStepWarps, n - 1)} * hd;
+        const T* value_row = v_rows + int64_t{min(base + u * kStepWarps, n - 1)} * hd;
 #pragma unroll
         for (int i = 0; i < kHeadDimPerLane; ++i) v[u][i] = value_row[min(lane + i * kWarpSize, hd - 1)];
       }
@@ -559,7 +585,9 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   for (int layer = 0; layer < p.s.layers; ++layer) {
     for (int phase = 0; phase < kPhases; ++phase) {
       if (phase == kOut) {
-        attention(p, layer, scratch, &merge_here);
+        // The stage of the last chunk consumed: its GEMV is done, and the next acquire refills it.
+        T* free_stage = reinterpret_cast<T*>(smem_raw + ((consumed + p.stages - 1) % p.stages) * p.stage_bytes);
+        attention(p, layer, scratch, free_stage, &merge_here);
         grid_barrier(p.barrier, ++barriers * gridDim.x);
       }
       const PhasePlan<T>& pl = plans[phase];
