@@ -106,6 +106,11 @@ __device__ __forceinline__ void copy_async_16(void* dst, const void* src) {
   const unsigned dst_shared = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst_shared), "l"(src) : "memory");
 }
+// bytes (whole 16-byte vectors) from global src to shared dst, spread over threads 0..threads-1.
+__device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes, int threads) {
+  for (int off = threadIdx.x * 16; off < bytes; off += threads * 16)
+    copy_async_16(static_cast<unsigned char*>(dst) + off, static_cast<const unsigned char*>(src) + off);
+}
 __device__ __forceinline__ void commit_async() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void wait_async_except(int pending) {
   switch (pending) {
@@ -169,11 +174,7 @@ struct WeightStream {
       const int bytes = rows * pl.in_features * static_cast<int>(sizeof(T));
       const T* src = pl.weight + layer * pl.layer_stride + int64_t{row0} * pl.in_features;
       unsigned char* dst = ring + (issued % stages) * stage_bytes;
-      for (int part = 0; part < pl.unit; ++part) {
-        const unsigned char* from = reinterpret_cast<const unsigned char*>(src + part * pl.second);
-        for (int off = threadIdx.x * 16; off < bytes; off += kCopyThreads * 16)
-          copy_async_16(dst + part * bytes + off, from + off);
-      }
+      for (int part = 0; part < pl.unit; ++part) copy_async(dst + part * bytes, src + part * pl.second, bytes, kCopyThreads);
     }
     commit_async();
     ++issued;
@@ -352,13 +353,8 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, T* 
     const int split_bytes = n * hd * static_cast<int>(sizeof(T));
     const bool staged = 2 * split_bytes <= p.stage_bytes;
     if (staged) {
-      unsigned char* dst = reinterpret_cast<unsigned char*>(free_stage);
-      const unsigned char* k_src = reinterpret_cast<const unsigned char*>(k_cache + int64_t{key0} * hd);
-      const unsigned char* v_src = reinterpret_cast<const unsigned char*>(v_cache + int64_t{key0} * hd);
-      for (int off = threadIdx.x * 16; off < split_bytes; off += kStepThreads * 16) {
-        copy_async_16(dst + off, k_src + off);
-        copy_async_16(dst + split_bytes + off, v_src + off);
-      }
+      copy_async(free_stage, k_cache + int64_t{key0} * hd, split_bytes, kStepThreads);
+      copy_async(free_stage + n * hd, v_cache + int64_t{key0} * hd, split_bytes, kStepThreads);
       commit_async();
     }
     // Rows j = 0..n-1 of the split (key key0 + j).
