@@ -5,9 +5,10 @@
 // plus the latency of its dependent stages. As separate kernels (decoder_layer.cu) every stage pays
 // a launch, a ramp-up and a drain, about 2.5 us each and seven a layer. Here one resident block per
 // SM runs every stage of every layer, with grid barriers between the stages, and each block's
-// share of the weights streams through a ring of shared-memory stages filled by cp.async. Weights
-// do not depend on the token, so the copies run ahead of the computation across stage boundaries
-// and barriers: a barrier's latency hides under the weight stream instead of adding to it.
+// share of the weights streams through a ring of shared-memory stages filled by bulk copies (TMA;
+// cp.async before sm_90). Weights do not depend on the token, so the copies run ahead of the
+// computation across stage boundaries and barriers: a barrier's latency hides under the weight
+// stream instead of adding to it.
 //
 // A layer: qkv GEMV with its RMSNorm folded in | attention: q/k norms, rotary and the cache write,
 // split over the cache (the last split of a KV head to finish merges them) | o GEMV + residual |
@@ -101,6 +102,52 @@ __device__ PhasePlan<T> phase_plan(const StepParams<T>& p, int phase) {
   return plan;
 }
 
+// Copies into shared memory that the block waits for. On sm_90 a weight chunk (or an attention
+// split's keys and values) is one bulk copy per piece, moved by the copy engine (TMA) and counted
+// on an mbarrier, issued by one thread. Before sm_90 every copying thread issues 16-byte cp.async
+// into commit groups.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FLASHHEAD_BULK_COPIES 1
+// The issuing thread is in the last warp: the GEMVs deal rows to warps from the first, so that
+// warp has the fewest, and the issue's instructions delay it least.
+constexpr int kBulkThread = kStepThreads - 1;
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbarrier_init(uint64_t* barrier) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(barrier)) : "memory");
+}
+// The one expected arrival of the barrier's phase, which then also waits for `bytes` to land.
+__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* barrier, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
+               : "memory");
+}
+// Streamed bytes are marked first to leave L2: they pass through once a step, and what they would
+// evict (norms, activations, the kernel's code and parameters) is then read from L2, not HBM
+// (Qwen3-0.6B's step 2.4% faster).
+__device__ __forceinline__ void copy_bulk(void* dst, const void* src, int bytes, uint64_t* barrier) {
+  uint64_t evict_first;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+          shared_address(dst)),
+      "l"(src), "r"(bytes), "r"(shared_address(barrier)), "l"(evict_first)
+      : "memory");
+}
+// Waits until the barrier's phase number `use` (counted from 0) has completed.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, unsigned use) {
+  unsigned done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(shared_address(barrier)), "r"(use & 1u)
+        : "memory");
+  } while (!done);
+}
+// Orders this thread's earlier shared-memory writes before later bulk copies into the same bytes.
+__device__ __forceinline__ void fence_before_bulk_copies() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+#else
 // cp.async with an explicit group count: the number of stages is a run-time value.
 __device__ __forceinline__ void copy_async_16(void* dst, const void* src) {
   const unsigned dst_shared = static_cast<unsigned>(__cvta_generic_to_shared(dst));
@@ -124,6 +171,8 @@ __device__ __forceinline__ void wait_async_except(int pending) {
   }
 }
 static_assert(kMaxStages - 2 <= 6, "wait_async_except covers stages - 2 pending groups");
+
+#endif
 
 // Reads a value another block wrote during this kernel: from L2, never from a stale L1 line.
 template <typename T>
@@ -155,38 +204,91 @@ __device__ __forceinline__ void grid_barrier(unsigned* arrivals, unsigned target
 }
 
 // The block's weight chunks in the order they are used (layer by layer, phase by phase), copied
-// stages - 1 chunks ahead into a ring of stages. Every issue commits one cp.async group, empty
-// past the end, so "chunk i has landed" is always "all but the newest stages - 2 groups are done".
+// stages - 1 chunks ahead into a ring of stages. Both ends keep counted-up positions: a division
+// by a run-time count is a chain of ~30 dependent instructions, and the thread that issues holds
+// its warp (the phase's last) back by every instruction it runs between __syncthreads and copy.
+// On sm_90 the chunk in a stage lands on that stage's barrier, in the phase numbered by how often
+// the stage was filled before. Before sm_90 every issue commits one cp.async group, empty past the
+// end, so "the chunk acquired next has landed" is always "all but the newest stages - 2 groups are
+// done".
 template <typename T>
 struct WeightStream {
   const PhasePlan<T>* plans;
   unsigned char* ring;
-  int stages, stage_bytes, per_layer, total, issued;
+  uint64_t* landed;  // [stages] mbarriers (sm_90)
+  int stages, stage_bytes, layers;
+  int issue_layer, issue_phase, issue_chunk, issue_stage;  // the next chunk to copy
+  int acquire_stage;                                      // the next chunk to use
+  unsigned acquire_fills;                                 // fills of its stage before it
 
-  __device__ void issue() {
-    if (issued < total && threadIdx.x < kCopyThreads) {
-      const int layer = issued / per_layer;
-      int c = issued - layer * per_layer, phase = 0;
-      while (c >= plans[phase].chunks) c -= plans[phase++].chunks;
-      const PhasePlan<T>& pl = plans[phase];
-      const int row0 = pl.row_lo + c * pl.rows_per_chunk;
-      const int rows = min(pl.rows_per_chunk, pl.row_hi - row0);
-      const int bytes = rows * pl.in_features * static_cast<int>(sizeof(T));
-      const T* src = pl.weight + layer * pl.layer_stride + int64_t{row0} * pl.in_features;
-      unsigned char* dst = ring + (issued % stages) * stage_bytes;
-      for (int part = 0; part < pl.unit; ++part) copy_async(dst + part * bytes, src + part * pl.second, bytes, kCopyThreads);
-    }
-    commit_async();
-    ++issued;
+  __device__ WeightStream(const PhasePlan<T>* plans, unsigned char* ring, uint64_t* landed, int stages, int stage_bytes,
+                          int layers, int chunks_per_layer)
+      : plans(plans), ring(ring), landed(landed), stages(stages), stage_bytes(stage_bytes),
+        layers(chunks_per_layer > 0 ? layers : 0), issue_layer(0), issue_phase(0), issue_chunk(-1), issue_stage(0),
+        acquire_stage(0), acquire_fills(0) {
+    if (this->layers > 0) next_chunk();
   }
 
-  // Chunk `index` once it has landed for the whole block; then the next copy goes into the stage
-  // the previous chunk used (every warp is past it: the __syncthreads here).
-  __device__ const T* acquire(int index) {
+  // Steps the issue position to the next chunk, past phases in which the block has no rows.
+  __device__ void next_chunk() {
+    while (++issue_chunk >= plans[issue_phase].chunks) {
+      issue_chunk = -1;
+      if (++issue_phase == kPhases) issue_phase = 0, ++issue_layer;
+    }
+  }
+
+  __device__ void issue() {
+#ifdef FLASHHEAD_BULK_COPIES
+    const bool copies = threadIdx.x == kBulkThread;
+#else
+    const bool copies = threadIdx.x < kCopyThreads;
+#endif
+    if (issue_layer < layers) {
+      if (copies) {
+        const PhasePlan<T>& pl = plans[issue_phase];
+        const int row0 = pl.row_lo + issue_chunk * pl.rows_per_chunk;
+        const int rows = min(pl.rows_per_chunk, pl.row_hi - row0);
+        const int bytes = rows * pl.in_features * static_cast<int>(sizeof(T));
+        const T* src = pl.weight + issue_layer * pl.layer_stride + int64_t{row0} * pl.in_features;
+        unsigned char* dst = ring + issue_stage * stage_bytes;
+#ifdef FLASHHEAD_BULK_COPIES
+        uint64_t* barrier = landed + issue_stage;
+        mbarrier_expect_bytes(barrier, pl.unit * bytes);
+        for (int part = 0; part < pl.unit; ++part) copy_bulk(dst + part * bytes, src + part * pl.second, bytes, barrier);
+#else
+        for (int part = 0; part < pl.unit; ++part)
+          copy_async(dst + part * bytes, src + part * pl.second, bytes, kCopyThreads);
+#endif
+      }
+      next_chunk();
+      if (++issue_stage == stages) issue_stage = 0;
+    }
+#ifndef FLASHHEAD_BULK_COPIES
+    commit_async();
+#endif
+  }
+
+  // The stage of the chunk acquired last: free until the next acquire refills it.
+  __device__ unsigned char* last_stage() const {
+    return ring + (acquire_stage == 0 ? stages - 1 : acquire_stage - 1) * stage_bytes;
+  }
+
+  // The next chunk once it has landed for the whole block. The next copy goes into the stage the
+  // previous chunk used, once every warp is past it (the __syncthreads).
+  __device__ const T* acquire() {
+    const int stage = acquire_stage;
+#ifdef FLASHHEAD_BULK_COPIES
+    const unsigned fills = acquire_fills;
+    __syncthreads();
+    issue();
+    mbarrier_wait(landed + stage, fills);
+#else
     wait_async_except(stages - 2);
     __syncthreads();
     issue();
-    return reinterpret_cast<const T*>(ring + (index % stages) * stage_bytes);
+#endif
+    if (++acquire_stage == stages) acquire_stage = 0, ++acquire_fills;
+    return reinterpret_cast<const T*>(ring + stage * stage_bytes);
   }
 };
 
@@ -309,29 +411,76 @@ __host__ __device__ inline size_t residual_rows_offset(const DecoderStepShape& s
   return (floats + 31) / 32 * 32;
 }
 
+// A layer's attention work items: (KV head, split of the keys 0..pos). Enough to fill the grid,
+// each at least kSplitMinKeys keys and at most kSplitMaxKeys. They depend on pos only, not on
+// the layer.
+struct SplitItem {
+  int kv, split, key0, n;
+};
+__device__ __forceinline__ int attention_splits(int keys, int kv_heads) {
+  return max(ceil_div(keys, kSplitMaxKeys),
+             min(ceil_div(keys, kSplitMinKeys), max(1, static_cast<int>(gridDim.x) / kv_heads)));
+}
+__device__ __forceinline__ SplitItem split_item(int item, int splits, int keys) {
+  // 32-bit arithmetic (split * keys < kSplitMaxKeys * kDecoderStepMaxLen): 64-bit division is a call.
+  const unsigned kv = static_cast<unsigned>(item) / splits, split = item - kv * splits;
+  const unsigned key0 = split * keys / splits, key_end = (split + 1) * keys / splits;
+  return {static_cast<int>(kv), static_cast<int>(split), static_cast<int>(key0), static_cast<int>(key_end - key0)};
+}
+static_assert(int64_t{kSplitMaxKeys} * kDecoderStepMaxLen <= int64_t{UINT32_MAX}, "split_item's 32-bit products");
+
+// The layer's cache of KV head kv.
+template <typename T>
+__device__ __forceinline__ T* head_cache(const StepParams<T>& p, T* cache, int layer, int kv) {
+  return cache + (int64_t{layer} * p.s.num_kv_heads + kv) * p.s.max_len * p.s.head_dim;
+}
+
+// The split's cached keys and values do not depend on this step, so when they fit the weight ring's
+// free stage (the one the last consumed chunk used, refilled only at the next chunk) they are
+// copied there: the scores and the weighted values then read shared memory instead of waiting on
+// two or three round trips to the cache. The block's first item is copied before the grid barrier
+// ahead of the attention, its later items while their queries are made ready. On sm_90 the copies
+// land on their own barrier (phase `staged_items`, counted over the step); before sm_90 they are
+// one extra cp.async group, waited for in full before the next chunk is acquired, so the weight
+// stream's group count stays right.
+template <typename T>
+__device__ __forceinline__ bool split_fits(const StepParams<T>& p, int n) {
+  return 2 * n * p.s.head_dim * static_cast<int>(sizeof(T)) <= p.stage_bytes;
+}
+template <typename T>
+__device__ void stage_split(const StepParams<T>& p, int layer, const SplitItem& it, T* free_stage,
+                            uint64_t* split_landed) {
+  const int hd = p.s.head_dim;
+  const int split_bytes = it.n * hd * static_cast<int>(sizeof(T));
+  const T* k_src = head_cache(p, p.k_cache, layer, it.kv) + int64_t{it.key0} * hd;
+  const T* v_src = head_cache(p, p.v_cache, layer, it.kv) + int64_t{it.key0} * hd;
+#ifdef FLASHHEAD_BULK_COPIES
+  if (threadIdx.x == kBulkThread) {
+    mbarrier_expect_bytes(split_landed, 2 * split_bytes);
+    copy_bulk(free_stage, k_src, split_bytes, split_landed);
+    copy_bulk(free_stage + it.n * hd, v_src, split_bytes, split_landed);
+  }
+#else
+  copy_async(free_stage, k_src, split_bytes, kStepThreads);
+  copy_async(free_stage + it.n * hd, v_src, split_bytes, kStepThreads);
+  commit_async();
+#endif
+}
+
 // The attention of one layer. Work items are (KV head, split of the keys 0..pos); each gets the
 // group's queries and the new key ready (RMSNorm, rotary: rotary_cache_write's arithmetic), scores
 // a key per thread, weights the values with a warp per key and lanes over dimensions, and leaves a
 // softmax partial; the last split of a KV head to finish merges them (decode_attention's merge)
 // into attn. Every loop over keys keeps its loads independent, so they are in flight together.
-//
-// The split's cached keys and values do not depend on this step, so when they fit the weight ring's
-// free stage (the one the last consumed chunk used, refilled only at the next chunk) cp.async copies
-// them there while the queries are made ready: the scores and the weighted values then read shared
-// memory instead of waiting on two or three round trips to the cache. The copies are one extra
-// cp.async group, waited for in full before the next chunk is acquired, so the weight stream's
-// group count stays right.
 template <typename T>
-__device__ void attention(const StepParams<T>& p, int layer, float* scratch, T* free_stage, int* merge_here) {
+__device__ void attention(const StepParams<T>& p, int layer, int64_t pos, float* scratch, T* free_stage,
+                          int* merge_here, uint64_t* split_landed, unsigned& staged_items) {
   constexpr int V = kVecWidth<T>;
   const DecoderStepShape& s = p.s;
   const int hd = s.head_dim, half = hd / 2, kv_heads = s.num_kv_heads, group = s.num_heads / kv_heads;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int64_t pos = *p.length;  // in [0, max_len): the kernel returns early otherwise
   const int keys = static_cast<int>(pos) + 1;
-  // Enough items to fill the grid, each at least kSplitMinKeys keys and at most kSplitMaxKeys.
-  const int splits = max(ceil_div(keys, kSplitMaxKeys),
-                         min(ceil_div(keys, kSplitMinKeys), max(1, static_cast<int>(gridDim.x) / kv_heads)));
+  const int splits = attention_splits(keys, kv_heads);
   float* q_rows = scratch;                        // [group][hd]
   float* k_new = q_rows + group * hd;             // [hd]
   float* v_new = k_new + hd;                      // [hd]
@@ -340,23 +489,16 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, T* 
   float* warp_values = stats + 2 * group;         // [kStepWarps][group][hd]
   const T* cos = p.cos + pos * hd;
   const T* sin = p.sin + pos * hd;
-  const int64_t layer_cache = int64_t{kv_heads} * s.max_len * hd;
 
   for (int item = blockIdx.x; item < kv_heads * splits; item += gridDim.x) {
-    const int kv = item / splits, split = item % splits;
-    const int key0 = static_cast<int>(int64_t{split} * keys / splits);
-    const int n = static_cast<int>(int64_t{split + 1} * keys / splits) - key0;
+    const SplitItem it = split_item(item, splits, keys);
+    const int kv = it.kv, split = it.split, key0 = it.key0, n = it.n;
     __syncthreads();  // the previous item is done with the scratch and the free stage
-
-    T* k_cache = p.k_cache + layer * layer_cache + int64_t{kv} * s.max_len * hd;
-    T* v_cache = p.v_cache + layer * layer_cache + int64_t{kv} * s.max_len * hd;
-    const int split_bytes = n * hd * static_cast<int>(sizeof(T));
-    const bool staged = 2 * split_bytes <= p.stage_bytes;
-    if (staged) {
-      copy_async(free_stage, k_cache + int64_t{key0} * hd, split_bytes, kStepThreads);
-      copy_async(free_stage + n * hd, v_cache + int64_t{key0} * hd, split_bytes, kStepThreads);
-      commit_async();
-    }
+    T* k_cache = head_cache(p, p.k_cache, layer, kv);
+    T* v_cache = head_cache(p, p.v_cache, layer, kv);
+    const bool staged = split_fits(p, n);
+    // The first item's copies were issued before the grid barrier.
+    if (staged && item != static_cast<int>(blockIdx.x)) stage_split(p, layer, it, free_stage, split_landed);
     // Rows j = 0..n-1 of the split (key key0 + j).
     T* k_rows = staged ? free_stage : k_cache + int64_t{key0} * hd;
     T* v_rows = staged ? free_stage + n * hd : v_cache + int64_t{key0} * hd;
@@ -404,7 +546,11 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, T* 
         }
       }
     }
+#ifdef FLASHHEAD_BULK_COPIES
+    if (staged) mbarrier_wait(split_landed, staged_items++);
+#else
     if (staged) wait_async_except(0);
+#endif
     __syncthreads();
 
     if (key0 + n == keys) {
@@ -417,6 +563,9 @@ __device__ void attention(const StepParams<T>& p, int layer, float* scratch, T* 
         v_cache[pos * hd + d] = value;
         if (staged) k_rows[(n - 1) * hd + d] = key, v_rows[(n - 1) * hd + d] = value;
       }
+#ifdef FLASHHEAD_BULK_COPIES
+      if (staged) fence_before_bulk_copies();  // the stage's next chunk lands over these rows
+#endif
       __syncthreads();
     }
     // Scores: kThreadsPerKey threads per key, each a few 16-byte vectors of its row (all loaded at
@@ -559,6 +708,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   __shared__ PhasePlan<T> plans[kPhases];
   __shared__ float reduce[kStepWarps];
   __shared__ int merge_here;
+  __shared__ uint64_t landed[kMaxStages + 1];  // sm_90: the weight stages', then the staged split's
   const int64_t pos = *p.length;
   if (pos < 0 || pos >= p.s.max_len) {
     // Outside the cache: nothing is written and the result is NaN, at the cost of a launch (a
@@ -568,29 +718,34 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
     return;
   }
   if (threadIdx.x < kPhases) plans[threadIdx.x] = phase_plan(p, threadIdx.x);
+#ifdef FLASHHEAD_BULK_COPIES
+  if (threadIdx.x == 0) {
+    for (int i = 0; i <= p.stages; ++i) mbarrier_init(landed + i);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // before the copy engine signals them
+  }
+#endif
   __syncthreads();
 
   int per_layer = 0;
 #pragma unroll
   for (int phase = 0; phase < kPhases; ++phase) per_layer += plans[phase].chunks;
-  WeightStream<T> stream{plans, smem_raw, p.stages, p.stage_bytes, per_layer, per_layer * p.s.layers, 0};
+  WeightStream<T> stream(plans, smem_raw, landed, p.stages, p.stage_bytes, p.s.layers, per_layer);
   for (int i = 0; i < p.stages - 1; ++i) stream.issue();
 
-  int consumed = 0;
-  unsigned barriers = 0;
+  unsigned barriers = 0, staged_items = 0;
   for (int layer = 0; layer < p.s.layers; ++layer) {
     for (int phase = 0; phase < kPhases; ++phase) {
       if (phase == kOut) {
         // The stage of the last chunk consumed: its GEMV is done, and the next acquire refills it.
-        T* free_stage = reinterpret_cast<T*>(smem_raw + ((consumed + p.stages - 1) % p.stages) * p.stage_bytes);
-        attention(p, layer, scratch, free_stage, &merge_here);
+        T* free_stage = reinterpret_cast<T*>(stream.last_stage());
+        attention(p, layer, pos, scratch, free_stage, &merge_here, landed + p.stages, staged_items);
         grid_barrier(p.barrier, ++barriers * gridDim.x);
       }
       const PhasePlan<T>& pl = plans[phase];
       const float inv_rms =
           pl.chunks > 0 ? stage_input(p, pl, layer, phase, scratch, residual_rows, reduce) : 1.0f;
       for (int c = 0; c < pl.chunks; ++c) {
-        const T* chunk = stream.acquire(consumed++);
+        const T* chunk = stream.acquire();
         const int row0 = pl.row_lo + c * pl.rows_per_chunk;
         const int rows = min(pl.rows_per_chunk, pl.row_hi - row0);
         gemv_chunk(chunk, scratch, pl.in_features, pl.unit, rows, [&](int first, float a, bool has_b, float b) {
@@ -610,10 +765,20 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
           }
         });
       }
+      if (phase == kQkv) {  // the copies of the block's first attention item, if it has one
+        const int keys = static_cast<int>(pos) + 1, splits = attention_splits(keys, p.s.num_kv_heads);
+        const SplitItem first = split_item(blockIdx.x, splits, keys);
+        if (static_cast<int>(blockIdx.x) < p.s.num_kv_heads * splits && split_fits(p, first.n)) {
+          __syncthreads();  // every warp is done with the chunk whose stage the split is copied into
+          stage_split(p, layer, first, reinterpret_cast<T*>(stream.last_stage()), landed + p.stages);
+        }
+      }
       if (layer + 1 < p.s.layers || phase != kDown) grid_barrier(p.barrier, ++barriers * gridDim.x);
     }
   }
+#ifndef FLASHHEAD_BULK_COPIES
   wait_async_except(0);  // the trailing empty groups
+#endif
 }
 
 }  // namespace
