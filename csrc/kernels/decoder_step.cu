@@ -472,8 +472,10 @@ __device__ void stage_split(const StepParams<T>& p, int layer, const SplitItem& 
     copy_bulk(free_stage + it.n * hd, v_src, split_bytes, split_landed);
   }
 #else
-  copy_async(free_stage, k_src, split_bytes, kStepThreads);
-  copy_async(free_stage + it.n * hd, v_src, split_bytes, kStepThreads);
+  if (threadIdx.x < kCopyThreads) {  // the first item's copies are issued before a grid barrier's signal
+    copy_async(free_stage, k_src, split_bytes, kCopyThreads);
+    copy_async(free_stage + it.n * hd, v_src, split_bytes, kCopyThreads);
+  }
   commit_async();
 #endif
 }
