@@ -260,8 +260,8 @@ def test_first_draft_step_feeds_the_pair_only_after_all_k_were_accepted(mode, bo
     token's entry and the first step feeds one token; after the prefill and after a round that
     accepted all K it feeds both. The eager body has two graphs the host picks from (``propose``,
     ``propose_pair``); the persistent body one, whose extra step is skipped on the device unless
-    the last round accepted all K (``recv[0] == k``, on the device). With the target as its own draft any stale or misplaced entry would change the
-    proposals, hence the tokens."""
+    the last round accepted all K (``recv[0] == k``, on the device). With the target as its own
+    draft any stale or misplaced entry would change the proposals, hence the tokens."""
     k = 3
     target, drafts = fast_models("qwen3")
     draft = drafts["self"] if body == "eager" else persistent_self_draft()

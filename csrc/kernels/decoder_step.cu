@@ -25,8 +25,9 @@ namespace {
 
 constexpr int kStepThreads = 256;
 constexpr int kStepWarps = kStepThreads / kWarpSize;
-// The last warp issues no weight copies: its thread signals the grid, and a release there does
-// not wait for a stage's worth of copies in flight.
+// Before sm_90 the last warp issues no cp.async copies: its thread signals the grid, and a release
+// there does not wait for a stage's worth of copies in flight. (sm_90's bulk copies are not the
+// signalling thread's and do not hold its release.)
 constexpr int kCopyThreads = kStepThreads - kWarpSize;
 constexpr int kSignalThread = kCopyThreads;
 constexpr int kMaxStages = 8;
@@ -446,6 +447,12 @@ __device__ __forceinline__ T* head_cache(const StepParams<T>& p, T* cache, int l
   return cache + (int64_t{layer} * p.s.num_kv_heads + kv) * p.s.max_len * p.s.head_dim;
 }
 
+// Whether a split's keys and values fit one weight stage.
+template <typename T>
+__device__ __forceinline__ bool split_fits(const StepParams<T>& p, int n) {
+  return 2 * n * p.s.head_dim * static_cast<int>(sizeof(T)) <= p.stage_bytes;
+}
+
 // The split's cached keys and values do not depend on this step, so when they fit the weight ring's
 // free stage (the one the last consumed chunk used, refilled only at the next chunk) they are
 // copied there: the scores and the weighted values then read shared memory instead of waiting on
@@ -454,10 +461,6 @@ __device__ __forceinline__ T* head_cache(const StepParams<T>& p, T* cache, int l
 // land on their own barrier (phase `staged_items`, counted over the step); before sm_90 they are
 // one extra cp.async group, waited for in full before the next chunk is acquired, so the weight
 // stream's group count stays right.
-template <typename T>
-__device__ __forceinline__ bool split_fits(const StepParams<T>& p, int n) {
-  return 2 * n * p.s.head_dim * static_cast<int>(sizeof(T)) <= p.stage_bytes;
-}
 template <typename T>
 __device__ void stage_split(const StepParams<T>& p, int layer, const SplitItem& it, T* free_stage,
                             uint64_t* split_landed) {
@@ -779,6 +782,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
         });
       }
       if (phase == kQkv) {  // the copies of the block's first attention item, if it has one
+        // Recomputed each layer rather than held over the loop: the kernel is at its register limit.
         const int keys = static_cast<int>(pos) + 1, splits = attention_splits(keys, p.s.num_kv_heads);
         const SplitItem first = split_item(blockIdx.x, splits, keys);
         if (static_cast<int>(blockIdx.x) < p.s.num_kv_heads * splits && split_fits(p, first.n)) {
