@@ -305,12 +305,9 @@ struct WeightStream {
 };
 
 // The phase's input as float in shared memory: the RMSNorm weight folded in (y = inv_rms * (W .
-// (x * g))), so the input is read once; for o and down also the residual stream's values of the
-// block's rows, loaded with the input rather than one round trip per result. Returns inv_rms (1
-// without a norm).
+// (x * g))), so the input is read once. Returns inv_rms (1 without a norm).
 template <typename T>
-__device__ float stage_input(const StepParams<T>& p, const PhasePlan<T>& pl, int layer, int phase, float* xs,
-                             float* residual_rows, float* reduce) {
+__device__ float stage_input(const StepParams<T>& p, int layer, int phase, float* xs, float* reduce) {
   const DecoderStepShape& s = p.s;
   const T* src = p.act;
   const T* norm = nullptr;
@@ -324,11 +321,6 @@ __device__ float stage_input(const StepParams<T>& p, const PhasePlan<T>& pl, int
     k = s.num_heads * s.head_dim;
   }
   constexpr int V = kVecWidth<T>;
-  if (phase == kOut || phase == kDown) {
-    const T* residual = phase == kOut && layer == 0 ? p.x : p.out;
-    for (int row = pl.row_lo + threadIdx.x; row < pl.row_hi; row += kStepThreads)
-      residual_rows[row - pl.row_lo] = load_shared_result(residual + row);
-  }
   float sum_sq = 0.0f;
   // Whole 16-byte vectors (k is a multiple of V): one or two loads a thread, all in flight at once.
 #pragma unroll 2
@@ -741,6 +733,11 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   }
 #endif
   __syncthreads();
+  // The residual stream's rows that o and down add to are the block's own: o and down split the
+  // hidden rows alike, so each adds to what the block itself wrote last, kept here in shared memory
+  // rather than read back from L2 after a grid barrier. The first layer's o adds to the token's row.
+  for (int row = plans[kOut].row_lo + threadIdx.x; row < plans[kOut].row_hi; row += kStepThreads)
+    residual_rows[row - plans[kOut].row_lo] = to_float(p.x[row]);
 
   int per_layer = 0;
 #pragma unroll
@@ -759,7 +756,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
       }
       const PhasePlan<T>& pl = plans[phase];
       const float inv_rms =
-          pl.chunks > 0 ? stage_input(p, pl, layer, phase, scratch, residual_rows, reduce) : 1.0f;
+          pl.chunks > 0 ? stage_input(p, layer, phase, scratch, reduce) : 1.0f;
       for (int c = 0; c < pl.chunks; ++c) {
         const T* chunk = stream.acquire();
         const int row0 = pl.row_lo + c * pl.rows_per_chunk;
@@ -775,8 +772,11 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
             const float sum = r == 0 ? a : b;
             if (phase == kQkv) {
               p.qkv[row] = from_float<T>(sum * inv_rms);
-            } else {  // o and down: + the residual stream (the input token's row in the first layer)
-              p.out[row] = from_float<T>(rounded<T>(sum) + residual_rows[row - pl.row_lo]);
+            } else {  // o and down: + the residual stream
+              float& residual = residual_rows[row - pl.row_lo];
+              const T result = from_float<T>(rounded<T>(sum) + residual);
+              p.out[row] = result;
+              residual = to_float(result);
             }
           }
         });
