@@ -4,11 +4,12 @@
 // At one token a layer costs its weight bytes (30 MB for Qwen3-0.6B: about 7 us at HBM speed)
 // plus the latency of its dependent stages. As separate kernels (decoder_layer.cu) every stage pays
 // a launch, a ramp-up and a drain, about 2.5 us each and seven a layer. Here one resident block per
-// SM runs every stage of every layer, with grid barriers between the stages, and each block's
-// share of the weights streams through a ring of shared-memory stages filled by bulk copies (TMA;
-// cp.async before sm_90). Weights do not depend on the token, so the copies run ahead of the
-// computation across stage boundaries and barriers: a barrier's latency hides under the weight
-// stream instead of adding to it.
+// SM runs every stage of every layer, and each block's share of the weights streams through a ring
+// of shared-memory stages filled by bulk copies (TMA; cp.async before sm_90). Weights do not
+// depend on the token, so the copies run ahead of the computation across stage boundaries. A
+// stage's results go to the next as posted values (post / await_post): each carries the number of
+// the stage that wrote it, so a block waits for exactly the values it reads, and their arrival is
+// the signal, with no grid barrier between the stages.
 //
 // A layer: qkv GEMV with its RMSNorm folded in | attention: q/k norms, rotary and the cache write,
 // split over the cache (the last split of a KV head to finish merges them) | o GEMV + residual |
@@ -25,9 +26,9 @@ namespace {
 
 constexpr int kStepThreads = 256;
 constexpr int kStepWarps = kStepThreads / kWarpSize;
-// Before sm_90 the last warp issues no cp.async copies: its thread signals the grid, and a release
-// there does not wait for a stage's worth of copies in flight. (sm_90's bulk copies are not the
-// signalling thread's and do not hold its release.)
+// Before sm_90 the last warp issues no cp.async copies: its thread announces the block's attention
+// split, and a release there does not wait for a stage's worth of copies in flight. (sm_90's bulk
+// copies are not the signalling thread's and do not hold its release.)
 constexpr int kCopyThreads = kStepThreads - kWarpSize;
 constexpr int kSignalThread = kCopyThreads;
 constexpr int kMaxStages = 8;
@@ -51,24 +52,33 @@ constexpr int kValueKeys = 4;                     // keys whose values a warp lo
 constexpr int kMergeSplits = 16;                  // splits whose partials a thread loads at once
 
 enum WeightPhase : int { kQkv = 0, kOut = 1, kGateUp = 2, kDown = 3, kPhases = 4 };
+// A layer's stages in order: the weight phases with the attention after qkv.
+enum Stage : int { kQkvStage = 0, kAttentionStage = 1, kPhaseStages = 1, kStages = 5 };
+__device__ __forceinline__ int stage_of(int phase) { return phase == kQkv ? kQkvStage : phase + kPhaseStages; }
+// The number that a stage's posted values carry, counted over the step: the token's row is post 1,
+// and every stage reads the post numbered one less than its own (qkv reads the previous down's).
+__device__ __forceinline__ unsigned post_number(int layer, int stage) {
+  return static_cast<unsigned>(layer) * kStages + stage + 2;
+}
 
 template <typename T>
 struct StepParams {
   DecoderStepWeights<T> w;
   DecoderStepShape s;
   const T* x;
-  T* out;  // the residual stream, updated in place from the second stage on
+  T* out;  // the residual stream after the last layer
   T* k_cache;
   T* v_cache;
   const T* cos;
   const T* sin;
   const int64_t* length;
-  T* qkv;                // [(H + 2 KV) hd]
-  T* attn;               // [H hd]
-  T* act;                // [I]: silu(gate) * up
+  // Posted values (see post), zeroed by the launch.
+  uint64_t* hidden;      // [D]: the residual stream (the token's row, then after each o and down)
+  uint64_t* qkv;         // [(H + 2 KV) hd]
+  uint64_t* attn;        // [H hd]
+  uint64_t* act;         // [I]: silu(gate) * up
   float* partial_out;    // [H][max_splits][hd]
   float* partial_stats;  // [H][max_splits][2]: max, sum
-  unsigned* barrier;     // arrivals, counted up over the whole step
   unsigned* merged;      // [KV]: finished splits, counted up over the layers
   int stages, stage_bytes, max_splits;
 };
@@ -186,33 +196,45 @@ static_assert(kMaxStages - 2 <= 6, "wait_async_except covers stages - 2 pending 
 
 #endif
 
-// Reads a value another block wrote during this kernel: from L2, never from a stale L1 line.
-template <typename T>
-__device__ __forceinline__ float load_shared_result(const T* p) {
-  if constexpr (sizeof(T) == 2) {
-    const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(p));
-    T value;
-    memcpy(&value, &bits, sizeof(value));
-    return to_float(value);
-  } else {
-    return __ldcg(p);
-  }
+// A value handed from one block to others within the step: one 64-bit word, the float's bits low
+// and the post number of the stage that wrote it high, stored and loaded whole (single-copy atomic).
+// A reader loads the words it needs and spins on those without the number it expects, so the
+// value's arrival is its own signal: no fence, arrival count or grid barrier between the stages.
+// Readers of a post are done before its words are written again: every stage reads all of the
+// previous one, so a block writing post n has seen post n - 1 from each block, which came after
+// that block read post n - 2. Post 0 is never written (the launch zeroes the words), and post
+// numbers grow over the step, so no stale word matches.
+__device__ __forceinline__ void post(uint64_t* word, float value, unsigned number) {
+  const uint64_t bits = (uint64_t{number} << 32) | __float_as_uint(value);
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(word), "l"(bits));
 }
-
-// Every block arrives once per barrier; the arrivals only count up during a step (the launch
-// zeroes them), so barrier number n waits for n * gridDim.x arrivals.
-__device__ __forceinline__ void grid_barrier(unsigned* arrivals, unsigned target) {
-  __syncthreads();
-  if (threadIdx.x == kSignalThread) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(arrivals) : "memory");
-    // Spin on relaxed loads; one acquire load then orders what the block reads next.
-    unsigned seen = 0;
-    do {
-      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrivals) : "memory");
-    } while (seen < target);
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrivals) : "memory");
+__device__ __forceinline__ uint64_t load_post(const uint64_t* word) {
+  uint64_t bits;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(bits) : "l"(word));
+  return bits;
+}
+// Two words at a 16-byte aligned address in one load (each word still whole).
+__device__ __forceinline__ void load_post_pair(const uint64_t* words, uint64_t (&bits)[2]) {
+  asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];" : "=l"(bits[0]), "=l"(bits[1]) : "l"(words));
+}
+__device__ __forceinline__ bool has_post(uint64_t bits, unsigned number) {
+  return static_cast<unsigned>(bits >> 32) == number;
+}
+__device__ __forceinline__ float posted_value(uint64_t bits) { return __uint_as_float(static_cast<unsigned>(bits)); }
+// Waits until every one of N loaded words carries post `number`, reloading those without it
+// together (word(j) is the j-th's address), so the values that arrive late cost one more round
+// trip, not one each.
+template <int N, typename Word>
+__device__ __forceinline__ void await_posts(uint64_t (&bits)[N], unsigned number, Word&& word) {
+  for (;;) {
+    bool all = true;
+#pragma unroll
+    for (int j = 0; j < N; ++j) all = all && has_post(bits[j], number);
+    if (all) return;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (!has_post(bits[j], number)) bits[j] = load_post(word(j));
   }
-  __syncthreads();
 }
 
 // The block's weight chunks in the order they are used (layer by layer, phase by phase), copied
@@ -304,39 +326,53 @@ struct WeightStream {
   }
 };
 
-// The phase's input as float in shared memory: the RMSNorm weight folded in (y = inv_rms * (W .
-// (x * g))), so the input is read once. Returns inv_rms (1 without a norm).
+// The phase's input as float in shared memory, as the previous stage posts it: the RMSNorm weight
+// folded in (y = inv_rms * (W . (x * g))), so the input is read once. Returns inv_rms (1 without
+// a norm).
 template <typename T>
 __device__ float stage_input(const StepParams<T>& p, int layer, int phase, float* xs, float* reduce) {
   const DecoderStepShape& s = p.s;
-  const T* src = p.act;
+  const uint64_t* src = p.act;
   const T* norm = nullptr;
   int k = s.intermediate;
   if (phase == kQkv || phase == kGateUp) {
-    src = phase == kQkv && layer == 0 ? p.x : p.out;
+    src = p.hidden;
     norm = (phase == kQkv ? p.w.attn_norm : p.w.mlp_norm) + int64_t{layer} * s.hidden;
     k = s.hidden;
   } else if (phase == kOut) {
     src = p.attn;
     k = s.num_heads * s.head_dim;
   }
-  constexpr int V = kVecWidth<T>;
+  const unsigned number = post_number(layer, stage_of(phase)) - 1;
   float sum_sq = 0.0f;
-  // Whole 16-byte vectors (k is a multiple of V): one or two loads a thread, all in flight at once.
-#pragma unroll 2
-  for (int i = threadIdx.x * V; i < k; i += kStepThreads * V) {
-    Chunk<T, V> x;
-    const int4 bits = __ldcg(reinterpret_cast<const int4*>(src + i));
-    memcpy(&x, &bits, sizeof(bits));
-    const Chunk<T, V> g = norm ? load_chunk<T, V>(norm + i) : Chunk<T, V>{};
+  // Pairs of words (k is even), up to kInputLoads a thread in flight at once: k <= 2 * kInputLoads *
+  // kStepThreads is one round trip once posted. Words past k count as posted.
+  constexpr int kInputLoads = 8;
+  for (int base = 0; base < k; base += 2 * kInputLoads * kStepThreads) {
+    const auto word_index = [&](int j) { return base + 2 * ((j / 2) * kStepThreads + static_cast<int>(threadIdx.x)) + j % 2; };
+    uint64_t bits[2 * kInputLoads];
 #pragma unroll
-    for (int e = 0; e < V; ++e) {
-      float v = to_float(x.v[e]);
+    for (int u = 0; u < kInputLoads; ++u) {
+      const int i = word_index(2 * u);
+      if (i < k) {
+        uint64_t pair[2];
+        load_post_pair(src + i, pair);
+        bits[2 * u] = pair[0], bits[2 * u + 1] = pair[1];
+      } else {
+        bits[2 * u] = bits[2 * u + 1] = uint64_t{number} << 32;
+      }
+    }
+    await_posts(bits, number, [&](int j) { return src + word_index(j); });
+#pragma unroll
+    for (int j = 0; j < 2 * kInputLoads; ++j) {
+      const int i = word_index(j);
+      if (i >= k) break;
+      float v = posted_value(bits[j]);
       if (norm) {
         sum_sq = fmaf(v, v, sum_sq);
-        v *= to_float(g.v[e]);
+        v *= to_float(norm[i]);
       }
-      xs[i + e] = v;
+      xs[i] = v;
     }
   }
   if (!norm) return 1.0f;
@@ -448,8 +484,9 @@ __device__ __forceinline__ bool split_fits(const StepParams<T>& p, int n) {
 // The split's cached keys and values do not depend on this step, so when they fit the weight ring's
 // free stage (the one the last consumed chunk used, refilled only at the next chunk) they are
 // copied there: the scores and the weighted values then read shared memory instead of waiting on
-// two or three round trips to the cache. The block's first item is copied before the grid barrier
-// ahead of the attention, its later items while their queries are made ready. On sm_90 the copies
+// two or three round trips to the cache. The block's first item is copied as soon as its qkv GEMV
+// is done, while the attention waits for the queries; its later items while their queries are made
+// ready. On sm_90 the copies
 // land on their own barrier (phase `staged_items`, counted over the step); before sm_90 they are
 // one extra cp.async group, waited for in full before the next chunk is acquired, so the weight
 // stream's group count stays right.
@@ -467,7 +504,7 @@ __device__ void stage_split(const StepParams<T>& p, int layer, const SplitItem& 
     copy_bulk(free_stage + it.n * hd, v_src, split_bytes, split_landed);
   }
 #else
-  if (threadIdx.x < kCopyThreads) {  // the first item's copies are issued before a grid barrier's signal
+  if (threadIdx.x < kCopyThreads) {
     copy_async(free_stage, k_src, split_bytes, kCopyThreads);
     copy_async(free_stage + it.n * hd, v_src, split_bytes, kCopyThreads);
   }
@@ -497,6 +534,7 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, float*
   float* warp_values = stats + 2 * group;         // [kStepWarps][group][hd]
   const T* cos = p.cos + pos * hd;
   const T* sin = p.sin + pos * hd;
+  const unsigned attn_post = post_number(layer, kAttentionStage), qkv_post = attn_post - 1;
 
   for (int item = blockIdx.x; item < kv_heads * splits; item += gridDim.x) {
     const SplitItem it = split_item(item, splits, keys);
@@ -505,7 +543,7 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, float*
     T* k_cache = head_cache(p, p.k_cache, layer, kv);
     T* v_cache = head_cache(p, p.v_cache, layer, kv);
     const bool staged = split_fits(p, n);
-    // The first item's copies were issued before the grid barrier.
+    // The first item's copies were issued at the end of the qkv phase.
     if (staged && item != static_cast<int>(blockIdx.x)) stage_split(p, layer, it, free_stage, split_landed);
     // Rows j = 0..n-1 of the split (key key0 + j).
     T* k_rows = staged ? free_stage : k_cache + int64_t{key0} * hd;
@@ -514,8 +552,14 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, float*
     for (int vec = warp; vec <= group; vec += kStepWarps) {  // vec == group: the new key
       const bool is_key = vec == group;
       const int head = is_key ? s.num_heads + kv : kv * group + vec;
-      const T* src = p.qkv + int64_t{head} * hd;
+      const uint64_t* src = p.qkv + int64_t{head} * hd;
       const T* norm = is_key ? p.w.k_norm : p.w.q_norm;
+      // The lane's words of the head: dimension lane + 32 i at 2 i, its partner + half at 2 i + 1.
+      const auto word = [&](int j) { return src + min(lane + (j / 2) * kWarpSize, half - 1) + (j % 2) * half; };
+      uint64_t bits[kHeadDimPerLane];
+#pragma unroll
+      for (int j = 0; j < kHeadDimPerLane; ++j) bits[j] = load_post(word(j));
+      await_posts(bits, qkv_post, word);
       // Everything the rotation reads is loaded up front: one round trip, not three.
       float lo[kHeadDimPerLane / 2], hi[kHeadDimPerLane / 2], norm_lo[kHeadDimPerLane / 2],
           norm_hi[kHeadDimPerLane / 2], c[kHeadDimPerLane], sn[kHeadDimPerLane];
@@ -524,8 +568,8 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, float*
       for (int i = 0; i < kHeadDimPerLane / 2; ++i) {
         const int t = lane + i * kWarpSize;
         const bool active = t < half;
-        lo[i] = active ? load_shared_result(src + t) : 0.0f;
-        hi[i] = active ? load_shared_result(src + t + half) : 0.0f;
+        lo[i] = active ? posted_value(bits[2 * i]) : 0.0f;
+        hi[i] = active ? posted_value(bits[2 * i + 1]) : 0.0f;
         norm_lo[i] = active && norm ? to_float(norm[int64_t{layer} * hd + t]) : 1.0f;
         norm_hi[i] = active && norm ? to_float(norm[int64_t{layer} * hd + t + half]) : 1.0f;
         c[2 * i] = active ? to_float(cos[t]) : 0.0f;
@@ -548,9 +592,11 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, float*
         dst[t] = rounded<T>(rounded<T>(l * c[2 * i]) - h * sn[2 * i]);
         dst[t + half] = rounded<T>(rounded<T>(h * c[2 * i + 1]) + l * sn[2 * i + 1]);
         if (is_key) {
-          const T* v_src = p.qkv + int64_t{s.num_heads + kv_heads + kv} * hd;
-          v_new[t] = load_shared_result(v_src + t);
-          v_new[t + half] = load_shared_result(v_src + t + half);
+          const uint64_t* v_src = p.qkv + int64_t{s.num_heads + kv_heads + kv} * hd;
+          uint64_t v_bits[2] = {load_post(v_src + t), load_post(v_src + t + half)};
+          await_posts(v_bits, qkv_post, [&](int j) { return v_src + t + j * half; });
+          v_new[t] = posted_value(v_bits[0]);
+          v_new[t + half] = posted_value(v_bits[1]);
         }
       }
     }
@@ -663,7 +709,7 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, float*
       for (int w = 0; w < kStepWarps; ++w) o += warp_values[w * group * hd + idx];  // a fixed order
       const int h = idx / hd, d = idx % hd;
       if (splits == 1) {  // the whole softmax is here: no partials, no merge (the merge's result exactly)
-        p.attn[int64_t{kv * group + h} * hd + d] = from_float<T>(o / stats[2 * h + 1]);
+        post(p.attn + int64_t{kv * group + h} * hd + d, rounded<T>(o / stats[2 * h + 1]), attn_post);
         continue;
       }
       const int64_t at = int64_t{kv * group + h} * p.max_splits + split;
@@ -702,7 +748,7 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, float*
         for (int u = 0; u < kMergeSplits; ++u)
           if (base + u < splits) o = fmaf(part[u], scores[h * kSplitMaxKeys + base + u], o);
       }
-      p.attn[int64_t{kv * group + h} * hd + d] = from_float<T>(o / stats[2 * h + 1]);
+      post(p.attn + int64_t{kv * group + h} * hd + d, rounded<T>(o / stats[2 * h + 1]), attn_post);
     }
   }
 }
@@ -735,9 +781,13 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   __syncthreads();
   // The residual stream's rows that o and down add to are the block's own: o and down split the
   // hidden rows alike, so each adds to what the block itself wrote last, kept here in shared memory
-  // rather than read back from L2 after a grid barrier. The first layer's o adds to the token's row.
-  for (int row = plans[kOut].row_lo + threadIdx.x; row < plans[kOut].row_hi; row += kStepThreads)
-    residual_rows[row - plans[kOut].row_lo] = to_float(p.x[row]);
+  // rather than read back from L2. The first layer's o adds to the token's row, which the block
+  // also posts for every block's first qkv.
+  for (int row = plans[kOut].row_lo + threadIdx.x; row < plans[kOut].row_hi; row += kStepThreads) {
+    const float x = to_float(p.x[row]);
+    residual_rows[row - plans[kOut].row_lo] = x;
+    post(p.hidden + row, x, 1);
+  }
 
   int per_layer = 0;
 #pragma unroll
@@ -745,16 +795,17 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   WeightStream<T> stream(plans, smem_raw, landed, p.stages, p.stage_bytes, p.s.layers, per_layer);
   for (int i = 0; i < p.stages - 1; ++i) stream.issue();
 
-  unsigned barriers = 0, staged_items = 0;
+  unsigned staged_items = 0;
   for (int layer = 0; layer < p.s.layers; ++layer) {
     for (int phase = 0; phase < kPhases; ++phase) {
       if (phase == kOut) {
         // The stage of the last chunk consumed: its GEMV is done, and the next acquire refills it.
         T* free_stage = reinterpret_cast<T*>(stream.last_stage());
         attention<T, Heads>(p, layer, pos, scratch, free_stage, &merge_here, landed + p.stages, staged_items);
-        grid_barrier(p.barrier, ++barriers * gridDim.x);
+        __syncthreads();  // the attention's scratch is the next input's
       }
       const PhasePlan<T>& pl = plans[phase];
+      const unsigned output_post = post_number(layer, stage_of(phase));
       const float inv_rms =
           pl.chunks > 0 ? stage_input(p, layer, phase, scratch, reduce) : 1.0f;
       for (int c = 0; c < pl.chunks; ++c) {
@@ -764,19 +815,20 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
         gemv_chunk(chunk, scratch, pl.in_features, pl.unit, rows, [&](int first, float a, bool has_b, float b) {
           if (phase == kGateUp) {
             const float gate = rounded<T>(a * inv_rms), up = rounded<T>(b * inv_rms);
-            p.act[row0 + first] = from_float<T>(rounded<T>(gate / (1.0f + expf(-gate))) * up);
+            post(p.act + row0 + first, rounded<T>(rounded<T>(gate / (1.0f + expf(-gate))) * up), output_post);
             return;
           }
           for (int r = 0; r < (has_b ? 2 : 1); ++r) {
             const int row = row0 + first + r;
             const float sum = r == 0 ? a : b;
             if (phase == kQkv) {
-              p.qkv[row] = from_float<T>(sum * inv_rms);
+              post(p.qkv + row, rounded<T>(sum * inv_rms), output_post);
             } else {  // o and down: + the residual stream
               float& residual = residual_rows[row - pl.row_lo];
               const T result = from_float<T>(rounded<T>(sum) + residual);
-              p.out[row] = result;
               residual = to_float(result);
+              post(p.hidden + row, residual, output_post);
+              if (phase == kDown && layer + 1 == p.s.layers) p.out[row] = result;
             }
           }
         });
@@ -790,7 +842,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
           stage_split(p, layer, first, reinterpret_cast<T*>(stream.last_stage()), landed + p.stages);
         }
       }
-      if (layer + 1 < p.s.layers || phase != kDown) grid_barrier(p.barrier, ++barriers * gridDim.x);
+      __syncthreads();  // every warp is done with the input before the next one is staged
     }
   }
 #ifndef FLASHHEAD_BULK_COPIES
@@ -827,6 +879,31 @@ DecoderStepLimit decoder_step_limit(const DecoderStepShape& s, int element_bytes
     return DecoderStepLimit::kRowBytes;
   return DecoderStepLimit::kNone;
 }
+
+namespace detail {
+namespace {
+// The workspace: first what the launch zeroes (the posted words, the merge counters), then the
+// attention's partials. Sets p's pointers (null without a workspace).
+struct StepWorkspace {
+  size_t zeroed_bytes, bytes;
+};
+template <typename T>
+StepWorkspace carve_workspace(const DecoderStepShape& s, const DecoderStepPlan& plan, void* workspace,
+                              StepParams<T>* p) {
+  WorkspaceCarver carver(workspace);
+  const size_t heads = static_cast<size_t>(s.num_heads), splits = static_cast<size_t>(plan.max_splits);
+  p->hidden = carver.take<uint64_t>(static_cast<size_t>(s.hidden));
+  p->qkv = carver.take<uint64_t>(size_t{static_cast<unsigned>(s.num_heads + 2 * s.num_kv_heads)} * s.head_dim);
+  p->attn = carver.take<uint64_t>(heads * s.head_dim);
+  p->act = carver.take<uint64_t>(static_cast<size_t>(s.intermediate));
+  p->merged = carver.take<unsigned>(static_cast<size_t>(s.num_kv_heads));
+  const size_t zeroed_bytes = carver.bytes();
+  p->partial_out = carver.take<float>(heads * splits * s.head_dim);
+  p->partial_stats = carver.take<float>(heads * splits * 2);
+  return {zeroed_bytes, carver.bytes()};
+}
+}  // namespace
+}  // namespace detail
 
 template <typename T>
 cudaError_t plan_decoder_step(const DecoderStepShape& s, DecoderStepPlan* plan) {
@@ -865,15 +942,8 @@ cudaError_t plan_decoder_step(const DecoderStepShape& s, DecoderStepPlan* plan) 
   plan->grid = sms * per_sm;
   plan->max_splits = std::max(ceil_div(s.max_len, kSplitMaxKeys), std::max(1, plan->grid / s.num_kv_heads));
   if (plan->max_splits > kSplitMaxKeys) return cudaErrorInvalidValue;  // the merge keeps split weights in scores
-  WorkspaceCarver carver(nullptr);
-  const size_t heads = static_cast<size_t>(s.num_heads), splits = static_cast<size_t>(plan->max_splits);
-  carver.take<T>(size_t{static_cast<unsigned>(s.num_heads + 2 * s.num_kv_heads)} * s.head_dim);
-  carver.take<T>(heads * s.head_dim);
-  carver.take<T>(static_cast<size_t>(s.intermediate));
-  carver.take<float>(heads * splits * s.head_dim);
-  carver.take<float>(heads * splits * 2);
-  carver.take<unsigned>(1 + static_cast<size_t>(s.num_kv_heads));
-  plan->workspace_bytes = carver.bytes();
+  StepParams<T> p{};
+  plan->workspace_bytes = carve_workspace(s, *plan, nullptr, &p).bytes;
   return cudaSuccess;
 }
 
@@ -882,9 +952,8 @@ cudaError_t launch_decoder_step(const T* x, const DecoderStepWeights<T>& weights
                                 const T* sin, const int64_t* length, const DecoderStepShape& s,
                                 const DecoderStepPlan& plan, T* out, void* workspace, cudaStream_t stream) {
   using namespace detail;
-  WorkspaceCarver carver(workspace);
-  const size_t heads = static_cast<size_t>(s.num_heads), splits = static_cast<size_t>(plan.max_splits);
   StepParams<T> p{};
+  const StepWorkspace carved = carve_workspace(s, plan, workspace, &p);
   p.w = weights;
   p.s = s;
   p.x = x;
@@ -894,20 +963,10 @@ cudaError_t launch_decoder_step(const T* x, const DecoderStepWeights<T>& weights
   p.cos = cos;
   p.sin = sin;
   p.length = length;
-  p.qkv = carver.take<T>(size_t{static_cast<unsigned>(s.num_heads + 2 * s.num_kv_heads)} * s.head_dim);
-  p.attn = carver.take<T>(heads * s.head_dim);
-  p.act = carver.take<T>(static_cast<size_t>(s.intermediate));
-  p.partial_out = carver.take<float>(heads * splits * s.head_dim);
-  p.partial_stats = carver.take<float>(heads * splits * 2);
-  unsigned* counters = carver.take<unsigned>(1 + static_cast<size_t>(s.num_kv_heads));
-  p.barrier = counters;
-  p.merged = counters + 1;
   p.stages = plan.stages;
   p.stage_bytes = plan.stage_bytes;
   p.max_splits = plan.max_splits;
-  if (cudaError_t err = cudaMemsetAsync(counters, 0, (1 + size_t{static_cast<unsigned>(s.num_kv_heads)}) * sizeof(unsigned),
-                                        stream);
-      err != cudaSuccess)
+  if (cudaError_t err = cudaMemsetAsync(workspace, 0, carved.zeroed_bytes, stream); err != cudaSuccess)
     return err;
   // Cooperative: the launch fails instead of deadlocking if the grid cannot be resident at once.
   cudaLaunchConfig_t config = {};
