@@ -26,11 +26,6 @@ namespace {
 
 constexpr int kStepThreads = 256;
 constexpr int kStepWarps = kStepThreads / kWarpSize;
-// Before sm_90 the last warp issues no cp.async copies: its thread announces the block's attention
-// split, and a release there does not wait for a stage's worth of copies in flight. (sm_90's bulk
-// copies are not the signalling thread's and do not hold its release.)
-constexpr int kCopyThreads = kStepThreads - kWarpSize;
-constexpr int kSignalThread = kCopyThreads;
 constexpr int kMaxStages = 8;
 constexpr int kSplitMaxKeys = 512;  // keys of one attention work item: their scores sit in shared memory
 constexpr int kSplitMinKeys = 32;
@@ -77,9 +72,8 @@ struct StepParams {
   uint64_t* qkv;         // [(H + 2 KV) hd]
   uint64_t* attn;        // [H hd]
   uint64_t* act;         // [I]: silu(gate) * up
-  float* partial_out;    // [H][max_splits][hd]
-  float* partial_stats;  // [H][max_splits][2]: max, sum
-  unsigned* merged;      // [KV]: finished splits, counted up over the layers
+  uint64_t* partial_out;    // [H][max_splits][hd]
+  uint64_t* partial_stats;  // [H][max_splits][2]: max, sum
   int stages, stage_bytes, max_splits;
 };
 
@@ -273,9 +267,9 @@ struct WeightStream {
 
   __device__ void issue() {
 #ifdef FLASHHEAD_BULK_COPIES
-    const bool copies = threadIdx.x == kBulkThread;
+    const bool copies = threadIdx.x == kBulkThread;  // one thread issues the bulk copies
 #else
-    const bool copies = threadIdx.x < kCopyThreads;
+    const bool copies = true;  // every thread issues its share of 16-byte copies
 #endif
     if (issue_layer < layers) {
       if (copies) {
@@ -291,7 +285,7 @@ struct WeightStream {
         for (int part = 0; part < pl.unit; ++part) copy_bulk(dst + part * bytes, src + part * pl.second, bytes, barrier);
 #else
         for (int part = 0; part < pl.unit; ++part)
-          copy_async(dst + part * bytes, src + part * pl.second, bytes, kCopyThreads);
+          copy_async(dst + part * bytes, src + part * pl.second, bytes, kStepThreads);
 #endif
       }
       next_chunk();
@@ -504,10 +498,8 @@ __device__ void stage_split(const StepParams<T>& p, int layer, const SplitItem& 
     copy_bulk(free_stage + it.n * hd, v_src, split_bytes, split_landed);
   }
 #else
-  if (threadIdx.x < kCopyThreads) {
-    copy_async(free_stage, k_src, split_bytes, kCopyThreads);
-    copy_async(free_stage + it.n * hd, v_src, split_bytes, kCopyThreads);
-  }
+  copy_async(free_stage, k_src, split_bytes, kStepThreads);
+  copy_async(free_stage + it.n * hd, v_src, split_bytes, kStepThreads);
   commit_async();
 #endif
 }
@@ -519,7 +511,7 @@ __device__ void stage_split(const StepParams<T>& p, int layer, const SplitItem& 
 // into attn. Every loop over keys keeps its loads independent, so they are in flight together.
 template <typename T, typename Heads>
 __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, float* scratch, T* free_stage,
-                          int* merge_here, uint64_t* split_landed, unsigned& staged_items) {
+                          uint64_t* split_landed, unsigned& staged_items) {
   constexpr int V = kVecWidth<T>, kMaxGroup = Heads::kMaxGroup, kHeadDimPerLane = Heads::kHeadDimPerLane;
   const DecoderStepShape& s = p.s;
   const int hd = s.head_dim, half = hd / 2, kv_heads = s.num_kv_heads, group = s.num_heads / kv_heads;
@@ -713,22 +705,23 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, float*
         continue;
       }
       const int64_t at = int64_t{kv * group + h} * p.max_splits + split;
-      p.partial_out[at * hd + d] = o;
-      if (d == 0) p.partial_stats[2 * at] = stats[2 * h], p.partial_stats[2 * at + 1] = stats[2 * h + 1];
+      post(p.partial_out + at * hd + d, o, attn_post);
+      if (d == 0) post(p.partial_stats + 2 * at, stats[2 * h], attn_post), post(p.partial_stats + 2 * at + 1, stats[2 * h + 1], attn_post);
     }
-    if (splits == 1) continue;
-    __syncthreads();
-    if (threadIdx.x == kSignalThread)
-      *merge_here = arrive(p.merged + kv) + 1 == static_cast<unsigned>(layer + 1) * splits;
-    __syncthreads();
-    if (!*merge_here) continue;
-    // The merge: the splits' stats in one round of loads (maxima in scores, sums in warp_values),
-    // then a warp per head weighs the splits (exp(m_s - m), kept in scores) and sums them up.
+    // The split holding the new token merges the partials (posted too): it has the most work, so it
+    // is usually the last to finish and waits least.
+    if (splits == 1 || key0 + n != keys) continue;
+    __syncthreads();  // the scratch below is the weighted values'
+    // Every split's stats in one round of loads (maxima in scores, sums in warp_values), then a warp
+    // per head weighs the splits (exp(m_s - m), kept in scores) and sums them up.
     for (int i = threadIdx.x; i < group * splits; i += kStepThreads) {
       const int h = i / splits, sp = i % splits;
-      const float* at = p.partial_stats + 2 * (int64_t{kv * group + h} * p.max_splits + sp);
-      scores[h * kSplitMaxKeys + sp] = __ldcg(at);
-      warp_values[h * kSplitMaxKeys + sp] = __ldcg(at + 1);
+      const uint64_t* at = p.partial_stats + 2 * (int64_t{kv * group + h} * p.max_splits + sp);
+      uint64_t bits[2];
+      load_post_pair(at, bits);
+      await_posts(bits, attn_post, [&](int j) { return at + j; });
+      scores[h * kSplitMaxKeys + sp] = posted_value(bits[0]);
+      warp_values[h * kSplitMaxKeys + sp] = posted_value(bits[1]);
     }
     __syncthreads();
     for (int h = warp; h < group; h += kStepWarps) {
@@ -738,15 +731,17 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, float*
     __syncthreads();
     for (int idx = threadIdx.x; idx < group * hd; idx += kStepThreads) {
       const int h = idx / hd, d = idx % hd;
-      const float* partial = p.partial_out + int64_t{kv * group + h} * p.max_splits * hd + d;
+      const uint64_t* partial = p.partial_out + int64_t{kv * group + h} * p.max_splits * hd + d;
       float o = 0.0f;
       for (int base = 0; base < splits; base += kMergeSplits) {  // kMergeSplits unconditional loads in flight
-        float part[kMergeSplits];
+        const auto word = [&](int u) { return partial + int64_t{min(base + u, splits - 1)} * hd; };
+        uint64_t part[kMergeSplits];
 #pragma unroll
-        for (int u = 0; u < kMergeSplits; ++u) part[u] = __ldcg(partial + int64_t{min(base + u, splits - 1)} * hd);
+        for (int u = 0; u < kMergeSplits; ++u) part[u] = load_post(word(u));
+        await_posts(part, attn_post, word);
 #pragma unroll
         for (int u = 0; u < kMergeSplits; ++u)
-          if (base + u < splits) o = fmaf(part[u], scores[h * kSplitMaxKeys + base + u], o);
+          if (base + u < splits) o = fmaf(posted_value(part[u]), scores[h * kSplitMaxKeys + base + u], o);
       }
       post(p.attn + int64_t{kv * group + h} * hd + d, rounded<T>(o / stats[2 * h + 1]), attn_post);
     }
@@ -761,7 +756,6 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   float* residual_rows = scratch + residual_rows_offset(p.s);
   __shared__ PhasePlan<T> plans[kPhases];
   __shared__ float reduce[kStepWarps];
-  __shared__ int merge_here;
   __shared__ uint64_t landed[kMaxStages + 1];  // sm_90: the weight stages', then the staged split's
   const int64_t pos = *p.length;
   if (pos < 0 || pos >= p.s.max_len) {
@@ -801,7 +795,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
       if (phase == kOut) {
         // The stage of the last chunk consumed: its GEMV is done, and the next acquire refills it.
         T* free_stage = reinterpret_cast<T*>(stream.last_stage());
-        attention<T, Heads>(p, layer, pos, scratch, free_stage, &merge_here, landed + p.stages, staged_items);
+        attention<T, Heads>(p, layer, pos, scratch, free_stage, landed + p.stages, staged_items);
         __syncthreads();  // the attention's scratch is the next input's
       }
       const PhasePlan<T>& pl = plans[phase];
@@ -882,13 +876,9 @@ DecoderStepLimit decoder_step_limit(const DecoderStepShape& s, int element_bytes
 
 namespace detail {
 namespace {
-// The workspace: first what the launch zeroes (the posted words, the merge counters), then the
-// attention's partials. Sets p's pointers (null without a workspace).
-struct StepWorkspace {
-  size_t zeroed_bytes, bytes;
-};
+// The workspace: posted words, which the launch zeroes. Sets p's pointers (null without a workspace).
 template <typename T>
-StepWorkspace carve_workspace(const DecoderStepShape& s, const DecoderStepPlan& plan, void* workspace,
+size_t carve_workspace(const DecoderStepShape& s, const DecoderStepPlan& plan, void* workspace,
                               StepParams<T>* p) {
   WorkspaceCarver carver(workspace);
   const size_t heads = static_cast<size_t>(s.num_heads), splits = static_cast<size_t>(plan.max_splits);
@@ -896,11 +886,9 @@ StepWorkspace carve_workspace(const DecoderStepShape& s, const DecoderStepPlan& 
   p->qkv = carver.take<uint64_t>(size_t{static_cast<unsigned>(s.num_heads + 2 * s.num_kv_heads)} * s.head_dim);
   p->attn = carver.take<uint64_t>(heads * s.head_dim);
   p->act = carver.take<uint64_t>(static_cast<size_t>(s.intermediate));
-  p->merged = carver.take<unsigned>(static_cast<size_t>(s.num_kv_heads));
-  const size_t zeroed_bytes = carver.bytes();
-  p->partial_out = carver.take<float>(heads * splits * s.head_dim);
-  p->partial_stats = carver.take<float>(heads * splits * 2);
-  return {zeroed_bytes, carver.bytes()};
+  p->partial_out = carver.take<uint64_t>(heads * splits * s.head_dim);
+  p->partial_stats = carver.take<uint64_t>(heads * splits * 2);
+  return carver.bytes();
 }
 }  // namespace
 }  // namespace detail
@@ -943,7 +931,7 @@ cudaError_t plan_decoder_step(const DecoderStepShape& s, DecoderStepPlan* plan) 
   plan->max_splits = std::max(ceil_div(s.max_len, kSplitMaxKeys), std::max(1, plan->grid / s.num_kv_heads));
   if (plan->max_splits > kSplitMaxKeys) return cudaErrorInvalidValue;  // the merge keeps split weights in scores
   StepParams<T> p{};
-  plan->workspace_bytes = carve_workspace(s, *plan, nullptr, &p).bytes;
+  plan->workspace_bytes = carve_workspace(s, *plan, nullptr, &p);
   return cudaSuccess;
 }
 
@@ -953,7 +941,7 @@ cudaError_t launch_decoder_step(const T* x, const DecoderStepWeights<T>& weights
                                 const DecoderStepPlan& plan, T* out, void* workspace, cudaStream_t stream) {
   using namespace detail;
   StepParams<T> p{};
-  const StepWorkspace carved = carve_workspace(s, plan, workspace, &p);
+  carve_workspace(s, plan, workspace, &p);
   p.w = weights;
   p.s = s;
   p.x = x;
@@ -966,7 +954,7 @@ cudaError_t launch_decoder_step(const T* x, const DecoderStepWeights<T>& weights
   p.stages = plan.stages;
   p.stage_bytes = plan.stage_bytes;
   p.max_splits = plan.max_splits;
-  if (cudaError_t err = cudaMemsetAsync(workspace, 0, carved.zeroed_bytes, stream); err != cudaSuccess)
+  if (cudaError_t err = cudaMemsetAsync(workspace, 0, plan.workspace_bytes, stream); err != cudaSuccess)
     return err;
   // Cooperative: the launch fails instead of deadlocking if the grid cannot be resident at once.
   cudaLaunchConfig_t config = {};
