@@ -7,7 +7,7 @@
 // SM runs every stage of every layer, and each block's share of the weights streams through a ring
 // of shared-memory stages filled by bulk copies (TMA; cp.async before sm_90). Weights do not
 // depend on the token, so the copies run ahead of the computation across stage boundaries. A
-// stage's results go to the next as posted values (post / await_post): each carries the number of
+// stage's results go to the next as posted values (post / await_posts): each carries the number of
 // the stage that wrote it, so a block waits for exactly the values it reads, and their arrival is
 // the signal, with no grid barrier between the stages.
 //
@@ -194,10 +194,11 @@ static_assert(kMaxStages - 2 <= 6, "wait_async_except covers stages - 2 pending 
 // and the post number of the stage that wrote it high, stored and loaded whole (single-copy atomic).
 // A reader loads the words it needs and spins on those without the number it expects, so the
 // value's arrival is its own signal: no fence, arrival count or grid barrier between the stages.
-// Readers of a post are done before its words are written again: every stage reads all of the
-// previous one, so a block writing post n has seen post n - 1 from each block, which came after
-// that block read post n - 2. Post 0 is never written (the launch zeroes the words), and post
-// numbers grow over the step, so no stale word matches.
+// Readers of a post are done before its words are written again, stages later: o waits for every
+// head's attention and each other GEMV for every block's results, which each block posts only
+// after its own reads, so no block writes a word again before all its readers are past it. Post 0
+// is never written (the launch zeroes the words), and post numbers grow over the step, so no stale
+// word matches.
 __device__ __forceinline__ void post(uint64_t* word, float value, unsigned number) {
   const uint64_t bits = (uint64_t{number} << 32) | __float_as_uint(value);
   asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(word), "l"(bits));
