@@ -12,7 +12,7 @@
 // the signal, with no grid barrier between the stages.
 //
 // A layer: qkv GEMV with its RMSNorm folded in | attention: q/k norms, rotary and the cache write,
-// split over the cache (the last split of a KV head to finish merges them) | o GEMV + residual |
+// split over the cache (the split holding the token merges them) | o GEMV + residual |
 // gate_up GEMV with its RMSNorm and SiLU(gate) * up | down GEMV + residual. Values are rounded to T
 // wherever fused_linear, rotary_cache_write and decode_attention round, so the step equals their
 // composition up to the order of float32 sums.
@@ -48,8 +48,8 @@ constexpr int kMergeSplits = 16;                  // splits whose partials a thr
 
 enum WeightPhase : int { kQkv = 0, kOut = 1, kGateUp = 2, kDown = 3, kPhases = 4 };
 // A layer's stages in order: the weight phases with the attention after qkv.
-enum Stage : int { kQkvStage = 0, kAttentionStage = 1, kPhaseStages = 1, kStages = 5 };
-__device__ __forceinline__ int stage_of(int phase) { return phase == kQkv ? kQkvStage : phase + kPhaseStages; }
+enum Stage : int { kQkvStage = 0, kAttentionStage = 1, kStages = 5 };
+__device__ __forceinline__ int stage_of(int phase) { return phase == kQkv ? kQkvStage : phase + kAttentionStage; }
 // The number that a stage's posted values carry, counted over the step: the token's row is post 1,
 // and every stage reads the post numbered one less than its own (qkv reads the previous down's).
 __device__ __forceinline__ unsigned post_number(int layer, int stage) {
@@ -120,8 +120,8 @@ __device__ PhasePlan<T> phase_plan(const StepParams<T>& p, int phase) {
 
 // Copies into shared memory that the block waits for. On sm_90 a weight chunk (or an attention
 // split's keys and values) is one bulk copy per piece, moved by the copy engine (TMA) and counted
-// on an mbarrier, issued by one thread. Before sm_90 every copying thread issues 16-byte cp.async
-// into commit groups.
+// on an mbarrier, issued by one thread. Before sm_90 every thread issues 16-byte cp.async into
+// commit groups.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define FLASHHEAD_BULK_COPIES 1
 // The issuing thread is in the last warp: the GEMVs deal rows to warps from the first, so that
@@ -321,11 +321,11 @@ struct WeightStream {
   }
 };
 
-// The phase's input as float in shared memory, as the previous stage posts it: the RMSNorm weight
-// folded in (y = inv_rms * (W . (x * g))), so the input is read once. Returns inv_rms (1 without
-// a norm).
+// The phase's input as float in shared memory, as the previous stage posts it (post `number`): the
+// RMSNorm weight folded in (y = inv_rms * (W . (x * g))), so the input is read once. Returns inv_rms
+// (1 without a norm).
 template <typename T>
-__device__ float stage_input(const StepParams<T>& p, int layer, int phase, float* xs, float* reduce) {
+__device__ float stage_input(const StepParams<T>& p, int layer, int phase, unsigned number, float* xs, float* reduce) {
   const DecoderStepShape& s = p.s;
   const uint64_t* src = p.act;
   const T* norm = nullptr;
@@ -338,7 +338,6 @@ __device__ float stage_input(const StepParams<T>& p, int layer, int phase, float
     src = p.attn;
     k = s.num_heads * s.head_dim;
   }
-  const unsigned number = post_number(layer, stage_of(phase)) - 1;
   float sum_sq = 0.0f;
   // Pairs of words (k is even), up to kInputLoads a thread in flight at once: k <= 2 * kInputLoads *
   // kStepThreads is one round trip once posted. Words past k count as posted.
@@ -802,7 +801,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
       const PhasePlan<T>& pl = plans[phase];
       const unsigned output_post = post_number(layer, stage_of(phase));
       const float inv_rms =
-          pl.chunks > 0 ? stage_input(p, layer, phase, scratch, reduce) : 1.0f;
+          pl.chunks > 0 ? stage_input(p, layer, phase, output_post - 1, scratch, reduce) : 1.0f;
       for (int c = 0; c < pl.chunks; ++c) {
         const T* chunk = stream.acquire();
         const int row0 = pl.row_lo + c * pl.rows_per_chunk;
