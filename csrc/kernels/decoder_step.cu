@@ -510,14 +510,13 @@ __device__ void stage_split(const StepParams<T>& p, int layer, const SplitItem& 
 // softmax partial; the last split of a KV head to finish merges them (decode_attention's merge)
 // into attn. Every loop over keys keeps its loads independent, so they are in flight together.
 template <typename T, typename Heads>
-__device__ void attention(const StepParams<T>& p, int layer, int64_t pos, float* scratch, T* free_stage,
-                          uint64_t* split_landed, unsigned& staged_items) {
+__device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int splits, const SplitItem& first,
+                          float* scratch, T* free_stage, uint64_t* split_landed, unsigned& staged_items) {
   constexpr int V = kVecWidth<T>, kMaxGroup = Heads::kMaxGroup, kHeadDimPerLane = Heads::kHeadDimPerLane;
   const DecoderStepShape& s = p.s;
   const int hd = s.head_dim, half = hd / 2, kv_heads = s.num_kv_heads, group = s.num_heads / kv_heads;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int keys = static_cast<int>(pos) + 1;
-  const int splits = attention_splits(keys, kv_heads);
   float* q_rows = scratch;                        // [group][hd]
   float* k_new = q_rows + group * hd;             // [hd]
   float* v_new = k_new + hd;                      // [hd]
@@ -529,7 +528,7 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, float*
   const unsigned attn_post = post_number(layer, kAttentionStage), qkv_post = attn_post - 1;
 
   for (int item = blockIdx.x; item < kv_heads * splits; item += gridDim.x) {
-    const SplitItem it = split_item(item, splits, keys);
+    const SplitItem it = item == static_cast<int>(blockIdx.x) ? first : split_item(item, splits, keys);
     const int kv = it.kv, split = it.split, key0 = it.key0, n = it.n;
     __syncthreads();  // the previous item is done with the scratch and the free stage
     T* k_cache = head_cache(p, p.k_cache, layer, kv);
@@ -757,6 +756,10 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   __shared__ PhasePlan<T> plans[kPhases];
   __shared__ float reduce[kStepWarps];
   __shared__ uint64_t landed[kMaxStages + 1];  // sm_90: the weight stages', then the staged split's
+  // The attention's split of the keys depends on the position only: worked out once a step (its
+  // divisions by run-time counts are long dependent chains) and kept here, not in registers.
+  __shared__ int splits;
+  __shared__ SplitItem first_item;
   const int64_t pos = *p.length;
   if (pos < 0 || pos >= p.s.max_len) {
     // Outside the cache: nothing is written and the result is NaN, at the cost of a launch (a
@@ -766,6 +769,11 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
     return;
   }
   if (threadIdx.x < kPhases) plans[threadIdx.x] = phase_plan(p, threadIdx.x);
+  if (threadIdx.x == kPhases) {
+    const int keys = static_cast<int>(pos) + 1;
+    splits = attention_splits(keys, p.s.num_kv_heads);
+    first_item = split_item(blockIdx.x, splits, keys);
+  }
 #ifdef FLASHHEAD_BULK_COPIES
   if (threadIdx.x == 0) {
     for (int i = 0; i <= p.stages; ++i) mbarrier_init(landed + i);
@@ -795,7 +803,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
       if (phase == kOut) {
         // The stage of the last chunk consumed: its GEMV is done, and the next acquire refills it.
         T* free_stage = reinterpret_cast<T*>(stream.last_stage());
-        attention<T, Heads>(p, layer, pos, scratch, free_stage, landed + p.stages, staged_items);
+        attention<T, Heads>(p, layer, pos, splits, first_item, scratch, free_stage, landed + p.stages, staged_items);
         __syncthreads();  // the attention's scratch is the next input's
       }
       const PhasePlan<T>& pl = plans[phase];
@@ -828,12 +836,9 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
         });
       }
       if (phase == kQkv) {  // the copies of the block's first attention item, if it has one
-        // Recomputed each layer rather than held over the loop: the kernel is at its register limit.
-        const int keys = static_cast<int>(pos) + 1, splits = attention_splits(keys, p.s.num_kv_heads);
-        const SplitItem first = split_item(blockIdx.x, splits, keys);
-        if (static_cast<int>(blockIdx.x) < p.s.num_kv_heads * splits && split_fits(p, first.n)) {
+        if (static_cast<int>(blockIdx.x) < p.s.num_kv_heads * splits && split_fits(p, first_item.n)) {
           __syncthreads();  // every warp is done with the chunk whose stage the split is copied into
-          stage_split(p, layer, first, reinterpret_cast<T*>(stream.last_stage()), landed + p.stages);
+          stage_split(p, layer, first_item, reinterpret_cast<T*>(stream.last_stage()), landed + p.stages);
         }
       }
       __syncthreads();  // every warp is done with the input before the next one is staged
