@@ -337,7 +337,7 @@ __device__ float stage_input(const StepParams<T>& p, int layer, int phase, unsig
   float sum_sq = 0.0f;
   // Up to kInputWords words a thread in flight at once: k <= kInputWords * kStepThreads is one round
   // trip once posted. Words past k count as posted. One 8-byte load a word: 16-byte loads of word
-  // pairs made a hand-off between all blocks 0.35-0.9 us slower (measured apart from the step).
+  // pairs made a hand-off between all blocks 0.1-0.9 us slower (measured apart from the step).
   constexpr int kInputWords = 16;
   for (int base = 0; base < k; base += kInputWords * kStepThreads) {
     const auto word_index = [&](int j) { return base + j * kStepThreads + static_cast<int>(threadIdx.x); };
