@@ -473,10 +473,9 @@ __device__ __forceinline__ bool split_fits(const StepParams<T>& p, int n) {
 // copied there: the scores and the weighted values then read shared memory instead of waiting on
 // two or three round trips to the cache. The block's first item is copied as soon as its qkv GEMV
 // is done, while the attention waits for the queries; its later items while their queries are made
-// ready. On sm_90 the copies
-// land on their own barrier (phase `staged_items`, counted over the step); before sm_90 they are
-// one extra cp.async group, waited for in full before the next chunk is acquired, so the weight
-// stream's group count stays right.
+// ready. On sm_90 the copies land on their own barrier (phase `staged_items`, counted over the
+// step); before sm_90 they are one extra cp.async group, waited for in full before the next chunk
+// is acquired, so the weight stream's group count stays right.
 template <typename T>
 __device__ void stage_split(const StepParams<T>& p, int layer, const SplitItem& it, T* free_stage,
                             uint64_t* split_landed) {
@@ -499,9 +498,9 @@ __device__ void stage_split(const StepParams<T>& p, int layer, const SplitItem& 
 
 // The attention of one layer. Work items are (KV head, split of the keys 0..pos); each gets the
 // group's queries and the new key ready (RMSNorm, rotary: rotary_cache_write's arithmetic), scores
-// a key per thread, weights the values with a warp per key and lanes over dimensions, and leaves a
-// softmax partial; the last split of a KV head to finish merges them (decode_attention's merge)
-// into attn. Every loop over keys keeps its loads independent, so they are in flight together.
+// a key per thread, weights the values with a warp per key and lanes over dimensions, and posts a
+// softmax partial; the split holding the new token merges its KV head's partials (decode_attention's
+// merge) into attn. Every loop over keys keeps its loads independent, so they are in flight together.
 template <typename T, typename Heads>
 __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int splits, const SplitItem& first,
                           float* scratch, T* free_stage, uint64_t* split_landed, unsigned& staged_items) {
