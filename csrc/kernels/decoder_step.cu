@@ -227,6 +227,13 @@ __device__ __forceinline__ void await_posts(uint64_t (&bits)[N], unsigned number
       if (!has_post(bits[j], number)) bits[j] = load_post(word(j));
   }
 }
+// Loads the N words (all in flight together), then waits as await_posts.
+template <int N, typename Word>
+__device__ __forceinline__ void load_posts(uint64_t (&bits)[N], unsigned number, Word&& word) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) bits[j] = load_post(word(j));
+  await_posts(bits, number, word);
+}
 
 // The block's weight chunks in the order they are used (layer by layer, phase by phase), copied
 // stages - 1 chunks ahead into a ring of stages. Both ends keep counted-up positions: a division
@@ -540,9 +547,7 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int sp
       // The lane's words of the head: dimension lane + 32 i at 2 i, its partner + half at 2 i + 1.
       const auto word = [&](int j) { return src + min(lane + (j / 2) * kWarpSize, half - 1) + (j % 2) * half; };
       uint64_t bits[kHeadDimPerLane];
-#pragma unroll
-      for (int j = 0; j < kHeadDimPerLane; ++j) bits[j] = load_post(word(j));
-      await_posts(bits, qkv_post, word);
+      load_posts(bits, qkv_post, word);
       // Everything the rotation reads is loaded up front: one round trip, not three.
       float lo[kHeadDimPerLane / 2], hi[kHeadDimPerLane / 2], norm_lo[kHeadDimPerLane / 2],
           norm_hi[kHeadDimPerLane / 2], c[kHeadDimPerLane], sn[kHeadDimPerLane];
@@ -576,8 +581,8 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int sp
         dst[t + half] = rounded<T>(rounded<T>(h * c[2 * i + 1]) + l * sn[2 * i + 1]);
         if (is_key) {
           const uint64_t* v_src = p.qkv + int64_t{s.num_heads + kv_heads + kv} * hd;
-          uint64_t v_bits[2] = {load_post(v_src + t), load_post(v_src + t + half)};
-          await_posts(v_bits, qkv_post, [&](int j) { return v_src + t + j * half; });
+          uint64_t v_bits[2];
+          load_posts(v_bits, qkv_post, [&](int j) { return v_src + t + j * half; });
           v_new[t] = posted_value(v_bits[0]);
           v_new[t + half] = posted_value(v_bits[1]);
         }
@@ -708,8 +713,8 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int sp
     for (int i = threadIdx.x; i < group * splits; i += kStepThreads) {
       const int h = i / splits, sp = i % splits;
       const uint64_t* at = p.partial_stats + 2 * (int64_t{kv * group + h} * p.max_splits + sp);
-      uint64_t bits[2] = {load_post(at), load_post(at + 1)};
-      await_posts(bits, attn_post, [&](int j) { return at + j; });
+      uint64_t bits[2];
+      load_posts(bits, attn_post, [&](int j) { return at + j; });
       scores[h * kSplitMaxKeys + sp] = posted_value(bits[0]);
       warp_values[h * kSplitMaxKeys + sp] = posted_value(bits[1]);
     }
@@ -726,9 +731,7 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int sp
       for (int base = 0; base < splits; base += kMergeSplits) {  // kMergeSplits unconditional loads in flight
         const auto word = [&](int u) { return partial + int64_t{min(base + u, splits - 1)} * hd; };
         uint64_t part[kMergeSplits];
-#pragma unroll
-        for (int u = 0; u < kMergeSplits; ++u) part[u] = load_post(word(u));
-        await_posts(part, attn_post, word);
+        load_posts(part, attn_post, word);
 #pragma unroll
         for (int u = 0; u < kMergeSplits; ++u)
           if (base + u < splits) o = fmaf(posted_value(part[u]), scores[h * kSplitMaxKeys + base + u], o);
@@ -875,7 +878,7 @@ namespace {
 // The workspace: posted words, which the launch zeroes. Sets p's pointers (null without a workspace).
 template <typename T>
 size_t carve_workspace(const DecoderStepShape& s, const DecoderStepPlan& plan, void* workspace,
-                              StepParams<T>* p) {
+                       StepParams<T>* p) {
   WorkspaceCarver carver(workspace);
   const size_t heads = static_cast<size_t>(s.num_heads), splits = static_cast<size_t>(plan.max_splits);
   p->hidden = carver.take<uint64_t>(static_cast<size_t>(s.hidden));
