@@ -170,3 +170,32 @@ def test_duplicate_rows_tie_to_smaller_id(dtype, device):
     swapped[[low, high]] = table[[high, low]]
     tokens = ops.decode_greedy(hidden.to(device), centroids.to(device), swapped.to(device), embedding.to(device), 2)
     assert tokens.cpu().tolist() == [winner] * 3
+
+
+# The decodes list their clusters unranked, so the tests above see that list only through the
+# argmax. Here the argmax is the list's boundary: scores take six values, so the p-th cluster ties
+# with others and is taken by its smaller id; the best token is in it and a better one in the first
+# cluster left out. Dropping the p-th cluster, or keeping the wrong one of a tie, changes the token.
+@device_params
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("B,C,p", [(1, 37, 1), (3, 2049, 257), (8, 9496, 1000), (9, 9496, 1000), (2, 16384, 8192),
+                                   (1, 16385, 593)])
+def test_decode_greedy_selection_boundary(B, C, p, dtype, device):
+    gen = torch.Generator().manual_seed(C + p)
+    b, D = 4, 3
+    # Scores from coordinate 0 (one per cluster), logits from coordinate 2 (one per token).
+    levels = torch.randint(0, 6, (C,), generator=gen).float()
+    centroids = torch.zeros(C, D)
+    centroids[:, 0] = levels
+    hidden = torch.tensor([[1.0, 0.0, 1.0]]).repeat(B, 1)
+    table = (torch.arange(C * b) + 7).view(C, b).int()  # token ids 7 .. 7 + C*b - 1
+    embedding = torch.zeros(C * b + 7, D)
+    ranked = sorted(range(C), key=lambda c: (-levels[c].item(), c))
+    boundary = ranked[p - 1]
+    embedding[table[boundary, 1], 2] = 3.0
+    if p < C:
+        embedding[table[ranked[p], 2], 2] = 5.0
+    args = [t.to(dtype).to(device) for t in (hidden, centroids)] + [table.to(device), embedding.to(dtype).to(device), p]
+    expected = [int(table[boundary, 1])] * B
+    assert ref.decode_greedy(*args).tokens.cpu().tolist() == expected
+    assert ops.decode_greedy(*args).cpu().tolist() == expected
