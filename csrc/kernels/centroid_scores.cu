@@ -11,8 +11,7 @@ cudaError_t launch_scores(const detail::ScoreArgs<T>& args, int sms, cudaStream_
   using namespace detail;
   const int64_t items = int64_t{ceil_div(args.num_clusters, kScoreRowsPerWarp)} * ceil_div(args.batch, RB);
   if (items > INT32_MAX) return cudaErrorInvalidValue;
-  const int64_t wanted = ceil_div<int64_t>(items, kScoreThreads / kWarpSize);
-  const int blocks = static_cast<int>(std::min<int64_t>(wanted, int64_t{sms} * kScoreBlocksPerSm<RB>));
+  const int blocks = static_cast<int>(std::min<int64_t>(items, int64_t{sms} * kScoreBlocksPerSm<RB>));
   return launch_kernel(centroid_scores_kernel<T, RB>, dim3(blocks), dim3(kScoreThreads), 0, stream, false, args);
 }
 

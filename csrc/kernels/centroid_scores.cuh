@@ -44,7 +44,12 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
   // Fits in int: the launcher refuses shapes whose B x C scores would not.
   const int items = ceil_div(a.num_clusters, kScoreRowsPerWarp) * tiles;
   const uint64_t seed = a.keys ? static_cast<uint64_t>(*a.seed) : 0;
-  for (int item = blockIdx.x * kWarps + threadIdx.x / kWarpSize; item < items; item += gridDim.x * kWarps) {
+  // One row's items are dealt round-robin over the blocks, so every SM streams the same share
+  // (the grid is whole waves of resident blocks); a batch tile's items stay in one warp's block
+  // order, so the tiles of one centroid group share its loads in cache.
+  const int warp = threadIdx.x / kWarpSize;
+  const int first_item = tiles == 1 ? warp * gridDim.x + blockIdx.x : blockIdx.x * kWarps + warp;
+  for (int item = first_item; item < items; item += gridDim.x * kWarps) {
     const int c0 = item / tiles * kScoreRowsPerWarp;
     const int b0 = item % tiles * RB;
     const T* rows[kScoreRowsPerWarp];
