@@ -33,7 +33,8 @@ cudaError_t launch_candidate_logits(const T* hidden, const T* embedding, int bat
   if (attr != cudaSuccess) return attr;
   for (int r0 = 0; r0 < batch; r0 += kMaxGridRows) {
     const int rows = std::min(kMaxGridRows, batch - r0);
-    const CandidateRows<T> args{hidden + int64_t{r0} * hidden_dim, embedding, vocab, hidden_dim, vec, num_candidates};
+    const CandidateRows<T> args{hidden + int64_t{r0} * hidden_dim, embedding, vocab, hidden_dim, vec, num_candidates,
+                                rows_read_once(batch)};
     const ListedTokens tokens{candidates + int64_t{r0} * num_candidates, num_candidates};
     const dim3 grid(candidate_blocks_per_row(num_candidates, rows, sms), rows);
     const cudaError_t err = launch_kernel(candidate_logits_kernel<T>, grid, dim3(kCandThreads), 0, stream, false, args,

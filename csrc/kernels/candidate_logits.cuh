@@ -35,6 +35,7 @@ struct CandidateRows {
   int vocab, hidden_dim;
   bool vec;
   int num_candidates;  // N slots a row
+  bool rows_once;      // rows_read_once(batch)
 };
 
 // The slot tokens of for_each_slot_group come from a policy: token(row, slot) for slot < N, and
@@ -98,6 +99,7 @@ __device__ __forceinline__ void for_each_slot_group(const CandidateRows<T>& a, c
       token[r] = first + r < a.num_candidates ? tokens.token(row, first + r) : -1;
   };
   const T* hid[1] = {a.hidden + row * a.hidden_dim};
+  const uint64_t policy = row_policy(a.rows_once);
   int first = blockIdx.x * kCandSlotsPerBlock + threadIdx.x / kWarpSize * kCandRowsPerWarp;
   int32_t token[kCandRowsPerWarp];
   fetch(first, token);
@@ -113,7 +115,7 @@ __device__ __forceinline__ void for_each_slot_group(const CandidateRows<T>& a, c
       rows[r] = s.valid[r] ? a.embedding + int64_t{token[r]} * a.hidden_dim : nullptr;
     }
     float acc[kCandRowsPerWarp][1];
-    warp_dot<T, kCandRowsPerWarp, 1, kCandUnroll>(rows, hid, a.hidden_dim, a.vec, acc);
+    warp_dot<T, kCandRowsPerWarp, 1, kCandUnroll>(rows, hid, a.hidden_dim, a.vec, policy, acc);
 #pragma unroll
     for (int r = 0; r < kCandRowsPerWarp; ++r) {
       s.logit[r] = s.valid[r] ? acc[r][0] : -INFINITY;

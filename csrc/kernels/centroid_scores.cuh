@@ -20,6 +20,7 @@ struct ScoreArgs {
   const T* centroids;
   int batch, num_clusters, hidden_dim;
   bool vec;
+  bool rows_once;  // rows_read_once(batch)
   float* scores;  // [B, C]
   float* keys;    // [B, C] Gumbel keys, only when sampling
   float temperature;
@@ -44,6 +45,7 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
   // Fits in int: the launcher refuses shapes whose B x C scores would not.
   const int items = ceil_div(a.num_clusters, kScoreRowsPerWarp) * tiles;
   const uint64_t seed = a.keys ? static_cast<uint64_t>(*a.seed) : 0;
+  const uint64_t policy = row_policy(a.rows_once);
   // One row's items are dealt round-robin over the blocks, so every SM streams the same share
   // (the grid is whole waves of resident blocks); a batch tile's items stay in one warp's block
   // order, so the tiles of one centroid group share its loads in cache.
@@ -60,7 +62,7 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
 #pragma unroll
     for (int b = 0; b < RB; ++b) hid[b] = b0 + b < a.batch ? a.hidden + int64_t{b0 + b} * a.hidden_dim : nullptr;
     float acc[kScoreRowsPerWarp][RB];
-    warp_dot<T, kScoreRowsPerWarp, RB, kScoreUnroll<RB>>(rows, hid, a.hidden_dim, a.vec, acc);
+    warp_dot<T, kScoreRowsPerWarp, RB, kScoreUnroll<RB>>(rows, hid, a.hidden_dim, a.vec, policy, acc);
     // Lane r * RB + b writes score (c0 + r, b0 + b), so the Gumbel noise is drawn once per score.
     float flat[kScoreRowsPerWarp * RB];
 #pragma unroll

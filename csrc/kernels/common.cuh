@@ -48,19 +48,30 @@ __device__ __forceinline__ Chunk<T, W> load_chunk(const T* p) {
   return c;
 }
 
-// load_chunk for rows a call reads once (centroids, candidate embedding rows): marked first to
-// leave L2 and not kept in L1, so the head does not evict what the model body around it keeps in
-// L2 (a Qwen3-0.6B draft step with the FlashHead head 5% faster).
+// Rows a head call reads once (centroids, candidate embedding rows) at small batch: marked to
+// leave L2 first, so the head does not evict what the model body around it keeps there (a
+// Qwen3-0.6B draft step with the FlashHead head 5% faster). Larger batches read rows again across
+// their rows (scoring tiles, popular clusters) and keep the normal policy.
+constexpr int kRowsOnceMaxBatch = 8;
+inline bool rows_read_once(int batch) { return batch <= kRowsOnceMaxBatch; }
+
+// The L2 policy of load_row_chunk: evict-first for rows read once, else normal.
+__device__ __forceinline__ uint64_t row_policy(bool read_once) {
+  uint64_t first, normal;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(first));
+  asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(normal));
+  return read_once ? first : normal;
+}
+
+// load_chunk of a row chunk under an L2 policy (16-byte chunks; single elements load plainly).
 template <typename T, int W>
-__device__ __forceinline__ Chunk<T, W> load_chunk_once(const T* p) {
+__device__ __forceinline__ Chunk<T, W> load_row_chunk(const T* p, uint64_t policy) {
   if constexpr (sizeof(Chunk<T, W>) == 16) {
     Chunk<T, W> c;
     int4 raw;
-    uint64_t evict_first;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
-    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.s32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-                 : "l"(p), "l"(evict_first));
+    asm("ld.global.nc.L2::cache_hint.v4.s32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+        : "l"(p), "l"(policy));
     memcpy(&c, &raw, sizeof(raw));
     return c;
   } else {
@@ -115,12 +126,12 @@ __device__ __forceinline__ float warp_max(float x) {
 }
 
 // Dot products of ROWS rows with RB hidden rows over D elements, fp32 accumulation; the rows are
-// read once (load_chunk_once), the hidden rows again by every warp. A null row pointer is a masked
-// row: it is never read and its sums are 0. The loop keeps ROWS * U loads of
+// loaded under `policy` (row_policy). A null row pointer is a masked row: it is never read and its
+// sums are 0. The loop keeps ROWS * U loads of
 // each lane in flight before the first use. Every lane returns the full sums.
 template <typename T, int W, int ROWS, int RB, int U>
 __device__ __forceinline__ void warp_dot_chunks(const T* const (&rows)[ROWS], const T* const (&hid)[RB], int dim,
-                                                float (&acc)[ROWS][RB]) {
+                                                uint64_t policy, float (&acc)[ROWS][RB]) {
   const int lane = threadIdx.x % kWarpSize;
   const int num_chunks = dim / W;
   for (int base = 0; base < num_chunks; base += kWarpSize * U) {
@@ -131,7 +142,7 @@ __device__ __forceinline__ void warp_dot_chunks(const T* const (&rows)[ROWS], co
       const int idx = base + u * kWarpSize + lane;
       const bool in_range = idx < num_chunks;
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) c[r][u] = (in_range && rows[r]) ? load_chunk_once<T, W>(rows[r] + int64_t{idx} * W) : Chunk<T, W>{};
+      for (int r = 0; r < ROWS; ++r) c[r][u] = (in_range && rows[r]) ? load_row_chunk<T, W>(rows[r] + int64_t{idx} * W, policy) : Chunk<T, W>{};
 #pragma unroll
       for (int b = 0; b < RB; ++b) h[b][u] = (in_range && hid[b]) ? load_chunk<T, W>(hid[b] + int64_t{idx} * W) : Chunk<T, W>{};
     }
@@ -155,16 +166,16 @@ __device__ __forceinline__ void warp_dot_chunks(const T* const (&rows)[ROWS], co
 
 template <typename T, int ROWS, int RB, int U>
 __device__ __forceinline__ void warp_dot(const T* const (&rows)[ROWS], const T* const (&hid)[RB], int dim, bool vec,
-                                         float (&acc)[ROWS][RB]) {
+                                         uint64_t policy, float (&acc)[ROWS][RB]) {
 #pragma unroll
   for (int r = 0; r < ROWS; ++r)
 #pragma unroll
     for (int b = 0; b < RB; ++b) acc[r][b] = 0.0f;
   // Scalar loads when rows are not 16-byte aligned (odd D, offset views): correct, slower.
   if (vec) {
-    warp_dot_chunks<T, kVecWidth<T>, ROWS, RB, U>(rows, hid, dim, acc);
+    warp_dot_chunks<T, kVecWidth<T>, ROWS, RB, U>(rows, hid, dim, policy, acc);
   } else {
-    warp_dot_chunks<T, 1, ROWS, RB, U * 2>(rows, hid, dim, acc);
+    warp_dot_chunks<T, 1, ROWS, RB, U * 2>(rows, hid, dim, policy, acc);
   }
 #pragma unroll
   for (int r = 0; r < ROWS; ++r)

@@ -75,7 +75,7 @@ cudaError_t launch_decode_candidates(const HeadTensors<T>& t, const HeadShape& s
     const int blocks = candidate_blocks_per_row(n, rows, sms);
     const int64_t extras_from = int64_t{r0} * shape.num_extra;
     DecodeArgs<T> args{};
-    args.rows = {t.hidden + int64_t{r0} * d, t.embedding, shape.vocab, d, vec, n};
+    args.rows = {t.hidden + int64_t{r0} * d, t.embedding, shape.vocab, d, vec, n, rows_read_once(shape.batch)};
     args.slot_tokens = {ws.cluster_ids + int64_t{r0} * shape.probes, t.cluster_tokens, t.extra_ids,
                         shape.probes, shape.cluster_size, shape.num_clusters};
     if (ws.extra_repeats)
