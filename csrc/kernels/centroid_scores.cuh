@@ -46,9 +46,9 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
   const int items = ceil_div(a.num_clusters, kScoreRowsPerWarp) * tiles;
   const uint64_t seed = a.keys ? static_cast<uint64_t>(*a.seed) : 0;
   const uint64_t policy = row_policy(a.rows_once);
-  // One row's items are dealt round-robin over the blocks, so every SM streams the same share
-  // (the grid is whole waves of resident blocks); a batch tile's items stay in one warp's block
-  // order, so the tiles of one centroid group share its loads in cache.
+  // One batch tile: items are dealt round-robin over the blocks, so every SM streams the same
+  // share (the grid is whole waves of resident blocks). Several tiles: consecutive items (the
+  // tiles of one centroid group) stay in one block, so they share its loads in cache.
   const int warp = threadIdx.x / kWarpSize;
   const int first_item = tiles == 1 ? warp * gridDim.x + blockIdx.x : blockIdx.x * kWarps + warp;
   for (int item = first_item; item < items; item += gridDim.x * kWarps) {

@@ -127,8 +127,8 @@ __device__ __forceinline__ float warp_max(float x) {
 
 // Dot products of ROWS rows with RB hidden rows over D elements, fp32 accumulation; the rows are
 // loaded under `policy` (row_policy). A null row pointer is a masked row: it is never read and its
-// sums are 0. The loop keeps ROWS * U loads of
-// each lane in flight before the first use. Every lane returns the full sums.
+// sums are 0. The loop keeps ROWS * U loads of each lane in flight before the first use. Every
+// lane returns the full sums.
 template <typename T, int W, int ROWS, int RB, int U>
 __device__ __forceinline__ void warp_dot_chunks(const T* const (&rows)[ROWS], const T* const (&hid)[RB], int dim,
                                                 uint64_t policy, float (&acc)[ROWS][RB]) {
