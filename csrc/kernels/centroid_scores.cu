@@ -26,7 +26,7 @@ cudaError_t launch_centroid_scores(const T* hidden, const T* centroids, int batc
   if (batch == 0) return cudaSuccess;
   ScoreArgs<T> args{hidden, centroids, batch, num_clusters, hidden_dim,
                     rows_vectorizable<T>(hidden, hidden_dim) && rows_vectorizable<T>(centroids, hidden_dim),
-                    rows_read_once(batch), scores, sampling ? keys : nullptr, sampling ? sampling->temperature : 1.0f,
+                    scores, sampling ? keys : nullptr, sampling ? sampling->temperature : 1.0f,
                     sampling ? sampling->seed : nullptr};
   int sms = 0;
   const cudaError_t err = multiprocessor_count(&sms);

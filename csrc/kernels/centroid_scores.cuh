@@ -20,7 +20,6 @@ struct ScoreArgs {
   const T* centroids;
   int batch, num_clusters, hidden_dim;
   bool vec;
-  bool rows_once;  // rows_read_once(batch)
   float* scores;  // [B, C]
   float* keys;    // [B, C] Gumbel keys, only when sampling
   float temperature;
@@ -45,7 +44,7 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
   // Fits in int: the launcher refuses shapes whose B x C scores would not.
   const int items = ceil_div(a.num_clusters, kScoreRowsPerWarp) * tiles;
   const uint64_t seed = a.keys ? static_cast<uint64_t>(*a.seed) : 0;
-  const uint64_t policy = row_policy(a.rows_once);
+  const uint64_t policy = row_policy(rows_read_once(a.batch));
   // One batch tile: items are dealt round-robin over the blocks, so every SM streams the same
   // share (the grid is whole waves of resident blocks). Several tiles: consecutive items (the
   // tiles of one centroid group) stay in one block, so they share its loads in cache.

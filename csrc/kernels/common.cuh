@@ -53,7 +53,7 @@ __device__ __forceinline__ Chunk<T, W> load_chunk(const T* p) {
 // Qwen3-0.6B draft step with the FlashHead head 5% faster). Larger batches read rows again across
 // their rows (scoring tiles, popular clusters) and keep the normal policy.
 constexpr int kRowsOnceMaxBatch = 8;
-inline bool rows_read_once(int batch) { return batch <= kRowsOnceMaxBatch; }
+__host__ __device__ inline bool rows_read_once(int batch) { return batch <= kRowsOnceMaxBatch; }
 
 // The L2 policy of load_row_chunk: evict-first for rows read once, else normal.
 __device__ __forceinline__ uint64_t row_policy(bool read_once) {
