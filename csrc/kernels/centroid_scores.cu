@@ -9,9 +9,13 @@ namespace {
 template <typename T, int RB>
 cudaError_t launch_scores(const detail::ScoreArgs<T>& args, int sms, cudaStream_t stream) {
   using namespace detail;
-  const int64_t items = int64_t{ceil_div(args.num_clusters, kScoreRowsPerWarp)} * ceil_div(args.batch, RB);
+  const int tiles = ceil_div(args.batch, RB);
+  const int64_t items = int64_t{ceil_div(args.num_clusters, kScoreRowsPerWarp)} * tiles;
   if (items > INT32_MAX) return cudaErrorInvalidValue;
-  const int blocks = static_cast<int>(std::min<int64_t>(items, int64_t{sms} * kScoreBlocksPerSm<RB>));
+  // As the kernel deals items: round-robin over the blocks for one tile (a block per item, at
+  // most), else to a block's warps in turn (a block per kScoreThreads / kWarpSize items).
+  const int64_t wanted = tiles == 1 ? items : ceil_div<int64_t>(items, kScoreThreads / kWarpSize);
+  const int blocks = static_cast<int>(std::min<int64_t>(wanted, int64_t{sms} * kScoreBlocksPerSm<RB>));
   return launch_kernel(centroid_scores_kernel<T, RB>, dim3(blocks), dim3(kScoreThreads), 0, stream, false, args);
 }
 
