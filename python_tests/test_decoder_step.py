@@ -454,6 +454,8 @@ GPU_SHAPES = {
     # (2 n hd bytes of T), from the cache otherwise. 132 blocks over 8 KV heads make 16 splits: at
     # 1024 keys they all fit (64 keys), at 1501 only in 16-bit types (94), at 3000 in none (187).
     "qwen3-long": (2, 1024, 3072, 16, 8, 128, 3000, True),
+    # down's rows as long as the kernel takes: 8192 values, in fp32 a whole 32 KB stage row.
+    "wide-mlp": (1, 128, 8192, 2, 1, 64, 16, False),
 }
 # (shape, length): each shape at 0, the last position and beyond on both sides; qwen3 also at 37, 500.
 GPU_CASES = [

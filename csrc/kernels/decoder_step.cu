@@ -6,7 +6,8 @@
 // a launch, a ramp-up and a drain, about 2.5 us each and seven a layer. Here one resident block per
 // SM runs every stage of every layer, and each block's share of the weights streams through a ring
 // of shared-memory stages filled by bulk copies (TMA; cp.async before sm_90). Weights do not
-// depend on the token, so the copies run ahead of the computation across stage boundaries. A
+// depend on the token, so the copies run ahead of the computation across stage boundaries, and a
+// phase's first chunk is read into registers while the block waits for the phase's input. A
 // stage's results go to the next as posted values (post / await_posts): each carries the number of
 // the stage that wrote it, so a block waits for exactly the values it reads, and their arrival is
 // the signal, with no grid barrier between the stages.
@@ -42,6 +43,13 @@ struct HeadClass {
 using SmallHeads = HeadClass<2, 128>;
 using MidHeads = HeadClass<4, 128>;
 using AnyHeads = HeadClass<kDecoderStepMaxGroup, kDecoderStepMaxHeadDim>;
+// A GEMV chunk is read from its stage into registers, a tile a warp, while the block waits for the
+// phase's input, so what is left once the input arrives is its loads, the FMAs and the sums (a
+// third of the cycles of a GEMV reading its weights from shared memory, for qkv). A warp holds
+// kTileRows rows of kTileVectors 16-byte vectors a lane: 64 registers.
+constexpr int kTileRows = 4;
+constexpr int kTileVectors = 4;
+constexpr int kTilePieceVectors = kWarpSize * kTileVectors;  // a slice's vectors a tile holds
 constexpr int kThreadsPerKey = 4;                 // threads that score one key together
 constexpr int kValueKeys = 4;                     // keys whose values a warp loads at once
 constexpr int kMergeSplits = 16;                  // splits whose partials a thread loads at once
@@ -78,13 +86,16 @@ struct StepParams {
 };
 
 // A block's share of one weight phase: rows [row_lo, row_hi) of every layer's matrix (gate_up:
-// units of two rows, gate i and up i), streamed rows_per_chunk at a time.
+// units of two rows, gate i and up i), streamed rows_per_chunk at a time. A chunk's tile rows
+// (its rows, then gate_up's up rows) are split over `slices` parts of the input, one a warp group
+// (WeightTile), each part read in `pieces` tiles.
 template <typename T>
 struct PhasePlan {
   const T* weight;
   int64_t layer_stride;  // elements from one layer's matrix to the next
   int64_t second;        // gate_up: elements from gate row i to up row i
   int in_features, unit, row_lo, row_hi, rows_per_chunk, chunks;
+  int slices, slice_shift, slice_vectors, pieces;
 };
 
 template <typename T>
@@ -113,8 +124,19 @@ __device__ PhasePlan<T> phase_plan(const StepParams<T>& p, int phase) {
   plan.layer_stride = int64_t{rows} * plan.unit * plan.in_features;
   plan.row_lo = static_cast<int>(int64_t{blockIdx.x} * rows / gridDim.x);
   plan.row_hi = static_cast<int>(int64_t{blockIdx.x + 1} * rows / gridDim.x);
-  plan.rows_per_chunk = p.stage_bytes / (plan.unit * plan.in_features * static_cast<int>(sizeof(T)));
+  // A chunk fills a stage, up to what the warps' tiles hold.
+  plan.rows_per_chunk = min(p.stage_bytes / (plan.unit * plan.in_features * static_cast<int>(sizeof(T))),
+                            kTileRows * kStepWarps / plan.unit);
   plan.chunks = ceil_div(plan.row_hi - plan.row_lo, plan.rows_per_chunk);
+  // The most slices whose warp groups still hold a chunk's tile rows: a warp then reads the fewest
+  // input values (few rows a block would leave each warp one row of the whole input to read).
+  const int tile_rows = plan.unit * min(plan.rows_per_chunk, plan.row_hi - plan.row_lo);
+  plan.slice_shift = 3;
+  static_assert(kStepWarps == 1 << 3, "slices are powers of two up to the warps");
+  while (plan.slice_shift > 0 && (kStepWarps >> plan.slice_shift) * kTileRows < tile_rows) --plan.slice_shift;
+  plan.slices = 1 << plan.slice_shift;
+  plan.slice_vectors = ceil_div(plan.in_features / kVecWidth<T>, plan.slices);
+  plan.pieces = ceil_div(plan.slice_vectors, kTilePieceVectors);
   return plan;
 }
 
@@ -300,27 +322,30 @@ struct WeightStream {
 #endif
   }
 
-  // The stage of the chunk acquired last: free until the next acquire refills it.
+  // The stage of the chunk acquired last: free until the next issue refills it.
   __device__ unsigned char* last_stage() const {
     return ring + (acquire_stage == 0 ? stages - 1 : acquire_stage - 1) * stage_bytes;
   }
 
-  // The next chunk once it has landed for the whole block. The next copy goes into the stage the
-  // previous chunk used, once every warp is past it (the __syncthreads).
-  __device__ const T* acquire() {
+  // The next chunk, once it has landed for the whole block. The caller issues the copy that refills
+  // the previous chunk's stage (issue), once every warp is done with that chunk.
+  __device__ const T* wait_next() {
     const int stage = acquire_stage;
 #ifdef FLASHHEAD_BULK_COPIES
-    const unsigned fills = acquire_fills;
-    __syncthreads();
-    issue();
-    mbarrier_wait(landed + stage, fills);
+    mbarrier_wait(landed + stage, acquire_fills);
 #else
     wait_async_except(stages - 2);
-    __syncthreads();
-    issue();
+    __syncthreads();  // every thread's copies are visible to the block
 #endif
     if (++acquire_stage == stages) acquire_stage = 0, ++acquire_fills;
     return reinterpret_cast<const T*>(ring + stage * stage_bytes);
+  }
+
+  // wait_next, after refilling the previous chunk's stage.
+  __device__ const T* acquire() {
+    __syncthreads();
+    issue();
+    return wait_next();
   }
 };
 
@@ -379,39 +404,133 @@ __device__ float stage_input(const StepParams<T>& p, int layer, int phase, unsig
   return rsqrtf(total / static_cast<float>(k) + s.eps);
 }
 
-// A chunk's rows against the staged input, two rows per warp at a time (gate_up: the gate and the
-// up row of one unit) so each load of the input serves two rows. finish(first, a, has_b, b) gets
-// the sums of rows first and first + 1 (gate_up: unit first's gate and up), on lane 0.
-template <typename T, typename Finish>
-__device__ __forceinline__ void gemv_chunk(const T* chunk, const float* xs, int k, int unit, int rows, Finish&& finish) {
-  constexpr int V = kVecWidth<T>;
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int pairs = unit == 2 ? rows : ceil_div(rows, 2);
-  for (int pair = warp; pair < pairs; pair += kStepWarps) {
-    const int first = unit == 2 ? pair : 2 * pair;
-    const bool has_b = unit == 2 || first + 1 < rows;
-    const T* a = chunk + first * k;
-    const T* b = unit == 2 ? chunk + (rows + pair) * k : (has_b ? a + k : a);
-    float sum_a = 0.0f, sum_b = 0.0f;
-#pragma unroll 2
-    for (int v = lane; v < k / V; v += kWarpSize) {
-      const Chunk<T, V> wa = *reinterpret_cast<const Chunk<T, V>*>(a + v * V);
-      const Chunk<T, V> wb = *reinterpret_cast<const Chunk<T, V>*>(b + v * V);
+// Sums of N values a lane over the warp's lanes in 2 + log2(N) fewer shuffles than N warp_sums:
+// each step halves the values a lane keeps. Lane l ends with the whole sum of value
+// `which_value(l)`, the lane's bits 16, 8, ... read as a number.
+template <int N>
+__device__ __forceinline__ float warp_sums(float (&v)[N]) {
+  static_assert((N & (N - 1)) == 0 && N <= kWarpSize, "a power of two values");
+  const int lane = threadIdx.x % kWarpSize;
+  int offset = kWarpSize / 2;
+#pragma unroll
+  for (int n = N; n > 1; n /= 2, offset /= 2) {
+    const bool upper = lane & offset;
+#pragma unroll
+    for (int j = 0; j < n / 2; ++j) {
+      const float keep = upper ? v[j + n / 2] : v[j], give = upper ? v[j] : v[j + n / 2];
+      v[j] = keep + __shfl_xor_sync(kFullMask, give, offset);
+    }
+  }
+  float sum = v[0];
+#pragma unroll
+  for (; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFullMask, sum, offset);
+  return sum;
+}
+template <int N>
+__device__ __forceinline__ int which_value(int lane) {
+  int which = 0;
+#pragma unroll
+  for (int offset = kWarpSize / 2, n = N; n > 1; n /= 2, offset /= 2) which = 2 * which + ((lane & offset) ? 1 : 0);
+  return which;
+}
+
+// A warp's share of a chunk in registers. The chunk's tile rows (gate_up: the gate rows, then the up
+// rows) times the phase's slices of the input are dealt to the warps: warp w takes slice
+// w % slices of tile rows w / slices + (kStepWarps / slices) j, j < kTileRows; a lane holds
+// vectors lane + 32 i of the slice's current piece. Every warp's rows share its slice, so a lane
+// loads each input value once. The geometry is worked out once a phase (slices is a power of two:
+// shifts, not divisions, which are long dependent chains at run-time counts).
+template <typename T>
+struct WeightTile {
+  static constexpr int V = kVecWidth<T>;
+  Chunk<T, V> w[kTileRows][kTileVectors];
+  int slice, first_row, row_step;
+  int begin, end;  // the lane's first vector of the slice (in a row), and the slice's end
+
+  __device__ __forceinline__ explicit WeightTile(const PhasePlan<T>& pl) {
+    const int warp = threadIdx.x / kWarpSize;
+    slice = warp & (pl.slices - 1);
+    first_row = warp >> pl.slice_shift;
+    row_step = kStepWarps >> pl.slice_shift;
+    begin = slice * pl.slice_vectors + static_cast<int>(threadIdx.x % kWarpSize);
+    end = min((slice + 1) * pl.slice_vectors, pl.in_features / V);
+  }
+
+  // Loads piece `piece` of the warp's rows of a chunk of `rows` units (rows past them repeat the
+  // last, unused; vectors past the slice repeat its first, not used).
+  __device__ __forceinline__ void load(const T* chunk, const PhasePlan<T>& pl, int rows, int piece) {
+    const int last_row = pl.unit * rows - 1, first = begin + piece * kTilePieceVectors;
+#pragma unroll
+    for (int j = 0; j < kTileRows; ++j) {
+      const T* row = chunk + int64_t{min(first_row + row_step * j, last_row)} * pl.in_features;
+#pragma unroll
+      for (int i = 0; i < kTileVectors; ++i) {
+        const int v = first + kWarpSize * i;
+        w[j][i] = *reinterpret_cast<const Chunk<T, V>*>(row + (v < end ? v : begin) * V);
+      }
+    }
+  }
+
+  // Keeps the loads above where this is called: the compiler would otherwise sink them to their
+  // first use, past the polls for the input (Qwen3-0.6B's step 2% slower).
+  __device__ __forceinline__ void hold() {
+#pragma unroll
+    for (int j = 0; j < kTileRows; ++j)
+#pragma unroll
+      for (int i = 0; i < kTileVectors; ++i) {
+        uint4& bits = *reinterpret_cast<uint4*>(&w[j][i]);
+        asm volatile("" : "+r"(bits.x), "+r"(bits.y), "+r"(bits.z), "+r"(bits.w)::"memory");
+      }
+  }
+
+  // acc[j] += tile row j . the input's matching values (xs: the staged input as float).
+  __device__ __forceinline__ void accumulate(const float* xs, int piece, float (&acc)[kTileRows]) const {
+#pragma unroll
+    for (int i = 0; i < kTileVectors; ++i) {
+      const int v = begin + piece * kTilePieceVectors + kWarpSize * i;
+      if (v >= end) break;
+      float x[V];
 #pragma unroll
       for (int e = 0; e < V; e += 4) {
         const float4 x4 = *reinterpret_cast<const float4*>(xs + v * V + e);
-        const float xe[4] = {x4.x, x4.y, x4.z, x4.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          sum_a = fmaf(to_float(wa.v[e + i]), xe[i], sum_a);
-          sum_b = fmaf(to_float(wb.v[e + i]), xe[i], sum_b);
-        }
+        x[e] = x4.x, x[e + 1] = x4.y, x[e + 2] = x4.z, x[e + 3] = x4.w;
       }
+#pragma unroll
+      for (int j = 0; j < kTileRows; ++j)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[j] = fmaf(to_float(w[j][i].v[e]), x[e], acc[j]);
     }
-    sum_a = warp_sum(sum_a);
-    sum_b = warp_sum(sum_b);
-    if (lane == 0) finish(first, sum_a, has_b, sum_b);
   }
+};
+static_assert(kVecWidth<float> % 4 == 0, "inputs are read as float4");
+
+// A chunk's rows against the staged input: the tile (loaded with piece 0 by the caller, possibly
+// before the input was ready) is summed over its pieces, the lanes and then the slices (through
+// partials[], kTileRows * kStepWarps floats). finish(unit, a, b) gets each row's sum (gate_up: unit
+// `unit`'s gate and up sums), called by thread `unit` of the block.
+template <typename T, typename Finish>
+__device__ __forceinline__ void gemv_chunk(WeightTile<T>& tile, const T* chunk, const float* xs, const PhasePlan<T>& pl,
+                                           int rows, float* partials, Finish&& finish) {
+  float acc[kTileRows];
+#pragma unroll
+  for (int j = 0; j < kTileRows; ++j) acc[j] = 0.0f;
+  for (int piece = 0; piece < pl.pieces; ++piece) {
+    if (piece > 0) tile.load(chunk, pl, rows, piece);
+    tile.accumulate(xs, piece, acc);
+  }
+  const int lane = threadIdx.x % kWarpSize;
+  const float sum = warp_sums(acc);
+  const int row = tile.first_row + tile.row_step * which_value<kTileRows>(lane);
+  if (lane % (kWarpSize / kTileRows) == 0 && row < pl.unit * rows) partials[row * pl.slices + tile.slice] = sum;
+  __syncthreads();
+  const int unit = threadIdx.x;
+  if (unit >= rows) return;
+  float a = 0.0f, b = 0.0f;
+  for (int s = 0; s < pl.slices; ++s) {  // a fixed order
+    a += partials[unit * pl.slices + s];
+    if (pl.unit == 2) b += partials[(rows + unit) * pl.slices + s];
+  }
+  finish(unit, a, b);
 }
 
 // Shared-memory floats of the attention stage: the group's queries, the new key and value, the
@@ -749,6 +868,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   float* residual_rows = scratch + residual_rows_offset(p.s);
   __shared__ PhasePlan<T> plans[kPhases];
   __shared__ float reduce[kStepWarps];
+  __shared__ float partials[kTileRows * kStepWarps];  // gemv_chunk's per-slice sums
   __shared__ uint64_t landed[kMaxStages + 1];  // sm_90: the weight stages', then the staged split's
   // The attention's split of the keys depends on the position only: worked out once a step (its
   // divisions by run-time counts are long dependent chains) and kept here, not in registers.
@@ -795,39 +915,47 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   for (int layer = 0; layer < p.s.layers; ++layer) {
     for (int phase = 0; phase < kPhases; ++phase) {
       if (phase == kOut) {
-        // The stage of the last chunk consumed: its GEMV is done, and the next acquire refills it.
+        // The stage of the last chunk consumed: its GEMV is done, and the next issue refills it.
         T* free_stage = reinterpret_cast<T*>(stream.last_stage());
         attention<T, Heads>(p, layer, pos, splits, first_item, scratch, free_stage, landed + p.stages, staged_items);
         __syncthreads();  // the attention's scratch is the next input's
       }
       const PhasePlan<T>& pl = plans[phase];
       const unsigned output_post = post_number(layer, stage_of(phase));
-      const float inv_rms =
-          pl.chunks > 0 ? stage_input(p, layer, phase, output_post - 1, scratch, reduce) : 1.0f;
-      for (int c = 0; c < pl.chunks; ++c) {
-        const T* chunk = stream.acquire();
-        const int row0 = pl.row_lo + c * pl.rows_per_chunk;
-        const int rows = min(pl.rows_per_chunk, pl.row_hi - row0);
-        gemv_chunk(chunk, scratch, pl.in_features, pl.unit, rows, [&](int first, float a, bool has_b, float b) {
-          if (phase == kGateUp) {
-            const float gate = rounded<T>(a * inv_rms), up = rounded<T>(b * inv_rms);
-            post(p.act + row0 + first, rounded<T>(rounded<T>(gate / (1.0f + expf(-gate))) * up), output_post);
-            return;
+      if (pl.chunks > 0) {
+        // The first chunk goes to registers while the block waits for its input. The copy that
+        // refills the previous chunk's stage waits until the input is here: issued before the
+        // polls, it made Qwen3-0.6B's step 11% slower.
+        WeightTile<T> tile(pl);
+        const T* chunk = stream.wait_next();
+        tile.load(chunk, pl, min(pl.rows_per_chunk, pl.row_hi - pl.row_lo), 0);
+        tile.hold();
+        const float inv_rms = stage_input(p, layer, phase, output_post - 1, scratch, reduce);
+        __syncthreads();  // every thread's share of the input is staged
+        stream.issue();
+        for (int c = 0; c < pl.chunks; ++c) {
+          const int row0 = pl.row_lo + c * pl.rows_per_chunk;
+          const int rows = min(pl.rows_per_chunk, pl.row_hi - row0);
+          if (c > 0) {
+            chunk = stream.acquire();
+            tile.load(chunk, pl, rows, 0);
           }
-          for (int r = 0; r < (has_b ? 2 : 1); ++r) {
-            const int row = row0 + first + r;
-            const float sum = r == 0 ? a : b;
-            if (phase == kQkv) {
-              post(p.qkv + row, rounded<T>(sum * inv_rms), output_post);
+          gemv_chunk(tile, chunk, scratch, pl, rows, partials, [&](int r, float a, float b) {
+            const int row = row0 + r;
+            if (phase == kGateUp) {
+              const float gate = rounded<T>(a * inv_rms), up = rounded<T>(b * inv_rms);
+              post(p.act + row, rounded<T>(rounded<T>(gate / (1.0f + expf(-gate))) * up), output_post);
+            } else if (phase == kQkv) {
+              post(p.qkv + row, rounded<T>(a * inv_rms), output_post);
             } else {  // o and down: + the residual stream
               float& residual = residual_rows[row - pl.row_lo];
-              const T result = from_float<T>(rounded<T>(sum) + residual);
+              const T result = from_float<T>(rounded<T>(a) + residual);
               residual = to_float(result);
               post(p.hidden + row, residual, output_post);
               if (phase == kDown && layer + 1 == p.s.layers) p.out[row] = result;
             }
-          }
-        });
+          });
+        }
       }
       if (phase == kQkv) {  // the copies of the block's first attention item, if it has one
         if (static_cast<int>(blockIdx.x) < p.s.num_kv_heads * splits && split_fits(p, first_item.n)) {
