@@ -341,11 +341,17 @@ struct WeightStream {
     return reinterpret_cast<const T*>(ring + stage * stage_bytes);
   }
 
-  // wait_next, after refilling the previous chunk's stage.
+  // wait_next, and the refill of the previous chunk's stage.
   __device__ const T* acquire() {
+#ifdef FLASHHEAD_BULK_COPIES
     __syncthreads();
     issue();
     return wait_next();
+#else
+    const T* chunk = wait_next();  // first: the pending groups it counts are the ones before the refill's
+    issue();
+    return chunk;
+#endif
   }
 };
 
