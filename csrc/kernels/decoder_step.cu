@@ -44,8 +44,8 @@ using SmallHeads = HeadClass<2, 128>;
 using MidHeads = HeadClass<4, 128>;
 using AnyHeads = HeadClass<kDecoderStepMaxGroup, kDecoderStepMaxHeadDim>;
 // A GEMV chunk is read from its stage into registers, a tile a warp, while the block waits for the
-// phase's input, so what is left once the input arrives is its loads, the FMAs and the sums (a
-// third of the cycles of a GEMV reading its weights from shared memory, for qkv). A warp holds
+// phase's input, so what is left once the input arrives is its loads, the FMAs and the sums (for
+// qkv, under half the cycles of a GEMV reading its weights from shared memory). A warp holds
 // kTileRows rows of kTileVectors 16-byte vectors a lane: 64 registers.
 constexpr int kTileRows = 4;
 constexpr int kTileVectors = 4;
@@ -410,8 +410,8 @@ __device__ float stage_input(const StepParams<T>& p, int layer, int phase, unsig
   return rsqrtf(total / static_cast<float>(k) + s.eps);
 }
 
-// Sums of N values a lane over the warp's lanes in 2 + log2(N) fewer shuffles than N warp_sums:
-// each step halves the values a lane keeps. Lane l ends with the whole sum of value
+// Sums of N values a lane over the warp's lanes in N + 4 - log2(N) shuffles, not the 5 N of N
+// warp_sums: each step halves the values a lane keeps. Lane l ends with the whole sum of value
 // `which_value(l)`, the lane's bits 16, 8, ... read as a number.
 template <int N>
 __device__ __forceinline__ float warp_sums(float (&v)[N]) {
