@@ -257,6 +257,14 @@ __device__ __forceinline__ void load_posts(uint64_t (&bits)[N], unsigned number,
   await_posts(bits, number, word);
 }
 
+// Makes the loads of v complete here: the compiler sinks a load to its first use, which would put
+// loads issued beside polled ones after the polls, a round trip more once the polled values arrive.
+template <int N>
+__device__ __forceinline__ void hold_values(float (&v)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) asm volatile("" : "+f"(v[j])::"memory");
+}
+
 // The block's weight chunks in the order they are used (layer by layer, phase by phase), copied
 // stages - 1 chunks ahead into a ring of stages. Both ends keep counted-up positions: a division
 // by a run-time count is a chain of ~30 dependent instructions, and the thread that issues holds
@@ -379,6 +387,9 @@ __device__ float stage_input(const StepParams<T>& p, int layer, int phase, unsig
   constexpr int kInputWords = 16;
   for (int base = 0; base < k; base += kInputWords * kStepThreads) {
     const auto word_index = [&](int j) { return base + j * kStepThreads + static_cast<int>(threadIdx.x); };
+    float gain[kInputWords];  // the norm's weights, loaded in the polls' first round trip
+#pragma unroll
+    for (int j = 0; j < kInputWords; ++j) gain[j] = norm && word_index(j) < k ? to_float(norm[word_index(j)]) : 1.0f;
     uint64_t bits[kInputWords];
 #pragma unroll
     for (int j = 0; j < kInputWords; ++j) {
@@ -387,6 +398,7 @@ __device__ float stage_input(const StepParams<T>& p, int layer, int phase, unsig
       else
         bits[j] = uint64_t{number} << 32;
     }
+    hold_values(gain);
     await_posts(bits, number, [&](int j) { return src + word_index(j); });
 #pragma unroll
     for (int j = 0; j < kInputWords; ++j) {
@@ -395,7 +407,7 @@ __device__ float stage_input(const StepParams<T>& p, int layer, int phase, unsig
       float v = posted_value(bits[j]);
       if (norm) {
         sum_sq = fmaf(v, v, sum_sq);
-        v *= to_float(norm[i]);
+        v *= gain[j];
       }
       xs[i] = v;
     }
@@ -670,25 +682,40 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int sp
       const uint64_t* src = p.qkv + int64_t{head} * hd;
       const T* norm = is_key ? p.w.k_norm : p.w.q_norm;
       // The lane's words of the head: dimension lane + 32 i at 2 i, its partner + half at 2 i + 1.
-      const auto word = [&](int j) { return src + min(lane + (j / 2) * kWarpSize, half - 1) + (j % 2) * half; };
-      uint64_t bits[kHeadDimPerLane];
-      load_posts(bits, qkv_post, word);
-      // Everything the rotation reads is loaded up front: one round trip, not three.
+      const auto offset = [&](int j) { return min(lane + (j / 2) * kWarpSize, half - 1) + (j % 2) * half; };
+      const auto word = [&](int j) { return src + offset(j); };
+      const uint64_t* v_src = p.qkv + int64_t{s.num_heads + kv_heads + kv} * hd;
+      const auto v_word = [&](int j) { return v_src + offset(j); };
+      // Everything the rotation reads (and the key's warp, the new value) is loaded together with
+      // the polled words: one round trip, not three.
       float lo[kHeadDimPerLane / 2], hi[kHeadDimPerLane / 2], norm_lo[kHeadDimPerLane / 2],
           norm_hi[kHeadDimPerLane / 2], c[kHeadDimPerLane], sn[kHeadDimPerLane];
-      float sum_sq = 0.0f;
 #pragma unroll
       for (int i = 0; i < kHeadDimPerLane / 2; ++i) {
         const int t = lane + i * kWarpSize;
         const bool active = t < half;
-        lo[i] = active ? posted_value(bits[2 * i]) : 0.0f;
-        hi[i] = active ? posted_value(bits[2 * i + 1]) : 0.0f;
         norm_lo[i] = active && norm ? to_float(norm[int64_t{layer} * hd + t]) : 1.0f;
         norm_hi[i] = active && norm ? to_float(norm[int64_t{layer} * hd + t + half]) : 1.0f;
         c[2 * i] = active ? to_float(cos[t]) : 0.0f;
         c[2 * i + 1] = active ? to_float(cos[t + half]) : 0.0f;
         sn[2 * i] = active ? to_float(sin[t]) : 0.0f;
         sn[2 * i + 1] = active ? to_float(sin[t + half]) : 0.0f;
+      }
+      uint64_t bits[kHeadDimPerLane], v_bits[kHeadDimPerLane];
+#pragma unroll
+      for (int j = 0; j < kHeadDimPerLane; ++j) bits[j] = load_post(word(j));
+      if (is_key)
+#pragma unroll
+        for (int j = 0; j < kHeadDimPerLane; ++j) v_bits[j] = load_post(v_word(j));
+      hold_values(norm_lo), hold_values(norm_hi), hold_values(c), hold_values(sn);
+      await_posts(bits, qkv_post, word);
+      if (is_key) await_posts(v_bits, qkv_post, v_word);
+      float sum_sq = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kHeadDimPerLane / 2; ++i) {
+        const bool active = lane + i * kWarpSize < half;
+        lo[i] = active ? posted_value(bits[2 * i]) : 0.0f;
+        hi[i] = active ? posted_value(bits[2 * i + 1]) : 0.0f;
         sum_sq += lo[i] * lo[i] + hi[i] * hi[i];
       }
       const float inv_rms = norm ? rsqrtf(warp_sum(sum_sq) / static_cast<float>(hd) + s.eps) : 1.0f;
@@ -705,11 +732,8 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int sp
         dst[t] = rounded<T>(rounded<T>(l * c[2 * i]) - h * sn[2 * i]);
         dst[t + half] = rounded<T>(rounded<T>(h * c[2 * i + 1]) + l * sn[2 * i + 1]);
         if (is_key) {
-          const uint64_t* v_src = p.qkv + int64_t{s.num_heads + kv_heads + kv} * hd;
-          uint64_t v_bits[2];
-          load_posts(v_bits, qkv_post, [&](int j) { return v_src + t + j * half; });
-          v_new[t] = posted_value(v_bits[0]);
-          v_new[t + half] = posted_value(v_bits[1]);
+          v_new[t] = posted_value(v_bits[2 * i]);
+          v_new[t + half] = posted_value(v_bits[2 * i + 1]);
         }
       }
     }
