@@ -666,7 +666,9 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int sp
   for (int item = blockIdx.x; item < kv_heads * splits; item += gridDim.x) {
     const SplitItem it = item == static_cast<int>(blockIdx.x) ? first : split_item(item, splits, keys);
     const int kv = it.kv, split = it.split, key0 = it.key0, n = it.n;
-    __syncthreads();  // the previous item is done with the scratch and the free stage
+    // The previous item is done with the scratch and the free stage. Before the first, qkv's GEMV
+    // met last (gemv_chunk's barrier) after every read of its input and chunk: none is needed.
+    if (item != static_cast<int>(blockIdx.x)) __syncthreads();
     T* k_cache = head_cache(p, p.k_cache, layer, kv);
     T* v_cache = head_cache(p, p.v_cache, layer, kv);
     const bool staged = split_fits(p, n);
@@ -987,11 +989,13 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
           });
         }
       }
-      if (phase == kQkv) {  // the copies of the block's first attention item, if it has one
-        if (static_cast<int>(blockIdx.x) < p.s.num_kv_heads * splits && split_fits(p, first_item.n)) {
-          __syncthreads();  // every warp is done with the chunk whose stage the split is copied into
+      if (phase == kQkv) {
+        // The copies of the block's first attention item, if it has one, into the stage of qkv's
+        // chunk, which no warp reads past the GEMV's barrier. With no barrier here the issuing warp
+        // (the last, not needed until the scores) issues them while the others poll for the queries.
+        if (static_cast<int>(blockIdx.x) < p.s.num_kv_heads * splits && split_fits(p, first_item.n))
           stage_split(p, layer, first_item, reinterpret_cast<T*>(stream.last_stage()), landed + p.stages);
-        }
+        continue;
       }
       __syncthreads();  // every warp is done with the input before the next one is staged
     }
