@@ -666,8 +666,9 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int sp
   for (int item = blockIdx.x; item < kv_heads * splits; item += gridDim.x) {
     const SplitItem it = item == static_cast<int>(blockIdx.x) ? first : split_item(item, splits, keys);
     const int kv = it.kv, split = it.split, key0 = it.key0, n = it.n;
-    // The previous item is done with the scratch and the free stage. Before the first, qkv's GEMV
-    // met last (gemv_chunk's barrier) after every read of its input and chunk: none is needed.
+    // The previous item is done with the scratch and the free stage. The first needs no barrier:
+    // the block's last one (qkv's GEMV's own, or the previous phase's end when the block has no qkv
+    // rows) follows every read of the scratch and of the stage its copies go to.
     if (item != static_cast<int>(blockIdx.x)) __syncthreads();
     T* k_cache = head_cache(p, p.k_cache, layer, kv);
     T* v_cache = head_cache(p, p.v_cache, layer, kv);
@@ -990,9 +991,10 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
         }
       }
       if (phase == kQkv) {
-        // The copies of the block's first attention item, if it has one, into the stage of qkv's
-        // chunk, which no warp reads past the GEMV's barrier. With no barrier here the issuing warp
-        // (the last, not needed until the scores) issues them while the others poll for the queries.
+        // The copies of the block's first attention item, if it has one, into the stage of the
+        // chunk acquired last, which no warp reads past the block's last barrier. With no barrier
+        // here the issuing warp (the last, not needed until the scores) issues them while the
+        // others poll for the queries.
         if (static_cast<int>(blockIdx.x) < p.s.num_kv_heads * splits && split_fits(p, first_item.n))
           stage_split(p, layer, first_item, reinterpret_cast<T*>(stream.last_stage()), landed + p.stages);
         continue;
