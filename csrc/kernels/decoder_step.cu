@@ -96,6 +96,9 @@ struct PhasePlan {
   int64_t second;        // gate_up: elements from gate row i to up row i
   int in_features, unit, row_lo, row_hi, rows_per_chunk, chunks;
   int slices, slice_shift, slice_vectors, pieces;
+
+  // Units of the block's chunk that starts at row0.
+  __device__ __forceinline__ int chunk_rows(int row0) const { return min(rows_per_chunk, row_hi - row0); }
 };
 
 template <typename T>
@@ -130,7 +133,7 @@ __device__ PhasePlan<T> phase_plan(const StepParams<T>& p, int phase) {
   plan.chunks = ceil_div(plan.row_hi - plan.row_lo, plan.rows_per_chunk);
   // The most slices whose warp groups still hold a chunk's tile rows: a warp then reads the fewest
   // input values (few rows a block would leave each warp one row of the whole input to read).
-  const int tile_rows = plan.unit * min(plan.rows_per_chunk, plan.row_hi - plan.row_lo);
+  const int tile_rows = plan.unit * plan.chunk_rows(plan.row_lo);
   plan.slice_shift = 3;
   static_assert(kStepWarps == 1 << 3, "slices are powers of two up to the warps");
   while (plan.slice_shift > 0 && (kStepWarps >> plan.slice_shift) * kTileRows < tile_rows) --plan.slice_shift;
@@ -309,7 +312,7 @@ struct WeightStream {
       if (copies) {
         const PhasePlan<T>& pl = plans[issue_phase];
         const int row0 = pl.row_lo + issue_chunk * pl.rows_per_chunk;
-        const int rows = min(pl.rows_per_chunk, pl.row_hi - row0);
+        const int rows = pl.chunk_rows(row0);
         const int bytes = rows * pl.in_features * static_cast<int>(sizeof(T));
         const T* src = pl.weight + issue_layer * pl.layer_stride + int64_t{row0} * pl.in_features;
         unsigned char* dst = ring + issue_stage * stage_bytes;
@@ -961,14 +964,14 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
         // polls, it made Qwen3-0.6B's step 11% slower.
         WeightTile<T> tile(pl);
         const T* chunk = stream.wait_next();
-        tile.load(chunk, pl, min(pl.rows_per_chunk, pl.row_hi - pl.row_lo), 0);
+        tile.load(chunk, pl, pl.chunk_rows(pl.row_lo), 0);
         tile.hold();
         const float inv_rms = stage_input(p, layer, phase, output_post - 1, scratch, reduce);
         __syncthreads();  // every thread's share of the input is staged
         stream.issue();
         for (int c = 0; c < pl.chunks; ++c) {
           const int row0 = pl.row_lo + c * pl.rows_per_chunk;
-          const int rows = min(pl.rows_per_chunk, pl.row_hi - row0);
+          const int rows = pl.chunk_rows(row0);
           if (c > 0) {
             chunk = stream.acquire();
             tile.load(chunk, pl, rows, 0);
