@@ -355,6 +355,20 @@ def test_runner_bad_arguments_name_the_argument():
         runner.generate(torch.zeros(2, 3, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("qk_norm,tied", [(True, True), (False, False)])
+def test_draft_step_floor_counts_layer_weights_one_embedding_row_and_the_cache(qk_norm, tied):
+    from flashhead_ext.bench.spec import step_read_bytes
+
+    c = DecoderConfig(211, 24, 40, 3, 6, 2, 8, qk_norm=qk_norm, tie_word_embeddings=tied)
+    model = Decoder.random(c, max_len=37, dtype=torch.float16, device="cpu")
+    d, hd = c.hidden_size, c.head_dim
+    per_layer = ((c.num_heads + 2 * c.num_kv_heads) * hd * d + d * c.num_heads * hd + 2 * c.intermediate_size * d
+                 + d * c.intermediate_size + 2 * d + (2 * hd if qk_norm else 0))
+    weights = c.num_layers * per_layer + d + d  # the final norm and one embedding row, not the table
+    cache = 2 * c.num_layers * c.num_kv_heads * 29 * hd
+    assert step_read_bytes(model, keys=29) == 2 * (weights + cache)
+
+
 def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
     from flashhead_ext.bench.__main__ import main
 

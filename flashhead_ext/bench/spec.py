@@ -7,7 +7,8 @@ which tokens share a cluster, and a k-means build at 151936 x 1024 would take lo
 benchmark. Every result file records this.
 
 * ``draft-step``: one draft decode step (1 token -> body -> head -> token) replayed as a CUDA graph,
-  dense vs FlashHead head, with the body alone timed the same way, and the weight-traffic floor.
+  dense vs FlashHead head, with the body alone timed the same way, and the body's traffic floor
+  (:func:`step_read_bytes` at the copy bandwidth).
 * ``spec``: end to end, a target and a draft at the given shapes, baseline / ordinary / deferred
   with dense and FlashHead drafts, interleaved (:mod:`flashhead_ext.speculative.runner`). Random
   weights cannot agree, so ``--synthetic-acceptance R`` (default 0.77: the thesis's 3.666 tokens per
@@ -40,6 +41,17 @@ SHAPES = {
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CLUSTERS = "random equal-size clusters (timing only)"
+
+
+def step_read_bytes(model: Decoder, keys: int) -> int:
+    """Bytes a one-token body step must read: every layer's weights, the final norm, one embedding
+    row (not the table) and the cached keys and values of ``keys`` positions in every layer."""
+    c = model.config
+    weights = sum(w.numel() * w.element_size() for w in model.stacked.values())
+    weights += model.final_norm.numel() * model.final_norm.element_size()
+    embedding_row = c.hidden_size * model.embed.element_size()
+    cache = 2 * c.num_layers * c.num_kv_heads * keys * c.head_dim * model.k_cache.element_size()
+    return weights + embedding_row + cache
 
 
 def random_flash_head(embedding: torch.Tensor, cluster_size: int, probes, seed: int = 0) -> FlashHead:
@@ -105,7 +117,7 @@ def draft_step_main(argv=None) -> int:
         model.reset(args.context - 1)
         ids = torch.zeros(1, dtype=torch.int64, device=args.device)
         token = torch.zeros(1, dtype=torch.int64, device=args.device)
-        body_bytes = model.nbytes - model.lm_head.numel() * model.lm_head.element_size() * (model.lm_head is not model.embed)
+        body_bytes = step_read_bytes(model, keys=args.context)
         heads = {kind: make_head(kind, model.lm_head, args) for kind in ("dense", "flashhead")}
         first_body_step = {}
         for body in bodies:
