@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..fast.decoder import Decoder, _fused_layer, _layer
 from ..graphs import capture_graph
-from .spec import SHAPES, _check_choices, _write
+from .spec import SHAPES, _check_choices, _write, cache_read_bytes
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
 COLUMNS = [("shape", "shape", "s"), ("tokens", "M", "d"), ("op", "op", "s"), ("ours_us", "ours us", ".1f"),
@@ -82,7 +82,7 @@ def _layer_rows(name: str, tokens: int, args, bandwidth: float) -> list[dict]:
     model.reset(args.context - tokens)
     pos, cos, sin, mask = model.step_inputs(tokens, model.length)
     k_cache, v_cache = model.k_cache[0], model.v_cache[0]
-    cache_bytes = 2 * c.num_kv_heads * args.context * c.head_dim * 2
+    cache_bytes = cache_read_bytes(model, args.context)  # model has the one layer
     rows.append(dict(
         op="layer (fused ops vs eager torch)", floor_us=(layer_bytes + cache_bytes) / (bandwidth * 1e3),
         ours_us=_timed_graph([lambda w=w: _fused_layer(x, w, k_cache, v_cache, model.length, model._cos, model._sin,

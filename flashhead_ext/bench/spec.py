@@ -43,15 +43,19 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CLUSTERS = "random equal-size clusters (timing only)"
 
 
+def cache_read_bytes(model: Decoder, keys: int) -> int:
+    """Bytes of the cached keys and values of ``keys`` positions in every layer of ``model``."""
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * keys * c.head_dim * model.k_cache.element_size()
+
+
 def step_read_bytes(model: Decoder, keys: int) -> int:
     """Bytes a one-token body step must read: every layer's weights, the final norm, one embedding
     row (not the table) and the cached keys and values of ``keys`` positions in every layer."""
-    c = model.config
     weights = sum(w.numel() * w.element_size() for w in model.stacked.values())
     weights += model.final_norm.numel() * model.final_norm.element_size()
-    embedding_row = c.hidden_size * model.embed.element_size()
-    cache = 2 * c.num_layers * c.num_kv_heads * keys * c.head_dim * model.k_cache.element_size()
-    return weights + embedding_row + cache
+    embedding_row = model.config.hidden_size * model.embed.element_size()
+    return weights + embedding_row + cache_read_bytes(model, keys)
 
 
 def random_flash_head(embedding: torch.Tensor, cluster_size: int, probes, seed: int = 0) -> FlashHead:
