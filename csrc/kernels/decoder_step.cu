@@ -13,7 +13,7 @@
 // the signal, with no grid barrier between the stages.
 //
 // A layer: qkv GEMV with its RMSNorm folded in | attention: q/k norms, rotary and the cache write,
-// split over the cache (the split holding the token merges them) | o GEMV + residual |
+// split over the cache (a head's last splits merge its partials) | o GEMV + residual |
 // gate_up GEMV with its RMSNorm and SiLU(gate) * up | down GEMV + residual. Values are rounded to T
 // wherever fused_linear, rotary_cache_write and decode_attention round, so the step equals their
 // composition up to the order of float32 sums.
@@ -646,8 +646,8 @@ __device__ void stage_split(const StepParams<T>& p, int layer, const SplitItem& 
 // The attention of one layer. Work items are (KV head, split of the keys 0..pos); each gets the
 // group's queries and the new key ready (RMSNorm, rotary: rotary_cache_write's arithmetic), scores
 // a key per thread, weights the values with a warp per key and lanes over dimensions, and posts a
-// softmax partial; the split holding the new token merges its KV head's partials (decode_attention's
-// merge) into attn. Every loop over keys keeps its loads independent, so they are in flight together.
+// softmax partial; a KV head's last splits merge its partials (decode_attention's merge) into attn.
+// Every loop over keys keeps its loads independent, so they are in flight together.
 template <typename T, typename Heads>
 __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int splits, const SplitItem& first,
                           float* scratch, T* free_stage, uint64_t* split_landed, unsigned& staged_items) {
@@ -859,10 +859,20 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int sp
       post(p.partial_out + at * hd + d, o, attn_post);
       if (d == 0) post(p.partial_stats + 2 * at, stats[2 * h], attn_post), post(p.partial_stats + 2 * at + 1, stats[2 * h + 1], attn_post);
     }
-    // The split holding the new token merges the partials (posted too): it has the most work, so it
-    // is usually the last to finish and waits least.
-    if (splits == 1 || key0 + n != keys) continue;
-    __syncthreads();  // the scratch below is the weighted values'
+  }
+  if (splits == 1) return;
+  // The merge: each KV head's last `mergers` splits (the one holding the new token, which has the
+  // most work, last) merge a share of the head's group * hd outputs each, a thread an output, so
+  // that a thread's loads of partials stay within a batch or two of kMergeSplits: one block
+  // merging a head of many outputs and splits took a round trip a batch, up to 8 at the Gemma-3
+  // dims. It follows all of the block's items: a later item's partials may be among those merged.
+  const int outputs = group * hd;
+  const int mergers = min(splits, ceil_div(outputs * splits, kStepThreads * kMergeSplits));
+  for (int item = blockIdx.x; item < kv_heads * splits; item += gridDim.x) {
+    const SplitItem it = item == static_cast<int>(blockIdx.x) ? first : split_item(item, splits, keys);
+    const int merger = it.split - (splits - mergers), kv = it.kv;
+    if (merger < 0) continue;
+    __syncthreads();  // the scratch below is the last item's scores and weighted values
     // Every split's stats in one round of loads (maxima in scores, sums in warp_values), then a warp
     // per head weighs the splits (exp(m_s - m), kept in scores) and sums them up.
     for (int i = threadIdx.x; i < group * splits; i += kStepThreads) {
@@ -879,7 +889,8 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int sp
       if (lane == 0) stats[2 * h + 1] = max_total.y;
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < group * hd; idx += kStepThreads) {
+    const int share_end = (merger + 1) * outputs / mergers;
+    for (int idx = merger * outputs / mergers + threadIdx.x; idx < share_end; idx += kStepThreads) {
       const int h = idx / hd, d = idx % hd;
       const uint64_t* partial = p.partial_out + int64_t{kv * group + h} * p.max_splits * hd + d;
       float o = 0.0f;
