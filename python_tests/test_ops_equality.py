@@ -199,3 +199,17 @@ def test_decode_greedy_selection_boundary(B, C, p, dtype, device):
     expected = [int(table[boundary, 1])] * B
     assert ref.decode_greedy(*args).tokens.cpu().tolist() == expected
     assert ops.decode_greedy(*args).cpu().tolist() == expected
+
+
+# The selection kernel is compiled for every count of register-cached keys a thread (one key a
+# round of 1024 clusters, 8 to 16 rounds) and runs the one that holds the row: rows of 8 to 17
+# rounds reach every instance of both list orders (17: a round past the cache, read from memory).
+@device_params
+@pytest.mark.parametrize("rounds", range(8, 18))
+def test_selection_at_every_cached_row_length(rounds, device):
+    problem = make_problem(Shape(B=2, D=7, C=1024 * rounds - 5 * rounds, b=1, p=301), torch.float32, device)
+    _select_and_check(problem, exact_on(device))
+    check_decode_greedy(ops.decode_greedy(*problem.args()), problem, exact_on(device))
+    seed = 5 + rounds
+    tokens, logprobs = ops.decode_sample(*problem.args()[:5], TEMPERATURE, problem.extra_ids, seed=seed)
+    check_decode_sample(tokens, logprobs, problem, TEMPERATURE, seed, exact_on(device))

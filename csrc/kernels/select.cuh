@@ -31,9 +31,11 @@ constexpr int kSelectThreads = 1024;
 constexpr int kSelectWarps = kSelectThreads / kWarpSize;
 static_assert(kSelectWarps == kWarpSize, "per-warp values are combined by a warp, one a lane");
 // Keys a thread keeps in registers, at most: rows of up to 16384 clusters are read from memory
-// once. The kernel is also compiled for 8 and 12 (fewer would spill) and launched with the
-// smallest count that holds the row, since every register slot costs instructions in every pass.
+// once. The kernel is compiled for every count from kMinSelectCached (fewer would spill) and
+// launched with the smallest that holds the row, since every register slot costs instructions in
+// every pass.
 constexpr int kSelectCached = 16;
+constexpr int kMinSelectCached = 8;
 // Longest selection list kept (and sorted) in shared memory; longer lists live in the workspace.
 constexpr int kSmemListMax = 4096;
 constexpr int kMaxSurvivors = 8192;
