@@ -889,8 +889,11 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int sp
       if (lane == 0) stats[2 * h + 1] = max_total.y;
     }
     __syncthreads();
-    const int share_end = (merger + 1) * outputs / mergers;
-    for (int idx = merger * outputs / mergers + threadIdx.x; idx < share_end; idx += kStepThreads) {
+    // A lone merger (every head at Qwen3-0.6B, context 1024) takes the whole head, no divisions.
+    const bool whole = mergers == 1;
+    const int share_begin = whole ? 0 : merger * outputs / mergers;
+    const int share_end = whole ? outputs : (merger + 1) * outputs / mergers;
+    for (int idx = share_begin + threadIdx.x; idx < share_end; idx += kStepThreads) {
       const int h = idx / hd, d = idx % hd;
       const uint64_t* partial = p.partial_out + int64_t{kv * group + h} * p.max_splits * hd + d;
       float o = 0.0f;
