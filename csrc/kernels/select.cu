@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
 
 // Launches the instance that caches the fewest keys a thread, from kCached up, that hold a row of
 // `rounds` rounds (kSelectCached for longer rows). A register slot past the row's end still costs
-// instructions in every pass: Qwen3-0.6B's 10 rounds took 2-3% longer on the 12-key instance.
+// instructions in every pass: Qwen3-0.6B's 10 rounds took up to 3% longer on the 12-key instance.
 template <int kCached, bool kStable, typename Launch>
 cudaError_t launch_fitted(int rounds, Launch&& launch) {
   if constexpr (kCached < kSelectCached) {
