@@ -69,3 +69,21 @@ def test_sampling_large(shape, dtype):
     check_ranked_selection(ids, trace.cluster_keys, problem.probes, problem.score_tol() / T + 1e-5, exact=False)
     tokens, logprobs = ops.decode_sample(*problem.args()[:5], T, problem.extra_ids, seed=seed)
     check_decode_sample(tokens, logprobs, problem, T, seed, exact=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("dim", [576, 1024, 1160])
+def test_candidate_rows_staged_or_in_registers_agree(dim, dtype):
+    # A row with more slots than one pass of the grid covers is staged in shared memory by bulk
+    # copies on sm_90; its first 1,000 slots alone fit one pass and go through registers. Each
+    # lane sums the same pieces in the same order either way, so the logits are bitwise equal.
+    gen = torch.Generator(device="cuda").manual_seed(dim)
+    vocab = 30011
+    embedding = torch.randn(vocab, dim, generator=gen, device="cuda").to(dtype)
+    hidden = torch.randn(1, dim, generator=gen, device="cuda").to(dtype)
+    slots = torch.cuda.get_device_properties(0).multi_processor_count * 2 * 16 * 4 + 7
+    candidates = torch.randint(-3, vocab + 3, (1, slots), generator=gen, device="cuda", dtype=torch.int32)
+    many = ops.candidate_logits(hidden, embedding, candidates)
+    few = ops.candidate_logits(hidden, embedding, candidates[:, :1000].contiguous())
+    assert torch.equal(many[:, :1000], few)
+    assert_values_close(many, ref.candidate_logits(hidden, embedding, candidates), 1e-3 * dim ** 0.5, "logits")

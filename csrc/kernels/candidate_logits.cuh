@@ -1,14 +1,21 @@
 // Stage 3: candidate logits, logits[row, j] = embedding[candidates[row, j]] . hidden[row] in fp32.
 //
-// A gather-GEMV: each warp takes kCandRowsPerWarp candidate slots of one row at a time and
-// streams their embedding rows (1-8 KB each, read in place) with 16-byte loads; the blocks of a
-// row split its N slots, the grid's y dimension walks the rows. The grid is sized to what stays
-// resident (kCandBlocksPerSm per SM), each warp looping over slot groups. A slot whose id is outside [0, V) is masked:
-// its row is never read and its logit is -inf.
+// A gather-GEMV: each warp takes kCandRowsPerWarp candidate slots of one row at a time and reads
+// their embedding rows (1-8 KB each, in place); the blocks of a row split its N slots, the grid's
+// y dimension walks the rows. The grid is sized to what stays resident, each warp looping over
+// slot groups. A slot whose id is outside [0, V) is masked: its row is never read and its logit
+// is -inf.
+//
+// On sm_90 the rows can be staged in shared memory by bulk copies (the copy engine), each warp's
+// next group landing while it reads the current one: a warp keeps two groups of rows in flight
+// without holding them in registers (the Qwen3-0.6B head 4-6% faster at p = 593 and 1024, 6-21%
+// at batch 8). Otherwise (staged_rows_smem says when) each lane loads its 16-byte pieces of the
+// group's rows into registers.
 #pragma once
 
 #include <algorithm>
 
+#include "kernels/bulk_copy.cuh"
 #include "kernels/common.cuh"
 
 namespace flashhead {
@@ -19,8 +26,43 @@ constexpr int kCandRowsPerWarp = 2;
 constexpr int kCandUnroll = 4;
 constexpr int kCandSlotsPerBlock = kCandThreads / kWarpSize * kCandRowsPerWarp;
 constexpr int kCandBlocksPerSm = 2;
+// Staged rows: a warp's group being read and the next one landing.
+constexpr int kCandBuffers = 2;
 // gridDim.y limit; larger batches are launched in slices.
 constexpr int kMaxGridRows = 65535;
+
+// The dynamic shared memory of a candidate kernel's staged instance (`kernel`): its warps' buffers
+// when rows are to be staged, else 0 (the register instance runs). Rows are staged when a warp has more than one slot group (one group gains nothing from the
+// copy engine and pays the round trip through shared memory), the kernel was compiled for sm_90
+// (its PTX version: a JIT from older PTX has no bulk copies), rows are whole 16-byte vectors
+// (`vec`) and every warp's buffers fit with kCandBlocksPerSm blocks on an SM (fewer blocks made
+// Llama-3's head slower at batch 1).
+template <typename Kernel>
+cudaError_t staged_rows_smem(Kernel kernel, bool vec, int hidden_dim, size_t element, int num_candidates, int rows,
+                             int sms, size_t* staged_smem) {
+  *staged_smem = 0;
+  const bool one_group_a_warp = ceil_div(num_candidates, kCandSlotsPerBlock) <= sms * kCandBlocksPerSm / rows;
+  if (!vec || one_group_a_warp) return cudaSuccess;
+  cudaFuncAttributes attributes{};
+  if (cudaError_t err = cudaFuncGetAttributes(&attributes, kernel); err != cudaSuccess) return err;
+  if (attributes.ptxVersion < 90) return cudaSuccess;
+  int device = 0, max_smem = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  if (cudaError_t err = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+      err != cudaSuccess)
+    return err;
+  const size_t smem = size_t{kCandThreads / kWarpSize} * kCandBuffers * kCandRowsPerWarp * hidden_dim * element;
+  if (smem + attributes.sharedSizeBytes > static_cast<size_t>(max_smem)) return cudaSuccess;
+  if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      err != cudaSuccess)
+    return err;
+  int per_sm = 0;
+  if (cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kCandThreads, smem);
+      err != cudaSuccess)
+    return err;
+  if (per_sm >= kCandBlocksPerSm) *staged_smem = smem;
+  return cudaSuccess;
+}
 
 // Blocks per row: enough slot groups for every block, and no more blocks than stay resident.
 inline int candidate_blocks_per_row(int num_candidates, int rows, int sms) {
@@ -85,35 +127,132 @@ struct WarpSlots {
   float logit[kCandRowsPerWarp];
 };
 
+// The tokens of the kCandRowsPerWarp slots from `first` of `row` (-1 past the row's end).
+template <typename T, typename Tokens>
+__device__ __forceinline__ void fetch_slot_tokens(const CandidateRows<T>& a, const Tokens& tokens, int64_t row,
+                                                  int first, int32_t (&token)[kCandRowsPerWarp]) {
+#pragma unroll
+  for (int r = 0; r < kCandRowsPerWarp; ++r)
+    token[r] = first + r < a.num_candidates ? tokens.token(row, first + r) : -1;
+}
+
+template <typename T>
+__device__ __forceinline__ WarpSlots slots_of(const CandidateRows<T>& a, const int32_t (&token)[kCandRowsPerWarp]) {
+  WarpSlots s;
+#pragma unroll
+  for (int r = 0; r < kCandRowsPerWarp; ++r) {
+    s.token[r] = token[r];
+    s.valid[r] = token[r] >= 0 && token[r] < a.vocab;
+  }
+  return s;
+}
+
+#ifdef FLASHHEAD_BULK_COPIES
+// for_each_slot_group with staged rows. Each warp has kCandBuffers buffers of kCandRowsPerWarp
+// rows in dynamic shared memory, each with an mbarrier; group k lands in buffer k % kCandBuffers.
+// Before reading group k the warp issues the copies of group k + kCandBuffers - 1 into the buffer
+// it finished reading last. A lane reads back the same 16-byte pieces that warp_dot would load.
+template <typename T, typename Tokens, typename F>
+__device__ __forceinline__ void for_each_staged_slot_group(const CandidateRows<T>& a, const Tokens& tokens,
+                                                           int64_t row, F f) {
+  constexpr int R = kCandRowsPerWarp, W = kVecWidth<T>, kWarps = kCandThreads / kWarpSize;
+  extern __shared__ __align__(128) unsigned char staged_rows[];
+  __shared__ uint64_t landed[kWarps * kCandBuffers];
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  T* buffers = reinterpret_cast<T*>(staged_rows) + size_t{static_cast<unsigned>(warp)} * kCandBuffers * R * a.hidden_dim;
+  uint64_t* barriers = landed + warp * kCandBuffers;
+  if (lane < kCandBuffers) mbarrier_init(barriers + lane);
+  fence_mbarrier_init();
+  __syncwarp();
+  const int row_bytes = a.hidden_dim * static_cast<int>(sizeof(T));
+  const uint64_t policy = row_policy(a.rows_once);
+  // One arrival a group, expecting its valid rows' bytes; lane r copies row r.
+  auto issue = [&](int buffer, const int32_t (&token)[R]) {
+    int bytes = 0;
+#pragma unroll
+    for (int r = 0; r < R; ++r) bytes += token[r] >= 0 && token[r] < a.vocab ? row_bytes : 0;
+    if (lane == 0) mbarrier_expect_bytes(barriers + buffer, bytes);
+    __syncwarp();  // the phase expects its bytes before any of them land
+    if (lane < R) {
+      const int32_t t = pick(token, lane);
+      if (t >= 0 && t < a.vocab)
+        copy_bulk(buffers + (buffer * R + lane) * a.hidden_dim, a.embedding + int64_t{t} * a.hidden_dim,
+                  row_bytes, barriers + buffer, policy);
+    }
+  };
+  const int stride = gridDim.x * kCandSlotsPerBlock;
+  const T* hid = a.hidden + row * a.hidden_dim;
+  int first = blockIdx.x * kCandSlotsPerBlock + warp * R;
+  int32_t ahead[kCandBuffers][R];  // the tokens of groups k .. k + kCandBuffers - 1
+#pragma unroll
+  for (int j = 0; j < kCandBuffers; ++j) fetch_slot_tokens(a, tokens, row, first + j * stride, ahead[j]);
+#pragma unroll
+  for (int j = 0; j + 1 < kCandBuffers; ++j)
+    if (first + j * stride < a.num_candidates) issue(j, ahead[j]);
+  for (unsigned k = 0; first < a.num_candidates; first += stride, ++k) {  // uniform within the warp
+    int32_t after[R];
+    fetch_slot_tokens(a, tokens, row, first + kCandBuffers * stride, after);
+    if (first + (kCandBuffers - 1) * stride < a.num_candidates) {
+      fence_before_bulk_copies();  // the buffer's last reads (ordered across the warp by __syncwarp below)
+      issue((k + kCandBuffers - 1) % kCandBuffers, ahead[kCandBuffers - 1]);
+    }
+    const int buffer = k % kCandBuffers;
+    mbarrier_wait(barriers + buffer, k / kCandBuffers);
+    WarpSlots s = slots_of(a, ahead[0]);
+    float acc[R] = {};
+    for (int idx = lane; idx < a.hidden_dim / W; idx += kWarpSize) {
+      const Chunk<T, W> h = load_chunk<T, W>(hid + idx * W);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {  // a masked row's buffer holds an older row: its sum is dropped below
+        Chunk<T, W> c;
+        const int4 raw = *reinterpret_cast<const int4*>(buffers + (buffer * R + r) * a.hidden_dim + idx * W);
+        memcpy(&c, &raw, sizeof(raw));
+#pragma unroll
+        for (int e = 0; e < W; ++e) acc[r] = fmaf(to_float(c.v[e]), to_float(h.v[e]), acc[r]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float sum = warp_sum(acc[r]);
+      s.logit[r] = s.valid[r] ? sum : -INFINITY;
+#pragma unroll
+      for (int j = 0; j + 1 < kCandBuffers; ++j) ahead[j][r] = ahead[j + 1][r];
+      ahead[kCandBuffers - 1][r] = after[r];
+    }
+    f(s, first);
+    __syncwarp();  // every lane is done with the buffer before the next issue refills it
+  }
+}
+#endif
+
 // Calls f(slots, first_slot) for each group of kCandRowsPerWarp slots of `row` this warp owns
 // (token ids from `tokens`):
 // a grid-stride loop over the row's slots, so a grid sized to the GPU pays each block's fixed
 // costs once. The next group's ids are loaded before the current group's rows are read, so the
 // two latencies overlap.
-template <typename T, typename Tokens, typename F>
+// kStaged: rows staged by bulk copies (for_each_staged_slot_group), its own kernel instance so that
+// the other path's registers and code are its own.
+template <bool kStaged, typename T, typename Tokens, typename F>
 __device__ __forceinline__ void for_each_slot_group(const CandidateRows<T>& a, const Tokens& tokens, int64_t row, F f) {
+  if constexpr (kStaged) {
+#ifdef FLASHHEAD_BULK_COPIES
+    for_each_staged_slot_group(a, tokens, row, f);
+#endif
+    return;
+  }
   const int stride = gridDim.x * kCandSlotsPerBlock;
-  auto fetch = [&](int first, int32_t (&token)[kCandRowsPerWarp]) {
-#pragma unroll
-    for (int r = 0; r < kCandRowsPerWarp; ++r)
-      token[r] = first + r < a.num_candidates ? tokens.token(row, first + r) : -1;
-  };
   const T* hid[1] = {a.hidden + row * a.hidden_dim};
   const uint64_t policy = row_policy(a.rows_once);
   int first = blockIdx.x * kCandSlotsPerBlock + threadIdx.x / kWarpSize * kCandRowsPerWarp;
   int32_t token[kCandRowsPerWarp];
-  fetch(first, token);
+  fetch_slot_tokens(a, tokens, row, first, token);
   for (; first < a.num_candidates; first += stride) {  // uniform within the warp
     int32_t next[kCandRowsPerWarp];
-    fetch(first + stride, next);
-    WarpSlots s;
+    fetch_slot_tokens(a, tokens, row, first + stride, next);
+    WarpSlots s = slots_of(a, token);
     const T* rows[kCandRowsPerWarp];
 #pragma unroll
-    for (int r = 0; r < kCandRowsPerWarp; ++r) {
-      s.token[r] = token[r];
-      s.valid[r] = token[r] >= 0 && token[r] < a.vocab;
-      rows[r] = s.valid[r] ? a.embedding + int64_t{token[r]} * a.hidden_dim : nullptr;
-    }
+    for (int r = 0; r < kCandRowsPerWarp; ++r) rows[r] = s.valid[r] ? a.embedding + int64_t{token[r]} * a.hidden_dim : nullptr;
     float acc[kCandRowsPerWarp][1];
     warp_dot<T, kCandRowsPerWarp, 1, kCandUnroll>(rows, hid, a.hidden_dim, a.vec, policy, acc);
 #pragma unroll

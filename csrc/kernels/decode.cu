@@ -3,6 +3,7 @@
 // programmatic dependent launch where the device has it. The candidate kernel reads each slot's
 // token from the chosen clusters' table rows.
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/decode.cuh"
 
@@ -70,8 +71,18 @@ cudaError_t launch_decode_candidates(const HeadTensors<T>& t, const HeadShape& s
   int sms = 0;
   const cudaError_t attr = multiprocessor_count(&sms);
   if (attr != cudaSuccess) return attr;
+  const auto instance = [&](auto staged) {
+    constexpr bool kStaged = decltype(staged)::value;
+    if constexpr (kSample)
+      if (ws.extra_repeats) return decode_candidates_kernel<T, true, true, kStaged>;
+    return decode_candidates_kernel<T, kSample, false, kStaged>;
+  };
   for (int r0 = 0; r0 < shape.batch; r0 += kMaxGridRows) {
     const int rows = std::min(kMaxGridRows, shape.batch - r0);
+    size_t smem = 0;
+    const cudaError_t planned = staged_rows_smem(instance(std::true_type{}), vec, d, sizeof(T), n, rows, sms, &smem);
+    if (planned != cudaSuccess) return planned;
+    const auto kernel = smem > 0 ? instance(std::true_type{}) : instance(std::false_type{});
     const int blocks = candidate_blocks_per_row(n, rows, sms);
     const int64_t extras_from = int64_t{r0} * shape.num_extra;
     DecodeArgs<T> args{};
@@ -88,10 +99,8 @@ cudaError_t launch_decode_candidates(const HeadTensors<T>& t, const HeadShape& s
     args.tokens = tokens + r0 * token_stride;
     args.token_stride = token_stride;
     args.token_logprobs = kSample ? token_logprobs + r0 : nullptr;
-    auto kernel = decode_candidates_kernel<T, kSample, false>;
-    if constexpr (kSample)
-      if (ws.extra_repeats) kernel = decode_candidates_kernel<T, true, true>;
-    const cudaError_t err = launch_kernel(kernel, dim3(blocks, rows), dim3(kCandThreads), 0, stream, dependent, args);
+    const cudaError_t err =
+        launch_kernel(kernel, dim3(blocks, rows), dim3(kCandThreads), smem, stream, dependent, args);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;

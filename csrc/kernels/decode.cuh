@@ -121,8 +121,8 @@ __device__ __forceinline__ void mark_repeated_extras(const ClusterTokens& tokens
 }
 
 // kExtrasAside: sampling with extra ids (the extras' flags and partials); its own instance, so the
-// other decodes' slot loop carries none of it.
-template <typename T, bool kSample, bool kExtrasAside>
+// other decodes' slot loop carries none of it. kStaged: as for_each_slot_group.
+template <typename T, bool kSample, bool kExtrasAside, bool kStaged>
 __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candidates_kernel(DecodeArgs<T> a) {
   static_assert(kSample || !kExtrasAside, "greedy folds every extra id");
   constexpr int kWarps = kCandThreads / kWarpSize;
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
 
   // Lane r folds slot first + r of each group.
   RowPartial p = empty_partial();
-  for_each_slot_group(a.rows, a.slot_tokens, row, [&](const WarpSlots& s, int first) {
+  for_each_slot_group<kStaged>(a.rows, a.slot_tokens, row, [&](const WarpSlots& s, int first) {
     if constexpr (kExtrasAside) mark_repeated_extras(a.slot_tokens, a.extras, lane_extra, s, first, row);
     if (lane >= kCandRowsPerWarp || !pick(s.valid, lane)) return;
     const int slot = first + lane;

@@ -19,6 +19,7 @@
 // composition up to the order of float32 sums.
 #include <algorithm>
 
+#include "kernels/bulk_copy.cuh"
 #include "kernels/common.cuh"
 
 namespace flashhead {
@@ -147,47 +148,18 @@ __device__ PhasePlan<T> phase_plan(const StepParams<T>& p, int phase) {
 // split's keys and values) is one bulk copy per piece, moved by the copy engine (TMA) and counted
 // on an mbarrier, issued by one thread. Before sm_90 every thread issues 16-byte cp.async into
 // commit groups.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define FLASHHEAD_BULK_COPIES 1
+#ifdef FLASHHEAD_BULK_COPIES
 // The issuing thread is in the last warp: the GEMVs deal rows to warps from the first, so that
 // warp has the fewest, and the issue's instructions delay it least.
 constexpr int kBulkThread = kStepThreads - 1;
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbarrier_init(uint64_t* barrier) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(barrier)) : "memory");
-}
-// The one expected arrival of the barrier's phase, which then also waits for `bytes` to land.
-__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* barrier, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
-               : "memory");
-}
 // Streamed bytes are marked first to leave L2: they pass through once a step, and what they would
 // evict (norms, activations, the kernel's code and parameters) is then read from L2, not HBM
 // (Qwen3-0.6B's step 2.4% faster).
 __device__ __forceinline__ void copy_bulk(void* dst, const void* src, int bytes, uint64_t* barrier) {
   uint64_t evict_first;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
-          shared_address(dst)),
-      "l"(src), "r"(bytes), "r"(shared_address(barrier)), "l"(evict_first)
-      : "memory");
+  detail::copy_bulk(dst, src, bytes, barrier, evict_first);
 }
-// Waits until the barrier's phase number `use` (counted from 0) has completed.
-__device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, unsigned use) {
-  unsigned done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(shared_address(barrier)), "r"(use & 1u)
-        : "memory");
-  } while (!done);
-}
-// Orders this thread's earlier shared-memory writes before later bulk copies into the same bytes.
-__device__ __forceinline__ void fence_before_bulk_copies() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 #else
 // cp.async with an explicit group count: the number of stages is a run-time value.
 __device__ __forceinline__ void copy_async_16(void* dst, const void* src) {
@@ -941,7 +913,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
 #ifdef FLASHHEAD_BULK_COPIES
   if (threadIdx.x == 0) {
     for (int i = 0; i <= p.stages; ++i) mbarrier_init(landed + i);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // before the copy engine signals them
+    fence_mbarrier_init();  // before the copy engine signals them
   }
 #endif
   __syncthreads();
