@@ -32,11 +32,11 @@ constexpr int kCandBuffers = 2;
 constexpr int kMaxGridRows = 65535;
 
 // The dynamic shared memory of a candidate kernel's staged instance (`kernel`): its warps' buffers
-// when rows are to be staged, else 0 (the register instance runs). Rows are staged when a warp has more than one slot group (one group gains nothing from the
-// copy engine and pays the round trip through shared memory), the kernel was compiled for sm_90
-// (its PTX version: a JIT from older PTX has no bulk copies), rows are whole 16-byte vectors
-// (`vec`) and every warp's buffers fit with kCandBlocksPerSm blocks on an SM (fewer blocks made
-// Llama-3's head slower at batch 1).
+// when rows are to be staged, else 0 (the register instance runs). Rows are staged when a warp
+// has more than one slot group (one group gains nothing from the copy engine and pays the round
+// trip through shared memory), the kernel was compiled for sm_90 (its PTX version: a JIT from
+// older PTX has no bulk copies), rows are whole 16-byte vectors (`vec`) and every warp's buffers
+// fit with kCandBlocksPerSm blocks on an SM (fewer blocks made Llama-3's head slower at batch 1).
 template <typename Kernel>
 cudaError_t staged_rows_smem(Kernel kernel, bool vec, int hidden_dim, size_t element, int num_candidates, int rows,
                              int sms, size_t* staged_smem) {
@@ -203,7 +203,7 @@ __device__ __forceinline__ void for_each_staged_slot_group(const CandidateRows<T
     for (int idx = lane; idx < a.hidden_dim / W; idx += kWarpSize) {
       const Chunk<T, W> h = load_chunk<T, W>(hid + idx * W);
 #pragma unroll
-      for (int r = 0; r < R; ++r) {  // a masked row's buffer holds an older row: its sum is dropped below
+      for (int r = 0; r < R; ++r) {  // a masked row's buffer holds an older row or nothing: its sum is dropped
         Chunk<T, W> c;
         const int4 raw = *reinterpret_cast<const int4*>(buffers + (buffer * R + r) * a.hidden_dim + idx * W);
         memcpy(&c, &raw, sizeof(raw));
@@ -231,15 +231,16 @@ __device__ __forceinline__ void for_each_staged_slot_group(const CandidateRows<T
 // costs once. The next group's ids are loaded before the current group's rows are read, so the
 // two latencies overlap.
 // kStaged: rows staged by bulk copies (for_each_staged_slot_group), its own kernel instance so that
-// the other path's registers and code are its own.
+// the other path's registers and code are its own. Compiled for a GPU without bulk copies, the
+// staged instance reads rows into registers too (staged_rows_smem never picks it there).
 template <bool kStaged, typename T, typename Tokens, typename F>
 __device__ __forceinline__ void for_each_slot_group(const CandidateRows<T>& a, const Tokens& tokens, int64_t row, F f) {
-  if constexpr (kStaged) {
 #ifdef FLASHHEAD_BULK_COPIES
+  if constexpr (kStaged) {
     for_each_staged_slot_group(a, tokens, row, f);
-#endif
     return;
   }
+#endif
   const int stride = gridDim.x * kCandSlotsPerBlock;
   const T* hid[1] = {a.hidden + row * a.hidden_dim};
   const uint64_t policy = row_policy(a.rows_once);
