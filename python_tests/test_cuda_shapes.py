@@ -75,8 +75,9 @@ def test_sampling_large(shape, dtype):
 @pytest.mark.parametrize("dim", [576, 1024, 1160])
 def test_candidate_rows_staged_or_in_registers_agree(dim, dtype):
     # A row with more slots than one pass of the grid covers is staged in shared memory by bulk
-    # copies on sm_90; its first 1,000 slots alone fit one pass and go through registers. Each
-    # lane sums the same pieces in the same order either way, so the logits are bitwise equal.
+    # copies on sm_90 (where two blocks of buffers fit: not float32 at D = 1024); its first 1,000
+    # slots alone fit one pass and go through registers. Each lane sums the same pieces in the
+    # same order either way, so the logits are bitwise equal.
     gen = torch.Generator(device="cuda").manual_seed(dim)
     vocab = 30011
     embedding = torch.randn(vocab, dim, generator=gen, device="cuda").to(dtype)
