@@ -4,6 +4,9 @@ p up to 1024, B up to 64) on a representative subset, against the float32 refere
 Inputs are drawn on the GPU (seconds for a 2 GB embedding on the CPU, milliseconds there); the
 comparators allow a different id only at a near-tie of the float32 reference (helpers.check_*).
 """
+import concurrent.futures
+import threading
+
 import pytest
 import torch
 
@@ -88,3 +91,35 @@ def test_candidate_rows_staged_or_in_registers_agree(dim, dtype):
     few = ops.candidate_logits(hidden, embedding, candidates[:, :1000].contiguous())
     assert torch.equal(many[:, :1000], few)
     assert_values_close(many, ref.candidate_logits(hidden, embedding, candidates), 1e-3 * dim ** 0.5, "logits")
+
+
+def test_staged_rows_launched_from_two_threads_at_once():
+    # A kernel's shared-memory limit is one per process. Two host threads launch the staged
+    # instance with different row sizes at once (bf16 D = 1024 and 576: buffers of 64 KB and
+    # 36 KB a block); a launcher that set the limit to its own size on each call could lower it
+    # under the other thread's launch, which would then fail. Every launch must succeed, with the
+    # logits of a launch made alone.
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    vocab = 20011
+    slots = torch.cuda.get_device_properties(0).multi_processor_count * 2 * 16 * 4 + 7
+    problems = {}
+    for dim in (1024, 576):
+        embedding = torch.randn(vocab, dim, generator=gen, device="cuda").to(torch.bfloat16)
+        hidden = torch.randn(1, dim, generator=gen, device="cuda").to(torch.bfloat16)
+        candidates = torch.randint(0, vocab, (1, slots), generator=gen, device="cuda", dtype=torch.int32)
+        problems[dim] = (hidden, embedding, candidates)
+    alone = {dim: ops.candidate_logits(*args) for dim, args in problems.items()}
+    start = threading.Barrier(len(problems))
+
+    def launch_many(dim):
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            start.wait()
+            outputs = [ops.candidate_logits(*problems[dim]) for _ in range(300)]
+        stream.synchronize()
+        return outputs
+
+    with concurrent.futures.ThreadPoolExecutor(len(problems)) as pool:
+        results = dict(zip(problems, pool.map(launch_many, problems)))  # a failed launch raises here
+    for dim, outputs in results.items():
+        assert all(torch.equal(out, alone[dim]) for out in outputs), dim

@@ -43,23 +43,12 @@ cudaError_t staged_rows_smem(Kernel kernel, bool vec, int hidden_dim, size_t ele
   *staged_smem = 0;
   const bool one_group_a_warp = ceil_div(num_candidates, kCandSlotsPerBlock) <= sms * kCandBlocksPerSm / rows;
   if (!vec || one_group_a_warp) return cudaSuccess;
-  cudaFuncAttributes attributes{};
-  if (cudaError_t err = cudaFuncGetAttributes(&attributes, kernel); err != cudaSuccess) return err;
-  if (attributes.ptxVersion < 90) return cudaSuccess;
-  int device = 0, max_smem = 0;
-  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-  if (cudaError_t err = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-      err != cudaSuccess)
-    return err;
+  KernelSmem limits{};
+  if (cudaError_t err = kernel_smem(kernel, &limits); err != cudaSuccess) return err;
   const size_t smem = size_t{kCandThreads / kWarpSize} * kCandBuffers * kCandRowsPerWarp * hidden_dim * element;
-  if (smem + attributes.sharedSizeBytes > static_cast<size_t>(max_smem)) return cudaSuccess;
-  if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-      err != cudaSuccess)
-    return err;
+  if (limits.ptx_version < 90 || smem > limits.max_dynamic) return cudaSuccess;
   int per_sm = 0;
-  if (cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kCandThreads, smem);
-      err != cudaSuccess)
-    return err;
+  if (cudaError_t err = resident_blocks(kernel, kCandThreads, smem, &per_sm); err != cudaSuccess) return err;
   if (per_sm >= kCandBlocksPerSm) *staged_smem = smem;
   return cudaSuccess;
 }

@@ -227,6 +227,33 @@ __device__ __forceinline__ unsigned arrive(unsigned* counter) {
 bool dependent_launch_supported();
 cudaError_t multiprocessor_count(int* count);
 
+// A kernel's dynamic shared memory on the current device, worked out once per (kernel, device)
+// and kept. Its limit is shared by every host thread, so it is only ever raised: a launcher that
+// set it to its own size on each call could lower it under another thread's launch.
+struct KernelSmem {
+  int ptx_version;     // a JIT from PTX older than 90 has no bulk copies
+  size_t max_dynamic;  // the device's opt-in limit less the kernel's static shared memory
+};
+cudaError_t kernel_smem(const void* kernel, KernelSmem* smem);
+// Raises the kernel's dynamic shared memory limit to at least `bytes`.
+cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes);
+// Blocks of `threads` threads and `smem` dynamic bytes that fit on one SM at once; raises the
+// limit to `smem` first, as a launch with that size needs.
+cudaError_t resident_blocks(const void* kernel, int threads, size_t smem, int* blocks);
+
+template <typename... Params>
+cudaError_t kernel_smem(void (*kernel)(Params...), KernelSmem* smem) {
+  return kernel_smem(reinterpret_cast<const void*>(kernel), smem);
+}
+template <typename... Params>
+cudaError_t allow_dynamic_smem(void (*kernel)(Params...), size_t bytes) {
+  return allow_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes);
+}
+template <typename... Params>
+cudaError_t resident_blocks(void (*kernel)(Params...), int threads, size_t smem, int* blocks) {
+  return resident_blocks(reinterpret_cast<const void*>(kernel), threads, smem, blocks);
+}
+
 // Launch with an optional programmatic-dependency on the previous kernel in the stream.
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,

@@ -229,9 +229,7 @@ template <typename T, int W, int MB, int R>
 cudaError_t launch_linear(const LinearParams<T>& p, int sms, size_t smem, cudaStream_t stream, bool dependent) {
   const auto kernel = fused_linear_kernel<T, W, MB, R>;
   int per_sm = 0;
-  if (const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLinearThreads, smem);
-      err != cudaSuccess)
-    return err;
+  if (const cudaError_t err = resident_blocks(kernel, kLinearThreads, smem, &per_sm); err != cudaSuccess) return err;
   // One wave of resident blocks that loop over the row groups: no tail wave, one staging each.
   const int groups = ceil_div(p.out_features, kLinearWarps * R);
   const dim3 grid(min(groups, max(1, per_sm) * sms), ceil_div(p.tokens, MB));

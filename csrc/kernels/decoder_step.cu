@@ -1051,32 +1051,21 @@ cudaError_t plan_decoder_step(const DecoderStepShape& s, DecoderStepPlan* plan) 
   // Checked here too, before anything asks the device, for callers that skip the ATen wrapper.
   if (decoder_step_limit(s, sizeof(T)) != DecoderStepLimit::kNone) return cudaErrorInvalidValue;
   const auto kernel = step_kernel<T>(s);
-  int device = 0, sms = 0, max_smem = 0;
-  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-  if (cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess)
-    return err;
-  if (cudaError_t err = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-      err != cudaSuccess)
-    return err;
-  cudaFuncAttributes attributes{};
-  if (cudaError_t err = cudaFuncGetAttributes(&attributes, kernel); err != cudaSuccess) return err;
+  int sms = 0;
+  if (cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
+  KernelSmem limits{};
+  if (cudaError_t err = kernel_smem(kernel, &limits); err != cudaSuccess) return err;
   // A block's residual rows: o and down have hidden_size rows over at least one block per SM.
   const size_t scratch_bytes = (residual_rows_offset(s) + ceil_div(s.hidden, sms) + 1) * sizeof(float);
-  const long long room = static_cast<long long>(max_smem) - static_cast<long long>(attributes.sharedSizeBytes) -
-                         static_cast<long long>(scratch_bytes);
+  const long long room = static_cast<long long>(limits.max_dynamic) - static_cast<long long>(scratch_bytes);
   // The largest stage (in 16 KB steps) that leaves three of them; otherwise the smallest, at least two.
   plan->stage_bytes = kDecoderStepMaxStageBytes;
   while (plan->stage_bytes > kDecoderStepStageBytes && room < 3LL * plan->stage_bytes) plan->stage_bytes -= 16 * 1024;
   plan->stages = static_cast<int>(std::min<long long>(kMaxStages, room / plan->stage_bytes));
   if (plan->stages < 2) return cudaErrorInvalidValue;
   plan->smem_bytes = size_t{static_cast<unsigned>(plan->stages)} * static_cast<unsigned>(plan->stage_bytes) + scratch_bytes;
-  if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(plan->smem_bytes));
-      err != cudaSuccess)
-    return err;
   int per_sm = 0;
-  if (cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStepThreads, plan->smem_bytes);
-      err != cudaSuccess)
+  if (cudaError_t err = resident_blocks(kernel, kStepThreads, plan->smem_bytes, &per_sm); err != cudaSuccess)
     return err;
   if (per_sm < 1) return cudaErrorInvalidValue;
   plan->grid = sms * per_sm;

@@ -1,3 +1,7 @@
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "kernels/common.cuh"
 
 namespace flashhead {
@@ -16,6 +20,85 @@ cudaError_t multiprocessor_count(int* count) {
   int device = 0;
   const cudaError_t err = cudaGetDevice(&device);
   return err == cudaSuccess ? cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device) : err;
+}
+
+namespace {
+
+struct KernelOnDevice {
+  KernelSmem smem;
+  size_t allowed;                                   // the dynamic shared memory limit as set now
+  std::map<std::pair<int, size_t>, int> resident;  // (threads, dynamic bytes) -> blocks an SM
+};
+
+// Held across the queries and the sets, so two threads never interleave them.
+std::mutex kernels_mutex;
+std::map<std::pair<const void*, int>, KernelOnDevice> kernels_by_device;
+
+// `kernel` on the current device, queried on first use; the caller holds kernels_mutex.
+cudaError_t kernel_on_device(const void* kernel, KernelOnDevice** found) {
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  const auto key = std::make_pair(kernel, device);
+  if (const auto it = kernels_by_device.find(key); it != kernels_by_device.end()) {
+    *found = &it->second;
+    return cudaSuccess;
+  }
+  cudaFuncAttributes attributes{};
+  int optin = 0;
+  if (cudaError_t err = cudaFuncGetAttributes(&attributes, kernel); err != cudaSuccess) return err;
+  if (cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+      err != cudaSuccess)
+    return err;
+  const size_t optin_bytes = static_cast<size_t>(optin);
+  const size_t max_dynamic = optin_bytes > attributes.sharedSizeBytes ? optin_bytes - attributes.sharedSizeBytes : 0;
+  KernelOnDevice entry{{attributes.ptxVersion, max_dynamic},
+                       static_cast<size_t>(attributes.maxDynamicSharedSizeBytes), {}};
+  *found = &kernels_by_device.emplace(key, std::move(entry)).first->second;
+  return cudaSuccess;
+}
+
+// The caller holds kernels_mutex.
+cudaError_t raise_dynamic_limit(const void* kernel, KernelOnDevice* entry, size_t bytes) {
+  if (bytes <= entry->allowed) return cudaSuccess;
+  if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+      err != cudaSuccess)
+    return err;
+  entry->allowed = bytes;
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t kernel_smem(const void* kernel, KernelSmem* smem) {
+  const std::lock_guard<std::mutex> lock(kernels_mutex);
+  KernelOnDevice* entry = nullptr;
+  if (cudaError_t err = kernel_on_device(kernel, &entry); err != cudaSuccess) return err;
+  *smem = entry->smem;
+  return cudaSuccess;
+}
+
+cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes) {
+  const std::lock_guard<std::mutex> lock(kernels_mutex);
+  KernelOnDevice* entry = nullptr;
+  if (cudaError_t err = kernel_on_device(kernel, &entry); err != cudaSuccess) return err;
+  return raise_dynamic_limit(kernel, entry, bytes);
+}
+
+cudaError_t resident_blocks(const void* kernel, int threads, size_t smem, int* blocks) {
+  const std::lock_guard<std::mutex> lock(kernels_mutex);
+  KernelOnDevice* entry = nullptr;
+  if (cudaError_t err = kernel_on_device(kernel, &entry); err != cudaSuccess) return err;
+  const auto key = std::make_pair(threads, smem);
+  if (const auto it = entry->resident.find(key); it != entry->resident.end()) {
+    *blocks = it->second;
+    return cudaSuccess;
+  }
+  // The occupancy of a launch that needs more than the limit is none, so the limit comes first.
+  if (cudaError_t err = raise_dynamic_limit(kernel, entry, smem); err != cudaSuccess) return err;
+  if (cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, threads, smem); err != cudaSuccess)
+    return err;
+  entry->resident.emplace(key, *blocks);
+  return cudaSuccess;
 }
 
 }  // namespace detail

@@ -103,7 +103,7 @@ cudaError_t launch_select(const float* keys, const HeadShape& shape, SelectOrder
                                 shape.num_extra};
   const int rounds = detail::ceil_div(shape.num_clusters, detail::kSelectThreads);
   const auto launch = [&](auto kernel) {
-    const cudaError_t set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    const cudaError_t set = detail::allow_dynamic_smem(kernel, smem);
     if (set != cudaSuccess) return set;
     return detail::launch_kernel(kernel, dim3(shape.batch), dim3(detail::kSelectThreads), smem, stream,
                                  options.dependent_launch, args);
