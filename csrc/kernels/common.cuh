@@ -229,7 +229,8 @@ cudaError_t multiprocessor_count(int* count);
 
 // A kernel's dynamic shared memory on the current device, worked out once per (kernel, device)
 // and kept. Its limit is shared by every host thread, so it is only ever raised: a launcher that
-// set it to its own size on each call could lower it under another thread's launch.
+// set it to its own size on each call could lower it under another thread's launch. A device
+// reset (cudaDeviceReset) would drop the limits unseen, so it is not supported while in use.
 struct KernelSmem {
   int ptx_version;     // a JIT from PTX older than 90 has no bulk copies
   size_t max_dynamic;  // the device's opt-in limit less the kernel's static shared memory
@@ -237,8 +238,8 @@ struct KernelSmem {
 cudaError_t kernel_smem(const void* kernel, KernelSmem* smem);
 // Raises the kernel's dynamic shared memory limit to at least `bytes`.
 cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes);
-// Blocks of `threads` threads and `smem` dynamic bytes that fit on one SM at once; raises the
-// limit to `smem` first, as a launch with that size needs.
+// Blocks of `threads` threads and `smem` dynamic bytes that fit on one SM at once; the limit is
+// raised to `smem` first, as a launch with that size needs.
 cudaError_t resident_blocks(const void* kernel, int threads, size_t smem, int* blocks);
 
 template <typename... Params>

@@ -1095,6 +1095,9 @@ cudaError_t launch_decoder_step(const T* x, const DecoderStepWeights<T>& weights
   p.stages = plan.stages;
   p.stage_bytes = plan.stage_bytes;
   p.max_splits = plan.max_splits;
+  const auto kernel = step_kernel<T>(s);
+  // The plan raised the limit on the device it ran on; a caller may launch on another.
+  if (cudaError_t err = allow_dynamic_smem(kernel, plan.smem_bytes); err != cudaSuccess) return err;
   if (cudaError_t err = cudaMemsetAsync(workspace, 0, plan.workspace_bytes, stream); err != cudaSuccess)
     return err;
   // Cooperative: the launch fails instead of deadlocking if the grid cannot be resident at once.
@@ -1108,7 +1111,7 @@ cudaError_t launch_decoder_step(const T* x, const DecoderStepWeights<T>& weights
   attribute[0].val.cooperative = 1;
   config.attrs = attribute;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, step_kernel<T>(s), p);
+  return cudaLaunchKernelEx(&config, kernel, p);
 }
 
 #define FLASHHEAD_INSTANTIATE_DECODER_STEP(T)                                                                   \

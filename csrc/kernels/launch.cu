@@ -30,15 +30,23 @@ struct KernelOnDevice {
   std::map<std::pair<int, size_t>, int> resident;  // (threads, dynamic bytes) -> blocks an SM
 };
 
-// Held across the queries and the sets, so two threads never interleave them.
-std::mutex kernels_mutex;
-std::map<std::pair<const void*, int>, KernelOnDevice> kernels_by_device;
+struct KernelRegistry {
+  std::mutex mutex;  // held across the queries and the sets, so two threads never interleave them
+  std::map<std::pair<const void*, int>, KernelOnDevice> by_device;
+};
 
-// `kernel` on the current device, queried on first use; the caller holds kernels_mutex.
+// Never destroyed: a launch made while other static objects are torn down still finds it.
+KernelRegistry& registry() {
+  static KernelRegistry* const kernels = new KernelRegistry;
+  return *kernels;
+}
+
+// `kernel` on the current device, queried on first use; the caller holds the registry's mutex.
 cudaError_t kernel_on_device(const void* kernel, KernelOnDevice** found) {
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   const auto key = std::make_pair(kernel, device);
+  auto& kernels_by_device = registry().by_device;
   if (const auto it = kernels_by_device.find(key); it != kernels_by_device.end()) {
     *found = &it->second;
     return cudaSuccess;
@@ -57,9 +65,10 @@ cudaError_t kernel_on_device(const void* kernel, KernelOnDevice** found) {
   return cudaSuccess;
 }
 
-// The caller holds kernels_mutex.
+// The caller holds the registry's mutex.
 cudaError_t raise_dynamic_limit(const void* kernel, KernelOnDevice* entry, size_t bytes) {
   if (bytes <= entry->allowed) return cudaSuccess;
+  if (bytes > entry->smem.max_dynamic) return cudaErrorInvalidValue;  // as the runtime's own check
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
       err != cudaSuccess)
     return err;
@@ -70,7 +79,7 @@ cudaError_t raise_dynamic_limit(const void* kernel, KernelOnDevice* entry, size_
 }  // namespace
 
 cudaError_t kernel_smem(const void* kernel, KernelSmem* smem) {
-  const std::lock_guard<std::mutex> lock(kernels_mutex);
+  const std::lock_guard<std::mutex> lock(registry().mutex);
   KernelOnDevice* entry = nullptr;
   if (cudaError_t err = kernel_on_device(kernel, &entry); err != cudaSuccess) return err;
   *smem = entry->smem;
@@ -78,14 +87,14 @@ cudaError_t kernel_smem(const void* kernel, KernelSmem* smem) {
 }
 
 cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes) {
-  const std::lock_guard<std::mutex> lock(kernels_mutex);
+  const std::lock_guard<std::mutex> lock(registry().mutex);
   KernelOnDevice* entry = nullptr;
   if (cudaError_t err = kernel_on_device(kernel, &entry); err != cudaSuccess) return err;
   return raise_dynamic_limit(kernel, entry, bytes);
 }
 
 cudaError_t resident_blocks(const void* kernel, int threads, size_t smem, int* blocks) {
-  const std::lock_guard<std::mutex> lock(kernels_mutex);
+  const std::lock_guard<std::mutex> lock(registry().mutex);
   KernelOnDevice* entry = nullptr;
   if (cudaError_t err = kernel_on_device(kernel, &entry); err != cudaSuccess) return err;
   const auto key = std::make_pair(threads, smem);
