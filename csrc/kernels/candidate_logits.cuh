@@ -195,7 +195,7 @@ __device__ __forceinline__ void for_each_staged_slot_group(const CandidateRows<T
     mbarrier_wait(barriers + buffer, k / kCandBuffers);
     WarpSlots s = slots_of(a, ahead[0]);
     // The dot products as warp_dot_chunks would sum them. Its loop (predicated loads, unrolled)
-    // made this instance 14-60% slower at batch 8, read from shared memory (docs/benchmarks.md).
+    // made this instance 8-60% slower at batch 8, read from shared memory (docs/benchmarks.md).
     float acc[R] = {};
     for (int idx = lane; idx < a.hidden_dim / W; idx += kWarpSize) {
       const Chunk<T, W> h = load_chunk<T, W>(hid + idx * W);
