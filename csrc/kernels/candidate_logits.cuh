@@ -28,6 +28,9 @@ constexpr int kCandSlotsPerBlock = kCandThreads / kWarpSize * kCandRowsPerWarp;
 constexpr int kCandBlocksPerSm = 2;
 // Staged rows: a warp's group being read and the next one landing.
 constexpr int kCandBuffers = 2;
+// A lane of the staged instance holds its 16-byte pieces of the hidden row in registers, at
+// most this many: rows of up to 4 KB (two blocks of buffers fit rows of about 3.5 KB on an H200).
+constexpr int kStagedHiddenChunks = 8;
 // gridDim.y limit; larger batches are launched in slices.
 constexpr int kMaxGridRows = 65535;
 
@@ -35,8 +38,9 @@ constexpr int kMaxGridRows = 65535;
 // when rows are to be staged, else 0 (the register instance runs). Rows are staged when a warp
 // has more than one slot group (one group gains nothing from the copy engine and pays the round
 // trip through shared memory), the kernel was compiled for sm_90 (its PTX version: a JIT from
-// older PTX has no bulk copies), rows are whole 16-byte vectors (`vec`) and every warp's buffers
-// fit with kCandBlocksPerSm blocks on an SM (fewer blocks made Llama-3's head slower at batch 1).
+// older PTX has no bulk copies), rows are whole 16-byte vectors (`vec`) of at most
+// kStagedHiddenChunks a lane, and every warp's buffers fit with kCandBlocksPerSm blocks on an SM
+// (fewer blocks made Llama-3's head slower at batch 1).
 template <typename Kernel>
 cudaError_t staged_rows_smem(Kernel kernel, bool vec, int hidden_dim, size_t element, int num_candidates, int rows,
                              int sms, size_t* staged_smem) {
@@ -47,6 +51,7 @@ cudaError_t staged_rows_smem(Kernel kernel, bool vec, int hidden_dim, size_t ele
   if (cudaError_t err = kernel_smem(kernel, &limits); err != cudaSuccess) return err;
   const size_t smem = size_t{kCandThreads / kWarpSize} * kCandBuffers * kCandRowsPerWarp * hidden_dim * element;
   if (limits.ptx_version < 90 || smem > limits.max_dynamic) return cudaSuccess;
+  if (hidden_dim * element > size_t{kStagedHiddenChunks} * kWarpSize * sizeof(int4)) return cudaSuccess;
   int per_sm = 0;
   if (cudaError_t err = resident_blocks(kernel, kCandThreads, smem, &per_sm); err != cudaSuccess) return err;
   if (per_sm >= kCandBlocksPerSm) *staged_smem = smem;
@@ -146,7 +151,7 @@ __device__ __forceinline__ WarpSlots slots_of(const CandidateRows<T>& a, const i
 // for_each_slot_group with staged rows. Each warp has kCandBuffers buffers of kCandRowsPerWarp
 // rows in dynamic shared memory, each with an mbarrier; group k lands in buffer k % kCandBuffers.
 // Before reading group k the warp issues the copies of group k + kCandBuffers - 1 into the buffer
-// it finished reading last. A lane reads back the same 16-byte pieces that warp_dot would load.
+// it finished reading last.
 template <typename T, typename Tokens, typename F>
 __device__ __forceinline__ void for_each_staged_slot_group(const CandidateRows<T>& a, const Tokens& tokens,
                                                            int64_t row, F f) {
@@ -184,6 +189,14 @@ __device__ __forceinline__ void for_each_staged_slot_group(const CandidateRows<T
 #pragma unroll
   for (int j = 0; j + 1 < kCandBuffers; ++j)
     if (first + j * stride < a.num_candidates) issue(j, ahead[j]);
+  // This lane's pieces of the hidden row, read once for all groups (batch 8: 3-9% faster than
+  // reading them for every group), after the first copies are out (before them: batch 1 slower).
+  Chunk<T, W> h[kStagedHiddenChunks];
+#pragma unroll
+  for (int j = 0; j < kStagedHiddenChunks; ++j) {
+    const int idx = lane + j * kWarpSize;
+    h[j] = idx < a.hidden_dim / W ? load_chunk<T, W>(hid + idx * W) : Chunk<T, W>{};
+  }
   for (unsigned k = 0; first < a.num_candidates; first += stride, ++k) {  // uniform within the warp
     int32_t after[R];
     fetch_slot_tokens(a, tokens, row, first + kCandBuffers * stride, after);
@@ -194,18 +207,21 @@ __device__ __forceinline__ void for_each_staged_slot_group(const CandidateRows<T
     const int buffer = k % kCandBuffers;
     mbarrier_wait(barriers + buffer, k / kCandBuffers);
     WarpSlots s = slots_of(a, ahead[0]);
-    // The dot products as warp_dot_chunks would sum them. Its loop (predicated loads, unrolled)
-    // made this instance 8-60% slower at batch 8, read from shared memory (docs/benchmarks.md).
+    // The same pieces in the same order as warp_dot. Not through warp_dot_chunks: with its loop
+    // this instance was 8-60% slower at batch 8 (docs/benchmarks.md).
     float acc[R] = {};
-    for (int idx = lane; idx < a.hidden_dim / W; idx += kWarpSize) {
-      const Chunk<T, W> h = load_chunk<T, W>(hid + idx * W);
 #pragma unroll
-      for (int r = 0; r < R; ++r) {  // a masked row's buffer holds an older row or nothing: its sum is dropped
-        Chunk<T, W> c;
-        const int4 raw = *reinterpret_cast<const int4*>(buffers + (buffer * R + r) * a.hidden_dim + idx * W);
-        memcpy(&c, &raw, sizeof(raw));
+    for (int j = 0; j < kStagedHiddenChunks; ++j) {
+      const int idx = lane + j * kWarpSize;
+      if (idx < a.hidden_dim / W) {
 #pragma unroll
-        for (int e = 0; e < W; ++e) acc[r] = fmaf(to_float(c.v[e]), to_float(h.v[e]), acc[r]);
+        for (int r = 0; r < R; ++r) {  // a masked row's buffer holds an older row or nothing: its sum is dropped
+          Chunk<T, W> c;
+          const int4 raw = *reinterpret_cast<const int4*>(buffers + (buffer * R + r) * a.hidden_dim + idx * W);
+          memcpy(&c, &raw, sizeof(raw));
+#pragma unroll
+          for (int e = 0; e < W; ++e) acc[r] = fmaf(to_float(c.v[e]), to_float(h[j].v[e]), acc[r]);
+        }
       }
     }
 #pragma unroll
