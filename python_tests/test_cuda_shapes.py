@@ -74,6 +74,12 @@ def test_sampling_large(shape, dtype):
     check_decode_sample(tokens, logprobs, problem, T, seed, exact=False)
 
 
+def slots_past_one_pass():
+    # More slots than one pass of the candidate grid covers at batch 1 (2 blocks an SM of 16 slots):
+    # each warp has several slot groups, so rows are staged where the buffers fit.
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count * 2 * 16 * 4 + 7
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("dim", [576, 1024, 1160])
 def test_candidate_rows_staged_or_in_registers_agree(dim, dtype):
@@ -85,8 +91,7 @@ def test_candidate_rows_staged_or_in_registers_agree(dim, dtype):
     vocab = 30011
     embedding = torch.randn(vocab, dim, generator=gen, device="cuda").to(dtype)
     hidden = torch.randn(1, dim, generator=gen, device="cuda").to(dtype)
-    slots = torch.cuda.get_device_properties(0).multi_processor_count * 2 * 16 * 4 + 7
-    candidates = torch.randint(-3, vocab + 3, (1, slots), generator=gen, device="cuda", dtype=torch.int32)
+    candidates = torch.randint(-3, vocab + 3, (1, slots_past_one_pass()), generator=gen, device="cuda", dtype=torch.int32)
     many = ops.candidate_logits(hidden, embedding, candidates)
     few = ops.candidate_logits(hidden, embedding, candidates[:, :1000].contiguous())
     assert torch.equal(many[:, :1000], few)
@@ -103,7 +108,7 @@ def test_staged_rows_launched_from_two_threads_at_once():
     # must succeed, with the logits of a launch made alone.
     gen = torch.Generator(device="cuda").manual_seed(11)
     vocab = 20011
-    slots = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count * 2 * 16 * 4 + 7
+    slots = slots_past_one_pass()
     problems = {}
     for dim in (1024, 576):
         embedding = torch.randn(vocab, dim, generator=gen, device="cuda").to(torch.bfloat16)

@@ -46,12 +46,12 @@ cudaError_t staged_rows_smem(Kernel kernel, bool vec, int hidden_dim, size_t ele
                              int sms, size_t* staged_smem) {
   *staged_smem = 0;
   const bool one_group_a_warp = ceil_div(num_candidates, kCandSlotsPerBlock) <= sms * kCandBlocksPerSm / rows;
-  if (!vec || one_group_a_warp) return cudaSuccess;
+  const bool row_in_registers = hidden_dim * element <= size_t{kStagedHiddenChunks} * kWarpSize * sizeof(int4);
+  if (!vec || one_group_a_warp || !row_in_registers) return cudaSuccess;
   KernelSmem limits{};
   if (cudaError_t err = kernel_smem(kernel, &limits); err != cudaSuccess) return err;
   const size_t smem = size_t{kCandThreads / kWarpSize} * kCandBuffers * kCandRowsPerWarp * hidden_dim * element;
   if (limits.ptx_version < 90 || smem > limits.max_dynamic) return cudaSuccess;
-  if (hidden_dim * element > size_t{kStagedHiddenChunks} * kWarpSize * sizeof(int4)) return cudaSuccess;
   int per_sm = 0;
   if (cudaError_t err = resident_blocks(kernel, kCandThreads, smem, &per_sm); err != cudaSuccess) return err;
   if (per_sm >= kCandBlocksPerSm) *staged_smem = smem;
