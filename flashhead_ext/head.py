@@ -56,7 +56,11 @@ class _HeadBase(nn.Module):
 
 
 class DenseHead(_HeadBase):
-    """The full-vocabulary head: ``logits = hidden @ embedding.T`` in the model dtype, as HF's lm_head."""
+    """The full-vocabulary head: ``logits = hidden @ embedding.T`` in the model dtype, as HF's lm_head.
+
+    Its argmax is ``torch.argmax``'s, as in HF's greedy decoding: a NaN logit wins. FlashHead ranks
+    NaN below every number (docs/kernels.md), so the two differ only on rows holding a NaN.
+    """
 
     def __init__(self, embedding: Tensor):
         super().__init__()
@@ -69,9 +73,8 @@ class DenseHead(_HeadBase):
         return (rows @ self.embedding.t()).argmax(dim=-1).reshape(hidden.shape[:-1])
 
     def sample(self, hidden: Tensor, temperature: float = 1.0, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
-        temperature = ops._require_float("temperature", temperature)
-        if not temperature > 0 or temperature == float("inf"):
-            raise ValueError(f"temperature must be a finite number > 0 (use next_token for greedy), got {temperature}")
+        temperature = ops._check_temperature(temperature)
+        ops._require_optional_generator(generator)
         rows = self._rows(hidden)
         scaled = (rows @ self.embedding.t()).float() / temperature
         # Gumbel-max: argmax(logits/T + G) is a draw from softmax(logits/T), with no host sync.
@@ -118,6 +121,9 @@ class FlashHead(_HeadBase):
         self.register_buffer("centroids", self._as_centroids("centroids", centroids, embedding))
         sampling = centroids if sampling_centroids is None else sampling_centroids
         self.register_buffer("sampling_centroids", self._as_centroids("sampling_centroids", sampling, embedding))
+        if self.sampling_centroids.shape[0] != self.centroids.shape[0]:
+            raise ValueError(f"sampling_centroids must have one row per cluster like centroids ({self.centroids.shape[0]}), "
+                             f"got shape {tuple(self.sampling_centroids.shape)}")
         ops.validate_cluster_table(cluster_tokens, vocab)
         if cluster_tokens.shape[0] != self.centroids.shape[0]:
             raise ValueError(f"cluster_tokens must have one row per centroid ({self.centroids.shape[0]}), got shape {tuple(cluster_tokens.shape)}")
@@ -139,7 +145,11 @@ class FlashHead(_HeadBase):
     def _as_extra_ids(special_token_ids, vocab: int, device) -> Optional[Tensor]:
         if special_token_ids is None:
             return None
-        ids = torch.as_tensor(special_token_ids).flatten()
+        try:
+            ids = torch.as_tensor(special_token_ids).flatten()
+        except (TypeError, ValueError, OverflowError, RuntimeError) as err:
+            raise TypeError(f"special_token_ids must be int token ids (a sequence or an integer tensor), got "
+                            f"{special_token_ids!r}: {err}") from None
         if ids.numel() == 0:
             return None
         if ids.is_floating_point() or ids.dtype == torch.bool:

@@ -24,7 +24,10 @@ kernels, so a captured step replays at any length.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Optional, Union
 
@@ -34,6 +37,10 @@ from torch import Tensor
 _ops = torch.ops.flashhead
 
 SeedLike = Union[Tensor, int, None]
+
+# The temperatures the sampling ops take (kMinTemperature, kMaxTemperature in csrc/ops/checks.h):
+# float32 scores divided by a smaller one overflow, and a larger one is inf in float32.
+TEMPERATURE_RANGE = (1e-6, 1e6)
 
 
 def _require_tensor(name: str, value) -> None:
@@ -53,23 +60,46 @@ def _require_bool(name: str, value) -> bool:
 
 
 def _require_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """A Python or numpy integer (not a bool) as an int; the ops take int64."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"{name} must fit in int64, got {value}")
     return value
 
 
 def _require_float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    """A Python or numpy real number (not a bool) as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value)
+
+
+def _require_optional_generator(generator) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+
+
+def _check_temperature(temperature) -> float:
+    """The check the sampling ops make in C++, for samplers written in torch (DenseHead)."""
+    value = _require_float("temperature", temperature)
+    low, high = TEMPERATURE_RANGE
+    if not low <= value <= high:
+        raise ValueError(f"temperature must be in [{low:g}, {high:g}] (decode greedily for temperature 0), got {value}")
+    return value
 
 
 def make_seed(device: torch.device, seed: SeedLike = None, generator: Optional[torch.Generator] = None) -> Tensor:
     """A one-element int64 seed tensor on ``device`` for the sampling ops.
 
     Drawn on the device from ``generator`` (or torch's default generator) when ``seed`` is None,
-    so no host sync happens and a captured CUDA graph draws a fresh seed at each replay.
+    so no host sync happens and a captured CUDA graph draws a fresh seed at each replay. Give
+    ``seed`` or ``generator``, not both.
     """
+    _require_optional_generator(generator)
+    if seed is not None and generator is not None:
+        raise ValueError("give seed or generator, not both: a seed fixes the draw, so the generator would be ignored")
     if isinstance(seed, Tensor):
         return seed
     if seed is not None:
@@ -115,7 +145,9 @@ def gather_candidates(cluster_ids: Tensor, cluster_tokens: Tensor, extra_ids: Op
     """Candidate token ids ``int32 [B, probes * cluster_size + E]`` for the chosen clusters.
 
     ``extra_ids`` (E always-on tokens, e.g. special tokens) are appended to every row; an extra
-    id already present among the row's candidates, or repeated, is masked to -1.
+    id already present among the row's candidates, or repeated, is masked to -1. The table's
+    clusters must be disjoint (:func:`validate_cluster_table`): a token listed in two clusters is a
+    candidate twice.
     """
     _require_tensor("cluster_ids", cluster_ids)
     _require_tensor("cluster_tokens", cluster_tokens)
@@ -176,7 +208,9 @@ def decode_sample(
     Clusters are drawn as in :func:`sample_clusters`, then one token from softmax(logits / T)
     over their candidates. Returns ``(tokens int64 [B], token_logprobs float32 [B])``: the log
     probability of each drawn token under that candidate distribution, which speculative
-    sampling needs as the draft probability.
+    sampling needs as the draft probability. That needs a table of disjoint clusters
+    (:func:`validate_cluster_table`, which FlashHead runs): a token listed twice would be counted
+    twice in the log probability's normaliser. ``temperature`` must lie in ``TEMPERATURE_RANGE``.
     """
     for name, value in (("hidden", hidden), ("centroids", centroids), ("cluster_tokens", cluster_tokens), ("embedding", embedding)):
         _require_tensor(name, value)
@@ -337,6 +371,8 @@ def validate_cluster_table(cluster_tokens: Tensor, vocab_size: int) -> None:
     """
     _require_tensor("cluster_tokens", cluster_tokens)
     vocab_size = _require_int("vocab_size", vocab_size)
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be at least 1, got {vocab_size}")
     if cluster_tokens.dim() != 2 or cluster_tokens.numel() == 0:
         raise ValueError(f"cluster_tokens must be a non-empty 2-D tensor [num_clusters, cluster_size], got shape {tuple(cluster_tokens.shape)}")
     if cluster_tokens.dtype not in (torch.int32, torch.int64):
@@ -348,70 +384,93 @@ def validate_cluster_table(cluster_tokens: Tensor, vocab_size: int) -> None:
         raise ValueError(
             f"cluster_tokens holds id {int(table[where])} at {where}; ids must be in [0, {vocab_size}) or -1 for padding"
         )
-    tokens = table[table >= 0]
-    counts = torch.bincount(tokens, minlength=vocab_size)
-    if (counts > 1).any():
-        raise ValueError(f"cluster_tokens lists token {int((counts > 1).nonzero()[0])} more than once; clusters must be disjoint")
+    tokens = table[table >= 0].sort().values  # memory in the table's size, not the vocabulary's
+    repeated = tokens[1:][tokens[1:] == tokens[:-1]]
+    if repeated.numel():
+        raise ValueError(f"cluster_tokens lists token {int(repeated[0])} more than once; clusters must be disjoint")
     empty = (table < 0).all(dim=1)
     if empty.any():
         raise ValueError(f"cluster {int(empty.nonzero()[0])} of cluster_tokens holds only padding; every cluster needs a token")
 
 
-# Fake kernels: output shapes and dtypes only, for FakeTensor tracing (torch.compile, opcheck).
-@torch.library.register_fake("flashhead::select_clusters")
+# Fake kernels: output shapes and dtypes, for FakeTensor tracing (torch.compile, opcheck). They also
+# run when one argument is on the meta device and the rest are not (the dispatcher then picks the
+# Meta kernel), so they check what the C++ ops check first, that all tensors share a device:
+# otherwise a CPU call with a meta weight would return uninitialised memory.
+def _register_fake(op: str):
+    def register(fake):
+        signature = inspect.signature(fake)
+
+        @functools.wraps(fake)
+        def checked(*args, **kwargs):
+            tensors = [(name, value) for name, value in signature.bind(*args, **kwargs).arguments.items()
+                       if isinstance(value, Tensor)]
+            first_name, first = tensors[0]
+            for name, value in tensors[1:]:
+                if value.device != first.device:
+                    raise ValueError(f"flashhead.{op}: {name} must be on the same device as {first_name} "
+                                     f"({first.device}), got {value.device}")
+            return fake(*args, **kwargs)
+
+        torch.library.register_fake(f"flashhead::{op}")(checked)
+        return fake
+    return register
+
+
+@_register_fake("select_clusters")
 def _select_clusters_fake(hidden, centroids, probes):
     shape = (hidden.shape[0], probes)
     return hidden.new_empty(shape, dtype=torch.int32), hidden.new_empty(shape, dtype=torch.float32)
 
 
-@torch.library.register_fake("flashhead::sample_clusters")
+@_register_fake("sample_clusters")
 def _sample_clusters_fake(hidden, centroids, probes, temperature, seed):
     return _select_clusters_fake(hidden, centroids, probes)
 
 
-@torch.library.register_fake("flashhead::gather_candidates")
+@_register_fake("gather_candidates")
 def _gather_candidates_fake(cluster_ids, cluster_tokens, extra_ids):
     width = cluster_ids.shape[1] * cluster_tokens.shape[1] + (0 if extra_ids is None else extra_ids.shape[0])
     return cluster_ids.new_empty((cluster_ids.shape[0], width), dtype=torch.int32)
 
 
-@torch.library.register_fake("flashhead::candidate_logits")
+@_register_fake("candidate_logits")
 def _candidate_logits_fake(hidden, embedding, candidate_ids):
     return hidden.new_empty(candidate_ids.shape, dtype=torch.float32)
 
 
-@torch.library.register_fake("flashhead::decode_greedy")
+@_register_fake("decode_greedy")
 def _decode_greedy_fake(hidden, centroids, cluster_tokens, embedding, probes, extra_ids):
     return hidden.new_empty((hidden.shape[0],), dtype=torch.int64)
 
 
-@torch.library.register_fake("flashhead::decode_greedy_out")
+@_register_fake("decode_greedy_out")
 def _decode_greedy_out_fake(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out):
     return None
 
 
-@torch.library.register_fake("flashhead::decode_sample")
+@_register_fake("decode_sample")
 def _decode_sample_fake(hidden, centroids, cluster_tokens, embedding, probes, temperature, seed, extra_ids):
     batch = (hidden.shape[0],)
     return hidden.new_empty(batch, dtype=torch.int64), hidden.new_empty(batch, dtype=torch.float32)
 
 
-@torch.library.register_fake("flashhead::fused_linear")
+@_register_fake("fused_linear")
 def _fused_linear_fake(x, weight, norm_weight, eps, gated, residual):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-@torch.library.register_fake("flashhead::rotary_cache_write")
+@_register_fake("rotary_cache_write")
 def _rotary_cache_write_fake(qkv, cos, sin, length, k_cache, v_cache, num_heads, q_norm, k_norm, eps):
     return qkv.new_empty((qkv.shape[0], num_heads, k_cache.shape[2]))  # the caches are written in place
 
 
-@torch.library.register_fake("flashhead::decode_attention")
+@_register_fake("decode_attention")
 def _decode_attention_fake(q, k_cache, v_cache, length, scale):
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
-@torch.library.register_fake("flashhead::decoder_step")
+@_register_fake("decoder_step")
 def _decoder_step_fake(x, qkv_weight, o_weight, gate_up_weight, down_weight, attn_norm, mlp_norm, q_norm, k_norm,
                        k_cache, v_cache, cos, sin, length, num_heads, eps, scale):
     return x.new_empty(x.shape)  # [1, D]; the caches are written in place
@@ -419,6 +478,6 @@ def _decoder_step_fake(x, qkv_weight, o_weight, gate_up_weight, down_weight, att
 
 __all__ = [
     "select_clusters", "sample_clusters", "gather_candidates", "candidate_logits",
-    "decode_greedy", "decode_sample", "make_seed", "validate_cluster_table",
+    "decode_greedy", "decode_sample", "make_seed", "validate_cluster_table", "TEMPERATURE_RANGE",
     "fused_linear", "rotary_cache_write", "decode_attention", "decoder_step",
 ]

@@ -143,11 +143,30 @@ def test_probes_not_an_int(op, probes, device):
 
 @device_params
 @pytest.mark.parametrize("op", [op for op in CALLS if "temperature" in USES[op]])
-@pytest.mark.parametrize("temperature", [0.0, -0.5, float("inf"), float("nan"), 0])
+@pytest.mark.parametrize("temperature", [0.0, -0.5, float("inf"), float("nan"), 0, 1e-40, 9.9e-7, 1.01e6, 1e300])
 def test_temperature_out_of_range(op, temperature, device):
     args = valid_args(device)
     args["temperature"] = temperature
-    expect(ValueError, "temperature must be a finite number > 0", op, args)
+    expect(ValueError, "temperature must be in [1e-06, 1e+06]", op, args)
+
+
+@device_params
+def test_temperature_bounds_sample_correctly(device):
+    # Inside the range the float32 arithmetic holds: at the lower bound the draw is the greedy
+    # token with probability 1 (not the lowest id, as overflowed keys would give), and at the
+    # upper bound masked slots (the repeated extra id) stay -inf rather than NaN.
+    args = valid_args(device)
+    low, high = ops.TEMPERATURE_RANGE
+    greedy = CALLS["decode_greedy"](args)
+    for seed in range(3):
+        args["seed"] = seed_tensor(seed, device)
+        args["temperature"] = low
+        tokens, logprobs = CALLS["decode_sample"](args)
+        assert torch.equal(tokens, greedy)
+        assert torch.equal(logprobs, torch.zeros_like(logprobs))
+        args["temperature"] = high
+        tokens, logprobs = CALLS["decode_sample"](args)
+        assert torch.isfinite(logprobs).all() and (logprobs < 0).all()
 
 
 @device_params
@@ -155,7 +174,39 @@ def test_temperature_out_of_range(op, temperature, device):
 def test_temperature_not_a_number(op, device):
     args = valid_args(device)
     args["temperature"] = "warm"
-    expect(TypeError, "temperature must be a float", op, args)
+    expect(TypeError, "temperature must be a real number", op, args)
+
+
+@device_params
+@pytest.mark.parametrize("op", [op for op in CALLS if "probes" in USES[op]])
+def test_numpy_scalars_are_accepted(op, device):
+    np = pytest.importorskip("numpy")
+    args = valid_args(device)
+    expected = CALLS[op](args)
+    args["probes"] = np.int64(args["probes"])
+    args["temperature"] = np.float32(args["temperature"])
+    for got, want in zip(*(x if isinstance(x, tuple) else (x,) for x in (CALLS[op](args), expected))):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("op", [op for op in CALLS if "probes" in USES[op]])
+def test_probes_beyond_int64(op):
+    args = valid_args("cpu")
+    args["probes"] = 2**63
+    expect(ValueError, "probes must fit in int64", op, args)
+
+
+@device_params
+@pytest.mark.parametrize("op", [op for op in CALLS if "seed" in USES[op]])
+def test_seed_and_generator(op, device):
+    args = valid_args(device)
+    hidden, centroids, probes = args["hidden"], args["centroids"], args["probes"]
+    with pytest.raises(TypeError, match="generator must be a torch.Generator, got int"):
+        ops.sample_clusters(hidden, centroids, probes, generator=5)
+    with pytest.raises(ValueError, match="give seed or generator, not both"):
+        ops.sample_clusters(hidden, centroids, probes, seed=3, generator=torch.Generator(device))
+    with pytest.raises(ValueError, match="seed must fit in int64"):
+        ops.sample_clusters(hidden, centroids, probes, seed=2**64)
 
 
 @device_params
@@ -206,6 +257,20 @@ def test_hidden_on_another_device(op):
     assert "hidden" in str(error.value)
 
 
+@pytest.mark.parametrize("op", list(CALLS))
+def test_meta_argument_among_cpu_ones(op):
+    # One meta tensor sends the call to the fake kernel (a weight left on meta by lazy loading),
+    # which must reject it as the C++ ops reject a tensor on another device, not return
+    # uninitialised memory.
+    args = valid_args("cpu")
+    name = next(n for n in ("embedding", "centroids", "cluster_tokens", "candidate_ids") if n in USES[op])
+    args[name] = args[name].to("meta")
+    expect(ValueError, f"{name} must be on the same device as", op, args)
+    everything_meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    result = CALLS[op](everything_meta)  # shapes only: what torch.compile's fake tensors rely on
+    assert all(t.device.type == "meta" for t in (result if isinstance(result, tuple) else (result,)))
+
+
 @pytest.mark.gpu
 def test_generator_on_another_device():
     args = valid_args("cuda")
@@ -221,7 +286,7 @@ def test_cluster_table_rows_must_match_centroids(op, rows, device):
     args = valid_args(device)
     table = args["cluster_tokens"]
     args["cluster_tokens"] = table[:rows] if rows < SHAPE.C else torch.cat([table, table[:1]])
-    expect(ValueError, f"cluster_tokens must have one row per centroid ({SHAPE.C})", op, args)
+    expect(ValueError, f"cluster_tokens must have one row per centroid (centroids has {SHAPE.C} rows)", op, args)
 
 
 @device_params
@@ -242,7 +307,9 @@ def test_empty_tables(op, name, fragment, device):
     ("candidate_ids", lambda a: a["candidate_ids"][:2], ValueError, f"candidate_ids must have batch {SHAPE.B}"),
     ("out", lambda a: a["out"][:2], ValueError, f"out must have batch {SHAPE.B}"),
     ("out", lambda a: a["out"].int(), TypeError, "out must be int64"),
-], ids=["candidate-batch", "out-batch", "out-dtype"])
+    # The CUDA kernel writes out element by element: two elements at one address would race.
+    ("out", lambda a: a["out"][:1].expand(SHAPE.B), ValueError, "out must not have elements that share memory"),
+], ids=["candidate-batch", "out-batch", "out-dtype", "out-overlap"])
 def test_batch_and_out_mismatch(name, value, error, fragment, device):
     args = valid_args(device)
     args[name] = value(args)
@@ -259,7 +326,7 @@ def test_raw_ops_check_too(device):
         raw.select_clusters(a["hidden"], a["centroids"], 0)
     with pytest.raises(TypeError, match=re.escape("cluster_tokens must be int32")):
         raw.decode_greedy(a["hidden"], a["centroids"], a["cluster_tokens"].long(), a["embedding"], 2, None)
-    with pytest.raises(ValueError, match=re.escape("temperature must be a finite number > 0")):
+    with pytest.raises(ValueError, match=re.escape("temperature must be in [1e-06, 1e+06]")):
         raw.decode_sample(a["hidden"], a["centroids"], a["cluster_tokens"], a["embedding"], 2, 0.0, a["seed"], None)
     with pytest.raises(ValueError, match=re.escape("seed must hold exactly one value")):
         raw.sample_clusters(a["hidden"], a["centroids"], 2, 1.0, a["seed"].expand(2))
@@ -294,6 +361,10 @@ def test_validate_cluster_table_argument_types():
         ops.validate_cluster_table(table.tolist(), 27)
     with pytest.raises(TypeError, match="vocab_size must be an int"):
         ops.validate_cluster_table(table, 27.0)
+    with pytest.raises(ValueError, match="vocab_size must be at least 1, got 0"):
+        ops.validate_cluster_table(table, 0)
+    # Memory in the table's size: a vocabulary of 2^41 ids (16 TB of counts) is no problem.
+    ops.validate_cluster_table(table, 2**41)
 
 
 def head_args(device="cpu"):
@@ -306,12 +377,16 @@ def head_args(device="cpu"):
     (dict(special_token_ids=[SHAPE.V]), ValueError, "special_token_ids must be in [0, 27)"),
     (dict(special_token_ids=[-1, 3]), ValueError, "special_token_ids must be in [0, 27)"),
     (dict(special_token_ids=[1.5]), TypeError, "special_token_ids must be integer token ids"),
+    (dict(special_token_ids="eos"), TypeError, "special_token_ids must be int token ids"),
+    (dict(special_token_ids=[2**64]), TypeError, "special_token_ids must be int token ids"),
     (dict(centroids=lambda a: a["centroids"][:, :-1]), ValueError, "centroids must have shape [num_clusters, 16]"),
     (dict(centroids=lambda a: a["centroids"][0]), ValueError, "centroids must have shape [num_clusters, 16]"),
     (dict(centroids=lambda a: a["centroids"][:0]), ValueError, "centroids must have shape [num_clusters, 16]"),
     (dict(centroids=lambda a: a["centroids"].int()), TypeError, "centroids must be a float tensor"),
     (dict(centroids=lambda a: a["centroids"].tolist()), TypeError, "centroids must be a torch.Tensor"),
     (dict(sampling_centroids=lambda a: a["centroids"][:, :-1]), ValueError, "sampling_centroids must have shape"),
+    (dict(sampling_centroids=lambda a: a["centroids"][:-1]), ValueError,
+     f"sampling_centroids must have one row per cluster like centroids ({SHAPE.C})"),
     (dict(cluster_tokens=lambda a: a["cluster_tokens"][:-1]), ValueError, "cluster_tokens must have one row per centroid"),
     (dict(cluster_tokens=lambda a: a["cluster_tokens"].clamp(min=0)), ValueError, "more than once"),
     (dict(probes=0), ValueError, "probes must be in 1..7"),
@@ -344,11 +419,13 @@ def test_head_call_errors(make_head):
             call(hidden.half())
         with pytest.raises(TypeError, match="hidden must be a torch.Tensor"):
             call(hidden.tolist())
-    for temperature in (0.0, -1.0, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+    for temperature in (0.0, -1.0, float("inf"), float("nan"), 1e-40, 1e300):
+        with pytest.raises(ValueError, match=re.escape("temperature must be in [1e-06, 1e+06]")):
             head.sample(hidden, temperature)
-    with pytest.raises(TypeError, match="temperature must be a float"):
+    with pytest.raises(TypeError, match="temperature must be a real number"):
         head.sample(hidden, "hot")
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        head.sample(hidden, 1.0, generator="cpu")
 
 
 def test_flashhead_probes_setter():

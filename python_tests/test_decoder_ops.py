@@ -343,19 +343,19 @@ SHAPE_CASES = [
     ("fused_linear", lambda a: dict(weight=a["weight"][:, :-1]), f"for weight of shape [{N_}, {K_ - 1}]"),
     ("fused_linear", lambda a: dict(x=a["x"][:0]), "x and weight must be non-empty"),
     ("fused_linear", lambda a: dict(norm_weight=a["norm_weight"][:-1]), f"norm_weight must have shape [{K_}]"),
-    ("fused_linear", lambda a: dict(residual=a["residual"][:, :-1]), f"residual must have shape [{M_}, {N_}]"),
+    ("fused_linear", lambda a: dict(residual=a["residual"][:, :-1]), f"residual must have shape [x.size(0), weight.size(0)] = [{M_}, {N_}]"),
     ("rotary_cache_write", lambda a: dict(qkv=a["qkv"][:, :-HD_]), "qkv must have (num_heads + 2 * num_kv_heads)"),
     ("rotary_cache_write", lambda a: dict(cos=a["cos"][:-1]), f"cos must have shape [{MAX_LEN_}, {HD_}]"),
     ("rotary_cache_write", lambda a: dict(sin=a["sin"][:, :-1]), f"sin must have shape [{MAX_LEN_}, {HD_}]"),
     ("rotary_cache_write", lambda a: dict(q_norm=a["q_norm"][:-1]), f"q_norm must have shape [{HD_}]"),
     ("rotary_cache_write", lambda a: dict(k_norm=a["k_norm"][None]), f"k_norm must have shape [{HD_}]"),
     ("rotary_cache_write", lambda a: dict(k_norm=None), "q_norm and k_norm must be given together"),
-    ("rotary_cache_write", lambda a: dict(v_cache=a["v_cache"][:, :-1]), "v_cache must have shape"),
+    ("rotary_cache_write", lambda a: dict(v_cache=a["v_cache"][:, :-1]), "k_cache and v_cache must have one shape"),
     ("rotary_cache_write", lambda a: dict(k_cache=a["k_cache"][:, :0], v_cache=a["v_cache"][:, :0]),
      "k_cache must be non-empty"),
     ("decode_attention", lambda a: dict(q=a["q"][:, :, :-1]), f"head_dim {HD_}], got shape [{M_}, {H_}, {HD_ - 1}]"),
     ("decode_attention", lambda a: dict(q=a["q"][:, :-1]), f"q must be [tokens >= 1, a multiple of num_kv_heads ({KV_})"),
-    ("decode_attention", lambda a: dict(v_cache=a["v_cache"][:-1]), "v_cache must have shape"),
+    ("decode_attention", lambda a: dict(v_cache=a["v_cache"][:-1]), "k_cache and v_cache must have one shape"),
 ]
 
 
@@ -385,6 +385,21 @@ def test_cache_written_in_place_must_be_contiguous(name, device):
     args[name] = args[name].transpose(0, 1).contiguous().transpose(0, 1)  # same shape, heads not outermost
     expect(ValueError, "k_cache and v_cache must be contiguous", "rotary_cache_write", args)
     assert torch.equal(call("decode_attention", args), expected)  # reading a strided cache is fine
+
+
+@device_params
+@pytest.mark.parametrize("overlap", ["same", "partial"])
+def test_caches_written_in_place_must_not_share_memory(overlap, device):
+    # One buffer for both caches would hold the values over the keys, silently.
+    args = valid_args(device)
+    if overlap == "same":
+        args["v_cache"] = args["k_cache"]
+    else:  # [KV, max_len, hd] views one position apart in a longer buffer
+        kv, max_len, hd = args["k_cache"].shape
+        buffer = torch.zeros(kv * max_len * hd + hd, dtype=args["k_cache"].dtype, device=device)
+        args["k_cache"], args["v_cache"] = buffer[:-hd].view(kv, max_len, hd), buffer[hd:].view(kv, max_len, hd)
+    expect(ValueError, "k_cache and v_cache must not share memory", "rotary_cache_write", args)
+    call("decode_attention", args)  # reading one cache as both is allowed
 
 
 @pytest.mark.gpu
@@ -445,11 +460,11 @@ def test_norm_and_gated_together(device):
 @pytest.mark.parametrize("op,name,value,error,fragment", [
     *[(op, "eps", v, ValueError, "eps must be a finite number >= 0") for op in ("fused_linear", "rotary_cache_write")
       for v in (float("nan"), float("inf"), -1e-6)],
-    *[("decode_attention", "scale", v, ValueError, "scale must be a finite number > 0")
-      for v in (float("nan"), float("inf"), 0.0, -0.5)],
-    ("fused_linear", "eps", "small", TypeError, "eps must be a float"),
-    ("rotary_cache_write", "eps", None, TypeError, "eps must be a float"),
-    ("decode_attention", "scale", "big", TypeError, "scale must be a float"),
+    *[("decode_attention", "scale", v, ValueError, "scale must be in (0, 1e+06]")
+      for v in (float("nan"), float("inf"), 0.0, -0.5, 1.01e6, 1e300)],
+    ("fused_linear", "eps", "small", TypeError, "eps must be a real number"),
+    ("rotary_cache_write", "eps", None, TypeError, "eps must be a real number"),
+    ("decode_attention", "scale", "big", TypeError, "scale must be a real number"),
     ("fused_linear", "gated", 1, TypeError, "gated must be a bool"),
 ], ids=repr)
 def test_bad_scalars(op, name, value, error, fragment, device):
@@ -468,7 +483,7 @@ def test_raw_ops_check_too(device):
     with pytest.raises(TypeError, match=re.escape("length must be an int64 tensor")):
         raw.rotary_cache_write(a["qkv"], a["cos"], a["sin"], a["length"].int(), a["k_cache"], a["v_cache"], H_, None,
                                None, 1e-6)
-    with pytest.raises(ValueError, match=re.escape("scale must be a finite number > 0")):
+    with pytest.raises(ValueError, match=re.escape("scale must be in (0, 1e+06]")):
         raw.decode_attention(a["q"], a["k_cache"], a["v_cache"], a["length"], 0.0)
 
 

@@ -293,7 +293,8 @@ SHAPE_CASES = [
     ("q_norm-without-k_norm", weights_change(k_norm=None), "q_norm and k_norm must be given together"),
     ("k_norm-without-q_norm", weights_change(q_norm=None), "q_norm and k_norm must be given together"),
     ("v_cache", lambda a: dict(v_cache=a["v_cache"][:, :, :-1].contiguous()),
-     f"v_cache must have shape [{L_}, {KV_}, {MAX_LEN_}, {HD_}], got [{L_}, {KV_}, {MAX_LEN_ - 1}, {HD_}]"),
+     f"k_cache and v_cache must have one shape [num_layers, num_kv_heads, max_len, head_dim], "
+     f"got [{L_}, {KV_}, {MAX_LEN_}, {HD_}] and [{L_}, {KV_}, {MAX_LEN_ - 1}, {HD_}]"),
     ("cache-layers", lambda a: dict(k_cache=a["k_cache"][:1], v_cache=a["v_cache"][:1]),  # L is the cache's
      f"{QKV_LAYOUT} = [1, {QKV_ROWS}, {D_}]"),
     ("empty-cache", lambda a: dict(k_cache=a["k_cache"][:, :, :0], v_cache=a["v_cache"][:, :, :0]),
@@ -352,12 +353,19 @@ def test_cache_must_be_contiguous(name, device):
 
 
 @device_params
+def test_caches_must_not_share_memory(device):
+    args = valid_args(device)
+    args["v_cache"] = args["k_cache"]  # the values would overwrite the keys
+    expect(ValueError, "k_cache and v_cache must not share memory", args)
+
+
+@device_params
 @pytest.mark.parametrize("name,value,error,fragment", [
     *[("eps", v, ValueError, "eps must be a finite number >= 0") for v in (float("nan"), float("inf"), -1e-6)],
-    *[("scale", v, ValueError, "scale must be a finite number > 0") for v in (float("nan"), float("inf"), 0.0, -0.5)],
-    ("eps", "small", TypeError, "eps must be a float"),
-    ("eps", None, TypeError, "eps must be a float"),
-    ("scale", "big", TypeError, "scale must be a float"),
+    *[("scale", v, ValueError, "scale must be in (0, 1e+06]") for v in (float("nan"), float("inf"), 0.0, -0.5, 1.01e6, 1e300)],
+    ("eps", "small", TypeError, "eps must be a real number"),
+    ("eps", None, TypeError, "eps must be a real number"),
+    ("scale", "big", TypeError, "scale must be a real number"),
 ], ids=repr)
 def test_bad_scalars(name, value, error, fragment, device):
     args = valid_args(device)
@@ -381,7 +389,7 @@ def test_raw_op_checks_too(device):
     raw()
     with pytest.raises(TypeError, match=re.escape("length must be an int64 tensor")):
         raw(length=a["length"].int())
-    with pytest.raises(ValueError, match=re.escape("scale must be a finite number > 0")):
+    with pytest.raises(ValueError, match=re.escape("scale must be in (0, 1e+06]")):
         raw(scale=0.0)
     with pytest.raises(ValueError, match=re.escape("q_norm and k_norm must be given together")):
         raw(k_norm=None)

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <string>
@@ -73,10 +74,24 @@ inline void check_probes(const char* op, int64_t probes, int64_t num_clusters) {
                  " (the number of clusters), got ", num_str(probes));
 }
 
+// Scores are divided by the temperature in float32. Past these bounds that overflows (every key
+// ±inf, so the lowest id wins) or the float32 temperature is inf (masked slots give NaN); a
+// temperature this small samples the argmax anyway. flashhead_ext.ops.TEMPERATURE_RANGE says the same.
+constexpr double kMinTemperature = 1e-6;
+constexpr double kMaxTemperature = 1e6;
+
 inline void check_temperature(const char* op, double temperature) {
-  FH_CHECK_VALUE(op, std::isfinite(temperature) && temperature > 0.0,
-                 "temperature must be a finite number > 0 (use the greedy op for temperature 0), got ",
+  FH_CHECK_VALUE(op, temperature >= kMinTemperature && temperature <= kMaxTemperature,
+                 "temperature must be in [1e-06, 1e+06] (use the greedy op for temperature 0), got ",
                  num_str(temperature));
+}
+
+// An output written element by element must not have two elements at one address: the CUDA
+// kernels would race on it.
+inline void check_no_internal_overlap(const char* op, const at::Tensor& t, const char* name) {
+  FH_CHECK_VALUE(op, at::has_internal_overlap(t) != at::MemOverlap::Yes, name,
+                 " must not have elements that share memory (e.g. an expanded tensor), got strides ",
+                 shape_str(t.strides()));
 }
 
 // The seed lives on the device so a captured graph reads a fresh value at every replay.
@@ -136,7 +151,7 @@ inline void check_decode(const char* op, const at::Tensor& hidden, const at::Ten
   check_hidden_and_rows(op, hidden, embedding, "embedding");
   check_cluster_table(op, cluster_tokens, hidden, "hidden");
   FH_CHECK_VALUE(op, cluster_tokens.size(0) == centroids.size(0), "cluster_tokens must have one row per centroid (",
-                 num_str(centroids.size(0)), "), got shape ", shape_str(cluster_tokens.sizes()));
+                 "centroids has ", num_str(centroids.size(0)), " rows), got shape ", shape_str(cluster_tokens.sizes()));
   check_probes(op, probes, centroids.size(0));
   check_extra_ids(op, extra_ids, hidden, "hidden");
 }
@@ -147,6 +162,7 @@ inline void check_token_out(const char* op, const at::Tensor& out, const at::Ten
   check_same_device(op, out, "out", hidden, "hidden");
   FH_CHECK_VALUE(op, out.size(0) == hidden.size(0), "out must have batch ", num_str(hidden.size(0)),
                  " like hidden, got shape ", shape_str(out.sizes()));
+  check_no_internal_overlap(op, out, "out");
 }
 
 // decode_greedy's functional form allocates what decode_greedy_out writes: int64 [B]. A hidden

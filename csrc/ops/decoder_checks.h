@@ -32,14 +32,34 @@ inline void check_length(const char* op, const at::Tensor& length, const at::Ten
   check_same_device(op, length, "length", ref, ref_name);
 }
 
-// One layer's cache, [num_kv_heads, max_len, head_dim] for K and for V.
+// The K and V caches of one layer ([num_kv_heads, max_len, head_dim]) or of every layer (a leading
+// num_layers): ref's dtype and device, one shape, non-empty.
 inline void check_kv_cache(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& ref,
-                           const char* ref_name) {
-  check_rank(op, k_cache, "k_cache", 3, "[num_kv_heads, max_len, head_dim]");
+                           const char* ref_name, int64_t rank, const char* layout) {
+  check_rank(op, k_cache, "k_cache", rank, layout);
   check_like(op, k_cache, "k_cache", ref, ref_name);
   check_like(op, v_cache, "v_cache", ref, ref_name);
-  check_shape(op, v_cache, "v_cache", k_cache.sizes());
+  FH_CHECK_VALUE(op, v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must have one shape ", layout,
+                 ", got ", shape_str(k_cache.sizes()), " and ", shape_str(v_cache.sizes()));
   FH_CHECK_VALUE(op, k_cache.numel() > 0, "k_cache must be non-empty, got shape ", shape_str(k_cache.sizes()));
+}
+
+// Caches the op writes in place: contiguous, and apart (one cache for both would hold the values
+// over the keys).
+inline void check_written_kv_cache(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  FH_CHECK_VALUE(op, k_cache.is_contiguous() && v_cache.is_contiguous(),
+                 "k_cache and v_cache must be contiguous (they are written in place)");
+  const at::MemOverlapStatus overlap = at::get_overlap_status(k_cache, v_cache);
+  FH_CHECK_VALUE(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+                 "k_cache and v_cache must not share memory (the values would overwrite the keys)");
+}
+
+// Scores are multiplied by the scale in float32: a larger one overflows them (the attention then
+// gives NaN). Softmax scales are 1 / sqrt(head_dim) or similar, far below the bound.
+constexpr double kMaxAttentionScale = 1e6;
+
+inline void check_attention_scale(const char* op, double scale) {
+  FH_CHECK_VALUE(op, scale > 0.0 && scale <= kMaxAttentionScale, "scale must be in (0, 1e+06], got ", num_str(scale));
 }
 
 // x [M, K] (gated: [M, 2K] holding gate then up), weight [N, K], norm_weight [K], residual [M, N].
@@ -66,7 +86,9 @@ inline void check_fused_linear(const char* op, const at::Tensor& x, const at::Te
   }
   if (residual.has_value()) {
     check_like(op, *residual, "residual", x, "x");
-    check_shape(op, *residual, "residual", {x.size(0), weight.size(0)});
+    FH_CHECK_VALUE(op, residual->sizes() == at::IntArrayRef({x.size(0), weight.size(0)}),
+                   "residual must have shape [x.size(0), weight.size(0)] = ", shape_str({x.size(0), weight.size(0)}),
+                   ", got shape ", shape_str(residual->sizes()));
   }
 }
 
@@ -78,10 +100,9 @@ inline void check_rotary_cache_write(const char* op, const at::Tensor& qkv, cons
                                      const c10::optional<at::Tensor>& k_norm, double eps) {
   check_rank(op, qkv, "qkv", 2, "[tokens, (num_heads + 2 * num_kv_heads) * head_dim]");
   check_float_tensor(op, qkv, "qkv");
-  check_kv_cache(op, k_cache, v_cache, qkv, "qkv");
+  check_kv_cache(op, k_cache, v_cache, qkv, "qkv", 3, "[num_kv_heads, max_len, head_dim]");
   check_length(op, length, qkv, "qkv");
-  FH_CHECK_VALUE(op, k_cache.is_contiguous() && v_cache.is_contiguous(),
-                 "k_cache and v_cache must be contiguous (they are written in place)");
+  check_written_kv_cache(op, k_cache, v_cache);
   const int64_t kv = k_cache.size(0), max_len = k_cache.size(1), hd = k_cache.size(2);
   FH_CHECK_VALUE(op, num_heads >= 1 && num_heads % kv == 0, "num_heads must be a positive multiple of num_kv_heads (",
                  num_str(kv), ", k_cache.size(0)), got ", num_str(num_heads));
@@ -108,13 +129,13 @@ inline void check_decode_attention(const char* op, const at::Tensor& q, const at
                                    const at::Tensor& v_cache, const at::Tensor& length, double scale) {
   check_rank(op, q, "q", 3, "[tokens, num_heads, head_dim]");
   check_float_tensor(op, q, "q");
-  check_kv_cache(op, k_cache, v_cache, q, "q");
+  check_kv_cache(op, k_cache, v_cache, q, "q", 3, "[num_kv_heads, max_len, head_dim]");
   check_length(op, length, q, "q");
   FH_CHECK_VALUE(op, q.size(0) > 0 && q.size(1) > 0 && q.size(1) % k_cache.size(0) == 0 &&
                          q.size(2) == k_cache.size(2),
                  "q must be [tokens >= 1, a multiple of num_kv_heads (", num_str(k_cache.size(0)), "), head_dim ",
                  num_str(k_cache.size(2)), "], got shape ", shape_str(q.sizes()));
-  FH_CHECK_VALUE(op, std::isfinite(scale) && scale > 0.0, "scale must be a finite number > 0, got ", num_str(scale));
+  check_attention_scale(op, scale);
 }
 
 // A per-layer stack of the decoder step, [num_layers, ...]: rank, x's dtype and device, shape.
@@ -146,13 +167,8 @@ inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Te
                  shape_str(x.sizes()));
   const int64_t D = x.size(1);
 
-  check_rank(op, k_cache, "k_cache", 4, "[num_layers, num_kv_heads, max_len, head_dim]");
-  check_like(op, k_cache, "k_cache", x, "x");
-  FH_CHECK_VALUE(op, k_cache.numel() > 0, "k_cache must be non-empty, got shape ", shape_str(k_cache.sizes()));
-  check_like(op, v_cache, "v_cache", x, "x");
-  check_shape(op, v_cache, "v_cache", k_cache.sizes());
-  FH_CHECK_VALUE(op, k_cache.is_contiguous() && v_cache.is_contiguous(),
-                 "k_cache and v_cache must be contiguous (they are written in place)");
+  check_kv_cache(op, k_cache, v_cache, x, "x", 4, "[num_layers, num_kv_heads, max_len, head_dim]");
+  check_written_kv_cache(op, k_cache, v_cache);
   const int64_t L = k_cache.size(0), kv = k_cache.size(1), max_len = k_cache.size(2), hd = k_cache.size(3);
   FH_CHECK_VALUE(op, num_heads >= 1 && num_heads % kv == 0, "num_heads must be a positive multiple of num_kv_heads (",
                  num_str(kv), ", k_cache.size(1)), got ", num_str(num_heads));
@@ -183,7 +199,7 @@ inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Te
   check_like(op, sin, "sin", x, "x");
   check_shape(op, sin, "sin", {max_len, hd});
   FH_CHECK_VALUE(op, std::isfinite(eps) && eps >= 0.0, "eps must be a finite number >= 0, got ", num_str(eps));
-  FH_CHECK_VALUE(op, std::isfinite(scale) && scale > 0.0, "scale must be a finite number > 0, got ", num_str(scale));
+  check_attention_scale(op, scale);
 }
 
 }  // namespace flashhead
