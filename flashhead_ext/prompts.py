@@ -10,8 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
-# The repository's checkout sits beside shared/, which holds the Spec-Bench questions.
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl"
+# The Spec-Bench questions ship with the package (data/README.md says where they come from).
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "spec_bench_question.jsonl"
 PARITIES = ("odd", "even")
 
 
@@ -21,7 +21,8 @@ def questions_by_category(path, parity: str = "odd") -> dict:
     if parity not in PARITIES:
         raise ValueError(f"parity must be 'odd' (evaluation) or 'even' (calibration), got {parity!r}")
     if not Path(path).is_file():
-        raise FileNotFoundError(f"no Spec-Bench prompts at {path}; pass --prompts PATH to a spec_bench_question.jsonl")
+        raise FileNotFoundError(f"no Spec-Bench prompts at {path}: expected a jsonl file with question_id, category "
+                                f"and turns, such as {DEFAULT_PROMPTS}")
     by_category = defaultdict(list)
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):

@@ -10,7 +10,7 @@ from flashhead_ext.assets import FlashHeadAssets
 from flashhead_ext.clustering import build_clusters, calibrate_clusters
 from flashhead_ext.eval import quality
 from flashhead_ext.eval.__main__ import main, parse_args
-from flashhead_ext.prompts import prompts_per_category, questions_by_category
+from flashhead_ext.prompts import DEFAULT_PROMPTS, load_prompts, prompts_per_category, questions_by_category
 from test_hf import char_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -181,3 +181,25 @@ def test_bad_input(tmp_path, capsys):
     (tmp_path / "even.jsonl").write_text(json.dumps({"question_id": 2, "category": "qa", "turns": ["x"]}) + "\n")
     with pytest.raises(ValueError, match="no prompts with an odd question_id"):
         prompts_per_category(tmp_path / "even.jsonl", None)
+
+
+def test_bundled_prompts_ship_with_the_package():
+    # The demo and the CLIs read these by default, so a fresh checkout or a wheel must carry them.
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    import flashhead_ext
+
+    package = Path(flashhead_ext.__file__).parent
+    assert DEFAULT_PROMPTS.is_file() and package in DEFAULT_PROMPTS.parents
+    pyproject = tomllib.loads((package.parent / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["flashhead_ext"]
+    assert any(fnmatch.fnmatch(DEFAULT_PROMPTS.relative_to(package).as_posix(), p) for p in patterns)
+    odd, even = (questions_by_category(DEFAULT_PROMPTS, parity) for parity in ("odd", "even"))
+    assert len(odd) == len(even) == 13
+    assert sum(map(len, odd.values())) == sum(map(len, even.values())) == 240
+    chosen = load_prompts(DEFAULT_PROMPTS, 3)
+    assert len({row["category"] for row in chosen}) == 3 and all(row["question_id"] % 2 for row in chosen)
+    with pytest.raises(FileNotFoundError, match="expected a jsonl file with question_id, category and turns"):
+        load_prompts(DEFAULT_PROMPTS.with_name("missing.jsonl"), 1)
