@@ -323,7 +323,10 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
     assert all(row["exact"] == "3/3" for row in result["summary"])
     assert [r["question_id"] for r in result["runs"][::5]] == [1, 3, 5]  # odd ids, categories round-robin
     assert result["meta"]["num_clusters"] == 7 and result["meta"]["probes_used"] == 1  # ceil(101/16) clusters, C/16 probes
-    assert "deferred/flashhead" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "deferred/flashhead" in printed
+    assert "draft early-exit:1, K=3, 3 prompts x 6 new tokens, fp32 on cpu" in printed  # what was run
+    assert "deferred: FlashHead draft" in printed  # what the FlashHead head changed
     with pytest.raises(ValueError, match="early-exit:N"):
         entry(["--target", str(tmp_path / "model"), "--draft", "early-exit:x", "--prompts", str(questions)])
     with pytest.raises(SystemExit):
@@ -347,3 +350,22 @@ def test_real_smollm2_early_exit_draft_is_exact():
         gen = SpeculativeDecoder(target, draft, head, k=4).generate(ids, mode=mode, max_new_tokens=12)
         assert gen.tokens == baseline, mode
         check_counters(gen, mode, 4, 12)
+
+
+def test_reading_names_the_best_config_and_the_flashhead_change():
+    from flashhead_ext.speculative.runner import reading
+
+    def row(mode, head, speedup, acceptance=None, draft_s=None, head_share=None):
+        label = mode if head is None else f"{mode}/{head}"
+        return dict(label=label, mode=mode, head=head, speedup=speedup, acceptance=acceptance, mean_emitted=1.07,
+                    draft_s=draft_s, head_share=head_share)
+
+    slow = [row("baseline", None, 1.0), row("ordinary", "dense", 0.40, 0.018, 8.31, 0.388),
+            row("ordinary", "flashhead", 0.47, 0.018, 6.30, 0.186)]
+    lines = reading(slow).splitlines()
+    assert lines[0].startswith("speculation is slower than the baseline here (best: ordinary/flashhead, 0.47x)")
+    assert "accepted 1.8% of the time" in lines[0]
+    assert lines[1] == "ordinary: FlashHead draft 6.30 s against dense 8.31 s; the head's share of the draft 38.8% -> 18.6%"
+    fast = [row("baseline", None, 1.0), row("deferred", "dense", 2.92, 0.44, 1.05), row("deferred", "flashhead", 2.99, 0.44, 0.91)]
+    assert reading(fast).splitlines() == ["best: deferred/flashhead, 2.99x the baseline's decode tok/s",
+                                          "deferred: FlashHead draft 0.91 s against dense 1.05 s"]

@@ -25,7 +25,7 @@ import torch
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
-from ..speculative.runner import format_summary, plan_configs, run_interleaved, summarize, write_json
+from ..speculative.runner import format_summary, plan_configs, reading, run_interleaved, summarize, write_json
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
@@ -258,5 +258,6 @@ def spec_main(argv=None) -> int:
           f" {meta['target_gb']:.1f} GB, draft {args.draft} on {draft_device}, K={args.k}, {args.dtype}, "
           f"draft body {args.body}, target body {args.target_body}, attention {args.attention}, FlashHead {CLUSTERS}, graphs={meta['graphs']}")
     print(format_summary(rows))
+    print(reading(rows))
     print(f"wrote {write_json(args.json, meta, rows, records)}")
     return 0

@@ -16,7 +16,7 @@ from ..fast.decoder import BODIES
 from ..prompts import DEFAULT_PROMPTS, load_prompts
 from .draft import early_exit_draft, make_draft_head
 from .driver import SpeculativeDecoder
-from .runner import encode_prompt, plan_configs, run_interleaved, summarize, format_summary, write_json
+from .runner import encode_prompt, plan_configs, run_interleaved, summarize, format_summary, reading, write_json
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EARLY_EXIT = "early-exit:"
@@ -148,7 +148,12 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     meta = dict(vars(args), **run_metadata(),
                 probes_used=flash.head.probes if flash else None,
                 num_clusters=flash.head.num_clusters if flash else None)
+    threads = f", {torch.get_num_threads()} threads" if torch.device(args.device).type == "cpu" else ""
+    flash_line = f", FlashHead {flash.head.probes} of {flash.head.num_clusters} clusters" if flash else ""
+    print(f"target {args.target}, draft {args.draft}, K={args.k}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
+          f"{args.dtype} on {args.device}{threads}{flash_line}, {'fast path' if args.fast else 'transformers driver'}")
     print(format_summary(rows))
+    print(reading(rows))
     print(f"wrote {write_json(args.json, meta, rows, records)}")
     return 0
 

@@ -156,6 +156,31 @@ def format_summary(rows: list) -> str:
     return text
 
 
+def reading(rows: list) -> str:
+    """What the table says, in a few lines under it: the best speculative config against the
+    baseline (and why it is slower when it is), and what the FlashHead draft head changed."""
+    lines = []
+    speculative = [row for row in rows if row["head"] is not None and row.get("speedup") is not None]
+    if speculative:
+        best = max(speculative, key=lambda row: row["speedup"])
+        if best["speedup"] >= 1 or best["acceptance"] is None:
+            lines.append(f"best: {best['label']}, {best['speedup']:.2f}x the baseline's decode tok/s")
+        else:
+            lines.append(f"speculation is slower than the baseline here (best: {best['label']}, {best['speedup']:.2f}x): the "
+                         f"draft's proposals were accepted {best['acceptance']:.1%} of the time, so a round emitted "
+                         f"{best['mean_emitted']:.2f} tokens for a whole draft and a verify; a stronger draft pays off")
+    by_label = {row["label"]: row for row in rows}
+    for row in rows:
+        dense = by_label.get(f"{row['mode']}/dense")
+        if row["head"] != "flashhead" or dense is None or not dense["draft_s"] or not row["draft_s"]:
+            continue
+        change = f"{row['mode']}: FlashHead draft {row['draft_s']:.2f} s against dense {dense['draft_s']:.2f} s"
+        if row["head_share"] is not None and dense["head_share"] is not None:
+            change += f"; the head's share of the draft {dense['head_share']:.1%} -> {row['head_share']:.1%}"
+        lines.append(change)
+    return "\n".join(lines)
+
+
 def write_json(path, meta: dict, rows: list, records: list) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -163,4 +188,5 @@ def write_json(path, meta: dict, rows: list, records: list) -> Path:
     return path
 
 
-__all__ = ["RunConfig", "plan_configs", "encode_prompt", "run_interleaved", "summarize", "format_summary", "write_json"]
+__all__ = ["RunConfig", "plan_configs", "encode_prompt", "run_interleaved", "summarize", "format_summary", "reading",
+           "write_json"]
