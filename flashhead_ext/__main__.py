@@ -165,8 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .speculative import cli as spec_cli
 
     spec = commands.add_parser("spec", help="speculative decoding on Spec-Bench prompts, dense vs FlashHead drafts",
-                               description=spec_cli.__doc__.split("\n\n")[0])
+                               description=spec_cli.DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     spec_cli.add_arguments(spec)
+    spec.set_defaults(spec_parser=spec)  # its errors then name "... spec"
     return parser
 
 
@@ -176,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "spec":
         from .speculative import cli as spec_cli
 
-        return spec_cli.run(args, parser)
+        return spec_cli.run(args, vars(args).pop("spec_parser"))
     result = args.run(args)
     print(args.report(result))
     args.json.parent.mkdir(parents=True, exist_ok=True)

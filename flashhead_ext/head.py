@@ -139,7 +139,12 @@ class FlashHead(_HeadBase):
             raise ValueError(f"{name} must have shape [num_clusters, {embedding.shape[1]}], got {tuple(centroids.shape)}")
         if not centroids.is_floating_point():
             raise TypeError(f"{name} must be a float tensor, got {centroids.dtype}")
-        return centroids.detach().to(embedding.device, embedding.dtype).contiguous()
+        centroids = centroids.detach().to(embedding.device, embedding.dtype).contiguous()
+        # Checked once here (a sync, like the table's): a NaN centroid would silently rank its
+        # cluster last at every step.
+        if not torch.isfinite(centroids).all():
+            raise ValueError(f"{name} must be finite; it holds NaN or inf (in the embedding's dtype {embedding.dtype})")
+        return centroids
 
     @staticmethod
     def _as_extra_ids(special_token_ids, vocab: int, device) -> Optional[Tensor]:

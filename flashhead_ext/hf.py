@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from .assets import FlashHeadAssets, flash_head_for, load_assets, user_cache_dir
+from . import ops
 from .head import FlashHead
 from .prompts import DEFAULT_PROMPTS, prompts_per_category
 
@@ -248,6 +249,18 @@ class FlashHeadAttachment:
         self.enabled = True
         self._head: Optional[FlashHead] = None
 
+    @property
+    def probes(self) -> int:
+        return self._probes
+
+    @probes.setter
+    def probes(self, value: int) -> None:
+        # Checked when set, not inside the next generate().
+        value = ops._require_int("probes", value)
+        if not 1 <= value <= self.assets.num_clusters:
+            raise ValueError(f"probes must be in 1..{self.assets.num_clusters} (the number of clusters), got {value}")
+        self._probes = value
+
     def head(self) -> FlashHead:
         weight = self.linear.weight.detach()
         cached = self._head
@@ -291,6 +304,8 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
     restores the dense head. Models that rescale logits after the head (Gemma-2's final logit
     softcapping) turn the non-candidates' ``-inf`` into their lowest logit, not ``-inf``.
     """
+    if probes is not None and ops._require_int("probes", probes) < 1:  # before minutes of clustering
+        raise ValueError(f"probes must be at least 1, got {probes}")
     linear = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"model must be a transformers causal LM with an nn.Linear output head, got {type(model).__name__} "

@@ -38,3 +38,9 @@ def test_head_bench_refuses_bad_special_tokens():
         main(["head", "--shapes", "tiny", "--device", "cpu", "--special-tokens", "-1"])
     with pytest.raises(SystemExit):
         main(["head", "--shapes", "tiny", "--device", "cpu", "--special-tokens", str(SHAPES["tiny"].vocab)])
+
+
+def test_bench_lists_its_benchmarks(capsys):
+    assert main(["--help"]) == 0  # asked for: success
+    assert "head,clusters,draft-step,spec,layer-ops" in capsys.readouterr().out
+    assert main(["nonesuch"]) == 2

@@ -194,6 +194,13 @@ def test_attach_bad_input(tmp_path):
     with pytest.raises(ValueError, match=r"probes must be in 1..17"):
         attach(model, _tiny_assets(model), probes=18)
     assert not hasattr(model, "flash_head")
+    with pytest.raises(ValueError, match="probes must be at least 1, got 0"):
+        attach(model, "never read: probes is checked before the assets", probes=0)
+    attachment = attach(model, _tiny_assets(model))
+    with pytest.raises(ValueError, match=r"probes must be in 1..17 \(the number of clusters\), got 18"):
+        attachment.probes = 18  # rejected when set, not inside the next generate()
+    assert attachment.probes == 2
+    detach(model)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         attach(model, tmp_path / "missing")
     with pytest.raises(ValueError, match="nn.Linear output head, got Linear"):

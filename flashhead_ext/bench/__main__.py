@@ -11,7 +11,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in BENCHMARKS:
         print(f"usage: python -m flashhead_ext.bench {{{','.join(BENCHMARKS)}}} [options]  (--help after the name)")
-        return 2
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     return BENCHMARKS[argv[0]](argv[1:])
 
 

@@ -18,6 +18,8 @@ from .draft import early_exit_draft, make_draft_head
 from .driver import SpeculativeDecoder
 from .runner import encode_prompt, plan_configs, run_interleaved, summarize, format_summary, reading, write_json
 
+DESCRIPTION = ("Speculative decoding of Spec-Bench prompts: baseline, ordinary and deferred, with dense and FlashHead "
+               "draft heads, interleaved. Prints the metrics table and writes every run to JSON.")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EARLY_EXIT = "early-exit:"
 
@@ -37,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="jsonl with question_id, category, turns")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--probes", type=int, default=None, help="FlashHead clusters per step (default C/16)")
+    parser.add_argument("--probes", type=int, default=None, help="FlashHead clusters per step (None: C/16)")
     parser.add_argument("--cluster-size", type=int, default=16, help="tokens per FlashHead cluster, when a clustering is built")
     parser.add_argument("--kmeans-iters", type=int, default=15)
     parser.add_argument("--seed", type=int, default=0, help="k-means seed")
@@ -48,9 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-tokens", type=int, default=8, help="new tokens of the one warm-up run per config")
     parser.add_argument("--fast", action="store_true",
                         help="the fast path (flashhead_ext.fast: Llama/Qwen3 only, CUDA graphs on a GPU) instead of the transformers driver")
-    parser.add_argument("--draft-device", default=None, help="--fast: the draft's device, e.g. cuda:1 (default: --device)")
+    parser.add_argument("--draft-device", default=None, help="--fast: the draft's device, e.g. cuda:1 (None: --device)")
     parser.add_argument("--draft-body", default=None, choices=BODIES,
-                        help="--fast: how the draft runs its layers (Decoder.body; default persistent: one kernel a step)")
+                        help="--fast: how the draft runs its layers (Decoder.body; None: persistent, one kernel a step)")
     parser.add_argument("--synthetic-acceptance", type=float, default=None,
                         help="--fast: accept each proposal with this probability instead of verifying (timing only; labelled synthetic)")
     parser.add_argument("--json", default="results/spec.json", help="where to write every run and the summary")
@@ -104,16 +106,17 @@ def _decoder(args, target, draft, head, eos_ids):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flashhead_ext spec", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m flashhead_ext spec", description=DESCRIPTION,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv), parser)
 
 
 def run(args, parser: argparse.ArgumentParser) -> int:
     """Runs the parsed ``spec`` command (also reached through ``python -m flashhead_ext spec``)."""
-    for name in ("k", "num_prompts", "max_new_tokens", "warmup_tokens", "threads"):
+    for name in ("k", "num_prompts", "max_new_tokens", "warmup_tokens", "threads", "probes", "cluster_size", "kmeans_iters"):
         lowest = 0 if name == "threads" else 1
-        if getattr(args, name) < lowest:
+        if getattr(args, name) is not None and getattr(args, name) < lowest:
             parser.error(f"--{name.replace('_', '-')} must be >= {lowest}, got {getattr(args, name)}")
     try:
         configs = plan_configs(args.head, args.mode)
