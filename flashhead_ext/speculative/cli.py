@@ -151,7 +151,8 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     meta = dict(vars(args), **run_metadata(),
                 probes_used=flash.head.probes if flash else None,
                 num_clusters=flash.head.num_clusters if flash else None)
-    threads = f", {torch.get_num_threads()} threads" if torch.device(args.device).type == "cpu" else ""
+    count = torch.get_num_threads()
+    threads = f", {count} thread{'s' if count > 1 else ''}" if torch.device(args.device).type == "cpu" else ""
     flash_line = f", FlashHead {flash.head.probes} of {flash.head.num_clusters} clusters" if flash else ""
     print(f"target {args.target}, draft {args.draft}, K={args.k}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
           f"{args.dtype} on {args.device}{threads}{flash_line}, {'fast path' if args.fast else 'transformers driver'}")
