@@ -93,7 +93,8 @@ def test_unsupported_float_dtype(op, dtype, device):
 def test_mismatched_float_dtypes(op, name, device):
     args = valid_args(device)
     args[name] = args[name].to(torch.bfloat16)
-    expect(TypeError, f"{name} must have the dtype of hidden", op, args)
+    # dtypes named as Python prints them, not as ATen's Float / BFloat16
+    expect(TypeError, f"{name} must have the dtype of hidden (torch.float32), got torch.bfloat16", op, args)
 
 
 @device_params
@@ -102,7 +103,7 @@ def test_mismatched_float_dtypes(op, name, device):
 def test_ids_must_be_int32(op, name, dtype, device):
     args = valid_args(device)
     args[name] = args[name].to(dtype)
-    expect(TypeError, f"{name} must be int32", op, args)
+    expect(TypeError, f"{name} must be int32, got {dtype}", op, args)
 
 
 @device_params

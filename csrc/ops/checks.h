@@ -20,6 +20,11 @@ std::string num_str(N value) {
   return std::to_string(value);
 }
 
+// A dtype as Python prints it (torch.int32, not ATen's Int), since the messages reach Python users.
+inline std::string dtype_str(at::ScalarType type) {
+  return "torch." + std::string(c10::getDtypeNames(type).first);
+}
+
 inline std::string shape_str(at::IntArrayRef sizes) {
   std::string text = "[";
   for (size_t i = 0; i < sizes.size(); ++i) text += (i ? ", " : "") + std::to_string(sizes[i]);
@@ -52,9 +57,10 @@ inline void check_hidden_and_rows(const char* op, const at::Tensor& hidden, cons
   check_rank(op, hidden, "hidden", 2, "[batch, hidden_dim]");
   check_rank(op, rows, rows_name, 2, "[rows, hidden_dim]");
   FH_CHECK_TYPE(op, is_float_dtype(hidden.scalar_type()),
-                "hidden must be float16, bfloat16 or float32, got ", hidden.scalar_type());
+                "hidden must be float16, bfloat16 or float32, got ", dtype_str(hidden.scalar_type()));
   FH_CHECK_TYPE(op, rows.scalar_type() == hidden.scalar_type(), rows_name,
-                " must have the dtype of hidden (", hidden.scalar_type(), "), got ", rows.scalar_type());
+                " must have the dtype of hidden (", dtype_str(hidden.scalar_type()), "), got ",
+                dtype_str(rows.scalar_type()));
   check_same_device(op, rows, rows_name, hidden, "hidden");
   FH_CHECK_VALUE(op, hidden.size(1) > 0, "hidden_dim must be at least 1");
   FH_CHECK_VALUE(op, rows.size(1) == hidden.size(1), rows_name, " must have hidden_dim ",
@@ -65,7 +71,7 @@ inline void check_hidden_and_rows(const char* op, const at::Tensor& hidden, cons
 }
 
 inline void check_int32(const char* op, const at::Tensor& t, const char* name) {
-  FH_CHECK_TYPE(op, t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type(),
+  FH_CHECK_TYPE(op, t.scalar_type() == at::kInt, name, " must be int32, got ", dtype_str(t.scalar_type()),
                 " (convert once with .to(torch.int32))");
 }
 
@@ -97,7 +103,7 @@ inline void check_no_internal_overlap(const char* op, const at::Tensor& t, const
 // The seed lives on the device so a captured graph reads a fresh value at every replay.
 inline void check_seed(const char* op, const at::Tensor& seed, const at::Tensor& hidden) {
   FH_CHECK_TYPE(op, seed.scalar_type() == at::kLong, "seed must be an int64 tensor, got ",
-                seed.scalar_type());
+                dtype_str(seed.scalar_type()));
   FH_CHECK_VALUE(op, seed.numel() == 1, "seed must hold exactly one value, got shape ", shape_str(seed.sizes()));
   check_same_device(op, seed, "seed", hidden, "hidden");
 }
@@ -158,7 +164,7 @@ inline void check_decode(const char* op, const at::Tensor& hidden, const at::Ten
 
 inline void check_token_out(const char* op, const at::Tensor& out, const at::Tensor& hidden) {
   check_rank(op, out, "out", 1, "[batch]");
-  FH_CHECK_TYPE(op, out.scalar_type() == at::kLong, "out must be int64, got ", out.scalar_type());
+  FH_CHECK_TYPE(op, out.scalar_type() == at::kLong, "out must be int64, got ", dtype_str(out.scalar_type()));
   check_same_device(op, out, "out", hidden, "hidden");
   FH_CHECK_VALUE(op, out.size(0) == hidden.size(0), "out must have batch ", num_str(hidden.size(0)),
                  " like hidden, got shape ", shape_str(out.sizes()));

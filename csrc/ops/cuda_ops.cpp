@@ -330,7 +330,7 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
                  num_str(kDecoderStepMaxHeadDim), " for the CUDA kernel, got ", num_str(hd));
   FH_CHECK_VALUE(op, limit != DecoderStepLimit::kWholeVectors,
                  "the CUDA kernel needs hidden_size, head_dim and intermediate_size to be multiples of ",
-                 num_str(vector), " for ", x_in.scalar_type(), ", got ", num_str(hidden), ", ", num_str(hd), " and ",
+                 num_str(vector), " for ", dtype_str(x_in.scalar_type()), ", got ", num_str(hidden), ", ", num_str(hd), " and ",
                  num_str(intermediate));
   FH_CHECK_VALUE(op, limit != DecoderStepLimit::kGroup, "the CUDA kernel takes at most ",
                  num_str(kDecoderStepMaxGroup), " query heads per KV head, got ", num_str(num_heads), " and ",
@@ -340,7 +340,7 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
   FH_CHECK_VALUE(op, limit != DecoderStepLimit::kRowBytes, "the CUDA kernel needs a weight row of at most ",
                  num_str(kDecoderStepStageBytes), " bytes (two for gate_up), got hidden_size ", num_str(hidden),
                  ", num_heads * head_dim ", num_str(attn_cols), " and intermediate_size ", num_str(intermediate), " in ",
-                 x_in.scalar_type());
+                 dtype_str(x_in.scalar_type()));
   TORCH_INTERNAL_ASSERT(limit == DecoderStepLimit::kNone, "check_decoder_step passed a shape the kernel rejects");
   check_fits_int(op, layers * kv * max_len * hd, "the KV cache's elements");
   const c10::cuda::CUDAGuard guard(x_in.device());

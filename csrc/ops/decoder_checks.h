@@ -9,13 +9,13 @@ namespace flashhead {
 
 inline void check_float_tensor(const char* op, const at::Tensor& t, const char* name) {
   FH_CHECK_TYPE(op, is_float_dtype(t.scalar_type()), name, " must be float16, bfloat16 or float32, got ",
-                t.scalar_type());
+                dtype_str(t.scalar_type()));
 }
 
 inline void check_like(const char* op, const at::Tensor& t, const char* name, const at::Tensor& ref,
                        const char* ref_name) {
   FH_CHECK_TYPE(op, t.scalar_type() == ref.scalar_type(), name, " must have the dtype of ", ref_name, " (",
-                ref.scalar_type(), "), got ", t.scalar_type());
+                dtype_str(ref.scalar_type()), "), got ", dtype_str(t.scalar_type()));
   check_same_device(op, t, name, ref, ref_name);
 }
 
@@ -26,7 +26,8 @@ inline void check_shape(const char* op, const at::Tensor& t, const char* name, a
 
 // The cache length: one int64 on the device of the cache (read by the kernels, never by the host).
 inline void check_length(const char* op, const at::Tensor& length, const at::Tensor& ref, const char* ref_name) {
-  FH_CHECK_TYPE(op, length.scalar_type() == at::kLong, "length must be an int64 tensor, got ", length.scalar_type());
+  FH_CHECK_TYPE(op, length.scalar_type() == at::kLong, "length must be an int64 tensor, got ",
+                dtype_str(length.scalar_type()));
   FH_CHECK_VALUE(op, length.numel() == 1, "length must hold exactly one value, got shape ",
                  shape_str(length.sizes()));
   check_same_device(op, length, "length", ref, ref_name);
