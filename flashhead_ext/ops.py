@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Optional, Union
 
@@ -38,8 +37,9 @@ _ops = torch.ops.flashhead
 
 SeedLike = Union[Tensor, int, None]
 
-# The temperatures the sampling ops take (kMinTemperature, kMaxTemperature in csrc/ops/checks.h):
-# float32 scores divided by a smaller one overflow, and a larger one is inf in float32.
+# The temperatures the sampling ops take (kMinTemperature, kMaxTemperature in csrc/ops/checks.h): a
+# range kept well inside float32's, whose limits are what break the sampling (scores over a tiny
+# temperature overflow to ±inf and the lowest id wins; a huge one rounds to inf).
 TEMPERATURE_RANGE = (1e-6, 1e6)
 
 
@@ -59,21 +59,35 @@ def _require_bool(name: str, value) -> bool:
     return value
 
 
+def _type_name(value) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+# Python numbers only: torch.compile traces a numpy scalar as an array, so accepting numpy here
+# would work eagerly and fail compiled.
 def _require_int(name: str, value) -> int:
-    """A Python or numpy integer (not a bool) as an int; the ops take int64."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a Python int, got {_type_name(value)} (convert it with int())")
     if not -2**63 <= value < 2**63:
         raise ValueError(f"{name} must fit in int64, got {value}")
     return value
 
 
 def _require_float(name: str, value) -> float:
-    """A Python or numpy real number (not a bool) as a float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python float or int, got {_type_name(value)} (convert it with float())")
     return float(value)
+
+
+def _require_probes(value, num_clusters: Optional[int] = None) -> int:
+    """probes as the heads take it: an int in 1..num_clusters (at least 1 while C is unknown)."""
+    value = _require_int("probes", value)
+    if num_clusters is None and value < 1:
+        raise ValueError(f"probes must be at least 1, got {value}")
+    if num_clusters is not None and not 1 <= value <= num_clusters:
+        raise ValueError(f"probes must be in 1..{num_clusters} (the number of clusters), got {value}")
+    return value
 
 
 def _require_optional_generator(generator) -> None:

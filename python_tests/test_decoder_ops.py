@@ -388,18 +388,33 @@ def test_cache_written_in_place_must_be_contiguous(name, device):
 
 
 @device_params
-@pytest.mark.parametrize("overlap", ["same", "partial"])
+@pytest.mark.parametrize("overlap", ["same", "partial", "another-storage", "adjacent"])
 def test_caches_written_in_place_must_not_share_memory(overlap, device):
     # One buffer for both caches would hold the values over the keys, silently.
     args = valid_args(device)
+    kv, max_len, hd = args["k_cache"].shape
+    size = kv * max_len * hd
     if overlap == "same":
         args["v_cache"] = args["k_cache"]
-    else:  # [KV, max_len, hd] views one position apart in a longer buffer
-        kv, max_len, hd = args["k_cache"].shape
-        buffer = torch.zeros(kv * max_len * hd + hd, dtype=args["k_cache"].dtype, device=device)
-        args["k_cache"], args["v_cache"] = buffer[:-hd].view(kv, max_len, hd), buffer[hd:].view(kv, max_len, hd)
+    elif overlap == "another-storage":  # the same memory through a second storage object
+        args["v_cache"] = torch.utils.dlpack.from_dlpack(args["k_cache"])
+        assert args["v_cache"].untyped_storage() is not args["k_cache"].untyped_storage()
+    else:  # [KV, max_len, hd] views in one buffer: one position apart, or back to back
+        shift = hd if overlap == "partial" else size
+        buffer = torch.zeros(size + shift, dtype=args["k_cache"].dtype, device=device)
+        args["k_cache"], args["v_cache"] = buffer[:size].view(kv, max_len, hd), buffer[shift:].view(kv, max_len, hd)
+    if overlap == "adjacent":
+        call("rotary_cache_write", args)  # back to back is apart
+        return
     expect(ValueError, "k_cache and v_cache must not share memory", "rotary_cache_write", args)
     call("decode_attention", args)  # reading one cache as both is allowed
+
+
+@device_params
+def test_decoder_op_with_one_tensor_on_meta(device):
+    args = valid_args(device)
+    args["k_cache"] = args["k_cache"].to("meta")
+    expect(ValueError, "k_cache must be on the same device as", "rotary_cache_write", args)
 
 
 @pytest.mark.gpu
@@ -438,7 +453,7 @@ def bad_num_heads_cases(heads: int, kv_heads: int, kv_dim: int) -> list:
     multiple = "num_heads must be a positive multiple of num_kv_heads"
     return [(heads + 1, ValueError, f"{multiple} ({kv_heads}, k_cache.size({kv_dim})), got {heads + 1}"),
             (0, ValueError, multiple), (-kv_heads, ValueError, multiple),
-            (float(heads), TypeError, "num_heads must be an int"), (True, TypeError, "num_heads must be an int")]
+            (float(heads), TypeError, "num_heads must be a Python int"), (True, TypeError, "num_heads must be a Python int")]
 
 
 @device_params
@@ -462,9 +477,9 @@ def test_norm_and_gated_together(device):
       for v in (float("nan"), float("inf"), -1e-6)],
     *[("decode_attention", "scale", v, ValueError, "scale must be in (0, 1e+06]")
       for v in (float("nan"), float("inf"), 0.0, -0.5, 1.01e6, 1e300)],
-    ("fused_linear", "eps", "small", TypeError, "eps must be a real number"),
-    ("rotary_cache_write", "eps", None, TypeError, "eps must be a real number"),
-    ("decode_attention", "scale", "big", TypeError, "scale must be a real number"),
+    ("fused_linear", "eps", "small", TypeError, "eps must be a Python float or int"),
+    ("rotary_cache_write", "eps", None, TypeError, "eps must be a Python float or int"),
+    ("decode_attention", "scale", "big", TypeError, "scale must be a Python float or int"),
     ("fused_linear", "gated", 1, TypeError, "gated must be a bool"),
 ], ids=repr)
 def test_bad_scalars(op, name, value, error, fragment, device):

@@ -363,9 +363,9 @@ def test_caches_must_not_share_memory(device):
 @pytest.mark.parametrize("name,value,error,fragment", [
     *[("eps", v, ValueError, "eps must be a finite number >= 0") for v in (float("nan"), float("inf"), -1e-6)],
     *[("scale", v, ValueError, "scale must be in (0, 1e+06]") for v in (float("nan"), float("inf"), 0.0, -0.5, 1.01e6, 1e300)],
-    ("eps", "small", TypeError, "eps must be a real number"),
-    ("eps", None, TypeError, "eps must be a real number"),
-    ("scale", "big", TypeError, "scale must be a real number"),
+    ("eps", "small", TypeError, "eps must be a Python float or int"),
+    ("eps", None, TypeError, "eps must be a Python float or int"),
+    ("scale", "big", TypeError, "scale must be a Python float or int"),
 ], ids=repr)
 def test_bad_scalars(name, value, error, fragment, device):
     args = valid_args(device)

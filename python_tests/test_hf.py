@@ -196,6 +196,8 @@ def test_attach_bad_input(tmp_path):
     assert not hasattr(model, "flash_head")
     with pytest.raises(ValueError, match="probes must be at least 1, got 0"):
         attach(model, "never read: probes is checked before the assets", probes=0)
+    with pytest.raises(TypeError, match=r"special_token_ids must be integer token ids .*got \[None\]"):
+        attach(model, special_token_ids=[None])  # a tokenizer's missing EOS, refused before any clustering
     attachment = attach(model, _tiny_assets(model))
     with pytest.raises(ValueError, match=r"probes must be in 1..17 \(the number of clusters\), got 18"):
         attachment.probes = 18  # rejected when set, not inside the next generate()

@@ -134,7 +134,7 @@ void decode_greedy_out_cpu(const at::Tensor& hidden, const at::Tensor& centroids
                            at::Tensor& out) {
   constexpr const char* op = "decode_greedy";
   check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
-  check_token_out(op, out, hidden);
+  check_decode_out(op, out, hidden, centroids, cluster_tokens, embedding, extra_ids);
   auto cluster_ids = std::get<0>(select_clusters_cpu(hidden, centroids, probes));
   auto candidates = gather_candidates_cpu(cluster_ids, cluster_tokens, extra_ids);
   auto logits = candidate_logits_cpu(hidden, embedding, candidates);

@@ -7,17 +7,25 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
+#include <cstdio>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 namespace flashhead {
 
-// Numbers in messages are pre-formatted with std::to_string rather than streamed: on the lent
-// H200 image (torch 2.11, Python 3.12) streaming an integer inside a check message segfaulted
-// while streaming strings worked.
+// Numbers in messages are pre-formatted rather than streamed: on the lent H200 image (torch 2.11,
+// Python 3.12) streaming an integer inside a check message segfaulted while streaming strings
+// worked. Floats as %g, so 1e-07 and 1e+300 read as such.
 template <typename N, typename = std::enable_if_t<std::is_arithmetic_v<N>>>
 std::string num_str(N value) {
-  return std::to_string(value);
+  if constexpr (std::is_floating_point_v<N>) {
+    char text[32];
+    std::snprintf(text, sizeof(text), "%g", static_cast<double>(value));
+    return text;
+  } else {
+    return std::to_string(value);
+  }
 }
 
 // A dtype as Python prints it (torch.int32, not ATen's Int), since the messages reach Python users.
@@ -80,15 +88,16 @@ inline void check_probes(const char* op, int64_t probes, int64_t num_clusters) {
                  " (the number of clusters), got ", num_str(probes));
 }
 
-// Scores are divided by the temperature in float32. Past these bounds that overflows (every key
-// ±inf, so the lowest id wins) or the float32 temperature is inf (masked slots give NaN); a
-// temperature this small samples the argmax anyway. flashhead_ext.ops.TEMPERATURE_RANGE says the same.
+// Scores are divided by the temperature in float32: a tiny one overflows them to ±inf (the lowest
+// id then wins) and a huge one rounds to inf (masked slots give NaN). The range keeps well inside
+// those limits; below it the draw is greedy to within noise anyway. flashhead_ext.ops.TEMPERATURE_RANGE
+// says the same.
 constexpr double kMinTemperature = 1e-6;
 constexpr double kMaxTemperature = 1e6;
 
 inline void check_temperature(const char* op, double temperature) {
-  FH_CHECK_VALUE(op, temperature >= kMinTemperature && temperature <= kMaxTemperature,
-                 "temperature must be in [1e-06, 1e+06] (use the greedy op for temperature 0), got ",
+  FH_CHECK_VALUE(op, temperature >= kMinTemperature && temperature <= kMaxTemperature, "temperature must be in [",
+                 num_str(kMinTemperature), ", ", num_str(kMaxTemperature), "] (decode greedily for temperature 0), got ",
                  num_str(temperature));
 }
 
@@ -169,6 +178,23 @@ inline void check_token_out(const char* op, const at::Tensor& out, const at::Ten
   FH_CHECK_VALUE(op, out.size(0) == hidden.size(0), "out must have batch ", num_str(hidden.size(0)),
                  " like hidden, got shape ", shape_str(out.sizes()));
   check_no_internal_overlap(op, out, "out");
+}
+
+// decode_greedy_out's checks. out must also be apart from the inputs: on CUDA one row's token is
+// written while other rows' blocks may still read them.
+inline void check_decode_out(const char* op, const at::Tensor& out, const at::Tensor& hidden,
+                             const at::Tensor& centroids, const at::Tensor& cluster_tokens,
+                             const at::Tensor& embedding, const c10::optional<at::Tensor>& extra_ids) {
+  check_token_out(op, out, hidden);
+  const std::pair<const at::Tensor*, const char*> inputs[] = {
+      {&hidden, "hidden"}, {&centroids, "centroids"}, {&cluster_tokens, "cluster_tokens"},
+      {&embedding, "embedding"}, {extra_ids.has_value() ? &*extra_ids : nullptr, "extra_ids"}};
+  for (const auto& [input, name] : inputs) {
+    if (input == nullptr) continue;
+    const at::MemOverlapStatus overlap = at::get_overlap_status(out, *input);
+    FH_CHECK_VALUE(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+                   "out must not share memory with ", name, " (the kernels read it while out is written)");
+  }
 }
 
 // decode_greedy's functional form allocates what decode_greedy_out writes: int64 [B]. A hidden

@@ -194,7 +194,7 @@ void decode_greedy_out_cuda(const at::Tensor& hidden, const at::Tensor& centroid
                             at::Tensor& out) {
   constexpr const char* op = "decode_greedy";
   check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
-  check_token_out(op, out, hidden);
+  check_decode_out(op, out, hidden, centroids, cluster_tokens, embedding, extra_ids);
   decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, nullptr, out, nullptr);
 }
 

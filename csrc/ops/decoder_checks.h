@@ -46,21 +46,23 @@ inline void check_kv_cache(const char* op, const at::Tensor& k_cache, const at::
 }
 
 // Caches the op writes in place: contiguous, and apart (one cache for both would hold the values
-// over the keys).
+// over the keys). Their byte ranges are compared, which also catches two storages over one buffer.
 inline void check_written_kv_cache(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   FH_CHECK_VALUE(op, k_cache.is_contiguous() && v_cache.is_contiguous(),
                  "k_cache and v_cache must be contiguous (they are written in place)");
-  const at::MemOverlapStatus overlap = at::get_overlap_status(k_cache, v_cache);
-  FH_CHECK_VALUE(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+  const auto* k = static_cast<const char*>(k_cache.const_data_ptr());
+  const auto* v = static_cast<const char*>(v_cache.const_data_ptr());
+  FH_CHECK_VALUE(op, k + k_cache.nbytes() <= v || v + v_cache.nbytes() <= k,
                  "k_cache and v_cache must not share memory (the values would overwrite the keys)");
 }
 
-// Scores are multiplied by the scale in float32: a larger one overflows them (the attention then
-// gives NaN). Softmax scales are 1 / sqrt(head_dim) or similar, far below the bound.
+// Scores are multiplied by the scale in float32, so a huge one overflows them (the attention then
+// gives NaN). The bound keeps well inside that; softmax scales are 1 / sqrt(head_dim) or similar.
 constexpr double kMaxAttentionScale = 1e6;
 
 inline void check_attention_scale(const char* op, double scale) {
-  FH_CHECK_VALUE(op, scale > 0.0 && scale <= kMaxAttentionScale, "scale must be in (0, 1e+06], got ", num_str(scale));
+  FH_CHECK_VALUE(op, scale > 0.0 && scale <= kMaxAttentionScale, "scale must be in (0, ", num_str(kMaxAttentionScale),
+                 "], got ", num_str(scale));
 }
 
 // x [M, K] (gated: [M, 2K] holding gate then up), weight [N, K], norm_weight [K], residual [M, N].
