@@ -36,6 +36,7 @@ decoding ranks them raw (``greedy_scoring="raw"``). Measured in docs/quality.md.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -327,6 +328,12 @@ def calibrate_clusters(
     if hidden.shape[1] != embedding.shape[1]:
         raise ValueError(f"hidden must have the embedding's hidden size {embedding.shape[1]}, got shape {tuple(hidden.shape)}")
     _check_ridge(ridge)  # before k-means, not after it
+    if hidden.shape[0] < hidden.shape[1]:
+        # The whitening then keeps only the states' span, and k-means clusters a projection of the
+        # embedding onto it; the fit that follows cannot recover what the clusters lost.
+        warnings.warn(f"calibrate_clusters: {hidden.shape[0]} states for hidden size {hidden.shape[1]}; their second "
+                      f"moment has rank at most {hidden.shape[0]}, so the clusters see only that subspace. Record at "
+                      "least as many states as the hidden size.", stacklevel=2)
     device = device or embedding.device
     rows = embedding.detach().to(device, torch.float32)
     states = hidden.detach().to(device, torch.float32)

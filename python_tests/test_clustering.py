@@ -1,4 +1,6 @@
 """build_clusters and calibrate_clusters: equal sizes, padding, determinism, recovery of planted clusters, bad input."""
+import warnings
+
 import pytest
 import torch
 
@@ -196,6 +198,15 @@ def test_fitted_centroids_solve_the_ridge_least_squares():
     gram = calibration.T @ calibration
     expected = torch.linalg.solve(gram + 0.01 * gram.diagonal().mean() * torch.eye(6), calibration.T @ targets).T
     torch.testing.assert_close(fitted, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_calibration_with_fewer_states_than_the_hidden_size_warns():
+    emb = _embedding(24, 6)
+    with pytest.warns(UserWarning, match="5 states for hidden size 6; their second moment has rank at most 5"):
+        calibrate_clusters(emb, _embedding(5, 6, seed=1), 4, iters=1, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        calibrate_clusters(emb, _embedding(6, 6, seed=1), 4, iters=1, progress=False)  # as many: no warning
 
 
 @pytest.mark.parametrize("kwargs,error,match", [

@@ -1,0 +1,29 @@
+"""compare-heads' table: its rows, and the note when asked probes exceed the clusters."""
+import pytest
+
+from flashhead_ext.__main__ import build_parser, format_table
+
+
+def _result(requested):
+    rows = [dict(probes=min(p, 64), probes_requested=p, fraction_scored=(64 + min(p, 64) * 16) / 1000,
+                 top1_agreement=0.9, latency_ms=0.5) for p in requested]
+    return dict(model="tiny", device="cpu", tokens=12, prompts=dict(count=2), num_clusters=64, cluster_size=16,
+                dense_matches_generate=1.0, dense=dict(latency_ms=1.0), flash=rows)
+
+
+def test_table_rows_and_the_clamped_probes_note():
+    lines = format_table(_result([8, 64])).splitlines()
+    assert lines[0] == "tiny on cpu: 12 greedy tokens from 2 Spec-Bench prompts; C=64 clusters of b=16"
+    assert [line.split()[:2] for line in lines[3:5]] == [["flashhead", "8"], ["flashhead", "64"]]
+    assert "exceed" not in lines[-1]
+    clamped = format_table(_result([8, 500, 100])).splitlines()
+    assert clamped[-1].startswith("probes 100, 500 exceed the 64 clusters: run with every cluster probed")
+    assert clamped[4].split()[1] == "64"  # the row shows the probes actually used
+
+
+def test_probes_values_must_be_positive(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["compare-heads", "--probes", "3,500"]).probes == [3, 500]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["compare-heads", "--probes", "0"])
+    assert "expected positive probes values" in capsys.readouterr().err
