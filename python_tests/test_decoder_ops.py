@@ -259,6 +259,16 @@ def test_decode_attention_reads_exactly_the_visible_keys(dtype, device):
             assert torch.equal(same, ~sees), f"{name} at {pos}: rows unchanged {same.tolist()}, see it {sees.tolist()}"
 
 
+@device_params
+@pytest.mark.parametrize("length", [2**63 - 1, 2**62, 2**31])
+def test_decode_attention_far_past_the_cache_sees_it_all(length, device):
+    # Token i's last visible key is min(length + i, max_len - 1); length + i must not overflow.
+    args = on(attention_args(5, 4, 2, 16, 24, 24, torch.float32), device)
+    whole = ops.decode_attention(**args)
+    far = ops.decode_attention(**dict(args, length=torch.tensor(length, device=device)))
+    assert not far.isnan().any() and torch.equal(far, whole)
+
+
 # ---- bad inputs: the exception type and a message naming the argument --------------------------
 
 M_, K_, N_, H_, KV_, HD_, MAX_LEN_ = 3, 8, 5, 4, 2, 8, 12

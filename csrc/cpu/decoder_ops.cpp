@@ -86,7 +86,8 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   auto kf = k_cache.to(at::kFloat), vf = v_cache.to(at::kFloat);
   auto out = at::full({tokens, kv, heads / kv, hd}, kNaN, at::kFloat);  // NaN: rows with no visible key
   for (int64_t i = 0; i < tokens; ++i) {
-    const int64_t visible = std::min(first + i, max_len - 1) + 1;
+    // length is clamped first, so a length near 2^63 sees the whole cache instead of overflowing.
+    const int64_t visible = std::min(std::min(first, max_len) + i, max_len - 1) + 1;
     if (visible <= 0) continue;
     auto scores = at::matmul(qf[i], kf.narrow(1, 0, visible).transpose(1, 2)) * scale;  // [kv, group, visible]
     out[i].copy_(at::matmul(at::softmax(scores, -1), vf.narrow(1, 0, visible)));

@@ -356,8 +356,9 @@ struct AttentionParams {
   int q_stride;  // head_dim rounded up to whole key pieces
 };
 
+// length is clamped first, so a length near 2^63 sees the whole cache instead of overflowing.
 __device__ __forceinline__ int64_t last_visible_key(int64_t length, int token, int max_len) {
-  return min(length + token, int64_t{max_len} - 1);
+  return min(min(length, int64_t{max_len}) + token, int64_t{max_len} - 1);
 }
 
 // 16-byte global -> shared copy that does not wait for its data (cp.async), or a plain copy of
