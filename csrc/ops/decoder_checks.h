@@ -24,6 +24,13 @@ inline void check_shape(const char* op, const at::Tensor& t, const char* name, a
                  shape_str(t.sizes()));
 }
 
+// The same, for a shape worked out from other arguments: `layout` says from which.
+inline void check_shape(const char* op, const at::Tensor& t, const char* name, const char* layout,
+                        at::IntArrayRef expected) {
+  FH_CHECK_VALUE(op, t.sizes() == expected, name, " must have shape ", layout, " = ", shape_str(expected),
+                 ", got shape ", shape_str(t.sizes()));
+}
+
 // The cache length: one int64 on the device of the cache (read by the kernels, never by the host).
 inline void check_length(const char* op, const at::Tensor& length, const at::Tensor& ref, const char* ref_name) {
   FH_CHECK_TYPE(op, length.scalar_type() == at::kLong, "length must be an int64 tensor, got ",
@@ -89,9 +96,7 @@ inline void check_fused_linear(const char* op, const at::Tensor& x, const at::Te
   }
   if (residual.has_value()) {
     check_like(op, *residual, "residual", x, "x");
-    FH_CHECK_VALUE(op, residual->sizes() == at::IntArrayRef({x.size(0), weight.size(0)}),
-                   "residual must have shape [x.size(0), weight.size(0)] = ", shape_str({x.size(0), weight.size(0)}),
-                   ", got shape ", shape_str(residual->sizes()));
+    check_shape(op, *residual, "residual", "[x.size(0), weight.size(0)]", {x.size(0), weight.size(0)});
   }
 }
 
@@ -146,8 +151,7 @@ inline void check_stacked(const char* op, const at::Tensor& t, const char* name,
                           at::IntArrayRef expected, const at::Tensor& x) {
   check_rank(op, t, name, static_cast<int64_t>(expected.size()), layout);
   check_like(op, t, name, x, "x");
-  FH_CHECK_VALUE(op, t.sizes() == expected, name, " must have shape ", layout, " = ", shape_str(expected),
-                 ", got shape ", shape_str(t.sizes()));
+  check_shape(op, t, name, layout, expected);
 }
 
 // One token through every layer of a decoder, weights stacked per kind along a leading layer
