@@ -324,12 +324,27 @@ def test_empty_tables(op, name, fragment, device):
     # ... nor share memory with an input: one row's token is written while others still read it.
     ("out", lambda a: a["hidden"].view(torch.int64).flatten()[:SHAPE.B], ValueError,
      "out must not share memory with hidden"),
-], ids=["candidate-batch", "out-batch", "out-dtype", "out-overlap", "out-aliases-hidden"])
+    # ... also through a second storage object over the same memory, which storage identity misses,
+    ("out", lambda a: torch.utils.dlpack.from_dlpack(a["embedding"]).view(torch.int64).flatten()[-SHAPE.B:],
+     ValueError, "out must not share memory with embedding"),
+], ids=["candidate-batch", "out-batch", "out-dtype", "out-overlap", "out-aliases-hidden", "out-another-storage"])
 def test_batch_and_out_mismatch(name, value, error, fragment, device):
     args = valid_args(device)
     args[name] = value(args)
     op = "candidate_logits" if name == "candidate_ids" else "decode_greedy_out"
     expect(error, fragment, op, args)
+
+
+@device_params
+def test_out_back_to_back_with_an_input_is_apart(device):
+    # Byte ranges that touch without overlapping share nothing: out right after hidden in one buffer.
+    args = valid_args(device)
+    hidden = args["hidden"]
+    buffer = torch.empty(hidden.nbytes + SHAPE.B * 8, dtype=torch.uint8, device=device)
+    args["hidden"] = buffer[:hidden.nbytes].view(hidden.dtype).view(hidden.shape).copy_(hidden)
+    args["out"] = buffer[hidden.nbytes:].view(torch.int64)
+    expected = CALLS["decode_greedy"](args)
+    assert torch.equal(CALLS["decode_greedy_out"](args), expected)
 
 
 @device_params

@@ -180,6 +180,23 @@ inline void check_token_out(const char* op, const at::Tensor& out, const at::Ten
   check_no_internal_overlap(op, out, "out");
 }
 
+// The bytes a tensor's elements span, from its lowest to one past its highest ({p, p} when empty).
+// Comparing spans catches two storage objects over one buffer, which storage identity misses; a
+// strided tensor interleaved with another without sharing an element counts as overlapping.
+inline std::pair<const char*, const char*> byte_span(const at::Tensor& t) {
+  const auto* first = static_cast<const char*>(t.const_data_ptr());
+  if (t.numel() == 0) return {first, first};
+  int64_t last_offset = 0;  // torch strides are never negative
+  for (int64_t d = 0; d < t.dim(); ++d) last_offset += (t.size(d) - 1) * t.stride(d);
+  return {first, first + (last_offset + 1) * static_cast<int64_t>(t.element_size())};
+}
+
+inline bool share_bytes(const at::Tensor& a, const at::Tensor& b) {
+  const auto [a_begin, a_end] = byte_span(a);
+  const auto [b_begin, b_end] = byte_span(b);
+  return a_begin < b_end && b_begin < a_end;
+}
+
 // decode_greedy_out's checks. out must also be apart from the inputs: on CUDA one row's token is
 // written while other rows' blocks may still read them.
 inline void check_decode_out(const char* op, const at::Tensor& out, const at::Tensor& hidden,
@@ -191,9 +208,8 @@ inline void check_decode_out(const char* op, const at::Tensor& out, const at::Te
       {&embedding, "embedding"}, {extra_ids.has_value() ? &*extra_ids : nullptr, "extra_ids"}};
   for (const auto& [input, name] : inputs) {
     if (input == nullptr) continue;
-    const at::MemOverlapStatus overlap = at::get_overlap_status(out, *input);
-    FH_CHECK_VALUE(op, overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
-                   "out must not share memory with ", name, " (the kernels read it while out is written)");
+    FH_CHECK_VALUE(op, !share_bytes(out, *input), "out must not share memory with ", name,
+                   " (the kernels read it while out is written)");
   }
 }
 

@@ -53,13 +53,11 @@ inline void check_kv_cache(const char* op, const at::Tensor& k_cache, const at::
 }
 
 // Caches the op writes in place: contiguous, and apart (one cache for both would hold the values
-// over the keys). Their byte ranges are compared, which also catches two storages over one buffer.
+// over the keys).
 inline void check_written_kv_cache(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   FH_CHECK_VALUE(op, k_cache.is_contiguous() && v_cache.is_contiguous(),
                  "k_cache and v_cache must be contiguous (they are written in place)");
-  const auto* k = static_cast<const char*>(k_cache.const_data_ptr());
-  const auto* v = static_cast<const char*>(v_cache.const_data_ptr());
-  FH_CHECK_VALUE(op, k + k_cache.nbytes() <= v || v + v_cache.nbytes() <= k,
+  FH_CHECK_VALUE(op, !share_bytes(k_cache, v_cache),
                  "k_cache and v_cache must not share memory (the values would overwrite the keys)");
 }
 
