@@ -88,23 +88,20 @@ cudaError_t launch_select(const float* keys, const HeadShape& shape, SelectOrder
   detail::WorkspaceCarver carver(workspace);
   const int len = detail::list_length(shape.probes, order);
   uint64_t* spill = detail::carve_select(carver, shape, order);
-  // Shared memory: the list unless spilled, and as many survivor slots as the device allows
-  // (at least the sort's scratch of 2 * kSelectThreads pairs).
-  int device = 0, optin = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err != cudaSuccess) return err;
+  // Shared memory: the list unless spilled, and as many survivor slots as the kernel's room
+  // allows (at least the sort's scratch of 2 * kSelectThreads pairs).
   const size_t list_bytes = spill ? 0 : sizeof(uint64_t) * len;
-  const size_t room = (optin - sizeof(detail::SelectShared) - list_bytes) / sizeof(uint64_t);
-  const uint32_t capacity = static_cast<uint32_t>(std::min<size_t>(room, detail::kMaxSurvivors));
-  if (capacity < 2 * detail::kSelectThreads) return cudaErrorInvalidConfiguration;
-  const size_t smem = list_bytes + sizeof(uint64_t) * capacity;
-  const detail::SelectArgs args{keys, shape.num_clusters, shape.probes, order, len, spill, capacity, out,
-                                shape.num_extra};
   const int rounds = detail::ceil_div(shape.num_clusters, detail::kSelectThreads);
   const auto launch = [&](auto kernel) {
-    const cudaError_t set = detail::allow_dynamic_smem(kernel, smem);
-    if (set != cudaSuccess) return set;
+    detail::KernelSmem room;
+    if (cudaError_t err = detail::kernel_smem(kernel, &room); err != cudaSuccess) return err;
+    const size_t slots = room.max_dynamic > list_bytes ? (room.max_dynamic - list_bytes) / sizeof(uint64_t) : 0;
+    const uint32_t capacity = static_cast<uint32_t>(std::min<size_t>(slots, detail::kMaxSurvivors));
+    if (capacity < 2 * detail::kSelectThreads) return cudaErrorInvalidConfiguration;
+    const size_t smem = list_bytes + sizeof(uint64_t) * capacity;
+    if (cudaError_t err = detail::allow_dynamic_smem(kernel, smem); err != cudaSuccess) return err;
+    const detail::SelectArgs args{keys, shape.num_clusters, shape.probes, order, len, spill, capacity, out,
+                                  shape.num_extra};
     return detail::launch_kernel(kernel, dim3(shape.batch), dim3(detail::kSelectThreads), smem, stream,
                                  options.dependent_launch, args);
   };
