@@ -4,7 +4,7 @@ Both take final hidden states ``[..., D]`` and offer the same three calls:
 
 * ``next_token(hidden)`` -> int64 token ids ``[...]`` (greedy),
 * ``sample(hidden, temperature, generator)`` -> ``(tokens, token_logprobs)``,
-* ``candidate_logits(hidden)`` -> ``(candidate_ids int32 [B, N], logits float32 [B, N])``.
+* ``candidate_logits(hidden)`` -> ``(candidate_ids int32 [..., N], logits float32 [..., N])``.
 
 DenseHead is the baseline every benchmark compares against: one matmul over the whole
 vocabulary, then argmax or a Gumbel-max draw, in plain torch.
@@ -49,6 +49,18 @@ def special_token_list(special_token_ids, vocab: int) -> list:
     return ids.tolist()
 
 
+def _own_copy(tensor: Tensor, device, dtype) -> Tensor:
+    """A contiguous copy on ``device`` in ``dtype``, never the caller's tensor: a head's buffers
+    are its own, so loading a state into one head changes no clustering or other head."""
+    return tensor.detach().to(device, dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def _check_finite(name: str, centroids: Tensor) -> None:
+    # A sync, once per build or load: a NaN centroid would silently rank its cluster last at every step.
+    if not torch.isfinite(centroids).all():
+        raise ValueError(f"{name} must be finite; it holds NaN or inf (in the embedding's dtype {centroids.dtype})")
+
+
 class _HeadBase(nn.Module):
     embedding: Tensor
 
@@ -72,6 +84,11 @@ class _HeadBase(nn.Module):
             raise ValueError(f"hidden must be on the head's device {self.embedding.device}, got {hidden.device}")
         return hidden.reshape(-1, self.hidden_dim)
 
+    @staticmethod
+    def _unflatten(per_row: Tensor, hidden: Tensor) -> Tensor:
+        """``[B, N]`` per flattened row back to hidden's leading dimensions: ``[..., N]``."""
+        return per_row.reshape(*hidden.shape[:-1], per_row.shape[-1])
+
     def forward(self, hidden: Tensor) -> Tensor:
         return self.next_token(hidden)
 
@@ -79,8 +96,11 @@ class _HeadBase(nn.Module):
 class DenseHead(_HeadBase):
     """The full-vocabulary head: ``logits = hidden @ embedding.T`` in the model dtype, as HF's lm_head.
 
-    Its argmax is ``torch.argmax``'s, as in HF's greedy decoding: a NaN logit wins. FlashHead ranks
-    NaN below every number (docs/kernels.md), so the two differ only on rows holding a NaN.
+    Its argmax is ``torch.argmax``'s over logits rounded to the model dtype, as in HF's greedy
+    decoding: a NaN logit wins, and of two logits that round to one bfloat16 or float16 value the
+    smaller id wins. FlashHead ranks by float32 logits and NaN below every number (docs/kernels.md),
+    so with every cluster probed the two differ on rows holding a NaN and, in half precision, where
+    the top two logits tie after rounding (about 1.5% of random bfloat16 rows at V = 4096).
     """
 
     def __init__(self, embedding: Tensor):
@@ -108,7 +128,7 @@ class DenseHead(_HeadBase):
         rows = self._rows(hidden)
         logits = (rows @ self.embedding.t()).float()
         ids = torch.arange(self.vocab_size, device=rows.device, dtype=torch.int32).expand(rows.shape[0], -1)
-        return ids, logits
+        return self._unflatten(ids, hidden), self._unflatten(logits, hidden)
 
 
 class FlashHead(_HeadBase):
@@ -116,14 +136,19 @@ class FlashHead(_HeadBase):
 
     Args:
         embedding: the output embedding ``[V, D]`` (kept by reference, not copied).
-        centroids: ``[C, D]`` cluster centroids used to rank clusters for greedy decoding (cast to
-            the embedding's dtype and device).
+        centroids: ``[C, D]`` cluster centroids used to rank clusters for greedy decoding (copied,
+            in the embedding's dtype and on its device).
         cluster_tokens: ``[C, b]`` token ids of each cluster; -1 pads clusters when V is not a
-            multiple of b. Checked once here (ids in range, disjoint, no empty cluster).
+            multiple of b. Copied, and checked once here (ids in range, disjoint, no empty cluster).
         probes: clusters kept per step, 1..C.
         special_token_ids: tokens scored at every step whatever the clusters (e.g. EOS).
         sampling_centroids: centroids for sampling mode, if they differ from ``centroids`` (the
             published FlashHead ranks greedy with L2-normalised and samples with raw centroids).
+
+    The buffers are the head's own, so ``load_state_dict`` changes no other object, and it runs
+    the constructor's checks on what it loads. The state dict holds ``centroids``,
+    ``sampling_centroids``, ``cluster_tokens`` and ``extra_ids`` (the special tokens, ``[0]`` when
+    there are none): a head takes another's special tokens with its state, whatever their number.
     """
 
     def __init__(
@@ -148,7 +173,7 @@ class FlashHead(_HeadBase):
         ops.validate_cluster_table(cluster_tokens, vocab)
         if cluster_tokens.shape[0] != self.centroids.shape[0]:
             raise ValueError(f"cluster_tokens must have one row per centroid ({self.centroids.shape[0]}), got shape {tuple(cluster_tokens.shape)}")
-        self.register_buffer("cluster_tokens", cluster_tokens.detach().to(embedding.device, torch.int32).contiguous())
+        self.register_buffer("cluster_tokens", _own_copy(cluster_tokens, embedding.device, torch.int32))
         self.register_buffer("extra_ids", self._as_extra_ids(special_token_ids, vocab, embedding.device))
         self.probes = probes
 
@@ -160,17 +185,35 @@ class FlashHead(_HeadBase):
             raise ValueError(f"{name} must have shape [num_clusters, {embedding.shape[1]}], got {tuple(centroids.shape)}")
         if not centroids.is_floating_point():
             raise TypeError(f"{name} must be a float tensor, got {centroids.dtype}")
-        centroids = centroids.detach().to(embedding.device, embedding.dtype).contiguous()
-        # Checked once here (a sync, like the table's): a NaN centroid would silently rank its
-        # cluster last at every step.
-        if not torch.isfinite(centroids).all():
-            raise ValueError(f"{name} must be finite; it holds NaN or inf (in the embedding's dtype {embedding.dtype})")
+        centroids = _own_copy(centroids, embedding.device, embedding.dtype)
+        _check_finite(name, centroids)
         return centroids
 
     @staticmethod
-    def _as_extra_ids(special_token_ids, vocab: int, device) -> Optional[Tensor]:
+    def _as_extra_ids(special_token_ids, vocab: int, device) -> Tensor:
         ids = special_token_list(special_token_ids, vocab)
-        return torch.unique(torch.tensor(ids)).to(device, torch.int32) if ids else None
+        return torch.unique(torch.tensor(ids, dtype=torch.int64)).to(device, torch.int32)
+
+    @property
+    def _extra_ids(self) -> Optional[Tensor]:
+        """The special tokens as the ops take them: None when there are none."""
+        return self.extra_ids if self.extra_ids.numel() else None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # What is loaded passes the constructor's checks before anything is copied in.
+        def incoming(name):
+            return state_dict.get(prefix + name)
+
+        for name in ("centroids", "sampling_centroids"):
+            if isinstance(incoming(name), Tensor):
+                _check_finite(f"{prefix}{name} in the state dict", incoming(name).to(self.centroids.dtype))
+        if isinstance(incoming("cluster_tokens"), Tensor):
+            ops.validate_cluster_table(incoming("cluster_tokens"), self.vocab_size)
+        if isinstance(incoming("extra_ids"), Tensor):
+            # The count of special tokens is a setting, not a fixed shape: take the state's.
+            special_token_list(incoming("extra_ids"), self.vocab_size)
+            self.extra_ids = torch.empty_like(self.extra_ids).resize_(incoming("extra_ids").shape)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
     def num_clusters(self) -> int:
@@ -191,28 +234,30 @@ class FlashHead(_HeadBase):
     @property
     def num_candidates(self) -> int:
         """Tokens scored per row: probes * cluster_size, plus the special tokens."""
-        return self.probes * self.cluster_size + (0 if self.extra_ids is None else self.extra_ids.numel())
+        return self.probes * self.cluster_size + self.extra_ids.numel()
 
     def next_token(self, hidden: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
         rows = self._rows(hidden)
-        tokens = ops.decode_greedy(rows, self.centroids, self.cluster_tokens, self.embedding, self.probes, self.extra_ids, out=out)
+        tokens = ops.decode_greedy(rows, self.centroids, self.cluster_tokens, self.embedding, self.probes, self._extra_ids,
+                                   out=out)
         return tokens if out is not None else tokens.reshape(hidden.shape[:-1])
 
     def sample(self, hidden: Tensor, temperature: float = 1.0, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
         rows = self._rows(hidden)
         tokens, logprobs = ops.decode_sample(
             rows, self.sampling_centroids, self.cluster_tokens, self.embedding, self.probes, temperature,
-            self.extra_ids, generator=generator,
+            self._extra_ids, generator=generator,
         )
         return tokens.reshape(hidden.shape[:-1]), logprobs.reshape(hidden.shape[:-1])
 
     def candidate_logits(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         rows = self._rows(hidden)
         cluster_ids, _ = ops.select_clusters(rows, self.centroids, self.probes)
-        candidates = ops.gather_candidates(cluster_ids, self.cluster_tokens, self.extra_ids)
-        return candidates, ops.candidate_logits(rows, self.embedding, candidates)
+        candidates = ops.gather_candidates(cluster_ids, self.cluster_tokens, self._extra_ids)
+        logits = ops.candidate_logits(rows, self.embedding, candidates)
+        return self._unflatten(candidates, hidden), self._unflatten(logits, hidden)
 
     def extra_repr(self) -> str:
         return (f"vocab_size={self.vocab_size}, hidden_dim={self.hidden_dim}, num_clusters={self.num_clusters}, "
                 f"cluster_size={self.cluster_size}, probes={self.probes}, "
-                f"special_tokens={0 if self.extra_ids is None else self.extra_ids.numel()}")
+                f"special_tokens={self.extra_ids.numel()}")

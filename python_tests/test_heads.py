@@ -1,4 +1,6 @@
 """FlashHead and DenseHead: agreement with each other and with the ops, shapes, out=, sampling."""
+import re
+
 import pytest
 import torch
 
@@ -91,7 +93,10 @@ def test_leading_batch_dims_preserved(device):
         flat = head.sample(problem.hidden[:6], 0.9, g())
         assert torch.equal(drawn.reshape(6), flat[0]) and torch.equal(logprobs.reshape(6), flat[1])
         ids, logits = head.candidate_logits(hidden)
-        assert ids.shape[0] == logits.shape[0] == 6
+        flat_ids, flat_logits = head.candidate_logits(problem.hidden[:6])
+        assert ids.shape == logits.shape == (2, 3, flat_ids.shape[1])
+        assert torch.equal(ids.reshape(flat_ids.shape), flat_ids)
+        assert torch.equal(logits.reshape(flat_logits.shape), flat_logits)
 
 
 @device_params
@@ -170,3 +175,53 @@ def test_head_buffers():
     assert head.extra_ids.tolist() == sorted(set(problem.extra_ids.tolist()))
     assert (head.vocab_size, head.hidden_dim, head.num_clusters, head.cluster_size) == (SHAPE.V, SHAPE.D, SHAPE.C, SHAPE.b)
     assert "probes=3" in repr(head)
+
+
+def test_buffers_are_the_heads_own():
+    # Loading a state into one head must change neither the tensors it was built from nor another
+    # head built from them, and its greedy and sampling centroids stay two tensors.
+    problem = make_problem(SHAPE, seed=3)
+    centroids, table = problem.centroids.clone(), problem.cluster_tokens.clone()
+    head, twin = (FlashHead(problem.embedding, centroids, table, problem.probes) for _ in range(2))
+    other = flash_head(make_problem(SHAPE, seed=4).with_(embedding=problem.embedding))
+    expected = twin.next_token(problem.hidden)
+    head.load_state_dict(other.state_dict())
+    assert torch.equal(centroids, problem.centroids) and torch.equal(table, problem.cluster_tokens)
+    assert torch.equal(twin.next_token(problem.hidden), expected)
+    assert head.centroids.data_ptr() != head.sampling_centroids.data_ptr()
+
+
+def test_state_dict_round_trip_keeps_distinct_sampling_centroids_and_special_tokens():
+    problem = make_problem(SHAPE, seed=5)
+    source = flash_head(problem, sampling_centroids=problem.centroids.flip(0))
+    plain = FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, problem.probes)
+    assert plain.extra_ids.numel() == 0 and source.extra_ids.numel() > 0
+    plain.load_state_dict(source.state_dict())
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(plain.state_dict()[name], tensor), name
+    assert torch.equal(plain.next_token(problem.hidden), source.next_token(problem.hidden))
+    assert plain.num_candidates == source.num_candidates
+    # ... and back: a state without special tokens leaves none.
+    without = FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, problem.probes)
+    source.load_state_dict(without.state_dict())
+    assert source.extra_ids.numel() == 0
+    assert torch.equal(source.next_token(problem.hidden), without.next_token(problem.hidden))
+
+
+@pytest.mark.parametrize("name,corrupt,fragment", [
+    ("cluster_tokens", lambda t, V: t.fill_(0), "more than once"),
+    ("cluster_tokens", lambda t, V: t.index_fill_(1, torch.tensor([0]), V), "ids must be in [0,"),
+    ("centroids", lambda t, V: t.index_fill_(0, torch.tensor([2]), float("nan")), "must be finite"),
+    ("sampling_centroids", lambda t, V: t.index_fill_(1, torch.tensor([1]), float("inf")), "must be finite"),
+    ("extra_ids", lambda t, V: t.fill_(V), "special_token_ids must be in [0,"),
+])
+def test_load_state_dict_checks_what_it_loads(name, corrupt, fragment):
+    problem = make_problem(SHAPE, seed=6)
+    head = flash_head(problem)
+    before = {key: tensor.clone() for key, tensor in head.state_dict().items()}
+    state = {key: tensor.clone() for key, tensor in head.state_dict().items()}
+    corrupt(state[name], SHAPE.V)
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        head.load_state_dict(state)
+    for key, tensor in head.state_dict().items():  # refused before anything was copied in
+        assert torch.equal(tensor, before[key]), key

@@ -77,7 +77,7 @@ def test_attach_routes_next_token_choice_through_flashhead():
     logits = model(ids).logits
     assert logits.shape == (2, 5, 67) and logits.dtype == torch.float32
     head = assets.head(output_embedding(model), probes=2)
-    candidates, exact = head.candidate_logits(hidden)
+    candidates, exact = head.candidate_logits(hidden.reshape(10, -1))
     finite = torch.isfinite(logits.reshape(10, 67))
     for row in range(10):
         real = candidates[row][candidates[row] >= 0].long()
