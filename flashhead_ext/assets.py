@@ -116,7 +116,7 @@ class FlashHeadAssets:
             "flash_head_cache_dir": self.cache_dir,
             "n_clusters": self.num_clusters,
             "n_probes": self.n_probes,
-            "flash_head_special_token_ids": list(self.special_token_ids),
+            "flash_head_special_token_ids": [int(t) for t in self.special_token_ids],
             "enforce_equal_cluster_sizes": self.enforce_equal_cluster_sizes,
             "flash_head_greedy_scoring": self.greedy_scoring,
         }
@@ -148,14 +148,26 @@ def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering],
         assets = FlashHeadAssets.from_clustering(assets, **settings)
     elif settings:
         raise TypeError(f"settings {sorted(settings)} apply only when saving a Clustering")
+    config = json.dumps(assets.config(), indent=2) + "\n"  # first: a config that cannot be written leaves no files
     directory = Path(directory)
     (directory / assets.cache_dir).mkdir(parents=True, exist_ok=True)
-    save_file(
+    tensors = directory / assets.cache_dir / TENSORS_NAME
+    _write_replacing(tensors, lambda partial: save_file(
         {"centroids": assets.raw_centroids.T.contiguous(), "cluster_assignments": assets.cluster_assignments.contiguous()},
-        str(directory / assets.cache_dir / TENSORS_NAME),
-    )
-    (directory / CONFIG_NAME).write_text(json.dumps(assets.config(), indent=2) + "\n")
+        str(partial)))
+    _write_replacing(directory / CONFIG_NAME, lambda partial: partial.write_text(config))
     return directory
+
+
+def _write_replacing(path: Path, write) -> None:
+    """``write(partial)``, then the partial file replaces ``path`` at once: a failed or killed
+    write leaves the old file, never a truncated one."""
+    partial = path.with_name(path.name + ".partial")
+    try:
+        write(partial)
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _read_config(directory: Path) -> dict:

@@ -51,6 +51,21 @@ def test_save_then_load_round_trip(tmp_path, embedding, clustering):
     assert torch.equal(head.sampling_centroids, clustering.raw_centroids)
 
 
+def test_save_writes_nothing_when_the_config_cannot_be_written(tmp_path, clustering):
+    assets = FlashHeadAssets.from_clustering(clustering, n_probes=3)
+    save_assets(tmp_path, assets)
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    other = FlashHeadAssets.from_clustering(build_clusters(torch.randn(VOCAB, DIM), SIZE, iters=1, progress=False),
+                                            special_token_ids=[1])
+    other.special_token_ids = ["eos"]  # set by hand: not an id
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        save_assets(tmp_path, other)
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
+    other.special_token_ids = torch.tensor([4, 1])  # ids as a tensor are written as ints
+    save_assets(tmp_path, other)
+    assert load_assets(tmp_path).special_token_ids == [4, 1]
+
+
 def test_padded_clustering_round_trip(tmp_path):
     emb = torch.randn(99, 5, generator=torch.Generator().manual_seed(4))
     clustering = build_clusters(emb, 8, iters=2, progress=False)
