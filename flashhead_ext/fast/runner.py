@@ -113,8 +113,9 @@ class FastSpeculativeDecoder:
     """Greedy speculative decoding of ``target`` with ``draft`` proposing ``k`` tokens a round.
 
     Args:
-        target, draft: :class:`Decoder` models with the same vocabulary (``draft`` None: baseline
-            only). They may sit on different devices: ``draft_device`` placement.
+        target, draft: two :class:`Decoder` objects with the same vocabulary (``draft`` None: baseline
+            only); each holds its own cache, so a draft with the target's weights is a second Decoder
+            built from them. They may sit on different devices: ``draft_device`` placement.
         draft_head: ``"dense"`` (the draft's own output embedding) or a DenseHead / FlashHead on the
             draft's device.
         k: proposals per round.
@@ -158,6 +159,11 @@ class FastSpeculativeDecoder:
         self._build()
 
     def _check_draft(self, draft: Decoder, head) -> _HeadBase:
+        if draft is self.target:
+            # The KV cache and its length live in the Decoder: the draft's steps would overwrite the target's.
+            raise ValueError("draft must be another Decoder than target (each Decoder holds one KV cache and length); "
+                             "to draft with the target's own weights, build a second Decoder from the same weights, "
+                             "e.g. Decoder.from_hf(model, max_len=...)")
         vocab = self.target.config.vocab_size
         if draft.config.vocab_size != vocab:
             raise ValueError(f"draft must share the target's tokenizer: its vocabulary has {draft.config.vocab_size} rows, the target's {vocab}")
