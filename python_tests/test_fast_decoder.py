@@ -124,6 +124,9 @@ def test_early_exit_layers_and_state_dict_loading():
     body = {k[len("model."):]: v for k, v in model.state_dict().items() if k.startswith("model.")}
     loaded = Decoder.from_state_dict(model.config, {**body, "lm_head.weight": model.lm_head.weight}, max_len=16, dtype=torch.float32)
     assert loaded.dtype == torch.float32 and torch.equal(loaded.lm_head, model.lm_head.weight.float())
+    # The config says untied: without the head's key, tying it to the input embedding would give wrong logits.
+    with pytest.raises(ValueError, match="state_dict has no 'lm_head.weight'.*tie_word_embeddings=False"):
+        Decoder.from_state_dict(model.config, body, max_len=16)
 
 
 def test_decoder_bad_arguments_name_the_argument():

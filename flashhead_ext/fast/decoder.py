@@ -216,7 +216,8 @@ class Decoder:
     @classmethod
     def from_state_dict(cls, hf_config, state_dict: Mapping[str, Tensor], *, max_len: int,
                         num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None, device=None) -> "Decoder":
-        """From a transformers config and state dict (keys as ``LlamaForCausalLM.state_dict()``)."""
+        """From a transformers config and state dict (keys as ``LlamaForCausalLM.state_dict()``, or the
+        body's without the ``model.`` prefix plus ``lm_head.weight``; a tied config needs no head)."""
         c = DecoderConfig.from_hf(hf_config, num_layers)
         prefix = "model." if "model.embed_tokens.weight" in state_dict else ""
         embed_key = f"{prefix}embed_tokens.weight"
@@ -244,8 +245,10 @@ class Decoder:
                     layers[name] = torch.empty((c.num_layers, *w.shape), dtype=dtype, device=device)
                 layers[name][i].copy_(w)
         embed = get(embed_key).contiguous()
-        tied = c.tie_word_embeddings or "lm_head.weight" not in state_dict
-        lm_head = embed if tied else get("lm_head.weight").contiguous()
+        if not c.tie_word_embeddings and "lm_head.weight" not in state_dict:
+            raise ValueError("state_dict has no 'lm_head.weight', and the config says the head is untied "
+                             "(tie_word_embeddings=False); pass the causal LM's full state dict, not its body's")
+        lm_head = embed if c.tie_word_embeddings else get("lm_head.weight").contiguous()
         return cls(c, dict(embed=embed, lm_head=lm_head, final_norm=get(f"{prefix}norm.weight"), layers=layers), max_len=max_len)
 
     @classmethod
