@@ -6,6 +6,7 @@ CUDA graphs and check them against eager runs and for host syncs.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -43,7 +44,9 @@ def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64):
             num_attention_heads=5, num_key_value_heads=5, head_dim=8 if aligned else 6, max_position_embeddings=256,
             tie_word_embeddings=True, initializer_range=0.3)
     torch.manual_seed(seed)
-    return cls(config).to(dtype).eval()
+    model = cls(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None  # the references are fixed-length greedy runs (Llama's config says 2)
+    return model
 
 
 def prompt(seed: int, length: int = 7) -> torch.Tensor:
@@ -208,6 +211,25 @@ def test_eos_inside_a_block_budget_and_tail_step(mode, body):
                                  eos_token_id=ref[j]).generate(prompt(3), mode=mode, max_new_tokens=NEW)
     assert gen.tokens == list(ref[:j + 1])
     check_counters(gen, mode, k, NEW)
+
+
+def test_eos_defaults_to_the_models_generation_config():
+    """As SpeculativeDecoder and transformers' generate: with no eos_token_id, the target's own EOS
+    (kept by Decoder.from_hf from the model's generation config) ends a generation."""
+    ref = reference("qwen3", 3)
+    j = next(j for j in range(2, NEW) if ref[j] not in ref[:j])
+    model = copy.deepcopy(hf_model("qwen3"))
+    model.generation_config.eos_token_id = [ref[j], next(t for t in range(VOCAB) if t not in ref)]
+    target, draft = Decoder.from_hf(model, max_len=48), Decoder.from_hf(model, max_len=48, num_layers=1)
+    assert target.eos_token_id == model.generation_config.eos_token_id
+    for mode in MODES:
+        gen = FastSpeculativeDecoder(target, draft, head_for(draft, "dense"), k=3).generate(prompt(3), mode=mode, max_new_tokens=NEW)
+        assert gen.tokens == list(ref[:j + 1]), mode
+    # An explicit [] never stops early.
+    assert tuple(FastSpeculativeDecoder(target, eos_token_id=[]).generate(prompt(3), mode="baseline", max_new_tokens=NEW).tokens) == ref
+    # Without a generation config (a state dict and its config): the config's EOS, transformers' own fallback.
+    model.config.eos_token_id = ref[j]
+    assert Decoder.from_state_dict(model.config, model.state_dict(), max_len=8).eos_token_id == ref[j]
 
 
 def test_synthetic_acceptance_rate_and_determinism():

@@ -179,6 +179,9 @@ class Decoder:
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
         self.config = config
+        # The model's EOS id(s) as transformers gives them (None, an int or ints): FastSpeculativeDecoder's
+        # default, as SpeculativeDecoder's is the model's generation_config.eos_token_id.
+        self.eos_token_id = None
         self.embed = weights["embed"]
         self.lm_head = weights["lm_head"]
         self.final_norm = weights["final_norm"]
@@ -207,17 +210,23 @@ class Decoder:
     def from_hf(cls, model, *, max_len: int, num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None,
                 device=None) -> "Decoder":
         """From a transformers Llama / Qwen3 causal LM (its first ``num_layers`` layers when given:
-        an early-exit draft). Weights are copied into the fused layout."""
+        an early-exit draft). Weights are copied into the fused layout; ``eos_token_id`` is the
+        model's ``generation_config.eos_token_id``."""
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "state_dict"):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
-        return cls.from_state_dict(config, model.state_dict(), max_len=max_len, num_layers=num_layers, dtype=dtype, device=device)
+        decoder = cls.from_state_dict(config, model.state_dict(), max_len=max_len, num_layers=num_layers, dtype=dtype, device=device)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None:  # what generate() stops at, which may differ from the config's
+            decoder.eos_token_id = generation.eos_token_id
+        return decoder
 
     @classmethod
     def from_state_dict(cls, hf_config, state_dict: Mapping[str, Tensor], *, max_len: int,
                         num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None, device=None) -> "Decoder":
         """From a transformers config and state dict (keys as ``LlamaForCausalLM.state_dict()``, or the
-        body's without the ``model.`` prefix plus ``lm_head.weight``; a tied config needs no head)."""
+        body's without the ``model.`` prefix plus ``lm_head.weight``; a tied config needs no head).
+        ``eos_token_id`` is the config's."""
         c = DecoderConfig.from_hf(hf_config, num_layers)
         prefix = "model." if "model.embed_tokens.weight" in state_dict else ""
         embed_key = f"{prefix}embed_tokens.weight"
@@ -249,7 +258,9 @@ class Decoder:
             raise ValueError("state_dict has no 'lm_head.weight', and the config says the head is untied "
                              "(tie_word_embeddings=False); pass the causal LM's full state dict, not its body's")
         lm_head = embed if c.tie_word_embeddings else get("lm_head.weight").contiguous()
-        return cls(c, dict(embed=embed, lm_head=lm_head, final_norm=get(f"{prefix}norm.weight"), layers=layers), max_len=max_len)
+        decoder = cls(c, dict(embed=embed, lm_head=lm_head, final_norm=get(f"{prefix}norm.weight"), layers=layers), max_len=max_len)
+        decoder.eos_token_id = getattr(hf_config, "eos_token_id", None)  # transformers' fallback without a generation config
+        return decoder
 
     @classmethod
     def random(cls, config: DecoderConfig, *, max_len: int, dtype: torch.dtype = torch.bfloat16, device="cuda",

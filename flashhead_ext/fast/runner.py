@@ -119,7 +119,9 @@ class FastSpeculativeDecoder:
         draft_head: ``"dense"`` (the draft's own output embedding) or a DenseHead / FlashHead on the
             draft's device.
         k: proposals per round.
-        eos_token_id: int or ints that end a generation; None or ``[]``: none.
+        eos_token_id: int or ints that end a generation (emitted, then stop). None: the target's
+            ``eos_token_id`` (``Decoder.from_hf``: the model's ``generation_config.eos_token_id``, as
+            :class:`SpeculativeDecoder`); an empty list: never stop early.
         synthetic_acceptance: None for the exact greedy verifier; a probability R in [0, 1] makes the
             verifier accept each proposal independently with probability R (seeded by ``seed``), for
             timing at real shapes with random weights; a generation's draws depend on ``seed`` and
@@ -140,7 +142,7 @@ class FastSpeculativeDecoder:
         if draft is not None and not isinstance(draft, Decoder):
             raise TypeError(f"draft must be a flashhead_ext.fast.Decoder or None, got {type(draft).__name__}")
         self.target, self.draft, self.k = target, draft, require_positive_int("k", k)
-        self.eos = eos_ids(eos_token_id, None)
+        self.eos = eos_ids(eos_token_id, target.eos_token_id)
         if synthetic_acceptance is not None:
             if isinstance(synthetic_acceptance, bool) or not isinstance(synthetic_acceptance, (int, float)) \
                     or not 0.0 <= synthetic_acceptance <= 1.0:

@@ -128,9 +128,10 @@ def require_positive_int(name: str, value) -> int:
     return value
 
 
-def eos_ids(eos_token_id, target) -> frozenset:
+def eos_ids(eos_token_id, default) -> frozenset:
+    """``eos_token_id`` (an int or ints) as a set; None: ``default``, the model's own setting (None: no EOS)."""
     if eos_token_id is None:
-        eos_token_id = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+        eos_token_id = default
         if eos_token_id is None:
             return frozenset()
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -218,7 +219,7 @@ class SpeculativeDecoder:
                  eos_token_id: Union[int, Sequence[int], None] = None):
         self.target = target
         self.k = require_positive_int("k", k)
-        self.eos = eos_ids(eos_token_id, target)
+        self.eos = eos_ids(eos_token_id, getattr(getattr(target, "generation_config", None), "eos_token_id", None))
         self.device = next(target.parameters()).device
         vocab = _vocab_rows(target, "target")
         self.draft = draft
