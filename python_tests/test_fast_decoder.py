@@ -138,6 +138,12 @@ def test_decoder_bad_arguments_name_the_argument():
         Decoder.from_hf(model, max_len=0)
     with pytest.raises(ValueError, match="attention must be one of"):
         Decoder.from_hf(model, max_len=8).attention = "flash"
+    decoder = Decoder.from_hf(model, max_len=8)
+    decoder.reset(8)  # a full cache
+    for bad in (9, -1, 2.0, True):  # checked on the host: a forward past max_len cannot be (docstring)
+        with pytest.raises(ValueError, match=r"length must be an int in 0..8 \(max_len\), got"):
+            decoder.reset(bad)
+    assert int(decoder.length) == 8
     with pytest.raises(ValueError, match="num_layers must be an int in 1..3"):
         Decoder.from_hf(model, max_len=8, num_layers=4)
     with pytest.raises(TypeError, match="model must be a transformers causal LM"):

@@ -294,10 +294,14 @@ class Decoder:
         """Hidden states ``[n, D]`` (after the final norm) of ``ids`` at positions ``start ..``
         (an int64 0-d device tensor; default ``length``).
 
-        Host-sync free and allocation-shape fixed by ``n``: safe inside CUDA-graph capture. With
-        the fused and persistent bodies a ``start`` outside ``[0, max_len)`` writes nothing and
-        gives NaN; the persistent body's one-token step then costs only a launch, which lets a
-        captured graph skip a step on the device.
+        Host-sync free and allocation-shape fixed by ``n``: safe inside CUDA-graph capture. So the
+        positions are not checked: callers keep ``start + n <= max_len`` (``reset`` checks its
+        host int; ``FastSpeculativeDecoder.generate`` checks the room up front). Past ``max_len``
+        the eager and compiled bodies fail to index their rotary tables (an IndexError on the CPU,
+        a device-side assert on CUDA, after which the CUDA context is unusable). The fused and
+        persistent bodies write nothing for a position outside ``[0, max_len)`` and give NaN
+        hidden states there, which ``argmax`` reads as token 0; the persistent body's one-token
+        step then costs only a launch, which lets a captured graph skip a step on the device.
         """
         c = self.config
         n = ids.shape[0]
@@ -362,6 +366,9 @@ class Decoder:
         return self.logits(hidden).argmax(dim=-1)
 
     def reset(self, length: int = 0) -> None:
+        """Sets the cache length; the entries beyond it are dropped (later overwritten)."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.max_len:
+            raise ValueError(f"length must be an int in 0..{self.max_len} (max_len), got {length!r}")
         self.length.fill_(length)
 
     @property
