@@ -491,6 +491,24 @@ def test_persistent_body_one_token_step_matches_eager():
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_body_or_attention_changed_after_the_runner_was_built_is_refused():
+    """The runner builds its steps (on a GPU: captures its graphs) for the models' body and attention:
+    a later change must not run stale steps."""
+    model = hf_model("qwen3", dtype=torch.float32)
+    target, draft = Decoder.from_hf(model, max_len=48), Decoder.from_hf(model, max_len=48, num_layers=1)
+    draft.body = "persistent"
+    runner = FastSpeculativeDecoder(target, draft, head_for(draft, "dense"), k=3)
+    draft.body = "eager"
+    with pytest.raises(ValueError, match="draft.body changed from 'persistent' to 'eager' after this FastSpeculativeDecoder was built"):
+        runner.generate(prompt(6), max_new_tokens=NEW)
+    draft.body = "persistent"
+    target.attention = "matmul"
+    with pytest.raises(ValueError, match="target.attention changed from 'sdpa' to 'matmul'"):
+        runner.generate(prompt(6), max_new_tokens=NEW)
+    target.attention = "sdpa"
+    assert tuple(runner.generate(prompt(6), max_new_tokens=NEW).tokens) == reference("qwen3", 6)
+
+
 def test_decoder_body_is_checked():
     decoder = Decoder.from_hf(hf_model("llama"), max_len=8)  # float64
     with pytest.raises(ValueError, match="body must be one of"):

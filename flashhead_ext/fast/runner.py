@@ -128,7 +128,9 @@ class FastSpeculativeDecoder:
             its prompt only. The round then emits the draft's proposals up
             to the first rejection plus the target's token at that position; the output is not the
             target's greedy decoding, and the stats say so.
-        graphs: capture the steps as CUDA graphs; default: when the target is on a GPU.
+        graphs: capture the steps as CUDA graphs; default: when the target is on a GPU. The steps are
+            built for the models' ``body`` and ``attention`` at construction: set those first
+            (``generate`` refuses a later change).
         max_new_tokens: the longest generation the caches must hold, with ``max_len`` of both models
             ``>= prompt + max_new_tokens + k + 1`` (checked per call).
     """
@@ -225,6 +227,20 @@ class FastSpeculativeDecoder:
         if self.graphs:
             for step in self.steps.values():
                 step.capture(self._warmup_state)
+        self._built_for = self._model_settings()
+
+    def _model_settings(self) -> dict:
+        """The models' settings that the steps were built (on a GPU: captured) for."""
+        return {f"{role}.{name}": getattr(model, name) for role, model in (("target", self.target), ("draft", self.draft))
+                if model is not None for name in ("body", "attention")}
+
+    def _check_model_settings(self) -> None:
+        for key, value in self._model_settings().items():
+            if value != self._built_for[key]:
+                # A captured graph would silently run the old setting; the draft's steps depend on its body.
+                raise ValueError(f"{key} changed from {self._built_for[key]!r} to {value!r} after this FastSpeculativeDecoder "
+                                 f"was built, and its steps were built for the old value: set {key} back, or build a new "
+                                 f"FastSpeculativeDecoder")
 
     def _warmup_state(self) -> None:
         """Lengths with room on both sides (finalize moves them by up to k), valid token ids."""
@@ -315,6 +331,7 @@ class FastSpeculativeDecoder:
     def generate(self, input_ids: Tensor, *, mode: str = "deferred", max_new_tokens: int = 64) -> Generation:
         """As :meth:`SpeculativeDecoder.generate`: the target's greedy tokens (unless synthetic), with stats."""
         check_mode(mode, self.draft is not None)
+        self._check_model_settings()
         max_new_tokens = require_positive_int("max_new_tokens", max_new_tokens)
         t, d, k = self.target, self.draft, self.k
         prompt = check_prompt(input_ids, t.device)[0]
