@@ -476,6 +476,21 @@ def test_fused_bodies_on_cpu_match_eager_and_are_exact(arch, mode, body):
     _check_short_step_body(target, draft, body, mode, arch)
 
 
+def test_body_runs_forwards_of_at_most_16_tokens_prefills_included(monkeypatch):
+    """As documented: a prompt of up to STEP_MAX_TOKENS tokens is prefilled by the chosen body, a
+    longer one eagerly."""
+    from flashhead_ext.fast import decoder as decoder_module
+
+    calls = []
+    fused_layer = decoder_module._fused_layer
+    monkeypatch.setattr(decoder_module, "_fused_layer", lambda *args: (calls.append(args[0].shape[0]), fused_layer(*args))[1])
+    decoder = Decoder.from_hf(hf_model("llama", dtype=torch.float32), max_len=48)
+    decoder.body = "fused"
+    for n in (decoder_module.STEP_MAX_TOKENS, decoder_module.STEP_MAX_TOKENS + 1):
+        decoder.forward(prompt(n, length=n))
+    assert calls == [decoder_module.STEP_MAX_TOKENS] * decoder.config.num_layers
+
+
 def test_persistent_body_one_token_step_matches_eager():
     """A one-token step is where "persistent" differs from "fused" (one decoder_step call): hidden
     states and the cache entries it writes agree with the eager body's."""

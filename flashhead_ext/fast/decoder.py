@@ -134,11 +134,11 @@ def _fused_layer(x: Tensor, w: dict, k_cache: Tensor, v_cache: Tensor, length: T
     return ops.fused_linear(gate_up, w["down"], gated=True, residual=x)
 
 
-# How a forward of at most STEP_MAX_TOKENS tokens (draft steps, verify batches) runs its layers:
-# "eager" the torch ops of ``_layer``, "compiled" ``_layer`` through torch.compile, "fused" the
-# flashhead decoder-layer ops, "persistent" one-token forwards as the single flashhead
-# ``decoder_step`` (every layer in one kernel) and other short ones as "fused". Longer forwards
-# (prefills, whose length varies) always run eager.
+# How a forward of at most STEP_MAX_TOKENS tokens (draft steps, verify batches, and prefills of
+# prompts that short) runs its layers: "eager" the torch ops of ``_layer``, "compiled" ``_layer``
+# through torch.compile, "fused" the flashhead decoder-layer ops, "persistent" one-token forwards
+# as the single flashhead ``decoder_step`` (every layer in one kernel) and other short ones as
+# "fused". Longer forwards (prefills of longer prompts, whose length varies) always run eager.
 BODIES = ("eager", "compiled", "fused", "persistent")
 STEP_MAX_TOKENS = 16
 _compiled_layer = None
@@ -162,11 +162,11 @@ class Decoder:
     not move ``length`` (an int64 0-d device tensor): callers advance or cut it back. ``logits``
     and ``argmax`` apply the model's own (dense) output head.
 
-    ``body`` picks how forwards of at most ``STEP_MAX_TOKENS`` tokens run (see ``BODIES``):
-    ``"compiled"`` a torch.compile'd layer (the first call of each token count compiles, tens of
-    seconds), ``"fused"`` flashhead's decoder-layer ops (float16 / bfloat16 / float32; on a GPU,
-    bandwidth-bound GEMVs with the norms fused in), ``"persistent"`` one-token steps as one
-    kernel for all layers (docs/benchmarks.md compares them).
+    ``body`` picks how forwards of at most ``STEP_MAX_TOKENS`` tokens run, a short prompt's prefill
+    included (see ``BODIES``): ``"compiled"`` a torch.compile'd layer (the first call of each token
+    count compiles, tens of seconds), ``"fused"`` flashhead's decoder-layer ops (float16 /
+    bfloat16 / float32; on a GPU, bandwidth-bound GEMVs with the norms fused in), ``"persistent"``
+    one-token steps as one kernel for all layers (docs/benchmarks.md compares them).
 
     Layout: per layer the q/k/v projections are one ``[(H + 2 KV) hd, D]`` matrix and gate/up one
     ``[2 I, D]`` matrix (fewer, larger GEMVs); each kind of weight is one tensor stacked over the
