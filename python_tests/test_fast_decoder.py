@@ -238,6 +238,13 @@ def test_eos_defaults_to_the_models_generation_config():
     assert Decoder.from_state_dict(model.config, model.state_dict(), max_len=8).eos_token_id == ref[j]
 
 
+def test_default_dense_head_of_a_float64_draft_is_float32():
+    target, drafts = fast_models("llama")  # float64
+    runner = FastSpeculativeDecoder(target, drafts["early"], k=3)
+    assert runner.head.embedding.dtype == torch.float32
+    assert tuple(runner.generate(prompt(2), mode="deferred", max_new_tokens=NEW).tokens) == reference("llama", 2)
+
+
 def test_synthetic_acceptance_rate_and_determinism():
     k, rate, new = 4, 0.6, 300
     target = Decoder.from_hf(hf_model("llama"), max_len=312)

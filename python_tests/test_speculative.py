@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from flashhead_ext import DenseHead, FlashHead
-from flashhead_ext.speculative import MODES, SpeculativeDecoder, early_exit_draft
+from flashhead_ext.speculative import MODES, SpeculativeDecoder, early_exit_draft, make_draft_head
 from flashhead_ext.speculative.driver import Generation, GenerationStats
 from flashhead_ext.speculative.runner import plan_configs, run_interleaved, summarize
 from helpers import one_thread  # noqa: F401  (an autouse fixture)
@@ -187,6 +187,19 @@ def test_draft_cache_is_cut_back_to_the_emitted_tokens(arch, mode):
     assert len(calls) == 1 + k * (gen.stats.proposed // k)
     for length, ids in round_starts:
         assert ids == full[length:length + len(ids)]
+
+
+def test_default_dense_head_of_a_float64_draft_is_float32():
+    """The heads take no float64, but the float64 models the exactness tests use get the default head:
+    a float32 copy of the output embedding (hidden states are cast to the head's dtype)."""
+    target, draft = tiny_model("llama"), early_exit_draft(tiny_model("llama"), 1)
+    decoder = SpeculativeDecoder(target, draft, k=3, eos_token_id=[])
+    assert decoder.head.embedding.dtype == torch.float32
+    gen = decoder.generate(prompt(2), mode="deferred", max_new_tokens=NEW)
+    assert tuple(gen.tokens) == reference("llama", 2)
+    check_counters(gen, "deferred", 3, NEW)
+    flash = make_draft_head("flashhead", draft, clustering=random_clustering(draft_head(draft, "dense").embedding, 4), probes=2)
+    assert flash.embedding.dtype == torch.float32
 
 
 def test_early_exit_draft_is_the_targets_first_layers():

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..graphs import capture_graph
 from ..head import DenseHead, FlashHead, _HeadBase
+from ..speculative.draft import make_draft_head
 from ..speculative.driver import (Clock, Emitter, Generation, GenerationStats, check_mode, check_prompt, eos_ids,
                                   require_positive_int, sync)
 from .decoder import Decoder
@@ -116,8 +117,8 @@ class FastSpeculativeDecoder:
         target, draft: two :class:`Decoder` objects with the same vocabulary (``draft`` None: baseline
             only); each holds its own cache, so a draft with the target's weights is a second Decoder
             built from them. They may sit on different devices: ``draft_device`` placement.
-        draft_head: ``"dense"`` (the draft's own output embedding) or a DenseHead / FlashHead on the
-            draft's device.
+        draft_head: ``"dense"`` (the draft's own output embedding; a float32 copy of a float64 one)
+            or a DenseHead / FlashHead on the draft's device.
         k: proposals per round.
         eos_token_id: int or ints that end a generation (emitted, then stop). None: the target's
             ``eos_token_id`` (``Decoder.from_hf``: the model's ``generation_config.eos_token_id``, as
@@ -176,7 +177,7 @@ class FastSpeculativeDecoder:
         if isinstance(head, str):
             if head != "dense":
                 raise ValueError(f"draft_head must be 'dense' or a DenseHead/FlashHead instance, got {head!r}")
-            head = DenseHead(draft.lm_head)
+            head = make_draft_head("dense", draft.lm_head)
         if not isinstance(head, _HeadBase):
             raise TypeError(f"draft_head must be 'dense', a DenseHead or a FlashHead, got {type(head).__name__}")
         if head.vocab_size != vocab:

@@ -51,7 +51,9 @@ def early_exit_draft(target, num_layers: int):
 def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clustering=None, cluster_size: int = 16,
                     kmeans_iters: int = 15, seed: int = 0, special_token_ids: Sequence[int] = (),
                     progress: bool = False):
-    """The draft's head over its output embedding (shared, not copied).
+    """The draft's head over its output embedding (shared, not copied; a float64 one is copied to
+    float32, since the heads compute in float16 / bfloat16 / float32 and the drivers cast hidden
+    states to the head's dtype).
 
     ``draft`` is a transformers causal LM or its output embedding ``[V, D]`` itself (the fast path's
     :class:`~flashhead_ext.fast.Decoder` keeps it as ``lm_head``). ``kind`` is ``"dense"`` or ``"flashhead"``. For FlashHead, ``clustering`` (anything with
@@ -63,6 +65,8 @@ def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clusterin
     if kind not in HEADS:
         raise ValueError(f"kind must be one of {HEADS}, got {kind!r}")
     embedding = draft.detach() if isinstance(draft, torch.Tensor) else output_embedding(draft)
+    if embedding.dtype == torch.float64:
+        embedding = embedding.float()
     if kind == "dense":
         return DenseHead(embedding)
     if clustering is None:

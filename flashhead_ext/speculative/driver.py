@@ -207,9 +207,10 @@ class SpeculativeDecoder:
         target: a transformers causal LM (``model(input_ids, past_key_values=...)`` gives logits).
         draft: a transformers causal LM with the same vocabulary, or None for baseline only. Its body
             (``draft.base_model``) gives the final hidden states; ``draft_head`` turns them into tokens.
-        draft_head: ``"dense"`` (a DenseHead over the draft's output embedding) or a DenseHead /
-            FlashHead instance (see :func:`flashhead_ext.speculative.make_draft_head`). Hidden states
-            are cast to the head's dtype, so a head may run in another dtype than the draft.
+        draft_head: ``"dense"`` (a DenseHead over the draft's output embedding, a float32 copy of a
+            float64 one) or a DenseHead / FlashHead instance (see
+            :func:`flashhead_ext.speculative.make_draft_head`). Hidden states are cast to the head's
+            dtype, so a head may run in another dtype than the draft.
         k: proposals per round, >= 1.
         eos_token_id: int or ints that end a generation (emitted, then stop). None: the target's
             ``generation_config.eos_token_id``; an empty list: never stop early.
