@@ -194,7 +194,9 @@ def test_fast_runner_is_exact_in_every_mode(arch, mode):
         assert tuple(gen.tokens) == reference(arch, k), (k, kind, head)
         check_counters(gen, mode, 0 if mode == "baseline" else k, NEW)
         if kind == "self" and head == "dense" and mode != "baseline":
-            assert gen.stats.accepted == gen.stats.proposed  # the target's own weights: all accepted
+            # The target's own weights: every emitted token but a round's bonus is an accepted proposal
+            # (the last round's budget cut leaves some proposals unemitted, hence not counted).
+            assert gen.stats.accepted_per_round == [min(e, k) for e in gen.stats.emitted_per_round]
         if mode == "baseline":
             break
 

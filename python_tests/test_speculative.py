@@ -140,6 +140,21 @@ def test_budget_reached_mid_block_and_the_tail_step(mode):
     assert gen.tokens == list(ref[:1]) and gen.stats.rounds == gen.stats.append_calls == 0
 
 
+@pytest.mark.parametrize("mode", ["ordinary", "deferred"])
+def test_accepted_counts_only_emitted_proposals(mode):
+    """The target as its own draft accepts all K proposals; those that the budget or an EOS cut off
+    were never emitted and do not count as accepted (they would skew the acceptance of short runs)."""
+    arch, k = "llama", 6
+    target, ref = tiny_model(arch), reference(arch, 0)
+    gen = SpeculativeDecoder(target, target, draft_head(target, "dense"), k=k, eos_token_id=[]).generate(
+        prompt(0), mode=mode, max_new_tokens=3)
+    assert gen.tokens == list(ref[:3]) and (gen.stats.proposed, gen.stats.accepted_per_round, gen.stats.emitted_per_round) == (k, [2], [2])
+    gen = SpeculativeDecoder(target, target, draft_head(target, "dense"), k=k, eos_token_id=ref[1]).generate(
+        prompt(0), mode=mode, max_new_tokens=NEW)
+    assert gen.tokens == list(ref[:2]) and (gen.stats.accepted, gen.stats.emitted_per_round) == (1, [1])
+    check_counters(gen, mode, k, NEW)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_acceptance_of_the_target_itself_and_of_unrelated_weights(arch):
     target, ref = tiny_model(arch), reference(arch, 5)

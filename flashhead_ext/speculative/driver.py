@@ -39,8 +39,9 @@ class GenerationStats:
     ``ttft_s`` covers both prefills and the first token; ``decode_s`` everything after it, of which
     ``draft_s`` (draft body + head; ``draft_head_s`` the head alone) and ``target_s`` are model
     calls and the rest is the loop's own overhead. Round ``i`` proposed ``k`` tokens (0 for the
-    last token of a generation, when nothing it proposed could be emitted), accepted
-    ``accepted_per_round[i]`` and emitted ``emitted_per_round[i]`` tokens.
+    last token of a generation, when nothing it proposed could be emitted), emitted
+    ``emitted_per_round[i]`` tokens, and ``accepted_per_round[i]`` of those were accepted proposals
+    (proposals the verifier accepted beyond an EOS or the ``max_new_tokens`` cut are not counted).
 
     The fast path (:mod:`flashhead_ext.fast`) runs the draft head inside a CUDA graph with the body,
     so it leaves ``draft_head_s`` None; it fills ``phase_s`` (propose / verify / finalize, which tile
@@ -177,13 +178,17 @@ class Emitter:
         return self.max_new_tokens - len(self.tokens)
 
     def emit(self, tokens: list, proposed: int, accepted: int) -> bool:
-        """Appends a round's tokens up to EOS or the budget; True when the generation is over."""
+        """Appends a round's tokens (``accepted`` proposals, then the target's token) up to EOS or the
+        budget; True when the generation is over."""
         done = False
         for count, token in enumerate(tokens, 1):
             self.tokens.append(token)
             if token in self.eos or len(self.tokens) == self.max_new_tokens:
                 done = True
                 break
+        # Accepted proposals that the cut left unemitted are not counted: they would inflate the
+        # acceptance of short runs, and differ between heads whose emitted tokens are the same.
+        accepted = min(accepted, count)
         s = self.stats
         s.rounds += 1
         s.proposed += proposed
