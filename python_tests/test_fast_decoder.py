@@ -412,6 +412,16 @@ def test_draft_step_floor_counts_layer_weights_one_embedding_row_and_the_cache(q
     assert step_read_bytes(model, keys=29) == 2 * (weights + cache)
 
 
+def test_bench_help_describes_every_benchmark(capsys):
+    from flashhead_ext.bench.__main__ import BENCHMARKS, main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name, (_, description) in BENCHMARKS.items():
+        assert f"  {name}" in out and description in out, name
+    assert main(["speculate"]) == 2 and "unknown benchmark 'speculate'" in capsys.readouterr().err
+
+
 def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
     from flashhead_ext.bench.__main__ import main
 

