@@ -162,6 +162,11 @@ def test_decoder_bad_arguments_name_the_argument():
         state = dict(model.state_dict())
         del state["model.layers.0.mlp.down_proj.weight"]
         Decoder.from_state_dict(model.config, state, max_len=8)
+    # Rows that disagree with config.vocab_size (which the runner's vocabulary checks read).
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        state = dict(model.state_dict(), **{key: model.state_dict()[key][:90]})
+        with pytest.raises(ValueError, match=rf"state_dict's '{key}' has 90 rows, the config's vocab_size is {VOCAB}"):
+            Decoder.from_state_dict(model.config, state, max_len=8)
 
 
 # ---- the runner --------------------------------------------------------------------------------

@@ -240,6 +240,12 @@ class Decoder:
                 raise ValueError(f"state_dict has no {key!r}")
             return state_dict[key].detach().to(device, dtype)
 
+        def get_vocab_rows(key: str) -> Tensor:
+            table = get(key)
+            if table.shape[0] != c.vocab_size:  # the runner checks vocabularies and token ids against the config's
+                raise ValueError(f"state_dict's {key!r} has {table.shape[0]} rows, the config's vocab_size is {c.vocab_size}")
+            return table.contiguous()
+
         sources = dict(qkv=[f"self_attn.{x}_proj.weight" for x in "qkv"], o=["self_attn.o_proj.weight"],
                        gate_up=["mlp.gate_proj.weight", "mlp.up_proj.weight"], down=["mlp.down_proj.weight"],
                        attn_norm=["input_layernorm.weight"], mlp_norm=["post_attention_layernorm.weight"])
@@ -253,11 +259,11 @@ class Decoder:
                 if i == 0:
                     layers[name] = torch.empty((c.num_layers, *w.shape), dtype=dtype, device=device)
                 layers[name][i].copy_(w)
-        embed = get(embed_key).contiguous()
+        embed = get_vocab_rows(embed_key)
         if not c.tie_word_embeddings and "lm_head.weight" not in state_dict:
             raise ValueError("state_dict has no 'lm_head.weight', and the config says the head is untied "
                              "(tie_word_embeddings=False); pass the causal LM's full state dict, not its body's")
-        lm_head = embed if c.tie_word_embeddings else get("lm_head.weight").contiguous()
+        lm_head = embed if c.tie_word_embeddings else get_vocab_rows("lm_head.weight")
         decoder = cls(c, dict(embed=embed, lm_head=lm_head, final_norm=get(f"{prefix}norm.weight"), layers=layers), max_len=max_len)
         decoder.eos_token_id = getattr(hf_config, "eos_token_id", None)  # transformers' fallback without a generation config
         return decoder
