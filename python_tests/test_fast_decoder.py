@@ -401,6 +401,16 @@ def test_runner_bad_arguments_name_the_argument():
         FastSpeculativeDecoder(target).generate(prompt(0), mode="ordinary")
     with pytest.raises(ValueError, match="input_ids must hold one prompt"):
         runner.generate(torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=rf"input_ids must be token ids in 0..{VOCAB - 1} \(the vocabulary\), got {VOCAB}"):
+        runner.generate(torch.tensor([3, VOCAB]), max_new_tokens=8)
+    with pytest.raises(ValueError, match=rf"eos_token_id must be token ids in 0..{VOCAB - 1}"):
+        FastSpeculativeDecoder(target, draft, head, eos_token_id=VOCAB)
+    assert FastSpeculativeDecoder(target, eos_token_id=torch.tensor([5])).eos == {5}
+    # Baseline writes the entries of all but the last token and proposes nothing: no k + 1 slack.
+    baseline = FastSpeculativeDecoder(target, k=4)
+    assert tuple(baseline.generate(prompt(0), mode="baseline", max_new_tokens=42).tokens) == reference("llama", 0, 42)
+    with pytest.raises(ValueError, match=r"max_new_tokens=43 with a 7-token prompt in baseline mode needs max_len >= 49, the target's is 48"):
+        baseline.generate(prompt(0), mode="baseline", max_new_tokens=43)
 
 
 @pytest.mark.parametrize("qk_norm,tied", [(True, True), (False, False)])

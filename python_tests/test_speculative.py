@@ -266,6 +266,15 @@ def test_bad_inputs_name_the_argument():
         decoder.generate(torch.zeros(3))
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         decoder.generate(prompt(0), max_new_tokens=0)
+    for bad in ([3, VOCAB], [-1, 3]):  # an IndexError inside the embedding otherwise (on CUDA a device assert)
+        with pytest.raises(ValueError, match=rf"input_ids must be token ids in 0..{VOCAB - 1} \(the vocabulary\), got {bad[0] if bad[0] < 0 else bad[1]}"):
+            decoder.generate(torch.tensor(bad))
+    with pytest.raises(ValueError, match=rf"eos_token_id must be token ids in 0..{VOCAB - 1} \(the vocabulary\), got \[{VOCAB}\]"):
+        SpeculativeDecoder(target, eos_token_id=[3, VOCAB])
+    assert SpeculativeDecoder(target, eos_token_id=torch.tensor(3)).eos == {3}  # as transformers' generation config may hold it
+    assert SpeculativeDecoder(target, eos_token_id=torch.tensor([3, 4])).eos == {3, 4}
+    with pytest.raises(TypeError, match="eos_token_id must be an int"):
+        SpeculativeDecoder(target, eos_token_id=torch.tensor(3.0))
     with pytest.raises(ValueError, match="mode 'deferred' needs a draft model"):
         SpeculativeDecoder(target).generate(prompt(0), mode="deferred")
 

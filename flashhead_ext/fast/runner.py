@@ -133,7 +133,8 @@ class FastSpeculativeDecoder:
             built for the models' ``body`` and ``attention`` at construction: set those first
             (``generate`` refuses a later change).
         max_new_tokens: the longest generation the caches must hold, with ``max_len`` of both models
-            ``>= prompt + max_new_tokens + k + 1`` (checked per call).
+            ``>= prompt + max_new_tokens + k + 1`` (baseline: the target's ``>= prompt +
+            max_new_tokens - 1``; checked per call).
     """
 
     def __init__(self, target: Decoder, draft: Optional[Decoder] = None,
@@ -145,7 +146,7 @@ class FastSpeculativeDecoder:
         if draft is not None and not isinstance(draft, Decoder):
             raise TypeError(f"draft must be a flashhead_ext.fast.Decoder or None, got {type(draft).__name__}")
         self.target, self.draft, self.k = target, draft, require_positive_int("k", k)
-        self.eos = eos_ids(eos_token_id, target.eos_token_id)
+        self.eos = eos_ids(eos_token_id, target.eos_token_id, target.config.vocab_size)
         if synthetic_acceptance is not None:
             if isinstance(synthetic_acceptance, bool) or not isinstance(synthetic_acceptance, (int, float)) \
                     or not 0.0 <= synthetic_acceptance <= 1.0:
@@ -321,11 +322,14 @@ class FastSpeculativeDecoder:
 
     # ---- generation --------------------------------------------------------------------------
 
-    def _check_room(self, prompt_len: int, max_new_tokens: int) -> None:
-        need = prompt_len + max_new_tokens + self.k + 1
-        for role, model in (("target", self.target), ("draft", self.draft)):
+    def _check_room(self, prompt_len: int, max_new_tokens: int, speculative: bool) -> None:
+        # Baseline writes the target entries of all tokens but the last; a speculative round's
+        # verify and proposals may write up to k + 1 entries past the emitted tokens.
+        need = prompt_len + max_new_tokens + (self.k + 1 if speculative else -1)
+        for role, model in (("target", self.target), ("draft", self.draft if speculative else None)):
             if model is not None and model.max_len < need:
-                raise ValueError(f"max_new_tokens={max_new_tokens} with a {prompt_len}-token prompt and k={self.k} needs "
+                setting = f"and k={self.k}" if speculative else "in baseline mode"
+                raise ValueError(f"max_new_tokens={max_new_tokens} with a {prompt_len}-token prompt {setting} needs "
                                  f"max_len >= {need}, the {role}'s is {model.max_len}")
 
     @torch.inference_mode()
@@ -335,9 +339,9 @@ class FastSpeculativeDecoder:
         self._check_model_settings()
         max_new_tokens = require_positive_int("max_new_tokens", max_new_tokens)
         t, d, k = self.target, self.draft, self.k
-        prompt = check_prompt(input_ids, t.device)[0]
-        self._check_room(prompt.shape[0], max_new_tokens)
+        prompt = check_prompt(input_ids, t.device, t.config.vocab_size)[0]
         speculative = mode != "baseline"
+        self._check_room(prompt.shape[0], max_new_tokens, speculative)
         stats = GenerationStats(mode=mode, prompt_tokens=prompt.shape[0], k=k if speculative else 0,
                                 synthetic_acceptance=self.synthetic if speculative else None,
                                 draft_head_s=None if speculative else 0.0,

@@ -129,20 +129,28 @@ def require_positive_int(name: str, value) -> int:
     return value
 
 
-def eos_ids(eos_token_id, default) -> frozenset:
-    """``eos_token_id`` (an int or ints) as a set; None: ``default``, the model's own setting (None: no EOS)."""
+def eos_ids(eos_token_id, default, vocab_size: int) -> frozenset:
+    """``eos_token_id`` (an int, ints or an integer tensor) as a set of token ids; None: ``default``,
+    the model's own setting (None: no EOS)."""
     if eos_token_id is None:
         eos_token_id = default
         if eos_token_id is None:
             return frozenset()
+    given = eos_token_id
+    if isinstance(eos_token_id, Tensor):
+        eos_token_id = eos_token_id.reshape(-1).tolist()  # a float or bool tensor's items are refused below
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise TypeError(f"eos_token_id must be an int or a sequence of ints, got {eos_token_id!r}")
+        raise TypeError(f"eos_token_id must be an int or a sequence of ints, got {given!r}")
+    outside = sorted(i for i in ids if not 0 <= i < vocab_size)
+    if outside:  # never generated, so a silent no-op
+        raise ValueError(f"eos_token_id must be token ids in 0..{vocab_size - 1} (the vocabulary), got {outside}")
     return frozenset(ids)
 
 
-def check_prompt(input_ids, device: torch.device) -> Tensor:
-    """One prompt as int64 ``[1, T]`` on ``device``, after checks that name the argument."""
+def check_prompt(input_ids, device: torch.device, vocab_size: int) -> Tensor:
+    """One prompt as int64 ``[1, T]`` on ``device``, after checks that name the argument (reading
+    its values: a host sync, before generation starts)."""
     if not isinstance(input_ids, Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
     if input_ids.dim() == 2 and input_ids.shape[0] != 1:
@@ -151,6 +159,10 @@ def check_prompt(input_ids, device: torch.device) -> Tensor:
         raise ValueError(f"input_ids must be a non-empty [T] or [1, T] tensor, got shape {tuple(input_ids.shape)}")
     if input_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+    # Out of range, the embedding lookup fails without naming the argument (on CUDA: a device assert).
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist()
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"input_ids must be token ids in 0..{vocab_size - 1} (the vocabulary), got {low if low < 0 else high}")
     return input_ids.reshape(1, -1).to(device, torch.int64)
 
 
@@ -225,9 +237,9 @@ class SpeculativeDecoder:
                  eos_token_id: Union[int, Sequence[int], None] = None):
         self.target = target
         self.k = require_positive_int("k", k)
-        self.eos = eos_ids(eos_token_id, getattr(getattr(target, "generation_config", None), "eos_token_id", None))
         self.device = next(target.parameters()).device
-        vocab = _vocab_rows(target, "target")
+        self.vocab_size = vocab = _vocab_rows(target, "target")
+        self.eos = eos_ids(eos_token_id, getattr(getattr(target, "generation_config", None), "eos_token_id", None), vocab)
         self.draft = draft
         self.head = None
         if draft is None:
@@ -288,7 +300,7 @@ class SpeculativeDecoder:
         """
         check_mode(mode, self.draft is not None)
         max_new_tokens = require_positive_int("max_new_tokens", max_new_tokens)
-        prompt = check_prompt(input_ids, self.device)
+        prompt = check_prompt(input_ids, self.device, self.vocab_size)
         stats = GenerationStats(mode=mode, prompt_tokens=prompt.shape[1], k=self.k if mode != "baseline" else 0)
         output = Emitter(stats, self.eos, max_new_tokens)
         emit = output.emit
