@@ -387,6 +387,8 @@ def test_runner_bad_arguments_name_the_argument():
         FastSpeculativeDecoder(target, draft, "sparse")
     with pytest.raises(ValueError, match="draft_head must cover the target's vocabulary of 97"):
         FastSpeculativeDecoder(target, draft, DenseHead(torch.randn(50, 48)))
+    with pytest.raises(ValueError, match="draft_head must take the draft's hidden size 48, got 16"):
+        FastSpeculativeDecoder(target, draft, DenseHead(torch.randn(VOCAB, 16)))
     with pytest.raises(ValueError, match="graphs=True needs the models on a CUDA device"):
         FastSpeculativeDecoder(target, graphs=True)
     # One Decoder holds one cache and length: as its own draft, the draft steps would overwrite the target's.

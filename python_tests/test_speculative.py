@@ -251,6 +251,8 @@ def test_bad_inputs_name_the_argument():
         SpeculativeDecoder(target, target, target.lm_head)
     with pytest.raises(ValueError, match="draft_head must cover the target's vocabulary of 101"):
         SpeculativeDecoder(target, target, DenseHead(torch.randn(50, 32)))
+    with pytest.raises(ValueError, match="draft_head must take the draft's hidden size 32, got 16"):
+        SpeculativeDecoder(target, target, DenseHead(torch.randn(VOCAB, 16)))
     small = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(ValueError, match="draft must share the target's tokenizer: its vocabulary has 50 rows, the target's 101"):

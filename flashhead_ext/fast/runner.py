@@ -183,6 +183,8 @@ class FastSpeculativeDecoder:
             raise TypeError(f"draft_head must be 'dense', a DenseHead or a FlashHead, got {type(head).__name__}")
         if head.vocab_size != vocab:
             raise ValueError(f"draft_head must cover the target's vocabulary of {vocab} tokens, got {head.vocab_size}")
+        if head.hidden_dim != draft.config.hidden_size:
+            raise ValueError(f"draft_head must take the draft's hidden size {draft.config.hidden_size}, got {head.hidden_dim}")
         if head.embedding.device != draft.device:
             raise ValueError(f"draft_head must be on the draft's device {draft.device}, got {head.embedding.device}")
         return head

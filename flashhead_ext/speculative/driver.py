@@ -255,6 +255,9 @@ class SpeculativeDecoder:
             raise TypeError(f"draft_head must be 'dense', a DenseHead or a FlashHead, got {type(draft_head).__name__}")
         if draft_head.vocab_size != vocab:
             raise ValueError(f"draft_head must cover the target's vocabulary of {vocab} tokens, got {draft_head.vocab_size}")
+        hidden = output_embedding(draft).shape[1]  # what the draft body's final hidden states hold
+        if draft_head.hidden_dim != hidden:
+            raise ValueError(f"draft_head must take the draft's hidden size {hidden}, got {draft_head.hidden_dim}")
         self.head = draft_head
 
     # ---- model calls -------------------------------------------------------------------------
