@@ -432,3 +432,6 @@ def test_reading_names_the_best_config_and_the_flashhead_change():
     # Slower with a high acceptance (a slow draft, not a weak one): acceptance is not blamed.
     slow_but_accepted = [row("baseline", None, 1.0), row("ordinary", "dense", 0.9, 0.8, 5.0)]
     assert "accepted" not in reading(slow_but_accepted)
+    # Without a baseline the exact column is empty: the reading says so.
+    assert reading([row("deferred", "dense", None, 0.44, 1.05)]).splitlines() == [
+        "no baseline run: the tokens were not compared with the target's own (add baseline to --mode)"]

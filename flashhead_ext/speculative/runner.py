@@ -163,8 +163,11 @@ def format_summary(rows: list) -> str:
 
 def reading(rows: list) -> str:
     """What the table says, in a few lines under it: the best speculative config against the
-    baseline (and why it is slower when it is), and what the FlashHead draft head changed."""
+    baseline (and why it is slower when it is), and what the FlashHead draft head changed; without
+    a baseline run, that nothing checked the tokens."""
     lines = []
+    if rows and not any(row["head"] is None for row in rows):
+        lines.append("no baseline run: the tokens were not compared with the target's own (add baseline to --mode)")
     speculative = [row for row in rows if row["head"] is not None and row.get("speedup") is not None]
     if speculative:
         best = max(speculative, key=lambda row: row["speedup"])
