@@ -274,6 +274,9 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match=rf"eos_token_id must be token ids in 0..{VOCAB - 1} \(the vocabulary\), got \[{VOCAB}\]"):
         SpeculativeDecoder(target, eos_token_id=[3, VOCAB])
     assert SpeculativeDecoder(target, eos_token_id=torch.tensor(3)).eos == {3}  # as transformers' generation config may hold it
+    own, target.generation_config.eos_token_id = target.generation_config.eos_token_id, [5, VOCAB + 7]
+    assert SpeculativeDecoder(target).eos == {5}  # the model's own setting: an id it never generates is dropped
+    target.generation_config.eos_token_id = own
     assert SpeculativeDecoder(target, eos_token_id=torch.tensor([3, 4])).eos == {3, 4}
     with pytest.raises(TypeError, match="eos_token_id must be an int"):
         SpeculativeDecoder(target, eos_token_id=torch.tensor(3.0))

@@ -131,8 +131,10 @@ def require_positive_int(name: str, value) -> int:
 
 def eos_ids(eos_token_id, default, vocab_size: int) -> frozenset:
     """``eos_token_id`` (an int, ints or an integer tensor) as a set of token ids; None: ``default``,
-    the model's own setting (None: no EOS)."""
-    if eos_token_id is None:
+    the model's own setting (None: no EOS), whose ids outside the vocabulary are dropped as they
+    are never generated (a given one is refused: a silent no-op)."""
+    from_model = eos_token_id is None
+    if from_model:
         eos_token_id = default
         if eos_token_id is None:
             return frozenset()
@@ -143,9 +145,9 @@ def eos_ids(eos_token_id, default, vocab_size: int) -> frozenset:
     if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
         raise TypeError(f"eos_token_id must be an int or a sequence of ints, got {given!r}")
     outside = sorted(i for i in ids if not 0 <= i < vocab_size)
-    if outside:  # never generated, so a silent no-op
+    if outside and not from_model:
         raise ValueError(f"eos_token_id must be token ids in 0..{vocab_size - 1} (the vocabulary), got {outside}")
-    return frozenset(ids)
+    return frozenset(i for i in ids if 0 <= i < vocab_size)
 
 
 def check_prompt(input_ids, device: torch.device, vocab_size: int) -> Tensor:
