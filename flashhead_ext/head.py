@@ -147,9 +147,14 @@ class FlashHead(_HeadBase):
 
     The buffers are the head's own, so ``load_state_dict`` changes no other object, and it runs
     the constructor's checks on what it loads. The state dict holds ``centroids``,
-    ``sampling_centroids``, ``cluster_tokens`` and ``extra_ids`` (the special tokens, ``[0]`` when
-    there are none): a head takes another's special tokens with its state, whatever their number.
+    ``sampling_centroids``, ``cluster_tokens`` and ``extra_ids`` (the special tokens, an empty
+    tensor when there are none): a head takes another's special tokens with its state, whatever
+    their number (a CUDA graph captured over the head must then be captured again). State dicts
+    saved before ``extra_ids`` was always a tensor load as heads without special tokens.
     """
+
+    # 2: extra_ids always in the state dict (before, absent without special tokens).
+    _version = 2
 
     def __init__(
         self,
@@ -199,21 +204,31 @@ class FlashHead(_HeadBase):
         """The special tokens as the ops take them: None when there are none."""
         return self.extra_ids if self.extra_ids.numel() else None
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
         # What is loaded passes the constructor's checks before anything is copied in.
         def incoming(name):
             return state_dict.get(prefix + name)
 
+        if local_metadata.get("version", 1) < 2 and prefix + "extra_ids" not in state_dict:
+            state_dict[prefix + "extra_ids"] = torch.empty(0, dtype=torch.int32)  # saved without special tokens
         for name in ("centroids", "sampling_centroids"):
             if isinstance(incoming(name), Tensor):
                 _check_finite(f"{prefix}{name} in the state dict", incoming(name).to(self.centroids.dtype))
         if isinstance(incoming("cluster_tokens"), Tensor):
             ops.validate_cluster_table(incoming("cluster_tokens"), self.vocab_size)
         if isinstance(incoming("extra_ids"), Tensor):
-            # The count of special tokens is a setting, not a fixed shape: take the state's.
-            special_token_list(incoming("extra_ids"), self.vocab_size)
-            self.extra_ids = torch.empty_like(self.extra_ids).resize_(incoming("extra_ids").shape)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+            ids = state_dict[prefix + "extra_ids"] = self._as_extra_ids(incoming("extra_ids"), self.vocab_size,
+                                                                         self.extra_ids.device)
+            # The count of special tokens is a setting, not a fixed shape: take the state's. The
+            # buffer is kept when it fits, so what holds it (a captured graph) sees the new ids.
+            if ids.shape != self.extra_ids.shape:
+                self.extra_ids = torch.empty_like(ids)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self._buffers.get("extra_ids") is None:  # pickled when no special tokens meant None
+            self._buffers["extra_ids"] = torch.empty(0, dtype=torch.int32, device=self.centroids.device)
 
     @property
     def num_clusters(self) -> int:

@@ -1,4 +1,5 @@
 """FlashHead and DenseHead: agreement with each other and with the ops, shapes, out=, sampling."""
+import pickle
 import re
 
 import pytest
@@ -225,3 +226,33 @@ def test_load_state_dict_checks_what_it_loads(name, corrupt, fragment):
         head.load_state_dict(state)
     for key, tensor in head.state_dict().items():  # refused before anything was copied in
         assert torch.equal(tensor, before[key]), key
+
+
+def test_state_dicts_from_before_extra_ids_was_always_saved_still_load():
+    problem = make_problem(SHAPE, seed=7)
+    head = flash_head(problem)
+    plain = FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, problem.probes)
+    old = plain.state_dict()
+    del old["extra_ids"]  # a head without special tokens saved it as None, so not at all
+    old._metadata[""]["version"] = 1
+    head.load_state_dict(old)  # strict
+    assert head.extra_ids.numel() == 0
+    assert torch.equal(head.next_token(problem.hidden), plain.next_token(problem.hidden))
+    # ... and pickled heads of that time hold None.
+    plain._buffers["extra_ids"] = None
+    restored = pickle.loads(pickle.dumps(plain))
+    assert restored.extra_ids.numel() == 0 and restored.num_candidates == problem.probes * SHAPE.b
+
+
+def test_loading_special_tokens_keeps_the_buffer_when_it_fits_and_drops_repeats():
+    problem = make_problem(SHAPE, seed=8)
+    head = flash_head(problem)
+    count = head.extra_ids.numel()
+    buffer = head.extra_ids.data_ptr()  # what a captured CUDA graph reads
+    state = head.state_dict()
+    state["extra_ids"] = torch.arange(count, dtype=torch.int32) * 3
+    head.load_state_dict(state)
+    assert head.extra_ids.data_ptr() == buffer and head.extra_ids.tolist() == list(range(0, 3 * count, 3))
+    state["extra_ids"] = torch.tensor([7, 3, 7], dtype=torch.int32)
+    head.load_state_dict(state)
+    assert head.extra_ids.tolist() == [3, 7]  # as the constructor keeps them
