@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,7 +117,7 @@ class FlashHeadAssets:
             "flash_head_cache_dir": self.cache_dir,
             "n_clusters": self.num_clusters,
             "n_probes": self.n_probes,
-            "flash_head_special_token_ids": [int(t) for t in self.special_token_ids],
+            "flash_head_special_token_ids": [operator.index(t) for t in self.special_token_ids],  # refuses 3.7
             "enforce_equal_cluster_sizes": self.enforce_equal_cluster_sizes,
             "flash_head_greedy_scoring": self.greedy_scoring,
         }
@@ -152,14 +153,14 @@ def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering],
     directory = Path(directory)
     (directory / assets.cache_dir).mkdir(parents=True, exist_ok=True)
     tensors = directory / assets.cache_dir / TENSORS_NAME
-    _write_replacing(tensors, lambda partial: save_file(
+    write_replacing(tensors, lambda partial: save_file(
         {"centroids": assets.raw_centroids.T.contiguous(), "cluster_assignments": assets.cluster_assignments.contiguous()},
         str(partial)))
-    _write_replacing(directory / CONFIG_NAME, lambda partial: partial.write_text(config))
+    write_replacing(directory / CONFIG_NAME, lambda partial: partial.write_text(config))
     return directory
 
 
-def _write_replacing(path: Path, write) -> None:
+def write_replacing(path: Path, write) -> None:
     """``write(partial)``, then the partial file replaces ``path`` at once: a failed or killed
     write leaves the old file, never a truncated one."""
     partial = path.with_name(path.name + ".partial")
@@ -170,7 +171,7 @@ def _write_replacing(path: Path, write) -> None:
         partial.unlink(missing_ok=True)
 
 
-def _read_config(directory: Path) -> dict:
+def read_config(directory: Path) -> dict:
     """FlashHead keys from our config file, else from a model's config.json; empty if neither has them."""
     for name in (CONFIG_NAME, "config.json"):
         path = directory / name
@@ -198,7 +199,7 @@ def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> Flas
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"FlashHead assets directory {directory} does not exist")
-    config = _read_config(directory)
+    config = read_config(directory)
     cache_dir = config.get("flash_head_cache_dir", DEFAULT_CACHE_DIR)
     path = directory / cache_dir / TENSORS_NAME
     if not path.is_file():

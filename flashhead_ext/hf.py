@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .assets import (TENSORS_NAME, FlashHeadAssets, _read_config, _write_replacing, flash_head_for, load_assets,
+from .assets import (TENSORS_NAME, FlashHeadAssets, read_config, write_replacing, flash_head_for, load_assets,
                      user_cache_dir)
 from . import ops
 from .head import FlashHead, special_token_list
@@ -150,8 +150,10 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    captured: list[Tensor] = []
-    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: captured.append(args[0][:, -1]))
+    lacks_pad = batch_size > 1 and getattr(tokenizer, "pad_token", "") is None
+    if lacks_pad and getattr(tokenizer, "eos_token", None) is None:
+        raise ValueError("tokenizer has neither a pad token nor an EOS token to pad batched prompts with: "
+                         "set tokenizer.pad_token, or record with batch_size=1")
     templated = _uses_chat_template(tokenizer)
     conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
     lengths = [len(prompt) for prompt in prompts]
@@ -161,10 +163,8 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     # generate() stops a sequence at the model's EOS ids, then pads it; a batch of one just stops.
     stops = torch.tensor(getattr(model.generation_config, "eos_token_id", None) or [], dtype=torch.int64).flatten()
     padding_side = getattr(tokenizer, "padding_side", None)
-    lacks_pad = batch_size > 1 and getattr(tokenizer, "pad_token", "") is None
-    if lacks_pad and getattr(tokenizer, "eos_token", None) is None:
-        raise ValueError("tokenizer has neither a pad token nor an EOS token to pad batched prompts with: "
-                         "set tokenizer.pad_token, or record with batch_size=1")
+    captured: list[Tensor] = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: captured.append(args[0][:, -1]))
     try:
         if batch_size > 1:
             tokenizer.padding_side = "left"  # generation appends on the right: the last column must be real
@@ -231,7 +231,7 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
                                                  progress=progress, batch_size=batch_size)
     states = {"hidden": hidden.float().cpu().contiguous(), "tokens": tokens.cpu(), "prompt_index": index}
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_replacing(path, lambda partial: save_file(states, str(partial)))  # a killed run leaves no truncated entry
+    write_replacing(path, lambda partial: save_file(states, str(partial)))  # a killed run leaves no truncated entry
     return states
 
 
@@ -272,6 +272,7 @@ class FlashHeadAttachment:
         self.probes = assets.n_probes if probes is None else probes
         self.enabled = True
         self._head: Optional[FlashHead] = None
+        self._built_for: Optional[Tensor] = None  # the weight Parameter the head was built over
         # An instance forward already there (accelerate's device hook wraps one): detach restores it.
         self._replaced_forward = linear.__dict__.get("forward")
 
@@ -284,28 +285,36 @@ class FlashHeadAttachment:
         self._probes = ops._require_probes(value, self.assets.num_clusters)  # when set, not inside generate()
 
     def head(self) -> FlashHead:
-        weight = self.linear.weight.detach()
-        cached = self._head
-        # Under torch.compile the weight's identity is guarded by the compiler itself; comparing
-        # data pointers would break the graph.
-        stale = cached is None or (not torch.compiler.is_compiling() and (
-            cached.embedding.data_ptr() != weight.data_ptr() or cached.embedding.dtype != weight.dtype))
-        if stale:
-            # Built outside inference mode, so a head first built inside it still serves forwards
-            # that record autograd.
-            with torch.inference_mode(False):
-                try:
-                    cached = self._head = self.assets.head(weight, self.probes)
-                except ValueError as error:
-                    if self._head is None:
-                        raise
-                    raise ValueError(f"{error}; the output head changed since attach (e.g. resize_token_embeddings): "
-                                     "detach(model) and attach it again") from error
+        weight, cached = self.linear.weight, self._head
+        # A new weight object, dtype or device: what torch.compile can test while tracing (it
+        # guards on them); a data pointer it cannot, so that test is left to eager calls.
+        if (cached is None or self._built_for is not weight or cached.embedding.dtype != weight.dtype
+                or cached.embedding.device != weight.device
+                or (not torch.compiler.is_compiling() and cached.embedding.data_ptr() != weight.data_ptr())):
+            cached = self._rebuild()
         cached.probes = self.probes
         return cached
 
+    @torch.compiler.disable  # clustering tables are checked on the host: a graph break, once per change
+    def _rebuild(self) -> FlashHead:
+        weight = self.linear.weight
+        # Built outside inference mode, so a head first built inside it still serves forwards
+        # that record autograd.
+        with torch.inference_mode(False):
+            try:
+                head = self.assets.head(weight.detach(), self.probes)
+            except ValueError as error:
+                if self._head is None:
+                    raise
+                raise ValueError(f"{error}; the output head changed since attach (e.g. resize_token_embeddings): "
+                                 "detach(model) and attach it again") from error
+        self._head, self._built_for = head, weight
+        return head
+
     def forward(self, hidden: Tensor) -> Tensor:
         if not self.enabled:
+            if self._replaced_forward is not None:
+                return self._replaced_forward(hidden)
             return nn.functional.linear(hidden, self.linear.weight)
         head = self.head()
         # The head's device, as accelerate's hook (which this forward replaces) would move it.
@@ -326,7 +335,7 @@ def _hub_cached_file(repo_id: str, filename: str, revision: Optional[str]) -> Op
     try:
         from huggingface_hub import try_to_load_from_cache
         found = try_to_load_from_cache(repo_id, filename, revision=revision)
-    except Exception:  # not a valid repo id, or no huggingface_hub: not a hub model
+    except (ImportError, ValueError):  # no huggingface_hub, or not a repo id (HFValidationError): not a hub model
         return None
     return Path(found) if isinstance(found, str) else None
 
@@ -335,13 +344,14 @@ def _published_assets_dir(model) -> Optional[Path]:
     """The directory holding a published FlashHead checkpoint's assets for ``model``, or None.
 
     A model loaded from a directory: that directory, when its ``config.json`` or a
-    ``flash_head_config.json`` beside it (what :func:`save_assets` writes) carries FlashHead keys.
-    A model loaded by hub id whose config carries them: its snapshot in the local hub cache.
+    ``flash_head_config.json`` beside it (what :func:`save_assets` writes) names an assets
+    directory. A model loaded by hub id whose config names one: its snapshot in the local hub cache
+    (``from_pretrained`` does not download the assets; a FileNotFoundError says how to).
     """
     config = getattr(model, "config", None)
     name = getattr(config, "_name_or_path", "") or ""
     if name and Path(name).is_dir():
-        return Path(name) if _read_config(Path(name)) else None
+        return Path(name) if "flash_head_cache_dir" in read_config(Path(name)) else None
     cache_dir = getattr(config, "flash_head_cache_dir", None)
     if not name or cache_dir is None:
         return None
@@ -351,7 +361,7 @@ def _published_assets_dir(model) -> Optional[Path]:
             f"the config of {name!r} names FlashHead assets (flash_head_cache_dir={cache_dir!r}) but "
             f"{cache_dir}/{TENSORS_NAME} is not in the local Hugging Face cache: fetch it with "
             f"huggingface_hub.snapshot_download({name!r}, allow_patterns=[{cache_dir + '/*'!r}]), or pass assets=")
-    return tensors.parents[1]
+    return tensors.parents[len(Path(cache_dir).parts)]
 
 
 def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build_if_missing: bool = True,
@@ -368,15 +378,17 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
             (:func:`~flashhead_ext.assets.flash_head_for`; ``build_options`` go to it).
         probes: clusters kept per step; default the assets' ``n_probes``.
         build_if_missing: with ``assets=None`` and no assets for the model, build them (the
-            default) or raise FileNotFoundError.
+            default) or raise FileNotFoundError. A model whose config names published assets that
+            are not on disk (a hub checkpoint whose assets were not downloaded) raises
+            FileNotFoundError either way, rather than get another clustering.
         tokenizer: the model's tokenizer. When a clustering is built and ``build_options`` has no
             ``hidden``, it is then calibrated on the model's own states (:func:`calibration_states`:
             several minutes on 2 CPU cores the first time, cached), which for SmolLM2 lifts top-1
             agreement at 12.5% of the vocabulary scored from 95.2% to 99.3% (docs/quality.md).
             Without it the clustering is plain k-means.
         build_options: ``special_token_ids`` (scored at every step; added to given or found
-            assets' own), and, only when a clustering is built, the other options of
-            :func:`~flashhead_ext.assets.flash_head_for`.
+            assets' own), ``progress``, and, only when a clustering is built (a TypeError
+            otherwise), the other options of :func:`~flashhead_ext.assets.flash_head_for`.
 
     The output head's weights, state dict and tying are untouched; only its forward is replaced.
     Returns the :class:`FlashHeadAttachment`, also set as ``model.flash_head``; ``detach(model)``
@@ -419,6 +431,7 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
             build_options, specials = {}, []
     elif not isinstance(assets, FlashHeadAssets):
         raise TypeError(f"assets must be FlashHeadAssets, a path or None, got {type(assets).__name__}")
+    build_options.pop("progress", None)  # changes no result
     if build_options:
         raise TypeError(f"{sorted(build_options)} apply only when attach builds a clustering, not to given or found assets")
     if specials:  # on a copy: the caller's assets keep their own
@@ -439,7 +452,7 @@ def detach(model: nn.Module) -> None:
         attachment.linear.forward = attachment._replaced_forward
     else:
         del attachment.linear.forward
-    attachment._head = None  # the head holds the output weight; the attachment may outlive the model
+    attachment._head = attachment._built_for = None  # they hold the output weight; the attachment may outlive the model
 
 
 __all__ = [

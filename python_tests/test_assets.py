@@ -57,9 +57,10 @@ def test_save_writes_nothing_when_the_config_cannot_be_written(tmp_path, cluster
     before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
     other = FlashHeadAssets.from_clustering(build_clusters(torch.randn(VOCAB, DIM), SIZE, iters=1, progress=False),
                                             special_token_ids=[1])
-    other.special_token_ids = ["eos"]  # set by hand: not an id
-    with pytest.raises(ValueError, match="invalid literal for int"):
-        save_assets(tmp_path, other)
+    for bad in (["eos"], [3.7]):  # set by hand: not ids
+        other.special_token_ids = bad
+        with pytest.raises(TypeError, match="cannot be interpreted as an integer"):
+            save_assets(tmp_path, other)
     assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
     other.special_token_ids = torch.tensor([4, 1])  # ids as a tensor are written as ints
     save_assets(tmp_path, other)

