@@ -394,6 +394,8 @@ def test_runner_bad_arguments_name_the_argument():
     # One Decoder holds one cache and length: as its own draft, the draft steps would overwrite the target's.
     with pytest.raises(ValueError, match="draft must be another Decoder than target .* build a second Decoder from the same weights"):
         FastSpeculativeDecoder(target, target, head_for(target, "dense"))
+    with pytest.raises(ValueError, match="draft must be another Decoder than target"):
+        FastSpeculativeDecoder(target, copy.copy(target), head_for(target, "dense"))  # shares the cache and length
     runner = FastSpeculativeDecoder(target, draft, head, k=4)
     with pytest.raises(ValueError, match=r"max_new_tokens=40 with a 7-token prompt and k=4 needs max_len >= 52, the target's is 48"):
         runner.generate(prompt(0), max_new_tokens=40)

@@ -122,7 +122,8 @@ class FastSpeculativeDecoder:
         k: proposals per round.
         eos_token_id: int or ints that end a generation (emitted, then stop). None: the target's
             ``eos_token_id`` (``Decoder.from_hf``: the model's ``generation_config.eos_token_id``, as
-            :class:`SpeculativeDecoder`); an empty list: never stop early.
+            :class:`SpeculativeDecoder`); an empty list: never stop early, which also lets deferred
+            mode launch a round's proposals before the host has read the last round (timing runs).
         synthetic_acceptance: None for the exact greedy verifier; a probability R in [0, 1] makes the
             verifier accept each proposal independently with probability R (seeded by ``seed``), for
             timing at real shapes with random weights; a generation's draws depend on ``seed`` and
@@ -165,7 +166,7 @@ class FastSpeculativeDecoder:
         self._build()
 
     def _check_draft(self, draft: Decoder, head) -> _HeadBase:
-        if draft is self.target:
+        if draft.length is self.target.length:  # the same Decoder, or a copy of it
             # The KV cache and its length live in the Decoder: the draft's steps would overwrite the target's.
             raise ValueError("draft must be another Decoder than target (each Decoder holds one KV cache and length); "
                              "to draft with the target's own weights, build a second Decoder from the same weights, "
