@@ -33,9 +33,8 @@ from torch import Tensor
 
 from ..graphs import capture_graph
 from ..head import DenseHead, FlashHead, _HeadBase
-from ..speculative.draft import make_draft_head
 from ..speculative.driver import (Clock, Emitter, Generation, GenerationStats, check_mode, check_prompt, eos_ids,
-                                  require_positive_int, sync)
+                                  require_positive_int, resolve_draft_head, sync)
 from .decoder import Decoder
 
 
@@ -171,21 +170,9 @@ class FastSpeculativeDecoder:
             raise ValueError("draft must be another Decoder than target (each Decoder holds one KV cache and length); "
                              "to draft with the target's own weights, build a second Decoder from the same weights, "
                              "e.g. Decoder.from_hf(model, max_len=...)")
-        vocab = self.target.config.vocab_size
-        if draft.config.vocab_size != vocab:
-            raise ValueError(f"draft must share the target's tokenizer: its vocabulary has {draft.config.vocab_size} rows, the target's {vocab}")
         if self.graphs and draft.device.type != "cuda":
             raise ValueError(f"draft must be on a CUDA device like the target when graphs are used, got {draft.device}")
-        if isinstance(head, str):
-            if head != "dense":
-                raise ValueError(f"draft_head must be 'dense' or a DenseHead/FlashHead instance, got {head!r}")
-            head = make_draft_head("dense", draft.lm_head)
-        if not isinstance(head, _HeadBase):
-            raise TypeError(f"draft_head must be 'dense', a DenseHead or a FlashHead, got {type(head).__name__}")
-        if head.vocab_size != vocab:
-            raise ValueError(f"draft_head must cover the target's vocabulary of {vocab} tokens, got {head.vocab_size}")
-        if head.hidden_dim != draft.config.hidden_size:
-            raise ValueError(f"draft_head must take the draft's hidden size {draft.config.hidden_size}, got {head.hidden_dim}")
+        head = resolve_draft_head(head, draft.lm_head, self.target.config.vocab_size)
         if head.embedding.device != draft.device:
             raise ValueError(f"draft_head must be on the draft's device {draft.device}, got {head.embedding.device}")
         return head

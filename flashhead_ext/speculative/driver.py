@@ -212,11 +212,30 @@ class Emitter:
         return done
 
 
-def _vocab_rows(model, role: str) -> int:
+def _output_embedding(model, role: str) -> Tensor:
     try:
-        return output_embedding(model).shape[0]
+        return output_embedding(model)
     except ValueError as error:
         raise ValueError(f"{role}: {error}") from None
+
+
+def resolve_draft_head(draft_head, embedding: Tensor, vocab: int) -> _HeadBase:
+    """The draft's head, after the checks both drivers make: ``"dense"`` builds a DenseHead over the
+    draft's output ``embedding [V, D]``; a DenseHead / FlashHead must cover the target's ``vocab``
+    and take the draft's hidden size D. The draft itself must share the target's vocabulary."""
+    if embedding.shape[0] != vocab:
+        raise ValueError(f"draft must share the target's tokenizer: its vocabulary has {embedding.shape[0]} rows, the target's {vocab}")
+    if isinstance(draft_head, str):
+        if draft_head != "dense":
+            raise ValueError(f"draft_head must be 'dense' or a DenseHead/FlashHead instance (build a FlashHead with make_draft_head), got {draft_head!r}")
+        draft_head = make_draft_head("dense", embedding)
+    if not isinstance(draft_head, _HeadBase):
+        raise TypeError(f"draft_head must be 'dense', a DenseHead or a FlashHead, got {type(draft_head).__name__}")
+    if draft_head.vocab_size != vocab:
+        raise ValueError(f"draft_head must cover the target's vocabulary of {vocab} tokens, got {draft_head.vocab_size}")
+    if draft_head.hidden_dim != embedding.shape[1]:  # what the draft body's final hidden states hold
+        raise ValueError(f"draft_head must take the draft's hidden size {embedding.shape[1]}, got {draft_head.hidden_dim}")
+    return draft_head
 
 
 class SpeculativeDecoder:
@@ -240,27 +259,13 @@ class SpeculativeDecoder:
         self.target = target
         self.k = require_positive_int("k", k)
         self.device = next(target.parameters()).device
-        self.vocab_size = vocab = _vocab_rows(target, "target")
+        self.vocab_size = vocab = _output_embedding(target, "target").shape[0]
         self.eos = eos_ids(eos_token_id, getattr(getattr(target, "generation_config", None), "eos_token_id", None), vocab)
         self.draft = draft
         self.head = None
         if draft is None:
             return
-        draft_vocab = _vocab_rows(draft, "draft")
-        if draft_vocab != vocab:
-            raise ValueError(f"draft must share the target's tokenizer: its vocabulary has {draft_vocab} rows, the target's {vocab}")
-        if isinstance(draft_head, str):
-            if draft_head != "dense":
-                raise ValueError(f"draft_head must be 'dense' or a DenseHead/FlashHead instance (build a FlashHead with make_draft_head), got {draft_head!r}")
-            draft_head = make_draft_head("dense", draft)
-        if not isinstance(draft_head, _HeadBase):
-            raise TypeError(f"draft_head must be 'dense', a DenseHead or a FlashHead, got {type(draft_head).__name__}")
-        if draft_head.vocab_size != vocab:
-            raise ValueError(f"draft_head must cover the target's vocabulary of {vocab} tokens, got {draft_head.vocab_size}")
-        hidden = output_embedding(draft).shape[1]  # what the draft body's final hidden states hold
-        if draft_head.hidden_dim != hidden:
-            raise ValueError(f"draft_head must take the draft's hidden size {hidden}, got {draft_head.hidden_dim}")
-        self.head = draft_head
+        self.head = resolve_draft_head(draft_head, _output_embedding(draft, "draft"), vocab)
 
     # ---- model calls -------------------------------------------------------------------------
 
