@@ -177,6 +177,25 @@ def test_acceptance_of_the_target_itself_and_of_unrelated_weights(arch):
 
 
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
+def test_caches_are_cut_back_only_by_a_positive_count(monkeypatch, mode):
+    """transformers before 5.15 reads ``crop(0)`` as "keep no positions", so a round whose proposals
+    were all accepted must not crop at all. The draft is the target itself: every round accepts all."""
+    from transformers import DynamicCache
+
+    class StrictCache(DynamicCache):
+        def crop(self, count):
+            assert count < 0, f"crop({count})"
+            super().crop(count)
+
+    new_cache = SpeculativeDecoder._new_cache
+    monkeypatch.setattr(SpeculativeDecoder, "_new_cache",
+                        lambda self, model, croppable: StrictCache() if croppable else new_cache(self, model, croppable))
+    target = tiny_model("llama")
+    gen = SpeculativeDecoder(target, target, k=3, eos_token_id=[]).generate(prompt(5), mode=mode, max_new_tokens=NEW)
+    assert gen.tokens == list(reference("llama", 5)) and gen.stats.accepted == gen.stats.proposed > 0
+
+
+@pytest.mark.parametrize("mode", ["ordinary", "deferred"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_draft_cache_is_cut_back_to_the_emitted_tokens(arch, mode):
     """A stale draft cache only lowers acceptance, so exactness cannot catch it: check positions instead.
@@ -358,7 +377,7 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
                                    for q, c in ((1, "a"), (2, "a"), (3, "b"), (5, "a"))))
     out = tmp_path / "spec.json"
     assert entry(["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--k", "3", "--prompts", str(questions),
-                     "--num-prompts", "3", "--max-new-tokens", "6", "--kmeans-iters", "2", "--json", str(out)]) == 0
+                     "--num-prompts", "3", "--max-new-tokens", "6", "--kmeans-iters", "2", "--device", "cpu", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     labels = [row["label"] for row in result["summary"]]
     assert labels == ["baseline", "ordinary/dense", "deferred/dense", "ordinary/flashhead", "deferred/flashhead"]

@@ -238,6 +238,13 @@ def resolve_draft_head(draft_head, embedding: Tensor, vocab: int) -> _HeadBase:
     return draft_head
 
 
+def _drop_last(cache, count: int) -> None:
+    """Removes the cache's last ``count`` positions; none when ``count <= 0``."""
+    # transformers before 5.15 reads crop(0) as "keep 0 positions".
+    if count > 0:
+        cache.crop(-count)
+
+
 class SpeculativeDecoder:
     """Greedy decoding of ``target``, optionally sped up by ``draft`` proposing ``k`` tokens a round.
 
@@ -296,11 +303,13 @@ class SpeculativeDecoder:
     def _new_cache(self, model, croppable: bool):
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=model.config)
         if croppable:
-            # Sliding-window layers otherwise drop old entries at once and cannot be cut back.
-            cache.activate_past_recording()
-        return cache
+            # Without a config every layer keeps all its entries, so the cache can be cut back by
+            # any count; sliding-window layers still see only their window, through the mask. A
+            # config's sliding-window layers drop old entries; recording them is missing before
+            # transformers 5.15 and mis-sizes the mask before 5.18 (docs/speculative.md).
+            return DynamicCache()
+        return DynamicCache(config=model.config)
 
     @torch.inference_mode()
     def generate(self, input_ids: Tensor, *, mode: str = "deferred", max_new_tokens: int = 64) -> Generation:
@@ -377,9 +386,9 @@ class SpeculativeDecoder:
                 while accepted < k and drafted[accepted] == targeted[accepted]:
                     accepted += 1
                 # The target cache gained the k proposals (deferred: `final` before them); keep the accepted.
-                target_cache.crop(-(k - accepted))
+                _drop_last(target_cache, k - accepted)
             # The draft cache gained proposals 1..k-1; with all k accepted it still lacks the k-th.
-            draft_cache.crop(-max(k - 1 - accepted, 0))
+            _drop_last(draft_cache, k - 1 - accepted)
             final = checks[accepted:accepted + 1]
             pending_draft = torch.cat([proposals[k - 1:], final]) if accepted == k else final
             done = emit(drafted[:accepted] + [targeted[accepted]], k, accepted)
