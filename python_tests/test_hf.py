@@ -305,14 +305,26 @@ def test_attach_refuses_an_offloaded_head():
         attach(model, FlashHeadAssets.from_clustering(build_clusters(torch.randn(67, 16), 4, iters=1, progress=False)))
 
 
+def _same_logits(compiled: torch.Tensor, eager: torch.Tensor, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Compiled and eager logits: the same candidates (finite slots) and values. Older torch
+    versions' compiled body (torch 2.6 with transformers 5.0) differs from eager in the last bits."""
+    assert torch.equal(compiled.isfinite(), eager.isfinite())
+    torch.testing.assert_close(compiled, eager, rtol=rtol, atol=atol)
+
+
 def test_attached_model_compiles_without_graph_breaks():
     model = _tiny_llama(tied=False)
-    attach(model, _tiny_assets(model))
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.no_grad():
+        try:
+            torch.compile(model, backend="eager", fullgraph=True)(ids)
+        except torch._dynamo.exc.Unsupported as error:
+            pytest.skip(f"this torch and transformers cannot compile the model itself in one graph: {error}")
+        torch._dynamo.reset()
+        attach(model, _tiny_assets(model))
         expected = model(ids).logits
         compiled = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
-    assert torch.equal(compiled, expected)
+    _same_logits(compiled, expected)
 
 
 def test_compiled_attached_model_follows_a_new_or_cast_weight():
@@ -321,14 +333,14 @@ def test_compiled_attached_model_follows_a_new_or_cast_weight():
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     compiled = torch.compile(model, backend="eager")
     with torch.no_grad():
-        assert torch.equal(compiled(ids).logits, model(ids).logits)
+        _same_logits(compiled(ids).logits, model(ids).logits)
         torch.manual_seed(9)
         model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight))
-        assert torch.equal(compiled(ids).logits, model(ids).logits)  # the head over the new weight, not the old
+        _same_logits(compiled(ids).logits, model(ids).logits)  # the head over the new weight, not the old
         model.to(torch.bfloat16)
         logits = compiled(ids).logits
-        assert model.flash_head.head().embedding.dtype == torch.bfloat16
-        assert torch.equal(logits, model(ids).logits)
+        assert model.flash_head._head.embedding.dtype == torch.bfloat16  # the compiled call rebuilt the head
+        _same_logits(logits, model(ids).logits, rtol=2e-2, atol=1e-2)  # a bf16 body
 
 
 def test_a_refused_tokenizer_leaves_no_hook_behind():
