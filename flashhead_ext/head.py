@@ -19,12 +19,15 @@ from torch import Tensor, nn
 from . import ops
 
 
+HEAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the heads and the ops take
+
+
 def _check_embedding(embedding) -> None:
     if not isinstance(embedding, Tensor):
         raise TypeError(f"embedding must be a torch.Tensor [vocab_size, hidden_dim], got {type(embedding).__name__}")
     if embedding.dim() != 2 or embedding.numel() == 0:
         raise ValueError(f"embedding must be a non-empty 2-D tensor [vocab_size, hidden_dim], got shape {tuple(embedding.shape)}")
-    if embedding.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if embedding.dtype not in HEAD_DTYPES:
         raise TypeError(f"embedding must be float16, bfloat16 or float32, got {embedding.dtype}")
 
 

