@@ -1,0 +1,34 @@
+"""The source distribution carries what a build from it needs."""
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tracked_files() -> list:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs git and a git checkout to list the tracked files")
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    return [name for name in listed.splitlines() if (ROOT / name).is_file()]
+
+
+def test_sdist_carries_every_source_file(tmp_path):
+    tracked = _tracked_files()
+    tree = tmp_path / "tree"
+    for name in tracked:  # a copy, so the sdist's egg-info and build info stay out of the checkout
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, tree / name)
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--formats=gztar", "-d", str(tmp_path / "dist")],
+                   cwd=tree, check=True, capture_output=True, env={**os.environ, "FLASHHEAD_SKIP_CUDA_BUILD": "1"})
+    (archive,) = (tmp_path / "dist").glob("*.tar.gz")
+    with tarfile.open(archive) as sdist:
+        members = {Path(*Path(name).parts[1:]).as_posix() for name in sdist.getnames()}
+    needed = [name for name in tracked if name.startswith("csrc/") or name.startswith("flashhead_ext/")
+              or name in ("setup.py", "pyproject.toml", "README.md")]
+    assert needed and not sorted(set(needed) - members)
