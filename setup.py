@@ -9,8 +9,17 @@ import os
 import sysconfig
 from pathlib import Path
 
-import torch
 from setuptools import setup
+
+try:
+    import torch
+except ImportError:
+    # pyproject.toml does not list torch as a build requirement: an isolated build would compile
+    # against whichever torch it downloads, and the extension then refuses to load under the
+    # user's own.
+    raise SystemExit("flashhead_ext compiles against the torch it will run with, and none is importable here: "
+                     "install torch first, then pip install --no-build-isolation . (a build in an isolated "
+                     "environment has no torch)")
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = Path(__file__).parent.resolve()

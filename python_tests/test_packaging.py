@@ -32,3 +32,11 @@ def test_sdist_carries_every_source_file(tmp_path):
     needed = [name for name in tracked if name.startswith("csrc/") or name.startswith("flashhead_ext/")
               or name in ("setup.py", "pyproject.toml", "README.md")]
     assert needed and not sorted(set(needed) - members)
+
+
+def test_a_build_without_torch_stops_with_advice():
+    """As in pip's isolated build environment, which pyproject.toml gives no torch."""
+    hide_torch = "import runpy, sys; sys.modules['torch'] = None; runpy.run_path('setup.py')"
+    result = subprocess.run([sys.executable, "-c", hide_torch, "--version"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "install torch first, then pip install --no-build-isolation ." in result.stderr
