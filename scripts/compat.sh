@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The CPU test suite against one torch and transformers pair: a fresh venv and a clone of the
 # committed HEAD under $FLASHHEAD_COMPAT_DIR (default /tmp/flashhead-compat), the CPU references
-# built against that torch. The README lists the pairs that passed.
-# Usage: bash scripts/compat.sh <torch version> <transformers version> [pytest args]
+# built against that torch, with the interpreter $PYTHON (default python3). The README lists the
+# pairs that passed.
+# Usage: [PYTHON=python3.10] bash scripts/compat.sh <torch version> <transformers version> [pytest args]
 set -euo pipefail
 [ $# -ge 2 ] || { echo "usage: bash scripts/compat.sh <torch version> <transformers version> [pytest args]" >&2; exit 2; }
 torch_version=$1 transformers_version=$2
 shift 2
 root=$(cd "$(dirname "$0")/.." && pwd)
-work=${FLASHHEAD_COMPAT_DIR:-/tmp/flashhead-compat}/torch-$torch_version-transformers-$transformers_version
+interpreter=${PYTHON:-python3}
+python_version=$("$interpreter" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+work=${FLASHHEAD_COMPAT_DIR:-/tmp/flashhead-compat}/python-$python_version-torch-$torch_version-transformers-$transformers_version
 mkdir -p "$work"
-[ -x "$work/venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$work/venv"
+[ -x "$work/venv/bin/python" ] || "$interpreter" -m venv "$work/venv"
 python=$work/venv/bin/python
 "$python" -m pip install -q --disable-pip-version-check "torch==$torch_version" "transformers==$transformers_version" \
   numpy tqdm safetensors pytest pytest-xdist scipy gguf accelerate sentencepiece matplotlib setuptools wheel 2>&1 \
@@ -20,5 +23,6 @@ git clone -q "$root" "$work/tree"
 cd "$work/tree"
 FLASHHEAD_SKIP_CUDA_BUILD=1 MAX_JOBS=${MAX_JOBS:-2} "$python" setup.py -q build_ext --inplace > "$work/build.log" 2>&1 \
   || { tail -30 "$work/build.log"; echo "build against torch $torch_version failed" >&2; exit 1; }
-"$python" -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"
+"$python" -c "import sys, torch, transformers
+print('python', sys.version.split()[0], '| torch', torch.__version__, '| transformers', transformers.__version__)"
 PYTHONPATH=$PWD "$python" -m pytest python_tests -q -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" "$@"
