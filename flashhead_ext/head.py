@@ -145,8 +145,10 @@ class FlashHead(_HeadBase):
             multiple of b. Copied, and checked once here (ids in range, disjoint, no empty cluster).
         probes: clusters kept per step, 1..C.
         special_token_ids: tokens scored at every step whatever the clusters (e.g. EOS).
-        sampling_centroids: centroids for sampling mode, if they differ from ``centroids`` (the
-            published FlashHead ranks greedy with L2-normalised and samples with raw centroids).
+        sampling_centroids: centroids for sampling mode (default: ``centroids``). The published
+            FlashHead ranks greedy with L2-normalised and samples with raw centroids: from a
+            :class:`Clustering`, pass ``centroids`` and ``raw_centroids`` (as
+            ``FlashHeadAssets.head`` does).
 
     The buffers are the head's own, so ``load_state_dict`` changes no other object, and it runs
     the constructor's checks on what it loads. The state dict holds ``centroids``,

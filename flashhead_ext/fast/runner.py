@@ -115,14 +115,17 @@ class FastSpeculativeDecoder:
     Args:
         target, draft: two :class:`Decoder` objects with the same vocabulary (``draft`` None: baseline
             only); each holds its own cache, so a draft with the target's weights is a second Decoder
-            built from them. They may sit on different devices: ``draft_device`` placement.
+            built from them. They may sit on different devices: build the draft Decoder (and its
+            head) on the other one (the CLIs' ``--draft-device`` does this). With graphs, both
+            need ``max_len >= 3 * (k + 2)``.
         draft_head: ``"dense"`` (the draft's own output embedding; a float32 copy of a float64 one)
             or a DenseHead / FlashHead on the draft's device.
         k: proposals per round.
         eos_token_id: int or ints that end a generation (emitted, then stop). None: the target's
             ``eos_token_id`` (``Decoder.from_hf``: the model's ``generation_config.eos_token_id``, as
             :class:`SpeculativeDecoder`); an empty list: never stop early, which also lets deferred
-            mode launch a round's proposals before the host has read the last round (timing runs).
+            mode with a ``"persistent"`` draft body launch a round's proposals before the host has
+            read the last round (timing runs).
         synthetic_acceptance: None for the exact greedy verifier; a probability R in [0, 1] makes the
             verifier accept each proposal independently with probability R (seeded by ``seed``), for
             timing at real shapes with random weights; a generation's draws depend on ``seed`` and
@@ -132,9 +135,9 @@ class FastSpeculativeDecoder:
         graphs: capture the steps as CUDA graphs; default: when the target is on a GPU. The steps are
             built for the models' ``body`` and ``attention`` at construction: set those first
             (``generate`` refuses a later change).
-        max_new_tokens: the longest generation the caches must hold, with ``max_len`` of both models
-            ``>= prompt + max_new_tokens + k + 1`` (baseline: the target's ``>= prompt +
-            max_new_tokens - 1``; checked per call).
+
+    ``generate(prompt, max_new_tokens=n)`` needs ``max_len`` of both models ``>= prompt + n + k + 1``
+    (baseline: the target's ``>= prompt + n - 1``), checked per call.
     """
 
     def __init__(self, target: Decoder, draft: Optional[Decoder] = None,
