@@ -187,14 +187,15 @@ def test_bad_input(tmp_path, capsys):
 def test_bundled_prompts_ship_with_the_package():
     # The demo and the CLIs read these by default, so a fresh checkout or a wheel must carry them.
     import fnmatch
-    import tomllib
     from pathlib import Path
 
     import flashhead_ext
 
     package = Path(flashhead_ext.__file__).parent
     assert DEFAULT_PROMPTS.is_file() and package in DEFAULT_PROMPTS.parents
-    pyproject = tomllib.loads((package.parent / "pyproject.toml").read_text())
+    # tomllib is Python >= 3.11; setuptools reads pyproject.toml on 3.10 too.
+    from setuptools.config.pyprojecttoml import read_configuration
+    pyproject = read_configuration(package.parent / "pyproject.toml", expand=False)
     patterns = pyproject["tool"]["setuptools"]["package-data"]["flashhead_ext"]
     assert any(fnmatch.fnmatch(DEFAULT_PROMPTS.relative_to(package).as_posix(), p) for p in patterns)
     odd, even = (questions_by_category(DEFAULT_PROMPTS, parity) for parity in ("odd", "even"))
