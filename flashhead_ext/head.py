@@ -138,7 +138,10 @@ class FlashHead(_HeadBase):
     """Retrieval head: score C centroids, keep the best ``probes`` clusters, exact logits on their tokens.
 
     Args:
-        embedding: the output embedding ``[V, D]`` (kept by reference, not copied).
+        embedding: the output embedding ``[V, D]`` (kept by reference, not copied). It is a
+            non-persistent buffer, so ``head.to(...)``, or a ``to()`` of a module that holds the
+            head, moves or casts it into a new tensor apart from the model's weight; ``attach``
+            keeps the head outside the model and rebuilds it over the moved weight instead.
         centroids: ``[C, D]`` cluster centroids used to rank clusters for greedy decoding (copied,
             in the embedding's dtype and on its device).
         cluster_tokens: ``[C, b]`` token ids of each cluster; -1 pads clusters when V is not a
