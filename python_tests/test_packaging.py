@@ -11,9 +11,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tracked_files() -> list:
+def _checkout_files() -> list:
     if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("needs git and a git checkout to list the tracked files")
+        pytest.skip("needs git and a git checkout to list the source files")
     # Untracked files that git does not ignore count too: a new file belongs to the next commit.
     listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout
@@ -21,9 +21,9 @@ def _tracked_files() -> list:
 
 
 def test_sdist_carries_every_source_file(tmp_path):
-    tracked = _tracked_files()
+    files = _checkout_files()
     tree = tmp_path / "tree"
-    for name in tracked:  # a copy, so the sdist's egg-info and build info stay out of the checkout
+    for name in files:  # a copy, so the sdist's egg-info and build info stay out of the checkout
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, tree / name)
     subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--formats=gztar", "-d", str(tmp_path / "dist")],
@@ -31,7 +31,7 @@ def test_sdist_carries_every_source_file(tmp_path):
     (archive,) = (tmp_path / "dist").glob("*.tar.gz")
     with tarfile.open(archive) as sdist:
         members = {Path(*Path(name).parts[1:]).as_posix() for name in sdist.getnames()}
-    needed = [name for name in tracked if name.startswith("csrc/") or name.startswith("flashhead_ext/")
+    needed = [name for name in files if name.startswith("csrc/") or name.startswith("flashhead_ext/")
               or name in ("setup.py", "pyproject.toml", "README.md")]
     assert needed and not sorted(set(needed) - members)
 
