@@ -9,7 +9,7 @@ import torch
 
 import reference as ref
 from flashhead_ext import ops
-from helpers import (DEVICES, DTYPES, Shape, assert_same_ids, assert_values_close, check_decode_greedy,
+from helpers import (DEVICES, DTYPES, Problem, Shape, assert_same_ids, assert_values_close, check_decode_greedy,
                      check_decode_sample, check_ranked_selection, exact_on, make_problem)
 
 # B in 1, 3, 17; D in 64, 576 and odd 7 and 1; C not a power of two; p in 1, C//16, C; b in 1, 4, 16;
@@ -213,3 +213,26 @@ def test_selection_at_every_cached_row_length(rounds, device):
     seed = 5 + rounds
     tokens, logprobs = ops.decode_sample(*problem.args()[:5], TEMPERATURE, problem.extra_ids, seed=seed)
     check_decode_sample(tokens, logprobs, problem, TEMPERATURE, seed, exact_on(device))
+
+
+# The selection's radix passes: one far outlier stretches the first pass's bins (4096 over the
+# range from the lower bound to the row maximum) so wide that 600 keys a few ulps apart around the
+# p-th share one bin, and two more passes must split it; five of them tie with the p-th key, so the
+# smaller ids must win after the passes. D = 1 in float32 and hidden values that are powers of two
+# make every score and logit exact, so ids must match the reference on every device.
+@device_params
+@pytest.mark.parametrize("p", [256, 593])
+def test_selection_splits_a_crowded_boundary_bin(p, device):
+    gen = torch.Generator().manual_seed(p)
+    C = 9496
+    values = torch.rand(C, generator=gen) * 1.5 - 1.0  # below the crowd: [-1, 0.5)
+    crowd = 1.0 + torch.arange(600, dtype=torch.float32) * 2.0 ** -23  # consecutive floats from 1.0
+    where = torch.randperm(C, generator=gen)
+    values[where[:600]] = crowd
+    values[where[600]] = 1.0e6
+    values[where[601:606]] = crowd[600 - (p - 1)]  # ties with the p-th key
+    problem = Problem(hidden=torch.tensor([[1.0], [2.0], [0.5]]), centroids=values[:, None],
+                      cluster_tokens=torch.arange(C, dtype=torch.int32)[:, None],
+                      embedding=torch.rand(C, 1, generator=gen) * 2.0 - 1.0, probes=p, extra_ids=None).to(device)
+    _select_and_check(problem, exact=True)
+    check_decode_greedy(ops.decode_greedy(*problem.args()), problem, exact=True)

@@ -9,13 +9,15 @@
 //  2. The survivors are compacted into shared memory by a block-wide prefix sum (a few hundred
 //     keys for p = 256 of ~10k).
 //  3. A radix select over the survivors finds the p-th key: each pass splits the key range still
-//     in question, [floor, row maximum] at first, into 256 shared-histogram bins of 2^s keys, s
+//     in question, [floor, row maximum] at first, into 4096 shared-histogram bins of 2^s keys, s
 //     the smallest that covers the range, and keeps the bin holding the p-th key; it ends once
-//     that bin holds exactly the keys still needed, or one key value. Fitting the bins to the
-//     range (the survivors span a few binades) takes two passes where fixed 8-bit digits of the
-//     key take three. A last pass collects the winners as packed (key, id) pairs: by shared
-//     atomics, or, where the list's order must be the same on every run, by a block-wide prefix
-//     sum. If the survivors overflow shared memory, steps 3-4 read the register keys instead.
+//     that bin holds exactly the keys still needed, or one key value. The first histogram is
+//     counted by the compaction's own loop, and each pass costs about as much whatever its bin
+//     count (four bins a thread), so the wide bins mostly leave no pass at all: at p = 256 the
+//     boundary bin usually holds the p-th key alone. A last pass collects the winners as packed
+//     (key, id) pairs: by shared atomics, or, where the list's order must be the same on every
+//     run, by a block-wide prefix sum. If the survivors overflow shared memory, steps 3-4 read the
+//     register keys instead.
 //  4. Only an exact tie at the boundary needs id order (ties go to the smaller cluster id):
 //     a block-wide prefix count over the register keys, in id order, picks the smallest ids.
 // Rank order, when asked for, is a bitonic sort of the p pairs: one pair per thread, shuffles
@@ -39,11 +41,13 @@ constexpr int kMinSelectCached = 8;
 // Longest selection list kept (and sorted) in shared memory; longer lists live in the workspace.
 constexpr int kSmemListMax = 4096;
 constexpr int kMaxSurvivors = 8192;
-constexpr int kRadixBits = 8;
+constexpr int kRadixBits = 12;
 constexpr int kRadixBins = 1 << kRadixBits;
+// Each thread scans (and clears) four consecutive bins with one 16-byte access.
+static_assert(kRadixBins == 4 * kSelectThreads, "a thread owns one uint4 of bins");
 
 struct SelectShared {
-  uint32_t hist[2][kRadixBins];  // double-buffered: the next pass's histogram is cleared early
+  alignas(16) uint32_t hist[kRadixBins];
   uint32_t warp_counts[kSelectWarps];
   uint32_t warp_max[kSelectWarps];
   uint32_t digit, need, tied;
@@ -207,45 +211,45 @@ struct Threshold {
   uint32_t lo, hi, need, tied;
 };
 
-// The k-th largest of the valid keys, all of them in `range`.
+// Bins of 2^shift keys that cover [lo, hi] in kRadixBins bins: (hi - lo) >> shift < kRadixBins.
+__device__ __forceinline__ int radix_shift(uint32_t lo, uint32_t hi) { return max(0, 32 - __clz(hi - lo) - kRadixBits); }
+
+// Counts a valid key of [lo, hi] into sh.hist at radix_shift(lo, hi).
+__device__ __forceinline__ void count_key(uint32_t key, uint32_t lo, int shift, SelectShared& sh) {
+  atomicAdd(&sh.hist[(key - lo) >> shift], 1u);
+}
+
+// The k-th largest of the valid keys, all of them in `range`. On entry sh.hist holds their
+// histogram over `range` (count_key at radix_shift(range)) and every thread has passed a barrier
+// since.
 template <typename Keys>
 __device__ __forceinline__ Threshold radix_select(const Keys& keys, uint32_t k, KeyRange range, SelectShared& sh) {
   uint32_t lo = range.lo, hi = range.hi, need = k, tied = 0;
-  if (threadIdx.x < kRadixBins) sh.hist[1][threadIdx.x] = 0;
-  __syncthreads();
-  for (int pass = 0;; ++pass) {
-    // Bins of 2^shift keys: (hi - lo) >> shift < kRadixBins.
-    const int shift = max(0, 32 - __clz(hi - lo) - kRadixBits);
-    uint32_t* hist = sh.hist[(pass + 1) & 1];
-    keys.for_each_round([&](int, uint32_t key, bool valid) {
-      if (valid && key >= lo && key <= hi) atomicAdd(&hist[(key - lo) >> shift], 1u);
-    });
-    __syncthreads();
-    if (threadIdx.x < kWarpSize) {
-      // Lane l scans bins 255-8l down to 248-8l: a warp prefix sum from the top bin down finds the
-      // bin holding the need-th largest key.
-      constexpr int kPerLane = kRadixBins / kWarpSize;
-      const int lane = threadIdx.x;
-      uint32_t counts[kPerLane], total = 0;
+  uint4* bins = reinterpret_cast<uint4*>(sh.hist);
+  for (;;) {
+    const int shift = radix_shift(lo, hi);
+    // Thread t scans bins 4 (1023 - t) + 3 down to 4 (1023 - t): a block-wide prefix sum from the
+    // top bin down finds the bin holding the need-th largest key. Only this thread reads its bins,
+    // so it clears them at once for the next pass.
+    const int owned = kSelectThreads - 1 - static_cast<int>(threadIdx.x);
+    const uint4 v = bins[owned];
+    bins[owned] = make_uint4(0u, 0u, 0u, 0u);
+    const uint32_t counts[4] = {v.w, v.z, v.y, v.x};
+    const uint32_t total = v.x + v.y + v.z + v.w;
+    uint32_t all;
+    uint32_t before = block_exclusive_sum(total, all, sh);
+    if (before < need && need <= before + total) {
+      bool found = false;
 #pragma unroll
-      for (int q = 0; q < kPerLane; ++q) total += counts[q] = hist[kRadixBins - 1 - kPerLane * lane - q];
-      const uint32_t inclusive = warp_inclusive_sum(total);
-      uint32_t before = inclusive - total;
-      if (before < need && need <= inclusive) {
-        bool found = false;
-#pragma unroll
-        for (int q = 0; q < kPerLane; ++q) {
-          if (!found && before + counts[q] >= need) {
-            found = true;
-            sh.digit = kRadixBins - 1 - kPerLane * lane - q;
-            sh.need = need - before;
-            sh.tied = counts[q];
-          }
-          if (!found) before += counts[q];
+      for (int q = 0; q < 4; ++q) {
+        if (!found && before + counts[q] >= need) {
+          found = true;
+          sh.digit = 4 * owned + 3 - q;
+          sh.need = need - before;
+          sh.tied = counts[q];
         }
+        if (!found) before += counts[q];
       }
-    } else if (threadIdx.x >= kWarpSize && threadIdx.x < kWarpSize + kRadixBins) {
-      sh.hist[pass & 1][threadIdx.x - kWarpSize] = 0;
     }
     __syncthreads();
     lo += sh.digit << shift;  // <= hi: the bin holds a key
@@ -253,6 +257,11 @@ __device__ __forceinline__ Threshold radix_select(const Keys& keys, uint32_t k, 
     need = sh.need;
     tied = sh.tied;
     if (tied == need || shift == 0) break;
+    const int next = radix_shift(lo, hi);
+    keys.for_each_round([&](int, uint32_t key, bool valid) {
+      if (valid && key >= lo && key <= hi) count_key(key, lo, next, sh);
+    });
+    __syncthreads();
   }
   return {lo, hi, need, tied};
 }
@@ -319,6 +328,9 @@ __device__ __forceinline__ void collect_ties(const Keys& keys, const Threshold& 
 template <bool kStable, typename Keys>
 __device__ __forceinline__ void select_top(Keys& keys, int p, uint64_t* list, uint64_t* survivors,
                                            uint32_t capacity, SelectShared& sh) {
+  // radix_select's first histogram, counted below: cleared before the barriers of the range and
+  // of the prefix sum.
+  reinterpret_cast<uint4*>(sh.hist)[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
   const KeyRange range = selection_range(keys, p, sh);
   keys.floor = range.lo;
   // Compaction without atomics: each thread's count, a block-wide exclusive scan, then writes.
@@ -326,15 +338,18 @@ __device__ __forceinline__ void select_top(Keys& keys, int p, uint64_t* list, ui
   keys.for_each_round([&](int, uint32_t, bool valid) { mine += valid; });
   uint32_t num_survivors;
   uint32_t at = block_exclusive_sum(mine, num_survivors, sh);
-  if (num_survivors <= capacity)
-    keys.for_each_round([&](int idx, uint32_t key, bool valid) {
-      if (valid) survivors[at++] = pack_ranked(key, idx);
-    });
+  const bool compacted = num_survivors <= capacity;
+  const int shift = radix_shift(range.lo, range.hi);
+  keys.for_each_round([&](int idx, uint32_t key, bool valid) {
+    if (!valid) return;
+    if (compacted) survivors[at++] = pack_ranked(key, idx);
+    count_key(key, range.lo, shift, sh);
+  });
   if (threadIdx.x == 0) sh.count = 0;  // warp_append's fill count
   __syncthreads();
   Threshold th;
   uint32_t count;
-  if (num_survivors <= capacity) {
+  if (compacted) {
     const SurvivorKeys compact{survivors, static_cast<int>(num_survivors)};
     th = radix_select(compact, p, range, sh);
     count = collect_above<kStable>(compact, th, list, sh);
