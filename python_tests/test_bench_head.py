@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flashhead_ext.bench.__main__ import main
-from flashhead_ext.bench.head import SHAPES, HeadState
+from flashhead_ext.bench.head import SHAPES, HeadState, add_ratios, summary
 
 
 def test_head_bench_cli_with_special_tokens(tmp_path, capsys):
@@ -44,3 +44,16 @@ def test_bench_lists_its_benchmarks(capsys):
     assert main(["--help"]) == 0  # asked for: success
     assert "head,clusters,draft-step,spec,layer-ops" in capsys.readouterr().out
     assert main(["nonesuch"]) == 2
+
+
+def test_summary_names_a_baseline_that_was_not_run():
+    point = dict(shape="qwen3-0.6b", batch=1, probes=256, mode="graph")
+    rows = [dict(point, impl="dense", us=84.0), dict(point, impl="flash_greedy", us=21.0)]
+    add_ratios(rows)
+    text = summary(rows, "qwen3-0.6b")
+    assert "flash_greedy 21.0 us" in text and "4.00x dense (goal >= 6)" in text
+    assert "torch_flash not run" in text and "nan" not in text
+    rows.append(dict(point, impl="torch_flash", us=63.0))
+    add_ratios(rows)
+    assert "3.00x torch_flash (goal >= 4)" in summary(rows, "qwen3-0.6b")
+    assert "nothing to compare" in summary([dict(r, mode="eager") for r in rows], "qwen3-0.6b")
