@@ -241,7 +241,7 @@ def summary(rows: list[dict], main_shape: str) -> str:
             and (f := pick(shape=main_shape, batch=b, impl="flash_greedy", mode="graph")) and d["us"] <= f["us"]]
     if batch_rows:
         lines.append(f"  dense wins from batch: {wins[0] if wins else 'never up to ' + str(batch_rows[-1])}")
-    if len(lines) == 2:
+    if not greedy and not batch_rows:
         lines.append(f"  nothing to compare with the goals: no graph-replayed {main_shape} point at B=1, p=256 "
                      "and no dense batch sweep")
     return "\n".join(lines)
