@@ -7,6 +7,7 @@ CUDA graphs and check them against eager runs and for host syncs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -28,21 +29,32 @@ VOCAB = 97
 NEW = 20
 
 
+# Scaled RoPE as Llama 3.1 / 3.2 (llama3) and long-context Qwen3 (yarn) checkpoints set it, with an
+# original context of 16 so that a short test runs past it.
+ROPE_SCALINGS = {
+    "linear": dict(rope_type="linear", factor=3.0),
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
+}
+
+
 @functools.lru_cache(maxsize=None)
-def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64):
+def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope: str = "default"):
     """``arch`` "llama" or "qwen3" (odd sizes); "-aligned": sizes that are whole 16-byte vectors of
-    float32, which the CUDA decoder_step kernel needs."""
+    float32, which the CUDA decoder_step kernel needs. ``rope``: "default" or a ROPE_SCALINGS key."""
     aligned = arch.endswith("-aligned")
+    theta = 500.0 if arch.startswith("llama") else 10000.0
+    rope_parameters = dict(rope_type="default", rope_theta=theta) if rope == "default" else dict(ROPE_SCALINGS[rope], rope_theta=theta)
     if arch.startswith("llama"):  # GQA 6:2, head_dim 8 from hidden/heads, untied head
         cls, config = transformers.LlamaForCausalLM, transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=48, intermediate_size=72 if aligned else 71, num_hidden_layers=3,
-            num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, rope_theta=500.0,
+            num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, rope_parameters=rope_parameters,
             tie_word_embeddings=False)
     else:  # MHA 5:5 with head_dim != hidden/heads (odd sizes), q/k norms, tied head
         cls, config = transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
             vocab_size=VOCAB, hidden_size=40, intermediate_size=56 if aligned else 53, num_hidden_layers=3,
             num_attention_heads=5, num_key_value_heads=5, head_dim=8 if aligned else 6, max_position_embeddings=256,
-            tie_word_embeddings=True, initializer_range=0.3)
+            rope_parameters=rope_parameters, tie_word_embeddings=True, initializer_range=0.3)
     torch.manual_seed(seed)
     model = cls(config).to(dtype).eval()
     model.generation_config.eos_token_id = None  # the references are fixed-length greedy runs (Llama's config says 2)
@@ -83,14 +95,35 @@ def test_logits_match_transformers_prefill_and_step_by_step(arch, dtype, attenti
     ids = prompt(1, length=13)
     with torch.no_grad():
         expected = model(input_ids=ids.view(1, -1)).logits[0]
-    got = [decoder.logits(decoder.forward(ids[:6]))]
-    decoder.length += 6
-    for i in range(6, 13):
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_prefill_then_steps(decoder, ids, 6), expected, **tol)
+    assert int(decoder.length) == 13
+
+
+def _prefill_then_steps(decoder: Decoder, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits of ``ids``: the first ``prefill`` in one forward, then one token a forward."""
+    got = [decoder.logits(decoder.forward(ids[:prefill]))]
+    decoder.length += prefill
+    for i in range(prefill, ids.shape[0]):
         got.append(decoder.logits(decoder.forward(ids[i:i + 1])))
         decoder.length += 1
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(torch.cat(got), expected, **tol)
-    assert int(decoder.length) == 13
+    return torch.cat(got)
+
+
+@pytest.mark.parametrize("rope", sorted(ROPE_SCALINGS))
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_scaled_rope_matches_transformers_past_the_original_context(arch, rope):
+    model = hf_model(arch, rope=rope)
+    decoder = Decoder.from_hf(model, max_len=40)
+    ids = prompt(4, length=37)
+    with torch.no_grad():
+        expected = model(input_ids=ids.view(1, -1)).logits[0]
+    torch.testing.assert_close(_prefill_then_steps(decoder, ids, 12), expected, rtol=1e-5, atol=1e-5)
+    # The scaling matters here: the default frequencies miss the model's logits by far more.
+    unscaled = Decoder(dataclasses.replace(decoder.config, rope_inv_freq=None, rope_attention_scaling=1.0),
+                       dict(embed=decoder.embed, lm_head=decoder.lm_head, final_norm=decoder.final_norm, layers=decoder.stacked),
+                       max_len=40)
+    assert (unscaled.logits(unscaled.forward(ids)) - expected).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -152,10 +185,21 @@ def test_decoder_bad_arguments_name_the_argument():
                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     with pytest.raises(ValueError, match="config must be a llama or qwen3 config"):
         DecoderConfig.from_hf(gemma)
-    scaled = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, rope_scaling=dict(rope_type="linear", factor=2.0))
-    with pytest.raises(ValueError, match="rope_type 'linear' is not implemented"):
-        DecoderConfig.from_hf(scaled)
+    dynamic = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, rope_scaling=dict(rope_type="dynamic", factor=2.0))
+    with pytest.raises(ValueError, match="rope_type 'dynamic' is not implemented by the fast decoder"):
+        DecoderConfig.from_hf(dynamic)
+    partial = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                                                   partial_rotary_factor=0.5))
+    with pytest.raises(ValueError, match="partial_rotary_factor is 0.5; the fast decoder rotates the whole head"):
+        DecoderConfig.from_hf(partial)
+    with pytest.raises(ValueError, match=r"rope_inv_freq must be None or a tuple of head_dim / 2 = 1 finite positive"):
+        DecoderConfig(10, 8, 8, 1, 4, 4, 2, rope_inv_freq=(1.0, 0.5))
+    with pytest.raises(ValueError, match=r"rope_inv_freq must be None or a tuple"):
+        DecoderConfig(10, 8, 8, 1, 4, 4, 2, rope_inv_freq=(float("nan"),))
+    with pytest.raises(ValueError, match="rope_attention_scaling must be a finite positive float, got 0.0"):
+        DecoderConfig(10, 8, 8, 1, 4, 4, 2, rope_attention_scaling=0.0)
     with pytest.raises(ValueError, match="num_heads .6. must be a multiple of num_kv_heads .4."):
         DecoderConfig(10, 8, 8, 1, 6, 4, 2)
     with pytest.raises(ValueError, match="state_dict has no 'model.layers.0.mlp.down_proj.weight'"):
@@ -512,6 +556,19 @@ def test_fused_bodies_on_cpu_match_eager_and_are_exact(arch, mode, body):
     model = hf_model(arch, dtype=torch.float32)
     target, draft = Decoder.from_hf(model, max_len=48), Decoder.from_hf(model, max_len=48, num_layers=1)
     _check_short_step_body(target, draft, body, mode, arch)
+
+
+@pytest.mark.parametrize("body", ["fused", "persistent"])
+def test_scaled_rope_in_the_short_step_bodies(body, device):
+    """The fused and persistent bodies rotate by the scaled tables too (llama3, as Llama 3.2 drafts
+    set it): a 12-token prefill, then one-token steps past the original context."""
+    model = hf_model("llama-aligned", dtype=torch.float32, rope="llama3")
+    decoder = Decoder.from_hf(model, max_len=40, device=device)
+    decoder.body = body
+    ids = prompt(5, length=37)
+    with torch.no_grad():
+        expected = model(input_ids=ids.view(1, -1)).logits[0]
+    torch.testing.assert_close(_prefill_then_steps(decoder, ids.to(device), 12).cpu(), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_body_runs_forwards_of_at_most_16_tokens_prefills_included(monkeypatch):

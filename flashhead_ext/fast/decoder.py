@@ -21,6 +21,9 @@ from torch import Tensor
 from .. import ops
 
 SUPPORTED = ("llama", "qwen3")  # SmolLM2 is a Llama; Qwen3 adds RMSNorm on q and k
+# Rotary types whose frequencies transformers computes once (the decoder builds its tables from
+# them); "dynamic" and "longrope" change them with the sequence length.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # "sdpa": torch's fused attention; "matmul": baddbmm + softmax + bmm, more parallel for a few
 # query rows over a long cache (docs/benchmarks.md, issue 6, compares them).
 ATTENTION = ("sdpa", "matmul")
@@ -39,6 +42,10 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     qk_norm: bool = False
     tie_word_embeddings: bool = False
+    # A scaled RoPE (rope_type linear, llama3, yarn): its head_dim / 2 inverse frequencies and the
+    # factor on cos and sin, as transformers computes them; None: rope_theta's default frequencies.
+    rope_inv_freq: Optional[tuple] = None
+    rope_attention_scaling: float = 1.0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -49,6 +56,15 @@ class DecoderConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_inv_freq is not None:
+            freqs = self.rope_inv_freq
+            if not isinstance(freqs, tuple) or len(freqs) != self.head_dim // 2 or not all(
+                    isinstance(f, float) and math.isfinite(f) and f > 0 for f in freqs):
+                raise ValueError(f"rope_inv_freq must be None or a tuple of head_dim / 2 = {self.head_dim // 2} finite "
+                                 f"positive floats, got {freqs!r:.80}")
+        scaling = self.rope_attention_scaling
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not (math.isfinite(scaling) and scaling > 0):
+            raise ValueError(f"rope_attention_scaling must be a finite positive float, got {scaling!r}")
 
     @classmethod
     def from_hf(cls, config, num_layers: Optional[int] = None) -> "DecoderConfig":
@@ -64,9 +80,20 @@ class DecoderConfig:
             raise ValueError("config.use_sliding_window is set; the fast decoder attends to the whole cache")
         rope = dict(getattr(config, "rope_parameters", None) or {})
         rope_type = rope.get("rope_type", "default")
-        if rope_type != "default":
-            raise ValueError(f"config's rope_type {rope_type!r} is not implemented by the fast decoder (only 'default')")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"config's rope_type {rope_type!r} is not implemented by the fast decoder (one of {ROPE_TYPES}: "
+                             "frequencies that do not change with the sequence length)")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"config's partial_rotary_factor is {rope['partial_rotary_factor']}; the fast decoder rotates "
+                             "the whole head (1.0)")
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq, attention_scaling = None, 1.0
+        if rope_type != "default":
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            # transformers' own function, so the tables are the model's to the bit.
+            freqs, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            inv_freq = tuple(float(f) for f in freqs.float())
         layers = config.num_hidden_layers
         if num_layers is not None:
             if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= layers:
@@ -79,6 +106,7 @@ class DecoderConfig:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, rms_norm_eps=config.rms_norm_eps,
             rope_theta=float(theta), qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            rope_inv_freq=inv_freq, rope_attention_scaling=float(attention_scaling),
         )
 
 
@@ -197,12 +225,16 @@ class Decoder:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.length = torch.zeros((), dtype=torch.int64, device=self.device)
         self._positions = torch.arange(max_len, device=self.device)
-        # Rotary tables as transformers builds them: angles in float32, cos/sin cast to the model dtype.
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        # Rotary tables as transformers builds them: angles in float32, cos/sin scaled (yarn), then
+        # cast to the model dtype.
+        if c.rope_inv_freq is None:
+            inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        else:
+            inv_freq = torch.tensor(c.rope_inv_freq, dtype=torch.float32)
         angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
-        self._cos = angles.cos().to(self.device, self.dtype)
-        self._sin = angles.sin().to(self.device, self.dtype)
+        self._cos = (angles.cos() * c.rope_attention_scaling).to(self.device, self.dtype)
+        self._sin = (angles.sin() * c.rope_attention_scaling).to(self.device, self.dtype)
 
     # ---- construction ------------------------------------------------------------------------
 
