@@ -91,7 +91,7 @@ class DecoderConfig:
         if rope_type != "default":
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            # transformers' own function, so the tables are the model's to the bit.
+            # transformers' own function: the model's frequencies and factor, not a copy of its formulas.
             freqs, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
             inv_freq = tuple(float(f) for f in freqs.float())
         layers = config.num_hidden_layers
