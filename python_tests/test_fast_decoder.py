@@ -1,6 +1,7 @@
 """The fast path (flashhead_ext.fast): decoder vs transformers, static cache, exact runner, synthetic mode.
 
-CPU tests run tiny Llama (untied, GQA) and Qwen3 (tied, q/k norms, MHA) models with odd sizes, eagerly,
+CPU tests run tiny Llama (untied, GQA), Qwen3 (tied, q/k norms, MHA) and Gemma-3 (GELU, four norms a
+layer, scaled embeddings, sliding-window layers with their own rotary) models with odd sizes, eagerly,
 in float64 (the runner's exactness) and float32 (the decoder's logits). GPU tests capture the steps as
 CUDA graphs and check them against eager runs and for host syncs.
 """
@@ -18,6 +19,7 @@ from scipy import stats as scipy_stats
 
 from flashhead_ext import DenseHead, FlashHead
 from flashhead_ext.fast import Decoder, DecoderConfig, FastSpeculativeDecoder
+from flashhead_ext.fast.decoder import BODIES
 from flashhead_ext.speculative import MODES
 from flashhead_ext.speculative.runner import plan_configs, run_interleaved, summarize
 from helpers import one_thread  # noqa: F401  (an autouse fixture)
@@ -40,8 +42,11 @@ ROPE_SCALINGS = {
 
 @functools.lru_cache(maxsize=None)
 def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope: str = "default"):
-    """``arch`` "llama" or "qwen3" (odd sizes); "-aligned": sizes that are whole 16-byte vectors of
-    float32, which the CUDA decoder_step kernel needs. ``rope``: "default" or a ROPE_SCALINGS key."""
+    """``arch`` "llama", "qwen3" or "gemma3" (odd sizes); "-aligned": sizes that are whole 16-byte
+    vectors of float32, which the CUDA decoder_step kernel needs. ``rope``: "default" or a
+    ROPE_SCALINGS key (Llama and Qwen3)."""
+    if arch == "gemma3":
+        return _gemma3_model(seed, dtype)
     aligned = arch.endswith("-aligned")
     theta = 500.0 if arch.startswith("llama") else 10000.0
     rope_parameters = dict(rope_type="default", rope_theta=theta) if rope == "default" else dict(ROPE_SCALINGS[rope], rope_theta=theta)
@@ -58,6 +63,33 @@ def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope:
     torch.manual_seed(seed)
     model = cls(config).to(dtype).eval()
     model.generation_config.eos_token_id = None  # the references are fixed-length greedy runs (Llama's config says 2)
+    return model
+
+
+def _gemma3_model(seed: int, dtype: torch.dtype):
+    """GQA 4:2 with head_dim 6, a sliding window of 5 in layers 1 and 2 (rotary base 50) and a
+    linearly scaled rotary in layers 0 and 3, a softmax scale from query_pre_attn_scalar, tied head. Norm
+    weights are drawn (transformers starts them at 0, which would hide Gemma's 1 + weight)."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=40, intermediate_size=53, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=6, query_pre_attn_scalar=11, max_position_embeddings=256, sliding_window=5,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=50.0)},
+        initializer_range=0.3)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForCausalLM(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith("norm.weight"):
+                weight.normal_(0.0, 0.5)
+    if dtype == torch.float64:
+        # transformers' Gemma3RMSNorm computes in float32 whatever the model dtype (a 1e-6 difference
+        # in these logits); the float64 reference keeps the decoder's float64.
+        for module in model.modules():
+            if type(module).__name__ == "Gemma3RMSNorm":
+                module.forward = functools.partial(lambda norm, x: norm._norm(x) * (1.0 + norm.weight), module)
+    model.generation_config.eos_token_id = None
     return model
 
 
@@ -86,13 +118,13 @@ def head_for(decoder: Decoder, kind: str):
 
 @pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_logits_match_transformers_prefill_and_step_by_step(arch, dtype, attention):
     model = hf_model(arch, dtype=dtype)
     decoder = Decoder.from_hf(model, max_len=24)
     decoder.attention = attention
-    assert decoder.config.qk_norm == (arch == "qwen3") and (decoder.lm_head is decoder.embed) == (arch == "qwen3")
-    ids = prompt(1, length=13)
+    assert decoder.config.qk_norm == (arch != "llama") and (decoder.lm_head is decoder.embed) == (arch != "llama")
+    ids = prompt(1, length=13)  # past gemma3's window of 5
     with torch.no_grad():
         expected = model(input_ids=ids.view(1, -1)).logits[0]
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
@@ -124,6 +156,45 @@ def test_scaled_rope_matches_transformers_past_the_original_context(arch, rope):
                        dict(embed=decoder.embed, lm_head=decoder.lm_head, final_norm=decoder.final_norm, layers=decoder.stacked),
                        max_len=40)
     assert (unscaled.logits(unscaled.forward(ids)) - expected).abs().max() > 1e-4
+
+
+def test_gemma3_layer_features_each_matter():
+    """Each Gemma-3 feature of the config changes these logits: dropping any one (the window, the
+    sliding layers' rotary, the GELU, the scaled embeddings, the softmax scale) misses transformers'
+    logits by far more than the decoder does."""
+    model = hf_model("gemma3")
+    decoder = Decoder.from_hf(model, max_len=24)
+    c = decoder.config
+    assert (c.sliding_layers, c.sliding_window, c.hidden_act, c.post_norms) == ((1, 2), 5, "gelu_tanh", True)
+    assert c.embed_scale == pytest.approx(40 ** 0.5) and c.softmax_scale == pytest.approx(11 ** -0.5)
+    ids = prompt(2, length=17)
+    with torch.no_grad():
+        expected = model(input_ids=ids.view(1, -1)).logits[0]
+    torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=1e-9, atol=1e-9)
+    weights = dict(embed=decoder.embed, lm_head=decoder.lm_head, final_norm=decoder.final_norm, layers=decoder.stacked)
+    for change in (dict(sliding_layers=()), dict(sliding_rope_inv_freq=None), dict(hidden_act="silu"),
+                   dict(embed_scale=1.0), dict(attention_scale=None)):
+        other = Decoder(dataclasses.replace(c, **change), weights, max_len=24)
+        assert (other.logits(other.forward(ids)) - expected).abs().max() > 1e-3, change
+
+
+def test_gemma3_early_exit_and_the_bodies_it_runs():
+    model = hf_model("gemma3", dtype=torch.float32)
+    one = Decoder.from_hf(model, max_len=16, num_layers=2)
+    assert one.config.sliding_layers == (1,) and one.config.num_layers == 2
+    ids = prompt(3, length=9)
+    with torch.no_grad():
+        hidden = model(input_ids=ids.view(1, -1), output_hidden_states=True).hidden_states[2][0]
+        expected = model.model.norm(hidden)
+    torch.testing.assert_close(one.forward(ids), expected, rtol=1e-5, atol=1e-5)
+    first = Decoder.from_hf(model, max_len=16, num_layers=1).config  # a full-attention layer only
+    assert (first.sliding_layers, first.sliding_window, first.sliding_rope_inv_freq) == ((), None, None)
+    assert one.bodies == ("eager", "compiled") and Decoder.from_hf(hf_model("qwen3", dtype=torch.float32), max_len=8).bodies == BODIES
+    for body in ("fused", "persistent"):
+        with pytest.raises(ValueError, match=f"body '{body}' runs the Llama / Qwen3 layer; this model's GELU, post-norms, "
+                                             "sliding-window layers run on the 'eager' or 'compiled' body"):
+            one.body = body
+    assert one.body == "eager"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -181,10 +252,21 @@ def test_decoder_bad_arguments_name_the_argument():
         Decoder.from_hf(model, max_len=8, num_layers=4)
     with pytest.raises(TypeError, match="model must be a transformers causal LM"):
         Decoder.from_hf(torch.nn.Linear(2, 2), max_len=8)
-    gemma = transformers.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    with pytest.raises(ValueError, match="config must be a llama or qwen3 config"):
-        DecoderConfig.from_hf(gemma)
+    gemma2 = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match="config must be a llama, qwen3, gemma3_text config .the fast decoder's family., "
+                                         "got model_type 'gemma2'"):
+        DecoderConfig.from_hf(gemma2)
+    gemma3 = hf_model("gemma3").config
+    for name, value in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", True)):
+        with pytest.raises(ValueError, match=f"config.{name} is set .{value}., which the fast decoder does not implement"):
+            DecoderConfig.from_hf(gemma3.__class__(**{**gemma3.to_dict(), name: value}))
+    with pytest.raises(ValueError, match="config.hidden_activation must be 'gelu_pytorch_tanh', got 'silu'"):
+        DecoderConfig.from_hf(gemma3.__class__(**{**gemma3.to_dict(), "hidden_activation": "silu"}))
+    dynamic_local = gemma3.to_dict()
+    dynamic_local["rope_parameters"] = dict(dynamic_local["rope_parameters"], sliding_attention=dict(rope_type="dynamic", factor=2.0, rope_theta=50.0))
+    with pytest.raises(ValueError, match="config's sliding_attention rope_type 'dynamic' is not implemented"):
+        DecoderConfig.from_hf(gemma3.__class__(**dynamic_local))
     dynamic = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                        num_attention_heads=4, rope_scaling=dict(rope_type="dynamic", factor=2.0))
     with pytest.raises(ValueError, match="rope_type 'dynamic' is not implemented by the fast decoder"):
@@ -202,6 +284,22 @@ def test_decoder_bad_arguments_name_the_argument():
         DecoderConfig(10, 8, 8, 1, 4, 4, 2, rope_attention_scaling=0.0)
     with pytest.raises(ValueError, match="num_heads .6. must be a multiple of num_kv_heads .4."):
         DecoderConfig(10, 8, 8, 1, 6, 4, 2)
+    with pytest.raises(ValueError, match=r"sliding_rope_inv_freq must be None or a tuple of head_dim / 2 = 1"):
+        DecoderConfig(10, 8, 8, 1, 4, 4, 2, sliding_rope_inv_freq=(1.0, 0.5))
+    for name, bad in (("sliding_rope_attention_scaling", -1.0), ("embed_scale", float("inf")), ("attention_scale", 0)):
+        with pytest.raises(ValueError, match=f"{name} must be a finite positive float, got {bad}"):
+            DecoderConfig(10, 8, 8, 1, 4, 4, 2, **{name: bad})
+    with pytest.raises(ValueError, match=r"hidden_act must be one of \('silu', 'gelu_tanh'\), got 'gelu'"):
+        DecoderConfig(10, 8, 8, 1, 4, 4, 2, hidden_act="gelu")
+    for bad in ((2,), (0, 0), [0], (True,)):
+        with pytest.raises(ValueError, match=r"sliding_layers must be a tuple of distinct layer indices in 0..1"):
+            DecoderConfig(10, 8, 8, 2, 4, 4, 2, sliding_window=4, sliding_layers=bad)
+    with pytest.raises(ValueError, match="sliding_window must be an int >= 1 when sliding_layers are given, got None"):
+        DecoderConfig(10, 8, 8, 2, 4, 4, 2, sliding_layers=(1,))
+    # The stacked weights must hold the norms the config names: the layer applies the ones it finds.
+    weights = dict(embed=decoder.embed, lm_head=decoder.lm_head, final_norm=decoder.final_norm, layers=decoder.stacked)
+    with pytest.raises(ValueError, match=r"weights\['layers'\] must hold .* \(qk_norm=True, post_norms=False\), got"):
+        Decoder(dataclasses.replace(decoder.config, qk_norm=True), weights, max_len=8)
     with pytest.raises(ValueError, match="state_dict has no 'model.layers.0.mlp.down_proj.weight'"):
         state = dict(model.state_dict())
         del state["model.layers.0.mlp.down_proj.weight"]
@@ -233,7 +331,7 @@ def persistent_self_draft():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_fast_runner_is_exact_in_every_mode(arch, mode):
     target, drafts = fast_models(arch)
     for k in range(1, 7):
@@ -488,10 +586,14 @@ def test_bench_help_describes_every_benchmark(capsys):
 def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
     from flashhead_ext.bench.__main__ import main
 
-    assert main(["draft-step", "--shapes", "tiny", "--dtype", "fp32", "--samples", "2", "--device", "cpu",
+    assert main(["draft-step", "--shapes", "tiny,tiny-gemma3", "--dtype", "fp32", "--samples", "2", "--device", "cpu",
                  "--bodies", "eager,fused", "--json", str(tmp_path / "step.json")]) == 0
     rows = json.loads((tmp_path / "step.json").read_text())["rows"]
-    assert [(r["body"], r["head"]) for r in rows] == [("eager", "dense"), ("eager", "flashhead"), ("fused", "dense"), ("fused", "flashhead")]
+    # The Gemma-3 layer skips the fused body (the kernel bodies run the Llama / Qwen3 layer).
+    assert [(r["shape"], r["body"], r["head"]) for r in rows] == [
+        ("tiny", "eager", "dense"), ("tiny", "eager", "flashhead"), ("tiny", "fused", "dense"), ("tiny", "fused", "flashhead"),
+        ("tiny-gemma3", "eager", "dense"), ("tiny-gemma3", "eager", "flashhead")]
+    assert "tiny-gemma3: body 'fused' skipped" in capsys.readouterr().out
     assert rows[1]["dense_over_flash"] > 0 and rows[0]["speedup_vs_first_body"] == 1.0 and rows[3]["speedup_vs_first_body"] > 0
     with pytest.raises(SystemExit):
         main(["draft-step", "--bodies", "eager,jit", "--device", "cpu"])
@@ -630,7 +732,7 @@ def test_decoder_body_is_checked():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
-@pytest.mark.parametrize("arch,body", [("qwen3", "compiled"), ("qwen3", "fused"), ("llama", "fused"),
+@pytest.mark.parametrize("arch,body", [("qwen3", "compiled"), ("qwen3", "fused"), ("llama", "fused"), ("gemma3", "compiled"),
                                        ("qwen3-aligned", "persistent"), ("llama-aligned", "persistent")])
 def test_short_step_bodies_match_eager_and_replay_exactly(arch, body, mode):
     _check_short_step_body(*_cuda_models(arch), body, mode, arch)
@@ -705,6 +807,20 @@ def test_bf16_random_shape_graph_runner_is_deterministic():
         # All probes: FlashHead scores the whole vocabulary, so the draft is the target; rounding of the
         # (K+1)-row verify may still flip a bf16 near-tie, so compare a prefix and the acceptance.
         assert gen.tokens[:4] == base.tokens[:4] and gen.stats.accepted > 0
+
+
+def test_spec_cli_fast_path_default_draft_body_is_one_the_draft_runs():
+    """--draft-body unset: persistent where the draft's layer allows it; a Gemma-3 draft, whose layer
+    the kernel bodies do not implement, runs eager on a CPU (compiled on a GPU)."""
+    from argparse import Namespace
+
+    from flashhead_ext.speculative import cli
+
+    for arch, body in (("llama", "persistent"), ("gemma3", "eager")):
+        model = hf_model(arch, dtype=torch.float32)
+        args = Namespace(max_new_tokens=4, k=3, device="cpu", draft_device=None, draft="a saved model", draft_body=None)
+        _, draft = cli._fast_models(args, model, model, longest_prompt=5)
+        assert draft.body == args.draft_body == body, arch
 
 
 def test_spec_cli_fast_path_is_exact(tmp_path, monkeypatch):

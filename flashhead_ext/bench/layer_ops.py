@@ -86,9 +86,10 @@ def _layer_rows(name: str, tokens: int, args, bandwidth: float) -> list[dict]:
     rows.append(dict(
         op="layer (fused ops vs eager torch)", floor_us=(layer_bytes + cache_bytes) / (bandwidth * 1e3),
         ours_us=_timed_graph([lambda w=w: _fused_layer(x, w, k_cache, v_cache, model.length, model._cos, model._sin,
-                                                       c.num_heads, c.head_dim, eps) for w in weights], args),
+                                                       c.num_heads, eps, c.softmax_scale) for w in weights], args),
         torch_us=_timed_graph([lambda w=w: _layer(x, w, k_cache, v_cache, pos, cos, sin, mask, c.num_heads,
-                                                  c.num_kv_heads, c.head_dim, eps, "matmul") for w in weights], args)))
+                                                  c.num_kv_heads, c.head_dim, eps, c.softmax_scale, c.hidden_act,
+                                                  "matmul") for w in weights], args)))
     for row in rows:
         row.update(shape=name, tokens=tokens, of_floor=row["floor_us"] / row["ours_us"],
                    torch_over_ours=row["torch_us"] / row["ours_us"])

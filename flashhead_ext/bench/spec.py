@@ -23,21 +23,28 @@ from pathlib import Path
 import torch
 
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
-from ..fast.decoder import ATTENTION, BODIES
+from ..fast.decoder import ATTENTION, BODIES, _default_inv_freq
 from ..head import DenseHead, FlashHead
 from ..speculative.runner import format_summary, plan_configs, reading, run_interleaved, summarize, write_json
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
-# Named shapes. Gemma-3-270M's own body (sliding windows, 4 norms a layer, scaled embeddings) is not
-# the fast decoder's family: "gemma3-270m-llama" is a Llama body with its dimensions and head.
+# Named shapes. "gemma3-270m" is Gemma-3-270M's own layer (GELU, four norms, scaled embeddings,
+# sliding windows of 512 in five layers of six), which the fused and persistent bodies do not run;
+# "gemma3-270m-llama" is a Llama layer with its dimensions and head, which they do.
 SHAPES = {
     "qwen3-0.6b": DecoderConfig(151936, 1024, 3072, 28, 16, 8, 128, rope_theta=1e6, qk_norm=True, tie_word_embeddings=True),
     "qwen3-32b": DecoderConfig(151936, 5120, 25600, 64, 64, 8, 128, rope_theta=1e6, qk_norm=True),
+    "gemma3-270m": DecoderConfig(262144, 640, 2048, 18, 4, 1, 256, rope_theta=1e6, qk_norm=True, tie_word_embeddings=True,
+                                 hidden_act="gelu_tanh", post_norms=True, embed_scale=640 ** 0.5, attention_scale=256 ** -0.5,
+                                 sliding_window=512, sliding_layers=tuple(i for i in range(18) if (i + 1) % 6),
+                                 sliding_rope_inv_freq=tuple(float(f) for f in _default_inv_freq(1e4, 256))),
     "gemma3-270m-llama": DecoderConfig(262144, 640, 2048, 18, 4, 1, 256, tie_word_embeddings=True),
     # SmolLM2-135M's first 8 layers + norm + head: the README demo's early-exit draft.
     "smollm2-early-exit-8": DecoderConfig(49152, 576, 1536, 8, 9, 3, 64, rope_theta=1e5, tie_word_embeddings=True),
     "tiny": DecoderConfig(1000, 64, 96, 2, 4, 2, 16, qk_norm=True, tie_word_embeddings=True),  # CLI checks on a CPU
+    "tiny-gemma3": DecoderConfig(1000, 64, 96, 2, 4, 2, 16, qk_norm=True, tie_word_embeddings=True, hidden_act="gelu_tanh",
+                                 post_norms=True, embed_scale=8.0, sliding_window=8, sliding_layers=(0,)),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CLUSTERS = "random equal-size clusters (timing only)"
@@ -125,6 +132,9 @@ def draft_step_main(argv=None) -> int:
         heads = {kind: make_head(kind, model.lm_head, args) for kind in ("dense", "flashhead")}
         first_body_step = {}
         for body in bodies:
+            if body not in model.bodies:
+                print(f"{name}: body {body!r} skipped (this layer runs on {model.bodies})")
+                continue
             model.body = body
             body_us = _time(lambda: model.forward(ids), args, cuda)
             for kind, head in heads.items():

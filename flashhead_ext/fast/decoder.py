@@ -1,4 +1,4 @@
-"""An in-library Llama / Qwen3 decoder with a static KV cache, for fixed-shape, graph-capturable steps.
+"""An in-library Llama / Qwen3 / Gemma-3 decoder with a static KV cache, for fixed-shape, graph-capturable steps.
 
 transformers' own decode step costs tens of milliseconds of host time per token on a GPU, and its
 static cache did not survive CUDA-graph capture (issue 6). This decoder holds the same weights in a
@@ -20,13 +20,17 @@ from torch import Tensor
 
 from .. import ops
 
-SUPPORTED = ("llama", "qwen3")  # SmolLM2 is a Llama; Qwen3 adds RMSNorm on q and k
+# SmolLM2 is a Llama; Qwen3 adds RMSNorm on q and k; Gemma-3 (text) also GELU, norms on the attention's
+# and the MLP's outputs, scaled embeddings and sliding-window layers with their own rotary frequencies.
+SUPPORTED = ("llama", "qwen3", "gemma3_text")
 # Rotary types whose frequencies transformers computes once (the decoder builds its tables from
 # them); "dynamic" and "longrope" change them with the sequence length.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # "sdpa": torch's fused attention; "matmul": baddbmm + softmax + bmm, more parallel for a few
 # query rows over a long cache (docs/benchmarks.md, issue 6, compares them).
 ATTENTION = ("sdpa", "matmul")
+# The MLP's gate activation: transformers' "silu" and "gelu_pytorch_tanh".
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,20 @@ class DecoderConfig:
     # factor on cos and sin, as transformers computes them; None: rope_theta's default frequencies.
     rope_inv_freq: Optional[tuple] = None
     rope_attention_scaling: float = 1.0
+    hidden_act: str = "silu"
+    # RMSNorms on the attention's and on the MLP's output before each residual add (Gemma-3).
+    post_norms: bool = False
+    # Embedding rows are multiplied by this, held in float32 and cast to the model dtype as
+    # transformers does (Gemma-3: sqrt(hidden_size)).
+    embed_scale: float = 1.0
+    # The attention's softmax scale; None: 1 / sqrt(head_dim) (Gemma-3: query_pre_attn_scalar ** -0.5).
+    attention_scale: Optional[float] = None
+    # Layers that attend to the last sliding_window positions only (a query sees keys pos - W < k <= pos),
+    # with their own rotary frequencies and factor (None: the other layers').
+    sliding_window: Optional[int] = None
+    sliding_layers: tuple = ()
+    sliding_rope_inv_freq: Optional[tuple] = None
+    sliding_rope_attention_scaling: float = 1.0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -56,58 +74,110 @@ class DecoderConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.rope_inv_freq is not None:
-            freqs = self.rope_inv_freq
-            if not isinstance(freqs, tuple) or len(freqs) != self.head_dim // 2 or not all(
-                    isinstance(f, float) and math.isfinite(f) and f > 0 for f in freqs):
-                raise ValueError(f"rope_inv_freq must be None or a tuple of head_dim / 2 = {self.head_dim // 2} finite "
-                                 f"positive floats, got {freqs!r:.80}")
-        scaling = self.rope_attention_scaling
-        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not (math.isfinite(scaling) and scaling > 0):
-            raise ValueError(f"rope_attention_scaling must be a finite positive float, got {scaling!r}")
+        for prefix in ("", "sliding_"):
+            freqs = getattr(self, f"{prefix}rope_inv_freq")
+            if freqs is not None and (not isinstance(freqs, tuple) or len(freqs) != self.head_dim // 2 or not all(
+                    isinstance(f, float) and math.isfinite(f) and f > 0 for f in freqs)):
+                raise ValueError(f"{prefix}rope_inv_freq must be None or a tuple of head_dim / 2 = {self.head_dim // 2} "
+                                 f"finite positive floats, got {freqs!r:.80}")
+        for name in ("rope_attention_scaling", "sliding_rope_attention_scaling", "embed_scale", "attention_scale"):
+            value = getattr(self, name)
+            if name == "attention_scale" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite positive float, got {value!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        layers = self.sliding_layers
+        if not isinstance(layers, tuple) or len(set(layers)) != len(layers) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_layers for i in layers):
+            raise ValueError(f"sliding_layers must be a tuple of distinct layer indices in 0..{self.num_layers - 1}, "
+                             f"got {layers!r:.80}")
+        window = self.sliding_window
+        if layers and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window must be an int >= 1 when sliding_layers are given, got {window!r}")
+
+    @property
+    def softmax_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim) if self.attention_scale is None else float(self.attention_scale)
 
     @classmethod
     def from_hf(cls, config, num_layers: Optional[int] = None) -> "DecoderConfig":
-        """From a transformers LlamaConfig / Qwen3Config; ``num_layers`` keeps only the first layers."""
+        """From a transformers LlamaConfig / Qwen3Config / Gemma3TextConfig; ``num_layers`` keeps only
+        the first layers."""
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
-            raise ValueError(f"config must be a {' or '.join(SUPPORTED)} config (the fast decoder's family), got model_type {model_type!r}")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"config.hidden_act must be 'silu', got {config.hidden_act!r}")
+            raise ValueError(f"config must be a {', '.join(SUPPORTED)} config (the fast decoder's family), got model_type {model_type!r}")
+        gemma = model_type == "gemma3_text"
+        act_key, act = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
+        if getattr(config, act_key, act) != act:
+            raise ValueError(f"config.{act_key} must be {act!r}, got {getattr(config, act_key)!r}")
         if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
             raise ValueError("config has attention or MLP biases, which the fast decoder does not implement")
         if getattr(config, "use_sliding_window", False):
             raise ValueError("config.use_sliding_window is set; the fast decoder attends to the whole cache")
-        rope = dict(getattr(config, "rope_parameters", None) or {})
-        rope_type = rope.get("rope_type", "default")
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(f"config's rope_type {rope_type!r} is not implemented by the fast decoder (one of {ROPE_TYPES}: "
-                             "frequencies that do not change with the sequence length)")
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"config's partial_rotary_factor is {rope['partial_rotary_factor']}; the fast decoder rotates "
-                             "the whole head (1.0)")
-        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        inv_freq, attention_scaling = None, 1.0
-        if rope_type != "default":
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            # transformers' own function: the model's frequencies and factor, not a copy of its formulas.
-            freqs, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-            inv_freq = tuple(float(f) for f in freqs.float())
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
+            if getattr(config, name, None):
+                raise ValueError(f"config.{name} is set ({getattr(config, name)!r}), which the fast decoder does not implement")
         layers = config.num_hidden_layers
         if num_layers is not None:
             if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= layers:
                 raise ValueError(f"num_layers must be an int in 1..{layers} (the model's layers), got {num_layers!r}")
             layers = num_layers
         heads = config.num_attention_heads
+        fields = {}
+        if gemma:
+            theta, inv_freq, attention_scaling = _rope_from_hf(config, "full_attention")
+            _, sliding_inv_freq, sliding_scaling = _rope_from_hf(config, "sliding_attention")
+            fields = dict(hidden_act="gelu_tanh", post_norms=True, embed_scale=float(config.hidden_size ** 0.5),
+                          attention_scale=float(config.query_pre_attn_scalar) ** -0.5,
+                          sliding_window=config.sliding_window,
+                          sliding_layers=tuple(i for i, kind in enumerate(config.layer_types[:layers]) if kind == "sliding_attention"),
+                          sliding_rope_inv_freq=sliding_inv_freq, sliding_rope_attention_scaling=sliding_scaling)
+            if not fields["sliding_layers"]:
+                fields.update(sliding_window=None, sliding_rope_inv_freq=None, sliding_rope_attention_scaling=1.0)
+        else:
+            theta, inv_freq, attention_scaling = _rope_from_hf(config)
         return cls(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
             num_layers=layers, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, rms_norm_eps=config.rms_norm_eps,
-            rope_theta=float(theta), qk_norm=model_type == "qwen3",
+            rope_theta=theta, qk_norm=model_type in ("qwen3", "gemma3_text"),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            rope_inv_freq=inv_freq, rope_attention_scaling=float(attention_scaling),
+            rope_inv_freq=inv_freq, rope_attention_scaling=attention_scaling, **fields,
         )
+
+
+def _rope_from_hf(config, layer_type: Optional[str] = None) -> tuple[float, Optional[tuple], float]:
+    """The rotary base, frequencies (None: the base's default ones) and cos/sin factor of ``config``
+    (of its ``layer_type``'s layers, for a config with rotary parameters per layer type)."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        rope = dict(rope.get(layer_type) or {})
+    where = "config's" if layer_type is None else f"config's {layer_type}"
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{where} rope_type {rope_type!r} is not implemented by the fast decoder (one of {ROPE_TYPES}: "
+                         "frequencies that do not change with the sequence length)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{where} partial_rotary_factor is {rope['partial_rotary_factor']}; the fast decoder rotates "
+                         "the whole head (1.0)")
+    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if rope_type == "default":
+        # A per-type default is not the config's rope_theta: its frequencies are spelled out.
+        return theta, None if layer_type is None else tuple(float(f) for f in _default_inv_freq(theta, head_dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    # transformers' own function: the model's frequencies and factor, not a copy of its formulas.
+    kwargs = {} if layer_type is None else dict(layer_type=layer_type)
+    freqs, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
+    return theta, tuple(float(f) for f in freqs.float()), float(attention_scaling)
+
+
+def _default_inv_freq(theta: float, head_dim: int) -> Tensor:
+    """RoPE's default inverse frequencies, computed as transformers computes them (float32)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -122,8 +192,9 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _layer(x: Tensor, w: dict, k_cache: Tensor, v_cache: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-           num_heads: int, num_kv_heads: int, head_dim: int, eps: float, attention: str) -> Tensor:
-    """One decoder layer over ``n`` tokens at positions ``pos``; writes their K/V into the layer's cache."""
+           num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, act: str, attention: str) -> Tensor:
+    """One decoder layer over ``n`` tokens at positions ``pos``; writes their K/V into the layer's
+    cache. ``mask`` is additive over the whole cache (a sliding-window layer's hides the old keys)."""
     n, kv, hd = x.shape[0], num_kv_heads, head_dim
     group = num_heads // kv
     h = _rms_norm(x, w["attn_norm"], eps)
@@ -138,25 +209,27 @@ def _layer(x: Tensor, w: dict, k_cache: Tensor, v_cache: Tensor, pos: Tensor, co
     # group, token i), so attention reads each cached KV head once.
     q = q.view(n, kv, group, hd).permute(1, 2, 0, 3).reshape(kv, group * n, hd)
     if attention == "sdpa":
-        o = F.scaled_dot_product_attention(q[None], k_cache[None], v_cache[None], attn_mask=mask, scale=1.0 / math.sqrt(hd))
+        o = F.scaled_dot_product_attention(q[None], k_cache[None], v_cache[None], attn_mask=mask, scale=scale)
     else:
-        scores = torch.baddbmm(mask, q, k_cache.transpose(1, 2), alpha=1.0 / math.sqrt(hd))
+        scores = torch.baddbmm(mask, q, k_cache.transpose(1, 2), alpha=scale)
         o = torch.bmm(scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype), v_cache)
-    o = o.view(kv, group, n, hd).permute(2, 0, 1, 3).reshape(n, num_heads * hd)
-    x = x + F.linear(o, w["o"])
+    o = F.linear(o.view(kv, group, n, hd).permute(2, 0, 1, 3).reshape(n, num_heads * hd), w["o"])
+    x = x + (_rms_norm(o, w["post_attn_norm"], eps) if "post_attn_norm" in w else o)
     gate, up = F.linear(_rms_norm(x, w["mlp_norm"], eps), w["gate_up"]).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w["down"])
+    gate = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+    down = F.linear(gate * up, w["down"])
+    return x + (_rms_norm(down, w["post_mlp_norm"], eps) if "post_mlp_norm" in w else down)
 
 
 def _fused_layer(x: Tensor, w: dict, k_cache: Tensor, v_cache: Tensor, length: Tensor, cos: Tensor, sin: Tensor,
-                 num_heads: int, head_dim: int, eps: float) -> Tensor:
+                 num_heads: int, eps: float, scale: float) -> Tensor:
     """``_layer`` as six flashhead ops (seven CUDA kernels): the norms, gate and residual adds ride
     in the GEMVs, rotary and the cache write are one kernel, attention reads only the cache up to
     ``length``. ``cos`` / ``sin`` are the whole tables: the ops index them by ``length``."""
     qkv = ops.fused_linear(x, w["qkv"], norm_weight=w["attn_norm"], eps=eps)
     q = ops.rotary_cache_write(qkv, cos, sin, length, k_cache, v_cache, num_heads,
                                q_norm=w.get("q_norm"), k_norm=w.get("k_norm"), eps=eps)
-    o = ops.decode_attention(q, k_cache, v_cache, length, 1.0 / math.sqrt(head_dim))
+    o = ops.decode_attention(q, k_cache, v_cache, length, scale)
     x = ops.fused_linear(o, w["o"], residual=x)
     gate_up = ops.fused_linear(x, w["gate_up"], norm_weight=w["mlp_norm"], eps=eps)
     return ops.fused_linear(gate_up, w["down"], gated=True, residual=x)
@@ -183,7 +256,7 @@ def _get_compiled_layer():
 
 
 class Decoder:
-    """Weights and a static KV cache of a Llama / Qwen3 decoder, on one device, in one dtype.
+    """Weights and a static KV cache of a Llama / Qwen3 / Gemma-3 decoder, on one device, in one dtype.
 
     ``forward(ids)`` runs ``ids`` (int64 ``[n]``, on the device) at positions ``length .. length+n-1``,
     writes their K/V entries there and returns the final-normed hidden states ``[n, D]``; it does
@@ -194,7 +267,9 @@ class Decoder:
     included (see ``BODIES``): ``"compiled"`` a torch.compile'd layer (the first call of each token
     count compiles, tens of seconds), ``"fused"`` flashhead's decoder-layer ops (float16 /
     bfloat16 / float32; on a GPU, bandwidth-bound GEMVs with the norms fused in), ``"persistent"``
-    one-token steps as one kernel for all layers (docs/benchmarks.md compares them).
+    one-token steps as one kernel for all layers (docs/benchmarks.md compares them). The fused and
+    persistent bodies run the Llama / Qwen3 layer; a Gemma-3 model runs eager or compiled. Its
+    sliding-window layers keep every position in their cache and mask the old ones.
 
     Layout: per layer the q/k/v projections are one ``[(H + 2 KV) hd, D]`` matrix and gate/up one
     ``[2 I, D]`` matrix (fewer, larger GEMVs); each kind of weight is one tensor stacked over the
@@ -214,6 +289,12 @@ class Decoder:
         self.lm_head = weights["lm_head"]
         self.final_norm = weights["final_norm"]
         self.stacked = dict(weights["layers"])
+        expected = {"qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm"}
+        expected |= {"q_norm", "k_norm"} if config.qk_norm else set()
+        expected |= {"post_attn_norm", "post_mlp_norm"} if config.post_norms else set()
+        if set(self.stacked) != expected:  # the layer applies the norms it finds, so the two must agree
+            raise ValueError(f"weights['layers'] must hold {sorted(expected)} for this config (qk_norm={config.qk_norm}, "
+                             f"post_norms={config.post_norms}), got {sorted(self.stacked)}")
         self.layers = [{name: w[i] for name, w in self.stacked.items()} for i in range(config.num_layers)]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.max_len = max_len
@@ -225,23 +306,30 @@ class Decoder:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.length = torch.zeros((), dtype=torch.int64, device=self.device)
         self._positions = torch.arange(max_len, device=self.device)
-        # Rotary tables as transformers builds them: angles in float32, cos/sin scaled (yarn), then
-        # cast to the model dtype.
-        if c.rope_inv_freq is None:
-            inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
-        else:
-            inv_freq = torch.tensor(c.rope_inv_freq, dtype=torch.float32)
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        inv_freq = _default_inv_freq(c.rope_theta, c.head_dim) if c.rope_inv_freq is None else c.rope_inv_freq
+        self._cos, self._sin = self._rotary_tables(inv_freq, c.rope_attention_scaling)
+        self._sliding_cos, self._sliding_sin = self._cos, self._sin
+        if c.sliding_rope_inv_freq is not None:
+            self._sliding_cos, self._sliding_sin = self._rotary_tables(c.sliding_rope_inv_freq, c.sliding_rope_attention_scaling)
+        # transformers multiplies the embedding rows by the scale held in a float32 buffer, cast to the
+        # model dtype.
+        self._embed_scale = None if c.embed_scale == 1.0 else (
+            torch.tensor(c.embed_scale, dtype=torch.float32).to(self.device, self.dtype))
+
+    def _rotary_tables(self, inv_freq, attention_scaling: float) -> tuple[Tensor, Tensor]:
+        """cos and sin ``[max_len, head_dim]`` as transformers builds them: angles in float32, scaled
+        by ``attention_scaling`` (yarn), then cast to the model dtype."""
+        angles = torch.outer(torch.arange(self.max_len, dtype=torch.float32), torch.as_tensor(inv_freq, dtype=torch.float32))
         angles = torch.cat([angles, angles], dim=-1)
-        self._cos = (angles.cos() * c.rope_attention_scaling).to(self.device, self.dtype)
-        self._sin = (angles.sin() * c.rope_attention_scaling).to(self.device, self.dtype)
+        return ((angles.cos() * attention_scaling).to(self.device, self.dtype),
+                (angles.sin() * attention_scaling).to(self.device, self.dtype))
 
     # ---- construction ------------------------------------------------------------------------
 
     @classmethod
     def from_hf(cls, model, *, max_len: int, num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None,
                 device=None) -> "Decoder":
-        """From a transformers Llama / Qwen3 causal LM (its first ``num_layers`` layers when given:
+        """From a transformers Llama / Qwen3 / Gemma-3 text causal LM (its first ``num_layers`` layers when given:
         an early-exit draft). Weights are copied into the fused layout; ``eos_token_id`` is the
         model's ``generation_config.eos_token_id``."""
         config = getattr(model, "config", None)
@@ -263,14 +351,21 @@ class Decoder:
         prefix = "model." if "model.embed_tokens.weight" in state_dict else ""
         embed_key = f"{prefix}embed_tokens.weight"
         if embed_key not in state_dict:
-            raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers Llama/Qwen3 causal LM")
+            raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers Llama/Qwen3/Gemma-3 causal LM")
         dtype = dtype or state_dict[embed_key].dtype
         device = torch.device(device) if device is not None else state_dict[embed_key].device
+        # Gemma's RMSNorms scale by 1 + weight: the sum, formed in float32 (float64 for a float64
+        # model) as transformers forms it, is stored as the weight. In a 16-bit model it is rounded
+        # once more than transformers rounds, an error the size of the output's own rounding.
+        norm_offset = 1.0 if hf_config.model_type == "gemma3_text" else 0.0
 
         def get(key: str) -> Tensor:
             if key not in state_dict:
                 raise ValueError(f"state_dict has no {key!r}")
-            return state_dict[key].detach().to(device, dtype)
+            w = state_dict[key].detach().to(device)
+            if norm_offset and key.endswith("norm.weight"):
+                w = w.to(torch.float64 if w.dtype == torch.float64 else torch.float32) + norm_offset
+            return w.to(dtype)
 
         def get_vocab_rows(key: str) -> Tensor:
             table = get(key)
@@ -281,6 +376,9 @@ class Decoder:
         sources = dict(qkv=[f"self_attn.{x}_proj.weight" for x in "qkv"], o=["self_attn.o_proj.weight"],
                        gate_up=["mlp.gate_proj.weight", "mlp.up_proj.weight"], down=["mlp.down_proj.weight"],
                        attn_norm=["input_layernorm.weight"], mlp_norm=["post_attention_layernorm.weight"])
+        if c.post_norms:  # Gemma-3 names its four norms by their place around the two blocks
+            sources.update(mlp_norm=["pre_feedforward_layernorm.weight"], post_attn_norm=["post_attention_layernorm.weight"],
+                           post_mlp_norm=["post_feedforward_layernorm.weight"])
         if c.qk_norm:
             sources.update(q_norm=["self_attn.q_norm.weight"], k_norm=["self_attn.k_norm.weight"])
         # Each kind stacked over the layers, filled layer by layer (no second copy of the model).
@@ -322,6 +420,8 @@ class Decoder:
                       attn_norm=ones(n, d), mlp_norm=ones(n, d))
         if c.qk_norm:
             layers.update(q_norm=ones(n, hd), k_norm=ones(n, hd))
+        if c.post_norms:
+            layers.update(post_attn_norm=ones(n, d), post_mlp_norm=ones(n, d))
         embed = normal(c.vocab_size, d)
         lm_head = embed if c.tie_word_embeddings else normal(c.vocab_size, d)
         return cls(c, dict(embed=embed, lm_head=lm_head, final_norm=ones(d), layers=layers), max_len=max_len)
@@ -346,31 +446,39 @@ class Decoder:
         short = n <= STEP_MAX_TOKENS
         start = self.length if start is None else start
         x = self.embed.index_select(0, ids)
+        if self._embed_scale is not None:
+            x = x * self._embed_scale
         if self.body == "persistent" and n == 1:
             x = ops.decoder_step(x, self.stacked, self.k_cache, self.v_cache, self._cos, self._sin, start,
-                                 c.num_heads, eps=c.rms_norm_eps, scale=1.0 / math.sqrt(c.head_dim))
+                                 c.num_heads, eps=c.rms_norm_eps, scale=c.softmax_scale)
         elif self.body in ("fused", "persistent") and short:
             for i, w in enumerate(self.layers):
                 x = _fused_layer(x, w, self.k_cache[i], self.v_cache[i], start, self._cos, self._sin,
-                                 c.num_heads, c.head_dim, c.rms_norm_eps)
+                                 c.num_heads, c.rms_norm_eps, c.softmax_scale)
         else:
-            pos, cos, sin, mask = self.step_inputs(n, start)
+            inputs = {sliding: self.step_inputs(n, start, sliding=sliding) for sliding in {False, bool(c.sliding_layers)}}
             layer = _get_compiled_layer() if self.body == "compiled" and short else _layer
+            sliding_layers = set(c.sliding_layers)
             for i, w in enumerate(self.layers):
-                x = layer(x, w, self.k_cache[i], self.v_cache[i], pos, cos, sin, mask,
-                          c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.attention)
+                x = layer(x, w, self.k_cache[i], self.v_cache[i], *inputs[i in sliding_layers], c.num_heads,
+                          c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.softmax_scale, c.hidden_act, self.attention)
         return _rms_norm(x, self.final_norm, c.rms_norm_eps)
 
-    def step_inputs(self, n: int, start: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def step_inputs(self, n: int, start: Tensor, *, sliding: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """What ``_layer`` takes for ``n`` tokens from position ``start`` (an int64 0-d device
         tensor), derived on the device: their positions, rotary rows ``[n, 1, hd]`` and the
-        additive attention mask."""
+        additive attention mask; ``sliding``: a sliding-window layer's rotary rows and mask."""
         c = self.config
         pos = start + self._positions[:n]
-        cos, sin = self._cos.index_select(0, pos)[:, None], self._sin.index_select(0, pos)[:, None]
-        # Query row g*n+i (head g of a KV group, token i) sees keys 0..pos[i]. An additive mask built
-        # once per forward: a boolean one would be converted in every layer.
-        visible = (self._positions[None, :] <= pos[:, None]).repeat(c.num_heads // c.num_kv_heads, 1)
+        cos, sin = (self._sliding_cos, self._sliding_sin) if sliding else (self._cos, self._sin)
+        cos, sin = cos.index_select(0, pos)[:, None], sin.index_select(0, pos)[:, None]
+        # Query row g*n+i (head g of a KV group, token i) sees keys 0..pos[i] (in a sliding layer only
+        # the last sliding_window of them). An additive mask built once per forward: a boolean one
+        # would be converted in every layer.
+        visible = self._positions[None, :] <= pos[:, None]
+        if sliding:
+            visible &= self._positions[None, :] > pos[:, None] - c.sliding_window
+        visible = visible.repeat(c.num_heads // c.num_kv_heads, 1)
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
         return pos, cos, sin, mask
 
@@ -382,9 +490,25 @@ class Decoder:
     def body(self, value: str) -> None:
         if value not in BODIES:
             raise ValueError(f"body must be one of {BODIES}, got {value!r}")
-        if value in ("fused", "persistent") and self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"body {value!r} needs a float16, bfloat16 or float32 model, this one is {self.dtype}")
+        if value in ("fused", "persistent") and self._kernel_body_limit():
+            raise ValueError(f"body {value!r} {self._kernel_body_limit()}")
         self._body = value
+
+    def _kernel_body_limit(self) -> Optional[str]:
+        """Why the fused and persistent bodies (flashhead's layer kernels) cannot run this model, or None."""
+        if self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"needs a float16, bfloat16 or float32 model, this one is {self.dtype}"
+        c = self.config
+        beyond = [what for what, present in (("GELU", c.hidden_act != "silu"), ("post-norms", c.post_norms),
+                                             ("sliding-window layers", bool(c.sliding_layers))) if present]
+        if beyond:
+            return f"runs the Llama / Qwen3 layer; this model's {', '.join(beyond)} run on the 'eager' or 'compiled' body"
+        return None
+
+    @property
+    def bodies(self) -> tuple:
+        """The bodies this model can run (``BODIES``, or the eager and compiled ones)."""
+        return ("eager", "compiled") if self._kernel_body_limit() else BODIES
 
     @property
     def attention(self) -> str:

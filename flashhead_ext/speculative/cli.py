@@ -54,10 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU threads for torch (0: torch's default); on a busy machine 1 can be several times faster")
     parser.add_argument("--warmup-tokens", type=int, default=8, help="new tokens of the one warm-up run per config")
     parser.add_argument("--fast", action="store_true",
-                        help="the fast path (flashhead_ext.fast: Llama/Qwen3 only, CUDA graphs on a GPU) instead of the transformers driver")
+                        help="the fast path (flashhead_ext.fast: Llama/Qwen3/Gemma-3 only, CUDA graphs on a GPU) instead of the "
+                             "transformers driver")
     parser.add_argument("--draft-device", default=None, help="--fast: the draft's device, e.g. cuda:1 (None: --device)")
     parser.add_argument("--draft-body", default=None, choices=BODIES,
-                        help="--fast: how the draft runs its layers (Decoder.body; None: persistent, one kernel a step)")
+                        help="--fast: how the draft runs its layers (Decoder.body; None: persistent, one kernel a step, or for "
+                             "a Gemma-3 draft compiled on a GPU and eager on a CPU)")
     parser.add_argument("--synthetic-acceptance", type=float, default=None,
                         help="--fast: accept each proposal with this probability instead of verifying (timing only; labelled synthetic)")
     parser.add_argument("--json", default="results/spec.json", help="where to write every run and the summary")
@@ -121,6 +123,9 @@ def _fast_models(args, target, draft, longest_prompt: int):
         fast_draft = Decoder.from_hf(target, max_len=max_len, num_layers=draft.config.num_hidden_layers, device=draft_device)
     else:
         fast_draft = Decoder.from_hf(draft, max_len=max_len, device=draft_device)
+    if args.draft_body is None:  # one kernel a step where the draft's layer allows it
+        on_gpu = torch.device(draft_device).type == "cuda"
+        args.draft_body = "persistent" if "persistent" in fast_draft.bodies else "compiled" if on_gpu else "eager"
     fast_draft.body = args.draft_body
     return fast_target, fast_draft
 
@@ -155,8 +160,6 @@ def run(args, parser: argparse.ArgumentParser) -> int:
 
     if not args.fast and (args.draft_device is not None or args.synthetic_acceptance is not None or args.draft_body):
         parser.error("--draft-device, --draft-body and --synthetic-acceptance need --fast")
-    if args.fast and args.draft_body is None:
-        args.draft_body = "persistent"
     if args.synthetic_acceptance is not None and not 0.0 <= args.synthetic_acceptance <= 1.0:
         parser.error(f"--synthetic-acceptance must be in [0, 1], got {args.synthetic_acceptance}")
     if args.threads:
