@@ -688,6 +688,24 @@ def test_body_runs_forwards_of_at_most_16_tokens_prefills_included(monkeypatch):
     assert calls == [decoder_module.STEP_MAX_TOKENS] * decoder.config.num_layers
 
 
+def test_compiled_body_keeps_a_graph_per_token_count(monkeypatch):
+    """dynamo keeps 8 graphs of a function by default, and a fullgraph compile past them raises: the
+    compiled body runs forwards of every short length for two models, each equal to the eager
+    body's. (dynamo with its eager backend, which traces and guards as inductor's does, in seconds.)"""
+    from flashhead_ext.fast import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "_compiled_layer",
+                        torch.compile(decoder_module._layer, fullgraph=True, dynamic=False, backend="eager"))
+    for arch in ("llama", "gemma3"):
+        decoder = Decoder.from_hf(hf_model(arch, dtype=torch.float32), max_len=48)
+        ids = prompt(9, length=decoder_module.STEP_MAX_TOKENS)
+        for n in range(1, decoder_module.STEP_MAX_TOKENS + 1):
+            decoder.body = "eager"
+            expected = decoder.forward(ids[:n])
+            decoder.body = "compiled"
+            torch.testing.assert_close(decoder.forward(ids[:n]), expected, rtol=0, atol=0)
+
+
 def test_persistent_body_one_token_step_matches_eager():
     """A one-token step is where "persistent" differs from "fused" (one decoder_step call): hidden
     states and the cache entries it writes agree with the eager body's."""

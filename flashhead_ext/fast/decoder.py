@@ -10,6 +10,7 @@ it are simply overwritten later.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -242,6 +243,10 @@ def _fused_layer(x: Tensor, w: dict, k_cache: Tensor, v_cache: Tensor, length: T
 # "fused". Longer forwards (prefills of longer prompts, whose length varies) always run eager.
 BODIES = ("eager", "compiled", "fused", "persistent")
 STEP_MAX_TOKENS = 16
+# Graphs dynamo may keep for the compiled layer: one per token count and model shape. Its default of
+# 8 per function is soon passed by a target and a draft with a few short prompt lengths, and a
+# fullgraph compile past it raises.
+COMPILED_GRAPHS = 256
 _compiled_layer = None
 
 
@@ -253,6 +258,16 @@ def _get_compiled_layer():
     if _compiled_layer is None:
         _compiled_layer = torch.compile(_layer, fullgraph=True, dynamic=False)
     return _compiled_layer
+
+
+def _compiled_graphs_allowed():
+    """A context in which dynamo keeps up to COMPILED_GRAPHS graphs of a function (the limit is read
+    when a call compiles)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+    return config.patch(**{name: COMPILED_GRAPHS})
 
 
 class Decoder:
@@ -457,11 +472,13 @@ class Decoder:
                                  c.num_heads, c.rms_norm_eps, c.softmax_scale)
         else:
             inputs = {sliding: self.step_inputs(n, start, sliding=sliding) for sliding in {False, bool(c.sliding_layers)}}
-            layer = _get_compiled_layer() if self.body == "compiled" and short else _layer
+            compiled = self.body == "compiled" and short
+            layer = _get_compiled_layer() if compiled else _layer
             sliding_layers = set(c.sliding_layers)
-            for i, w in enumerate(self.layers):
-                x = layer(x, w, self.k_cache[i], self.v_cache[i], *inputs[i in sliding_layers], c.num_heads,
-                          c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.softmax_scale, c.hidden_act, self.attention)
+            with _compiled_graphs_allowed() if compiled else contextlib.nullcontext():
+                for i, w in enumerate(self.layers):
+                    x = layer(x, w, self.k_cache[i], self.v_cache[i], *inputs[i in sliding_layers], c.num_heads,
+                              c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.softmax_scale, c.hidden_act, self.attention)
         return _rms_norm(x, self.final_norm, c.rms_norm_eps)
 
     def step_inputs(self, n: int, start: Tensor, *, sliding: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
