@@ -47,6 +47,8 @@ def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope:
     ROPE_SCALINGS key (Llama and Qwen3)."""
     if arch == "gemma3":
         return _gemma3_model(seed, dtype)
+    if arch == "qwen2":
+        return _qwen2_model(seed, dtype)
     aligned = arch.endswith("-aligned")
     theta = 500.0 if arch.startswith("llama") else 10000.0
     rope_parameters = dict(rope_type="default", rope_theta=theta) if rope == "default" else dict(ROPE_SCALINGS[rope], rope_theta=theta)
@@ -83,12 +85,24 @@ def _gemma3_model(seed: int, dtype: torch.dtype):
         for name, weight in model.named_parameters():
             if name.endswith("norm.weight"):
                 weight.normal_(0.0, 0.5)
-    if dtype == torch.float64:
-        # transformers' Gemma3RMSNorm computes in float32 whatever the model dtype (a 1e-6 difference
-        # in these logits); the float64 reference keeps the decoder's float64.
-        for module in model.modules():
-            if type(module).__name__ == "Gemma3RMSNorm":
-                module.forward = functools.partial(lambda norm, x: norm._norm(x) * (1.0 + norm.weight), module)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _qwen2_model(seed: int, dtype: torch.dtype):
+    """GQA 5:1 with q/k/v biases (drawn: transformers starts them at 0) and a sliding window of 5 in
+    layers 1 and 2 (use_sliding_window from max_window_layers = 1), untied head."""
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=40, intermediate_size=53, num_hidden_layers=3, num_attention_heads=5,
+        num_key_value_heads=1, max_position_embeddings=256, use_sliding_window=True, sliding_window=5,
+        max_window_layers=1, rope_parameters=dict(rope_type="default", rope_theta=300.0), tie_word_embeddings=False,
+        initializer_range=0.3)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith("proj.bias"):
+                weight.normal_(0.0, 0.5)
     model.generation_config.eos_token_id = None
     return model
 
@@ -118,13 +132,14 @@ def head_for(decoder: Decoder, kind: str):
 
 @pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_logits_match_transformers_prefill_and_step_by_step(arch, dtype, attention):
     model = hf_model(arch, dtype=dtype)
     decoder = Decoder.from_hf(model, max_len=24)
     decoder.attention = attention
-    assert decoder.config.qk_norm == (arch != "llama") and (decoder.lm_head is decoder.embed) == (arch != "llama")
-    ids = prompt(1, length=13)  # past gemma3's window of 5
+    assert decoder.config.qk_norm == (arch in ("qwen3", "gemma3")) and decoder.config.qkv_bias == (arch == "qwen2")
+    assert (decoder.lm_head is decoder.embed) == (arch in ("qwen3", "gemma3"))
+    ids = prompt(1, length=13)  # past qwen2's and gemma3's window of 5
     with torch.no_grad():
         expected = model(input_ids=ids.view(1, -1)).logits[0]
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
@@ -170,12 +185,32 @@ def test_gemma3_layer_features_each_matter():
     ids = prompt(2, length=17)
     with torch.no_grad():
         expected = model(input_ids=ids.view(1, -1)).logits[0]
-    torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=1e-9, atol=1e-9)
+    # transformers' RMSNorms compute in float32 whatever the model dtype: a 1e-6 difference here.
+    torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=1e-5, atol=1e-5)
     weights = dict(embed=decoder.embed, lm_head=decoder.lm_head, final_norm=decoder.final_norm, layers=decoder.stacked)
     for change in (dict(sliding_layers=()), dict(sliding_rope_inv_freq=None), dict(hidden_act="silu"),
                    dict(embed_scale=1.0), dict(attention_scale=None)):
         other = Decoder(dataclasses.replace(c, **change), weights, max_len=24)
         assert (other.logits(other.forward(ids)) - expected).abs().max() > 1e-3, change
+
+
+def test_qwen2_biases_and_sliding_window_each_matter():
+    model = hf_model("qwen2")
+    decoder = Decoder.from_hf(model, max_len=24)
+    c = decoder.config
+    assert (c.qkv_bias, c.sliding_layers, c.sliding_window, c.sliding_rope_inv_freq) == (True, (1, 2), 5, None)
+    ids = prompt(2, length=17)
+    with torch.no_grad():
+        expected = model(input_ids=ids.view(1, -1)).logits[0]
+    torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=1e-5, atol=1e-5)
+    weights = dict(embed=decoder.embed, lm_head=decoder.lm_head, final_norm=decoder.final_norm, layers=decoder.stacked)
+    no_bias = dict(weights, layers={name: w for name, w in decoder.stacked.items() if name != "qkv_bias"})
+    for change, given in ((dict(sliding_layers=()), weights), (dict(qkv_bias=False), no_bias)):
+        other = Decoder(dataclasses.replace(c, **change), given, max_len=24)
+        assert (other.logits(other.forward(ids)) - expected).abs().max() > 1e-3, change
+    with pytest.raises(ValueError, match="body 'persistent' runs the Llama / Qwen3 layer; this model's q/k/v biases, "
+                                         "sliding-window layers run on the 'eager' or 'compiled' body"):
+        Decoder.from_hf(hf_model("qwen2", dtype=torch.float32), max_len=8).body = "persistent"
 
 
 def test_gemma3_early_exit_and_the_bodies_it_runs():
@@ -254,7 +289,7 @@ def test_decoder_bad_arguments_name_the_argument():
         Decoder.from_hf(torch.nn.Linear(2, 2), max_len=8)
     gemma2 = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    with pytest.raises(ValueError, match="config must be a llama, qwen3, gemma3_text config .the fast decoder's family., "
+    with pytest.raises(ValueError, match="config must be a llama, qwen2, qwen3, gemma3_text config .the fast decoder's family., "
                                          "got model_type 'gemma2'"):
         DecoderConfig.from_hf(gemma2)
     gemma3 = hf_model("gemma3").config
@@ -298,7 +333,7 @@ def test_decoder_bad_arguments_name_the_argument():
         DecoderConfig(10, 8, 8, 2, 4, 4, 2, sliding_layers=(1,))
     # The stacked weights must hold the norms the config names: the layer applies the ones it finds.
     weights = dict(embed=decoder.embed, lm_head=decoder.lm_head, final_norm=decoder.final_norm, layers=decoder.stacked)
-    with pytest.raises(ValueError, match=r"weights\['layers'\] must hold .* \(qk_norm=True, post_norms=False\), got"):
+    with pytest.raises(ValueError, match=r"weights\['layers'\] must hold .* \(qk_norm=True, qkv_bias=False, post_norms=False\), got"):
         Decoder(dataclasses.replace(decoder.config, qk_norm=True), weights, max_len=8)
     with pytest.raises(ValueError, match="state_dict has no 'model.layers.0.mlp.down_proj.weight'"):
         state = dict(model.state_dict())
@@ -331,7 +366,7 @@ def persistent_self_draft():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_fast_runner_is_exact_in_every_mode(arch, mode):
     target, drafts = fast_models(arch)
     for k in range(1, 7):
@@ -769,9 +804,10 @@ def test_draft_on_a_second_gpu_is_exact(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("body", ["eager", "fused", "persistent"])
-def test_no_host_sync_inside_captured_steps(body):
-    target, draft = _cuda_models("llama-aligned")
+@pytest.mark.parametrize("arch,body", [("llama-aligned", "eager"), ("llama-aligned", "fused"), ("llama-aligned", "persistent"),
+                                       ("gemma3", "eager"), ("qwen2", "eager")])  # sliding windows' masks
+def test_no_host_sync_inside_captured_steps(arch, body):
+    target, draft = _cuda_models(arch)
     target.body = draft.body = body
     runner = FastSpeculativeDecoder(target, draft, head_for(draft, "flashhead"), k=4, synthetic_acceptance=0.5)
     runner.generate(prompt(7), mode="deferred", max_new_tokens=6)  # leaves the state of a real generation

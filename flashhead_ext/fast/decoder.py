@@ -1,4 +1,4 @@
-"""An in-library Llama / Qwen3 / Gemma-3 decoder with a static KV cache, for fixed-shape, graph-capturable steps.
+"""An in-library Llama / Qwen2 / Qwen3 / Gemma-3 decoder with a static KV cache, for fixed-shape, graph-capturable steps.
 
 transformers' own decode step costs tens of milliseconds of host time per token on a GPU, and its
 static cache did not survive CUDA-graph capture (issue 6). This decoder holds the same weights in a
@@ -21,9 +21,10 @@ from torch import Tensor
 
 from .. import ops
 
-# SmolLM2 is a Llama; Qwen3 adds RMSNorm on q and k; Gemma-3 (text) also GELU, norms on the attention's
-# and the MLP's outputs, scaled embeddings and sliding-window layers with their own rotary frequencies.
-SUPPORTED = ("llama", "qwen3", "gemma3_text")
+# SmolLM2 is a Llama; Qwen2 (and 2.5) adds biases to q, k and v; Qwen3 RMSNorm on q and k; Gemma-3
+# (text) also GELU, norms on the attention's and the MLP's outputs, scaled embeddings and
+# sliding-window layers with their own rotary frequencies.
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3_text")
 # Rotary types whose frequencies transformers computes once (the decoder builds its tables from
 # them); "dynamic" and "longrope" change them with the sequence length.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -52,6 +53,8 @@ class DecoderConfig:
     rope_inv_freq: Optional[tuple] = None
     rope_attention_scaling: float = 1.0
     hidden_act: str = "silu"
+    # Biases on the q, k and v projections (Qwen2).
+    qkv_bias: bool = False
     # RMSNorms on the attention's and on the MLP's output before each residual add (Gemma-3).
     post_norms: bool = False
     # Embedding rows are multiplied by this, held in float32 and cast to the model dtype as
@@ -104,19 +107,18 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, config, num_layers: Optional[int] = None) -> "DecoderConfig":
-        """From a transformers LlamaConfig / Qwen3Config / Gemma3TextConfig; ``num_layers`` keeps only
-        the first layers."""
+        """From a transformers LlamaConfig / Qwen2Config / Qwen3Config / Gemma3TextConfig; ``num_layers``
+        keeps only the first layers."""
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
-            raise ValueError(f"config must be a {', '.join(SUPPORTED)} config (the fast decoder's family), got model_type {model_type!r}")
+            raise ValueError(f"config must be a {', '.join(SUPPORTED)} config (the fast decoder's family), "
+                             f"got model_type {model_type!r}")
         gemma = model_type == "gemma3_text"
         act_key, act = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
         if getattr(config, act_key, act) != act:
             raise ValueError(f"config.{act_key} must be {act!r}, got {getattr(config, act_key)!r}")
         if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
             raise ValueError("config has attention or MLP biases, which the fast decoder does not implement")
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("config.use_sliding_window is set; the fast decoder attends to the whole cache")
         for name in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
             if getattr(config, name, None):
                 raise ValueError(f"config.{name} is set ({getattr(config, name)!r}), which the fast decoder does not implement")
@@ -126,24 +128,27 @@ class DecoderConfig:
                 raise ValueError(f"num_layers must be an int in 1..{layers} (the model's layers), got {num_layers!r}")
             layers = num_layers
         heads = config.num_attention_heads
-        fields = {}
+        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)[:layers]
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"config.layer_types has {unknown}; the fast decoder runs full_attention and "
+                             "sliding_attention layers")
+        sliding = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+        fields = dict(sliding_window=config.sliding_window, sliding_layers=sliding) if sliding else {}
         if gemma:
             theta, inv_freq, attention_scaling = _rope_from_hf(config, "full_attention")
-            _, sliding_inv_freq, sliding_scaling = _rope_from_hf(config, "sliding_attention")
-            fields = dict(hidden_act="gelu_tanh", post_norms=True, embed_scale=float(config.hidden_size ** 0.5),
-                          attention_scale=float(config.query_pre_attn_scalar) ** -0.5,
-                          sliding_window=config.sliding_window,
-                          sliding_layers=tuple(i for i, kind in enumerate(config.layer_types[:layers]) if kind == "sliding_attention"),
-                          sliding_rope_inv_freq=sliding_inv_freq, sliding_rope_attention_scaling=sliding_scaling)
-            if not fields["sliding_layers"]:
-                fields.update(sliding_window=None, sliding_rope_inv_freq=None, sliding_rope_attention_scaling=1.0)
+            fields.update(hidden_act="gelu_tanh", post_norms=True, embed_scale=float(config.hidden_size ** 0.5),
+                          attention_scale=float(config.query_pre_attn_scalar) ** -0.5)
+            if sliding:  # Gemma's sliding layers rotate by their own base
+                _, fields["sliding_rope_inv_freq"], fields["sliding_rope_attention_scaling"] = _rope_from_hf(
+                    config, "sliding_attention")
         else:
             theta, inv_freq, attention_scaling = _rope_from_hf(config)
         return cls(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
             num_layers=layers, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, rms_norm_eps=config.rms_norm_eps,
-            rope_theta=theta, qk_norm=model_type in ("qwen3", "gemma3_text"),
+            rope_theta=theta, qk_norm=model_type in ("qwen3", "gemma3_text"), qkv_bias=model_type == "qwen2",
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             rope_inv_freq=inv_freq, rope_attention_scaling=attention_scaling, **fields,
         )
@@ -199,7 +204,7 @@ def _layer(x: Tensor, w: dict, k_cache: Tensor, v_cache: Tensor, pos: Tensor, co
     n, kv, hd = x.shape[0], num_kv_heads, head_dim
     group = num_heads // kv
     h = _rms_norm(x, w["attn_norm"], eps)
-    q, k, v = F.linear(h, w["qkv"]).split([num_heads * hd, kv * hd, kv * hd], dim=-1)
+    q, k, v = F.linear(h, w["qkv"], w.get("qkv_bias")).split([num_heads * hd, kv * hd, kv * hd], dim=-1)
     q, k, v = q.view(n, num_heads, hd), k.view(n, kv, hd), v.view(n, kv, hd)
     if "q_norm" in w:
         q, k = _rms_norm(q, w["q_norm"], eps), _rms_norm(k, w["k_norm"], eps)
@@ -271,7 +276,7 @@ def _compiled_graphs_allowed():
 
 
 class Decoder:
-    """Weights and a static KV cache of a Llama / Qwen3 / Gemma-3 decoder, on one device, in one dtype.
+    """Weights and a static KV cache of a Llama / Qwen2 / Qwen3 / Gemma-3 decoder, on one device, in one dtype.
 
     ``forward(ids)`` runs ``ids`` (int64 ``[n]``, on the device) at positions ``length .. length+n-1``,
     writes their K/V entries there and returns the final-normed hidden states ``[n, D]``; it does
@@ -283,8 +288,9 @@ class Decoder:
     count compiles, tens of seconds), ``"fused"`` flashhead's decoder-layer ops (float16 /
     bfloat16 / float32; on a GPU, bandwidth-bound GEMVs with the norms fused in), ``"persistent"``
     one-token steps as one kernel for all layers (docs/benchmarks.md compares them). The fused and
-    persistent bodies run the Llama / Qwen3 layer; a Gemma-3 model runs eager or compiled. Its
-    sliding-window layers keep every position in their cache and mask the old ones.
+    persistent bodies run the Llama / Qwen3 layer; a Qwen2 or Gemma-3 model, or one with
+    sliding-window layers, runs eager or compiled (``bodies``). Sliding-window layers keep every
+    position in their cache and mask the old ones.
 
     Layout: per layer the q/k/v projections are one ``[(H + 2 KV) hd, D]`` matrix and gate/up one
     ``[2 I, D]`` matrix (fewer, larger GEMVs); each kind of weight is one tensor stacked over the
@@ -306,10 +312,11 @@ class Decoder:
         self.stacked = dict(weights["layers"])
         expected = {"qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm"}
         expected |= {"q_norm", "k_norm"} if config.qk_norm else set()
+        expected |= {"qkv_bias"} if config.qkv_bias else set()
         expected |= {"post_attn_norm", "post_mlp_norm"} if config.post_norms else set()
-        if set(self.stacked) != expected:  # the layer applies the norms it finds, so the two must agree
+        if set(self.stacked) != expected:  # the layer applies the biases and norms it finds, so the two must agree
             raise ValueError(f"weights['layers'] must hold {sorted(expected)} for this config (qk_norm={config.qk_norm}, "
-                             f"post_norms={config.post_norms}), got {sorted(self.stacked)}")
+                             f"qkv_bias={config.qkv_bias}, post_norms={config.post_norms}), got {sorted(self.stacked)}")
         self.layers = [{name: w[i] for name, w in self.stacked.items()} for i in range(config.num_layers)]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.max_len = max_len
@@ -344,7 +351,7 @@ class Decoder:
     @classmethod
     def from_hf(cls, model, *, max_len: int, num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None,
                 device=None) -> "Decoder":
-        """From a transformers Llama / Qwen3 / Gemma-3 text causal LM (its first ``num_layers`` layers when given:
+        """From a transformers Llama / Qwen2 / Qwen3 / Gemma-3 text causal LM (its first ``num_layers`` layers when given:
         an early-exit draft). Weights are copied into the fused layout; ``eos_token_id`` is the
         model's ``generation_config.eos_token_id``."""
         config = getattr(model, "config", None)
@@ -366,7 +373,7 @@ class Decoder:
         prefix = "model." if "model.embed_tokens.weight" in state_dict else ""
         embed_key = f"{prefix}embed_tokens.weight"
         if embed_key not in state_dict:
-            raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers Llama/Qwen3/Gemma-3 causal LM")
+            raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers Llama/Qwen2/Qwen3/Gemma-3 causal LM")
         dtype = dtype or state_dict[embed_key].dtype
         device = torch.device(device) if device is not None else state_dict[embed_key].device
         # Gemma's RMSNorms scale by 1 + weight: the sum, formed in float32 (float64 for a float64
@@ -396,6 +403,8 @@ class Decoder:
                            post_mlp_norm=["post_feedforward_layernorm.weight"])
         if c.qk_norm:
             sources.update(q_norm=["self_attn.q_norm.weight"], k_norm=["self_attn.k_norm.weight"])
+        if c.qkv_bias:
+            sources.update(qkv_bias=[f"self_attn.{x}_proj.bias" for x in "qkv"])
         # Each kind stacked over the layers, filled layer by layer (no second copy of the model).
         layers = {}
         for name, keys in sources.items():
@@ -435,6 +444,8 @@ class Decoder:
                       attn_norm=ones(n, d), mlp_norm=ones(n, d))
         if c.qk_norm:
             layers.update(q_norm=ones(n, hd), k_norm=ones(n, hd))
+        if c.qkv_bias:
+            layers.update(qkv_bias=normal(n, (c.num_heads + 2 * c.num_kv_heads) * hd))
         if c.post_norms:
             layers.update(post_attn_norm=ones(n, d), post_mlp_norm=ones(n, d))
         embed = normal(c.vocab_size, d)
@@ -516,8 +527,9 @@ class Decoder:
         if self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"needs a float16, bfloat16 or float32 model, this one is {self.dtype}"
         c = self.config
-        beyond = [what for what, present in (("GELU", c.hidden_act != "silu"), ("post-norms", c.post_norms),
-                                             ("sliding-window layers", bool(c.sliding_layers))) if present]
+        beyond = [what for what, present in (("q/k/v biases", c.qkv_bias), ("GELU", c.hidden_act != "silu"),
+                                             ("post-norms", c.post_norms), ("sliding-window layers", bool(c.sliding_layers)))
+                  if present]
         if beyond:
             return f"runs the Llama / Qwen3 layer; this model's {', '.join(beyond)} run on the 'eager' or 'compiled' body"
         return None
