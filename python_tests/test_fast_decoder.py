@@ -77,16 +77,9 @@ def _gemma3_model(seed: int, dtype: torch.dtype):
         num_key_value_heads=2, head_dim=6, query_pre_attn_scalar=11, max_position_embeddings=256, sliding_window=5,
         layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000.0),
-                         "sliding_attention": dict(rope_type="default", rope_theta=50.0)},
-        initializer_range=0.3)
-    torch.manual_seed(seed)
-    model = transformers.Gemma3ForCausalLM(config).to(dtype).eval()
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if name.endswith("norm.weight"):
-                weight.normal_(0.0, 0.5)
-    model.generation_config.eos_token_id = None
-    return model
+                         "sliding_attention": dict(rope_type="default", rope_theta=50.0)})
+    # transformers' initializer_range: larger weights, scaled by sqrt(hidden), greedily repeat one token.
+    return _drawn(transformers.Gemma3ForCausalLM, config, seed, dtype, "norm.weight", std=0.1)
 
 
 def _qwen2_model(seed: int, dtype: torch.dtype):
@@ -97,12 +90,19 @@ def _qwen2_model(seed: int, dtype: torch.dtype):
         num_key_value_heads=1, max_position_embeddings=256, use_sliding_window=True, sliding_window=5,
         max_window_layers=1, rope_parameters=dict(rope_type="default", rope_theta=300.0), tie_word_embeddings=False,
         initializer_range=0.3)
+    return _drawn(transformers.Qwen2ForCausalLM, config, seed, dtype, "proj.bias", std=0.5)
+
+
+def _drawn(cls, config, seed: int, dtype: torch.dtype, redrawn: str, std: float):
+    """``cls(config)`` seeded, with the parameters named ``*redrawn`` drawn again (transformers starts
+    them at 0), in float32 before the cast: every dtype then holds the same model."""
     torch.manual_seed(seed)
-    model = transformers.Qwen2ForCausalLM(config).to(dtype).eval()
+    model = cls(config)
     with torch.no_grad():
         for name, weight in model.named_parameters():
-            if name.endswith("proj.bias"):
-                weight.normal_(0.0, 0.5)
+            if name.endswith(redrawn):
+                weight.normal_(0.0, std)
+    model = model.to(dtype).eval()
     model.generation_config.eos_token_id = None
     return model
 
@@ -786,7 +786,7 @@ def test_decoder_body_is_checked():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
 @pytest.mark.parametrize("arch,body", [("qwen3", "compiled"), ("qwen3", "fused"), ("llama", "fused"), ("gemma3", "compiled"),
-                                       ("qwen3-aligned", "persistent"), ("llama-aligned", "persistent")])
+                                       ("qwen2", "compiled"), ("qwen3-aligned", "persistent"), ("llama-aligned", "persistent")])
 def test_short_step_bodies_match_eager_and_replay_exactly(arch, body, mode):
     _check_short_step_body(*_cuda_models(arch), body, mode, arch)
 
