@@ -28,8 +28,8 @@ TORCH_LIBRARY(flashhead, m) {
   // memory bandwidth with the norms, gating and residual adds fused in; the cache length is a
   // device tensor so a captured step replays at any length.
   m.def(
-      "fused_linear(Tensor x, Tensor weight, Tensor? norm_weight, float eps, bool gated, Tensor? residual)"
-      " -> Tensor");
+      "fused_linear(Tensor x, Tensor weight, Tensor? norm_weight, float eps, bool gated, Tensor? residual,"
+      " Tensor? bias=None) -> Tensor");
   m.def(
       "rotary_cache_write(Tensor qkv, Tensor cos, Tensor sin, Tensor length, Tensor(a!) k_cache,"
       " Tensor(b!) v_cache, int num_heads, Tensor? q_norm, Tensor? k_norm, float eps) -> Tensor");
@@ -40,7 +40,7 @@ TORCH_LIBRARY(flashhead, m) {
   m.def(
       "decoder_step(Tensor x, Tensor qkv_weight, Tensor o_weight, Tensor gate_up_weight, Tensor down_weight,"
       " Tensor attn_norm, Tensor mlp_norm, Tensor? q_norm, Tensor? k_norm, Tensor(a!) k_cache, Tensor(b!) v_cache,"
-      " Tensor cos, Tensor sin, Tensor length, int num_heads, float eps, float scale) -> Tensor");
+      " Tensor cos, Tensor sin, Tensor length, int num_heads, float eps, float scale, Tensor? qkv_bias=None) -> Tensor");
 }
 
 // `import flashhead_ext._C` loads this library, which runs the registrations above; the module

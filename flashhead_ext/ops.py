@@ -245,20 +245,23 @@ def fused_linear(
     eps: float = 1e-6,
     gated: bool = False,
     residual: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
 ) -> Tensor:
-    """``[residual +] (norm or gate of x) @ weight.T``: one projection of a decoder layer, ``[M, N]``.
+    """``[residual +] (norm or gate of x) @ weight.T [+ bias]``: one projection of a decoder layer, ``[M, N]``.
 
     ``x [M, K]`` (``[M, 2K]`` when ``gated``: gate columns, then up columns), ``weight [N, K]``.
     ``norm_weight [K]`` applies RMSNorm to ``x`` first (float32, rounded once to x's dtype, like
     ``F.rms_norm``); ``gated`` uses ``F.silu(gate) * up`` instead (not both). The product is
-    accumulated in float32 and rounded to x's dtype, then ``residual [M, N]`` is added in that
-    dtype. Host-sync free, capturable in CUDA graphs.
+    accumulated in float32, ``bias [N]`` added, and rounded to x's dtype once (as ``F.linear``),
+    then ``residual [M, N]`` is added in that dtype. Host-sync free, capturable in CUDA graphs.
     """
     _require_tensor("x", x)
     _require_tensor("weight", weight)
     _require_optional_tensor("norm_weight", norm_weight)
     _require_optional_tensor("residual", residual)
-    return _ops.fused_linear(x, weight, norm_weight, _require_float("eps", eps), _require_bool("gated", gated), residual)
+    _require_optional_tensor("bias", bias)
+    return _ops.fused_linear(x, weight, norm_weight, _require_float("eps", eps), _require_bool("gated", gated), residual,
+                             bias)
 
 
 def rotary_cache_write(
@@ -312,7 +315,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, length: Tensor
 
 
 _DECODER_STEP_WEIGHTS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm")
-_DECODER_STEP_OPTIONAL = ("q_norm", "k_norm")
+_DECODER_STEP_OPTIONAL = ("q_norm", "k_norm", "qkv_bias")
 
 
 def decoder_step(
@@ -328,18 +331,19 @@ def decoder_step(
     eps: float = 1e-6,
     scale: Optional[float] = None,
 ) -> Tensor:
-    """One decoding step of one token through every layer of a Llama/Qwen3 decoder; returns ``[1, D]``.
+    """One decoding step of one token through every layer of a Llama/Qwen2/Qwen3 decoder; returns ``[1, D]``.
 
     ``x [1, D]``: the token's hidden state (exactly one token). ``weights`` maps ``"qkv"``
     ``[L, (H + 2 KV) hd, D]``, ``"o"`` ``[L, D, H hd]``, ``"gate_up"`` ``[L, 2 I, D]`` (gate rows,
     then up rows), ``"down"`` ``[L, D, I]``, ``"attn_norm"``, ``"mlp_norm"`` ``[L, D]`` and,
-    optionally (both or neither), ``"q_norm"``, ``"k_norm"`` ``[L, hd]``: each layer's weights
-    stacked along a leading layer dimension, all of x's dtype. ``k_cache``, ``v_cache
+    optionally, ``"q_norm"``, ``"k_norm"`` ``[L, hd]`` (both or neither) and ``"qkv_bias"``
+    ``[L, (H + 2 KV) hd]``: each layer's weights stacked along a leading layer dimension, all of
+    x's dtype. ``k_cache``, ``v_cache
     [L, KV, max_len, hd]`` (contiguous) get each layer's key and value at position ``length``
     (in place); ``cos``, ``sin``, ``length`` and ``num_heads`` as in :func:`rotary_cache_write`,
     ``scale`` as in :func:`decode_attention` (default ``1 / sqrt(hd)``). Per layer ``i``, exactly::
 
-        qkv = fused_linear(x, qkv[i], norm_weight=attn_norm[i], eps=eps)
+        qkv = fused_linear(x, qkv[i], norm_weight=attn_norm[i], eps=eps, bias=qkv_bias[i])
         q = rotary_cache_write(qkv, cos, sin, length, k_cache[i], v_cache[i], num_heads,
                                q_norm=q_norm[i], k_norm=k_norm[i], eps=eps)
         x = fused_linear(decode_attention(q, k_cache[i], v_cache[i], length, scale), o[i], residual=x)
@@ -357,7 +361,7 @@ def decoder_step(
     for key in _DECODER_STEP_WEIGHTS:
         if key not in weights:
             raise ValueError(f"weights is missing {key!r} (needs {', '.join(_DECODER_STEP_WEIGHTS)}; "
-                             f"optionally {' and '.join(_DECODER_STEP_OPTIONAL)})")
+                             f"optionally {', '.join(_DECODER_STEP_OPTIONAL)})")
         _require_tensor(f"weights[{key!r}]", weights[key])
     for key in _DECODER_STEP_OPTIONAL:
         _require_optional_tensor(f"weights[{key!r}]", weights.get(key))
@@ -373,7 +377,7 @@ def decoder_step(
     return _ops.decoder_step(
         x, w["qkv"], w["o"], w["gate_up"], w["down"], w["attn_norm"], w["mlp_norm"], w.get("q_norm"), w.get("k_norm"),
         k_cache, v_cache, cos, sin, length, _require_int("num_heads", num_heads), _require_float("eps", eps),
-        _require_float("scale", scale),
+        _require_float("scale", scale), w.get("qkv_bias"),
     )
 
 
@@ -470,7 +474,7 @@ def _decode_sample_fake(hidden, centroids, cluster_tokens, embedding, probes, te
 
 
 @_register_fake("fused_linear")
-def _fused_linear_fake(x, weight, norm_weight, eps, gated, residual):
+def _fused_linear_fake(x, weight, norm_weight, eps, gated, residual, bias=None):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
@@ -486,7 +490,7 @@ def _decode_attention_fake(q, k_cache, v_cache, length, scale):
 
 @_register_fake("decoder_step")
 def _decoder_step_fake(x, qkv_weight, o_weight, gate_up_weight, down_weight, attn_norm, mlp_norm, q_norm, k_norm,
-                       k_cache, v_cache, cos, sin, length, num_heads, eps, scale):
+                       k_cache, v_cache, cos, sin, length, num_heads, eps, scale, qkv_bias=None):
     return x.new_empty(x.shape)  # [1, D]; the caches are written in place
 
 

@@ -24,7 +24,7 @@ dtype_params = pytest.mark.parametrize("dtype", DTYPES, ids=str)
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=5e-3, atol=5e-3),
        torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
-LINEAR_OPTIONS = ["plain", "norm", "gated", "residual", "norm+residual", "gated+residual"]
+LINEAR_OPTIONS = ["plain", "norm", "gated", "residual", "norm+residual", "gated+residual", "bias", "norm+bias+residual"]
 
 
 def randn(g, *shape, dtype, scale=1.0, shift=0.0):
@@ -56,6 +56,7 @@ def linear_args(M, K, N, option, dtype, eps=0.1):
         norm_weight=randn(g, K, dtype=dtype, scale=0.3, shift=1.0) if "norm" in option else None,
         eps=eps, gated=gated,
         residual=randn(g, M, N, dtype=dtype) if "residual" in option else None,
+        bias=randn(g, N, dtype=dtype) if "bias" in option else None,
     )
 
 
@@ -87,7 +88,7 @@ def rms_norm64(x, weight, eps):
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.double()
 
 
-def fused_linear64(x, weight, norm_weight, eps, gated, residual):
+def fused_linear64(x, weight, norm_weight, eps, gated, residual, bias=None):
     t = x.dtype
     h = x
     if norm_weight is not None:
@@ -95,7 +96,8 @@ def fused_linear64(x, weight, norm_weight, eps, gated, residual):
     if gated:
         gate, up = x.double().chunk(2, dim=1)
         h = (F.silu(gate).to(t).double() * up).to(t)
-    y = (h.double() @ weight.double().T).to(t)
+    y = h.double() @ weight.double().T
+    y = (y if bias is None else y + bias.double()).to(t)  # rounded once, after the bias
     return y if residual is None else (residual.double() + y.double()).to(t)
 
 
@@ -177,9 +179,9 @@ def test_fused_linear(M, K, N, option, dtype):
 
 def test_fused_linear_options_matter():
     # Each option changes the result by far more than the tolerance (the test above can fail).
-    base = linear_args(7, 97, 64, "norm+residual", torch.float32)
+    base = linear_args(7, 97, 64, "norm+bias+residual", torch.float32)
     out = ops.fused_linear(**base)
-    for change in (dict(norm_weight=None), dict(residual=None), dict(eps=1e-6)):
+    for change in (dict(norm_weight=None), dict(residual=None), dict(bias=None), dict(eps=1e-6)):
         assert not torch.allclose(ops.fused_linear(**{**base, **change}), out, **TOL[torch.float32]), change
 
 
@@ -278,7 +280,7 @@ def valid_args(device):
     g = generator("bad-inputs")
     r = lambda *shape: randn(g, *shape, dtype=torch.float32).to(device)
     return dict(
-        x=r(M_, K_), weight=r(N_, K_), norm_weight=r(K_), gated=False, residual=r(M_, N_), eps=1e-6,
+        x=r(M_, K_), weight=r(N_, K_), norm_weight=r(K_), gated=False, residual=r(M_, N_), bias=r(N_), eps=1e-6,
         qkv=r(M_, (H_ + 2 * KV_) * HD_), cos=r(MAX_LEN_, HD_), sin=r(MAX_LEN_, HD_),
         length=torch.tensor(2, device=device), k_cache=r(KV_, MAX_LEN_, HD_), v_cache=r(KV_, MAX_LEN_, HD_),
         num_heads=H_, q_norm=r(HD_), k_norm=r(HD_), q=r(M_, H_, HD_), scale=0.5,
@@ -286,7 +288,7 @@ def valid_args(device):
 
 
 USES = {
-    "fused_linear": ("x", "weight", "norm_weight", "eps", "gated", "residual"),
+    "fused_linear": ("x", "weight", "norm_weight", "eps", "gated", "residual", "bias"),
     "rotary_cache_write": ("qkv", "cos", "sin", "length", "k_cache", "v_cache", "num_heads", "q_norm", "k_norm", "eps"),
     "decode_attention": ("q", "k_cache", "v_cache", "length", "scale"),
 }
@@ -312,7 +314,7 @@ def test_valid_arguments_are_accepted(op, device):
 
 
 @device_params
-@pytest.mark.parametrize("op,name", cases("x", "weight", "norm_weight", "residual", "qkv", "cos", "sin", "length",
+@pytest.mark.parametrize("op,name", cases("x", "weight", "norm_weight", "residual", "bias", "qkv", "cos", "sin", "length",
                                           "k_cache", "v_cache", "q_norm", "k_norm", "q"))
 def test_non_tensor_argument(op, name, device):
     args = valid_args(device)
@@ -330,7 +332,7 @@ def test_unsupported_dtype(op, name, dtype, device):
 
 
 @device_params
-@pytest.mark.parametrize("op,name", cases("weight", "norm_weight", "residual", "cos", "sin", "k_cache", "v_cache",
+@pytest.mark.parametrize("op,name", cases("weight", "norm_weight", "residual", "bias", "cos", "sin", "k_cache", "v_cache",
                                           "q_norm", "k_norm"))
 def test_mixed_dtypes(op, name, device):
     args = valid_args(device)
@@ -354,6 +356,7 @@ SHAPE_CASES = [
     ("fused_linear", lambda a: dict(x=a["x"][:0]), "x and weight must be non-empty"),
     ("fused_linear", lambda a: dict(norm_weight=a["norm_weight"][:-1]), f"norm_weight must have shape [{K_}]"),
     ("fused_linear", lambda a: dict(residual=a["residual"][:, :-1]), f"residual must have shape [x.size(0), weight.size(0)] = [{M_}, {N_}]"),
+    ("fused_linear", lambda a: dict(bias=a["bias"][None]), f"bias must have shape [weight.size(0)] = [{N_}]"),
     ("rotary_cache_write", lambda a: dict(qkv=a["qkv"][:, :-HD_]), "qkv must have (num_heads + 2 * num_kv_heads)"),
     ("rotary_cache_write", lambda a: dict(cos=a["cos"][:-1]), f"cos must have shape [{MAX_LEN_}, {HD_}]"),
     ("rotary_cache_write", lambda a: dict(sin=a["sin"][:, :-1]), f"sin must have shape [{MAX_LEN_}, {HD_}]"),
@@ -523,6 +526,7 @@ OPCHECK_CASES = {
     "fused_linear-norm+residual": ("fused_linear", lambda: linear_args(3, 16, 5, "norm+residual", torch.bfloat16)),
     "fused_linear-gated": ("fused_linear", lambda: linear_args(1, 7, 9, "gated", torch.float16)),
     "fused_linear-plain": ("fused_linear", lambda: linear_args(4, 8, 3, "plain", torch.float32)),
+    "fused_linear-bias": ("fused_linear", lambda: linear_args(2, 16, 7, "norm+bias+residual", torch.bfloat16)),
     "rotary_cache_write-qk-norm": ("rotary_cache_write", lambda: rotary_args(3, 4, 2, 16, 12, 4, True, torch.bfloat16)),
     "rotary_cache_write": ("rotary_cache_write", lambda: rotary_args(2, 6, 1, 8, 10, 0, False, torch.float32)),
     "decode_attention": ("decode_attention", lambda: {**attention_args(5, 4, 2, 16, 12, 3, torch.float16), "scale": 0.25}),
@@ -540,13 +544,14 @@ def test_opcheck(case, device):
 
 # (name, K, N, option): projections of Qwen3-0.6B (D 1024, 16 q / 8 kv heads of 128,
 # intermediate 3072), SmolLM2-135M (D 576, 9 / 3 heads of 64, intermediate 1536) and a 32B-like
-# down projection (K 25600, D 5120).
+# down projection (K 25600, D 5120); Qwen2.5-0.5B's biased qkv (D 896, 14 / 2 heads of 64).
 GPU_LINEAR_CASES = [
     ("qwen3-qkv", 1024, 4096, "norm"), ("qwen3-o", 2048, 1024, "residual"), ("qwen3-gate_up", 1024, 6144, "norm"),
     ("qwen3-down", 3072, 1024, "gated+residual"), ("qwen3-plain-odd-N", 1024, 4099, "plain"),
     ("smollm2-qkv", 576, 960, "norm"), ("smollm2-o", 576, 576, "residual"), ("smollm2-gate_up", 576, 3072, "norm"),
     ("smollm2-down", 1536, 576, "gated+residual"), ("smollm2-norm+residual-odd-N", 576, 97, "norm+residual"),
     ("smollm2-gated", 1536, 576, "gated"),
+    ("qwen2.5-0.5b-qkv-bias", 896, 1152, "norm+bias"), ("qwen2.5-bias-odd-N", 896, 97, "bias"),
 ]
 # (name, H, KV, hd, qk_norm); qwen3-32b and mqa64: attention tiles of several query rows (up to 32).
 GPU_HEAD_CONFIGS = [("qwen3", 16, 8, 128, True), ("smollm2", 9, 3, 64, False), ("hd256", 4, 1, 256, True),

@@ -25,7 +25,8 @@ dtype_params = pytest.mark.parametrize("dtype", DTYPES, ids=str)
 
 # The C++ argument name of each key of the Python API's weights mapping.
 WEIGHT_ARG = {"qkv": "qkv_weight", "o": "o_weight", "gate_up": "gate_up_weight", "down": "down_weight",
-              "attn_norm": "attn_norm", "mlp_norm": "mlp_norm", "q_norm": "q_norm", "k_norm": "k_norm"}
+              "attn_norm": "attn_norm", "mlp_norm": "mlp_norm", "q_norm": "q_norm", "k_norm": "k_norm",
+              "qkv_bias": "qkv_bias"}
 
 
 def to(args: dict, device) -> dict:
@@ -41,9 +42,10 @@ def clone(args: dict) -> dict:
 
 # ---- inputs (keyword arguments of ops.decoder_step) -------------------------------------------
 
-def step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=1e-6, scale=None, key=()):
+def step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=1e-6, scale=None, key=(), qkv_bias=False):
     """Random seeded weights scaled by fan_in^-0.5 (values stay O(1) through the layers), random
-    (stale) caches, random rotary tables and norm weights around 1."""
+    (stale) caches, random rotary tables and norm weights around 1; q/k/v biases (Qwen2) drawn
+    last, so the other values are those of the same arguments without them."""
     g = generator("decoder_step", L, D, I, H, KV, hd, max_len, length, qk_norm, str(dtype), *key)
     weight = lambda rows, cols: randn(g, L, rows, cols, dtype=dtype, scale=cols ** -0.5)
     norm = lambda n: randn(g, L, n, dtype=dtype, scale=0.3, shift=1.0)
@@ -52,9 +54,12 @@ def step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=1e-6, sca
     if qk_norm:
         weights.update(q_norm=norm(hd), k_norm=norm(hd))
     cos, sin = rotary_tables(g, max_len, hd, dtype)
-    return dict(x=randn(g, 1, D, dtype=dtype), weights=weights,
+    args = dict(x=randn(g, 1, D, dtype=dtype), weights=weights,
                 k_cache=randn(g, L, KV, max_len, hd, dtype=dtype), v_cache=randn(g, L, KV, max_len, hd, dtype=dtype),
                 cos=cos, sin=sin, length=torch.tensor(length), num_heads=H, eps=eps, scale=scale)
+    if qkv_bias:
+        weights["qkv_bias"] = randn(g, L, (H + 2 * KV) * hd, dtype=dtype, scale=0.5)
+    return args
 
 
 def layer_norms(weights, i):
@@ -67,7 +72,8 @@ def decoder_step64(x, weights, k_cache, v_cache, cos, sin, length, num_heads, ep
     """(out, k_cache, v_cache) as new tensors: the float64 references of each op, composed per layer."""
     k_out, v_out = k_cache.clone(), v_cache.clone()
     for i in range(k_cache.shape[0]):
-        qkv = fused_linear64(x, weights["qkv"][i], weights["attn_norm"][i], eps, False, None)
+        bias = weights["qkv_bias"][i] if "qkv_bias" in weights else None
+        qkv = fused_linear64(x, weights["qkv"][i], weights["attn_norm"][i], eps, False, None, bias)
         norms = layer_norms(weights, i)
         q, k_out[i], v_out[i] = rotary_cache_write64(qkv, cos, sin, length, k_out[i], v_out[i], num_heads,
                                                      norms["q_norm"], norms["k_norm"], eps)
@@ -81,7 +87,8 @@ def decoder_step64(x, weights, k_cache, v_cache, cos, sin, length, num_heads, ep
 def composition(x, weights, k_cache, v_cache, cos, sin, length, num_heads, eps, scale):
     """The brief's definition with the single-layer ops (the caches' layers are written in place)."""
     for i in range(k_cache.shape[0]):
-        qkv = ops.fused_linear(x, weights["qkv"][i], norm_weight=weights["attn_norm"][i], eps=eps)
+        qkv = ops.fused_linear(x, weights["qkv"][i], norm_weight=weights["attn_norm"][i], eps=eps,
+                               bias=weights["qkv_bias"][i] if "qkv_bias" in weights else None)
         q = ops.rotary_cache_write(qkv, cos, sin, length, k_cache[i], v_cache[i], num_heads, eps=eps,
                                    **layer_norms(weights, i))
         o = ops.decode_attention(q, k_cache[i], v_cache[i], length, scale)
@@ -148,15 +155,27 @@ def test_decoder_step(name, L, D, I, H, KV, hd, max_len, qk_norm, eps, scale, le
     check_step(run_step(args), expected, before, length, dtype, name)
 
 
+@dtype_params
+@pytest.mark.parametrize("length_name", ["0", "middle", "max_len"])
+@pytest.mark.parametrize("name,L,D,I,H,KV,hd,max_len,qk_norm,eps,scale", CPU_CASES[1::2], ids=[c[0] for c in CPU_CASES[1::2]])
+def test_decoder_step_with_qkv_bias(name, L, D, I, H, KV, hd, max_len, qk_norm, eps, scale, length_name, dtype):
+    length = LENGTHS[length_name](max_len)
+    args = step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=eps, scale=scale, qkv_bias=True)
+    before = (args["k_cache"].clone(), args["v_cache"].clone())
+    expected = decoder_step64(**{**clone(args), "scale": hd ** -0.5 if scale is None else scale})
+    check_step(run_step(args), expected, before, length, dtype, name)
+
+
 def test_decoder_step_options_matter():
-    # eps, scale, the q/k norms and each layer change the result by far more than the tolerance
-    # (so the test above can fail), and the default scale is 1 / sqrt(head_dim).
-    base = step_args(2, 40, 72, 4, 2, 10, 12, 5, True, torch.float32, eps=0.1)
+    # eps, scale, the q/k norms, the q/k/v biases and each layer change the result by far more than
+    # the tolerance (so the tests above can fail), and the default scale is 1 / sqrt(head_dim).
+    base = step_args(2, 40, 72, 4, 2, 10, 12, 5, True, torch.float32, eps=0.1, qkv_bias=True)
     out = ops.decoder_step(**clone(base))
     assert torch.equal(ops.decoder_step(**{**clone(base), "scale": 1.0 / math.sqrt(10)}), out)
     no_qk_norm = {k: v for k, v in base["weights"].items() if k not in ("q_norm", "k_norm")}
+    no_bias = {k: v for k, v in base["weights"].items() if k != "qkv_bias"}
     one_layer = {k: v[:1] for k, v in base["weights"].items()}
-    for change in (dict(eps=1e-6), dict(scale=0.9), dict(weights=no_qk_norm),
+    for change in (dict(eps=1e-6), dict(scale=0.9), dict(weights=no_qk_norm), dict(weights=no_bias),
                    dict(weights=one_layer, k_cache=base["k_cache"][:1], v_cache=base["v_cache"][:1])):
         changed = ops.decoder_step(**{**clone(base), **clone(change)})
         assert not torch.allclose(changed, out, **TOL[torch.float32]), list(change)
@@ -183,7 +202,8 @@ L_, D_, I_, H_, KV_, HD_, MAX_LEN_ = 2, 16, 16, 4, 2, 8, 12
 
 def valid_args(device):
     """float32; D, H * hd and I multiples of 8, so valid for the CUDA op's limits too."""
-    return to(step_args(L_, D_, I_, H_, KV_, HD_, MAX_LEN_, 3, True, torch.float32, scale=0.5, key=("bad",)), device)
+    return to(step_args(L_, D_, I_, H_, KV_, HD_, MAX_LEN_, 3, True, torch.float32, scale=0.5, key=("bad",), qkv_bias=True),
+              device)
 
 
 def expect(error, fragment, args):
@@ -291,6 +311,8 @@ SHAPE_CASES = [
     ("q_norm", weights_change(q_norm=lambda w: w[:, :-1]), f"q_norm must have shape [num_layers, head_dim] = [{L_}, {HD_}]"),
     ("k_norm", weights_change(k_norm=lambda w: w[:1]), f"k_norm must have shape [num_layers, head_dim] = [{L_}, {HD_}]"),
     ("q_norm-without-k_norm", weights_change(k_norm=None), "q_norm and k_norm must be given together"),
+    ("qkv_bias", weights_change(qkv_bias=lambda w: w[:, :-1]),
+     f"qkv_bias must have shape [num_layers, (num_heads + 2 * num_kv_heads) * head_dim] = [{L_}, {QKV_ROWS}]"),
     ("k_norm-without-q_norm", weights_change(q_norm=None), "q_norm and k_norm must be given together"),
     ("v_cache", lambda a: dict(v_cache=a["v_cache"][:, :, :-1].contiguous()),
      f"k_cache and v_cache must have one shape [num_layers, num_kv_heads, max_len, head_dim], "
@@ -395,6 +417,8 @@ def test_raw_op_checks_too(device):
         raw(k_norm=None)
     with pytest.raises(ValueError, match=re.escape("o_weight must have shape")):
         raw(o_weight=w["o"][:, :-1])
+    with pytest.raises(ValueError, match=re.escape("qkv_bias must have shape")):
+        raw(qkv_bias=w["qkv_bias"][:1])
 
 
 @pytest.mark.gpu
@@ -416,12 +440,13 @@ def raw_kwargs(args):
                 attn_norm=w["attn_norm"], mlp_norm=w["mlp_norm"], q_norm=w.get("q_norm"), k_norm=w.get("k_norm"),
                 k_cache=args["k_cache"], v_cache=args["v_cache"], cos=args["cos"], sin=args["sin"],
                 length=args["length"], num_heads=args["num_heads"], eps=args["eps"],
-                scale=hd ** -0.5 if args["scale"] is None else args["scale"])
+                scale=hd ** -0.5 if args["scale"] is None else args["scale"], qkv_bias=w.get("qkv_bias"))
 
 
 OPCHECK_CASES = {
     "qk-norm-bf16": lambda: step_args(2, 16, 24, 4, 2, 8, 10, 3, True, torch.bfloat16, eps=0.1),
     "no-qk-norm-fp32": lambda: step_args(1, 24, 8, 3, 1, 8, 6, 0, False, torch.float32, scale=0.3),
+    "qkv-bias-fp16": lambda: step_args(2, 16, 8, 4, 2, 8, 6, 2, False, torch.float16, qkv_bias=True),
 }
 
 
@@ -464,7 +489,10 @@ GPU_SHAPES = {
     "qwen3-long": (2, 1024, 3072, 16, 8, 128, 3000, True),
     # down's rows as long as the kernel takes: 8192 values, in fp32 a whole 32 KB stage row.
     "wide-mlp": (1, 128, 8192, 2, 1, 64, 16, False),
+    # Qwen2.5-0.5B's dims (7 query heads on a KV head) with its q/k/v biases.
+    "qwen2.5-0.5b": (2, 896, 4864, 14, 2, 64, GPU_MAX_LEN, False),
 }
+QKV_BIAS_SHAPES = {"qwen2.5-0.5b"}
 # (shape, length): each shape at 0, the last position and beyond on both sides; qwen3 also at 37, 500.
 GPU_CASES = [
     *[(s, n) for s in GPU_SHAPES for n in (0, GPU_SHAPES[s][6] - 1, GPU_SHAPES[s][6], -1)],
@@ -485,7 +513,7 @@ def cuda_vs_cpu(args, length, dtype, what):
 @pytest.mark.parametrize("shape,length", GPU_CASES, ids=[f"{s}-{n}" for s, n in GPU_CASES])
 def test_cuda_decoder_step(shape, length, dtype):
     L, D, I, H, KV, hd, max_len, qk_norm = GPU_SHAPES[shape]
-    args = step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype)
+    args = step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, qkv_bias=shape in QKV_BIAS_SHAPES)
     cuda_vs_cpu(args, length, dtype, f"{shape} at {length}")
 
 

@@ -42,14 +42,14 @@ ROPE_SCALINGS = {
 
 @functools.lru_cache(maxsize=None)
 def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope: str = "default"):
-    """``arch`` "llama", "qwen3" or "gemma3" (odd sizes); "-aligned": sizes that are whole 16-byte
-    vectors of float32, which the CUDA decoder_step kernel needs. ``rope``: "default" or a
-    ROPE_SCALINGS key (Llama and Qwen3)."""
+    """``arch`` "llama", "qwen2", "qwen2-sliding", "qwen3" or "gemma3" (odd sizes); "-aligned":
+    sizes that are whole 16-byte vectors of float32, which the CUDA decoder_step kernel needs.
+    ``rope``: "default" or a ROPE_SCALINGS key (Llama and Qwen3)."""
+    aligned = arch.endswith("-aligned")
     if arch == "gemma3":
         return _gemma3_model(seed, dtype)
-    if arch == "qwen2":
-        return _qwen2_model(seed, dtype)
-    aligned = arch.endswith("-aligned")
+    if arch.startswith("qwen2"):
+        return _qwen2_model(seed, dtype, sliding=arch == "qwen2-sliding", aligned=aligned)
     theta = 500.0 if arch.startswith("llama") else 10000.0
     rope_parameters = dict(rope_type="default", rope_theta=theta) if rope == "default" else dict(ROPE_SCALINGS[rope], rope_theta=theta)
     if arch.startswith("llama"):  # GQA 6:2, head_dim 8 from hidden/heads, untied head
@@ -82,14 +82,14 @@ def _gemma3_model(seed: int, dtype: torch.dtype):
     return _drawn(transformers.Gemma3ForCausalLM, config, seed, dtype, "norm.weight", std=0.1)
 
 
-def _qwen2_model(seed: int, dtype: torch.dtype):
-    """GQA 5:1 with q/k/v biases (drawn: transformers starts them at 0) and a sliding window of 5 in
-    layers 1 and 2 (use_sliding_window from max_window_layers = 1), untied head."""
+def _qwen2_model(seed: int, dtype: torch.dtype, sliding: bool, aligned: bool):
+    """GQA 5:1 with q/k/v biases (drawn: transformers starts them at 0), untied head; ``sliding``: a
+    window of 5 in layers 1 and 2 (use_sliding_window from max_window_layers = 1)."""
     config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=40, intermediate_size=53, num_hidden_layers=3, num_attention_heads=5,
-        num_key_value_heads=1, max_position_embeddings=256, use_sliding_window=True, sliding_window=5,
-        max_window_layers=1, rope_parameters=dict(rope_type="default", rope_theta=300.0), tie_word_embeddings=False,
-        initializer_range=0.3)
+        vocab_size=VOCAB, hidden_size=40, intermediate_size=56 if aligned else 53, num_hidden_layers=3,
+        num_attention_heads=5, num_key_value_heads=1, max_position_embeddings=256, use_sliding_window=sliding,
+        sliding_window=5, max_window_layers=1, rope_parameters=dict(rope_type="default", rope_theta=300.0),
+        tie_word_embeddings=False, initializer_range=0.3)
     return _drawn(transformers.Qwen2ForCausalLM, config, seed, dtype, "proj.bias", std=0.5)
 
 
@@ -132,14 +132,14 @@ def head_for(decoder: Decoder, kind: str):
 
 @pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2-sliding", "qwen3", "gemma3"])
 def test_logits_match_transformers_prefill_and_step_by_step(arch, dtype, attention):
     model = hf_model(arch, dtype=dtype)
     decoder = Decoder.from_hf(model, max_len=24)
     decoder.attention = attention
-    assert decoder.config.qk_norm == (arch in ("qwen3", "gemma3")) and decoder.config.qkv_bias == (arch == "qwen2")
+    assert decoder.config.qk_norm == (arch in ("qwen3", "gemma3")) and decoder.config.qkv_bias == arch.startswith("qwen2")
     assert (decoder.lm_head is decoder.embed) == (arch in ("qwen3", "gemma3"))
-    ids = prompt(1, length=13)  # past qwen2's and gemma3's window of 5
+    ids = prompt(1, length=13)  # past qwen2-sliding's and gemma3's window of 5
     with torch.no_grad():
         expected = model(input_ids=ids.view(1, -1)).logits[0]
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
@@ -195,7 +195,7 @@ def test_gemma3_layer_features_each_matter():
 
 
 def test_qwen2_biases_and_sliding_window_each_matter():
-    model = hf_model("qwen2")
+    model = hf_model("qwen2-sliding")
     decoder = Decoder.from_hf(model, max_len=24)
     c = decoder.config
     assert (c.qkv_bias, c.sliding_layers, c.sliding_window, c.sliding_rope_inv_freq) == (True, (1, 2), 5, None)
@@ -208,9 +208,10 @@ def test_qwen2_biases_and_sliding_window_each_matter():
     for change, given in ((dict(sliding_layers=()), weights), (dict(qkv_bias=False), no_bias)):
         other = Decoder(dataclasses.replace(c, **change), given, max_len=24)
         assert (other.logits(other.forward(ids)) - expected).abs().max() > 1e-3, change
-    with pytest.raises(ValueError, match="body 'persistent' runs the Llama / Qwen3 layer; this model's q/k/v biases, "
-                                         "sliding-window layers run on the 'eager' or 'compiled' body"):
-        Decoder.from_hf(hf_model("qwen2", dtype=torch.float32), max_len=8).body = "persistent"
+    with pytest.raises(ValueError, match="body 'persistent' runs the Llama / Qwen layer; this model's sliding-window "
+                                         "layers run on the 'eager' or 'compiled' body"):
+        Decoder.from_hf(hf_model("qwen2-sliding", dtype=torch.float32), max_len=8).body = "persistent"
+    assert Decoder.from_hf(hf_model("qwen2", dtype=torch.float32), max_len=8).bodies == BODIES
 
 
 def test_gemma3_early_exit_and_the_bodies_it_runs():
@@ -226,7 +227,7 @@ def test_gemma3_early_exit_and_the_bodies_it_runs():
     assert (first.sliding_layers, first.sliding_window, first.sliding_rope_inv_freq) == ((), None, None)
     assert one.bodies == ("eager", "compiled") and Decoder.from_hf(hf_model("qwen3", dtype=torch.float32), max_len=8).bodies == BODIES
     for body in ("fused", "persistent"):
-        with pytest.raises(ValueError, match=f"body '{body}' runs the Llama / Qwen3 layer; this model's GELU, post-norms, "
+        with pytest.raises(ValueError, match=f"body '{body}' runs the Llama / Qwen layer; this model's GELU, post-norms, "
                                              "sliding-window layers run on the 'eager' or 'compiled' body"):
             one.body = body
     assert one.body == "eager"
@@ -366,7 +367,7 @@ def persistent_self_draft():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2-sliding", "qwen3", "gemma3"])
 def test_fast_runner_is_exact_in_every_mode(arch, mode):
     target, drafts = fast_models(arch)
     for k in range(1, 7):
@@ -624,7 +625,7 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
     assert main(["draft-step", "--shapes", "tiny,tiny-gemma3", "--dtype", "fp32", "--samples", "2", "--device", "cpu",
                  "--bodies", "eager,fused", "--json", str(tmp_path / "step.json")]) == 0
     rows = json.loads((tmp_path / "step.json").read_text())["rows"]
-    # The Gemma-3 layer skips the fused body (the kernel bodies run the Llama / Qwen3 layer).
+    # The Gemma-3 layer skips the fused body (the kernel bodies run the Llama / Qwen layer).
     assert [(r["shape"], r["body"], r["head"]) for r in rows] == [
         ("tiny", "eager", "dense"), ("tiny", "eager", "flashhead"), ("tiny", "fused", "dense"), ("tiny", "fused", "flashhead"),
         ("tiny-gemma3", "eager", "dense"), ("tiny-gemma3", "eager", "flashhead")]
@@ -688,7 +689,7 @@ def _check_short_step_body(target: Decoder, draft: Decoder, body: str, mode: str
 
 @pytest.mark.parametrize("body", ["fused", "persistent"])
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_fused_bodies_on_cpu_match_eager_and_are_exact(arch, mode, body):
     model = hf_model(arch, dtype=torch.float32)
     target, draft = Decoder.from_hf(model, max_len=48), Decoder.from_hf(model, max_len=48, num_layers=1)
@@ -786,7 +787,8 @@ def test_decoder_body_is_checked():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
 @pytest.mark.parametrize("arch,body", [("qwen3", "compiled"), ("qwen3", "fused"), ("llama", "fused"), ("gemma3", "compiled"),
-                                       ("qwen2", "compiled"), ("qwen3-aligned", "persistent"), ("llama-aligned", "persistent")])
+                                       ("qwen2-sliding", "compiled"), ("qwen2", "fused"), ("qwen3-aligned", "persistent"),
+                                       ("llama-aligned", "persistent"), ("qwen2-aligned", "persistent")])
 def test_short_step_bodies_match_eager_and_replay_exactly(arch, body, mode):
     _check_short_step_body(*_cuda_models(arch), body, mode, arch)
 
@@ -805,7 +807,7 @@ def test_draft_on_a_second_gpu_is_exact(mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch,body", [("llama-aligned", "eager"), ("llama-aligned", "fused"), ("llama-aligned", "persistent"),
-                                       ("gemma3", "eager"), ("qwen2", "eager")])  # sliding windows' masks
+                                       ("gemma3", "eager"), ("qwen2-sliding", "eager")])  # sliding windows' masks
 def test_no_host_sync_inside_captured_steps(arch, body):
     target, draft = _cuda_models(arch)
     target.body = draft.body = body

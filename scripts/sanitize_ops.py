@@ -90,9 +90,10 @@ def decoder_layer_ops() -> int:
 
         # 12003 input features: several staged chunks at 3 tokens; 77: the scalar weight path.
         for tokens, k, n in ((1, 1024, 37), (3, 12000, 19), (5, 77, 29), (9, 64, 11)):
-            x, w, g, res = rand(tokens, k), rand(n, k) / k ** 0.5, rand(k), rand(tokens, n)
+            x, w, g, res, bias = rand(tokens, k), rand(n, k) / k ** 0.5, rand(k), rand(tokens, n), rand(n)
             gated_x = rand(tokens, 2 * k)
-            for kwargs, inp in ((dict(norm_weight=g), x), (dict(residual=res), x), (dict(gated=True, residual=res), gated_x)):
+            for kwargs, inp in ((dict(norm_weight=g, bias=bias), x), (dict(residual=res), x),
+                                (dict(gated=True, residual=res), gated_x)):
                 check(f"fused_linear {tokens}x{k}->{n} {sorted(kwargs)}", ops.fused_linear(inp.cuda(), w.cuda(), **{
                     key: v.cuda() if torch.is_tensor(v) else v for key, v in kwargs.items()}), ops.fused_linear(inp, w, **kwargs))
         # 9 x 16 / 2: 72 query rows of a KV head, attention tiles of 5 rows (the last one of 2).
@@ -118,15 +119,16 @@ def decoder_layer_ops() -> int:
 def decoder_step() -> int:
     failures = 0
     gen = torch.Generator().manual_seed(11)
-    # (layers, hidden, intermediate, heads, kv_heads, head_dim, max_len, q/k norms); sizes are whole
-    # 16-byte vectors, as the kernel needs. The third has attention splits too long for a weight
-    # stage (read from the cache), and at its middle length bfloat16 ones that fit (read from a copy).
-    # The first three run the kernel of the smallest head class, the last two the other two classes.
-    for layers, d, inter, heads, kv, hd, max_len, qk_norm in ((2, 64, 136, 4, 2, 16, 600, True),
-                                                               (1, 96, 40, 3, 3, 32, 40, False),
-                                                               (1, 64, 40, 8, 8, 128, 2100, False),
-                                                               (1, 64, 40, 8, 2, 32, 300, True),
-                                                               (1, 64, 40, 4, 1, 256, 64, True)):
+    # (layers, hidden, intermediate, heads, kv_heads, head_dim, max_len, q/k norms, q/k/v biases);
+    # sizes are whole 16-byte vectors, as the kernel needs. The third has attention splits too long
+    # for a weight stage (read from the cache), and at its middle length bfloat16 ones that fit (read
+    # from a copy). The first three run the kernel of the smallest head class, the last two the other
+    # two classes.
+    for layers, d, inter, heads, kv, hd, max_len, qk_norm, qkv_bias in ((2, 64, 136, 4, 2, 16, 600, True, False),
+                                                                         (1, 96, 40, 3, 3, 32, 40, False, True),
+                                                                         (1, 64, 40, 8, 8, 128, 2100, False, False),
+                                                                         (2, 64, 40, 8, 2, 32, 300, True, True),
+                                                                         (1, 64, 40, 4, 1, 256, 64, True, False)):
         for dtype in (torch.float32, torch.bfloat16):
             def rand(*shape, scale=0.5):
                 return (torch.randn(*shape, generator=gen) * scale).to(dtype)
@@ -136,6 +138,8 @@ def decoder_step() -> int:
                            attn_norm=rand(layers, d) + 1, mlp_norm=rand(layers, d) + 1)
             if qk_norm:
                 weights.update(q_norm=rand(layers, hd) + 1, k_norm=rand(layers, hd) + 1)
+            if qkv_bias:
+                weights.update(qkv_bias=rand(layers, (heads + 2 * kv) * hd))
             x, cos, sin = rand(1, d), rand(max_len, hd), rand(max_len, hd)
             caches = rand(layers, kv, max_len, hd), rand(layers, kv, max_len, hd)
             for length in (0, max_len // 2 + 1, max_len - 1, max_len):

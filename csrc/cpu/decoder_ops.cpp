@@ -26,17 +26,20 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 at::Tensor fused_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& norm_weight,
-                            double eps, bool gated, const c10::optional<at::Tensor>& residual) {
-  check_fused_linear("fused_linear", x, weight, norm_weight, eps, gated, residual);
+                            double eps, bool gated, const c10::optional<at::Tensor>& residual,
+                            const c10::optional<at::Tensor>& bias) {
+  check_fused_linear("fused_linear", x, weight, norm_weight, eps, gated, residual, bias);
   at::Tensor h = x;
   if (norm_weight.has_value()) h = rms_norm(x, *norm_weight, eps);
   if (gated) {
     auto halves = x.chunk(2, 1);  // gate columns, then up columns
     h = at::silu(halves[0]) * halves[1];
   }
-  // Products of the stored values summed in float32, rounded once (contiguous float32 copies, so
-  // the summation order does not depend on the caller's layout).
-  auto y = at::matmul(h.to(at::kFloat).contiguous(), weight.to(at::kFloat).contiguous().t()).to(x.scalar_type());
+  // Products of the stored values summed in float32, the bias added, rounded once (contiguous
+  // float32 copies, so the summation order does not depend on the caller's layout).
+  auto y = at::matmul(h.to(at::kFloat).contiguous(), weight.to(at::kFloat).contiguous().t());
+  if (bias.has_value()) y = y + bias->to(at::kFloat);
+  y = y.to(x.scalar_type());
   return residual.has_value() ? (*residual + y).contiguous() : y;
 }
 
@@ -103,22 +106,25 @@ at::Tensor decoder_step_cpu(const at::Tensor& x, const at::Tensor& qkv_weight, c
                             const at::Tensor& attn_norm, const at::Tensor& mlp_norm,
                             const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
-                            const at::Tensor& length, int64_t num_heads, double eps, double scale) {
+                            const at::Tensor& length, int64_t num_heads, double eps, double scale,
+                            const c10::optional<at::Tensor>& qkv_bias) {
   check_decoder_step("decoder_step", x, qkv_weight, o_weight, gate_up_weight, down_weight, attn_norm, mlp_norm, q_norm,
-                     k_norm, k_cache, v_cache, cos, sin, length, num_heads, eps, scale);
+                     k_norm, k_cache, v_cache, cos, sin, length, num_heads, eps, scale, qkv_bias);
   const auto layer = [](const c10::optional<at::Tensor>& t, int64_t i) -> c10::optional<at::Tensor> {
     return t.has_value() ? c10::optional<at::Tensor>(t->select(0, i)) : c10::nullopt;
   };
   at::Tensor h = x;
   for (int64_t i = 0; i < k_cache.size(0); ++i) {
     at::Tensor k_layer = k_cache.select(0, i), v_layer = v_cache.select(0, i);  // views of the caller's caches
-    auto qkv = fused_linear_cpu(h, qkv_weight.select(0, i), attn_norm.select(0, i), eps, false, c10::nullopt);
+    auto qkv = fused_linear_cpu(h, qkv_weight.select(0, i), attn_norm.select(0, i), eps, false, c10::nullopt,
+                                layer(qkv_bias, i));
     auto q = rotary_cache_write_cpu(qkv, cos, sin, length, k_layer, v_layer, num_heads, layer(q_norm, i),
                                     layer(k_norm, i), eps);
     auto o = decode_attention_cpu(q, k_layer, v_layer, length, scale);  // [1, H * hd]
-    h = fused_linear_cpu(o, o_weight.select(0, i), c10::nullopt, eps, false, h);
-    auto gate_up = fused_linear_cpu(h, gate_up_weight.select(0, i), mlp_norm.select(0, i), eps, false, c10::nullopt);
-    h = fused_linear_cpu(gate_up, down_weight.select(0, i), c10::nullopt, eps, true, h);
+    h = fused_linear_cpu(o, o_weight.select(0, i), c10::nullopt, eps, false, h, c10::nullopt);
+    auto gate_up = fused_linear_cpu(h, gate_up_weight.select(0, i), mlp_norm.select(0, i), eps, false, c10::nullopt,
+                                    c10::nullopt);
+    h = fused_linear_cpu(gate_up, down_weight.select(0, i), c10::nullopt, eps, true, h, c10::nullopt);
   }
   return h;
 }

@@ -114,13 +114,13 @@ cudaError_t launch_decode(const HeadTensors<T>& tensors, const HeadShape& shape,
 
 // ---- Decoder-layer ops (csrc/kernels/decoder_layer.cu) ------------------------------------------
 
-// out[M, N] = (residual +) h . weight^T, h = x (plain), RMSNorm(x) * norm_weight (norm_weight
-// non-null), or silu(gate) * up with x = [gate | up] of 2K columns (gated). Bandwidth-bound GEMV
-// for a few tokens; any M works, each 8 tokens re-read the weight.
+// out[M, N] = (residual +) round(h . weight^T (+ bias)), h = x (plain), RMSNorm(x) * norm_weight
+// (norm_weight non-null), or silu(gate) * up with x = [gate | up] of 2K columns (gated).
+// Bandwidth-bound GEMV for a few tokens; any M works, each 8 tokens re-read the weight.
 template <typename T>
 cudaError_t launch_fused_linear(const T* x, const T* weight, const T* norm_weight, bool gated, float eps,
-                                const T* residual, T* out, int tokens, int out_features, int in_features,
-                                cudaStream_t stream, const LaunchOptions& options = {});
+                                const T* residual, const T* bias, T* out, int tokens, int out_features,
+                                int in_features, cudaStream_t stream, const LaunchOptions& options = {});
 
 // Rotary embedding (after the optional q/k RMSNorms) of the query and key heads of qkv
 // [M, (H + 2 KV) hd] at positions *length + i; keys and values go to the caches [KV, max_len, hd],
@@ -145,7 +145,8 @@ cudaError_t launch_decode_attention(const T* q, const T* k_cache, const T* v_cac
 
 // A Llama / Qwen3 decoder's shape; its weights stacked over layers, [layers, rows, columns]:
 // qkv [(H + 2 KV) hd, D], o [D, H hd], gate_up [2 I, D] (gate rows, then up rows), down [D, I],
-// attn_norm / mlp_norm [D], q_norm / k_norm [hd] (both null when the model has none).
+// attn_norm / mlp_norm [D], q_norm / k_norm [hd] (both null when the model has none), qkv_bias
+// [(H + 2 KV) hd] (null when the model has none: Qwen2 has them).
 struct DecoderStepShape {
   int layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, max_len;
   float eps, scale;
@@ -160,6 +161,7 @@ struct DecoderStepWeights {
   const T* mlp_norm;
   const T* q_norm;
   const T* k_norm;
+  const T* qkv_bias;
 };
 
 // Weight rows stream through shared-memory stages of at least this many bytes: a row (a gate and

@@ -32,6 +32,7 @@ struct LinearParams {
   const T* weight;
   const T* norm_weight;
   const T* residual;
+  const T* bias;
   T* out;
   int tokens, out_features, in_features;
   int prologue;
@@ -211,7 +212,9 @@ __global__ void __launch_bounds__(kLinearThreads) fused_linear_kernel(LinearPara
           const int64_t row = row_of(cur.group, r);
           if (lane != 0 || row >= p.out_features || t >= tokens) continue;
           const int64_t at = (token0 + t) * int64_t{p.out_features} + row;
-          float y = rounded<T>(p.prologue == kRmsNorm ? sum * inv_rms[t] : sum);
+          float y = p.prologue == kRmsNorm ? sum * inv_rms[t] : sum;
+          if (p.bias) y += to_float(p.bias[row]);
+          y = rounded<T>(y);
           if (p.residual) y += to_float(p.residual[at]);
           p.out[at] = from_float<T>(y);
         }
@@ -551,10 +554,10 @@ __global__ void __launch_bounds__(kMergeThreads) merge_attention_kernel(Attentio
 
 template <typename T>
 cudaError_t launch_fused_linear(const T* x, const T* weight, const T* norm_weight, bool gated, float eps,
-                                const T* residual, T* out, int tokens, int out_features, int in_features,
-                                cudaStream_t stream, const LaunchOptions& options) {
+                                const T* residual, const T* bias, T* out, int tokens, int out_features,
+                                int in_features, cudaStream_t stream, const LaunchOptions& options) {
   using namespace detail;
-  LinearParams<T> p{x, weight, norm_weight, residual, out, tokens, out_features, in_features,
+  LinearParams<T> p{x, weight, norm_weight, residual, bias, out, tokens, out_features, in_features,
                     gated ? kSiluGate : (norm_weight ? kRmsNorm : kPlain), eps, 0};
   int tokens_per_block = 1;
   while (tokens_per_block < min(tokens, kLinearMaxTokens)) tokens_per_block *= 2;
@@ -627,8 +630,8 @@ cudaError_t launch_decode_attention(const T* q, const T* k_cache, const T* v_cac
 }
 
 #define FLASHHEAD_INSTANTIATE_DECODER_LAYER(T)                                                                      \
-  template cudaError_t launch_fused_linear<T>(const T*, const T*, const T*, bool, float, const T*, T*, int, int, int, \
-                                              cudaStream_t, const LaunchOptions&);                                  \
+  template cudaError_t launch_fused_linear<T>(const T*, const T*, const T*, bool, float, const T*, const T*, T*, int,  \
+                                              int, int, cudaStream_t, const LaunchOptions&);                        \
   template cudaError_t launch_rotary_cache_write<T>(const T*, const T*, const T*, const int64_t*, const T*, const T*, \
                                                     float, T*, T*, T*, int, int, int, int, int, cudaStream_t,       \
                                                     const LaunchOptions&);                                          \

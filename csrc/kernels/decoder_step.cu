@@ -968,7 +968,12 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
               const float gate = rounded<T>(a * inv_rms), up = rounded<T>(b * inv_rms);
               post(p.act + row, rounded<T>(rounded<T>(gate / (1.0f + expf(-gate))) * up), output_post);
             } else if (phase == kQkv) {
-              post(p.qkv + row, rounded<T>(a * inv_rms), output_post);
+              float y = a * inv_rms;
+              if (p.w.qkv_bias) {  // rounded once after the bias, as fused_linear rounds
+                const int qkv_rows = (p.s.num_heads + 2 * p.s.num_kv_heads) * p.s.head_dim;
+                y += to_float(p.w.qkv_bias[int64_t{layer} * qkv_rows + row]);
+              }
+              post(p.qkv + row, rounded<T>(y), output_post);
             } else {  // o and down: + the residual stream
               float& residual = residual_rows[row - pl.row_lo];
               const T result = from_float<T>(rounded<T>(a) + residual);

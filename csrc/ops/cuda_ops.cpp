@@ -227,12 +227,12 @@ const T* optional_data(const c10::optional<at::Tensor>& t) {
 
 at::Tensor fused_linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in,
                              const c10::optional<at::Tensor>& norm_weight_in, double eps, bool gated,
-                             const c10::optional<at::Tensor>& residual_in) {
+                             const c10::optional<at::Tensor>& residual_in, const c10::optional<at::Tensor>& bias_in) {
   constexpr const char* op = "fused_linear";
-  check_fused_linear(op, x_in, weight_in, norm_weight_in, eps, gated, residual_in);
+  check_fused_linear(op, x_in, weight_in, norm_weight_in, eps, gated, residual_in, bias_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
-  const auto norm_weight = contiguous(norm_weight_in), residual = contiguous(residual_in);
+  const auto norm_weight = contiguous(norm_weight_in), residual = contiguous(residual_in), bias = contiguous(bias_in);
   check_fits_int(op, x.size(0), "the number of tokens");
   check_fits_int(op, x.size(1), "in_features");
   check_fits_int(op, weight.size(0), "out_features");
@@ -240,7 +240,7 @@ at::Tensor fused_linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in
   dispatch_float(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     C10_CUDA_CHECK(launch_fused_linear<T>(data_as<T>(x), data_as<T>(weight), optional_data<T>(norm_weight), gated,
-                                          static_cast<float>(eps), optional_data<T>(residual),
+                                          static_cast<float>(eps), optional_data<T>(residual), optional_data<T>(bias),
                                           static_cast<T*>(out.data_ptr()), static_cast<int>(x.size(0)),
                                           static_cast<int>(weight.size(0)), static_cast<int>(weight.size(1)),
                                           at::cuda::getCurrentCUDAStream()));
@@ -310,11 +310,11 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
                              const c10::optional<at::Tensor>& q_norm_in, const c10::optional<at::Tensor>& k_norm_in,
                              at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cos_in,
                              const at::Tensor& sin_in, const at::Tensor& length, int64_t num_heads, double eps,
-                             double scale) {
+                             double scale, const c10::optional<at::Tensor>& qkv_bias_in) {
   constexpr const char* op = "decoder_step";
   check_decoder_step(op, x_in, qkv_weight_in, o_weight_in, gate_up_weight_in, down_weight_in, attn_norm_in,
                      mlp_norm_in, q_norm_in, k_norm_in, k_cache, v_cache, cos_in, sin_in, length, num_heads, eps,
-                     scale);
+                     scale, qkv_bias_in);
   const int64_t layers = k_cache.size(0), kv = k_cache.size(1), max_len = k_cache.size(2), hd = k_cache.size(3);
   const int64_t hidden = x_in.size(1), intermediate = down_weight_in.size(2), attn_cols = num_heads * hd;
   const int64_t element = x_in.element_size(), vector = 16 / element;
@@ -348,7 +348,7 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
                    gate_up_weight = gate_up_weight_in.contiguous(), down_weight = down_weight_in.contiguous(),
                    attn_norm = attn_norm_in.contiguous(), mlp_norm = mlp_norm_in.contiguous(),
                    cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  const auto q_norm = contiguous(q_norm_in), k_norm = contiguous(k_norm_in);
+  const auto q_norm = contiguous(q_norm_in), k_norm = contiguous(k_norm_in), qkv_bias = contiguous(qkv_bias_in);
   for (const auto& [tensor, name] :
        {std::pair{&x, "x"}, std::pair{&qkv_weight, "qkv_weight"}, std::pair{&o_weight, "o_weight"},
         std::pair{&gate_up_weight, "gate_up_weight"}, std::pair{&down_weight, "down_weight"},
@@ -368,7 +368,7 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
     auto ws = workspace(plan.workspace_bytes, x);
     const DecoderStepWeights<T> weights{data_as<T>(qkv_weight), data_as<T>(o_weight),  data_as<T>(gate_up_weight),
                                         data_as<T>(down_weight), data_as<T>(attn_norm), data_as<T>(mlp_norm),
-                                        optional_data<T>(q_norm),  optional_data<T>(k_norm)};
+                                        optional_data<T>(q_norm),  optional_data<T>(k_norm), optional_data<T>(qkv_bias)};
     C10_CUDA_CHECK(launch_decoder_step<T>(data_as<T>(x), weights, static_cast<T*>(k_cache.data_ptr()),
                                           static_cast<T*>(v_cache.data_ptr()), data_as<T>(cos), data_as<T>(sin),
                                           length.data_ptr<int64_t>(), shape, plan, static_cast<T*>(out.data_ptr()),

@@ -70,10 +70,11 @@ inline void check_attention_scale(const char* op, double scale) {
                  "], got ", num_str(scale));
 }
 
-// x [M, K] (gated: [M, 2K] holding gate then up), weight [N, K], norm_weight [K], residual [M, N].
+// x [M, K] (gated: [M, 2K] holding gate then up), weight [N, K], norm_weight [K], residual [M, N],
+// bias [N].
 inline void check_fused_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
                                const c10::optional<at::Tensor>& norm_weight, double eps, bool gated,
-                               const c10::optional<at::Tensor>& residual) {
+                               const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& bias) {
   check_rank(op, x, "x", 2, "[tokens, in_features]");
   check_float_tensor(op, x, "x");
   check_rank(op, weight, "weight", 2, "[out_features, in_features]");
@@ -95,6 +96,10 @@ inline void check_fused_linear(const char* op, const at::Tensor& x, const at::Te
   if (residual.has_value()) {
     check_like(op, *residual, "residual", x, "x");
     check_shape(op, *residual, "residual", "[x.size(0), weight.size(0)]", {x.size(0), weight.size(0)});
+  }
+  if (bias.has_value()) {
+    check_like(op, *bias, "bias", x, "x");
+    check_shape(op, *bias, "bias", "[weight.size(0)]", {weight.size(0)});
   }
 }
 
@@ -158,14 +163,15 @@ inline void check_stacked(const char* op, const at::Tensor& t, const char* name,
 // x [1, D], qkv_weight [L, (H + 2 KV) hd, D], o_weight [L, D, H hd], gate_up_weight [L, 2 I, D]
 // (gate rows, then up rows), down_weight [L, D, I], attn_norm / mlp_norm [L, D], q_norm / k_norm
 // [L, hd] (both or neither), k_cache / v_cache [L, KV, max_len, hd] (contiguous, written in
-// place), cos / sin [max_len, hd], length one int64 on x's device.
+// place), cos / sin [max_len, hd], length one int64 on x's device, qkv_bias [L, (H + 2 KV) hd].
 inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Tensor& qkv_weight,
                                const at::Tensor& o_weight, const at::Tensor& gate_up_weight,
                                const at::Tensor& down_weight, const at::Tensor& attn_norm,
                                const at::Tensor& mlp_norm, const c10::optional<at::Tensor>& q_norm,
                                const c10::optional<at::Tensor>& k_norm, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
-                               const at::Tensor& length, int64_t num_heads, double eps, double scale) {
+                               const at::Tensor& length, int64_t num_heads, double eps, double scale,
+                               const c10::optional<at::Tensor>& qkv_bias) {
   check_rank(op, x, "x", 2, "[1, hidden_size] (one token)");
   check_float_tensor(op, x, "x");
   FH_CHECK_VALUE(op, x.size(0) == 1 && x.size(1) > 0, "x must have shape [1, hidden_size >= 1] (one token), got shape ",
@@ -182,6 +188,9 @@ inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Te
 
   check_stacked(op, qkv_weight, "qkv_weight", "[num_layers, (num_heads + 2 * num_kv_heads) * head_dim, hidden_size]",
                 {L, (num_heads + 2 * kv) * hd, D}, x);
+  if (qkv_bias.has_value())
+    check_stacked(op, *qkv_bias, "qkv_bias", "[num_layers, (num_heads + 2 * num_kv_heads) * head_dim]",
+                  {L, (num_heads + 2 * kv) * hd}, x);
   check_stacked(op, o_weight, "o_weight", "[num_layers, hidden_size, num_heads * head_dim]", {L, D, num_heads * hd}, x);
   check_rank(op, gate_up_weight, "gate_up_weight", 3, "[num_layers, 2 * intermediate_size, hidden_size]");
   check_like(op, gate_up_weight, "gate_up_weight", x, "x");

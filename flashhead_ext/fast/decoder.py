@@ -232,7 +232,7 @@ def _fused_layer(x: Tensor, w: dict, k_cache: Tensor, v_cache: Tensor, length: T
     """``_layer`` as six flashhead ops (seven CUDA kernels): the norms, gate and residual adds ride
     in the GEMVs, rotary and the cache write are one kernel, attention reads only the cache up to
     ``length``. ``cos`` / ``sin`` are the whole tables: the ops index them by ``length``."""
-    qkv = ops.fused_linear(x, w["qkv"], norm_weight=w["attn_norm"], eps=eps)
+    qkv = ops.fused_linear(x, w["qkv"], norm_weight=w["attn_norm"], eps=eps, bias=w.get("qkv_bias"))
     q = ops.rotary_cache_write(qkv, cos, sin, length, k_cache, v_cache, num_heads,
                                q_norm=w.get("q_norm"), k_norm=w.get("k_norm"), eps=eps)
     o = ops.decode_attention(q, k_cache, v_cache, length, scale)
@@ -288,7 +288,7 @@ class Decoder:
     count compiles, tens of seconds), ``"fused"`` flashhead's decoder-layer ops (float16 /
     bfloat16 / float32; on a GPU, bandwidth-bound GEMVs with the norms fused in), ``"persistent"``
     one-token steps as one kernel for all layers (docs/benchmarks.md compares them). The fused and
-    persistent bodies run the Llama / Qwen3 layer; a Qwen2 or Gemma-3 model, or one with
+    persistent bodies run the Llama / Qwen2 / Qwen3 layer; a Gemma-3 model, or one with
     sliding-window layers, runs eager or compiled (``bodies``). Sliding-window layers keep every
     position in their cache and mask the old ones.
 
@@ -527,11 +527,10 @@ class Decoder:
         if self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"needs a float16, bfloat16 or float32 model, this one is {self.dtype}"
         c = self.config
-        beyond = [what for what, present in (("q/k/v biases", c.qkv_bias), ("GELU", c.hidden_act != "silu"),
-                                             ("post-norms", c.post_norms), ("sliding-window layers", bool(c.sliding_layers)))
-                  if present]
+        beyond = [what for what, present in (("GELU", c.hidden_act != "silu"), ("post-norms", c.post_norms),
+                                             ("sliding-window layers", bool(c.sliding_layers))) if present]
         if beyond:
-            return f"runs the Llama / Qwen3 layer; this model's {', '.join(beyond)} run on the 'eager' or 'compiled' body"
+            return f"runs the Llama / Qwen layer; this model's {', '.join(beyond)} run on the 'eager' or 'compiled' body"
         return None
 
     @property
