@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The fast path on a lent GPU in one call (issue 6): build for sm_90, the fast-path and decoder-op
 # GPU tests, a kernel profile of one draft step, the draft-step benchmark (eager, fused and
-# persistent bodies; and Gemma-3-270M's own layer, eager and compiled, beside its dimensions in a
-# Llama layer), then the Qwen3-32B-shaped end-to-end benchmark. Logs and JSON under $OUT; a
+# persistent bodies; then Gemma-3-270M's own layer, eager and compiled, beside its dimensions in a
+# Llama layer, and Qwen2.5-0.5B), then the Qwen3-32B-shaped end-to-end benchmark. Logs and JSON under $OUT; a
 # short table last.
-# Usage: FLASHHEAD_COMMIT=<sha> [STAGES="tests sanitize profile layer draft gemma spec"] \
+# Usage: FLASHHEAD_COMMIT=<sha> [STAGES="tests sanitize profile layer draft families spec"] \
 #          bash scripts/device_fast.sh [PROMPTS] [NEW_TOKENS] [TARGET_BODIES] [DRAFT_BODY]
 # (STAGES picks a subset, to stay within one device call's time limit.)
 set -uo pipefail
@@ -16,7 +16,7 @@ prompts=${1:-4}
 new_tokens=${2:-128}
 target_bodies=${3:-compiled}
 draft_body=${4:-persistent}
-stages=" ${STAGES:-tests sanitize profile layer draft gemma spec} "
+stages=" ${STAGES:-tests sanitize profile layer draft families spec} "
 step() { echo; echo "=== $* ($(date +%T))"; }
 want() { [[ "$stages" == *" $1 "* ]]; }
 
@@ -66,9 +66,9 @@ want layer && step "decoder-layer ops vs torch" && timeout 150 python3 -m flashh
 want draft && step "draft step (eager, fused and persistent bodies)" && timeout 200 python3 -m flashhead_ext.bench draft-step --attention matmul --bodies eager,fused,persistent \
   --json "$OUT/draft_step.json" 2>&1 | tee "$OUT/draft_step.log"
 
-want gemma && step "draft step, Gemma-3-270M's layer (eager, compiled) and its dimensions in a Llama layer" && timeout 300 \
-  python3 -m flashhead_ext.bench draft-step --attention matmul --shapes gemma3-270m,gemma3-270m-llama \
-  --bodies eager,compiled,persistent --json "$OUT/draft_step_gemma.json" 2>&1 | tee "$OUT/draft_step_gemma.log"
+want families && step "draft step, other families: Gemma-3-270M's layer (eager, compiled) and its dimensions in a Llama layer, Qwen2.5-0.5B" \
+  && timeout 400 python3 -m flashhead_ext.bench draft-step --attention matmul --shapes gemma3-270m,gemma3-270m-llama,qwen2.5-0.5b \
+  --bodies eager,compiled,persistent --json "$OUT/draft_step_families.json" 2>&1 | tee "$OUT/draft_step_families.log"
 
 want spec && for body in $target_bodies; do
   step "spec: Qwen3-32B-shaped target ($body), Qwen3-0.6B-shaped draft ($draft_body), synthetic R=0.77, K=6"
@@ -84,6 +84,6 @@ want tests && grep -E "^FAILED" "$OUT/tests_gpu.log" | head
 want sanitize && cat "$OUT/sanitizer_step.txt"
 want layer && grep -v wrote "$OUT/layer_ops.log"
 want draft && grep -v wrote "$OUT/draft_step.log"
-want gemma && grep -v wrote "$OUT/draft_step_gemma.log"
+want families && grep -v wrote "$OUT/draft_step_families.log"
 want spec && for body in $target_bodies; do cat "$OUT/spec_target_$body.log"; done
 true

@@ -35,6 +35,7 @@ from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 SHAPES = {
     "qwen3-0.6b": DecoderConfig(151936, 1024, 3072, 28, 16, 8, 128, rope_theta=1e6, qk_norm=True, tie_word_embeddings=True),
     "qwen3-32b": DecoderConfig(151936, 5120, 25600, 64, 64, 8, 128, rope_theta=1e6, qk_norm=True),
+    "qwen2.5-0.5b": DecoderConfig(151936, 896, 4864, 24, 14, 2, 64, rope_theta=1e6, qkv_bias=True, tie_word_embeddings=True),
     "gemma3-270m": DecoderConfig(262144, 640, 2048, 18, 4, 1, 256, rope_theta=1e6, qk_norm=True, tie_word_embeddings=True,
                                  hidden_act="gelu_tanh", post_norms=True, embed_scale=640 ** 0.5, attention_scale=256 ** -0.5,
                                  sliding_window=512, sliding_layers=tuple(i for i in range(18) if (i + 1) % 6),
