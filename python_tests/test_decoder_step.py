@@ -479,12 +479,14 @@ GPU_SHAPES = {
     "smollm2": (2, 576, 1536, 9, 3, 64, GPU_MAX_LEN, False),
     "gemma3-270m": (2, 640, 2048, 4, 1, 256, 64, True),
     "group8-hd256": (2, 512, 1024, 8, 1, 256, 64, True),
-    # The kernel comes in classes of head geometry (group <= 2 and hd <= 128, group <= 4 and hd <=
-    # 128, group <= 8 and hd <= 64, any): qwen3 and small are in the first, smollm2 in the second,
-    # qwen2.5-0.5b in the third, these at a class's edges.
+    # The kernel comes in classes of head geometry (group and hd at most (2, 128), (4, 128), (8, 64),
+    # (8, 128), (4, 256), any): qwen3 and small are in the first, smollm2 in the second,
+    # qwen2.5-0.5b in the third, gemma3-270m in the fifth, group8-hd256 in the last, these at a
+    # class's edges.
     "group4-hd128": (2, 512, 1024, 8, 2, 128, 64, True),
-    "group2-hd256": (2, 512, 1024, 4, 2, 256, 64, False),
     "group8-hd64": (2, 512, 1024, 8, 1, 64, 64, True),
+    "group8-hd128": (2, 512, 1024, 8, 1, 128, 64, False),
+    "group2-hd256": (2, 512, 1024, 4, 2, 256, 64, False),
     # A split's cached keys and values are read from a copy in a free weight stage when they fit it
     # (2 n hd bytes of T), from the cache otherwise. 132 blocks over 8 KV heads make 16 splits: at
     # 1024 keys they all fit (64 keys), at 1501 only in 16-bit types (94), at 3000 in none (187).

@@ -122,14 +122,16 @@ def decoder_step() -> int:
     # (layers, hidden, intermediate, heads, kv_heads, head_dim, max_len, q/k norms, q/k/v biases);
     # sizes are whole 16-byte vectors, as the kernel needs. The third has attention splits too long
     # for a weight stage (read from the cache), and at its middle length bfloat16 ones that fit (read
-    # from a copy). The first three run the kernel of the smallest head class, the last three the
-    # other three classes.
+    # from a copy). The first three run the kernel of the smallest head class, the last five the
+    # other five classes.
     for layers, d, inter, heads, kv, hd, max_len, qk_norm, qkv_bias in ((2, 64, 136, 4, 2, 16, 600, True, False),
                                                                          (1, 96, 40, 3, 3, 32, 40, False, True),
                                                                          (1, 64, 40, 8, 8, 128, 2100, False, False),
                                                                          (2, 64, 40, 8, 2, 32, 300, True, True),
                                                                          (1, 64, 40, 8, 1, 64, 64, False, True),
-                                                                         (1, 64, 40, 4, 1, 256, 64, True, False)):
+                                                                         (1, 64, 40, 6, 1, 128, 64, False, True),
+                                                                         (1, 64, 40, 4, 1, 256, 64, True, False),
+                                                                         (1, 64, 40, 8, 1, 256, 64, True, False)):
         for dtype in (torch.float32, torch.bfloat16):
             def rand(*shape, scale=0.5):
                 return (torch.randn(*shape, generator=gen) * scale).to(dtype)
