@@ -136,7 +136,7 @@ def decoder_step() -> int:
             def rand(*shape, scale=0.5):
                 return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
-            weights = dict(qkv=rand(layers, (heads + 2 * kv) * hd, d, scale=d ** -0.5), o=rand(layers, d, heads * hd, scale=0.2),
+            weights = dict(qkv=rand(layers, (heads + 2 * kv) * hd, d, scale=d ** -0.5), o=rand(layers, d, heads * hd, scale=(heads * hd) ** -0.5),
                            gate_up=rand(layers, 2 * inter, d, scale=d ** -0.5), down=rand(layers, d, inter, scale=inter ** -0.5),
                            attn_norm=rand(layers, d) + 1, mlp_norm=rand(layers, d) + 1)
             if qk_norm:
