@@ -1,7 +1,8 @@
 """The fast path (flashhead_ext.fast): decoder vs transformers, static cache, exact runner, synthetic mode.
 
-CPU tests run tiny Llama (untied, GQA), Qwen3 (tied, q/k norms, MHA) and Gemma-3 (GELU, four norms a
-layer, scaled embeddings, sliding-window layers with their own rotary) models with odd sizes, eagerly,
+CPU tests run tiny Llama (untied, GQA), Qwen2 (q/k/v biases, optionally sliding windows), Qwen3 (tied,
+q/k norms, MHA) and Gemma-3 (GELU, four norms a layer, scaled embeddings, sliding-window layers with
+their own rotary) models with odd sizes, eagerly,
 in float64 (the runner's exactness) and float32 (the decoder's logits). GPU tests capture the steps as
 CUDA graphs and check them against eager runs and for host syncs.
 """
@@ -70,15 +71,16 @@ def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope:
 
 def _gemma3_model(seed: int, dtype: torch.dtype):
     """GQA 4:2 with head_dim 6, a sliding window of 5 in layers 1 and 2 (rotary base 50) and a
-    linearly scaled rotary in layers 0 and 3, a softmax scale from query_pre_attn_scalar, tied head. Norm
-    weights are drawn (transformers starts them at 0, which would hide Gemma's 1 + weight)."""
+    linearly scaled rotary in layers 0 and 3, a softmax scale from query_pre_attn_scalar, tied head.
+    Norm weights are drawn (transformers starts them at 0, which would hide Gemma's 1 + weight)."""
     config = transformers.Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=40, intermediate_size=53, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=6, query_pre_attn_scalar=11, max_position_embeddings=256, sliding_window=5,
         layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000.0),
                          "sliding_attention": dict(rope_type="default", rope_theta=50.0)})
-    # transformers' initializer_range: larger weights, scaled by sqrt(hidden), greedily repeat one token.
+    # transformers' default initializer_range (0.02): with larger weights the embeddings, scaled by
+    # sqrt(hidden), make the greedy tokens one token repeated.
     return _drawn(transformers.Gemma3ForCausalLM, config, seed, dtype, "norm.weight", std=0.1)
 
 

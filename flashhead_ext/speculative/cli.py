@@ -58,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "transformers driver")
     parser.add_argument("--draft-device", default=None, help="--fast: the draft's device, e.g. cuda:1 (None: --device)")
     parser.add_argument("--draft-body", default=None, choices=BODIES,
-                        help="--fast: how the draft runs its layers (Decoder.body; None: persistent, one kernel a step, or for "
-                             "a Gemma-3 draft compiled on a GPU and eager on a CPU)")
+                        help="--fast: how the draft runs its layers (Decoder.body; None: persistent, one kernel a step, or "
+                             "for a draft whose layers it does not run (Gemma-3, sliding windows) compiled on a GPU and eager "
+                             "on a CPU)")
     parser.add_argument("--synthetic-acceptance", type=float, default=None,
                         help="--fast: accept each proposal with this probability instead of verifying (timing only; labelled synthetic)")
     parser.add_argument("--json", default="results/spec.json", help="where to write every run and the summary")
