@@ -143,7 +143,7 @@ cudaError_t launch_decode_attention(const T* q, const T* k_cache, const T* v_cac
 
 // ---- One-token decoder step (csrc/kernels/decoder_step.cu) -------------------------------------
 
-// A Llama / Qwen3 decoder's shape; its weights stacked over layers, [layers, rows, columns]:
+// A Llama / Qwen2 / Qwen3 decoder's shape; its weights stacked over layers, [layers, rows, columns]:
 // qkv [(H + 2 KV) hd, D], o [D, H hd], gate_up [2 I, D] (gate rows, then up rows), down [D, I],
 // attn_norm / mlp_norm [D], q_norm / k_norm [hd] (both null when the model has none), qkv_bias
 // [(H + 2 KV) hd] (null when the model has none: Qwen2 has them).

@@ -1,4 +1,4 @@
-// One decoding step of one token through every layer of a Llama / Qwen3 decoder, as one
+// One decoding step of one token through every layer of a Llama / Qwen2 / Qwen3 decoder, as one
 // persistent kernel.
 //
 // At one token a layer costs its weight bytes (30 MB for Qwen3-0.6B: about 7 us at HBM speed)
@@ -44,7 +44,7 @@ struct HeadClass {
 using SmallHeads = HeadClass<2, 128>;
 using MidHeads = HeadClass<4, 128>;
 // Many query heads on few KV heads (Qwen2.5-0.5B: 7 of 64, Qwen2.5-1.5B: 6 of 128), and few heads
-// of 256 (Gemma-3): bodies 13%, 5% and 9% shorter than on AnyHeads.
+// of 256 (the Gemma-3-270M dims): bodies 13%, 5% and 9% shorter than on AnyHeads.
 using WideHeads = HeadClass<kDecoderStepMaxGroup, 64>;
 using LargeHeads = HeadClass<kDecoderStepMaxGroup, 128>;
 using DeepHeads = HeadClass<4, kDecoderStepMaxHeadDim>;
