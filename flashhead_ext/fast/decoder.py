@@ -128,6 +128,7 @@ class DecoderConfig:
                 raise ValueError(f"num_layers must be an int in 1..{layers} (the model's layers), got {num_layers!r}")
             layers = num_layers
         heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)[:layers]
         unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unknown:
@@ -136,25 +137,25 @@ class DecoderConfig:
         sliding = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
         fields = dict(sliding_window=config.sliding_window, sliding_layers=sliding) if sliding else {}
         if gemma:
-            theta, inv_freq, attention_scaling = _rope_from_hf(config, "full_attention")
+            theta, inv_freq, attention_scaling = _rope_from_hf(config, head_dim, "full_attention")
             fields.update(hidden_act="gelu_tanh", post_norms=True, embed_scale=float(config.hidden_size ** 0.5),
                           attention_scale=float(config.query_pre_attn_scalar) ** -0.5)
             if sliding:  # Gemma's sliding layers rotate by their own base
                 _, fields["sliding_rope_inv_freq"], fields["sliding_rope_attention_scaling"] = _rope_from_hf(
-                    config, "sliding_attention")
+                    config, head_dim, "sliding_attention")
         else:
-            theta, inv_freq, attention_scaling = _rope_from_hf(config)
+            theta, inv_freq, attention_scaling = _rope_from_hf(config, head_dim)
         return cls(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
             num_layers=layers, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, rms_norm_eps=config.rms_norm_eps,
+            head_dim=head_dim, rms_norm_eps=config.rms_norm_eps,
             rope_theta=theta, qk_norm=model_type in ("qwen3", "gemma3_text"), qkv_bias=model_type == "qwen2",
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             rope_inv_freq=inv_freq, rope_attention_scaling=attention_scaling, **fields,
         )
 
 
-def _rope_from_hf(config, layer_type: Optional[str] = None) -> tuple[float, Optional[tuple], float]:
+def _rope_from_hf(config, head_dim: int, layer_type: Optional[str] = None) -> tuple[float, Optional[tuple], float]:
     """The rotary base, frequencies (None: the base's default ones) and cos/sin factor of ``config``
     (of its ``layer_type``'s layers, for a config with rotary parameters per layer type)."""
     rope = dict(getattr(config, "rope_parameters", None) or {})
@@ -169,7 +170,6 @@ def _rope_from_hf(config, layer_type: Optional[str] = None) -> tuple[float, Opti
         raise ValueError(f"{where} partial_rotary_factor is {rope['partial_rotary_factor']}; the fast decoder rotates "
                          "the whole head (1.0)")
     theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if rope_type == "default":
         # A per-type default is not the config's rope_theta: its frequencies are spelled out.
         return theta, None if layer_type is None else tuple(float(f) for f in _default_inv_freq(theta, head_dim)), 1.0
@@ -518,8 +518,9 @@ class Decoder:
     def body(self, value: str) -> None:
         if value not in BODIES:
             raise ValueError(f"body must be one of {BODIES}, got {value!r}")
-        if value in ("fused", "persistent") and self._kernel_body_limit():
-            raise ValueError(f"body {value!r} {self._kernel_body_limit()}")
+        limit = self._kernel_body_limit() if value in ("fused", "persistent") else None
+        if limit:
+            raise ValueError(f"body {value!r} {limit}")
         self._body = value
 
     def _kernel_body_limit(self) -> Optional[str]:
