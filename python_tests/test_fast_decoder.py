@@ -795,16 +795,42 @@ def test_short_step_bodies_match_eager_and_replay_exactly(arch, body, mode):
     _check_short_step_body(*_cuda_models(arch), body, mode, arch)
 
 
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="draft_device placement needs two GPUs")
+@two_gpus
+@pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("mode", MODES)
-def test_draft_on_a_second_gpu_is_exact(mode):
-    model = hf_model("llama", dtype=torch.float32)
+def test_draft_on_a_second_gpu_is_exact(mode, body):
+    model = hf_model("llama-aligned", dtype=torch.float32)
     target = Decoder.from_hf(model, max_len=48, device="cuda:0")
     draft = Decoder.from_hf(model, max_len=48, num_layers=1, device="cuda:1")
+    draft.body = body
     runner = FastSpeculativeDecoder(target, draft, head_for(draft, "flashhead"), k=3)
     gen = runner.generate(prompt(5), mode=mode, max_new_tokens=NEW)
-    assert tuple(gen.tokens) == reference("llama", 5)
+    assert tuple(gen.tokens) == reference("llama-aligned", 5)
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("body", BODIES)
+def test_decoder_runs_on_its_own_gpu_not_the_current_one(body):
+    """With cuda:0 current, a decoder on cuda:1 gives the hidden states and cache of its twin on
+    cuda:0: a prefill, a 3-token step and a 1-token step."""
+    model = hf_model("llama-aligned", dtype=torch.float32)
+    ids = prompt(8, length=13)
+    runs = []
+    with torch.cuda.device(0):
+        for device in ("cuda:0", "cuda:1"):
+            decoder = Decoder.from_hf(model, max_len=24, device=device)
+            decoder.body = body
+            decoder.reset(0)
+            hidden = [decoder.forward(ids[i:j].to(device)) for i, j in ((0, 9), (9, 12), (12, 13))]
+            runs.append([*hidden, decoder.k_cache[:, :, :13], decoder.v_cache[:, :, :13], decoder.length])
+    for expected, actual in zip(*runs):
+        assert actual.device == torch.device("cuda:1")
+        torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -236,3 +236,30 @@ def test_selection_splits_a_crowded_boundary_bin(p, device):
                       embedding=torch.rand(C, 1, generator=gen) * 2.0 - 1.0, probes=p, extra_ids=None).to(device)
     _select_and_check(problem, exact=True)
     check_decode_greedy(ops.decode_greedy(*problem.args()), problem, exact=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@dtype_params
+def test_ops_run_on_their_inputs_gpu_not_the_current_one(dtype):
+    """With cuda:0 current, every op on cuda:1 inputs returns on cuda:1 the bits it returns on
+    cuda:0 (the same deterministic kernels on the same kind of GPU)."""
+    shape = Shape(B=3, D=576, C=989, b=16, p=989 // 16, pad=7, extras=True)
+
+    def every_op(problem):
+        ids, scores = ops.select_clusters(problem.hidden, problem.centroids, problem.probes)
+        sampled = ops.sample_clusters(problem.hidden, problem.centroids, problem.probes, TEMPERATURE, seed=5)
+        candidates = ops.gather_candidates(ids, problem.cluster_tokens, problem.extra_ids)
+        logits = ops.candidate_logits(problem.hidden, problem.embedding, candidates)
+        tokens = ops.decode_greedy(*problem.args())
+        sampled_tokens = ops.decode_sample(*problem.args()[:5], TEMPERATURE, problem.extra_ids, seed=5)
+        return dict(select=(ids, scores), sample_clusters=sampled, gather=(candidates,), logits=(logits,),
+                    decode_greedy=(tokens,), decode_sample=sampled_tokens)
+
+    with torch.cuda.device(0):
+        first = every_op(make_problem(shape, dtype, "cuda:0"))
+        second = every_op(make_problem(shape, dtype, "cuda:1"))
+    for name, outputs in second.items():
+        for output, expected in zip(outputs, first[name]):
+            assert output.device == torch.device("cuda:1"), name
+            assert torch.equal(output.cpu(), expected.cpu()), name

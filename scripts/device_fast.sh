@@ -2,9 +2,10 @@
 # The fast path on a lent GPU in one call (issue 6): build for sm_90, the fast-path and decoder-op
 # GPU tests, a kernel profile of one draft step, the draft-step benchmark (eager, fused and
 # persistent bodies; then Gemma-3-270M's own layer, eager and compiled, beside its dimensions in a
-# Llama layer, and Qwen2.5-0.5B), then the Qwen3-32B-shaped end-to-end benchmark. Logs and JSON under $OUT; a
-# short table last.
-# Usage: FLASHHEAD_COMMIT=<sha> [STAGES="tests sanitize profile layer draft families spec"] \
+# Llama layer, and Qwen2.5-0.5B), then the Qwen3-32B-shaped end-to-end benchmark, and with two GPUs
+# (stage placement, not run by default) the placement tests and that benchmark with the draft on
+# cuda:1. Logs and JSON under $OUT; a short table last.
+# Usage: FLASHHEAD_COMMIT=<sha> [STAGES="tests sanitize profile layer draft families spec placement"] \
 #          bash scripts/device_fast.sh [PROMPTS] [NEW_TOKENS] [TARGET_BODIES] [DRAFT_BODY]
 # (STAGES picks a subset, to stay within one device call's time limit.)
 set -uo pipefail
@@ -70,13 +71,22 @@ want families && step "draft step, other families: Gemma-3-270M's layer (eager, 
   && timeout 400 python3 -m flashhead_ext.bench draft-step --attention matmul --shapes gemma3-270m,gemma3-270m-llama,qwen2.5-0.5b \
   --bodies eager,compiled,persistent --json "$OUT/draft_step_families.json" 2>&1 | tee "$OUT/draft_step_families.log"
 
-want spec && for body in $target_bodies; do
-  step "spec: Qwen3-32B-shaped target ($body), Qwen3-0.6B-shaped draft ($draft_body), synthetic R=0.77, K=6"
-  timeout 300 python3 -m flashhead_ext.bench spec --attention matmul --body "$draft_body" --target-body "$body" \
-    --num-prompts "$prompts" --max-new-tokens "$new_tokens" --json "$OUT/spec_target_$body.json" 2>&1 \
-    | grep -v "prompts:" > "$OUT/spec_target_$body.log"
-  echo "exit $?"
-done
+# spec NAME [ARGS...]: the Qwen3-32B-shaped end-to-end run for each target body, logged as spec_NAME_<body>.
+spec() {
+  local name=$1 body; shift
+  for body in $target_bodies; do
+    step "spec ($name): Qwen3-32B-shaped target ($body), Qwen3-0.6B-shaped draft ($draft_body), synthetic R=0.77, K=6 $*"
+    timeout 300 python3 -m flashhead_ext.bench spec --attention matmul --body "$draft_body" --target-body "$body" \
+      --num-prompts "$prompts" --max-new-tokens "$new_tokens" --json "$OUT/spec_${name}_$body.json" "$@" 2>&1 \
+      | grep -v "prompts:" > "$OUT/spec_${name}_$body.log"
+    echo "exit $?"
+  done
+}
+
+want spec && spec target
+
+want placement && step "two GPUs: placement tests" && timeout 300 python3 -m pytest python_tests -q -m gpu -k "second_gpu or current_one" \
+  -p no:cacheprovider 2>&1 | tee "$OUT/tests_two_gpus.log" | tail -5 && spec two_gpus --draft-device cuda:1
 
 step "summary ($stages)"
 want tests && grep -E "(passed|failed|error)" "$OUT/tests_gpu.log" | tail -1
@@ -86,4 +96,6 @@ want layer && grep -v wrote "$OUT/layer_ops.log"
 want draft && grep -v wrote "$OUT/draft_step.log"
 want families && grep -v wrote "$OUT/draft_step_families.log"
 want spec && for body in $target_bodies; do cat "$OUT/spec_target_$body.log"; done
+want placement && grep -E "(passed|failed|error)" "$OUT/tests_two_gpus.log" | tail -1
+want placement && for body in $target_bodies; do cat "$OUT/spec_two_gpus_$body.log"; done
 true
