@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Optional, Union
 
 import torch
@@ -315,7 +315,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, length: Tensor
 
 
 _DECODER_STEP_WEIGHTS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm")
-_DECODER_STEP_OPTIONAL = ("q_norm", "k_norm", "qkv_bias")
+_DECODER_STEP_OPTIONAL = ("q_norm", "k_norm", "qkv_bias", "post_attn_norm", "post_mlp_norm")
 
 
 def decoder_step(
@@ -330,8 +330,13 @@ def decoder_step(
     *,
     eps: float = 1e-6,
     scale: Optional[float] = None,
+    activation: str = "silu",
+    sliding_window: int = 0,
+    sliding_layers: Sequence[int] = (),
+    sliding_cos: Optional[Tensor] = None,
+    sliding_sin: Optional[Tensor] = None,
 ) -> Tensor:
-    """One decoding step of one token through every layer of a Llama/Qwen2/Qwen3 decoder; returns ``[1, D]``.
+    """One decoding step of one token through every layer of a Llama/Qwen2/Qwen3/Gemma-3 decoder; returns ``[1, D]``.
 
     ``x [1, D]``: the token's hidden state (exactly one token). ``weights`` maps ``"qkv"``
     ``[L, (H + 2 KV) hd, D]``, ``"o"`` ``[L, D, H hd]``, ``"gate_up"`` ``[L, 2 I, D]`` (gate rows,
@@ -349,6 +354,14 @@ def decoder_step(
         x = fused_linear(decode_attention(q, k_cache[i], v_cache[i], length, scale), o[i], residual=x)
         x = fused_linear(fused_linear(x, gate_up[i], norm_weight=mlp_norm[i], eps=eps), down[i],
                          gated=True, residual=x)
+
+    Gemma-3's layer: ``weights["post_attn_norm"]`` and ``weights["post_mlp_norm"]`` ``[L, D]``
+    (both or neither) norm the attention's and the MLP's outputs before their residual adds
+    (``x = x + rms_norm(out)``, each rounded to x's dtype); ``activation="gelu_tanh"`` gates with
+    GELU (tanh approximation) instead of SiLU; the layers in ``sliding_layers`` attend to the last
+    ``sliding_window`` positions only (keys ``length - sliding_window < k <= length``) and rotate by
+    ``sliding_cos`` / ``sliding_sin`` (``[max_len, hd]``, both or neither; default ``cos`` / ``sin``).
+    On CUDA, ``sliding_layers`` needs a model of at most 256 layers.
 
     The result is the residual stream after the last layer (no final norm), in x's dtype. A
     ``length`` outside ``[0, max_len)`` gives NaN and writes nothing; on CUDA such a step costs
@@ -370,6 +383,13 @@ def decoder_step(
         raise ValueError(f"weights has unknown keys {unknown}; expected {', '.join(_DECODER_STEP_WEIGHTS + _DECODER_STEP_OPTIONAL)}")
     for name, value in (("k_cache", k_cache), ("v_cache", v_cache), ("cos", cos), ("sin", sin), ("length", length)):
         _require_tensor(name, value)
+    _require_optional_tensor("sliding_cos", sliding_cos)
+    _require_optional_tensor("sliding_sin", sliding_sin)
+    if not isinstance(activation, str):
+        raise TypeError(f"activation must be a str, got {_type_name(activation)}")
+    if isinstance(sliding_layers, (str, bytes)) or not isinstance(sliding_layers, Sequence):
+        raise TypeError(f"sliding_layers must be a sequence of layer indices, got {_type_name(sliding_layers)}")
+    sliding_layers = [_require_int("sliding_layers[]", layer) for layer in sliding_layers]
     if scale is None:
         # A k_cache of another shape is rejected by the op before it reads scale.
         scale = 1.0 / math.sqrt(k_cache.shape[3]) if k_cache.dim() == 4 and k_cache.shape[3] > 0 else 1.0
@@ -377,7 +397,8 @@ def decoder_step(
     return _ops.decoder_step(
         x, w["qkv"], w["o"], w["gate_up"], w["down"], w["attn_norm"], w["mlp_norm"], w.get("q_norm"), w.get("k_norm"),
         k_cache, v_cache, cos, sin, length, _require_int("num_heads", num_heads), _require_float("eps", eps),
-        _require_float("scale", scale), w.get("qkv_bias"),
+        _require_float("scale", scale), w.get("qkv_bias"), w.get("post_attn_norm"), w.get("post_mlp_norm"), activation,
+        _require_int("sliding_window", sliding_window), sliding_layers, sliding_cos, sliding_sin,
     )
 
 
@@ -490,7 +511,9 @@ def _decode_attention_fake(q, k_cache, v_cache, length, scale):
 
 @_register_fake("decoder_step")
 def _decoder_step_fake(x, qkv_weight, o_weight, gate_up_weight, down_weight, attn_norm, mlp_norm, q_norm, k_norm,
-                       k_cache, v_cache, cos, sin, length, num_heads, eps, scale, qkv_bias=None):
+                       k_cache, v_cache, cos, sin, length, num_heads, eps, scale, qkv_bias=None, post_attn_norm=None,
+                       post_mlp_norm=None, activation="silu", sliding_window=0, sliding_layers=(), sliding_cos=None,
+                       sliding_sin=None):
     return x.new_empty(x.shape)  # [1, D]; the caches are written in place
 
 

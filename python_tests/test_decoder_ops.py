@@ -88,14 +88,16 @@ def rms_norm64(x, weight, eps):
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.double()
 
 
-def fused_linear64(x, weight, norm_weight, eps, gated, residual, bias=None):
+def fused_linear64(x, weight, norm_weight, eps, gated, residual, bias=None, activation="silu"):
+    """``activation``: the gate's, "silu" or "gelu_tanh" (decoder_step's Gemma-3 option)."""
     t = x.dtype
     h = x
     if norm_weight is not None:
         h = rms_norm64(x, norm_weight, eps).to(t)
     if gated:
         gate, up = x.double().chunk(2, dim=1)
-        h = (F.silu(gate).to(t).double() * up).to(t)
+        activated = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+        h = (activated.to(t).double() * up).to(t)
     y = h.double() @ weight.double().T
     y = (y if bias is None else y + bias.double()).to(t)  # rounded once, after the bias
     return y if residual is None else (residual.double() + y.double()).to(t)
@@ -124,7 +126,8 @@ def rotary_cache_write64(qkv, cos, sin, length, k_cache, v_cache, num_heads, q_n
     return q_out, k_out, v_out
 
 
-def decode_attention64(q, k_cache, v_cache, length, scale):
+def decode_attention64(q, k_cache, v_cache, length, scale, window=0):
+    """``window`` > 0: only the last ``window`` visible keys (decoder_step's sliding-window layers)."""
     tokens, heads, hd = q.shape
     kv, max_len, _ = k_cache.shape
     scale = hd ** -0.5 if scale is None else scale
@@ -133,8 +136,9 @@ def decode_attention64(q, k_cache, v_cache, length, scale):
         visible = min(int(length) + i, max_len - 1) + 1
         if visible <= 0:
             continue
-        k = k_cache[:, :visible].double().repeat_interleave(heads // kv, dim=0)  # [heads, visible, hd]
-        v = v_cache[:, :visible].double().repeat_interleave(heads // kv, dim=0)
+        first = max(0, visible - window) if window > 0 else 0
+        k = k_cache[:, first:visible].double().repeat_interleave(heads // kv, dim=0)  # [heads, keys, hd]
+        v = v_cache[:, first:visible].double().repeat_interleave(heads // kv, dim=0)
         weights = torch.softmax(scale * torch.einsum("hd,hkd->hk", q[i].double(), k), dim=-1)
         out[i] = torch.einsum("hk,hkd->hd", weights, v)
     return out.view(tokens, heads * hd).to(q.dtype)

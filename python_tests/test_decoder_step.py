@@ -17,8 +17,8 @@ import torch
 from flashhead_ext import ops
 from flashhead_ext.graphs import capture_graph
 from helpers import DEVICES, DTYPES, generator
-from test_decoder_ops import (BAD_LENGTHS, TOL, bad_num_heads_cases, decode_attention64, fused_linear64, randn, rotary_cache_write64,
-                              rotary_tables)
+from test_decoder_ops import (BAD_LENGTHS, TOL, bad_num_heads_cases, decode_attention64, fused_linear64, randn, rms_norm64,
+                              rotary_cache_write64, rotary_tables)
 
 device_params = pytest.mark.parametrize("device", DEVICES)
 dtype_params = pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -26,7 +26,7 @@ dtype_params = pytest.mark.parametrize("dtype", DTYPES, ids=str)
 # The C++ argument name of each key of the Python API's weights mapping.
 WEIGHT_ARG = {"qkv": "qkv_weight", "o": "o_weight", "gate_up": "gate_up_weight", "down": "down_weight",
               "attn_norm": "attn_norm", "mlp_norm": "mlp_norm", "q_norm": "q_norm", "k_norm": "k_norm",
-              "qkv_bias": "qkv_bias"}
+              "qkv_bias": "qkv_bias", "post_attn_norm": "post_attn_norm", "post_mlp_norm": "post_mlp_norm"}
 
 
 def to(args: dict, device) -> dict:
@@ -42,10 +42,13 @@ def clone(args: dict) -> dict:
 
 # ---- inputs (keyword arguments of ops.decoder_step) -------------------------------------------
 
-def step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=1e-6, scale=None, key=(), qkv_bias=False):
+def step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=1e-6, scale=None, key=(), qkv_bias=False,
+              gemma=False):
     """Random seeded weights scaled by fan_in^-0.5 (values stay O(1) through the layers), random
     (stale) caches, random rotary tables and norm weights around 1; q/k/v biases (Qwen2) drawn
-    last, so the other values are those of the same arguments without them."""
+    next, then with ``gemma`` Gemma-3's options: post-norms, GELU, and the even layers sliding
+    over a window of a third of the cache with their own rotary tables. Drawn last, so the other
+    values are those of the same arguments without them."""
     g = generator("decoder_step", L, D, I, H, KV, hd, max_len, length, qk_norm, str(dtype), *key)
     weight = lambda rows, cols: randn(g, L, rows, cols, dtype=dtype, scale=cols ** -0.5)
     norm = lambda n: randn(g, L, n, dtype=dtype, scale=0.3, shift=1.0)
@@ -59,6 +62,11 @@ def step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=1e-6, sca
                 cos=cos, sin=sin, length=torch.tensor(length), num_heads=H, eps=eps, scale=scale)
     if qkv_bias:
         weights["qkv_bias"] = randn(g, L, (H + 2 * KV) * hd, dtype=dtype, scale=0.5)
+    if gemma:
+        weights.update(post_attn_norm=norm(D), post_mlp_norm=norm(D))
+        sliding_cos, sliding_sin = rotary_tables(g, max_len, hd, dtype)
+        args.update(activation="gelu_tanh", sliding_window=max(1, max_len // 3), sliding_layers=tuple(range(0, L, 2)),
+                    sliding_cos=sliding_cos, sliding_sin=sliding_sin)
     return args
 
 
@@ -68,19 +76,36 @@ def layer_norms(weights, i):
 
 # ---- references -------------------------------------------------------------------------------
 
-def decoder_step64(x, weights, k_cache, v_cache, cos, sin, length, num_heads, eps, scale):
-    """(out, k_cache, v_cache) as new tensors: the float64 references of each op, composed per layer."""
+def decoder_step64(x, weights, k_cache, v_cache, cos, sin, length, num_heads, eps, scale, activation="silu",
+                   sliding_window=0, sliding_layers=(), sliding_cos=None, sliding_sin=None):
+    """(out, k_cache, v_cache) as new tensors: the float64 references of each op, composed per layer
+    (Gemma-3's options: each output normed before its residual add, rounded like the ops)."""
     k_out, v_out = k_cache.clone(), v_cache.clone()
+    t = x.dtype
+
+    def add(x, out, post_norm):
+        return (x.double() + rms_norm64(out, post_norm, eps).to(t).double()).to(t)
+
     for i in range(k_cache.shape[0]):
         bias = weights["qkv_bias"][i] if "qkv_bias" in weights else None
+        sliding = i in sliding_layers
+        tables = (sliding_cos, sliding_sin) if sliding and sliding_cos is not None else (cos, sin)
+        post = "post_attn_norm" in weights
         qkv = fused_linear64(x, weights["qkv"][i], weights["attn_norm"][i], eps, False, None, bias)
         norms = layer_norms(weights, i)
-        q, k_out[i], v_out[i] = rotary_cache_write64(qkv, cos, sin, length, k_out[i], v_out[i], num_heads,
+        q, k_out[i], v_out[i] = rotary_cache_write64(qkv, *tables, length, k_out[i], v_out[i], num_heads,
                                                      norms["q_norm"], norms["k_norm"], eps)
-        o = decode_attention64(q, k_out[i], v_out[i], length, scale)
-        x = fused_linear64(o, weights["o"][i], None, eps, False, x)
+        o = decode_attention64(q, k_out[i], v_out[i], length, scale, window=sliding_window if sliding else 0)
+        if post:
+            x = add(x, fused_linear64(o, weights["o"][i], None, eps, False, None), weights["post_attn_norm"][i])
+        else:
+            x = fused_linear64(o, weights["o"][i], None, eps, False, x)
         gate_up = fused_linear64(x, weights["gate_up"][i], weights["mlp_norm"][i], eps, False, None)
-        x = fused_linear64(gate_up, weights["down"][i], None, eps, True, x)
+        if post:
+            down = fused_linear64(gate_up, weights["down"][i], None, eps, True, None, activation=activation)
+            x = add(x, down, weights["post_mlp_norm"][i])
+        else:
+            x = fused_linear64(gate_up, weights["down"][i], None, eps, True, x, activation=activation)
     return x, k_out, v_out
 
 
@@ -166,6 +191,33 @@ def test_decoder_step_with_qkv_bias(name, L, D, I, H, KV, hd, max_len, qk_norm, 
     check_step(run_step(args), expected, before, length, dtype, name)
 
 
+@dtype_params
+@pytest.mark.parametrize("length_name", list(LENGTHS))
+@pytest.mark.parametrize("name,L,D,I,H,KV,hd,max_len,qk_norm,eps,scale", CPU_CASES, ids=[c[0] for c in CPU_CASES])
+def test_decoder_step_with_gemma3_options(name, L, D, I, H, KV, hd, max_len, qk_norm, eps, scale, length_name, dtype):
+    length = LENGTHS[length_name](max_len)
+    args = step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=eps, scale=scale, gemma=True)
+    before = (args["k_cache"].clone(), args["v_cache"].clone())
+    expected = decoder_step64(**{**clone(args), "scale": hd ** -0.5 if scale is None else scale})
+    check_step(run_step(args), expected, before, length, dtype, name)
+
+
+def test_decoder_step_gemma3_options_matter():
+    # Each of Gemma-3's options changes the result by far more than the tolerance, and a window as
+    # long as the cache, or no window, equals no sliding layers with their tables as cos and sin.
+    base = step_args(3, 40, 72, 4, 2, 10, 12, 9, True, torch.float32, gemma=True)
+    out = ops.decoder_step(**clone(base))
+    no_post = {k: v for k, v in base["weights"].items() if not k.startswith("post_")}
+    for change in (dict(weights=no_post), dict(activation="silu"), dict(sliding_window=base["sliding_window"] + 1),
+                   dict(sliding_layers=(1,)), dict(sliding_cos=None, sliding_sin=None)):
+        changed = ops.decoder_step(**{**clone(base), **clone(change)})
+        assert not torch.allclose(changed, out, **TOL[torch.float32]), list(change)
+    same_tables = {**clone(base), "cos": base["sliding_cos"], "sin": base["sliding_sin"], "sliding_cos": None,
+                   "sliding_sin": None}
+    whole = ops.decoder_step(**{**same_tables, "sliding_window": 12})
+    assert torch.equal(whole, ops.decoder_step(**{**clone(same_tables), "sliding_layers": (), "sliding_window": 0}))
+
+
 def test_decoder_step_options_matter():
     # eps, scale, the q/k norms, the q/k/v biases and each layer change the result by far more than
     # the tolerance (so the tests above can fail), and the default scale is 1 / sqrt(head_dim).
@@ -201,9 +253,9 @@ L_, D_, I_, H_, KV_, HD_, MAX_LEN_ = 2, 16, 16, 4, 2, 8, 12
 
 
 def valid_args(device):
-    """float32; D, H * hd and I multiples of 8, so valid for the CUDA op's limits too."""
-    return to(step_args(L_, D_, I_, H_, KV_, HD_, MAX_LEN_, 3, True, torch.float32, scale=0.5, key=("bad",), qkv_bias=True),
-              device)
+    """float32, every option given; D, H * hd and I multiples of 8, so valid for the CUDA op's limits too."""
+    return to(step_args(L_, D_, I_, H_, KV_, HD_, MAX_LEN_, 3, True, torch.float32, scale=0.5, key=("bad",), qkv_bias=True,
+                        gemma=True), device)
 
 
 def expect(error, fragment, args):
@@ -218,7 +270,7 @@ def test_valid_arguments_are_accepted(device):
 
 
 @device_params
-@pytest.mark.parametrize("name", ["x", "k_cache", "v_cache", "cos", "sin", "length", *WEIGHT_ARG])
+@pytest.mark.parametrize("name", ["x", "k_cache", "v_cache", "cos", "sin", "length", "sliding_cos", "sliding_sin", *WEIGHT_ARG])
 def test_non_tensor_argument(name, device):
     args = valid_args(device)
     if name in WEIGHT_ARG:
@@ -250,7 +302,7 @@ def test_unsupported_dtype(dtype, device):
 
 
 @device_params
-@pytest.mark.parametrize("name", ["k_cache", "v_cache", "cos", "sin", *WEIGHT_ARG])
+@pytest.mark.parametrize("name", ["k_cache", "v_cache", "cos", "sin", "sliding_cos", "sliding_sin", *WEIGHT_ARG])
 def test_mixed_dtypes(name, device):
     args = valid_args(device)
     holder = args["weights"] if name in WEIGHT_ARG else args
@@ -327,7 +379,36 @@ SHAPE_CASES = [
      f"x must have shape [1, hidden_size >= 1] (one token), got shape [2, {D_}]"),
     ("x-no-columns", lambda a: dict(x=a["x"][:, :0]), "x must have shape [1, hidden_size >= 1] (one token)"),
     ("x-columns", lambda a: dict(x=a["x"][:, :-1]), f"{QKV_LAYOUT} = [{L_}, {QKV_ROWS}, {D_ - 1}]"),
+    ("post_attn_norm", weights_change(post_attn_norm=lambda w: w[:, :-1]),
+     f"post_attn_norm must have shape [num_layers, hidden_size] = [{L_}, {D_}]"),
+    ("post_mlp_norm", weights_change(post_mlp_norm=lambda w: w[:1]),
+     f"post_mlp_norm must have shape [num_layers, hidden_size] = [{L_}, {D_}]"),
+    ("post_attn_norm-alone", weights_change(post_mlp_norm=None), "post_attn_norm and post_mlp_norm must be given together"),
+    ("post_mlp_norm-alone", weights_change(post_attn_norm=None), "post_attn_norm and post_mlp_norm must be given together"),
+    ("sliding_cos", lambda a: dict(sliding_cos=a["sliding_cos"][:-1]), f"sliding_cos must have shape [{MAX_LEN_}, {HD_}]"),
+    ("sliding_sin", lambda a: dict(sliding_sin=a["sliding_sin"][:, :-2]), f"sliding_sin must have shape [{MAX_LEN_}, {HD_}]"),
+    ("sliding_cos-alone", lambda a: dict(sliding_sin=None), "sliding_cos and sliding_sin must be given together"),
+    ("sliding_sin-alone", lambda a: dict(sliding_cos=None), "sliding_cos and sliding_sin must be given together"),
+    ("sliding_layers-past-the-last", lambda a: dict(sliding_layers=(0, L_)),
+     f"sliding_layers must hold layer indices in [0, {L_}), got {L_}"),
+    ("sliding_layers-negative", lambda a: dict(sliding_layers=(-1,)), f"sliding_layers must hold layer indices in [0, {L_}), got -1"),
+    ("sliding_layers-repeated", lambda a: dict(sliding_layers=(1, 1)), "sliding_layers must not repeat a layer, got 1 twice"),
+    ("sliding_window-0", lambda a: dict(sliding_window=0), "sliding_window must be >= 1 when sliding_layers are given, got 0"),
+    ("sliding_window-negative", lambda a: dict(sliding_layers=(), sliding_window=-1), "sliding_window must be >= 0, got -1"),
+    ("activation", lambda a: dict(activation="gelu"), "activation must be 'silu' or 'gelu_tanh', got 'gelu'"),
 ]
+
+
+@device_params
+@pytest.mark.parametrize("name,value,fragment", [
+    ("activation", 1, "activation must be a str, got int"),
+    ("sliding_layers", 1, "sliding_layers must be a sequence of layer indices, got int"),
+    ("sliding_layers", "01", "sliding_layers must be a sequence of layer indices, got str"),
+    ("sliding_layers", (0.5,), "sliding_layers[] must be a Python int, got float"),
+    ("sliding_window", 2.0, "sliding_window must be a Python int, got float"),
+])
+def test_option_types(name, value, fragment, device):
+    expect(TypeError, fragment, {**valid_args(device), name: value})
 
 
 @device_params
@@ -440,13 +521,18 @@ def raw_kwargs(args):
                 attn_norm=w["attn_norm"], mlp_norm=w["mlp_norm"], q_norm=w.get("q_norm"), k_norm=w.get("k_norm"),
                 k_cache=args["k_cache"], v_cache=args["v_cache"], cos=args["cos"], sin=args["sin"],
                 length=args["length"], num_heads=args["num_heads"], eps=args["eps"],
-                scale=hd ** -0.5 if args["scale"] is None else args["scale"], qkv_bias=w.get("qkv_bias"))
+                scale=hd ** -0.5 if args["scale"] is None else args["scale"], qkv_bias=w.get("qkv_bias"),
+                post_attn_norm=w.get("post_attn_norm"), post_mlp_norm=w.get("post_mlp_norm"),
+                activation=args.get("activation", "silu"), sliding_window=args.get("sliding_window", 0),
+                sliding_layers=list(args.get("sliding_layers", ())), sliding_cos=args.get("sliding_cos"),
+                sliding_sin=args.get("sliding_sin"))
 
 
 OPCHECK_CASES = {
     "qk-norm-bf16": lambda: step_args(2, 16, 24, 4, 2, 8, 10, 3, True, torch.bfloat16, eps=0.1),
     "no-qk-norm-fp32": lambda: step_args(1, 24, 8, 3, 1, 8, 6, 0, False, torch.float32, scale=0.3),
     "qkv-bias-fp16": lambda: step_args(2, 16, 8, 4, 2, 8, 6, 2, False, torch.float16, qkv_bias=True),
+    "gemma3-bf16": lambda: step_args(3, 16, 24, 4, 1, 8, 10, 7, True, torch.bfloat16, gemma=True),
 }
 
 
@@ -495,12 +581,20 @@ GPU_SHAPES = {
     "wide-mlp": (1, 128, 8192, 2, 1, 64, 16, False),
     # Qwen2.5-0.5B's dims (7 query heads on a KV head) with its q/k/v biases.
     "qwen2.5-0.5b": (2, 896, 4864, 14, 2, 64, GPU_MAX_LEN, False),
+    # Gemma-3's layer (step_args(gemma=True): post-norms, GELU, a sliding layer over a third of the
+    # cache with its own rotary tables): Gemma-3-270M's and Gemma-3-1B's dims, and a small shape
+    # with fewer qkv rows (128) than an H100 or H200 has SMs, which post-norms cap the grid to.
+    "gemma3-270m-layer": (2, 640, 2048, 4, 1, 256, 64, True),
+    "gemma3-1b-layer": (3, 1152, 6912, 4, 1, 256, GPU_MAX_LEN, True),
+    "small-gemma3-layer": (2, 64, 136, 4, 2, 16, 40, True),
 }
 QKV_BIAS_SHAPES = {"qwen2.5-0.5b"}
+GEMMA3_SHAPES = {"gemma3-270m-layer", "gemma3-1b-layer", "small-gemma3-layer"}
 # (shape, length): each shape at 0, the last position and beyond on both sides; qwen3 also at 37, 500.
 GPU_CASES = [
     *[(s, n) for s in GPU_SHAPES for n in (0, GPU_SHAPES[s][6] - 1, GPU_SHAPES[s][6], -1)],
     ("small", 17), ("qwen3", 37), ("qwen3", 500), ("smollm2", 300), ("qwen3-long", 1500),
+    ("gemma3-1b-layer", 200), ("gemma3-1b-layer", 341), ("gemma3-270m-layer", 30),  # 341: the window's length
 ]
 
 
@@ -517,21 +611,23 @@ def cuda_vs_cpu(args, length, dtype, what):
 @pytest.mark.parametrize("shape,length", GPU_CASES, ids=[f"{s}-{n}" for s, n in GPU_CASES])
 def test_cuda_decoder_step(shape, length, dtype):
     L, D, I, H, KV, hd, max_len, qk_norm = GPU_SHAPES[shape]
-    args = step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, qkv_bias=shape in QKV_BIAS_SHAPES)
+    args = step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, qkv_bias=shape in QKV_BIAS_SHAPES,
+                     gemma=shape in GEMMA3_SHAPES)
     cuda_vs_cpu(args, length, dtype, f"{shape} at {length}")
 
 
 @pytest.mark.gpu
 @dtype_params
-@pytest.mark.parametrize("shape", ["small", "qwen3"])
+@pytest.mark.parametrize("shape", ["small", "qwen3", "small-gemma3-layer"])
 def test_cuda_consecutive_steps(shape, dtype):
     # Each device keeps its own caches across steps (the CUDA op reads what it wrote at the
-    # previous lengths); each step gets a fresh token, the same on both devices.
+    # previous lengths); each step gets a fresh token, the same on both devices. The Gemma-3
+    # layer's window (13 keys) moves over the keys written by the steps before.
     L, D, I, H, KV, hd, max_len, qk_norm = GPU_SHAPES[shape]
-    cpu = step_args(L, D, I, H, KV, hd, max_len, 5, qk_norm, dtype, eps=0.1)
+    cpu = step_args(L, D, I, H, KV, hd, max_len, 5, qk_norm, dtype, eps=0.1, gemma=shape in GEMMA3_SHAPES)
     cuda = to(cpu, "cuda")
     g = generator("consecutive", shape, str(dtype))
-    for length in range(5, 11):
+    for length in range(5, 11 if shape not in GEMMA3_SHAPES else 25):
         x = randn(g, 1, D, dtype=dtype)
         cpu.update(x=x, length=torch.tensor(length))
         cuda["x"] = x.cuda()
@@ -592,6 +688,16 @@ CUDA_LIMIT_CASES = [
     ("D62-fp32", torch.float32, 1, 62, 64, 2, 1, 16),
     ("hd264-bf16", torch.bfloat16, 1, 64, 64, 1, 1, 264),
 ]
+
+
+@pytest.mark.gpu
+def test_cuda_sliding_layers_limit():
+    args = step_args(257, 16, 16, 2, 1, 8, 4, 2, False, torch.float32, gemma=True)  # layers 0, 2, ..., 256 slide
+    ops.decoder_step(**clone(args))  # valid for the CPU op
+    with pytest.raises(ValueError, match=re.escape("the CUDA kernel takes sliding_layers in models of at most 256 "
+                                                   "layers, got 257")):
+        ops.decoder_step(**to(args, "cuda"))
+    ops.decoder_step(**{**to(args, "cuda"), "sliding_layers": ()})  # the limit is the sliding layers' only
 
 
 @pytest.mark.gpu

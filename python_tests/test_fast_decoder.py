@@ -47,10 +47,10 @@ def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope:
     sizes that are whole 16-byte vectors of float32, which the CUDA decoder_step kernel needs.
     ``rope``: "default" or a ROPE_SCALINGS key (Llama and Qwen3)."""
     aligned = arch.endswith("-aligned")
-    if arch == "gemma3":
-        return _gemma3_model(seed, dtype)
+    if arch.startswith("gemma3"):
+        return _gemma3_model(seed, dtype, aligned)
     if arch.startswith("qwen2"):
-        return _qwen2_model(seed, dtype, sliding=arch == "qwen2-sliding", aligned=aligned)
+        return _qwen2_model(seed, dtype, sliding=arch.startswith("qwen2-sliding"), aligned=aligned)
     theta = 500.0 if arch.startswith("llama") else 10000.0
     rope_parameters = dict(rope_type="default", rope_theta=theta) if rope == "default" else dict(ROPE_SCALINGS[rope], rope_theta=theta)
     if arch.startswith("llama"):  # GQA 6:2, head_dim 8 from hidden/heads, untied head
@@ -69,13 +69,13 @@ def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope:
     return model
 
 
-def _gemma3_model(seed: int, dtype: torch.dtype):
-    """GQA 4:2 with head_dim 6, a sliding window of 5 in layers 1 and 2 (rotary base 50) and a
+def _gemma3_model(seed: int, dtype: torch.dtype, aligned: bool):
+    """GQA 4:2 with head_dim 6 (aligned: 8), a sliding window of 5 in layers 1 and 2 (rotary base 50) and a
     linearly scaled rotary in layers 0 and 3, a softmax scale from query_pre_attn_scalar, tied head.
     Norm weights are drawn (transformers starts them at 0, which would hide Gemma's 1 + weight)."""
     config = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=40, intermediate_size=53, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=6, query_pre_attn_scalar=11, max_position_embeddings=256, sliding_window=5,
+        vocab_size=VOCAB, hidden_size=40, intermediate_size=56 if aligned else 53, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8 if aligned else 6, query_pre_attn_scalar=11, max_position_embeddings=256, sliding_window=5,
         layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000.0),
                          "sliding_attention": dict(rope_type="default", rope_theta=50.0)})
@@ -210,9 +210,9 @@ def test_qwen2_biases_and_sliding_window_each_matter():
     for change, given in ((dict(sliding_layers=()), weights), (dict(qkv_bias=False), no_bias)):
         other = Decoder(dataclasses.replace(c, **change), given, max_len=24)
         assert (other.logits(other.forward(ids)) - expected).abs().max() > 1e-3, change
-    with pytest.raises(ValueError, match="body 'persistent' runs the Llama / Qwen layer; this model's sliding-window "
-                                         "layers run on the 'eager' or 'compiled' body"):
-        Decoder.from_hf(hf_model("qwen2-sliding", dtype=torch.float32), max_len=8).body = "persistent"
+    with pytest.raises(ValueError, match="body 'fused' runs the Llama / Qwen layer; this model's sliding-window "
+                                         "layers run on the 'eager', 'compiled' or 'persistent' body"):
+        Decoder.from_hf(hf_model("qwen2-sliding", dtype=torch.float32), max_len=8).body = "fused"
     assert Decoder.from_hf(hf_model("qwen2", dtype=torch.float32), max_len=8).bodies == BODIES
 
 
@@ -227,11 +227,11 @@ def test_gemma3_early_exit_and_the_bodies_it_runs():
     torch.testing.assert_close(one.forward(ids), expected, rtol=1e-5, atol=1e-5)
     first = Decoder.from_hf(model, max_len=16, num_layers=1).config  # a full-attention layer only
     assert (first.sliding_layers, first.sliding_window, first.sliding_rope_inv_freq) == ((), None, None)
-    assert one.bodies == ("eager", "compiled") and Decoder.from_hf(hf_model("qwen3", dtype=torch.float32), max_len=8).bodies == BODIES
-    for body in ("fused", "persistent"):
-        with pytest.raises(ValueError, match=f"body '{body}' runs the Llama / Qwen layer; this model's GELU, post-norms, "
-                                             "sliding-window layers run on the 'eager' or 'compiled' body"):
-            one.body = body
+    assert one.bodies == ("eager", "compiled", "persistent")
+    assert Decoder.from_hf(hf_model("qwen3", dtype=torch.float32), max_len=8).bodies == BODIES
+    with pytest.raises(ValueError, match="body 'fused' runs the Llama / Qwen layer; this model's GELU, post-norms, "
+                                         "sliding-window layers run on the 'eager', 'compiled' or 'persistent' body"):
+        one.body = "fused"
     assert one.body == "eager"
 
 
@@ -698,6 +698,17 @@ def test_fused_bodies_on_cpu_match_eager_and_are_exact(arch, mode, body):
     _check_short_step_body(target, draft, body, mode, arch)
 
 
+@pytest.mark.parametrize("mode", ["ordinary", "deferred"])
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2-sliding"])
+def test_persistent_body_on_cpu_runs_gemma3_and_sliding_windows(arch, mode):
+    """Their short forwards run one decoder_step a token (the fused ops run neither). A draft of
+    two layers holds a sliding one; the generation runs far past the window of 5."""
+    model = hf_model(arch, dtype=torch.float32)
+    target, draft = Decoder.from_hf(model, max_len=48), Decoder.from_hf(model, max_len=48, num_layers=2)
+    assert draft.config.sliding_layers == (1,)
+    _check_short_step_body(target, draft, "persistent", mode, arch)
+
+
 @pytest.mark.parametrize("body", ["fused", "persistent"])
 def test_scaled_rope_in_the_short_step_bodies(body, device):
     """The fused and persistent bodies rotate by the scaled tables too (llama3, as Llama 3.2 drafts
@@ -790,7 +801,8 @@ def test_decoder_body_is_checked():
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
 @pytest.mark.parametrize("arch,body", [("qwen3", "compiled"), ("qwen3", "fused"), ("llama", "fused"), ("gemma3", "compiled"),
                                        ("qwen2-sliding", "compiled"), ("qwen2", "fused"), ("qwen3-aligned", "persistent"),
-                                       ("llama-aligned", "persistent"), ("qwen2-aligned", "persistent")])
+                                       ("llama-aligned", "persistent"), ("qwen2-aligned", "persistent"),
+                                       ("gemma3-aligned", "persistent"), ("qwen2-sliding-aligned", "persistent")])
 def test_short_step_bodies_match_eager_and_replay_exactly(arch, body, mode):
     _check_short_step_body(*_cuda_models(arch), body, mode, arch)
 
@@ -835,7 +847,8 @@ def test_decoder_runs_on_its_own_gpu_not_the_current_one(body):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch,body", [("llama-aligned", "eager"), ("llama-aligned", "fused"), ("llama-aligned", "persistent"),
-                                       ("gemma3", "eager"), ("qwen2-sliding", "eager")])  # sliding windows' masks
+                                       ("gemma3", "eager"), ("qwen2-sliding", "eager"),  # sliding windows' masks
+                                       ("gemma3-aligned", "persistent")])
 def test_no_host_sync_inside_captured_steps(arch, body):
     target, draft = _cuda_models(arch)
     target.body = draft.body = body
@@ -894,14 +907,15 @@ def test_bf16_random_shape_graph_runner_is_deterministic():
 
 
 def test_spec_cli_fast_path_default_draft_body_is_one_the_draft_runs():
-    """--draft-body unset: persistent where the draft's layer allows it; a Gemma-3 draft, whose layer
-    the kernel bodies do not implement, runs eager on a CPU (compiled on a GPU)."""
+    """--draft-body unset: persistent where the draft's dtype allows it (Gemma-3's layer too); a
+    float64 draft, which the kernel bodies do not take, runs eager on a CPU (compiled on a GPU)."""
     from argparse import Namespace
 
     from flashhead_ext.speculative import cli
 
-    for arch, body in (("llama", "persistent"), ("gemma3", "eager")):
-        model = hf_model(arch, dtype=torch.float32)
+    for arch, dtype, body in (("llama", torch.float32, "persistent"), ("gemma3", torch.float32, "persistent"),
+                              ("llama", torch.float64, "eager")):
+        model = hf_model(arch, dtype=dtype)
         args = Namespace(max_new_tokens=4, k=3, device="cpu", draft_device=None, draft="a saved model", draft_body=None)
         _, draft = cli._fast_models(args, model, model, longest_prompt=5)
         assert draft.body == args.draft_body == body, arch

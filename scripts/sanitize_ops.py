@@ -7,7 +7,8 @@ row's last block), then compares with the CPU op.
 The decoder-layer ops run every fused_linear prologue (one input chunk and several), rotary with
 positions past the cache, and attention on the vector and scalar paths; decoder_step (the
 persistent kernel) at the first, a middle and the last position and one past the cache, with and
-without q/k norms. Exit status 1 on a mismatch.
+without q/k norms, and Gemma-3's layer (post-norms, GELU, sliding windows with their own rotary
+tables). Exit status 1 on a mismatch.
 """
 import sys
 
@@ -119,19 +120,18 @@ def decoder_layer_ops() -> int:
 def decoder_step() -> int:
     failures = 0
     gen = torch.Generator().manual_seed(11)
-    # (layers, hidden, intermediate, heads, kv_heads, head_dim, max_len, q/k norms, q/k/v biases);
-    # sizes are whole 16-byte vectors, as the kernel needs. The third has attention splits too long
-    # for a weight stage (read from the cache), and at its middle length bfloat16 ones that fit (read
-    # from a copy). The first three run the kernel of the smallest head class, the last five the
-    # other five classes.
-    for layers, d, inter, heads, kv, hd, max_len, qk_norm, qkv_bias in ((2, 64, 136, 4, 2, 16, 600, True, False),
-                                                                         (1, 96, 40, 3, 3, 32, 40, False, True),
-                                                                         (1, 64, 40, 8, 8, 128, 2100, False, False),
-                                                                         (2, 64, 40, 8, 2, 32, 300, True, True),
-                                                                         (1, 64, 40, 8, 1, 64, 64, False, True),
-                                                                         (1, 64, 40, 6, 1, 128, 64, False, True),
-                                                                         (1, 64, 40, 4, 1, 256, 64, True, False),
-                                                                         (1, 64, 40, 8, 1, 256, 64, True, False)):
+    # (layers, hidden, intermediate, heads, kv_heads, head_dim, max_len, q/k norms, q/k/v biases,
+    # Gemma-3's layer); sizes are whole 16-byte vectors, as the kernel needs. The third has attention
+    # splits too long for a weight stage (read from the cache), and at its middle length bfloat16
+    # ones that fit (read from a copy). The first three run the kernel of the smallest head class,
+    # the next five the other five classes. The Gemma-3 layers slide in layers 0 and 2 over a third
+    # of the cache; the last has fewer gate_up rows (40) than the GPU has SMs, which caps the grid.
+    for layers, d, inter, heads, kv, hd, max_len, qk_norm, qkv_bias, gemma in (
+            (2, 64, 136, 4, 2, 16, 600, True, False, False), (1, 96, 40, 3, 3, 32, 40, False, True, False),
+            (1, 64, 40, 8, 8, 128, 2100, False, False, False), (2, 64, 40, 8, 2, 32, 300, True, True, False),
+            (1, 64, 40, 8, 1, 64, 64, False, True, False), (1, 64, 40, 6, 1, 128, 64, False, True, False),
+            (1, 64, 40, 4, 1, 256, 64, True, False, False), (1, 64, 40, 8, 1, 256, 64, True, False, False),
+            (3, 64, 136, 4, 1, 256, 600, True, False, True), (3, 64, 40, 4, 2, 16, 300, True, False, True)):
         for dtype in (torch.float32, torch.bfloat16):
             def rand(*shape, scale=0.5):
                 return (torch.randn(*shape, generator=gen) * scale).to(dtype)
@@ -143,19 +143,26 @@ def decoder_step() -> int:
                 weights.update(q_norm=rand(layers, hd) + 1, k_norm=rand(layers, hd) + 1)
             if qkv_bias:
                 weights.update(qkv_bias=rand(layers, (heads + 2 * kv) * hd))
+            options = {}
+            if gemma:
+                weights.update(post_attn_norm=rand(layers, d) + 1, post_mlp_norm=rand(layers, d) + 1)
+                options = dict(activation="gelu_tanh", sliding_window=max_len // 3, sliding_layers=(0, 2),
+                               sliding_cos=rand(max_len, hd), sliding_sin=rand(max_len, hd))
             x, cos, sin = rand(1, d), rand(max_len, hd), rand(max_len, hd)
             caches = rand(layers, kv, max_len, hd), rand(layers, kv, max_len, hd)
             for length in (0, max_len // 2 + 1, max_len - 1, max_len):
                 results = {}
                 for device in ("cuda", "cpu"):
                     k_cache, v_cache = caches[0].to(device, copy=True), caches[1].to(device, copy=True)
+                    on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
                     out = ops.decoder_step(x.to(device), {k: v.to(device) for k, v in weights.items()}, k_cache, v_cache,
-                                           cos.to(device), sin.to(device), torch.tensor(length, device=device), heads, eps=0.01)
+                                           cos.to(device), sin.to(device), torch.tensor(length, device=device), heads, eps=0.01,
+                                           **on_device)
                     results[device] = out, k_cache, v_cache
                 tol = 1e-3 if dtype == torch.float32 else 5e-2
                 for name, got, want in zip(("out", "k_cache", "v_cache"), results["cuda"], results["cpu"]):
                     if not torch.allclose(got.cpu().float(), want.float(), rtol=tol, atol=tol, equal_nan=True):
-                        print(f"MISMATCH decoder_step {name} {dtype} L={layers} D={d} length={length}")
+                        print(f"MISMATCH decoder_step {name} {dtype} L={layers} D={d} gemma={gemma} length={length}")
                         failures += 1
     return failures
 

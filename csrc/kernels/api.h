@@ -143,13 +143,23 @@ cudaError_t launch_decode_attention(const T* q, const T* k_cache, const T* v_cac
 
 // ---- One-token decoder step (csrc/kernels/decoder_step.cu) -------------------------------------
 
-// A Llama / Qwen2 / Qwen3 decoder's shape; its weights stacked over layers, [layers, rows, columns]:
-// qkv [(H + 2 KV) hd, D], o [D, H hd], gate_up [2 I, D] (gate rows, then up rows), down [D, I],
-// attn_norm / mlp_norm [D], q_norm / k_norm [hd] (both null when the model has none), qkv_bias
-// [(H + 2 KV) hd] (null when the model has none: Qwen2 has them).
+// A Llama / Qwen2 / Qwen3 / Gemma-3 decoder's shape; its weights stacked over layers, [layers, rows,
+// columns]: qkv [(H + 2 KV) hd, D], o [D, H hd], gate_up [2 I, D] (gate rows, then up rows), down
+// [D, I], attn_norm / mlp_norm [D], q_norm / k_norm [hd] (both null when the model has none),
+// qkv_bias [(H + 2 KV) hd] (null when the model has none: Qwen2 has them), post_attn_norm /
+// post_mlp_norm [D] (Gemma-3's norms of the attention's and the MLP's outputs before their residual
+// adds; both null when the model has none, and post_norms says which).
+// Sliding-window layers (bit i of sliding_layers for layer i) attend to the last sliding_window
+// positions only and rotate by sliding_cos / sliding_sin (cos / sin when those are null).
+constexpr int kDecoderStepMaxSlidingLayers = 256;
+enum class DecoderStepActivation : int { kSilu = 0, kGeluTanh = 1 };
 struct DecoderStepShape {
   int layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, max_len;
   float eps, scale;
+  DecoderStepActivation activation = DecoderStepActivation::kSilu;
+  bool post_norms = false;
+  int sliding_window = 0;
+  uint64_t sliding_layers[kDecoderStepMaxSlidingLayers / 64] = {};
 };
 template <typename T>
 struct DecoderStepWeights {
@@ -162,6 +172,10 @@ struct DecoderStepWeights {
   const T* q_norm;
   const T* k_norm;
   const T* qkv_bias;
+  const T* post_attn_norm = nullptr;
+  const T* post_mlp_norm = nullptr;
+  const T* sliding_cos = nullptr;
+  const T* sliding_sin = nullptr;
 };
 
 // Weight rows stream through shared-memory stages of at least this many bytes: a row (a gate and
@@ -194,8 +208,8 @@ cudaError_t plan_decoder_step(const DecoderStepShape& shape, DecoderStepPlan* pl
 // out[D] = the residual stream of token x[D] at position *length after every layer (no final
 // norm); each layer's K/V of the token go to k_cache / v_cache [layers, KV, max_len, hd]. The
 // same values as fused_linear, rotary_cache_write, decode_attention and fused_linear again per
-// layer, as one persistent (cooperative) kernel. A position outside the cache gives NaN and
-// writes nothing.
+// layer (with post-norms, an RMSNorm of each output before its residual add), as one persistent
+// (cooperative) kernel. A position outside the cache gives NaN and writes nothing.
 template <typename T>
 cudaError_t launch_decoder_step(const T* x, const DecoderStepWeights<T>& weights, T* k_cache, T* v_cache, const T* cos,
                                 const T* sin, const int64_t* length, const DecoderStepShape& shape,

@@ -119,6 +119,13 @@ __device__ __forceinline__ float rounded(float x) {
   return to_float(from_float<T>(x));
 }
 
+// GELU, tanh approximation (torch's approximate="tanh", in float32 as its kernels compute it).
+__device__ __forceinline__ float gelu_tanh(float x) {
+  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
+  return 0.5f * x * (1.0f + tanhf(kBeta * (x + kKappa * x * x * x)));
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));

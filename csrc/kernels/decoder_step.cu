@@ -1,5 +1,5 @@
-// One decoding step of one token through every layer of a Llama / Qwen2 / Qwen3 decoder, as one
-// persistent kernel.
+// One decoding step of one token through every layer of a Llama / Qwen2 / Qwen3 / Gemma-3 decoder,
+// as one persistent kernel.
 //
 // At one token a layer costs its weight bytes (30 MB for Qwen3-0.6B: about 7 us at HBM speed)
 // plus the latency of its dependent stages. As separate kernels (decoder_layer.cu) every stage pays
@@ -17,6 +17,13 @@
 // gate_up GEMV with its RMSNorm and SiLU(gate) * up | down GEMV + residual. Values are rounded to T
 // wherever fused_linear, rotary_cache_write and decode_attention round, so the step equals their
 // composition up to the order of float32 sums.
+//
+// Gemma-3's layer: GELU (tanh) instead of SiLU; sliding-window layers attend to their last keys and
+// rotate by their own tables; and an RMSNorm of the attention's and the MLP's outputs before each
+// residual add (post-norms). Such a norm needs the whole output row, which no block has until the
+// next stage reads it anyway: so with post-norms o and down post their outputs, and every block
+// keeps the whole residual stream and adds each normed output as it stages the next input, with no
+// stage more than the Llama layer's.
 #include <algorithm>
 
 #include "kernels/bulk_copy.cuh"
@@ -82,10 +89,11 @@ struct StepParams {
   const T* sin;
   const int64_t* length;
   // Posted values (see post), zeroed by the launch.
-  uint64_t* hidden;      // [D]: the residual stream (the token's row, then after each o and down)
+  uint64_t* hidden;      // [D]: the residual stream (the token's row, then after each o and down);
+                         // with post-norms o's and down's outputs instead
   uint64_t* qkv;         // [(H + 2 KV) hd]
   uint64_t* attn;        // [H hd]
-  uint64_t* act;         // [I]: silu(gate) * up
+  uint64_t* act;         // [I]: act(gate) * up
   uint64_t* partial_out;    // [H][max_splits][hd]
   uint64_t* partial_stats;  // [H][max_splits][2]: max, sum
   int stages, stage_bytes, max_splits;
@@ -343,23 +351,22 @@ struct WeightStream {
   }
 };
 
-// The phase's input as float in shared memory, as the previous stage posts it (post `number`): the
-// RMSNorm weight folded in (y = inv_rms * (W . (x * g))), so the input is read once. Returns inv_rms
-// (1 without a norm).
+// The sum over the block of every thread's v. reduce: kStepWarps floats, not read again before the
+// block's next barrier.
+__device__ __forceinline__ float block_sum(float v, float* reduce) {
+  v = warp_sum(v);
+  if (threadIdx.x % kWarpSize == 0) reduce[threadIdx.x / kWarpSize] = v;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kStepWarps; ++i) total += reduce[i];
+  return total;
+}
+
+// k posted values (post `number`) into xs as float, each times its gain (none: 1); returns the
+// thread's sum of squares of the values before the gain. Thread t stages the values t + 256 j.
 template <typename T>
-__device__ float stage_input(const StepParams<T>& p, int layer, int phase, unsigned number, float* xs, float* reduce) {
-  const DecoderStepShape& s = p.s;
-  const uint64_t* src = p.act;
-  const T* norm = nullptr;
-  int k = s.intermediate;
-  if (phase == kQkv || phase == kGateUp) {
-    src = p.hidden;
-    norm = (phase == kQkv ? p.w.attn_norm : p.w.mlp_norm) + int64_t{layer} * s.hidden;
-    k = s.hidden;
-  } else if (phase == kOut) {
-    src = p.attn;
-    k = s.num_heads * s.head_dim;
-  }
+__device__ float load_posted(const uint64_t* src, int k, unsigned number, const T* gain_weights, float* xs) {
   float sum_sq = 0.0f;
   // Up to kInputWords words a thread in flight at once: k <= kInputWords * kStepThreads is one round
   // trip once posted. Words past k count as posted. One 8-byte load a word: 16-byte loads of word
@@ -367,9 +374,10 @@ __device__ float stage_input(const StepParams<T>& p, int layer, int phase, unsig
   constexpr int kInputWords = 16;
   for (int base = 0; base < k; base += kInputWords * kStepThreads) {
     const auto word_index = [&](int j) { return base + j * kStepThreads + static_cast<int>(threadIdx.x); };
-    float gain[kInputWords];  // the norm's weights, loaded in the polls' first round trip
+    float gain[kInputWords];  // loaded in the polls' first round trip
 #pragma unroll
-    for (int j = 0; j < kInputWords; ++j) gain[j] = norm && word_index(j) < k ? to_float(norm[word_index(j)]) : 1.0f;
+    for (int j = 0; j < kInputWords; ++j)
+      gain[j] = gain_weights && word_index(j) < k ? to_float(gain_weights[word_index(j)]) : 1.0f;
     uint64_t bits[kInputWords];
 #pragma unroll
     for (int j = 0; j < kInputWords; ++j) {
@@ -384,22 +392,61 @@ __device__ float stage_input(const StepParams<T>& p, int layer, int phase, unsig
     for (int j = 0; j < kInputWords; ++j) {
       const int i = word_index(j);
       if (i >= k) break;
-      float v = posted_value(bits[j]);
-      if (norm) {
-        sum_sq = fmaf(v, v, sum_sq);
-        v *= gain[j];
-      }
-      xs[i] = v;
+      const float v = posted_value(bits[j]);
+      sum_sq = fmaf(v, v, sum_sq);
+      xs[i] = v * gain[j];
     }
   }
+  return sum_sq;
+}
+
+// With post-norms: the residual stream (every block's whole copy) gains the RMSNorm of the k
+// posted values in xs (the thread's sum of squares of them: sum_sq), rounded as rms_norm and the
+// residual add round. Returns the thread's sum of squares of the new stream; xs then holds it,
+// each value times its gain (none: 1). reduce: kStepWarps floats.
+template <typename T>
+__device__ float add_post_normed(const DecoderStepShape& s, float sum_sq, const T* post_norm, const T* gain_weights,
+                                 int k, float* xs, float* residual, float* reduce) {
+  const float inv_rms = rsqrtf(block_sum(sum_sq, reduce) / static_cast<float>(k) + s.eps);
+  float new_sum_sq = 0.0f;
+  for (int i = threadIdx.x; i < k; i += kStepThreads) {  // the values this thread staged
+    const float x = rounded<T>(residual[i] + rounded<T>(xs[i] * inv_rms * to_float(post_norm[i])));
+    residual[i] = x;
+    new_sum_sq = fmaf(x, x, new_sum_sq);
+    xs[i] = gain_weights ? x * to_float(gain_weights[i]) : x;
+  }
+  return new_sum_sq;
+}
+
+// The phase's input as float in shared memory, as the previous stage posts it (post `number`): the
+// RMSNorm weight folded in (y = inv_rms * (W . (x * g))), so the input is read once. Returns inv_rms
+// (1 without a norm). With post-norms, qkv (past the first layer) and gate_up read the outputs of
+// down and o and add them, normed, to the residual stream first. reduce: 2 kStepWarps floats.
+template <typename T>
+__device__ float stage_input(const StepParams<T>& p, int layer, int phase, unsigned number, float* xs, float* reduce,
+                             float* residual) {
+  const DecoderStepShape& s = p.s;
+  const uint64_t* src = p.act;
+  const T* norm = nullptr;
+  const T* post_norm = nullptr;
+  int k = s.intermediate;
+  if (phase == kQkv || phase == kGateUp) {
+    src = p.hidden;
+    norm = (phase == kQkv ? p.w.attn_norm : p.w.mlp_norm) + int64_t{layer} * s.hidden;
+    k = s.hidden;
+    if (s.post_norms && phase == kGateUp) post_norm = p.w.post_attn_norm + int64_t{layer} * s.hidden;
+    if (s.post_norms && phase == kQkv && layer > 0) post_norm = p.w.post_mlp_norm + int64_t{layer - 1} * s.hidden;
+  } else if (phase == kOut) {
+    src = p.attn;
+    k = s.num_heads * s.head_dim;
+  }
+  float sum_sq = load_posted(src, k, number, post_norm ? nullptr : norm, xs);
   if (!norm) return 1.0f;
-  sum_sq = warp_sum(sum_sq);
-  if (threadIdx.x % kWarpSize == 0) reduce[threadIdx.x / kWarpSize] = sum_sq;
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kStepWarps; ++i) total += reduce[i];
-  return rsqrtf(total / static_cast<float>(k) + s.eps);
+  if (post_norm) {
+    sum_sq = add_post_normed(s, sum_sq, post_norm, norm, k, xs, residual, reduce);
+    reduce += kStepWarps;
+  }
+  return rsqrtf(block_sum(sum_sq, reduce) / static_cast<float>(k) + s.eps);
 }
 
 // Sums of N values a lane over the warp's lanes in N + 4 - log2(N) shuffles, not the 5 N of N
@@ -562,23 +609,42 @@ __host__ __device__ inline size_t residual_rows_offset(const DecoderStepShape& s
   return (floats + 31) / 32 * 32;
 }
 
-// A layer's attention work items: (KV head, split of the keys 0..pos). Enough to fill the grid,
-// each at least kSplitMinKeys keys and at most kSplitMaxKeys. They depend on pos only, not on
-// the layer.
+// A layer's attention work items: (KV head, split of its keys: positions key_lo..pos). Enough to
+// fill the grid, each at least kSplitMinKeys keys and at most kSplitMaxKeys. They depend on pos
+// and on whether the layer has a sliding window only.
 struct SplitItem {
-  int kv, split, key0, n;
+  int kv, split, key0, n;  // key0: a position
 };
 __device__ __forceinline__ int attention_splits(int keys, int kv_heads) {
   return max(ceil_div(keys, kSplitMaxKeys),
              min(ceil_div(keys, kSplitMinKeys), max(1, static_cast<int>(gridDim.x) / kv_heads)));
 }
-__device__ __forceinline__ SplitItem split_item(int item, int splits, int keys) {
+__device__ __forceinline__ SplitItem split_item(int item, int splits, int keys, int key_lo) {
   // 32-bit arithmetic (split * keys < kSplitMaxKeys * kDecoderStepMaxLen): 64-bit division is a call.
   const unsigned kv = static_cast<unsigned>(item) / splits, split = item - kv * splits;
   const unsigned key0 = split * keys / splits, key_end = (split + 1) * keys / splits;
-  return {static_cast<int>(kv), static_cast<int>(split), static_cast<int>(key0), static_cast<int>(key_end - key0)};
+  return {static_cast<int>(kv), static_cast<int>(split), key_lo + static_cast<int>(key0),
+          static_cast<int>(key_end - key0)};
 }
 static_assert(int64_t{kSplitMaxKeys} * kDecoderStepMaxLen <= int64_t{UINT32_MAX}, "split_item's 32-bit products");
+// The keys of the layers with and without a sliding window: `keys` from position key_lo, their
+// number of splits and the block's first item. Worked out once a step (divisions by run-time
+// counts are long dependent chains).
+struct KeyRange {
+  int key_lo, keys, splits;
+  SplitItem first;
+};
+__device__ __forceinline__ KeyRange key_range(int key_lo, int keys, int kv_heads) {
+  const int splits = attention_splits(keys, kv_heads);
+  return {key_lo, keys, splits, split_item(blockIdx.x, splits, keys, key_lo)};
+}
+__device__ __forceinline__ bool is_sliding(const DecoderStepShape& s, int layer) {
+  uint64_t word = 0;
+#pragma unroll
+  for (int i = 0; i < kDecoderStepMaxSlidingLayers / 64; ++i)  // constant indices: the shape stays in parameter space
+    if (i == layer / 64) word = s.sliding_layers[i];
+  return (word >> (layer % 64)) & 1;
+}
 
 // The layer's cache of KV head kv.
 template <typename T>
@@ -620,31 +686,33 @@ __device__ void stage_split(const StepParams<T>& p, int layer, const SplitItem& 
 #endif
 }
 
-// The attention of one layer. Work items are (KV head, split of the keys 0..pos); each gets the
+// The attention of one layer. Work items are (KV head, split of the layer's keys); each gets the
 // group's queries and the new key ready (RMSNorm, rotary: rotary_cache_write's arithmetic), scores
 // a key per thread, weights the values with a warp per key and lanes over dimensions, and posts a
 // softmax partial; a KV head's last splits merge its partials (decode_attention's merge) into attn.
 // Every loop over keys keeps its loads independent, so they are in flight together.
 template <typename T, typename Heads>
-__device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int splits, const SplitItem& first,
+__device__ void attention(const StepParams<T>& p, int layer, int64_t pos, bool sliding, const KeyRange& range,
                           float* scratch, T* free_stage, uint64_t* split_landed, unsigned& staged_items) {
   constexpr int V = kVecWidth<T>, kMaxGroup = Heads::kMaxGroup, kHeadDimPerLane = Heads::kHeadDimPerLane;
   const DecoderStepShape& s = p.s;
   const int hd = s.head_dim, half = hd / 2, kv_heads = s.num_kv_heads, group = s.num_heads / kv_heads;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int keys = static_cast<int>(pos) + 1;
+  const int keys = range.keys, key_lo = range.key_lo, splits = range.splits;
+  const SplitItem& first = range.first;
   float* q_rows = scratch;                        // [group][hd]
   float* k_new = q_rows + group * hd;             // [hd]
   float* v_new = k_new + hd;                      // [hd]
   float* scores = v_new + hd;                     // [group][kSplitMaxKeys]; the merge's split weights
   float* stats = scores + group * kSplitMaxKeys;  // [group][2]
   float* warp_values = stats + 2 * group;         // [kStepWarps][group][hd]
-  const T* cos = p.cos + pos * hd;
-  const T* sin = p.sin + pos * hd;
+  const bool own_tables = sliding && p.w.sliding_cos;
+  const T* cos = (own_tables ? p.w.sliding_cos : p.cos) + pos * hd;
+  const T* sin = (own_tables ? p.w.sliding_sin : p.sin) + pos * hd;
   const unsigned attn_post = post_number(layer, kAttentionStage), qkv_post = attn_post - 1;
 
   for (int item = blockIdx.x; item < kv_heads * splits; item += gridDim.x) {
-    const SplitItem it = item == static_cast<int>(blockIdx.x) ? first : split_item(item, splits, keys);
+    const SplitItem it = item == static_cast<int>(blockIdx.x) ? first : split_item(item, splits, keys, key_lo);
     const int kv = it.kv, split = it.split, key0 = it.key0, n = it.n;
     // The previous item is done with the scratch and the free stage. The first needs no barrier:
     // the block's last one (qkv's GEMV's own, or the previous phase's end when the block has no qkv
@@ -727,7 +795,7 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int sp
 #endif
     __syncthreads();
 
-    if (key0 + n == keys) {
+    if (key0 + n == pos + 1) {
       // The split holding the new token stores it (in the cache, and over its stale staged row),
       // and then reads it back like every other key: no per-key branch, so the loops below issue
       // their loads together.
@@ -846,7 +914,7 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, int sp
   const int outputs = group * hd;
   const int mergers = min(splits, ceil_div(outputs * splits, kStepThreads * kMergeSplits));
   for (int item = blockIdx.x; item < kv_heads * splits; item += gridDim.x) {
-    const SplitItem it = item == static_cast<int>(blockIdx.x) ? first : split_item(item, splits, keys);
+    const SplitItem it = item == static_cast<int>(blockIdx.x) ? first : split_item(item, splits, keys, key_lo);
     const int merger = it.split - (splits - mergers), kv = it.kv;
     if (merger < 0) continue;
     __syncthreads();  // the scratch below is the last item's scores and weighted values
@@ -892,15 +960,14 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   extern __shared__ __align__(128) unsigned char smem_raw[];
   float* scratch =
       reinterpret_cast<float*>(smem_raw + size_t{static_cast<unsigned>(p.stages)} * static_cast<unsigned>(p.stage_bytes));
+  // The block's rows of the residual stream; with post-norms the whole stream.
   float* residual_rows = scratch + residual_rows_offset(p.s);
   __shared__ PhasePlan<T> plans[kPhases];
-  __shared__ float reduce[kStepWarps];
+  __shared__ float reduce[2 * kStepWarps];
   __shared__ float partials[kTileRows * kStepWarps];  // gemv_chunk's per-slice sums
   __shared__ uint64_t landed[kMaxStages + 1];  // sm_90: the weight stages', then the staged split's
-  // The attention's split of the keys depends on the position only: worked out once a step (its
-  // divisions by run-time counts are long dependent chains) and kept here, not in registers.
-  __shared__ int splits;
-  __shared__ SplitItem first_item;
+  // The attention's keys: those of the full-attention layers, then the sliding-window layers'.
+  __shared__ KeyRange key_ranges[2];
   const int64_t pos = *p.length;
   if (pos < 0 || pos >= p.s.max_len) {
     // Outside the cache: nothing is written and the result is NaN, at the cost of a launch (a
@@ -912,8 +979,9 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   if (threadIdx.x < kPhases) plans[threadIdx.x] = phase_plan(p, threadIdx.x);
   if (threadIdx.x == kPhases) {
     const int keys = static_cast<int>(pos) + 1;
-    splits = attention_splits(keys, p.s.num_kv_heads);
-    first_item = split_item(blockIdx.x, splits, keys);
+    const int window_keys = p.s.sliding_window > 0 ? min(keys, p.s.sliding_window) : keys;
+    key_ranges[0] = key_range(0, keys, p.s.num_kv_heads);
+    key_ranges[1] = key_range(keys - window_keys, window_keys, p.s.num_kv_heads);
   }
 #ifdef FLASHHEAD_BULK_COPIES
   if (threadIdx.x == 0) {
@@ -925,12 +993,14 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   // The residual stream's rows that o and down add to are the block's own: o and down split the
   // hidden rows alike, so each adds to what the block itself wrote last, kept here in shared memory
   // rather than read back from L2. The first layer's o adds to the token's row, which the block
-  // also posts for every block's first qkv.
+  // also posts for every block's first qkv. With post-norms every block keeps the whole stream.
   for (int row = plans[kOut].row_lo + threadIdx.x; row < plans[kOut].row_hi; row += kStepThreads) {
     const float x = to_float(p.x[row]);
-    residual_rows[row - plans[kOut].row_lo] = x;
+    if (!p.s.post_norms) residual_rows[row - plans[kOut].row_lo] = x;
     post(p.hidden + row, x, 1);
   }
+  if (p.s.post_norms)
+    for (int i = threadIdx.x; i < p.s.hidden; i += kStepThreads) residual_rows[i] = to_float(p.x[i]);
 
   int per_layer = 0;
 #pragma unroll
@@ -940,11 +1010,13 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
 
   unsigned staged_items = 0;
   for (int layer = 0; layer < p.s.layers; ++layer) {
+    const bool sliding = is_sliding(p.s, layer);
+    const KeyRange& range = key_ranges[sliding];
     for (int phase = 0; phase < kPhases; ++phase) {
       if (phase == kOut) {
         // The stage of the last chunk consumed: its GEMV is done, and the next issue refills it.
         T* free_stage = reinterpret_cast<T*>(stream.last_stage());
-        attention<T, Heads>(p, layer, pos, splits, first_item, scratch, free_stage, landed + p.stages, staged_items);
+        attention<T, Heads>(p, layer, pos, sliding, range, scratch, free_stage, landed + p.stages, staged_items);
         __syncthreads();  // the attention's scratch is the next input's
       }
       const PhasePlan<T>& pl = plans[phase];
@@ -957,7 +1029,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
         const T* chunk = stream.wait_next();
         tile.load(chunk, pl, pl.chunk_rows(pl.row_lo), 0);
         tile.hold();
-        const float inv_rms = stage_input(p, layer, phase, output_post - 1, scratch, reduce);
+        const float inv_rms = stage_input(p, layer, phase, output_post - 1, scratch, reduce, residual_rows);
         __syncthreads();  // every thread's share of the input is staged
         stream.issue();
         for (int c = 0; c < pl.chunks; ++c) {
@@ -971,7 +1043,9 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
             const int row = row0 + r;
             if (phase == kGateUp) {
               const float gate = rounded<T>(a * inv_rms), up = rounded<T>(b * inv_rms);
-              post(p.act + row, rounded<T>(rounded<T>(gate / (1.0f + expf(-gate))) * up), output_post);
+              const float activated = p.s.activation == DecoderStepActivation::kGeluTanh ? gelu_tanh(gate)
+                                                                                         : gate / (1.0f + expf(-gate));
+              post(p.act + row, rounded<T>(rounded<T>(activated) * up), output_post);
             } else if (phase == kQkv) {
               float y = a * inv_rms;
               if (p.w.qkv_bias) {  // rounded once after the bias, as fused_linear rounds
@@ -979,6 +1053,8 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
                 y += to_float(p.w.qkv_bias[int64_t{layer} * qkv_rows + row]);
               }
               post(p.qkv + row, rounded<T>(y), output_post);
+            } else if (p.s.post_norms) {  // o and down: the output, which the next stage's readers norm and add
+              post(p.hidden + row, rounded<T>(a), output_post);
             } else {  // o and down: + the residual stream
               float& residual = residual_rows[row - pl.row_lo];
               const T result = from_float<T>(rounded<T>(a) + residual);
@@ -994,12 +1070,21 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
         // chunk acquired last, which no warp reads past the block's last barrier. With no barrier
         // here the issuing warp (the last, not needed until the scores) issues them while the
         // others poll for the queries.
-        if (static_cast<int>(blockIdx.x) < p.s.num_kv_heads * splits && split_fits(p, first_item.n))
-          stage_split(p, layer, first_item, reinterpret_cast<T*>(stream.last_stage()), landed + p.stages);
+        if (static_cast<int>(blockIdx.x) < p.s.num_kv_heads * range.splits && split_fits(p, range.first.n))
+          stage_split(p, layer, range.first, reinterpret_cast<T*>(stream.last_stage()), landed + p.stages);
         continue;
       }
       __syncthreads();  // every warp is done with the input before the next one is staged
     }
+  }
+  if (p.s.post_norms && plans[kOut].row_lo < plans[kOut].row_hi) {
+    // The last down's output, normed and added: each block writes its rows of the result.
+    const int last = p.s.layers - 1;
+    const float sum_sq = load_posted<T>(p.hidden, p.s.hidden, post_number(last, stage_of(kDown)), nullptr, scratch);
+    const float inv_rms = rsqrtf(block_sum(sum_sq, reduce) / static_cast<float>(p.s.hidden) + p.s.eps);
+    const T* post_norm = p.w.post_mlp_norm + int64_t{last} * p.s.hidden;
+    for (int row = plans[kOut].row_lo + threadIdx.x; row < plans[kOut].row_hi; row += kStepThreads)
+      p.out[row] = from_float<T>(residual_rows[row] + rounded<T>(scratch[row] * inv_rms * to_float(post_norm[row])));
   }
 #ifndef FLASHHEAD_BULK_COPIES
   wait_async_except(0);  // the trailing empty groups
@@ -1068,8 +1153,10 @@ cudaError_t plan_decoder_step(const DecoderStepShape& s, DecoderStepPlan* plan) 
   if (cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
   KernelSmem limits{};
   if (cudaError_t err = kernel_smem(kernel, &limits); err != cudaSuccess) return err;
-  // A block's residual rows: o and down have hidden_size rows over at least one block per SM.
-  const size_t scratch_bytes = (residual_rows_offset(s) + ceil_div(s.hidden, sms) + 1) * sizeof(float);
+  // A block's residual rows: o and down have hidden_size rows over at least one block per SM; with
+  // post-norms the whole stream.
+  const size_t residual_floats = s.post_norms ? s.hidden : ceil_div(s.hidden, sms) + 1;
+  const size_t scratch_bytes = (residual_rows_offset(s) + residual_floats) * sizeof(float);
   const long long room = static_cast<long long>(limits.max_dynamic) - static_cast<long long>(scratch_bytes);
   // The largest stage (in 16 KB steps) that leaves three of them; otherwise the smallest, at least two.
   plan->stage_bytes = kDecoderStepMaxStageBytes;
@@ -1082,6 +1169,11 @@ cudaError_t plan_decoder_step(const DecoderStepShape& s, DecoderStepPlan* plan) 
     return err;
   if (per_sm < 1) return cudaErrorInvalidValue;
   plan->grid = sms * per_sm;
+  // With post-norms every block adds o's and down's normed outputs to its stream as it stages qkv's
+  // and gate_up's inputs. A block must then have rows in both: its posts there follow its reads,
+  // which is how the writers of the next outputs know that it has read the last.
+  if (s.post_norms)
+    plan->grid = std::min({plan->grid, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.intermediate});
   plan->max_splits = std::max(ceil_div(s.max_len, kSplitMaxKeys), std::max(1, plan->grid / s.num_kv_heads));
   if (plan->max_splits > kSplitMaxKeys) return cudaErrorInvalidValue;  // the merge keeps split weights in scores
   StepParams<T> p{};

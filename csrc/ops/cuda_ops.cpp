@@ -310,11 +310,19 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
                              const c10::optional<at::Tensor>& q_norm_in, const c10::optional<at::Tensor>& k_norm_in,
                              at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cos_in,
                              const at::Tensor& sin_in, const at::Tensor& length, int64_t num_heads, double eps,
-                             double scale, const c10::optional<at::Tensor>& qkv_bias_in) {
+                             double scale, const c10::optional<at::Tensor>& qkv_bias_in,
+                             const c10::optional<at::Tensor>& post_attn_norm_in,
+                             const c10::optional<at::Tensor>& post_mlp_norm_in, c10::string_view activation,
+                             int64_t sliding_window, at::IntArrayRef sliding_layers,
+                             const c10::optional<at::Tensor>& sliding_cos_in,
+                             const c10::optional<at::Tensor>& sliding_sin_in) {
   constexpr const char* op = "decoder_step";
+  const DecoderStepOptions options =
+      decoder_step_options(op, qkv_bias_in, post_attn_norm_in, post_mlp_norm_in, activation, sliding_window,
+                           sliding_layers, sliding_cos_in, sliding_sin_in);
   check_decoder_step(op, x_in, qkv_weight_in, o_weight_in, gate_up_weight_in, down_weight_in, attn_norm_in,
                      mlp_norm_in, q_norm_in, k_norm_in, k_cache, v_cache, cos_in, sin_in, length, num_heads, eps,
-                     scale, qkv_bias_in);
+                     scale, options);
   const int64_t layers = k_cache.size(0), kv = k_cache.size(1), max_len = k_cache.size(2), hd = k_cache.size(3);
   const int64_t hidden = x_in.size(1), intermediate = down_weight_in.size(2), attn_cols = num_heads * hd;
   const int64_t element = x_in.element_size(), vector = 16 / element;
@@ -322,8 +330,15 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
   const auto dim = [](int64_t size) {
     return static_cast<int>(std::min<int64_t>(size, std::numeric_limits<int>::max()));
   };
-  const DecoderStepShape shape{dim(layers), dim(hidden), dim(intermediate), dim(num_heads), dim(kv), dim(hd),
-                               dim(max_len), static_cast<float>(eps), static_cast<float>(scale)};
+  DecoderStepShape shape{dim(layers), dim(hidden), dim(intermediate), dim(num_heads), dim(kv), dim(hd),
+                         dim(max_len), static_cast<float>(eps), static_cast<float>(scale)};
+  shape.activation = options.gelu ? DecoderStepActivation::kGeluTanh : DecoderStepActivation::kSilu;
+  shape.post_norms = options.post_attn_norm.has_value();
+  FH_CHECK_VALUE(op, options.sliding_layers.empty() || layers <= kDecoderStepMaxSlidingLayers,
+                 "the CUDA kernel takes sliding_layers in models of at most ", num_str(kDecoderStepMaxSlidingLayers),
+                 " layers, got ", num_str(layers));
+  shape.sliding_window = options.sliding_layers.empty() ? 0 : dim(options.sliding_window);
+  for (const int64_t layer : options.sliding_layers) shape.sliding_layers[layer / 64] |= uint64_t{1} << (layer % 64);
   // The kernel streams whole 16-byte vectors of rows through shared-memory stages of fixed size.
   const DecoderStepLimit limit = decoder_step_limit(shape, static_cast<int>(element));
   FH_CHECK_VALUE(op, limit != DecoderStepLimit::kHeadDim, "head_dim must be at most ",
@@ -348,7 +363,9 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
                    gate_up_weight = gate_up_weight_in.contiguous(), down_weight = down_weight_in.contiguous(),
                    attn_norm = attn_norm_in.contiguous(), mlp_norm = mlp_norm_in.contiguous(),
                    cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  const auto q_norm = contiguous(q_norm_in), k_norm = contiguous(k_norm_in), qkv_bias = contiguous(qkv_bias_in);
+  const auto q_norm = contiguous(q_norm_in), k_norm = contiguous(k_norm_in), qkv_bias = contiguous(qkv_bias_in),
+             post_attn_norm = contiguous(post_attn_norm_in), post_mlp_norm = contiguous(post_mlp_norm_in),
+             sliding_cos = contiguous(sliding_cos_in), sliding_sin = contiguous(sliding_sin_in);
   for (const auto& [tensor, name] :
        {std::pair{&x, "x"}, std::pair{&qkv_weight, "qkv_weight"}, std::pair{&o_weight, "o_weight"},
         std::pair{&gate_up_weight, "gate_up_weight"}, std::pair{&down_weight, "down_weight"},
@@ -366,9 +383,13 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
                    " need more shared memory than this GPU has for the CUDA kernel");
     C10_CUDA_CHECK(planned);
     auto ws = workspace(plan.workspace_bytes, x);
-    const DecoderStepWeights<T> weights{data_as<T>(qkv_weight), data_as<T>(o_weight),  data_as<T>(gate_up_weight),
-                                        data_as<T>(down_weight), data_as<T>(attn_norm), data_as<T>(mlp_norm),
-                                        optional_data<T>(q_norm),  optional_data<T>(k_norm), optional_data<T>(qkv_bias)};
+    const DecoderStepWeights<T> weights{data_as<T>(qkv_weight),        data_as<T>(o_weight),
+                                        data_as<T>(gate_up_weight),    data_as<T>(down_weight),
+                                        data_as<T>(attn_norm),         data_as<T>(mlp_norm),
+                                        optional_data<T>(q_norm),      optional_data<T>(k_norm),
+                                        optional_data<T>(qkv_bias),    optional_data<T>(post_attn_norm),
+                                        optional_data<T>(post_mlp_norm), optional_data<T>(sliding_cos),
+                                        optional_data<T>(sliding_sin)};
     C10_CUDA_CHECK(launch_decoder_step<T>(data_as<T>(x), weights, static_cast<T*>(k_cache.data_ptr()),
                                           static_cast<T*>(v_cache.data_ptr()), data_as<T>(cos), data_as<T>(sin),
                                           length.data_ptr<int64_t>(), shape, plan, static_cast<T*>(out.data_ptr()),

@@ -3,6 +3,10 @@
 // tensor and is never read here, so the ops stay free of host syncs.
 #pragma once
 
+#include <c10/util/string_view.h>
+
+#include <vector>
+
 #include "ops/checks.h"
 
 namespace flashhead {
@@ -157,13 +161,45 @@ inline void check_stacked(const char* op, const at::Tensor& t, const char* name,
   check_shape(op, t, name, layout, expected);
 }
 
+// decoder_step's arguments beyond the Llama layer's: Qwen2's q/k/v biases; Gemma-3's norms of the
+// attention's and the MLP's outputs (post-norms), GELU, and sliding-window layers with their own
+// rotary tables.
+struct DecoderStepOptions {
+  c10::optional<at::Tensor> qkv_bias, post_attn_norm, post_mlp_norm, sliding_cos, sliding_sin;
+  bool gelu = false;
+  int64_t sliding_window = 0;
+  std::vector<int64_t> sliding_layers;
+};
+
+inline DecoderStepOptions decoder_step_options(const char* op, const c10::optional<at::Tensor>& qkv_bias,
+                                               const c10::optional<at::Tensor>& post_attn_norm,
+                                               const c10::optional<at::Tensor>& post_mlp_norm,
+                                               c10::string_view activation, int64_t sliding_window,
+                                               at::IntArrayRef sliding_layers,
+                                               const c10::optional<at::Tensor>& sliding_cos,
+                                               const c10::optional<at::Tensor>& sliding_sin) {
+  FH_CHECK_VALUE(op, activation == "silu" || activation == "gelu_tanh",
+                 "activation must be 'silu' or 'gelu_tanh', got '", std::string(activation.data(), activation.size()), "'");
+  return {qkv_bias,
+          post_attn_norm,
+          post_mlp_norm,
+          sliding_cos,
+          sliding_sin,
+          activation == "gelu_tanh",
+          sliding_window,
+          std::vector<int64_t>(sliding_layers.begin(), sliding_layers.end())};
+}
+
 // One token through every layer of a decoder, weights stacked per kind along a leading layer
 // dimension. num_layers, num_kv_heads, max_len and head_dim are read from k_cache, hidden_size
 // from x, intermediate_size from gate_up_weight; every other tensor must agree with them:
 // x [1, D], qkv_weight [L, (H + 2 KV) hd, D], o_weight [L, D, H hd], gate_up_weight [L, 2 I, D]
 // (gate rows, then up rows), down_weight [L, D, I], attn_norm / mlp_norm [L, D], q_norm / k_norm
 // [L, hd] (both or neither), k_cache / v_cache [L, KV, max_len, hd] (contiguous, written in
-// place), cos / sin [max_len, hd], length one int64 on x's device, qkv_bias [L, (H + 2 KV) hd].
+// place), cos / sin [max_len, hd], length one int64 on x's device; the options' qkv_bias [L, (H +
+// 2 KV) hd], post_attn_norm / post_mlp_norm [L, D] (both or neither), sliding_cos / sliding_sin
+// [max_len, hd] (both or neither), sliding_layers distinct layer indices, sliding_window >= 1 when
+// there are any (else >= 0).
 inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Tensor& qkv_weight,
                                const at::Tensor& o_weight, const at::Tensor& gate_up_weight,
                                const at::Tensor& down_weight, const at::Tensor& attn_norm,
@@ -171,7 +207,8 @@ inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Te
                                const c10::optional<at::Tensor>& k_norm, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
                                const at::Tensor& length, int64_t num_heads, double eps, double scale,
-                               const c10::optional<at::Tensor>& qkv_bias) {
+                               const DecoderStepOptions& options) {
+  const auto& qkv_bias = options.qkv_bias;
   check_rank(op, x, "x", 2, "[1, hidden_size] (one token)");
   check_float_tensor(op, x, "x");
   FH_CHECK_VALUE(op, x.size(0) == 1 && x.size(1) > 0, "x must have shape [1, hidden_size >= 1] (one token), got shape ",
@@ -212,6 +249,31 @@ inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Te
   check_shape(op, cos, "cos", {max_len, hd});
   check_like(op, sin, "sin", x, "x");
   check_shape(op, sin, "sin", {max_len, hd});
+  FH_CHECK_VALUE(op, options.post_attn_norm.has_value() == options.post_mlp_norm.has_value(),
+                 "post_attn_norm and post_mlp_norm must be given together");
+  if (options.post_attn_norm.has_value()) {
+    check_stacked(op, *options.post_attn_norm, "post_attn_norm", "[num_layers, hidden_size]", {L, D}, x);
+    check_stacked(op, *options.post_mlp_norm, "post_mlp_norm", "[num_layers, hidden_size]", {L, D}, x);
+  }
+  FH_CHECK_VALUE(op, options.sliding_cos.has_value() == options.sliding_sin.has_value(),
+                 "sliding_cos and sliding_sin must be given together");
+  if (options.sliding_cos.has_value()) {
+    check_like(op, *options.sliding_cos, "sliding_cos", x, "x");
+    check_shape(op, *options.sliding_cos, "sliding_cos", {max_len, hd});
+    check_like(op, *options.sliding_sin, "sliding_sin", x, "x");
+    check_shape(op, *options.sliding_sin, "sliding_sin", {max_len, hd});
+  }
+  std::vector<bool> seen(static_cast<size_t>(L), false);
+  for (const int64_t layer : options.sliding_layers) {
+    FH_CHECK_VALUE(op, layer >= 0 && layer < L, "sliding_layers must hold layer indices in [0, ", num_str(L),
+                   "), got ", num_str(layer));
+    FH_CHECK_VALUE(op, !seen[static_cast<size_t>(layer)], "sliding_layers must not repeat a layer, got ",
+                   num_str(layer), " twice");
+    seen[static_cast<size_t>(layer)] = true;
+  }
+  FH_CHECK_VALUE(op, options.sliding_window >= (options.sliding_layers.empty() ? 0 : 1),
+                 "sliding_window must be ", options.sliding_layers.empty() ? ">= 0" : ">= 1 when sliding_layers are given",
+                 ", got ", num_str(options.sliding_window));
   FH_CHECK_VALUE(op, std::isfinite(eps) && eps >= 0.0, "eps must be a finite number >= 0, got ", num_str(eps));
   check_attention_scale(op, scale);
 }

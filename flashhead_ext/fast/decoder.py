@@ -245,7 +245,8 @@ def _fused_layer(x: Tensor, w: dict, k_cache: Tensor, v_cache: Tensor, length: T
 # prompts that short) runs its layers: "eager" the torch ops of ``_layer``, "compiled" ``_layer``
 # through torch.compile, "fused" the flashhead decoder-layer ops, "persistent" one-token forwards
 # as the single flashhead ``decoder_step`` (every layer in one kernel) and other short ones as
-# "fused". Longer forwards (prefills of longer prompts, whose length varies) always run eager.
+# "fused" (a model the fused ops cannot run, such as Gemma-3: one ``decoder_step`` a token).
+# Longer forwards (prefills of longer prompts, whose length varies) always run eager.
 BODIES = ("eager", "compiled", "fused", "persistent")
 STEP_MAX_TOKENS = 16
 # Graphs dynamo may keep for the compiled layer: one per token count and model shape. Its default of
@@ -287,10 +288,10 @@ class Decoder:
     included (see ``BODIES``): ``"compiled"`` a torch.compile'd layer (the first call of each token
     count compiles, tens of seconds), ``"fused"`` flashhead's decoder-layer ops (float16 /
     bfloat16 / float32; on a GPU, bandwidth-bound GEMVs with the norms fused in), ``"persistent"``
-    one-token steps as one kernel for all layers (docs/benchmarks.md compares them). The fused and
-    persistent bodies run the Llama / Qwen2 / Qwen3 layer; a Gemma-3 model, or one with
-    sliding-window layers, runs eager or compiled (``bodies``). Sliding-window layers keep every
-    position in their cache and mask the old ones.
+    one-token steps as one kernel for all layers (docs/benchmarks.md compares them). The fused body
+    runs the Llama / Qwen2 / Qwen3 layer; a Gemma-3 model, or one with sliding-window layers, runs
+    eager, compiled or persistent (``bodies``). Sliding-window layers keep every position in their
+    cache and mask the old ones.
 
     Layout: per layer the q/k/v projections are one ``[(H + 2 KV) hd, D]`` matrix and gate/up one
     ``[2 I, D]`` matrix (fewer, larger GEMVs); each kind of weight is one tensor stacked over the
@@ -474,9 +475,8 @@ class Decoder:
         x = self.embed.index_select(0, ids)
         if self._embed_scale is not None:
             x = x * self._embed_scale
-        if self.body == "persistent" and n == 1:
-            x = ops.decoder_step(x, self.stacked, self.k_cache, self.v_cache, self._cos, self._sin, start,
-                                 c.num_heads, eps=c.rms_norm_eps, scale=c.softmax_scale)
+        if self.body == "persistent" and short and (n == 1 or self._body_limit("fused")):
+            x = torch.cat([self._persistent_step(x[i:i + 1], start + i if i else start) for i in range(n)])
         elif self.body in ("fused", "persistent") and short:
             for i, w in enumerate(self.layers):
                 x = _fused_layer(x, w, self.k_cache[i], self.v_cache[i], start, self._cos, self._sin,
@@ -491,6 +491,16 @@ class Decoder:
                     x = layer(x, w, self.k_cache[i], self.v_cache[i], *inputs[i in sliding_layers], c.num_heads,
                               c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.softmax_scale, c.hidden_act, self.attention)
         return _rms_norm(x, self.final_norm, c.rms_norm_eps)
+
+    def _persistent_step(self, x: Tensor, position: Tensor) -> Tensor:
+        """The residual stream after every layer of the token ``x [1, D]`` at ``position``: one ``decoder_step``."""
+        c = self.config
+        own_tables = self._sliding_cos is not self._cos
+        return ops.decoder_step(x, self.stacked, self.k_cache, self.v_cache, self._cos, self._sin, position, c.num_heads,
+                                eps=c.rms_norm_eps, scale=c.softmax_scale, activation=c.hidden_act,
+                                sliding_window=c.sliding_window or 0, sliding_layers=c.sliding_layers,
+                                sliding_cos=self._sliding_cos if own_tables else None,
+                                sliding_sin=self._sliding_sin if own_tables else None)
 
     def step_inputs(self, n: int, start: Tensor, *, sliding: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """What ``_layer`` takes for ``n`` tokens from position ``start`` (an int64 0-d device
@@ -518,26 +528,30 @@ class Decoder:
     def body(self, value: str) -> None:
         if value not in BODIES:
             raise ValueError(f"body must be one of {BODIES}, got {value!r}")
-        limit = self._kernel_body_limit() if value in ("fused", "persistent") else None
+        limit = self._body_limit(value)
         if limit:
             raise ValueError(f"body {value!r} {limit}")
         self._body = value
 
-    def _kernel_body_limit(self) -> Optional[str]:
-        """Why the fused and persistent bodies (flashhead's layer kernels) cannot run this model, or None."""
+    def _body_limit(self, body: str) -> Optional[str]:
+        """Why ``body`` cannot run this model, or None: the fused and persistent bodies (flashhead's
+        layer kernels) take float16, bfloat16 and float32; the fused ops run the Llama / Qwen layer."""
+        if body not in ("fused", "persistent"):
+            return None
         if self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"needs a float16, bfloat16 or float32 model, this one is {self.dtype}"
         c = self.config
         beyond = [what for what, present in (("GELU", c.hidden_act != "silu"), ("post-norms", c.post_norms),
                                              ("sliding-window layers", bool(c.sliding_layers))) if present]
-        if beyond:
-            return f"runs the Llama / Qwen layer; this model's {', '.join(beyond)} run on the 'eager' or 'compiled' body"
+        if body == "fused" and beyond:
+            return (f"runs the Llama / Qwen layer; this model's {', '.join(beyond)} run on the 'eager', 'compiled' or "
+                    "'persistent' body")
         return None
 
     @property
     def bodies(self) -> tuple:
-        """The bodies this model can run (``BODIES``, or the eager and compiled ones)."""
-        return ("eager", "compiled") if self._kernel_body_limit() else BODIES
+        """The bodies this model can run (of ``BODIES``)."""
+        return tuple(body for body in BODIES if not self._body_limit(body))
 
     @property
     def attention(self) -> str:

@@ -59,8 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-device", default=None, help="--fast: the draft's device, e.g. cuda:1 (None: --device)")
     parser.add_argument("--draft-body", default=None, choices=BODIES,
                         help="--fast: how the draft runs its layers (Decoder.body; None: persistent, one kernel a step, or "
-                             "for a draft whose layers it does not run (Gemma-3, sliding windows) compiled on a GPU and eager "
-                             "on a CPU)")
+                             "for a draft it does not run (a float64 one) compiled on a GPU and eager on a CPU)")
     parser.add_argument("--synthetic-acceptance", type=float, default=None,
                         help="--fast: accept each proposal with this probability instead of verifying (timing only; labelled synthetic)")
     parser.add_argument("--json", default="results/spec.json", help="where to write every run and the summary")
@@ -124,7 +123,7 @@ def _fast_models(args, target, draft, longest_prompt: int):
         fast_draft = Decoder.from_hf(target, max_len=max_len, num_layers=draft.config.num_hidden_layers, device=draft_device)
     else:
         fast_draft = Decoder.from_hf(draft, max_len=max_len, device=draft_device)
-    if args.draft_body is None:  # one kernel a step where the draft's layer allows it
+    if args.draft_body is None:  # one kernel a step where the draft's dtype allows it
         on_gpu = torch.device(draft_device).type == "cuda"
         args.draft_body = "persistent" if "persistent" in fast_draft.bodies else "compiled" if on_gpu else "eager"
     fast_draft.body = args.draft_body
