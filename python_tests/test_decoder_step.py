@@ -173,8 +173,14 @@ LENGTHS = {"0": lambda n: 0, "middle": lambda n: n // 2, "last": lambda n: n - 1
 @pytest.mark.parametrize("length_name", list(LENGTHS))
 @pytest.mark.parametrize("name,L,D,I,H,KV,hd,max_len,qk_norm,eps,scale", CPU_CASES, ids=[c[0] for c in CPU_CASES])
 def test_decoder_step(name, L, D, I, H, KV, hd, max_len, qk_norm, eps, scale, length_name, dtype):
+    check_against_float64(name, (L, D, I, H, KV, hd, max_len), qk_norm, eps, scale, length_name, dtype)
+
+
+def check_against_float64(name, dims, qk_norm, eps, scale, length_name, dtype, **options):
+    """The CPU op on step_args(*dims, ..., **options) against decoder_step64."""
+    hd, max_len = dims[5], dims[6]
     length = LENGTHS[length_name](max_len)
-    args = step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=eps, scale=scale)
+    args = step_args(*dims, length, qk_norm, dtype, eps=eps, scale=scale, **options)
     before = (args["k_cache"].clone(), args["v_cache"].clone())
     expected = decoder_step64(**{**clone(args), "scale": hd ** -0.5 if scale is None else scale})
     check_step(run_step(args), expected, before, length, dtype, name)
@@ -184,22 +190,14 @@ def test_decoder_step(name, L, D, I, H, KV, hd, max_len, qk_norm, eps, scale, le
 @pytest.mark.parametrize("length_name", ["0", "middle", "max_len"])
 @pytest.mark.parametrize("name,L,D,I,H,KV,hd,max_len,qk_norm,eps,scale", CPU_CASES[1::2], ids=[c[0] for c in CPU_CASES[1::2]])
 def test_decoder_step_with_qkv_bias(name, L, D, I, H, KV, hd, max_len, qk_norm, eps, scale, length_name, dtype):
-    length = LENGTHS[length_name](max_len)
-    args = step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=eps, scale=scale, qkv_bias=True)
-    before = (args["k_cache"].clone(), args["v_cache"].clone())
-    expected = decoder_step64(**{**clone(args), "scale": hd ** -0.5 if scale is None else scale})
-    check_step(run_step(args), expected, before, length, dtype, name)
+    check_against_float64(name, (L, D, I, H, KV, hd, max_len), qk_norm, eps, scale, length_name, dtype, qkv_bias=True)
 
 
 @dtype_params
 @pytest.mark.parametrize("length_name", list(LENGTHS))
 @pytest.mark.parametrize("name,L,D,I,H,KV,hd,max_len,qk_norm,eps,scale", CPU_CASES, ids=[c[0] for c in CPU_CASES])
 def test_decoder_step_with_gemma3_options(name, L, D, I, H, KV, hd, max_len, qk_norm, eps, scale, length_name, dtype):
-    length = LENGTHS[length_name](max_len)
-    args = step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=eps, scale=scale, gemma=True)
-    before = (args["k_cache"].clone(), args["v_cache"].clone())
-    expected = decoder_step64(**{**clone(args), "scale": hd ** -0.5 if scale is None else scale})
-    check_step(run_step(args), expected, before, length, dtype, name)
+    check_against_float64(name, (L, D, I, H, KV, hd, max_len), qk_norm, eps, scale, length_name, dtype, gemma=True)
 
 
 def test_decoder_step_gemma3_options_matter():
