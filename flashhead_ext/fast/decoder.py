@@ -476,7 +476,9 @@ class Decoder:
         if self._embed_scale is not None:
             x = x * self._embed_scale
         if self.body == "persistent" and short and (n == 1 or self._body_limit("fused")):
-            x = torch.cat([self._persistent_step(x[i:i + 1], start + i if i else start) for i in range(n)])
+            # One token, one step, no copy (the draft's step); otherwise one step a token.
+            steps = [self._persistent_step(x[i:i + 1], start + i if i else start) for i in range(n)]
+            x = steps[0] if n == 1 else torch.cat(steps)
         elif self.body in ("fused", "persistent") and short:
             for i, w in enumerate(self.layers):
                 x = _fused_layer(x, w, self.k_cache[i], self.v_cache[i], start, self._cos, self._sin,
