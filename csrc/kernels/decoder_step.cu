@@ -1094,10 +1094,11 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
     // The last down's output, normed and added: each block writes its rows of the result.
     const int last = p.s.layers - 1;
     const float sum_sq = load_posted<T>(p.hidden, p.s.hidden, post_number(last, stage_of(kDown)), nullptr, true, scratch);
-    const float inv_rms = rsqrtf(block_sum(sum_sq, reduce) / static_cast<float>(p.s.hidden) + p.s.eps);
-    const T* post_norm = p.w.post_mlp_norm + int64_t{last} * p.s.hidden;
+    add_post_normed<T>(p.s, sum_sq, p.w.post_mlp_norm + int64_t{last} * p.s.hidden, nullptr, p.s.hidden, scratch,
+                       residual_rows, reduce);
+    __syncthreads();  // other threads added the block's rows
     for (int row = plans[kOut].row_lo + threadIdx.x; row < plans[kOut].row_hi; row += kStepThreads)
-      p.out[row] = from_float<T>(residual_rows[row] + rounded<T>(scratch[row] * inv_rms * to_float(post_norm[row])));
+      p.out[row] = from_float<T>(residual_rows[row]);
   }
 #ifndef FLASHHEAD_BULK_COPIES
   wait_async_except(0);  // the trailing empty groups
