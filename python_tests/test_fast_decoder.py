@@ -24,7 +24,7 @@ from flashhead_ext.fast.decoder import BODIES
 from flashhead_ext.speculative import MODES
 from flashhead_ext.speculative.runner import plan_configs, run_interleaved, summarize
 from helpers import one_thread  # noqa: F401  (an autouse fixture)
-from helpers import check_counters, greedy_tokens, random_partition, random_prompt
+from helpers import TWO_GPUS, check_counters, greedy_tokens, random_partition, random_prompt
 
 transformers = pytest.importorskip("transformers")
 
@@ -807,11 +807,8 @@ def test_short_step_bodies_match_eager_and_replay_exactly(arch, body, mode):
     _check_short_step_body(*_cuda_models(arch), body, mode, arch)
 
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-
-
 @pytest.mark.gpu
-@two_gpus
+@TWO_GPUS
 @pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("mode", MODES)
 def test_draft_on_a_second_gpu_is_exact(mode, body):
@@ -825,7 +822,7 @@ def test_draft_on_a_second_gpu_is_exact(mode, body):
 
 
 @pytest.mark.gpu
-@two_gpus
+@TWO_GPUS
 @pytest.mark.parametrize("body", BODIES)
 def test_decoder_runs_on_its_own_gpu_not_the_current_one(body):
     """With cuda:0 current, a decoder on cuda:1 gives the hidden states and cache of its twin on

@@ -9,8 +9,8 @@ import torch
 
 import reference as ref
 from flashhead_ext import ops
-from helpers import (DEVICES, DTYPES, Problem, Shape, assert_same_ids, assert_values_close, check_decode_greedy,
-                     check_decode_sample, check_ranked_selection, exact_on, make_problem)
+from helpers import (DEVICES, DTYPES, TWO_GPUS, Problem, Shape, assert_same_ids, assert_values_close,
+                     check_decode_greedy, check_decode_sample, check_ranked_selection, exact_on, make_problem)
 
 # B in 1, 3, 17; D in 64, 576 and odd 7 and 1; C not a power of two; p in 1, C//16, C; b in 1, 4, 16;
 # padded tables (V not a multiple of b); extra ids (one already a candidate, one repeated).
@@ -239,7 +239,7 @@ def test_selection_splits_a_crowded_boundary_bin(p, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@TWO_GPUS
 @dtype_params
 def test_ops_run_on_their_inputs_gpu_not_the_current_one(dtype):
     """With cuda:0 current, every op on cuda:1 inputs returns on cuda:1 the bits it returns on

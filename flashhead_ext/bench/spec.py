@@ -30,8 +30,8 @@ from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
 # Named shapes. "gemma3-270m" is Gemma-3-270M's own layer (GELU, four norms, scaled embeddings,
-# sliding windows of 512 in five layers of six), which the fused and persistent bodies do not run;
-# "gemma3-270m-llama" is a Llama layer with its dimensions and head, which they do.
+# sliding windows of 512 in five layers of six), which the fused body does not run;
+# "gemma3-270m-llama" is a Llama layer with its dimensions and head, which every body runs.
 SHAPES = {
     "qwen3-0.6b": DecoderConfig(151936, 1024, 3072, 28, 16, 8, 128, rope_theta=1e6, qk_norm=True, tie_word_embeddings=True),
     "qwen3-32b": DecoderConfig(151936, 5120, 25600, 64, 64, 8, 128, rope_theta=1e6, qk_norm=True),
