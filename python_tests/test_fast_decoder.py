@@ -648,6 +648,22 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
         main(["spec", "--synthetic-acceptance", "2", "--device", "cpu"])
 
 
+def test_bench_gemma3_shapes_read_transformers_configs_and_share_one_vocabulary():
+    from flashhead_ext.bench.spec import SHAPES
+
+    gemmas = {name: SHAPES[name] for name in ("gemma3-270m", "gemma3-1b", "gemma3-27b")}
+    assert {c.vocab_size for c in gemmas.values()} == {262144}  # a speculative pair shares the vocabulary
+    for c in gemmas.values():
+        assert c.post_norms and c.hidden_act == "gelu_tanh" and c.embed_scale == c.hidden_size ** 0.5
+        assert [i for i in range(c.num_layers) if i not in c.sliding_layers] == list(range(5, c.num_layers, 6))
+        assert c.sliding_rope_inv_freq[0] == 1.0 and c.sliding_rope_inv_freq[1] == pytest.approx(1e4 ** (-2 / c.head_dim))
+    big = gemmas["gemma3-27b"]
+    assert (big.hidden_size, big.num_layers, big.num_heads, big.num_kv_heads, big.sliding_window) == (5376, 62, 32, 16, 1024)
+    # Its global layers' RoPE is linearly scaled by 8; the small models' is not.
+    assert big.rope_inv_freq[1] == pytest.approx(1e6 ** (-2 / 128) / 8) and big.attention_scale == pytest.approx(168 ** -0.5)
+    assert gemmas["gemma3-1b"].rope_inv_freq[1] == pytest.approx(1e6 ** (-2 / 256))
+
+
 # ---- GPU: graphs ---------------------------------------------------------------------------------
 
 def _cuda_models(arch: str):

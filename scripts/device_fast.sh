@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The fast path on a lent GPU in one call (issue 6): build for sm_90, the fast-path and decoder-op
 # GPU tests, a kernel profile of one draft step, the draft-step benchmark (eager, fused and
-# persistent bodies; then Gemma-3-270M's own layer, eager and compiled, beside its dimensions in a
-# Llama layer, and Qwen2.5-0.5B), then the Qwen3-32B-shaped end-to-end benchmark, and with two GPUs
-# (stage placement, not run by default) the placement tests and that benchmark with the draft on
-# cuda:1. Logs and JSON under $OUT; a short table last.
-# Usage: FLASHHEAD_COMMIT=<sha> [STAGES="tests sanitize profile layer draft families spec placement"] \
+# persistent bodies; then Gemma-3-270M's and Gemma-3-1B's own layers, eager and compiled, beside the
+# 270M's dimensions in a Llama layer, and Qwen2.5-0.5B), then the Qwen3-32B-shaped end-to-end
+# benchmark; not run by default: the Gemma-3-27B-shaped target with Gemma-3-270M- and 1B-shaped
+# drafts end to end (stage gemma), and with two GPUs (stage placement) the placement tests and the
+# Qwen3 benchmark with the draft on cuda:1. Logs and JSON under $OUT; a short table last.
+# Usage: FLASHHEAD_COMMIT=<sha> [STAGES="tests sanitize profile layer draft families spec gemma placement"] \
 #          bash scripts/device_fast.sh [PROMPTS] [NEW_TOKENS] [TARGET_BODIES] [DRAFT_BODY]
 # (STAGES picks a subset, to stay within one device call's time limit.)
 set -uo pipefail
@@ -67,15 +68,16 @@ want layer && step "decoder-layer ops vs torch" && timeout 150 python3 -m flashh
 want draft && step "draft step (eager, fused and persistent bodies)" && timeout 200 python3 -m flashhead_ext.bench draft-step --attention matmul --bodies eager,fused,persistent \
   --json "$OUT/draft_step.json" 2>&1 | tee "$OUT/draft_step.log"
 
-want families && step "draft step, other families: Gemma-3-270M's layer (eager, compiled) and its dimensions in a Llama layer, Qwen2.5-0.5B" \
-  && timeout 400 python3 -m flashhead_ext.bench draft-step --attention matmul --shapes gemma3-270m,gemma3-270m-llama,qwen2.5-0.5b \
+want families && step "draft step, other families: Gemma-3-270M's and 1B's layers (eager, compiled), the 270M's dimensions in a Llama layer, Qwen2.5-0.5B" \
+  && timeout 500 python3 -m flashhead_ext.bench draft-step --attention matmul --shapes gemma3-270m,gemma3-1b,gemma3-270m-llama,qwen2.5-0.5b \
   --bodies eager,compiled,persistent --json "$OUT/draft_step_families.json" 2>&1 | tee "$OUT/draft_step_families.log"
 
-# spec NAME [ARGS...]: the Qwen3-32B-shaped end-to-end run for each target body, logged as spec_NAME_<body>.
+# spec NAME [ARGS...]: the end-to-end run (bench spec's default pair: Qwen3-32B and Qwen3-0.6B shapes)
+# for each target body, logged as spec_NAME_<body>.
 spec() {
   local name=$1 body; shift
   for body in $target_bodies; do
-    step "spec ($name): Qwen3-32B-shaped target ($body), Qwen3-0.6B-shaped draft ($draft_body), synthetic R=0.77, K=6 $*"
+    step "spec ($name): target body $body, draft body $draft_body, synthetic R=0.77, K=6 $*"
     timeout 300 python3 -m flashhead_ext.bench spec --attention matmul --body "$draft_body" --target-body "$body" \
       --num-prompts "$prompts" --max-new-tokens "$new_tokens" --json "$OUT/spec_${name}_$body.json" "$@" 2>&1 \
       | grep -v "prompts:" > "$OUT/spec_${name}_$body.log"
@@ -84,6 +86,8 @@ spec() {
 }
 
 want spec && spec target
+want gemma && spec gemma270m --target gemma3-27b --draft gemma3-270m
+want gemma && spec gemma1b --target gemma3-27b --draft gemma3-1b
 
 want placement && step "two GPUs: placement tests" && timeout 300 python3 -m pytest python_tests -q -m gpu -k "second_gpu or current_one" \
   -p no:cacheprovider 2>&1 | tee "$OUT/tests_two_gpus.log" | tail -5 && spec two_gpus --draft-device cuda:1
@@ -96,6 +100,7 @@ want layer && grep -v wrote "$OUT/layer_ops.log"
 want draft && grep -v wrote "$OUT/draft_step.log"
 want families && grep -v wrote "$OUT/draft_step_families.log"
 want spec && for body in $target_bodies; do cat "$OUT/spec_target_$body.log"; done
+want gemma && for body in $target_bodies; do cat "$OUT/spec_gemma270m_$body.log" "$OUT/spec_gemma1b_$body.log"; done
 want placement && grep -E "(passed|failed|error)" "$OUT/tests_two_gpus.log" | tail -1
 want placement && for body in $target_bodies; do cat "$OUT/spec_two_gpus_$body.log"; done
 true

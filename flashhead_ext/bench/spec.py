@@ -29,17 +29,35 @@ from ..speculative.runner import format_summary, plan_configs, reading, run_inte
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
-# Named shapes. "gemma3-270m" is Gemma-3-270M's own layer (GELU, four norms, scaled embeddings,
-# sliding windows of 512 in five layers of six), which the fused body does not run;
-# "gemma3-270m-llama" is a Llama layer with its dimensions and head, which every body runs.
+
+def gemma3_shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                 query_pre_attn_scalar: int, sliding_window: int, global_rope_factor: float = 1.0) -> DecoderConfig:
+    """A Gemma-3 text model's own layer, read from transformers' config: every sixth layer global
+    (RoPE theta 1e6, linearly scaled by ``global_rope_factor``), the others sliding (theta 1e4)."""
+    from transformers import Gemma3TextConfig
+
+    global_rope = dict(rope_type="linear", factor=global_rope_factor) if global_rope_factor != 1.0 else dict(rope_type="default")
+    config = Gemma3TextConfig(
+        vocab_size=262144, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        query_pre_attn_scalar=query_pre_attn_scalar, sliding_window=sliding_window,
+        rope_parameters={"full_attention": dict(global_rope, rope_theta=1e6),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)})
+    return DecoderConfig.from_hf(config)
+
+
+# Named shapes. The "gemma3-*" shapes are Gemma-3's own layer, which the fused body does not run;
+# "gemma3-270m-llama" is a Llama layer with Gemma-3-270M's dimensions and head, which every body
+# runs. Gemma-3-27B's published vocabulary has 64 more (image) rows than its small drafts'; here
+# it shares theirs, as a speculative pair must.
 SHAPES = {
     "qwen3-0.6b": DecoderConfig(151936, 1024, 3072, 28, 16, 8, 128, rope_theta=1e6, qk_norm=True, tie_word_embeddings=True),
     "qwen3-32b": DecoderConfig(151936, 5120, 25600, 64, 64, 8, 128, rope_theta=1e6, qk_norm=True),
     "qwen2.5-0.5b": DecoderConfig(151936, 896, 4864, 24, 14, 2, 64, rope_theta=1e6, qkv_bias=True, tie_word_embeddings=True),
-    "gemma3-270m": DecoderConfig(262144, 640, 2048, 18, 4, 1, 256, rope_theta=1e6, qk_norm=True, tie_word_embeddings=True,
-                                 hidden_act="gelu_tanh", post_norms=True, embed_scale=640 ** 0.5, attention_scale=256 ** -0.5,
-                                 sliding_window=512, sliding_layers=tuple(i for i in range(18) if (i + 1) % 6),
-                                 sliding_rope_inv_freq=tuple(float(f) for f in _default_inv_freq(1e4, 256))),
+    "gemma3-270m": gemma3_shape(640, 2048, 18, 4, 1, 256, query_pre_attn_scalar=256, sliding_window=512),
+    "gemma3-1b": gemma3_shape(1152, 6912, 26, 4, 1, 256, query_pre_attn_scalar=256, sliding_window=512),
+    "gemma3-27b": gemma3_shape(5376, 21504, 62, 32, 16, 128, query_pre_attn_scalar=168, sliding_window=1024,
+                               global_rope_factor=8.0),
     "gemma3-270m-llama": DecoderConfig(262144, 640, 2048, 18, 4, 1, 256, tie_word_embeddings=True),
     # SmolLM2-135M's first 8 layers + norm + head: the README demo's early-exit draft.
     "smollm2-early-exit-8": DecoderConfig(49152, 576, 1536, 8, 9, 3, 64, rope_theta=1e5, tie_word_embeddings=True),
