@@ -5,6 +5,7 @@
 // (padding, a duplicated extra token, an out-of-range id) whose logit is -inf; scores and logits
 // are float32; ranking puts NaN below every number and breaks ties towards the smaller id.
 #include <Python.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 TORCH_LIBRARY(flashhead, m) {
@@ -44,6 +45,16 @@ TORCH_LIBRARY(flashhead, m) {
       " Tensor cos, Tensor sin, Tensor length, int num_heads, float eps, float scale, Tensor? qkv_bias=None,"
       " Tensor? post_attn_norm=None, Tensor? post_mlp_norm=None, str activation=\"silu\", int sliding_window=0,"
       " int[] sliding_layers=[], Tensor? sliding_cos=None, Tensor? sliding_sin=None) -> Tensor");
+}
+
+// The ops are for inference and have no derivatives. Without an autograd kernel torch's default
+// fallback differentiated the CPU references through their ATen calls but gave CUDA inputs no
+// gradient (a warning at most); this kernel makes a backward through any op raise, on every device.
+TORCH_LIBRARY_IMPL(flashhead, Autograd, m) {
+  for (const char* op : {"select_clusters", "sample_clusters", "gather_candidates", "candidate_logits", "decode_greedy",
+                         "decode_greedy_out", "decode_sample", "fused_linear", "rotary_cache_write", "decode_attention",
+                         "decoder_step"})
+    m.impl(op, torch::autograd::autogradNotImplementedFallback());
 }
 
 // `import flashhead_ext._C` loads this library, which runs the registrations above; the module

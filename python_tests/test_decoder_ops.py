@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from flashhead_ext import ops
 from flashhead_ext.graphs import capture_graph
-from helpers import DEVICES, DTYPES, generator
+from helpers import DEVICES, DTYPES, check_no_backward, generator
 
 device_params = pytest.mark.parametrize("device", DEVICES)
 dtype_params = pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -542,6 +542,14 @@ OPCHECK_CASES = {
 def test_opcheck(case, device):
     op, make = OPCHECK_CASES[case]
     torch.library.opcheck(getattr(torch.ops.flashhead, op).default, (), on(make(), device))
+
+
+@device_params
+@pytest.mark.parametrize("case,grad_input", [("fused_linear-norm+residual", "x"), ("rotary_cache_write-qk-norm", "qkv"),
+                                             ("decode_attention", "q")])
+def test_backward_through_an_op_raises(case, grad_input, device):
+    op, make = OPCHECK_CASES[case]
+    check_no_backward(op, getattr(torch.ops.flashhead, op).default, on(make(), device), grad_input)
 
 
 # ---- GPU: the CUDA ops against the CPU references ----------------------------------------------

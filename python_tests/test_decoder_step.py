@@ -16,7 +16,7 @@ import torch
 
 from flashhead_ext import ops
 from flashhead_ext.graphs import capture_graph
-from helpers import DEVICES, DTYPES, generator
+from helpers import DEVICES, DTYPES, check_no_backward, generator
 from test_decoder_ops import (BAD_LENGTHS, TOL, bad_num_heads_cases, decode_attention64, fused_linear64, randn, rms_norm64,
                               rotary_cache_write64, rotary_tables)
 
@@ -538,6 +538,12 @@ OPCHECK_CASES = {
 @pytest.mark.parametrize("case", list(OPCHECK_CASES))
 def test_opcheck(case, device):
     torch.library.opcheck(torch.ops.flashhead.decoder_step.default, (), raw_kwargs(to(OPCHECK_CASES[case](), device)))
+
+
+@device_params
+def test_backward_through_the_op_raises(device):
+    args = raw_kwargs(to(OPCHECK_CASES["gemma3-bf16"](), device))
+    check_no_backward("decoder_step", torch.ops.flashhead.decoder_step.default, args, grad_input="x")
 
 
 # ---- GPU: the CUDA op against the CPU op ------------------------------------------------------

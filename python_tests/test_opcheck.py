@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import reference as ref
-from helpers import DEVICES, Shape, make_problem, seed_tensor
+from helpers import DEVICES, Shape, check_no_backward, make_problem, seed_tensor
 
 OPS = torch.ops.flashhead
 INPUTS = [
@@ -38,6 +38,17 @@ def op_arguments(op, problem):
 def test_opcheck(op, shape, dtype, device):
     problem = make_problem(shape, dtype, device)
     torch.library.opcheck(getattr(OPS, op).default, op_arguments(op, problem))
+
+
+# The ops with float results (the selections' scores, the candidates' logits, sampling's log-probs).
+@device_params
+@pytest.mark.parametrize("op,output", [("select_clusters", 1), ("sample_clusters", 1), ("candidate_logits", 0),
+                                       ("decode_sample", 1)])
+def test_backward_through_an_op_raises(op, output, device):
+    problem = make_problem(INPUTS[1][0], torch.float32, device)
+    overload = getattr(OPS, op).default
+    args = dict(zip((a.name for a in overload._schema.arguments), op_arguments(op, problem)))
+    check_no_backward(op, overload, args, grad_input="hidden", output=output)
 
 
 @device_params
