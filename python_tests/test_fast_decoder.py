@@ -662,6 +662,11 @@ def test_bench_gemma3_shapes_read_transformers_configs_and_share_one_vocabulary(
     # Its global layers' RoPE is linearly scaled by 8; the small models' is not.
     assert big.rope_inv_freq[1] == pytest.approx(1e6 ** (-2 / 128) / 8) and big.attention_scale == pytest.approx(168 ** -0.5)
     assert gemmas["gemma3-1b"].rope_inv_freq[1] == pytest.approx(1e6 ** (-2 / 256))
+    # bench spec --target-layers 7: the first seven layers keep their kinds.
+    short = big.first_layers(7)
+    assert (short.num_layers, short.sliding_layers, short.sliding_window) == (7, (0, 1, 2, 3, 4, 6), 1024)
+    with pytest.raises(ValueError, match=r"num_layers must be an int in 1..62 \(the model's layers\), got 63"):
+        big.first_layers(63)
 
 
 # ---- GPU: graphs ---------------------------------------------------------------------------------

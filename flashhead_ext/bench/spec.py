@@ -258,7 +258,7 @@ def spec_main(argv=None) -> int:
     if args.target_layers is not None:
         if not 1 <= args.target_layers <= target_shape.num_layers:
             parser.error(f"--target-layers must be in 1..{target_shape.num_layers}, got {args.target_layers}")
-        target_shape = DecoderConfig(**{**vars(target_shape), "num_layers": args.target_layers})
+        target_shape = target_shape.first_layers(args.target_layers)
 
     dtype = DTYPES[args.dtype]
     max_len = args.prompt_tokens + args.max_new_tokens + args.k + 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
 import torch
@@ -123,10 +123,6 @@ class DecoderConfig:
             if getattr(config, name, None):
                 raise ValueError(f"config.{name} is set ({getattr(config, name)!r}), which the fast decoder does not implement")
         layers = config.num_hidden_layers
-        if num_layers is not None:
-            if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= layers:
-                raise ValueError(f"num_layers must be an int in 1..{layers} (the model's layers), got {num_layers!r}")
-            layers = num_layers
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)[:layers]
@@ -145,7 +141,7 @@ class DecoderConfig:
                     config, head_dim, "sliding_attention")
         else:
             theta, inv_freq, attention_scaling = _rope_from_hf(config, head_dim)
-        return cls(
+        full = cls(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
             num_layers=layers, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim, rms_norm_eps=config.rms_norm_eps,
@@ -153,6 +149,17 @@ class DecoderConfig:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             rope_inv_freq=inv_freq, rope_attention_scaling=attention_scaling, **fields,
         )
+        return full if num_layers is None else full.first_layers(num_layers)
+
+    def first_layers(self, num_layers: int) -> "DecoderConfig":
+        """The model of this one's first ``num_layers`` layers (an early-exit draft, a shorter target)."""
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= self.num_layers:
+            raise ValueError(f"num_layers must be an int in 1..{self.num_layers} (the model's layers), got {num_layers!r}")
+        sliding = tuple(i for i in self.sliding_layers if i < num_layers)
+        if sliding:
+            return replace(self, num_layers=num_layers, sliding_layers=sliding)
+        return replace(self, num_layers=num_layers, sliding_layers=(), sliding_window=None, sliding_rope_inv_freq=None,
+                       sliding_rope_attention_scaling=1.0)
 
 
 def _rope_from_hf(config, head_dim: int, layer_type: Optional[str] = None) -> tuple[float, Optional[tuple], float]:
