@@ -340,7 +340,7 @@ SHAPE_CASES = [
     ("qkv-rows", weights_change(qkv=lambda w: w[:, :-HD_]),
      f"{QKV_LAYOUT} = [{L_}, {QKV_ROWS}, {D_}], got shape [{L_}, {QKV_ROWS - HD_}, {D_}]"),
     ("qkv-columns", weights_change(qkv=lambda w: w[:, :, :-1]), f"{QKV_LAYOUT} = [{L_}, {QKV_ROWS}, {D_}]"),
-    ("qkv-layers", weights_change(qkv=lambda w: w[:1]), f"{QKV_LAYOUT} = [{L_}, {QKV_ROWS}, {D_}]"),
+    ("qkv-layers", weights_change(qkv=lambda w: w[:1]), f"qkv_weight and k_cache must have one num_layers (their size(0)), got 1 and {L_}"),
     ("o", weights_change(o=lambda w: w[:, :, :-1]),
      f"o_weight must have shape [num_layers, hidden_size, num_heads * head_dim] = [{L_}, {D_}, {H_ * HD_}]"),
     ("o-rows", weights_change(o=lambda w: w[:, :-1]), "o_weight must have shape"),
@@ -367,8 +367,9 @@ SHAPE_CASES = [
     ("v_cache", lambda a: dict(v_cache=a["v_cache"][:, :, :-1].contiguous()),
      f"k_cache and v_cache must have one shape [num_layers, num_kv_heads, max_len, head_dim], "
      f"got [{L_}, {KV_}, {MAX_LEN_}, {HD_}] and [{L_}, {KV_}, {MAX_LEN_ - 1}, {HD_}]"),
-    ("cache-layers", lambda a: dict(k_cache=a["k_cache"][:1], v_cache=a["v_cache"][:1]),  # L is the cache's
-     f"{QKV_LAYOUT} = [1, {QKV_ROWS}, {D_}]"),
+    ("cache-layers", lambda a: dict(k_cache=a["k_cache"][:1], v_cache=a["v_cache"][:1]),
+     f"qkv_weight and k_cache must have one num_layers (their size(0)), got {L_} and 1"),
+    ("o-layers", weights_change(o=lambda w: w[:1]), f"o_weight must have shape [num_layers, hidden_size, num_heads * head_dim] = [{L_}, "),
     ("empty-cache", lambda a: dict(k_cache=a["k_cache"][:, :, :0], v_cache=a["v_cache"][:, :, :0]),
      "k_cache must be non-empty"),
     ("cos", lambda a: dict(cos=a["cos"][:-1]), f"cos must have shape [{MAX_LEN_}, {HD_}]"),

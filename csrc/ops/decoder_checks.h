@@ -218,6 +218,10 @@ inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Te
   check_kv_cache(op, k_cache, v_cache, x, "x", 4, "[num_layers, num_kv_heads, max_len, head_dim]");
   check_written_kv_cache(op, k_cache, v_cache);
   const int64_t L = k_cache.size(0), kv = k_cache.size(1), max_len = k_cache.size(2), hd = k_cache.size(3);
+  // Named apart from the weights' shapes below: either side may be the wrong one.
+  FH_CHECK_VALUE(op, qkv_weight.dim() != 3 || qkv_weight.size(0) == L,
+                 "qkv_weight and k_cache must have one num_layers (their size(0)), got ", num_str(qkv_weight.size(0)),
+                 " and ", num_str(L));
   FH_CHECK_VALUE(op, num_heads >= 1 && num_heads % kv == 0, "num_heads must be a positive multiple of num_kv_heads (",
                  num_str(kv), ", k_cache.size(1)), got ", num_str(num_heads));
   FH_CHECK_VALUE(op, hd % 2 == 0, "head_dim (k_cache.size(3)) must be even for rotary embeddings, got ", num_str(hd));
