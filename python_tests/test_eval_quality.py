@@ -1,5 +1,6 @@
 """python -m flashhead_ext.eval quality: rank-based scores against FlashHead itself, the CLI end to
 end on a tiny model, the odd/even split, the recording cache, bad input."""
+import importlib.util
 import json
 
 import pytest
@@ -150,13 +151,17 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir):
         main(argv[:6] + ["7"] + argv[7:])
 
 
-def test_plain_kmeans_needs_no_calibration(tmp_path, monkeypatch, tiny_model_dir):
+def test_plain_kmeans_needs_no_calibration_and_no_matplotlib(tmp_path, monkeypatch, capsys, tiny_model_dir):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     calls = _record_spy(monkeypatch)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "matplotlib" else find_spec(name, *rest))
     assert main(_argv(tmp_path, tiny_model_dir, _questions(tmp_path / "q.jsonl"), "--methods", "kmeans",
                       "--per-category", "1")) == 0
     result = json.loads((tmp_path / "out" / "quality.json").read_text())
     assert len(calls) == 1 and result["calibration"] is None and result["evaluation"]["question_ids"] == [1, 3, 5]
+    assert not (tmp_path / "out" / "quality.png").exists()
+    assert "matplotlib is not installed: the table and" in capsys.readouterr().err
 
 
 def test_bad_input(tmp_path, capsys):

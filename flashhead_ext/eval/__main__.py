@@ -6,6 +6,7 @@ so a second run only scores."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -64,12 +65,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    # The plot is the one output that needs matplotlib (the [models] extra): said before the run.
+    plotting = importlib.util.find_spec("matplotlib") is not None
+    if not plotting:
+        print(f"matplotlib is not installed: the table and {args.json} only, no {args.plot}", file=sys.stderr)
     result = run_quality(args)
     print(format_table(result))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.plot)
-    print(f"wrote {args.json} and {args.plot}", file=sys.stderr)
+    if plotting:
+        plot(result, args.plot)
+    print(f"wrote {args.json}" + (f" and {args.plot}" if plotting else ""), file=sys.stderr)
     return 0
 
 
