@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ._cli import device_arg
 from .prompts import DEFAULT_PROMPTS, load_prompts
 
 def next_tokens(head, hidden: Tensor, rows_per_call: int = 16) -> Tensor:
@@ -145,7 +146,9 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m flashhead_ext", description="FlashHead retrieval heads: tools.")
+    # The console script `flashhead` (pyproject.toml) or `python -m flashhead_ext`, as the user typed it.
+    prog = "flashhead" if Path(sys.argv[0]).name == "flashhead" else "python -m flashhead_ext"
+    parser = argparse.ArgumentParser(prog=prog, description="FlashHead retrieval heads: tools.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     compare = commands.add_parser(
         "compare-heads", help="DenseHead vs FlashHead on SmolLM2-135M-Instruct's real hidden states",
@@ -162,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--repeats", type=_positive_int, default=100, help="timed calls per head (default: %(default)s)")
     compare.add_argument("--threads", type=_positive_int, default=None,
                          help="CPU threads for torch (default: torch's choice); on a busy machine 1 can be several times faster")
-    compare.add_argument("--device", type=torch.device, default=torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+    compare.add_argument("--device", type=lambda text: torch.device(device_arg(text)), default=torch.device("cuda" if torch.cuda.is_available() else "cpu"),
                          help="device for the model and heads (default: %(default)s)")
     compare.add_argument("--json", type=Path, default=Path("results/compare_heads.json"), help="output JSON (default: %(default)s)")
     compare.set_defaults(run=compare_heads, report=format_table)

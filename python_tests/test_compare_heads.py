@@ -27,3 +27,10 @@ def test_probes_values_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["compare-heads", "--probes", "0"])
     assert "expected positive probes values" in capsys.readouterr().err
+
+
+def test_usage_names_the_command_as_typed(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["/opt/venv/bin/flashhead", "--help"])  # the console script
+    assert build_parser().prog == "flashhead"
+    monkeypatch.setattr("sys.argv", ["/repo/flashhead_ext/__main__.py", "--help"])  # python -m flashhead_ext
+    assert build_parser().prog == "python -m flashhead_ext"

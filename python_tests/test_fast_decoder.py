@@ -288,6 +288,19 @@ def test_decoder_bad_arguments_name_the_argument():
     assert int(decoder.length) == 8
     with pytest.raises(ValueError, match="num_layers must be an int in 1..3"):
         Decoder.from_hf(model, max_len=8, num_layers=4)
+    with pytest.raises(ValueError, match=r"the model's dtype \(its weights'\) must be one of .*, got torch.int32"):
+        Decoder.from_hf(model, max_len=8, dtype=torch.int32)
+    decoder.reset(0)
+    for body in decoder.bodies:  # the ids are checked before any body reads them
+        decoder.body = body
+        for bad, what in ((torch.tensor([[1, 2]]), "a 2-d torch.int64 tensor of 2 ids"), ([1, 2], "list"),
+                          (torch.tensor([1.0]), "a 1-d torch.float32 tensor of 1 ids"),
+                          (torch.empty(0, dtype=torch.int64), "a 1-d torch.int64 tensor of 0 ids")):
+            with pytest.raises(ValueError, match=f"ids must be a non-empty 1-d int32 or int64 tensor, got {what}"):
+                decoder.forward(bad)
+        with pytest.raises(ValueError, match="ids must be on the model's device cpu, got meta"):
+            decoder.forward(torch.tensor([1], device="meta"))
+    assert int(decoder.length) == 0
     with pytest.raises(TypeError, match="model must be a transformers causal LM"):
         Decoder.from_hf(torch.nn.Linear(2, 2), max_len=8)
     gemma2 = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -644,8 +657,13 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
         "baseline": "1/1", "ordinary/dense": "synthetic", "deferred/dense": "synthetic",
         "ordinary/flashhead": "synthetic", "deferred/flashhead": "synthetic"}
     assert "SYNTHETIC ACCEPTANCE R=0.77" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        main(["spec", "--synthetic-acceptance", "2", "--device", "cpu"])
+    for bad, message in ((["--synthetic-acceptance", "2"], "--synthetic-acceptance must be in [0, 1], got 2.0"),
+                         (["--draft", "tiny-gemma3", "--target", "tiny-gemma3", "--body", "fused"],
+                          "--body 'fused' runs the Llama / Qwen layer; this model's GELU, post-norms, sliding-window layers"),
+                         (["--device", "cuda:99"], "argument --device: 'cuda:99': ")):
+        with pytest.raises(SystemExit):
+            main(["spec", "--device", "cpu", *bad])
+        assert f"spec: error: {message}" in capsys.readouterr().err, bad
 
 
 def test_bench_gemma3_shapes_read_transformers_configs_and_share_one_vocabulary():

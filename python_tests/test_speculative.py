@@ -342,15 +342,15 @@ def test_runner_interleaves_configs_and_summarizes():
         plan_configs(["dense"], ["fast"])
 
 
-def _save_tiny_model_with_tokenizer(directory):
-    """A float32 tiny Llama and a word-level tokenizer ("w0".."w100"), saved as a transformers directory."""
+def _save_tiny_model_with_tokenizer(directory, arch: str = "llama"):
+    """A float32 tiny model of ``arch`` and a word-level tokenizer ("w0".."w100"), saved as a transformers directory."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {f"w{i}": i for i in range(VOCAB)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(directory)
-    cls, config = _config("llama")
+    cls, config = _config(arch)
     torch.manual_seed(0)
     cls(config).save_pretrained(directory)
 
@@ -395,7 +395,9 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
                          (["--draft", "early-exit:x"], "--draft 'early-exit:x': expected early-exit:N with N >= 1"),
                          (["--draft", "early-exit:0"], "--draft 'early-exit:0': expected early-exit:N with N >= 1"),
                          (["--mode", "ordinary", "--head", ","], "modes ordinary need a draft head"),
-                         (["--mode", ",", "--head", "dense"], "modes must name at least one of")):
+                         (["--mode", ",", "--head", "dense"], "modes must name at least one of"),
+                         (["--device", "nonsense"], "argument --device: 'nonsense' is not a torch device"),
+                         (["--fast", "--draft-device", "cuda:99"], "argument --draft-device: 'cuda:99': ")):
         with pytest.raises(SystemExit):
             entry(["--target", str(tmp_path / "missing"), *bad])
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
@@ -410,6 +412,12 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
             entry([*model, *bad])
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
     assert sorted((tmp_path / "cache" / "clusters").iterdir()) == clusterings  # --probes 8 (15 k-means iterations) built none
+    # A draft body the model cannot run: a usage error once the models are loaded, not a traceback.
+    _save_tiny_model_with_tokenizer(tmp_path / "gemma3", "gemma3")
+    with pytest.raises(SystemExit):
+        entry([*model, "--target", str(tmp_path / "gemma3"), "--draft", "early-exit:1", "--fast", "--draft-body", "fused",
+               "--head", "dense"])
+    assert "spec: error: --fast: body 'fused' runs the Llama / Qwen layer; this model's GELU" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         entry(["--help"])
     assert "seed of the FlashHead k-means clustering and, with --synthetic-acceptance, of the acceptance draws" in " ".join(capsys.readouterr().out.split())

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .._cli import device_arg
 from ..clustering import build_clusters
 from .timing import format_table, run_metadata
 
@@ -30,7 +31,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench clusters", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="qwen3-0.6b,smollm2", help=f"comma list of {sorted(SHAPES)}")
     parser.add_argument("--iters", type=int, default=15)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default="results/bench_clusters.json")
     args = parser.parse_args(argv)
     names = args.shapes.split(",")

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .. import ops
+from .._cli import device_arg
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="eager,graph")
     parser.add_argument("--calls", type=int, default=16, help="head calls per timed sample (rotating copies)")
     parser.add_argument("--samples", type=int, default=25)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default="results/bench_head.json")
     args = parser.parse_args(argv)
     args.shapes = args.shapes.split(",")

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from .._cli import device_arg
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
-from ..fast.decoder import ATTENTION, BODIES, _default_inv_freq
+from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
 from ..speculative.runner import format_summary, plan_configs, reading, run_interleaved, summarize, write_json
 from ..graphs import capture_graph
@@ -101,12 +102,13 @@ def make_head(kind: str, embedding: torch.Tensor, args):
 
 
 def _common(parser: argparse.ArgumentParser, json_default: str) -> None:
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    parser.add_argument("--probes", type=int, default=None, help="FlashHead clusters per step (default C/16)")
-    parser.add_argument("--cluster-size", type=int, default=16)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="the models' dtype")
+    parser.add_argument("--probes", type=int, default=None, help="FlashHead clusters per step (None: C/16)")
+    parser.add_argument("--cluster-size", type=int, default=16, help="tokens per FlashHead cluster")
+    parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="the models' device")
     parser.add_argument("--attention", default="sdpa", choices=ATTENTION, help="the decoders' attention implementation")
-    parser.add_argument("--json", default=json_default)
+    parser.add_argument("--json", default=json_default, help="where the result JSON is written")
 
 
 def _check_choices(parser, names: str, choices, what: str) -> list:
@@ -122,10 +124,11 @@ def _check_choices(parser, names: str, choices, what: str) -> list:
 
 def draft_step_main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench draft-step",
-                                     description="One draft decode step, graph-replayed: dense vs FlashHead head.")
+                                     description="One draft decode step, graph-replayed: dense vs FlashHead head.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-0.6b,gemma3-270m-llama,smollm2-early-exit-8", help=f"comma list of {sorted(SHAPES)}")
     parser.add_argument("--context", type=int, default=1024, help="cache length attended over (max_len)")
-    parser.add_argument("--samples", type=int, default=30)
+    parser.add_argument("--samples", type=int, default=30, help="timed samples (the median is reported)")
     parser.add_argument("--calls", type=int, default=20, help="graph replays per timed sample")
     parser.add_argument("--bodies", default="eager,fused,persistent",
                         help=f"comma list of {BODIES}: how the layers run (Decoder.body), each timed in this run")
@@ -178,7 +181,7 @@ def draft_step_main(argv=None) -> int:
             flash["dense_over_flash"] = dense["step_us"] / flash["step_us"]
     print(f"draft step, {'CUDA graph replay' if cuda else 'eager (CPU)'}, {args.dtype}, attention {args.attention} "
           f"(eager/compiled bodies), context {args.context}, FlashHead: {CLUSTERS}; "
-          f"x {bodies[0]} = the {bodies[0]} body's step time over this one's, same head")
+          f"x first body = the {bodies[0]} body's step time over this one's, same head")
     print(format_table(rows, STEP_COLUMNS))
     _write(args.json, dict(meta=meta, rows=rows))
     return 0
@@ -215,28 +218,29 @@ def _write(path, payload: dict) -> None:
 
 def spec_main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench spec",
-                                     description="End-to-end speculative decoding on the fast path, random weights.")
+                                     description="End-to-end speculative decoding on the fast path, random weights.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--target", default="qwen3-32b", help=f"target shape, one of {sorted(SHAPES)}")
     parser.add_argument("--draft", default="qwen3-0.6b", help="draft shape (same vocabulary)")
     parser.add_argument("--target-layers", type=int, default=None,
                         help="keep only this many target layers (quick runs; reported numbers use the full shape)")
-    parser.add_argument("--draft-device", default=None, help="e.g. cuda:1 for the draft on a second GPU (default: the target's)")
+    parser.add_argument("--draft-device", type=device_arg, default=None, help="e.g. cuda:1 for the draft on a second GPU (None: the target's)")
     parser.add_argument("--synthetic-acceptance", type=float, default=0.77,
                         help="probability that the verifier accepts each proposal (random weights never agree)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic acceptances and the prompts")
-    parser.add_argument("--head", default="dense,flashhead")
-    parser.add_argument("--mode", default="baseline,ordinary,deferred")
-    parser.add_argument("--k", type=int, default=6)
-    parser.add_argument("--num-prompts", type=int, default=4)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--warmup-tokens", type=int, default=16)
+    parser.add_argument("--head", default="dense,flashhead", help="comma list of draft heads, each run in every speculative mode")
+    parser.add_argument("--mode", default="baseline,ordinary,deferred", help="comma list of schedules (docs/speculative.md)")
+    parser.add_argument("--k", type=int, default=6, help="proposals a round")
+    parser.add_argument("--num-prompts", type=int, default=4, help="random prompts, each run in every configuration")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens a prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated a prompt")
+    parser.add_argument("--warmup-tokens", type=int, default=16, help="tokens of the untimed warm-up run of each configuration")
     parser.add_argument("--body", default="persistent", choices=BODIES, help="how the draft runs its layers (Decoder.body)")
     # The fused GEMV is built for one token; a verify of K+1 tokens is faster on cuBLAS (bench layer-ops).
     # On a GPU the compiled body is the faster target for both the baseline's steps and the verifies
     # (docs/benchmarks.md), so the baseline is not handicapped; on the CPU compiling would dominate.
     parser.add_argument("--target-body", default=None, choices=BODIES,
-                        help="how the target runs its layers (default: compiled on a GPU, eager on the CPU)")
+                        help="how the target runs its layers (None: compiled on a GPU, eager on the CPU)")
     _common(parser, "results/bench_spec.json")
     args = parser.parse_args(argv)
     for name in ("target", "draft"):
@@ -261,6 +265,10 @@ def spec_main(argv=None) -> int:
         target_shape = target_shape.first_layers(args.target_layers)
 
     dtype = DTYPES[args.dtype]
+    for flag, shape, body in (("--target-body", target_shape, args.target_body), ("--body", draft_shape, args.body)):
+        limit = shape.body_limit(body, dtype)
+        if limit:
+            parser.error(f"{flag} {body!r} {limit}")
     max_len = args.prompt_tokens + args.max_new_tokens + args.k + 1
     max_len = max(8 * math.ceil(max_len / 8), 3 * (args.k + 2))  # a multiple of 8 keeps SDPA's mask aligned
     target = Decoder.random(target_shape, max_len=max_len, dtype=dtype, device=args.device, seed=args.seed)

@@ -33,6 +33,8 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ATTENTION = ("sdpa", "matmul")
 # The MLP's gate activation: transformers' "silu" and "gelu_pytorch_tanh".
 ACTIVATIONS = ("silu", "gelu_tanh")
+# The weights' dtypes the eager and compiled bodies run (the kernel bodies: the first three).
+MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,21 @@ class DecoderConfig:
             rope_inv_freq=inv_freq, rope_attention_scaling=attention_scaling, **fields,
         )
         return full if num_layers is None else full.first_layers(num_layers)
+
+    def body_limit(self, body: str, dtype: torch.dtype) -> Optional[str]:
+        """Why ``body`` cannot run this model in ``dtype``, or None: the fused and persistent bodies
+        (flashhead's layer kernels) take float16, bfloat16 and float32; the fused ops run the Llama /
+        Qwen layer."""
+        if body not in ("fused", "persistent"):
+            return None
+        if dtype not in MODEL_DTYPES[:3]:
+            return f"needs a float16, bfloat16 or float32 model, this one is {dtype}"
+        beyond = [what for what, present in (("GELU", self.hidden_act != "silu"), ("post-norms", self.post_norms),
+                                             ("sliding-window layers", bool(self.sliding_layers))) if present]
+        if body == "fused" and beyond:
+            return (f"runs the Llama / Qwen layer; this model's {', '.join(beyond)} run on the 'eager', 'compiled' or "
+                    "'persistent' body")
+        return None
 
     def first_layers(self, num_layers: int) -> "DecoderConfig":
         """The model of this one's first ``num_layers`` layers (an early-exit draft, a shorter target)."""
@@ -327,6 +344,8 @@ class Decoder:
                              f"qkv_bias={config.qkv_bias}, post_norms={config.post_norms}), got {sorted(self.stacked)}")
         self.layers = [{name: w[i] for name, w in self.stacked.items()} for i in range(config.num_layers)]
         self.dtype, self.device = self.embed.dtype, self.embed.device
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"the model's dtype (its weights') must be one of {MODEL_DTYPES}, got {self.dtype}")
         self.max_len = max_len
         self.attention = "sdpa"
         self.body = "eager"
@@ -474,7 +493,13 @@ class Decoder:
         persistent bodies write nothing for a position outside ``[0, max_len)`` and give NaN
         hidden states there, which ``argmax`` reads as token 0; the persistent body's one-token
         step then costs only a launch, which lets a captured graph skip a step on the device.
+        Nor are the ids' values checked: one outside the vocabulary fails the embedding lookup.
         """
+        if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or not ids.numel():
+            what = f"a {ids.dim()}-d {ids.dtype} tensor of {ids.numel()} ids" if isinstance(ids, Tensor) else type(ids).__name__
+            raise ValueError(f"ids must be a non-empty 1-d int32 or int64 tensor, got {what}")
+        if ids.device != self.device:
+            raise ValueError(f"ids must be on the model's device {self.device}, got {ids.device}")
         c = self.config
         n = ids.shape[0]
         short = n <= STEP_MAX_TOKENS
@@ -482,7 +507,7 @@ class Decoder:
         x = self.embed.index_select(0, ids)
         if self._embed_scale is not None:
             x = x * self._embed_scale
-        if self.body == "persistent" and short and (n == 1 or self._body_limit("fused")):
+        if self.body == "persistent" and short and (n == 1 or self.config.body_limit("fused", self.dtype)):
             # One token, one step, no copy (the draft's step); otherwise one step a token.
             steps = [self._persistent_step(x[i:i + 1], start + i if i else start) for i in range(n)]
             x = steps[0] if n == 1 else torch.cat(steps)
@@ -537,30 +562,15 @@ class Decoder:
     def body(self, value: str) -> None:
         if value not in BODIES:
             raise ValueError(f"body must be one of {BODIES}, got {value!r}")
-        limit = self._body_limit(value)
+        limit = self.config.body_limit(value, self.dtype)
         if limit:
             raise ValueError(f"body {value!r} {limit}")
         self._body = value
 
-    def _body_limit(self, body: str) -> Optional[str]:
-        """Why ``body`` cannot run this model, or None: the fused and persistent bodies (flashhead's
-        layer kernels) take float16, bfloat16 and float32; the fused ops run the Llama / Qwen layer."""
-        if body not in ("fused", "persistent"):
-            return None
-        if self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            return f"needs a float16, bfloat16 or float32 model, this one is {self.dtype}"
-        c = self.config
-        beyond = [what for what, present in (("GELU", c.hidden_act != "silu"), ("post-norms", c.post_norms),
-                                             ("sliding-window layers", bool(c.sliding_layers))) if present]
-        if body == "fused" and beyond:
-            return (f"runs the Llama / Qwen layer; this model's {', '.join(beyond)} run on the 'eager', 'compiled' or "
-                    "'persistent' body")
-        return None
-
     @property
     def bodies(self) -> tuple:
         """The bodies this model can run (of ``BODIES``)."""
-        return tuple(body for body in BODIES if not self._body_limit(body))
+        return tuple(body for body in BODIES if not self.config.body_limit(body, self.dtype))
 
     @property
     def attention(self) -> str:

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from ..bench.timing import run_metadata
+from .._cli import device_arg
 from ..clustering import cluster_sizes
 from ..fast.decoder import BODIES
 from ..hf import output_embedding
@@ -49,14 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the FlashHead k-means clustering and, with --synthetic-acceptance, of the acceptance draws")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="models' dtype")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="models' device")
+    parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu", help="models' device")
     parser.add_argument("--threads", type=int, default=0,
                         help="CPU threads for torch (0: torch's default); on a busy machine 1 can be several times faster")
     parser.add_argument("--warmup-tokens", type=int, default=8, help="new tokens of the one warm-up run per config")
     parser.add_argument("--fast", action="store_true",
                         help="the fast path (flashhead_ext.fast: Llama/Qwen2/Qwen3/Gemma-3 only, CUDA graphs on a GPU) instead of the "
                              "transformers driver")
-    parser.add_argument("--draft-device", default=None, help="--fast: the draft's device, e.g. cuda:1 (None: --device)")
+    parser.add_argument("--draft-device", type=device_arg, default=None, help="--fast: the draft's device, e.g. cuda:1 (None: --device)")
     parser.add_argument("--draft-body", default=None, choices=BODIES,
                         help="--fast: how the draft runs its layers (Decoder.body; None: persistent, one kernel a step, or "
                              "for a draft it does not run (a float64 one) compiled on a GPU and eager on a CPU)")
@@ -179,7 +180,10 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     eos_ids = sorted(SpeculativeDecoder(target).eos)  # from the target's generation config
     draft = _load_draft(parser, args.draft, target, tokenizer, dtype, args.device) if any(c.head for c in configs) else None
     if args.fast:
-        target, draft = _fast_models(args, target, draft, max(len(p["input_ids"]) for p in prompts))
+        try:  # a model the fast decoder does not run, or a --draft-body the draft cannot
+            target, draft = _fast_models(args, target, draft, max(len(p["input_ids"]) for p in prompts))
+        except ValueError as error:
+            parser.error(f"--fast: {error}")
     decoders = {None: _decoder(args, target, None, None, eos_ids)}
     for kind in dict.fromkeys(c.head for c in configs if c.head):  # in --head order
         head = make_draft_head(kind, draft.lm_head if args.fast else draft, probes=args.probes, cluster_size=args.cluster_size,
