@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--repeats", type=_positive_int, default=100, help="timed calls per head (default: %(default)s)")
     compare.add_argument("--threads", type=_positive_int, default=None,
                          help="CPU threads for torch (default: torch's choice); on a busy machine 1 can be several times faster")
-    compare.add_argument("--device", type=lambda text: torch.device(device_arg(text)), default=torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+    compare.add_argument("--device", type=lambda text: torch.device(device_arg(text)),
+                         default=torch.device("cuda" if torch.cuda.is_available() else "cpu"),
                          help="device for the model and heads (default: %(default)s)")
     compare.add_argument("--json", type=Path, default=Path("results/compare_heads.json"), help="output JSON (default: %(default)s)")
     compare.set_defaults(run=compare_heads, report=format_table)

@@ -13,6 +13,8 @@ import dataclasses
 import functools
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -667,6 +669,9 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
 
 
 def test_bench_gemma3_shapes_read_transformers_configs_and_share_one_vocabulary():
+    # Read when first used: the benchmarks run without transformers until a Gemma-3 shape is named.
+    lazy = "import sys, flashhead_ext.bench.__main__; print('transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", lazy], capture_output=True, text=True, check=True).stdout == "False\n"
     from flashhead_ext.bench.spec import SHAPES
 
     gemmas = {name: SHAPES[name] for name in ("gemma3-270m", "gemma3-1b", "gemma3-27b")}

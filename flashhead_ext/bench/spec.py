@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,25 +49,45 @@ def gemma3_shape(hidden: int, intermediate: int, layers: int, heads: int, kv_hea
     return DecoderConfig.from_hf(config)
 
 
+class _Shapes(Mapping):
+    """Named shapes; a callable entry is built on first use, so the benchmarks that need no
+    Gemma-3 shape need no transformers either."""
+
+    def __init__(self, entries: dict):
+        self._entries = entries
+
+    def __getitem__(self, name: str) -> DecoderConfig:
+        entry = self._entries[name]
+        if callable(entry):
+            entry = self._entries[name] = entry()
+        return entry
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 # Named shapes. The "gemma3-*" shapes are Gemma-3's own layer, which the fused body does not run;
 # "gemma3-270m-llama" is a Llama layer with Gemma-3-270M's dimensions and head, which every body
 # runs. Gemma-3-27B's published vocabulary has 64 more (image) rows than its small drafts'; here
 # it shares theirs, as a speculative pair must.
-SHAPES = {
+SHAPES = _Shapes({
     "qwen3-0.6b": DecoderConfig(151936, 1024, 3072, 28, 16, 8, 128, rope_theta=1e6, qk_norm=True, tie_word_embeddings=True),
     "qwen3-32b": DecoderConfig(151936, 5120, 25600, 64, 64, 8, 128, rope_theta=1e6, qk_norm=True),
     "qwen2.5-0.5b": DecoderConfig(151936, 896, 4864, 24, 14, 2, 64, rope_theta=1e6, qkv_bias=True, tie_word_embeddings=True),
-    "gemma3-270m": gemma3_shape(640, 2048, 18, 4, 1, 256, query_pre_attn_scalar=256, sliding_window=512),
-    "gemma3-1b": gemma3_shape(1152, 6912, 26, 4, 1, 256, query_pre_attn_scalar=256, sliding_window=512),
-    "gemma3-27b": gemma3_shape(5376, 21504, 62, 32, 16, 128, query_pre_attn_scalar=168, sliding_window=1024,
-                               global_rope_factor=8.0),
+    "gemma3-270m": partial(gemma3_shape, 640, 2048, 18, 4, 1, 256, query_pre_attn_scalar=256, sliding_window=512),
+    "gemma3-1b": partial(gemma3_shape, 1152, 6912, 26, 4, 1, 256, query_pre_attn_scalar=256, sliding_window=512),
+    "gemma3-27b": partial(gemma3_shape, 5376, 21504, 62, 32, 16, 128, query_pre_attn_scalar=168, sliding_window=1024,
+                          global_rope_factor=8.0),
     "gemma3-270m-llama": DecoderConfig(262144, 640, 2048, 18, 4, 1, 256, tie_word_embeddings=True),
     # SmolLM2-135M's first 8 layers + norm + head: the README demo's early-exit draft.
     "smollm2-early-exit-8": DecoderConfig(49152, 576, 1536, 8, 9, 3, 64, rope_theta=1e5, tie_word_embeddings=True),
     "tiny": DecoderConfig(1000, 64, 96, 2, 4, 2, 16, qk_norm=True, tie_word_embeddings=True),  # CLI checks on a CPU
     "tiny-gemma3": DecoderConfig(1000, 64, 96, 2, 4, 2, 16, qk_norm=True, tie_word_embeddings=True, hidden_act="gelu_tanh",
                                  post_norms=True, embed_scale=8.0, sliding_window=8, sliding_layers=(0,)),
-}
+})
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CLUSTERS = "random equal-size clusters (timing only)"
 
