@@ -26,7 +26,7 @@ from flashhead_ext.fast.decoder import BODIES
 from flashhead_ext.speculative import MODES
 from flashhead_ext.speculative.runner import plan_configs, run_interleaved, summarize
 from helpers import one_thread  # noqa: F401  (an autouse fixture)
-from helpers import TWO_GPUS, check_counters, greedy_tokens, random_partition, random_prompt
+from helpers import DEVICES, TWO_GPUS, check_counters, greedy_tokens, random_partition, random_prompt
 
 transformers = pytest.importorskip("transformers")
 
@@ -401,6 +401,38 @@ def test_fast_runner_is_exact_in_every_mode(arch, mode):
             break
 
 
+def padded_target_and_short_draft(device: str, dtype: torch.dtype):
+    """A Llama target whose last 3 output rows (padding beyond the draft's vocabulary, as Qwen2.5-7B's
+    beyond Qwen2.5-0.5B's) are scaled up so that a quarter of its greedy tokens after prompt 5 land
+    there, and a draft of its weights without those rows; with those tokens (float64)."""
+    model = hf_model("llama-aligned")  # sizes the CUDA persistent body takes
+    with torch.no_grad():
+        model.lm_head.weight[-3:] *= 1.4
+    state = {name: w[:VOCAB - 3] if name in ("model.embed_tokens.weight", "lm_head.weight") else w
+             for name, w in model.state_dict().items()}
+    config = transformers.LlamaConfig(**{**model.config.to_dict(), "vocab_size": VOCAB - 3})
+    target = Decoder.from_hf(model, max_len=48, dtype=dtype, device=device)
+    draft = Decoder.from_state_dict(config, state, max_len=48, dtype=dtype, device=device)
+    return target, draft, greedy_tokens(model, prompt(5), NEW)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["ordinary", "deferred"])
+def test_a_draft_without_the_targets_padding_rows_is_exact(mode, device):
+    on_gpu = device == "cuda"
+    target, draft, expected = padded_target_and_short_draft(device, torch.float32 if on_gpu else torch.float64)
+    assert sum(t >= VOCAB - 3 for t in expected) >= 3  # the draft is fed ids it has no row for
+    for k, body, head in ((2, "eager", "dense"), (4, "persistent" if on_gpu else "eager", "flashhead")):
+        draft.body = body
+        runner = FastSpeculativeDecoder(target, draft, head_for(draft, head), k=k)
+        gen = runner.generate(prompt(5), mode=mode, max_new_tokens=NEW)
+        assert tuple(gen.tokens) == expected, (k, body, head)
+        if head == "dense":  # its own head's proposals still serve (the random FlashHead's rarely do)
+            assert sum(gen.stats.accepted_per_round) > 0
+    with pytest.raises(ValueError, match="draft_head must cover the draft's vocabulary of 94 tokens, got 97"):
+        FastSpeculativeDecoder(target, draft, DenseHead(target.lm_head.float()))
+
+
 @pytest.mark.parametrize("body", ["eager", "persistent"])  # persistent: deferred launches proposals ahead
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
 def test_eos_inside_a_block_budget_and_tail_step(mode, body):
@@ -580,7 +612,7 @@ def test_runner_bad_arguments_name_the_argument():
         FastSpeculativeDecoder(hf_model("llama"))
     with pytest.raises(ValueError, match="draft_head must be 'dense' or a DenseHead"):
         FastSpeculativeDecoder(target, draft, "sparse")
-    with pytest.raises(ValueError, match="draft_head must cover the target's vocabulary of 97"):
+    with pytest.raises(ValueError, match="draft_head must cover the draft's vocabulary of 97"):
         FastSpeculativeDecoder(target, draft, DenseHead(torch.randn(50, 48)))
     with pytest.raises(ValueError, match="draft_head must take the draft's hidden size 48, got 16"):
         FastSpeculativeDecoder(target, draft, DenseHead(torch.randn(VOCAB, 16)))

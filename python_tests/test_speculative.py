@@ -8,6 +8,7 @@ what the draft proposes never changes what is emitted, only how fast.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import json
@@ -100,6 +101,26 @@ def test_exact_for_every_k_draft_and_head(arch, mode):
         check_counters(gen, mode, 0 if mode == "baseline" else k, NEW)
         if mode == "baseline":
             break  # K and the draft play no part
+
+
+@pytest.mark.parametrize("mode", ["ordinary", "deferred"])
+def test_a_draft_without_the_targets_padding_rows_is_exact(mode):
+    # The target's last 3 output rows are padding the draft lacks (as Qwen2.5-7B's beyond
+    # Qwen2.5-0.5B's), scaled up so that the target's greedy tokens land there and the draft is fed them.
+    cls, config = _config("llama")
+    torch.manual_seed(0)
+    target = cls(config).to(torch.float64).eval()
+    with torch.no_grad():
+        target.lm_head.weight[-3:] *= 1.6
+    draft = copy.deepcopy(target)
+    draft.resize_token_embeddings(VOCAB - 3)
+    expected = greedy_tokens(target, prompt(5), NEW)
+    assert sum(t >= VOCAB - 3 for t in expected) >= 3
+    for k, head in ((2, "dense"), (4, "flashhead")):
+        gen = SpeculativeDecoder(target, draft, draft_head(draft, head), k=k, eos_token_id=[]).generate(
+            prompt(5), mode=mode, max_new_tokens=NEW)
+        assert tuple(gen.tokens) == expected, (k, head)
+        check_counters(gen, mode, k, NEW)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -268,14 +289,15 @@ def test_bad_inputs_name_the_argument():
         SpeculativeDecoder(target, target, "sparse")
     with pytest.raises(TypeError, match="draft_head must be 'dense', a DenseHead or a FlashHead"):
         SpeculativeDecoder(target, target, target.lm_head)
-    with pytest.raises(ValueError, match="draft_head must cover the target's vocabulary of 101"):
+    with pytest.raises(ValueError, match="draft_head must cover the draft's vocabulary of 101"):
         SpeculativeDecoder(target, target, DenseHead(torch.randn(50, 32)))
     with pytest.raises(ValueError, match="draft_head must take the draft's hidden size 32, got 16"):
         SpeculativeDecoder(target, target, DenseHead(torch.randn(VOCAB, 16)))
-    small = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-    with pytest.raises(ValueError, match="draft must share the target's tokenizer: its vocabulary has 50 rows, the target's 101"):
-        SpeculativeDecoder(target, small)
+    larger = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match=f"draft must share the target's tokenizer: its vocabulary has {VOCAB + 1} rows, "
+                                         f"more than the target's {VOCAB}"):
+        SpeculativeDecoder(target, larger)
     decoder = SpeculativeDecoder(target, target, head, k=2)
     with pytest.raises(ValueError, match="mode must be one of"):
         decoder.generate(prompt(0), mode="fast")

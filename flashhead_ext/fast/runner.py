@@ -33,8 +33,8 @@ from torch import Tensor
 
 from ..graphs import capture_graph
 from ..head import DenseHead, FlashHead, _HeadBase
-from ..speculative.driver import (Clock, Emitter, Generation, GenerationStats, check_mode, check_prompt, eos_ids,
-                                  require_positive_int, resolve_draft_head, sync)
+from ..speculative.driver import (Clock, Emitter, Generation, GenerationStats, check_mode, check_prompt, draft_input,
+                                  eos_ids, require_positive_int, resolve_draft_head, sync)
 from .decoder import Decoder
 
 
@@ -113,8 +113,9 @@ class FastSpeculativeDecoder:
     """Greedy speculative decoding of ``target`` with ``draft`` proposing ``k`` tokens a round.
 
     Args:
-        target, draft: two :class:`Decoder` objects with the same vocabulary (``draft`` None: baseline
-            only); each holds its own cache, so a draft with the target's weights is a second Decoder
+        target, draft: two :class:`Decoder` objects with one tokenizer (``draft`` None: baseline only;
+            the draft's vocabulary may lack padding rows the target's has: see
+            :func:`~flashhead_ext.speculative.driver.draft_input`); each holds its own cache, so a draft with the target's weights is a second Decoder
             built from them. They may sit on different devices: build the draft Decoder (and its
             head) on the other one (the CLIs' ``--draft-device`` does this). With graphs, both
             need ``max_len >= 3 * (k + 2)``.
@@ -311,7 +312,10 @@ class FastSpeculativeDecoder:
         """The draft cache kept its proposals' entries; keep those of the accepted ones only, minus
         the second-to-last emitted token, which ``propose_pair`` re-feeds and ``propose`` keeps."""
         self.draft.length -= self.k - self.recv[0]
-        self.pair.copy_(self.recv[1:])
+        self.pair.copy_(self._draft_input(self.recv[1:]))
+
+    def _draft_input(self, ids: Tensor) -> Tensor:
+        return draft_input(ids, self.head.vocab_size, self.target.config.vocab_size)
 
     # ---- generation --------------------------------------------------------------------------
 
@@ -356,9 +360,9 @@ class FastSpeculativeDecoder:
         if speculative:
             d.reset()
             if prompt.shape[0] > 1:
-                d.forward(prompt[:-1].to(d.device))
+                d.forward(self._draft_input(prompt[:-1].to(d.device)))
             d.reset(prompt.shape[0] - 1)
-            self.pair.copy_(torch.cat([prompt[-1:], self.vin[:1]]))
+            self.pair.copy_(self._draft_input(torch.cat([prompt[-1:], self.vin[:1]])))
             self.recv[:1].fill_(k)  # like a round that accepted all K: the pair is fed (one-graph propose)
             self.round.zero_()
         # The draft has no entry of the prompt's last token yet, nor, after a round that accepted

@@ -221,21 +221,30 @@ def _output_embedding(model, role: str) -> Tensor:
 
 def resolve_draft_head(draft_head, embedding: Tensor, vocab: int) -> _HeadBase:
     """The draft's head, after the checks both drivers make: ``"dense"`` builds a DenseHead over the
-    draft's output ``embedding [V, D]``; a DenseHead / FlashHead must cover the target's ``vocab``
-    and take the draft's hidden size D. The draft itself must share the target's vocabulary."""
-    if embedding.shape[0] != vocab:
-        raise ValueError(f"draft must share the target's tokenizer: its vocabulary has {embedding.shape[0]} rows, the target's {vocab}")
+    draft's output ``embedding [V, D]``; a DenseHead / FlashHead must cover the draft's V tokens and
+    take its hidden size D. The draft shares the target's tokenizer: its V rows are the first of the
+    target's ``vocab`` (which may add padding rows, as Qwen2.5-7B's 152,064 to Qwen2.5-0.5B's 151,936)."""
+    if embedding.shape[0] > vocab:
+        raise ValueError(f"draft must share the target's tokenizer: its vocabulary has {embedding.shape[0]} rows, "
+                         f"more than the target's {vocab}")
     if isinstance(draft_head, str):
         if draft_head != "dense":
             raise ValueError(f"draft_head must be 'dense' or a DenseHead/FlashHead instance (build a FlashHead with make_draft_head), got {draft_head!r}")
         draft_head = make_draft_head("dense", embedding)
     if not isinstance(draft_head, _HeadBase):
         raise TypeError(f"draft_head must be 'dense', a DenseHead or a FlashHead, got {type(draft_head).__name__}")
-    if draft_head.vocab_size != vocab:
-        raise ValueError(f"draft_head must cover the target's vocabulary of {vocab} tokens, got {draft_head.vocab_size}")
+    if draft_head.vocab_size != embedding.shape[0]:
+        raise ValueError(f"draft_head must cover the draft's vocabulary of {embedding.shape[0]} tokens, got {draft_head.vocab_size}")
     if draft_head.hidden_dim != embedding.shape[1]:  # what the draft body's final hidden states hold
         raise ValueError(f"draft_head must take the draft's hidden size {embedding.shape[1]}, got {draft_head.hidden_dim}")
     return draft_head
+
+
+def draft_input(ids: Tensor, draft_vocab: int, vocab: int) -> Tensor:
+    """``ids`` as the draft takes them: a target token past the draft's ``draft_vocab`` rows (a padding
+    row of the target's ``vocab``) becomes the draft's last id. That can cost the round its acceptance,
+    never the output's exactness: the target decides every token."""
+    return ids.clamp(max=draft_vocab - 1) if draft_vocab < vocab else ids
 
 
 def _drop_last(cache, count: int) -> None:
@@ -250,7 +259,8 @@ class SpeculativeDecoder:
 
     Args:
         target: a transformers causal LM (``model(input_ids, past_key_values=...)`` gives logits).
-        draft: a transformers causal LM with the same vocabulary, or None for baseline only. Its body
+        draft: a transformers causal LM with the target's tokenizer, or None for baseline only (its
+            vocabulary may lack padding rows the target has: see :func:`draft_input`). Its body
             (``draft.base_model``) gives the final hidden states; ``draft_head`` turns them into tokens.
         draft_head: ``"dense"`` (a DenseHead over the draft's output embedding, a float32 copy of a
             float64 one) or a DenseHead / FlashHead instance (see
@@ -273,6 +283,7 @@ class SpeculativeDecoder:
         if draft is None:
             return
         self.head = resolve_draft_head(draft_head, _output_embedding(draft, "draft"), vocab)
+        self.draft_vocab = self.head.vocab_size
 
     # ---- model calls -------------------------------------------------------------------------
 
@@ -292,7 +303,7 @@ class SpeculativeDecoder:
 
     def _propose(self, pending: Tensor, cache, clock) -> Tensor:
         """K greedy proposals ``[K]``. The draft cache gains ``pending`` and the first K-1 proposals."""
-        tokens, ids = [], pending
+        tokens, ids = [], draft_input(pending, self.draft_vocab, self.vocab_size)
         for _ in range(self.k):
             ids = self._draft_next(ids, cache, clock)
             tokens.append(ids)
@@ -331,7 +342,8 @@ class SpeculativeDecoder:
         if speculative:
             # The draft's prefill is part of the time to first token: a round cannot start without it.
             draft_cache = self._new_cache(self.draft, True)
-            self.draft.base_model(input_ids=prompt, past_key_values=draft_cache, use_cache=True)
+            self.draft.base_model(input_ids=draft_input(prompt, self.draft_vocab, self.vocab_size), past_key_values=draft_cache,
+                                  use_cache=True)
         done = output.first(int(first))
         stats.ttft_s = time.perf_counter() - start
 
