@@ -694,7 +694,10 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
     for bad, message in ((["--synthetic-acceptance", "2"], "--synthetic-acceptance must be in [0, 1], got 2.0"),
                          (["--draft", "tiny-gemma3", "--target", "tiny-gemma3", "--body", "fused"],
                           "--body 'fused' runs the Llama / Qwen layer; this model's GELU, post-norms, sliding-window layers"),
-                         (["--device", "cuda:99"], "argument --device: 'cuda:99': ")):
+                         (["--device", "cuda:99"], "argument --device: 'cuda:99': "),
+                         (["--target", "tiny", "--draft", "smollm2-early-exit-8"],
+                          "--draft smollm2-early-exit-8 must share --target tiny's vocabulary: its 49152 rows are more than "
+                          "the target's 1000")):
         with pytest.raises(SystemExit):
             main(["spec", "--device", "cpu", *bad])
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
@@ -707,7 +710,8 @@ def test_bench_gemma3_shapes_read_transformers_configs_and_share_one_vocabulary(
     from flashhead_ext.bench.spec import SHAPES
 
     gemmas = {name: SHAPES[name] for name in ("gemma3-270m", "gemma3-1b", "gemma3-27b")}
-    assert {c.vocab_size for c in gemmas.values()} == {262144}  # a speculative pair shares the vocabulary
+    # The drafts' vocabulary, and the 27B's with its 64 image tokens past it (a pair shares the first rows).
+    assert [c.vocab_size for c in gemmas.values()] == [262144, 262144, 262208]
     for c in gemmas.values():
         assert c.post_norms and c.hidden_act == "gelu_tanh" and c.embed_scale == c.hidden_size ** 0.5
         assert [i for i in range(c.num_layers) if i not in c.sliding_layers] == list(range(5, c.num_layers, 6))

@@ -3,10 +3,11 @@
 # GPU tests, a kernel profile of one draft step, the draft-step benchmark (eager, fused and
 # persistent bodies; then Gemma-3-270M's and Gemma-3-1B's own layers, eager and compiled, beside the
 # 270M's dimensions in a Llama layer, and Qwen2.5-0.5B), then the Qwen3-32B-shaped end-to-end
-# benchmark; not run by default: the Gemma-3-27B-shaped target with Gemma-3-270M- and 1B-shaped
-# drafts end to end (stage gemma), and with two GPUs (stage placement) the placement tests and the
-# Qwen3 benchmark with the draft on cuda:1. Logs and JSON under $OUT; a short table last.
-# Usage: FLASHHEAD_COMMIT=<sha> [STAGES="tests sanitize profile layer draft families spec gemma placement"] \
+# benchmark; not run by default: other pairs end to end, a Gemma-3-27B-shaped target with
+# Gemma-3-270M- and 1B-shaped drafts and a Qwen2.5-7B-shaped one with a Qwen2.5-0.5B-shaped draft
+# (stage pairs), and with two GPUs (stage placement) the placement tests and the Qwen3 benchmark
+# with the draft on cuda:1. Logs and JSON under $OUT; a short table last.
+# Usage: FLASHHEAD_COMMIT=<sha> [STAGES="tests sanitize profile layer draft families spec pairs placement"] \
 #          bash scripts/device_fast.sh [PROMPTS] [NEW_TOKENS] [TARGET_BODIES] [DRAFT_BODY]
 # (STAGES picks a subset, to stay within one device call's time limit.)
 set -uo pipefail
@@ -86,8 +87,9 @@ spec() {
 }
 
 want spec && spec target
-want gemma && spec gemma270m --target gemma3-27b --draft gemma3-270m
-want gemma && spec gemma1b --target gemma3-27b --draft gemma3-1b
+want pairs && spec gemma270m --target gemma3-27b --draft gemma3-270m
+want pairs && spec gemma1b --target gemma3-27b --draft gemma3-1b
+want pairs && spec qwen25 --target qwen2.5-7b --draft qwen2.5-0.5b
 
 want placement && step "two GPUs: placement tests" && timeout 300 python3 -m pytest python_tests -q -m gpu -k "second_gpu or current_one" \
   -p no:cacheprovider 2>&1 | tee "$OUT/tests_two_gpus.log" | tail -5 && spec two_gpus --draft-device cuda:1
@@ -100,7 +102,7 @@ want layer && grep -v wrote "$OUT/layer_ops.log"
 want draft && grep -v wrote "$OUT/draft_step.log"
 want families && grep -v wrote "$OUT/draft_step_families.log"
 want spec && for body in $target_bodies; do cat "$OUT/spec_target_$body.log"; done
-want gemma && for body in $target_bodies; do cat "$OUT/spec_gemma270m_$body.log" "$OUT/spec_gemma1b_$body.log"; done
+want pairs && for body in $target_bodies; do cat "$OUT/spec_gemma270m_$body.log" "$OUT/spec_gemma1b_$body.log" "$OUT/spec_qwen25_$body.log"; done
 want placement && grep -E "(passed|failed|error)" "$OUT/tests_two_gpus.log" | tail -1
 want placement && for body in $target_bodies; do cat "$OUT/spec_two_gpus_$body.log"; done
 true

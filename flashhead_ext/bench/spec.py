@@ -34,14 +34,15 @@ from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
 
 def gemma3_shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-                 query_pre_attn_scalar: int, sliding_window: int, global_rope_factor: float = 1.0) -> DecoderConfig:
+                 query_pre_attn_scalar: int, sliding_window: int, global_rope_factor: float = 1.0,
+                 vocab: int = 262144) -> DecoderConfig:
     """A Gemma-3 text model's own layer, read from transformers' config: every sixth layer global
     (RoPE theta 1e6, linearly scaled by ``global_rope_factor``), the others sliding (theta 1e4)."""
     from transformers import Gemma3TextConfig
 
     global_rope = dict(rope_type="linear", factor=global_rope_factor) if global_rope_factor != 1.0 else dict(rope_type="default")
     config = Gemma3TextConfig(
-        vocab_size=262144, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         query_pre_attn_scalar=query_pre_attn_scalar, sliding_window=sliding_window,
         rope_parameters={"full_attention": dict(global_rope, rope_theta=1e6),
@@ -71,16 +72,17 @@ class _Shapes(Mapping):
 
 # Named shapes. The "gemma3-*" shapes are Gemma-3's own layer, which the fused body does not run;
 # "gemma3-270m-llama" is a Llama layer with Gemma-3-270M's dimensions and head, which every body
-# runs. Gemma-3-27B's published vocabulary has 64 more (image) rows than its small drafts'; here
-# it shares theirs, as a speculative pair must.
+# runs. Gemma-3-27B and Qwen2.5-7B have more vocabulary rows than their small drafts (padding and
+# image tokens past the shared tokenizer's), as the published models do.
 SHAPES = _Shapes({
     "qwen3-0.6b": DecoderConfig(151936, 1024, 3072, 28, 16, 8, 128, rope_theta=1e6, qk_norm=True, tie_word_embeddings=True),
     "qwen3-32b": DecoderConfig(151936, 5120, 25600, 64, 64, 8, 128, rope_theta=1e6, qk_norm=True),
     "qwen2.5-0.5b": DecoderConfig(151936, 896, 4864, 24, 14, 2, 64, rope_theta=1e6, qkv_bias=True, tie_word_embeddings=True),
+    "qwen2.5-7b": DecoderConfig(152064, 3584, 18944, 28, 28, 4, 128, rope_theta=1e6, qkv_bias=True),
     "gemma3-270m": partial(gemma3_shape, 640, 2048, 18, 4, 1, 256, query_pre_attn_scalar=256, sliding_window=512),
     "gemma3-1b": partial(gemma3_shape, 1152, 6912, 26, 4, 1, 256, query_pre_attn_scalar=256, sliding_window=512),
     "gemma3-27b": partial(gemma3_shape, 5376, 21504, 62, 32, 16, 128, query_pre_attn_scalar=168, sliding_window=1024,
-                          global_rope_factor=8.0),
+                          global_rope_factor=8.0, vocab=262208),
     "gemma3-270m-llama": DecoderConfig(262144, 640, 2048, 18, 4, 1, 256, tie_word_embeddings=True),
     # SmolLM2-135M's first 8 layers + norm + head: the README demo's early-exit draft.
     "smollm2-early-exit-8": DecoderConfig(49152, 576, 1536, 8, 9, 3, 64, rope_theta=1e5, tie_word_embeddings=True),
@@ -279,8 +281,9 @@ def spec_main(argv=None) -> int:
     except ValueError as error:
         parser.error(str(error))
     target_shape, draft_shape = SHAPES[args.target], SHAPES[args.draft]
-    if target_shape.vocab_size != draft_shape.vocab_size:
-        parser.error(f"--draft {args.draft} must share --target {args.target}'s vocabulary")
+    if draft_shape.vocab_size > target_shape.vocab_size:  # fewer rows: the target's padding (docs/speculative.md)
+        parser.error(f"--draft {args.draft} must share --target {args.target}'s vocabulary: its {draft_shape.vocab_size} "
+                     f"rows are more than the target's {target_shape.vocab_size}")
     if args.target_layers is not None:
         if not 1 <= args.target_layers <= target_shape.num_layers:
             parser.error(f"--target-layers must be in 1..{target_shape.num_layers}, got {args.target_layers}")
