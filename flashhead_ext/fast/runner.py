@@ -115,8 +115,8 @@ class FastSpeculativeDecoder:
     Args:
         target, draft: two :class:`Decoder` objects with one tokenizer (``draft`` None: baseline only;
             the draft's vocabulary may lack padding rows the target's has: see
-            :func:`~flashhead_ext.speculative.driver.draft_input`); each holds its own cache, so a draft with the target's weights is a second Decoder
-            built from them. They may sit on different devices: build the draft Decoder (and its
+            :func:`~flashhead_ext.speculative.driver.draft_input`); each holds its own cache, so a
+            draft with the target's weights is a second Decoder built from them. They may sit on different devices: build the draft Decoder (and its
             head) on the other one (the CLIs' ``--draft-device`` does this). With graphs, both
             need ``max_len >= 3 * (k + 2)``.
         draft_head: ``"dense"`` (the draft's own output embedding; a float32 copy of a float64 one)
