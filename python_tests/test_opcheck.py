@@ -40,6 +40,14 @@ def test_opcheck(op, shape, dtype, device):
     torch.library.opcheck(getattr(OPS, op).default, op_arguments(op, problem))
 
 
+def test_every_op_has_the_autograd_kernel_that_refuses_a_backward():
+    # torch_bindings.cpp lists the ops again for their autograd kernels: an op added to the schema
+    # block but not to that list would fall back to torch's default, device-dependent autograd.
+    ops = [name for name in torch._C._dispatch_get_all_op_names() if name.startswith("flashhead::")]
+    assert len(ops) == 11
+    assert [name for name in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd")] == []
+
+
 # The ops with float results (the selections' scores, the candidates' logits, sampling's log-probs).
 @device_params
 @pytest.mark.parametrize("op,output", [("select_clusters", 1), ("sample_clusters", 1), ("candidate_logits", 0),
