@@ -695,6 +695,8 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
                          (["--draft", "tiny-gemma3", "--target", "tiny-gemma3", "--body", "fused"],
                           "--body 'fused' runs the Llama / Qwen layer; this model's GELU, post-norms, sliding-window layers"),
                          (["--device", "cuda:99"], "argument --device: 'cuda:99': "),
+                         (["--target", "tiny", "--draft", "tiny", "--target-layers", "3"],
+                          "--target-layers: num_layers must be an int in 1..2 (the model's layers), got 3"),
                          (["--target", "tiny", "--draft", "smollm2-early-exit-8"],
                           "--draft smollm2-early-exit-8 must share --target tiny's vocabulary: its 49152 rows are more than "
                           "the target's 1000")):

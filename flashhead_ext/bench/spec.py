@@ -285,9 +285,10 @@ def spec_main(argv=None) -> int:
         parser.error(f"--draft {args.draft} must share --target {args.target}'s vocabulary: its {draft_shape.vocab_size} "
                      f"rows are more than the target's {target_shape.vocab_size}")
     if args.target_layers is not None:
-        if not 1 <= args.target_layers <= target_shape.num_layers:
-            parser.error(f"--target-layers must be in 1..{target_shape.num_layers}, got {args.target_layers}")
-        target_shape = target_shape.first_layers(args.target_layers)
+        try:
+            target_shape = target_shape.first_layers(args.target_layers)
+        except ValueError as error:
+            parser.error(f"--target-layers: {error}")
 
     dtype = DTYPES[args.dtype]
     for flag, shape, body in (("--target-body", target_shape, args.target_body), ("--body", draft_shape, args.body)):
