@@ -406,13 +406,29 @@ __device__ float load_posted(const uint64_t* src, int k, unsigned number, const 
   return sum_sq;
 }
 
-// With post-norms: the residual stream (every block's whole copy) gains the RMSNorm of the k
-// posted values in xs (the thread's sum of squares of them: sum_sq), rounded as rms_norm and the
-// residual add round. Returns the thread's sum of squares of the new stream; xs then holds it,
-// each value times its gain (none: 1). reduce: kStepWarps floats.
+// Pulls the lines of v[0, n) into the SM's L1, a line a thread, without waiting for them.
 template <typename T>
-__device__ float add_post_normed(const DecoderStepShape& s, float sum_sq, const T* post_norm, const T* gain_weights,
-                                 int k, float* xs, float* residual, float* reduce) {
+__device__ __forceinline__ void prefetch_to_l1(const T* v, int n) {
+  constexpr uintptr_t kLineBytes = 128;
+  const uintptr_t first = reinterpret_cast<uintptr_t>(v) / kLineBytes;
+  const uintptr_t last = (reinterpret_cast<uintptr_t>(v + n) - 1) / kLineBytes;
+  for (uintptr_t line = first + threadIdx.x; line <= last; line += kStepThreads)
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(line * kLineBytes));
+}
+
+// With post-norms: the residual stream (every block's whole copy) gains the RMSNorm of the output
+// posted at `src` (post `number`), rounded as rms_norm and the residual add round. Returns the
+// thread's sum of squares of the new stream; xs then holds it, each value times its gain (none:
+// 1). The norms' weights are read only after a block reduction, so they are pulled into L1 while
+// the block waits for the posts: from L2 they put a round trip a value on the stage's path.
+// reduce: kStepWarps floats.
+template <typename T>
+__device__ float add_post_normed(const DecoderStepShape& s, const uint64_t* src, unsigned number, const T* post_norm,
+                                 const T* gain_weights, float* xs, float* residual, float* reduce) {
+  const int k = s.hidden;
+  prefetch_to_l1(post_norm, k);
+  if (gain_weights) prefetch_to_l1(gain_weights, k);
+  const float sum_sq = load_posted<T>(src, k, number, nullptr, true, xs);
   const float inv_rms = rsqrtf(block_sum(sum_sq, reduce) / static_cast<float>(k) + s.eps);
   float new_sum_sq = 0.0f;
   for (int i = threadIdx.x; i < k; i += kStepThreads) {  // the values this thread staged
@@ -447,12 +463,14 @@ __device__ float stage_input(const StepParams<T>& p, int layer, int phase, unsig
     src = p.attn;
     k = s.num_heads * s.head_dim;
   }
-  float sum_sq = load_posted(src, k, number, post_norm ? nullptr : norm, norm != nullptr, xs);
-  if (!norm) return 1.0f;
+  float sum_sq;
   if (Extended && post_norm) {
-    sum_sq = add_post_normed(s, sum_sq, post_norm, norm, k, xs, residual, reduce);
+    sum_sq = add_post_normed(s, src, number, post_norm, norm, xs, residual, reduce);
     reduce += kStepWarps;
+  } else {
+    sum_sq = load_posted(src, k, number, norm, norm != nullptr, xs);
   }
+  if (!norm) return 1.0f;
   return rsqrtf(block_sum(sum_sq, reduce) / static_cast<float>(k) + s.eps);
 }
 
@@ -1093,9 +1111,8 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   if (Extended && p.s.post_norms && plans[kOut].row_lo < plans[kOut].row_hi) {
     // The last down's output, normed and added: each block writes its rows of the result.
     const int last = p.s.layers - 1;
-    const float sum_sq = load_posted<T>(p.hidden, p.s.hidden, post_number(last, stage_of(kDown)), nullptr, true, scratch);
-    add_post_normed<T>(p.s, sum_sq, p.w.post_mlp_norm + int64_t{last} * p.s.hidden, nullptr, p.s.hidden, scratch,
-                       residual_rows, reduce);
+    add_post_normed<T>(p.s, p.hidden, post_number(last, stage_of(kDown)), p.w.post_mlp_norm + int64_t{last} * p.s.hidden,
+                       nullptr, scratch, residual_rows, reduce);
     __syncthreads();  // other threads added the block's rows
     for (int row = plans[kOut].row_lo + threadIdx.x; row < plans[kOut].row_hi; row += kStepThreads)
       p.out[row] = from_float<T>(residual_rows[row]);
