@@ -406,28 +406,14 @@ __device__ float load_posted(const uint64_t* src, int k, unsigned number, const 
   return sum_sq;
 }
 
-// Pulls the lines of v[0, n) into the SM's L1, a line a thread, without waiting for them.
-template <typename T>
-__device__ __forceinline__ void prefetch_to_l1(const T* v, int n) {
-  constexpr uintptr_t kLineBytes = 128;
-  const uintptr_t first = reinterpret_cast<uintptr_t>(v) / kLineBytes;
-  const uintptr_t last = (reinterpret_cast<uintptr_t>(v + n) - 1) / kLineBytes;
-  for (uintptr_t line = first + threadIdx.x; line <= last; line += kStepThreads)
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(line * kLineBytes));
-}
-
 // With post-norms: the residual stream (every block's whole copy) gains the RMSNorm of the output
 // posted at `src` (post `number`), rounded as rms_norm and the residual add round. Returns the
 // thread's sum of squares of the new stream; xs then holds it, each value times its gain (none:
-// 1). The norms' weights are read only after a block reduction, so they are pulled into L1 while
-// the block waits for the posts: from L2 they put a round trip a value on the stage's path.
-// reduce: kStepWarps floats.
+// 1). It loads the posts itself, so that load is compiled without a gain. reduce: kStepWarps floats.
 template <typename T>
 __device__ float add_post_normed(const DecoderStepShape& s, const uint64_t* src, unsigned number, const T* post_norm,
                                  const T* gain_weights, float* xs, float* residual, float* reduce) {
   const int k = s.hidden;
-  prefetch_to_l1(post_norm, k);
-  if (gain_weights) prefetch_to_l1(gain_weights, k);
   const float sum_sq = load_posted<T>(src, k, number, nullptr, true, xs);
   const float inv_rms = rsqrtf(block_sum(sum_sq, reduce) / static_cast<float>(k) + s.eps);
   float new_sum_sq = 0.0f;
