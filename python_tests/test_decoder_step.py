@@ -46,8 +46,9 @@ def step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=1e-6, sca
               gemma=False):
     """Random seeded weights scaled by fan_in^-0.5 (values stay O(1) through the layers), random
     (stale) caches, random rotary tables and norm weights around 1; q/k/v biases (Qwen2) drawn
-    next, then with ``gemma`` Gemma-3's options: post-norms, GELU, and the even layers sliding
-    over a window of a third of the cache with their own rotary tables. Drawn last, so the other
+    next, then with ``gemma`` Gemma-3's options: post-norms, GELU, the even layers sliding over a
+    window of a third of the cache with their own rotary tables, and the input scaled by
+    sqrt(hidden_size) cast to the dtype, as Gemma-3 scales its embeddings. Drawn last, so the other
     values are those of the same arguments without them."""
     g = generator("decoder_step", L, D, I, H, KV, hd, max_len, length, qk_norm, str(dtype), *key)
     weight = lambda rows, cols: randn(g, L, rows, cols, dtype=dtype, scale=cols ** -0.5)
@@ -66,7 +67,7 @@ def step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=1e-6, sca
         weights.update(post_attn_norm=norm(D), post_mlp_norm=norm(D))
         sliding_cos, sliding_sin = rotary_tables(g, max_len, hd, dtype)
         args.update(activation="gelu_tanh", sliding_window=max(1, max_len // 3), sliding_layers=tuple(range(0, L, 2)),
-                    sliding_cos=sliding_cos, sliding_sin=sliding_sin)
+                    sliding_cos=sliding_cos, sliding_sin=sliding_sin, input_scale=torch.tensor(D ** 0.5).to(dtype).item())
     return args
 
 
@@ -77,11 +78,13 @@ def layer_norms(weights, i):
 # ---- references -------------------------------------------------------------------------------
 
 def decoder_step64(x, weights, k_cache, v_cache, cos, sin, length, num_heads, eps, scale, activation="silu",
-                   sliding_window=0, sliding_layers=(), sliding_cos=None, sliding_sin=None):
+                   sliding_window=0, sliding_layers=(), sliding_cos=None, sliding_sin=None, input_scale=1.0):
     """(out, k_cache, v_cache) as new tensors: the float64 references of each op, composed per layer
-    (Gemma-3's options: each output normed before its residual add, rounded like the ops)."""
+    (Gemma-3's options: each output normed before its residual add, rounded like the ops; the input
+    scaled and rounded to its dtype first)."""
     k_out, v_out = k_cache.clone(), v_cache.clone()
     t = x.dtype
+    x = (x.double() * input_scale).to(t)
 
     def add(x, out, post_norm):
         return (x.double() + rms_norm64(out, post_norm, eps).to(t).double()).to(t)
@@ -207,7 +210,7 @@ def test_decoder_step_gemma3_options_matter():
     out = ops.decoder_step(**clone(base))
     no_post = {k: v for k, v in base["weights"].items() if not k.startswith("post_")}
     for change in (dict(weights=no_post), dict(activation="silu"), dict(sliding_window=base["sliding_window"] + 1),
-                   dict(sliding_layers=(1,)), dict(sliding_cos=None, sliding_sin=None)):
+                   dict(sliding_layers=(1,)), dict(sliding_cos=None, sliding_sin=None), dict(input_scale=1.0)):
         changed = ops.decoder_step(**{**clone(base), **clone(change)})
         assert not torch.allclose(changed, out, **TOL[torch.float32]), list(change)
     same_tables = {**clone(base), "cos": base["sliding_cos"], "sin": base["sliding_sin"], "sliding_cos": None,
@@ -468,6 +471,9 @@ def test_caches_must_not_share_memory(device):
     ("eps", "small", TypeError, "eps must be a Python float or int"),
     ("eps", None, TypeError, "eps must be a Python float or int"),
     ("scale", "big", TypeError, "scale must be a Python float or int"),
+    *[("input_scale", v, ValueError, "input_scale must be a number that is finite in float32")
+      for v in (float("nan"), float("-inf"), 1e39)],  # 1e39 is finite as the schema's double, not in float32
+    ("input_scale", torch.tensor(2.0), TypeError, "input_scale must be a Python float or int"),
 ], ids=repr)
 def test_bad_scalars(name, value, error, fragment, device):
     args = valid_args(device)
@@ -499,6 +505,8 @@ def test_raw_op_checks_too(device):
         raw(o_weight=w["o"][:, :-1])
     with pytest.raises(ValueError, match=re.escape("qkv_bias must have shape")):
         raw(qkv_bias=w["qkv_bias"][:1])
+    with pytest.raises(ValueError, match=re.escape("input_scale must be a number that is finite in float32")):
+        raw(input_scale=float("inf"))
 
 
 @pytest.mark.gpu
@@ -524,7 +532,7 @@ def raw_kwargs(args):
                 post_attn_norm=w.get("post_attn_norm"), post_mlp_norm=w.get("post_mlp_norm"),
                 activation=args.get("activation", "silu"), sliding_window=args.get("sliding_window", 0),
                 sliding_layers=list(args.get("sliding_layers", ())), sliding_cos=args.get("sliding_cos"),
-                sliding_sin=args.get("sliding_sin"))
+                sliding_sin=args.get("sliding_sin"), input_scale=args.get("input_scale", 1.0))
 
 
 OPCHECK_CASES = {

@@ -121,7 +121,7 @@ def decoder_step() -> int:
     failures = 0
     gen = torch.Generator().manual_seed(11)
     # (layers, hidden, intermediate, heads, kv_heads, head_dim, max_len, q/k norms, q/k/v biases,
-    # Gemma-3's layer); sizes are whole 16-byte vectors, as the kernel needs. The third has attention
+    # Gemma-3's layer, with an input scale); sizes are whole 16-byte vectors, as the kernel needs. The third has attention
     # splits too long for a weight stage (read from the cache), and at its middle length bfloat16
     # ones that fit (read from a copy). The first three run the kernel of the smallest head class,
     # the next five the other five classes. The Gemma-3 layers slide in layers 0 and 2 over a third
@@ -147,7 +147,7 @@ def decoder_step() -> int:
             if gemma:
                 weights.update(post_attn_norm=rand(layers, d) + 1, post_mlp_norm=rand(layers, d) + 1)
                 options = dict(activation="gelu_tanh", sliding_window=max_len // 3, sliding_layers=(0, 2),
-                               sliding_cos=rand(max_len, hd), sliding_sin=rand(max_len, hd))
+                               sliding_cos=rand(max_len, hd), sliding_sin=rand(max_len, hd), input_scale=1.75)
             x, cos, sin = rand(1, d), rand(max_len, hd), rand(max_len, hd)
             caches = rand(layers, kv, max_len, hd), rand(layers, kv, max_len, hd)
             for length in (0, max_len // 2 + 1, max_len - 1, max_len):

@@ -127,10 +127,12 @@ at::Tensor decoder_step_cpu(const at::Tensor& x, const at::Tensor& qkv_weight, c
                             const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& post_attn_norm,
                             const c10::optional<at::Tensor>& post_mlp_norm, c10::string_view activation,
                             int64_t sliding_window, at::IntArrayRef sliding_layers,
-                            const c10::optional<at::Tensor>& sliding_cos, const c10::optional<at::Tensor>& sliding_sin) {
+                            const c10::optional<at::Tensor>& sliding_cos, const c10::optional<at::Tensor>& sliding_sin,
+                            double input_scale) {
   constexpr const char* op = "decoder_step";
   const DecoderStepOptions options = decoder_step_options(op, qkv_bias, post_attn_norm, post_mlp_norm, activation,
-                                                          sliding_window, sliding_layers, sliding_cos, sliding_sin);
+                                                          sliding_window, sliding_layers, sliding_cos, sliding_sin,
+                                                          input_scale);
   check_decoder_step(op, x, qkv_weight, o_weight, gate_up_weight, down_weight, attn_norm, mlp_norm, q_norm, k_norm,
                      k_cache, v_cache, cos, sin, length, num_heads, eps, scale, options);
   const auto layer = [](const c10::optional<at::Tensor>& t, int64_t i) -> c10::optional<at::Tensor> {
@@ -140,7 +142,9 @@ at::Tensor decoder_step_cpu(const at::Tensor& x, const at::Tensor& qkv_weight, c
   const auto add = [&](const at::Tensor& h, const at::Tensor& out, const c10::optional<at::Tensor>& post_norm,
                        int64_t i) { return post_norm.has_value() ? h + rms_norm(out, post_norm->select(0, i), eps) : h + out; };
   const auto& sliding = options.sliding_layers;
-  at::Tensor h = x;
+  // x * input_scale as a multiply in x's dtype rounds it: the float32 product of two values of that
+  // dtype is exact.
+  at::Tensor h = (x.to(at::kFloat) * static_cast<float>(input_scale)).to(x.scalar_type());
   for (int64_t i = 0; i < k_cache.size(0); ++i) {
     at::Tensor k_layer = k_cache.select(0, i), v_layer = v_cache.select(0, i);  // views of the caller's caches
     const bool in_window = std::find(sliding.begin(), sliding.end(), i) != sliding.end();

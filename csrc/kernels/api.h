@@ -151,6 +151,8 @@ cudaError_t launch_decode_attention(const T* q, const T* k_cache, const T* v_cac
 // adds; both null when the model has none, and post_norms says which).
 // Sliding-window layers (bit i of sliding_layers for layer i) attend to the last sliding_window
 // positions only and rotate by sliding_cos / sliding_sin (cos / sin when those are null).
+// The first layer's input is x times input_scale, rounded to T (Gemma-3's embedding scale, which
+// would otherwise cost a kernel of its own before the step).
 constexpr int kDecoderStepMaxSlidingLayers = 256;
 enum class DecoderStepActivation : int { kSilu = 0, kGeluTanh = 1 };
 struct DecoderStepShape {
@@ -160,6 +162,7 @@ struct DecoderStepShape {
   bool post_norms = false;
   int sliding_window = 0;
   uint64_t sliding_layers[kDecoderStepMaxSlidingLayers / 64] = {};
+  float input_scale = 1.0f;
 };
 template <typename T>
 struct DecoderStepWeights {

@@ -162,13 +162,14 @@ inline void check_stacked(const char* op, const at::Tensor& t, const char* name,
 }
 
 // decoder_step's arguments beyond the Llama layer's: Qwen2's q/k/v biases; Gemma-3's norms of the
-// attention's and the MLP's outputs (post-norms), GELU, and sliding-window layers with their own
-// rotary tables.
+// attention's and the MLP's outputs (post-norms), GELU, sliding-window layers with their own
+// rotary tables, and the scale of the first layer's input (its embedding scale).
 struct DecoderStepOptions {
   c10::optional<at::Tensor> qkv_bias, post_attn_norm, post_mlp_norm, sliding_cos, sliding_sin;
   bool gelu = false;
   int64_t sliding_window = 0;
   std::vector<int64_t> sliding_layers;
+  double input_scale = 1.0;
 };
 
 inline DecoderStepOptions decoder_step_options(const char* op, const c10::optional<at::Tensor>& qkv_bias,
@@ -177,7 +178,7 @@ inline DecoderStepOptions decoder_step_options(const char* op, const c10::option
                                                c10::string_view activation, int64_t sliding_window,
                                                at::IntArrayRef sliding_layers,
                                                const c10::optional<at::Tensor>& sliding_cos,
-                                               const c10::optional<at::Tensor>& sliding_sin) {
+                                               const c10::optional<at::Tensor>& sliding_sin, double input_scale) {
   FH_CHECK_VALUE(op, activation == "silu" || activation == "gelu_tanh",
                  "activation must be 'silu' or 'gelu_tanh', got '", std::string(activation.data(), activation.size()), "'");
   return {qkv_bias,
@@ -187,7 +188,8 @@ inline DecoderStepOptions decoder_step_options(const char* op, const c10::option
           sliding_sin,
           activation == "gelu_tanh",
           sliding_window,
-          std::vector<int64_t>(sliding_layers.begin(), sliding_layers.end())};
+          std::vector<int64_t>(sliding_layers.begin(), sliding_layers.end()),
+          input_scale};
 }
 
 // One token through every layer of a decoder, weights stacked per kind along a leading layer
@@ -199,7 +201,7 @@ inline DecoderStepOptions decoder_step_options(const char* op, const c10::option
 // place), cos / sin [max_len, hd], length one int64 on x's device; the options' qkv_bias [L, (H +
 // 2 KV) hd], post_attn_norm / post_mlp_norm [L, D] (both or neither), sliding_cos / sliding_sin
 // [max_len, hd] (both or neither), sliding_layers distinct layer indices, sliding_window >= 1 when
-// there are any (else >= 0).
+// there are any (else >= 0), input_scale finite in float32 (the precision it is applied in).
 inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Tensor& qkv_weight,
                                const at::Tensor& o_weight, const at::Tensor& gate_up_weight,
                                const at::Tensor& down_weight, const at::Tensor& attn_norm,
@@ -280,6 +282,8 @@ inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Te
                  ", got ", num_str(options.sliding_window));
   FH_CHECK_VALUE(op, std::isfinite(eps) && eps >= 0.0, "eps must be a finite number >= 0, got ", num_str(eps));
   check_attention_scale(op, scale);
+  FH_CHECK_VALUE(op, std::isfinite(static_cast<float>(options.input_scale)),
+                 "input_scale must be a number that is finite in float32, got ", num_str(options.input_scale));
 }
 
 }  // namespace flashhead

@@ -361,9 +361,9 @@ class Decoder:
         if c.sliding_rope_inv_freq is not None:
             self._sliding_cos, self._sliding_sin = self._rotary_tables(c.sliding_rope_inv_freq, c.sliding_rope_attention_scaling)
         # transformers multiplies the embedding rows by the scale held in a float32 buffer, cast to the
-        # model dtype.
-        self._embed_scale = None if c.embed_scale == 1.0 else (
-            torch.tensor(c.embed_scale, dtype=torch.float32).to(self.device, self.dtype))
+        # model dtype: that value as a Python float gives the same products (decoder_step's input_scale
+        # takes it too).
+        self._embed_scale = torch.tensor(c.embed_scale, dtype=torch.float32).to(self.dtype).item()
 
     def _rotary_tables(self, inv_freq, attention_scaling: float) -> tuple[Tensor, Tensor]:
         """cos and sin ``[max_len, head_dim]`` as transformers builds them: angles in float32, scaled
@@ -505,9 +505,10 @@ class Decoder:
         short = n <= STEP_MAX_TOKENS
         start = self.length if start is None else start
         x = self.embed.index_select(0, ids)
-        if self._embed_scale is not None:
+        stepped = self.body == "persistent" and short and (n == 1 or self.config.body_limit("fused", self.dtype))
+        if self._embed_scale != 1.0 and not stepped:  # decoder_step applies it itself
             x = x * self._embed_scale
-        if self.body == "persistent" and short and (n == 1 or self.config.body_limit("fused", self.dtype)):
+        if stepped:
             # One token, one step, no copy (the draft's step); otherwise one step a token.
             steps = [self._persistent_step(x[i:i + 1], start + i if i else start) for i in range(n)]
             x = steps[0] if n == 1 else torch.cat(steps)
@@ -534,7 +535,7 @@ class Decoder:
                                 eps=c.rms_norm_eps, scale=c.softmax_scale, activation=c.hidden_act,
                                 sliding_window=c.sliding_window or 0, sliding_layers=c.sliding_layers,
                                 sliding_cos=self._sliding_cos if own_tables else None,
-                                sliding_sin=self._sliding_sin if own_tables else None)
+                                sliding_sin=self._sliding_sin if own_tables else None, input_scale=self._embed_scale)
 
     def step_inputs(self, n: int, start: Tensor, *, sliding: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """What ``_layer`` takes for ``n`` tokens from position ``start`` (an int64 0-d device
