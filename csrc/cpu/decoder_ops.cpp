@@ -142,8 +142,8 @@ at::Tensor decoder_step_cpu(const at::Tensor& x, const at::Tensor& qkv_weight, c
   const auto add = [&](const at::Tensor& h, const at::Tensor& out, const c10::optional<at::Tensor>& post_norm,
                        int64_t i) { return post_norm.has_value() ? h + rms_norm(out, post_norm->select(0, i), eps) : h + out; };
   const auto& sliding = options.sliding_layers;
-  // x * input_scale as a multiply in x's dtype rounds it: the float32 product of two values of that
-  // dtype is exact.
+  // The float32 product rounded to x's dtype: for an input_scale of that dtype, exactly a multiply
+  // in it (the float32 product of two of its values is exact).
   at::Tensor h = (x.to(at::kFloat) * static_cast<float>(input_scale)).to(x.scalar_type());
   for (int64_t i = 0; i < k_cache.size(0); ++i) {
     at::Tensor k_layer = k_cache.select(0, i), v_layer = v_cache.select(0, i);  // views of the caller's caches

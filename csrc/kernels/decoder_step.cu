@@ -1008,7 +1008,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParam
   // hidden rows alike, so each adds to what the block itself wrote last, kept here in shared memory
   // rather than read back from L2. The first layer's o adds to the token's row, which the block
   // also posts for every block's first qkv. With post-norms every block keeps the whole stream.
-  // The token's row is x * input_scale, rounded to T as a multiply in T rounds.
+  // The token's row is x * input_scale: the float32 product rounded to T, as the CPU reference.
   const auto input = [&](int row) { return rounded<T>(to_float(p.x[row]) * p.s.input_scale); };
   for (int row = plans[kOut].row_lo + threadIdx.x; row < plans[kOut].row_hi; row += kStepThreads) {
     const float x = input(row);
