@@ -121,11 +121,12 @@ def decoder_step() -> int:
     failures = 0
     gen = torch.Generator().manual_seed(11)
     # (layers, hidden, intermediate, heads, kv_heads, head_dim, max_len, q/k norms, q/k/v biases,
-    # Gemma-3's layer, with an input scale); sizes are whole 16-byte vectors, as the kernel needs. The third has attention
-    # splits too long for a weight stage (read from the cache), and at its middle length bfloat16
-    # ones that fit (read from a copy). The first three run the kernel of the smallest head class,
-    # the next five the other five classes. The Gemma-3 layers slide in layers 0 and 2 over a third
-    # of the cache; the last has fewer gate_up rows (40) than the GPU has SMs, which caps the grid.
+    # Gemma-3's layer, with an input scale); sizes are whole 16-byte vectors, as the kernel needs.
+    # The third has attention splits too long for a weight stage (read from the cache), and at its
+    # middle length bfloat16 ones that fit (read from a copy). The first three run the kernel of the
+    # smallest head class, the next five the other five classes. The Gemma-3 layers slide in layers
+    # 0 and 2 over a third of the cache; the last has fewer gate_up rows (40) than the GPU has SMs,
+    # which caps the grid.
     for layers, d, inter, heads, kv, hd, max_len, qk_norm, qkv_bias, gemma in (
             (2, 64, 136, 4, 2, 16, 600, True, False, False), (1, 96, 40, 3, 3, 32, 40, False, True, False),
             (1, 64, 40, 8, 8, 128, 2100, False, False, False), (2, 64, 40, 8, 2, 32, 300, True, True, False),
