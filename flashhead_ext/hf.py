@@ -247,6 +247,9 @@ def calibration_states(model, tokenizer, prompts=DEFAULT_PROMPTS, per_category: 
     return recorded_states(model, tokenizer, chosen, max_new_tokens, progress=progress)["hidden"]
 
 
+HEAD_CHANGED = "the output head changed since attach (e.g. resize_token_embeddings): detach(model) and attach it again"
+
+
 class FlashHeadAttachment:
     """What :func:`attach` puts on a model (as ``model.flash_head``): the output head's new forward.
 
@@ -276,6 +279,7 @@ class FlashHeadAttachment:
         self._attached_shape = tuple(linear.weight.shape)
         # An instance forward already there (accelerate's device hook wraps one): detach restores it.
         self._replaced_forward = linear.__dict__.get("forward")
+        self._model_hook = None  # attach's forward pre-hook on the model (check_head_unchanged); detach removes it
 
     @property
     def probes(self) -> int:
@@ -310,8 +314,7 @@ class FlashHeadAttachment:
             except ValueError as error:
                 if tuple(weight.shape) == self._attached_shape:
                     raise
-                raise ValueError(f"{error}; the output head changed since attach (e.g. resize_token_embeddings): "
-                                 "detach(model) and attach it again") from error
+                raise ValueError(f"{error}; {HEAD_CHANGED}") from error
         self._head, self._built_for = head, weight
         return head
 
@@ -329,12 +332,17 @@ class FlashHeadAttachment:
             return nn.functional.linear(hidden, self.linear.weight)
         head = self.head()
         # The head's device, as accelerate's hook (which this forward replaces) would move it.
-        rows = hidden.reshape(-1, hidden.shape[-1]).to(head.embedding.device)
-        ids, logits = head.candidate_logits(rows)
-        out = logits.new_full((ids.shape[0], head.vocab_size), float("-inf"))
+        ids, logits = head.candidate_logits(hidden.to(head.embedding.device))
+        out = logits.new_full((*logits.shape[:-1], head.vocab_size), float("-inf"))
         # Masked slots (-1) carry -inf; "amax" keeps them from overwriting token 0's real logit.
-        out.scatter_reduce_(1, ids.clamp(min=0).long(), logits, reduce="amax")
-        return out.reshape(*hidden.shape[:-1], head.vocab_size).to(hidden.device)
+        out.scatter_reduce_(-1, ids.clamp(min=0).long(), logits, reduce="amax")
+        return out.to(hidden.device)
+
+    def check_head_unchanged(self, model: nn.Module, args) -> None:
+        """The model's forward pre-hook: an untied head replaced by a new module (resize_token_embeddings,
+        ``model.lm_head = ...``) no longer runs this forward, which would silently decode dense."""
+        if model.get_output_embeddings() is not self.linear:
+            raise ValueError(HEAD_CHANGED)
 
 
 # What attach passes to flash_head_for when it builds a clustering.
@@ -451,6 +459,7 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
     attachment.head()  # checks the assets against the embedding and the probes now, not mid-generate
     linear.forward = attachment.forward  # an instance attribute shadows nn.Linear.forward
     linear._apply = attachment._apply
+    attachment._model_hook = model.register_forward_pre_hook(attachment.check_head_unchanged)
     model.flash_head = attachment
     return attachment
 
@@ -465,6 +474,7 @@ def detach(model: nn.Module) -> None:
     else:
         del attachment.linear.forward
     del attachment.linear._apply
+    attachment._model_hook.remove()
     attachment._head = attachment._built_for = None  # they hold the output weight; the attachment may outlive the model
 
 

@@ -391,6 +391,37 @@ def test_a_resized_tied_head_asks_to_attach_again():
         model(torch.tensor([[1, 2]]))
 
 
+@pytest.mark.parametrize("replace", ["resize", "assign"])
+def test_a_replaced_untied_head_asks_to_attach_again(replace):
+    # transformers swaps in a new nn.Linear, which does not run the attached forward: decoding would
+    # silently turn dense while model.flash_head stayed.
+    model = _tiny_llama(tied=False)
+    attach(model, _tiny_assets(model))
+    if replace == "resize":
+        model.resize_token_embeddings(71, mean_resizing=False)
+    else:
+        model.lm_head = torch.nn.Linear(model.config.hidden_size, 67, bias=False)
+    for _ in range(2):  # refused at every forward, the disabled ones too
+        with pytest.raises(ValueError, match=r"^the output head changed since attach .* detach\(model\) and attach it again$"):
+            model(torch.tensor([[1, 2]]))
+        model.flash_head.enabled = False
+    detach(model)
+    model(torch.tensor([[1, 2]]))
+    attach(model, _tiny_assets(model))
+    logits = model(torch.tensor([[1, 2]])).logits
+    assert torch.isinf(logits).any() and not torch.isnan(logits).any()
+
+
+def test_attached_head_names_a_hidden_state_it_cannot_take():
+    model = _tiny_llama(tied=False)
+    attach(model, _tiny_assets(model))
+    with pytest.raises(ValueError, match=f"hidden must have last dimension {model.config.hidden_size}"):
+        model.lm_head(torch.tensor(1.0))
+    hidden = torch.randn(2, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    logits = model.lm_head(hidden)
+    assert logits.shape == (2, 3, 67) and torch.equal(logits[1, 2], model.lm_head(hidden[1, 2]))
+
+
 def test_attach_names_an_output_head_dtype_it_cannot_take():
     model = _tiny_llama(tied=False)
     assets = _tiny_assets(model)
