@@ -41,6 +41,8 @@ SeedLike = Union[Tensor, int, None]
 # range kept well inside float32's, whose limits are what break the sampling (scores over a tiny
 # temperature overflow to ±inf and the lowest id wins; a huge one rounds to inf).
 TEMPERATURE_RANGE = (1e-6, 1e6)
+# The largest softmax scale the attention kernels take (kMaxAttentionScale in csrc/ops/decoder_checks.h).
+ATTENTION_SCALE_MAX = 1e6
 
 
 def _require_tensor(name: str, value) -> None:
@@ -524,6 +526,6 @@ def _decoder_step_fake(x, qkv_weight, o_weight, gate_up_weight, down_weight, att
 
 __all__ = [
     "select_clusters", "sample_clusters", "gather_candidates", "candidate_logits",
-    "decode_greedy", "decode_sample", "make_seed", "validate_cluster_table", "TEMPERATURE_RANGE",
+    "decode_greedy", "decode_sample", "make_seed", "validate_cluster_table", "TEMPERATURE_RANGE", "ATTENTION_SCALE_MAX",
     "fused_linear", "rotary_cache_write", "decode_attention", "decoder_step",
 ]

@@ -6,6 +6,7 @@ per class. opcheck on each device; the attention cases on each device too. GPU: 
 against the CPU ops on the same inputs at real models' shapes, CUDA-graph replay at another cache
 length, no host sync.
 """
+import math
 import re
 
 import pytest
@@ -503,6 +504,15 @@ def test_bad_scalars(op, name, value, error, fragment, device):
     args = valid_args(device)
     args[name] = value
     expect(error, fragment, op, args)
+
+
+@device_params
+def test_attention_scale_bound_is_ops_attention_scale_max(device):
+    # The fast decoder refuses its kernel bodies by this constant; it must be the kernels' own bound.
+    args = dict(valid_args(device), scale=ops.ATTENTION_SCALE_MAX)
+    call("decode_attention", args)
+    args["scale"] = math.nextafter(ops.ATTENTION_SCALE_MAX, math.inf)
+    expect(ValueError, "scale must be in (0, 1e+06]", "decode_attention", args)
 
 
 @device_params

@@ -20,7 +20,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-from flashhead_ext import DenseHead, FlashHead
+from flashhead_ext import DenseHead, FlashHead, ops
 from flashhead_ext.fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from flashhead_ext.fast.decoder import BODIES
 from flashhead_ext.speculative import MODES
@@ -339,9 +339,19 @@ def test_decoder_bad_arguments_name_the_argument():
         DecoderConfig(10, 8, 8, 1, 6, 4, 2)
     with pytest.raises(ValueError, match=r"sliding_rope_inv_freq must be None or a tuple of head_dim / 2 = 1"):
         DecoderConfig(10, 8, 8, 1, 4, 4, 2, sliding_rope_inv_freq=(1.0, 0.5))
-    for name, bad in (("sliding_rope_attention_scaling", -1.0), ("embed_scale", float("inf")), ("attention_scale", 0)):
+    for name, bad in (("sliding_rope_attention_scaling", -1.0), ("embed_scale", float("inf")), ("attention_scale", 0),
+                      ("rope_theta", 0.0), ("rope_theta", float("nan")), ("rope_theta", True)):
         with pytest.raises(ValueError, match=f"{name} must be a finite positive float, got {bad}"):
             DecoderConfig(10, 8, 8, 1, 4, 4, 2, **{name: bad})
+    for bad in (-1e-6, float("inf"), None, "1e-6"):
+        with pytest.raises(ValueError, match=f"rms_norm_eps must be a finite float >= 0, got {bad!r}"):
+            DecoderConfig(10, 8, 8, 1, 4, 4, 2, rms_norm_eps=bad)
+    assert DecoderConfig(10, 8, 8, 1, 4, 4, 2, rms_norm_eps=0).rms_norm_eps == 0  # as torch's rms_norm takes it
+    # A string would otherwise reach Tensor.to(), which reads it as a device.
+    with pytest.raises(TypeError, match=r"dtype must be a torch.dtype .*, got str 'float32'"):
+        Decoder.from_hf(model, max_len=8, dtype="float32")
+    with pytest.raises(TypeError, match=r"dtype must be a torch.dtype .*, got str 'cpu'"):
+        Decoder.random(decoder.config, max_len=8, dtype="cpu", device="cpu")
     with pytest.raises(ValueError, match=r"hidden_act must be one of \('silu', 'gelu_tanh'\), got 'gelu'"):
         DecoderConfig(10, 8, 8, 1, 4, 4, 2, hidden_act="gelu")
     for bad in ((2,), (0, 0), [0], (True,)):
@@ -877,6 +887,15 @@ def test_decoder_body_is_checked():
     for body in ("fused", "persistent"):
         with pytest.raises(ValueError, match=f"body '{body}' needs a float16, bfloat16 or float32 model"):
             decoder.body = body
+    # The layer kernels take softmax scales up to ops.ATTENTION_SCALE_MAX: refused when the body is
+    # set, not at the first forward; the eager body runs any finite scale.
+    steep = dataclasses.replace(decoder.config, attention_scale=ops.ATTENTION_SCALE_MAX * 1.5)
+    decoder = Decoder.random(steep, max_len=8, dtype=torch.float32, device="cpu")
+    assert decoder.bodies == ("eager", "compiled")
+    for body in ("fused", "persistent"):
+        with pytest.raises(ValueError, match=f"body '{body}' takes an attention_scale up to 1e\\+06 .*, this model's is 1.5e\\+06"):
+            decoder.body = body
+    decoder.forward(torch.tensor([1, 2]))
 
 
 @pytest.mark.gpu

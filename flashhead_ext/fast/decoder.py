@@ -37,6 +37,16 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _require_dtype(dtype) -> None:
+    # A string would reach Tensor.to(), which reads it as a device.
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (one of {MODEL_DTYPES}), got {type(dtype).__name__} {dtype!r}")
+
+
 @dataclass(frozen=True)
 class DecoderConfig:
     vocab_size: int
@@ -86,12 +96,16 @@ class DecoderConfig:
                     isinstance(f, float) and math.isfinite(f) and f > 0 for f in freqs)):
                 raise ValueError(f"{prefix}rope_inv_freq must be None or a tuple of head_dim / 2 = {self.head_dim // 2} "
                                  f"finite positive floats, got {freqs!r:.80}")
-        for name in ("rope_attention_scaling", "sliding_rope_attention_scaling", "embed_scale", "attention_scale"):
+        for name in ("rope_theta", "rope_attention_scaling", "sliding_rope_attention_scaling", "embed_scale",
+                     "attention_scale"):
             value = getattr(self, name)
             if name == "attention_scale" and value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            if not _is_real(value) or not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite positive float, got {value!r}")
+        # 0 is allowed, as by torch's rms_norm and the layer kernels: a state of zeros then normalises to NaN.
+        if not _is_real(self.rms_norm_eps) or not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
+            raise ValueError(f"rms_norm_eps must be a finite float >= 0, got {self.rms_norm_eps!r}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
         layers = self.sliding_layers
@@ -161,6 +175,9 @@ class DecoderConfig:
             return None
         if dtype not in MODEL_DTYPES[:3]:
             return f"needs a float16, bfloat16 or float32 model, this one is {dtype}"
+        if self.softmax_scale > ops.ATTENTION_SCALE_MAX:
+            return (f"takes an attention_scale up to {ops.ATTENTION_SCALE_MAX:g} (the layer kernels' bound), this model's "
+                    f"is {self.softmax_scale:g}")
         beyond = [what for what, present in (("GELU", self.hidden_act != "silu"), ("post-norms", self.post_norms),
                                              ("sliding-window layers", bool(self.sliding_layers))) if present]
         if body == "fused" and beyond:
@@ -401,6 +418,8 @@ class Decoder:
         embed_key = f"{prefix}embed_tokens.weight"
         if embed_key not in state_dict:
             raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers Llama/Qwen2/Qwen3/Gemma-3 causal LM")
+        if dtype is not None:
+            _require_dtype(dtype)
         dtype = dtype or state_dict[embed_key].dtype
         device = torch.device(device) if device is not None else state_dict[embed_key].device
         # Gemma's RMSNorms scale by 1 + weight: the sum, formed in float32 (float64 for a float64
@@ -454,6 +473,7 @@ class Decoder:
                seed: int = 0, std: float = 0.02) -> "Decoder":
         """Random weights allocated directly on ``device`` (a 32B-shaped model never passes through the
         host). For timing: the values are irrelevant, but never zeros, and norms are ones."""
+        _require_dtype(dtype)
         device = torch.device(device)
         gen = torch.Generator(device=device).manual_seed(seed)
         c = config
