@@ -40,6 +40,7 @@ from torch import Tensor
 
 from .clustering import (ALGORITHM_VERSION, GREEDY_SCORINGS, Clustering, build_clusters, calibrate_clusters, cluster_table,
                          greedy_centroids)
+from . import ops
 from .head import FlashHead, special_token_list
 
 CONFIG_NAME = "flash_head_config.json"
@@ -286,6 +287,8 @@ def flash_head_for(
     heads cheaply).
     """
     special_token_ids = special_token_list(special_token_ids, embedding.shape[0])  # before minutes of clustering
+    if probes is not None:
+        ops._require_probes(probes)  # its upper bound needs the clusters
     # Plain k-means keeps the key it always had, so its cached entries stay valid; a calibrated
     # clustering is named by its states too, so neither method ever reads the other's entry.
     method = "" if hidden is None else f"-calibrated-{embedding_digest(hidden)[:16]}"

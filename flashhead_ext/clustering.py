@@ -209,6 +209,8 @@ def _check_matrix(name: str, value, shape: str) -> None:
     if value.dim() != 2 or value.numel() == 0 or not value.is_floating_point():
         raise ValueError(f"{name} must be a non-empty 2-D float tensor {shape}, got shape "
                          f"{tuple(value.shape)} and dtype {value.dtype}")
+    if value.is_meta:
+        raise ValueError(f"{name} is on the meta device, which holds no values; clustering needs them: materialise it first")
     if not torch.isfinite(value).all():
         raise ValueError(f"{name} holds NaN or infinite values; clustering needs finite rows")
 
@@ -235,6 +237,8 @@ def build_clusters(
     for name, value in (("iters", iters), ("seed", seed)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not -2**63 <= seed < 2**64:
+        raise ValueError(f"seed must be in -2**63..2**64 - 1 (what torch.Generator.manual_seed takes), got {seed}")
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     if cluster_size is None and n_clusters is None:
@@ -273,8 +277,8 @@ def build_clusters(
 
 
 def _check_ridge(ridge) -> None:
-    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not ridge > 0:
-        raise ValueError(f"ridge must be a number > 0, got {ridge!r}")
+    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not (math.isfinite(ridge) and ridge > 0):
+        raise ValueError(f"ridge must be a finite number > 0, got {ridge!r}")
 
 
 def best_member_logits(embedding: Tensor, hidden: Tensor, table: Tensor, rows_per_chunk: int = 256) -> Tensor:
@@ -297,7 +301,12 @@ def fit_max_logit_centroids(embedding: Tensor, hidden: Tensor, cluster_tokens: T
     targets = best_member_logits(rows, states, cluster_tokens.to(rows.device))
     gram = states.T @ states
     regularised = gram + ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], device=gram.device)
-    return torch.linalg.solve(regularised, states.T @ targets).T.contiguous()
+    centroids = torch.linalg.solve(regularised, states.T @ targets).T.contiguous()
+    # A sync, once per fit: a huge ridge (or huge states) overflows float32 and the fit comes out NaN.
+    if not torch.isfinite(centroids).all():
+        raise ValueError(f"the fitted centroids are not finite: ridge ({ridge!r}) times the states' mean square "
+                         "overflows float32, or the states or embedding are too large")
+    return centroids
 
 
 def calibrate_clusters(

@@ -59,6 +59,9 @@ def _own_copy(tensor: Tensor, device, dtype) -> Tensor:
 
 
 def _check_finite(name: str, centroids: Tensor) -> None:
+    if centroids.is_meta:
+        raise ValueError(f"{name} is on the meta device (the embedding's), which holds no values; FlashHead ranks "
+                         "clusters by them: materialise the weights first")
     # A sync, once per build or load: a NaN centroid would silently rank its cluster last at every step.
     if not torch.isfinite(centroids).all():
         raise ValueError(f"{name} must be finite; it holds NaN or inf (in the embedding's dtype {centroids.dtype})")
@@ -259,7 +262,16 @@ class FlashHead(_HeadBase):
         """Tokens scored per row: probes * cluster_size, plus the special tokens."""
         return self.probes * self.cluster_size + self.extra_ids.numel()
 
+    def _rows(self, hidden: Tensor) -> Tensor:
+        # A cast of the module (head.double()) passes its buffers' dtype to every call's hidden.
+        if self.embedding.dtype not in HEAD_DTYPES:
+            raise TypeError(f"the head's dtype is {self.embedding.dtype}; FlashHead runs in float16, bfloat16 or float32: "
+                            "cast it back (e.g. head.float())")
+        return super()._rows(hidden)
+
     def next_token(self, hidden: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
+        """int64 ``hidden.shape[:-1]``: each row's greedy token. ``out``, an int64 ``[B]`` with ``B``
+        the rows of ``hidden`` (its leading dimensions flattened), is written and returned instead."""
         rows = self._rows(hidden)
         tokens = ops.decode_greedy(rows, self.centroids, self.cluster_tokens, self.embedding, self.probes, self._extra_ids,
                                    out=out)

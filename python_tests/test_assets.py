@@ -190,6 +190,20 @@ def test_flash_head_for_caches_the_clustering(tmp_path, monkeypatch, embedding):
         flash_head_for(embedding * 2, SIZE, iters=2, progress=False)
 
 
+@pytest.mark.parametrize("probes,error,fragment", [(0, ValueError, "probes must be at least 1, got 0"),
+                                                    (2.0, TypeError, "probes must be a Python int")])
+def test_flash_head_for_checks_probes_before_clustering(tmp_path, monkeypatch, embedding, probes, error, fragment):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+
+    def no_clustering(*args, **kwargs):
+        raise AssertionError("probes must be checked before minutes of clustering")
+
+    monkeypatch.setattr(assets_mod, "build_clusters", no_clustering)
+    with pytest.raises(error, match=fragment):
+        flash_head_for(embedding, SIZE, probes=probes, iters=2, progress=False)
+    assert not (tmp_path / "clusters").exists()
+
+
 def test_calibrated_clustering_round_trip_keeps_raw_greedy_scoring(tmp_path, embedding):
     calibrated = calibrate_clusters(embedding, _hidden(40), SIZE, iters=2, progress=False)
     save_assets(tmp_path, calibrated, n_probes=2)

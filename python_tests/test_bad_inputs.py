@@ -431,6 +431,7 @@ def head_args(device="cpu"):
     (dict(embedding=lambda a: a["embedding"][0]), ValueError, "embedding must be a non-empty 2-D tensor"),
     (dict(embedding=lambda a: a["embedding"].double()), TypeError, "embedding must be float16, bfloat16 or float32"),
     (dict(embedding=lambda a: a["embedding"].tolist()), TypeError, "embedding must be a torch.Tensor"),
+    (dict(embedding=lambda a: a["embedding"].to("meta")), ValueError, "centroids is on the meta device (the embedding's)"),
 ], ids=lambda v: None)
 def test_flashhead_constructor_errors(change, error, fragment):
     args = head_args()
@@ -462,6 +463,18 @@ def test_head_call_errors(make_head):
         head.sample(hidden, "hot")
     with pytest.raises(TypeError, match="generator must be a torch.Generator"):
         head.sample(hidden, 1.0, generator="cpu")
+
+
+def test_flashhead_cast_out_of_its_dtypes_is_named():
+    # DenseHead runs in float64; FlashHead's ops do not, and the message must not blame hidden.
+    head = FlashHead(**head_args()).double()
+    hidden = make_problem(SHAPE).hidden.double()
+    for call in (head.next_token, head.sample, head.candidate_logits):
+        with pytest.raises(TypeError, match=re.escape("the head's dtype is torch.float64; FlashHead runs in float16, "
+                                                      "bfloat16 or float32: cast it back (e.g. head.float())")):
+            call(hidden)
+    head.float()
+    assert torch.equal(head.next_token(hidden.float()), FlashHead(**head_args()).next_token(hidden.float()))
 
 
 def test_flashhead_probes_setter():

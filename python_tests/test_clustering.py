@@ -134,6 +134,9 @@ def test_cluster_table_from_assignments():
     ({"cluster_size": 2.0}, TypeError, "cluster_size must be an int"),
     ({"iters": 0}, ValueError, "iters must be >= 1"),
     ({"seed": "1"}, TypeError, "seed must be an int"),
+    ({"seed": 2**64}, ValueError, r"seed must be in -2\*\*63..2\*\*64 - 1"),
+    ({"seed": -2**63 - 1}, ValueError, r"seed must be in -2\*\*63..2\*\*64 - 1"),
+    ({"embedding": torch.ones(12, 3, device="meta")}, ValueError, "embedding is on the meta device"),
     ({"embedding": torch.full((12, 3), float("nan")), "cluster_size": 4}, ValueError, "NaN or infinite"),
 ])
 def test_bad_input(kwargs, error, match):
@@ -214,7 +217,9 @@ def test_calibration_with_fewer_states_than_the_hidden_size_warns():
     ({"hidden": torch.zeros(5, 4)}, ValueError, "hidden must have the embedding's hidden size 3"),
     ({"hidden": torch.zeros(0, 3)}, ValueError, "hidden must be a non-empty 2-D float tensor"),
     ({"hidden": torch.full((5, 3), float("inf"))}, ValueError, "hidden holds NaN or infinite"),
-    ({"ridge": 0.0}, ValueError, "ridge must be a number > 0"),
+    ({"ridge": 0.0}, ValueError, "ridge must be a finite number > 0"),
+    ({"ridge": float("inf")}, ValueError, "ridge must be a finite number > 0"),
+    ({"ridge": 1e300}, ValueError, r"the fitted centroids are not finite: ridge \(1e\+300\)"),
     ({"cluster_size": 0}, ValueError, r"cluster_size must be in 1..12"),
 ])
 def test_calibrated_bad_input(kwargs, error, match):
