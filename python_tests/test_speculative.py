@@ -19,7 +19,7 @@ import torch
 
 from flashhead_ext import DenseHead, FlashHead
 from flashhead_ext.speculative import MODES, SpeculativeDecoder, early_exit_draft, make_draft_head
-from flashhead_ext.speculative.driver import Generation, GenerationStats
+from flashhead_ext.speculative.driver import Generation, GenerationStats, eos_ids
 from flashhead_ext.speculative.runner import plan_configs, run_interleaved, summarize
 from helpers import one_thread  # noqa: F401  (an autouse fixture)
 from helpers import check_counters, greedy_tokens, random_partition, random_prompt
@@ -276,6 +276,19 @@ def test_early_exit_draft_is_the_targets_first_layers():
         early_exit_draft(torch.nn.Linear(2, 2), 1)
 
 
+def test_eos_ids_take_ints_of_any_integer_type():
+    numpy = pytest.importorskip("numpy")
+    assert eos_ids(numpy.int64(7), None, 10) == {7}
+    assert eos_ids([numpy.int32(3), 4, torch.tensor(5).item()], None, 10) == {3, 4, 5}
+    assert eos_ids(torch.tensor([[1], [9]]), None, 10) == {1, 9}
+    assert eos_ids(None, [2, 99], 10) == {2}  # the model's own ids outside the vocabulary are never generated
+    assert all(type(i) is int for i in eos_ids(numpy.array([6, 8]), None, 10))
+    with pytest.raises(TypeError, match="eos_token_id must be an int or a sequence of ints, got True"):
+        eos_ids(True, None, 10)
+    with pytest.raises(ValueError, match=r"eos_token_id must be token ids in 0..9 \(the vocabulary\), got \[10\]"):
+        eos_ids(numpy.int64(10), None, 10)
+
+
 def test_bad_inputs_name_the_argument():
     target = tiny_model("llama")
     head = draft_head(target, "dense")
@@ -283,8 +296,9 @@ def test_bad_inputs_name_the_argument():
         SpeculativeDecoder(target, target, head, k=0)
     with pytest.raises(TypeError, match="k must be an int"):
         SpeculativeDecoder(target, target, head, k=2.0)
-    with pytest.raises(TypeError, match="eos_token_id must be an int"):
-        SpeculativeDecoder(target, target, head, eos_token_id=["2"])
+    for bad in (["2"], 2.0, object(), torch.tensor([2.0])):
+        with pytest.raises(TypeError, match="eos_token_id must be an int or a sequence of ints, got"):
+            SpeculativeDecoder(target, target, head, eos_token_id=bad)
     with pytest.raises(ValueError, match="draft_head must be 'dense'"):
         SpeculativeDecoder(target, target, "sparse")
     with pytest.raises(TypeError, match="draft_head must be 'dense', a DenseHead or a FlashHead"):
@@ -305,7 +319,7 @@ def test_bad_inputs_name_the_argument():
         decoder.generate(torch.zeros(2, 5, dtype=torch.int64))
     with pytest.raises(ValueError, match="input_ids must be a non-empty"):
         decoder.generate(torch.zeros(0, dtype=torch.int64))
-    with pytest.raises(TypeError, match="input_ids must hold integer token ids"):
+    with pytest.raises(TypeError, match="input_ids must be int32 or int64 token ids"):
         decoder.generate(torch.zeros(3))
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         decoder.generate(prompt(0), max_new_tokens=0)

@@ -16,6 +16,7 @@ no single-token forward is needed except the tail step (the last token of a gene
 """
 from __future__ import annotations
 
+import numbers
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
@@ -141,9 +142,17 @@ def eos_ids(eos_token_id, default, vocab_size: int) -> frozenset:
     given = eos_token_id
     if isinstance(eos_token_id, Tensor):
         eos_token_id = eos_token_id.reshape(-1).tolist()  # a float or bool tensor's items are refused below
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise TypeError(f"eos_token_id must be an int or a sequence of ints, got {given!r}")
+    expected = f"eos_token_id must be an int or a sequence of ints, got {given!r}"
+    if isinstance(eos_token_id, numbers.Integral):  # numpy's integers too
+        ids = [eos_token_id]
+    else:
+        try:
+            ids = list(eos_token_id)
+        except TypeError:
+            raise TypeError(expected) from None
+    if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in ids):
+        raise TypeError(expected)
+    ids = [int(i) for i in ids]
     outside = sorted(i for i in ids if not 0 <= i < vocab_size)
     if outside and not from_model:
         raise ValueError(f"eos_token_id must be token ids in 0..{vocab_size - 1} (the vocabulary), got {outside}")
@@ -160,7 +169,7 @@ def check_prompt(input_ids, device: torch.device, vocab_size: int) -> Tensor:
     if input_ids.dim() not in (1, 2) or input_ids.numel() == 0:
         raise ValueError(f"input_ids must be a non-empty [T] or [1, T] tensor, got shape {tuple(input_ids.shape)}")
     if input_ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+        raise TypeError(f"input_ids must be int32 or int64 token ids, got {input_ids.dtype}")
     # Out of range, the embedding lookup fails without naming the argument (on CUDA: a device assert).
     low, high = torch.stack(torch.aminmax(input_ids)).tolist()
     if low < 0 or high >= vocab_size:
