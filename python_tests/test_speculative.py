@@ -12,6 +12,7 @@ import copy
 import functools
 import importlib.util
 import json
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +20,7 @@ import torch
 
 from flashhead_ext import DenseHead, FlashHead
 from flashhead_ext.speculative import MODES, SpeculativeDecoder, early_exit_draft, make_draft_head
-from flashhead_ext.speculative.driver import Generation, GenerationStats, eos_ids
+from flashhead_ext.speculative.driver import Generation, GenerationStats, cache_keyword, eos_ids
 from flashhead_ext.speculative.runner import plan_configs, run_interleaved, summarize
 from helpers import one_thread  # noqa: F401  (an autouse fixture)
 from helpers import check_counters, greedy_tokens, random_partition, random_prompt
@@ -101,6 +102,25 @@ def test_exact_for_every_k_draft_and_head(arch, mode):
         check_counters(gen, mode, 0 if mode == "baseline" else k, NEW)
         if mode == "baseline":
             break  # K and the draft play no part
+
+
+def test_models_get_their_cache_by_the_keyword_their_forward_takes():
+    # transformers 5.24 renamed past_key_values to cache (a FutureWarning at every call; removed in 5.40).
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            pass
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=None, **kwargs):
+            pass
+
+    assert (cache_keyword(Old()), cache_keyword(New())) == ("past_key_values", "cache")
+    target = tiny_model("llama")
+    decoder = SpeculativeDecoder(target, make_draft("llama", "other"), k=3, eos_token_id=[])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values", category=FutureWarning)
+        for mode in MODES:
+            assert tuple(decoder.generate(prompt(3), mode=mode, max_new_tokens=NEW).tokens) == reference("llama", 3)
 
 
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
@@ -229,7 +249,7 @@ def test_draft_cache_is_cut_back_to_the_emitted_tokens(arch, mode):
     draft = early_exit_draft(target, 2)
     calls = []
     hook = draft.base_model.register_forward_pre_hook(
-        lambda module, args, kwargs: calls.append((kwargs["past_key_values"].get_seq_length(), kwargs["input_ids"][0].tolist())),
+        lambda module, args, kwargs: calls.append((kwargs[cache_keyword(module)].get_seq_length(), kwargs["input_ids"][0].tolist())),
         with_kwargs=True)
     try:
         gen = SpeculativeDecoder(target, draft, draft_head(draft, "flashhead"), k=k, eos_token_id=[]).generate(

@@ -16,6 +16,7 @@ no single-token forward is needed except the tail step (the last token of a gene
 """
 from __future__ import annotations
 
+import inspect
 import numbers
 import time
 from collections import defaultdict
@@ -263,11 +264,18 @@ def _drop_last(cache, count: int) -> None:
         cache.crop(-count)
 
 
+def cache_keyword(module) -> str:
+    """The keyword ``module``'s forward takes its KV cache by: ``cache`` from transformers 5.24,
+    which deprecates ``past_key_values`` (removed in 5.40), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 class SpeculativeDecoder:
     """Greedy decoding of ``target``, optionally sped up by ``draft`` proposing ``k`` tokens a round.
 
     Args:
-        target: a transformers causal LM (``model(input_ids, past_key_values=...)`` gives logits).
+        target: a transformers causal LM (``model(input_ids, cache=...)`` gives logits;
+            ``past_key_values=`` before transformers 5.24).
         draft: a transformers causal LM with the target's tokenizer, or None for baseline only (its
             vocabulary may lack padding rows the target has: see :func:`draft_input`). Its body
             (``draft.base_model``) gives the final hidden states; ``draft_head`` turns them into tokens.
@@ -283,6 +291,7 @@ class SpeculativeDecoder:
     def __init__(self, target, draft=None, draft_head: Union[str, DenseHead, FlashHead] = "dense", *, k: int = 6,
                  eos_token_id: Union[int, Sequence[int], None] = None):
         self.target = target
+        self._target_cache = cache_keyword(target)
         self.k = require_positive_int("k", k)
         self.device = next(target.parameters()).device
         self.vocab_size = vocab = _output_embedding(target, "target").shape[0]
@@ -292,6 +301,7 @@ class SpeculativeDecoder:
         if draft is None:
             return
         self.head = resolve_draft_head(draft_head, _output_embedding(draft, "draft"), vocab)
+        self._draft_cache = cache_keyword(draft.base_model)
         self.draft_vocab = self.head.vocab_size
 
     # ---- model calls -------------------------------------------------------------------------
@@ -299,14 +309,15 @@ class SpeculativeDecoder:
     def _target_argmax(self, ids: Tensor, cache, clock, *, every_position: bool = False) -> Tensor:
         """The target's greedy token after each position of ``ids`` (or only the last), int64 ``[n]``."""
         with clock("target"):
-            logits = self.target(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True,
+            logits = self.target(input_ids=ids.view(1, -1), **{self._target_cache: cache}, use_cache=True,
                                  logits_to_keep=0 if every_position else 1).logits
             return logits[0].argmax(dim=-1)
 
     def _draft_next(self, ids: Tensor, cache, clock) -> Tensor:
         """The draft head's token after ``ids`` (int64 ``[1]``, on the device)."""
         with clock("draft_body"):
-            hidden = self.draft.base_model(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True).last_hidden_state
+            hidden = self.draft.base_model(input_ids=ids.view(1, -1), **{self._draft_cache: cache},
+                                           use_cache=True).last_hidden_state
         with clock("draft_head"):
             return self.head.next_token(hidden[0, -1:].to(self.head.embedding.dtype))
 
@@ -351,8 +362,8 @@ class SpeculativeDecoder:
         if speculative:
             # The draft's prefill is part of the time to first token: a round cannot start without it.
             draft_cache = self._new_cache(self.draft, True)
-            self.draft.base_model(input_ids=draft_input(prompt, self.draft_vocab, self.vocab_size), past_key_values=draft_cache,
-                                  use_cache=True)
+            self.draft.base_model(input_ids=draft_input(prompt, self.draft_vocab, self.vocab_size),
+                                  **{self._draft_cache: draft_cache}, use_cache=True)
         done = output.first(int(first))
         stats.ttft_s = time.perf_counter() - start
 
