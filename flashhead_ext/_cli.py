@@ -6,6 +6,11 @@ import argparse
 import torch
 
 
+def doc_summary(doc: str) -> str:
+    """A module docstring's first paragraph as a CLI description (without reST's double backticks)."""
+    return doc.split("\n\n")[0].replace("``", "")
+
+
 def device_arg(text: str) -> str:
     """argparse ``type`` of a device flag: a device torch can name and this machine has, so a bad one
     is a usage error before any model is built."""

@@ -116,10 +116,13 @@ class DenseHead(_HeadBase):
         self.register_buffer("embedding", embedding.detach(), persistent=False)
 
     def next_token(self, hidden: Tensor) -> Tensor:
+        """int64 ``hidden.shape[:-1]``: each row's argmax over the whole vocabulary."""
         rows = self._rows(hidden)
         return (rows @ self.embedding.t()).argmax(dim=-1).reshape(hidden.shape[:-1])
 
     def sample(self, hidden: Tensor, temperature: float = 1.0, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+        """A draw from softmax(logits / temperature) over the whole vocabulary: tokens int64 and
+        their log-probabilities float32 under that distribution, both ``hidden.shape[:-1]``."""
         temperature = ops._check_temperature(temperature)
         ops._require_optional_generator(generator)
         rows = self._rows(hidden)
@@ -131,6 +134,7 @@ class DenseHead(_HeadBase):
         return tokens.reshape(hidden.shape[:-1]), logprobs.reshape(hidden.shape[:-1])
 
     def candidate_logits(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """Every token is a candidate: ids int32 ``[..., V]`` (0..V-1) and float32 logits ``[..., V]``."""
         rows = self._rows(hidden)
         logits = (rows @ self.embedding.t()).float()
         ids = torch.arange(self.vocab_size, device=rows.device, dtype=torch.int32).expand(rows.shape[0], -1)
@@ -278,6 +282,10 @@ class FlashHead(_HeadBase):
         return tokens if out is not None else tokens.reshape(hidden.shape[:-1])
 
     def sample(self, hidden: Tensor, temperature: float = 1.0, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+        """``probes`` clusters drawn without replacement by their ``sampling_centroids`` scores, then a
+        token drawn from softmax(logits / temperature) over their tokens and the special ones: tokens
+        int64 and their log-probabilities float32 ``hidden.shape[:-1]``, normalised over those
+        candidates, not the vocabulary (``ops.decode_sample``)."""
         rows = self._rows(hidden)
         tokens, logprobs = ops.decode_sample(
             rows, self.sampling_centroids, self.cluster_tokens, self.embedding, self.probes, temperature,
@@ -286,6 +294,8 @@ class FlashHead(_HeadBase):
         return tokens.reshape(hidden.shape[:-1]), logprobs.reshape(hidden.shape[:-1])
 
     def candidate_logits(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """The ``probes`` best clusters' tokens, then the special ones: ids int32 ``[..., N]`` (N =
+        ``num_candidates``; -1 marks a padding slot, whose logit is -inf) and their exact float32 logits."""
         rows = self._rows(hidden)
         cluster_ids, _ = ops.select_clusters(rows, self.centroids, self.probes)
         candidates = ops.gather_candidates(cluster_ids, self.cluster_tokens, self._extra_ids)

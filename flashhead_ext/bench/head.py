@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .. import ops
-from .._cli import device_arg
+from .._cli import device_arg, doc_summary
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
@@ -140,22 +140,24 @@ def plan(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench head", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench head", description=doc_summary(__doc__),
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-0.6b,llama3,gemma3-1b",
                         help=f"comma list of {sorted(SHAPES)}; the first gets the probes and batch sweeps")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="the head's weights and hidden states")
     parser.add_argument("--probes", default="32,256,593,1024", help="probes swept at batch 1 on the first shape")
     parser.add_argument("--batches", default="1,2,4,8,16,32,64", help="batch sizes swept on the first shape")
     parser.add_argument("--batch-probes", type=int, default=256, help="probes used in the batch sweep")
     parser.add_argument("--special-tokens", type=int, default=0,
                         help="ids scored at every step besides the clusters' (the last N of the vocabulary), "
                              "as FlashHead(special_token_ids=...) does")
-    parser.add_argument("--impls", default=",".join(IMPLS))
-    parser.add_argument("--modes", default="eager,graph")
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma list of the implementations compared")
+    parser.add_argument("--modes", default="eager,graph", help="comma list: eager calls, CUDA-graph replays or both")
     parser.add_argument("--calls", type=int, default=16, help="head calls per timed sample (rotating copies)")
-    parser.add_argument("--samples", type=int, default=25)
-    parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", default="results/bench_head.json")
+    parser.add_argument("--samples", type=int, default=25, help="timed samples (the median is reported)")
+    parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where it runs (a GPU when there is one; the CPU runs the references, slowly)")
+    parser.add_argument("--json", default="results/bench_head.json", help="where the result JSON is written")
     args = parser.parse_args(argv)
     args.shapes = args.shapes.split(",")
     for name in args.shapes:

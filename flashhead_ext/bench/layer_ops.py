@@ -98,13 +98,15 @@ def _layer_rows(name: str, tokens: int, args, bandwidth: float) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench layer-ops",
-                                     description="Decoder-layer ops (fused_linear, a whole fused layer) vs torch, bf16, graph-replayed.")
-    parser.add_argument("--shapes", default="qwen3-0.6b,gemma3-270m-llama,smollm2-early-exit-8,qwen3-32b")
+                                     description="Decoder-layer ops (fused_linear, a whole fused layer) vs torch, bf16, graph-replayed.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--shapes", default="qwen3-0.6b,gemma3-270m-llama,smollm2-early-exit-8,qwen3-32b",
+                        help=f"comma list of {sorted(SHAPES)}")
     parser.add_argument("--tokens", default="1,8", help="comma list of tokens per call (M)")
     parser.add_argument("--context", type=int, default=1024, help="cache length (max_len); the layer row attends to all of it")
-    parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--samples", type=int, default=20, help="timed samples (the median is reported)")
     parser.add_argument("--calls", type=int, default=32, help="calls per graph replay")
-    parser.add_argument("--json", default="results/bench_layer_ops.json")
+    parser.add_argument("--json", default="results/bench_layer_ops.json", help="where the result JSON is written")
     args = parser.parse_args(argv)
     shapes = _check_choices(parser, args.shapes, SHAPES, "shape")
     tokens = [int(t) for t in args.tokens.split(",") if t]
