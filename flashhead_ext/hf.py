@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -121,6 +122,32 @@ def output_embedding(model: nn.Module) -> Tensor:
         raise ValueError(f"model must be a transformers causal LM with a linear output head, got {type(model).__name__} "
                          f"whose get_output_embeddings() is {type(head).__name__}")
     return weight.detach()
+
+
+# What a generation_config can set that generate() applies to greedy decoding's logits, with each
+# setting's neutral value. The drivers decode the plain argmax: of the config they read only the EOS.
+GREEDY_LOGIT_SETTINGS = dict(repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
+                             encoder_no_repeat_ngram_size=0, min_length=0, min_new_tokens=0, bad_words_ids=None,
+                             suppress_tokens=None, begin_suppress_tokens=None, forced_bos_token_id=None,
+                             forced_eos_token_id=None, sequence_bias=None, exponential_decay_length_penalty=None)
+
+
+def greedy_logit_settings(model) -> dict:
+    """The logits processors ``model``'s generation_config sets that greedy ``generate()`` applies
+    (Qwen2.5-Instruct ships repetition_penalty 1.05), by name: what the drivers leave out."""
+    config = getattr(model, "generation_config", None)
+    settings = {name: getattr(config, name, None) for name in GREEDY_LOGIT_SETTINGS}
+    return {name: value for name, value in settings.items()
+            if value is not None and value != GREEDY_LOGIT_SETTINGS[name] and value != [] and value != {}}
+
+
+def warn_unapplied_generation_settings(settings: dict) -> None:
+    """A driver's warning that its target's tokens can differ from ``generate()``'s (``settings``:
+    :func:`greedy_logit_settings` of the target)."""
+    if settings:
+        listed = ", ".join(f"{name}={value!r}" for name, value in settings.items())
+        warnings.warn(f"the target's generation_config sets {listed}, which generate() applies and this driver does not: "
+                      "it decodes the plain argmax, so its tokens can differ from generate()'s", UserWarning, stacklevel=3)
 
 
 def _uses_chat_template(tokenizer) -> bool:

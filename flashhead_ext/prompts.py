@@ -28,9 +28,14 @@ def questions_by_category(path, parity: str = "odd") -> dict:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            if not {"question_id", "category", "turns"} <= row.keys() or not row["turns"]:
-                raise ValueError(f"{path}:{line_no}: expected fields question_id, category and a non-empty turns list")
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{line_no}: not a JSON line ({error})") from None
+            if not isinstance(row, dict) or not {"question_id", "category", "turns"} <= row.keys() or not row["turns"] \
+                    or not isinstance(row["question_id"], int):
+                raise ValueError(f"{path}:{line_no}: expected fields question_id (an int), category and a non-empty "
+                                 "turns list")
             if row["question_id"] % 2 == (parity == "odd"):
                 by_category[row["category"]].append(dict(question_id=row["question_id"], category=row["category"], text=row["turns"][0]))
     if not by_category:

@@ -15,6 +15,7 @@ import json
 import math
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -482,6 +483,18 @@ def test_eos_defaults_to_the_models_generation_config():
     assert Decoder.from_state_dict(model.config, model.state_dict(), max_len=8).eos_token_id == ref[j]
 
 
+def test_logits_processors_of_the_generation_config_are_named_not_applied():
+    model = copy.deepcopy(hf_model("llama"))
+    model.generation_config.no_repeat_ngram_size = 3
+    target = Decoder.from_hf(model, max_len=48)
+    assert target.generation_settings == dict(no_repeat_ngram_size=3)
+    with pytest.warns(UserWarning, match="the target's generation_config sets no_repeat_ngram_size=3, which generate"):
+        FastSpeculativeDecoder(target, Decoder.from_hf(model, max_len=48, num_layers=1), k=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a draft's settings play no part in the tokens
+        FastSpeculativeDecoder(Decoder.from_hf(hf_model("llama"), max_len=48), target, k=2)
+
+
 def test_default_dense_head_of_a_float64_draft_is_float32():
     target, drafts = fast_models("llama")  # float64
     runner = FastSpeculativeDecoder(target, drafts["early"], k=3)
@@ -618,6 +631,9 @@ def test_runner_bad_arguments_name_the_argument():
         FastSpeculativeDecoder(target, draft, head, synthetic_acceptance=1.5)
     with pytest.raises(TypeError, match="seed must be an int"):
         FastSpeculativeDecoder(target, draft, head, seed="1")
+    for seed in (2**63, -2**63 - 1):  # hashed as 8 signed bytes at each generate
+        with pytest.raises(ValueError, match=f"seed must fit in int64, got {seed}"):
+            FastSpeculativeDecoder(target, draft, head, synthetic_acceptance=0.5, seed=seed)
     with pytest.raises(TypeError, match="target must be a flashhead_ext.fast.Decoder"):
         FastSpeculativeDecoder(hf_model("llama"))
     with pytest.raises(ValueError, match="draft_head must be 'dense' or a DenseHead"):

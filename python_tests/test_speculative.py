@@ -123,6 +123,23 @@ def test_models_get_their_cache_by_the_keyword_their_forward_takes():
             assert tuple(decoder.generate(prompt(3), mode=mode, max_new_tokens=NEW).tokens) == reference("llama", 3)
 
 
+def test_logits_processors_of_the_generation_config_are_named_not_applied():
+    # generate() applies them even with do_sample=False; the driver decodes the plain argmax.
+    target = copy.deepcopy(tiny_model("llama"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a config that sets none: no warning
+        SpeculativeDecoder(target, eos_token_id=[])
+        target.generation_config.repetition_penalty = 1.0  # neutral values are not a processor
+        target.generation_config.suppress_tokens = []
+        SpeculativeDecoder(target, eos_token_id=[])
+    target.generation_config.repetition_penalty = 1.3
+    target.generation_config.min_new_tokens = 6
+    with pytest.warns(UserWarning, match=r"the target's generation_config sets repetition_penalty=1.3, min_new_tokens=6, "
+                                         r"which generate\(\) applies and this driver does not"):
+        decoder = SpeculativeDecoder(target, make_draft("llama", "other"), k=3, eos_token_id=[])
+    assert tuple(decoder.generate(prompt(3), max_new_tokens=NEW).tokens) == reference("llama", 3)  # still the plain argmax
+
+
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
 def test_a_draft_without_the_targets_padding_rows_is_exact(mode):
     # The target's last 3 output rows are padding the draft lacks (as Qwen2.5-7B's beyond
@@ -398,15 +415,20 @@ def test_runner_interleaves_configs_and_summarizes():
         plan_configs(["dense"], ["fast"])
 
 
-def _save_tiny_model_with_tokenizer(directory, arch: str = "llama"):
-    """A float32 tiny model of ``arch`` and a word-level tokenizer ("w0".."w100"), saved as a transformers directory."""
+def _save_tiny_model_with_tokenizer(directory, arch: str = "llama", rows: int = VOCAB):
+    """A float32 tiny model of ``arch`` with ``rows`` vocabulary rows and a word-level tokenizer
+    ("w0".."w100"), saved as a transformers directory (arch "gpt2": a GPT-2, whose body has no .layers)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {f"w{i}": i for i in range(VOCAB)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(directory)
-    cls, config = _config(arch)
+    if arch == "gpt2":
+        cls, config = transformers.GPT2LMHeadModel, transformers.GPT2Config(vocab_size=rows, n_embd=32, n_layer=2, n_head=4)
+    else:
+        cls, config = _config(arch)
+        config.vocab_size = rows
     torch.manual_seed(0)
     cls(config).save_pretrained(directory)
 
@@ -453,21 +475,32 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
                          (["--mode", "ordinary", "--head", ","], "modes ordinary need a draft head"),
                          (["--mode", ",", "--head", "dense"], "modes must name at least one of"),
                          (["--device", "nonsense"], "argument --device: 'nonsense' is not a torch device"),
-                         (["--fast", "--draft-device", "cuda:99"], "argument --draft-device: 'cuda:99': ")):
+                         (["--fast", "--draft-device", "cuda:99"], "argument --draft-device: 'cuda:99': "),
+                         (["--prompts", str(tmp_path / "none.jsonl")], f"--prompts: no Spec-Bench prompts at {tmp_path / 'none.jsonl'}"),
+                         (["--prompts", str(tmp_path / "model" / "config.json")], f"--prompts: {tmp_path / 'model' / 'config.json'}:1: not a JSON line"),
+                         (["--prompts", str(questions), "--json", str(questions / "spec.json")], f"--json '{questions / 'spec.json'}': "
+                                                                                               "its directory cannot be created")):
         with pytest.raises(SystemExit):
             entry(["--target", str(tmp_path / "missing"), *bad])
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
     # Refused once the target is loaded, before a draft is built or a clustering starts.
     model = ["--target", str(tmp_path / "model"), "--prompts", str(questions), "--json", str(out)]
+    _save_tiny_model_with_tokenizer(tmp_path / "wide", rows=128)
+    _save_tiny_model_with_tokenizer(tmp_path / "gpt2", "gpt2")
     clusterings = sorted((tmp_path / "cache" / "clusters").iterdir())
     for bad, message in ((["--target", str(tmp_path / "missing")], f"--target '{tmp_path / 'missing'}': no such directory"),
                          (["--target", str(tmp_path)], f"--target '{tmp_path}': not a transformers model directory"),
                          (["--draft", "early-exit:4"], "--draft 'early-exit:4': num_layers must be in 1..3"),
-                         (["--probes", "8"], "--probes 8 exceeds the 7 FlashHead clusters")):
+                         (["--probes", "8"], "--probes 8 exceeds the 7 FlashHead clusters"),
+                         (["--cluster-size", "1000"], "--cluster-size: cluster_size must be in 1..101"),
+                         (["--draft", str(tmp_path / "wide")], f"--draft '{tmp_path / 'wide'}': draft must share the target's "
+                                                                "tokenizer: its vocabulary has 128 rows, more than the target's 101"),
+                         (["--target", str(tmp_path / "gpt2"), "--draft", "early-exit:1"], "--draft 'early-exit:1': target must "
+                                                                                            "be a transformers causal LM whose body")):
         with pytest.raises(SystemExit):
             entry([*model, *bad])
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
-    assert sorted((tmp_path / "cache" / "clusters").iterdir()) == clusterings  # --probes 8 (15 k-means iterations) built none
+    assert sorted((tmp_path / "cache" / "clusters").iterdir()) == clusterings  # none of them built a clustering
     # A draft body the model cannot run: a usage error once the models are loaded, not a traceback.
     _save_tiny_model_with_tokenizer(tmp_path / "gemma3", "gemma3")
     with pytest.raises(SystemExit):

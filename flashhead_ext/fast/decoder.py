@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import ops
+from ..hf import greedy_logit_settings
 
 # SmolLM2 is a Llama; Qwen2 (and 2.5) adds biases to q, k and v; Qwen3 RMSNorm on q and k; Gemma-3
 # (text) also GELU, norms on the attention's and the MLP's outputs, scaled embeddings and
@@ -348,6 +349,7 @@ class Decoder:
         # The model's EOS id(s) as transformers gives them (None, an int or ints): FastSpeculativeDecoder's
         # default, as SpeculativeDecoder's is the model's generation_config.eos_token_id.
         self.eos_token_id = None
+        self.generation_settings = {}  # from_hf: what the model's generate() would apply to its logits
         self.embed = weights["embed"]
         self.lm_head = weights["lm_head"]
         self.final_norm = weights["final_norm"]
@@ -397,7 +399,8 @@ class Decoder:
                 device=None) -> "Decoder":
         """From a transformers Llama / Qwen2 / Qwen3 / Gemma-3 text causal LM (its first ``num_layers`` layers when given:
         an early-exit draft). Weights are copied into the fused layout; ``eos_token_id`` is the
-        model's ``generation_config.eos_token_id``."""
+        model's ``generation_config.eos_token_id``, ``generation_settings`` the logits processors it
+        sets, which the runner does not apply (:func:`flashhead_ext.hf.greedy_logit_settings`)."""
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "state_dict"):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
@@ -405,6 +408,7 @@ class Decoder:
         generation = getattr(model, "generation_config", None)
         if generation is not None:  # what generate() stops at, which may differ from the config's
             decoder.eos_token_id = generation.eos_token_id
+        decoder.generation_settings = greedy_logit_settings(model)
         return decoder
 
     @classmethod

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..graphs import capture_graph
 from ..head import DenseHead, FlashHead, _HeadBase
+from ..hf import warn_unapplied_generation_settings
 from ..speculative.driver import (Clock, Emitter, Generation, GenerationStats, check_mode, check_prompt, draft_input,
                                   eos_ids, require_positive_int, resolve_draft_head, sync)
 from .decoder import Decoder
@@ -151,6 +152,7 @@ class FastSpeculativeDecoder:
             raise TypeError(f"draft must be a flashhead_ext.fast.Decoder or None, got {type(draft).__name__}")
         self.target, self.draft, self.k = target, draft, require_positive_int("k", k)
         self.eos = eos_ids(eos_token_id, target.eos_token_id, target.config.vocab_size)
+        warn_unapplied_generation_settings(target.generation_settings)
         if synthetic_acceptance is not None:
             if isinstance(synthetic_acceptance, bool) or not isinstance(synthetic_acceptance, (int, float)) \
                     or not 0.0 <= synthetic_acceptance <= 1.0:
@@ -159,6 +161,8 @@ class FastSpeculativeDecoder:
         self.synthetic = synthetic_acceptance
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if not -2**63 <= seed < 2**63:  # it is hashed as 8 signed bytes
+            raise ValueError(f"seed must fit in int64, got {seed}")
         self.seed = seed
         self.graphs = target.device.type == "cuda" if graphs is None else bool(graphs)
         if self.graphs and target.device.type != "cuda":

@@ -20,7 +20,7 @@ from ..fast.decoder import BODIES
 from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS, load_prompts
 from .draft import early_exit_draft, make_draft_head
-from .driver import SpeculativeDecoder
+from .driver import SpeculativeDecoder, check_draft_vocab
 from .runner import encode_prompt, plan_configs, run_interleaved, summarize, format_summary, reading, write_json
 
 DESCRIPTION = ("Speculative decoding of Spec-Bench prompts: baseline, ordinary and deferred, with dense and FlashHead "
@@ -102,11 +102,15 @@ def _load_draft(parser: argparse.ArgumentParser, spec: str, target, target_token
     if layers is not None:
         try:
             return early_exit_draft(target, layers)
-        except ValueError as error:  # more layers than the target has
+        except (ValueError, TypeError) as error:  # more layers than the target has, or a body without .layers
             parser.error(f"--draft {spec!r}: {error}")
     draft, tokenizer = _load_model_or_exit(parser, "--draft", spec, dtype, device)
     if tokenizer.get_vocab() != target_tokenizer.get_vocab():
         parser.error(f"--draft {spec!r} must share the target's tokenizer; their vocabularies differ")
+    try:  # before minutes of clustering over the draft's rows
+        check_draft_vocab(output_embedding(draft).shape[0], output_embedding(target).shape[0])
+    except ValueError as error:
+        parser.error(f"--draft {spec!r}: {error}")
     return draft
 
 
@@ -163,20 +167,29 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         parser.error("--draft-device, --draft-body and --synthetic-acceptance need --fast")
     if args.synthetic_acceptance is not None and not 0.0 <= args.synthetic_acceptance <= 1.0:
         parser.error(f"--synthetic-acceptance must be in [0, 1], got {args.synthetic_acceptance}")
+    # What can be checked before a model loads, and the output before the runs it would lose.
+    try:
+        questions = load_prompts(args.prompts, args.num_prompts)
+    except (OSError, ValueError) as error:
+        parser.error(f"--prompts: {error}")
+    try:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        parser.error(f"--json {args.json!r}: its directory cannot be created ({error})")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     target, tokenizer = _load_model_or_exit(parser, "--target", args.target, dtype, args.device)
-    if args.probes is not None and any(c.head == "flashhead" for c in configs):
+    if any(c.head == "flashhead" for c in configs):
         # Before minutes of clustering: C = ceil(V / --cluster-size).
         try:
             num_clusters = cluster_sizes(output_embedding(target).shape[0], args.cluster_size)[1].numel()
         except ValueError as error:
             parser.error(f"--cluster-size: {error}")
-        if args.probes > num_clusters:
+        if args.probes is not None and args.probes > num_clusters:
             parser.error(f"--probes {args.probes} exceeds the {num_clusters} FlashHead clusters "
                          f"(the vocabulary in clusters of --cluster-size {args.cluster_size})")
-    prompts = [dict(p, input_ids=encode_prompt(tokenizer, p["text"])) for p in load_prompts(args.prompts, args.num_prompts)]
+    prompts = [dict(p, input_ids=encode_prompt(tokenizer, p["text"])) for p in questions]
     eos_ids = sorted(SpeculativeDecoder(target).eos)  # from the target's generation config
     draft = _load_draft(parser, args.draft, target, tokenizer, dtype, args.device) if any(c.head for c in configs) else None
     if args.fast:

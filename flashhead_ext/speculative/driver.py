@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..head import DenseHead, FlashHead, _HeadBase
-from ..hf import output_embedding
+from ..hf import greedy_logit_settings, output_embedding, warn_unapplied_generation_settings
 from .draft import make_draft_head
 
 MODES = ("baseline", "ordinary", "deferred")
@@ -229,14 +229,19 @@ def _output_embedding(model, role: str) -> Tensor:
         raise ValueError(f"{role}: {error}") from None
 
 
+def check_draft_vocab(draft_rows: int, vocab: int) -> None:
+    """The draft shares the target's tokenizer: its rows are the first of the target's ``vocab``
+    (which may add padding rows, as Qwen2.5-7B's 152,064 to Qwen2.5-0.5B's 151,936)."""
+    if draft_rows > vocab:
+        raise ValueError(f"draft must share the target's tokenizer: its vocabulary has {draft_rows} rows, "
+                         f"more than the target's {vocab}")
+
+
 def resolve_draft_head(draft_head, embedding: Tensor, vocab: int) -> _HeadBase:
     """The draft's head, after the checks both drivers make: ``"dense"`` builds a DenseHead over the
     draft's output ``embedding [V, D]``; a DenseHead / FlashHead must cover the draft's V tokens and
-    take its hidden size D. The draft shares the target's tokenizer: its V rows are the first of the
-    target's ``vocab`` (which may add padding rows, as Qwen2.5-7B's 152,064 to Qwen2.5-0.5B's 151,936)."""
-    if embedding.shape[0] > vocab:
-        raise ValueError(f"draft must share the target's tokenizer: its vocabulary has {embedding.shape[0]} rows, "
-                         f"more than the target's {vocab}")
+    take its hidden size D (:func:`check_draft_vocab`: V at most ``vocab``)."""
+    check_draft_vocab(embedding.shape[0], vocab)
     if isinstance(draft_head, str):
         if draft_head != "dense":
             raise ValueError(f"draft_head must be 'dense' or a DenseHead/FlashHead instance (build a FlashHead with make_draft_head), got {draft_head!r}")
@@ -296,6 +301,7 @@ class SpeculativeDecoder:
         self.device = next(target.parameters()).device
         self.vocab_size = vocab = _output_embedding(target, "target").shape[0]
         self.eos = eos_ids(eos_token_id, getattr(getattr(target, "generation_config", None), "eos_token_id", None), vocab)
+        warn_unapplied_generation_settings(greedy_logit_settings(target))
         self.draft = draft
         self.head = None
         if draft is None:
