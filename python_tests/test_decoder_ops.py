@@ -469,8 +469,10 @@ def test_bad_length(op, length, error, fragment, device):
 def bad_num_heads_cases(heads: int, kv_heads: int, kv_dim: int) -> list:
     """(num_heads, error, fragment) for ops whose k_cache holds num_kv_heads in dimension kv_dim."""
     multiple = "num_heads must be a positive multiple of num_kv_heads"
-    return [(heads + 1, ValueError, f"{multiple} ({kv_heads}, k_cache.size({kv_dim})), got {heads + 1}"),
-            (0, ValueError, multiple), (-kv_heads, ValueError, multiple),
+    # kv_heads << 60: the shape products the checks compare would overflow int64.
+    return [(heads + 1, ValueError, f"{multiple} ({kv_heads}, k_cache.size({kv_dim})) up to 65536, got {heads + 1}"),
+            (0, ValueError, multiple), (-kv_heads, ValueError, multiple), (kv_heads << 60, ValueError, "up to 65536"),
+            (kv_heads * 65537, ValueError, "up to 65536"),
             (float(heads), TypeError, "num_heads must be a Python int"), (True, TypeError, "num_heads must be a Python int")]
 
 

@@ -65,6 +65,16 @@ inline void check_written_kv_cache(const char* op, const at::Tensor& k_cache, co
                  "k_cache and v_cache must not share memory (the values would overwrite the keys)");
 }
 
+// Far above any model's head count; it keeps the shape products the checks compare (for example
+// (num_heads + 2 * num_kv_heads) * head_dim) from overflowing int64.
+constexpr int64_t kMaxHeads = int64_t{1} << 16;
+
+inline void check_num_heads(const char* op, int64_t num_heads, int64_t kv, const char* kv_where) {
+  FH_CHECK_VALUE(op, num_heads >= 1 && num_heads <= kMaxHeads && num_heads % kv == 0,
+                 "num_heads must be a positive multiple of num_kv_heads (", num_str(kv), ", ", kv_where, ") up to ",
+                 num_str(kMaxHeads), ", got ", num_str(num_heads));
+}
+
 // Scores are multiplied by the scale in float32, so a huge one overflows them (the attention then
 // gives NaN). The bound keeps well inside that; softmax scales are 1 / sqrt(head_dim) or similar.
 constexpr double kMaxAttentionScale = 1e6;
@@ -119,8 +129,7 @@ inline void check_rotary_cache_write(const char* op, const at::Tensor& qkv, cons
   check_length(op, length, qkv, "qkv");
   check_written_kv_cache(op, k_cache, v_cache);
   const int64_t kv = k_cache.size(0), max_len = k_cache.size(1), hd = k_cache.size(2);
-  FH_CHECK_VALUE(op, num_heads >= 1 && num_heads % kv == 0, "num_heads must be a positive multiple of num_kv_heads (",
-                 num_str(kv), ", k_cache.size(0)), got ", num_str(num_heads));
+  check_num_heads(op, num_heads, kv, "k_cache.size(0)");
   FH_CHECK_VALUE(op, hd % 2 == 0, "head_dim (k_cache.size(2)) must be even for rotary embeddings, got ", num_str(hd));
   FH_CHECK_VALUE(op, qkv.size(0) > 0 && qkv.size(1) == (num_heads + 2 * kv) * hd, "qkv must have (num_heads + 2 * ",
                  "num_kv_heads) * head_dim = ", num_str((num_heads + 2 * kv) * hd), " columns and at least one row, ",
@@ -224,8 +233,7 @@ inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Te
   FH_CHECK_VALUE(op, qkv_weight.dim() != 3 || qkv_weight.size(0) == L,
                  "qkv_weight and k_cache must have one num_layers (their size(0)), got ", num_str(qkv_weight.size(0)),
                  " and ", num_str(L));
-  FH_CHECK_VALUE(op, num_heads >= 1 && num_heads % kv == 0, "num_heads must be a positive multiple of num_kv_heads (",
-                 num_str(kv), ", k_cache.size(1)), got ", num_str(num_heads));
+  check_num_heads(op, num_heads, kv, "k_cache.size(1)");
   FH_CHECK_VALUE(op, hd % 2 == 0, "head_dim (k_cache.size(3)) must be even for rotary embeddings, got ", num_str(hd));
   check_length(op, length, x, "x");
 
