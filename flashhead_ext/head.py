@@ -32,13 +32,15 @@ def _check_embedding(embedding) -> None:
 
 
 def special_token_list(special_token_ids, vocab: int) -> list:
-    """``special_token_ids`` (None, a sequence of ints or an integer tensor) as a list of ids in
+    """``special_token_ids`` (None, a sequence or set of ints or an integer tensor) as a list of ids in
     ``[0, vocab)``, or a TypeError / ValueError naming it (for a tokenizer without an EOS token,
     ``[tokenizer.eos_token_id]`` is ``[None]``)."""
     if special_token_ids is None:
         return []
     expected = "special_token_ids must be integer token ids (a sequence of ints or an integer tensor), got"
     try:
+        if isinstance(special_token_ids, (set, frozenset)):  # torch.as_tensor takes no sets
+            special_token_ids = sorted(special_token_ids)
         ids = torch.as_tensor(special_token_ids).flatten()
     except (TypeError, ValueError, OverflowError, RuntimeError):
         raise TypeError(f"{expected} {special_token_ids!r}") from None

@@ -77,6 +77,9 @@ def test_special_tokens_always_scored(device):
     assert wins.any()
     tokens = head.next_token(hidden)
     assert (tokens[wins] == special).all() and (tokens[~wins] != special).all()
+    # A set of ids is taken like a sequence.
+    from_set = FlashHead(embedding, problem.centroids, problem.cluster_tokens, 1, special_token_ids={special, 0})
+    assert from_set.extra_ids.tolist() == sorted({special, 0})
 
 
 @device_params
