@@ -44,6 +44,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from . import ops
+
 # Bump when build_clusters (or calibrate_clusters) gives a different result for the same
 # arguments: it names cache entries.
 ALGORITHM_VERSION = 2
@@ -277,7 +279,11 @@ def build_clusters(
 
 
 def _check_ridge(ridge) -> None:
-    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not (math.isfinite(ridge) and ridge > 0):
+    try:
+        valid = ops._is_number(ridge) and math.isfinite(ridge) and ridge > 0
+    except OverflowError:  # an int past float's range
+        valid = False
+    if not valid:
         raise ValueError(f"ridge must be a finite number > 0, got {ridge!r}")
 
 
@@ -304,8 +310,9 @@ def fit_max_logit_centroids(embedding: Tensor, hidden: Tensor, cluster_tokens: T
     centroids = torch.linalg.solve(regularised, states.T @ targets).T.contiguous()
     # A sync, once per fit: a huge ridge (or huge states) overflows float32 and the fit comes out NaN.
     if not torch.isfinite(centroids).all():
-        raise ValueError(f"the fitted centroids are not finite: ridge ({ridge!r}) times the states' mean square "
-                         "overflows float32, or the states or embedding are too large")
+        raise ValueError(f"the fitted centroids are not finite: ridge ({ridge!r}) times the mean diagonal of the states' "
+                         "Gram matrix (their squares summed over the states) overflows float32, or the states or "
+                         "embedding are too large")
     return centroids
 
 

@@ -37,7 +37,7 @@ def special_token_list(special_token_ids, vocab: int) -> list:
     ``[tokenizer.eos_token_id]`` is ``[None]``)."""
     if special_token_ids is None:
         return []
-    expected = "special_token_ids must be integer token ids (a sequence of ints or an integer tensor), got"
+    expected = "special_token_ids must be integer token ids (a sequence or set of ints, or an integer tensor), got"
     try:
         if isinstance(special_token_ids, (set, frozenset)):  # torch.as_tensor takes no sets
             special_token_ids = sorted(special_token_ids)

@@ -129,7 +129,8 @@ def output_embedding(model: nn.Module) -> Tensor:
 GREEDY_LOGIT_SETTINGS = dict(repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
                              encoder_no_repeat_ngram_size=0, min_length=0, min_new_tokens=0, bad_words_ids=None,
                              suppress_tokens=None, begin_suppress_tokens=None, forced_bos_token_id=None,
-                             forced_eos_token_id=None, sequence_bias=None, exponential_decay_length_penalty=None)
+                             forced_eos_token_id=None, sequence_bias=None, exponential_decay_length_penalty=None,
+                             guidance_scale=1.0, watermarking_config=None)
 
 
 def greedy_logit_settings(model) -> dict:

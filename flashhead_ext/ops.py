@@ -76,8 +76,13 @@ def _require_int(name: str, value) -> int:
     return value
 
 
+def _is_number(value) -> bool:
+    """A Python int or float; not a bool, which is an int."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _require_float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not _is_number(value):
         raise TypeError(f"{name} must be a Python float or int, got {_type_name(value)} (convert it with float())")
     return float(value)
 

@@ -220,6 +220,7 @@ def test_calibration_with_fewer_states_than_the_hidden_size_warns():
     ({"ridge": 0.0}, ValueError, "ridge must be a finite number > 0"),
     ({"ridge": float("inf")}, ValueError, "ridge must be a finite number > 0"),
     ({"ridge": 1e300}, ValueError, r"the fitted centroids are not finite: ridge \(1e\+300\)"),
+    ({"ridge": 10**400}, ValueError, "ridge must be a finite number > 0"),  # past float's range
     ({"cluster_size": 0}, ValueError, r"cluster_size must be in 1..12"),
 ])
 def test_calibrated_bad_input(kwargs, error, match):

@@ -20,6 +20,7 @@ import torch
 
 from flashhead_ext import DenseHead, FlashHead
 from flashhead_ext.speculative import MODES, SpeculativeDecoder, early_exit_draft, make_draft_head
+from flashhead_ext.hf import greedy_logit_settings
 from flashhead_ext.speculative.driver import Generation, GenerationStats, cache_keyword, eos_ids
 from flashhead_ext.speculative.runner import plan_configs, run_interleaved, summarize
 from helpers import one_thread  # noqa: F401  (an autouse fixture)
@@ -114,13 +115,30 @@ def test_models_get_their_cache_by_the_keyword_their_forward_takes():
         def forward(self, input_ids, cache=None, use_cache=None, **kwargs):
             pass
 
+    class PassesKwargsOn(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.config = model, model.config
+
+        def forward(self, *args, **kwargs):
+            return self.model(*args, **kwargs)
+
+        def get_output_embeddings(self):
+            return self.model.get_output_embeddings()
+
     assert (cache_keyword(Old()), cache_keyword(New())) == ("past_key_values", "cache")
     target = tiny_model("llama")
-    decoder = SpeculativeDecoder(target, make_draft("llama", "other"), k=3, eos_token_id=[])
+    # Wrappers whose forward names neither keyword get the installed transformers' one.
+    installed = cache_keyword(target)
+    assert cache_keyword(torch.compile(target, backend="eager")) == cache_keyword(PassesKwargsOn(target)) == installed
+    draft = make_draft("llama", "other")
+    decoders = [SpeculativeDecoder(target, draft, k=3, eos_token_id=[]),
+                SpeculativeDecoder(PassesKwargsOn(target), draft, k=3, eos_token_id=[])]
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*past_key_values", category=FutureWarning)
-        for mode in MODES:
-            assert tuple(decoder.generate(prompt(3), mode=mode, max_new_tokens=NEW).tokens) == reference("llama", 3)
+        for decoder in decoders:
+            for mode in MODES:
+                assert tuple(decoder.generate(prompt(3), mode=mode, max_new_tokens=NEW).tokens) == reference("llama", 3)
 
 
 def test_logits_processors_of_the_generation_config_are_named_not_applied():
@@ -134,6 +152,7 @@ def test_logits_processors_of_the_generation_config_are_named_not_applied():
         SpeculativeDecoder(target, eos_token_id=[])
     target.generation_config.repetition_penalty = 1.3
     target.generation_config.min_new_tokens = 6
+    assert greedy_logit_settings(SimpleNamespace(generation_config=SimpleNamespace(guidance_scale=1.5))) == dict(guidance_scale=1.5)
     with pytest.warns(UserWarning, match=r"the target's generation_config sets repetition_penalty=1.3, min_new_tokens=6, "
                                          r"which generate\(\) applies and this driver does not"):
         decoder = SpeculativeDecoder(target, make_draft("llama", "other"), k=3, eos_token_id=[])
@@ -478,13 +497,14 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
                          (["--fast", "--draft-device", "cuda:99"], "argument --draft-device: 'cuda:99': "),
                          (["--prompts", str(tmp_path / "none.jsonl")], f"--prompts: no Spec-Bench prompts at {tmp_path / 'none.jsonl'}"),
                          (["--prompts", str(tmp_path / "model" / "config.json")], f"--prompts: {tmp_path / 'model' / 'config.json'}:1: not a JSON line"),
-                         (["--prompts", str(questions), "--json", str(questions / "spec.json")], f"--json '{questions / 'spec.json'}': "
-                                                                                               "its directory cannot be created")):
+                         (["--prompts", str(questions), "--json", str(questions / "spec.json")],
+                          f"--json '{questions / 'spec.json'}': {questions} is not a directory that can be written to"),
+                         (["--prompts", str(questions), "--json", str(tmp_path)], f"--json '{tmp_path}': is a directory")):
         with pytest.raises(SystemExit):
             entry(["--target", str(tmp_path / "missing"), *bad])
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
     # Refused once the target is loaded, before a draft is built or a clustering starts.
-    model = ["--target", str(tmp_path / "model"), "--prompts", str(questions), "--json", str(out)]
+    model = ["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--prompts", str(questions), "--json", str(out)]
     _save_tiny_model_with_tokenizer(tmp_path / "wide", rows=128)
     _save_tiny_model_with_tokenizer(tmp_path / "gpt2", "gpt2")
     clusterings = sorted((tmp_path / "cache" / "clusters").iterdir())
@@ -501,6 +521,9 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
             entry([*model, *bad])
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
     assert sorted((tmp_path / "cache" / "clusters").iterdir()) == clusterings  # none of them built a clustering
+    with pytest.raises(SystemExit):
+        entry([*model, "--target", str(tmp_path / "missing"), "--json", str(tmp_path / "new" / "spec.json")])
+    assert not (tmp_path / "new").exists()  # a refused command creates nothing
     # A draft body the model cannot run: a usage error once the models are loaded, not a traceback.
     _save_tiny_model_with_tokenizer(tmp_path / "gemma3", "gemma3")
     with pytest.raises(SystemExit):

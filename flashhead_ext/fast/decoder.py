@@ -38,10 +38,6 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _is_real(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _require_dtype(dtype) -> None:
     # A string would reach Tensor.to(), which reads it as a device.
     if not isinstance(dtype, torch.dtype):
@@ -102,10 +98,10 @@ class DecoderConfig:
             value = getattr(self, name)
             if name == "attention_scale" and value is None:
                 continue
-            if not _is_real(value) or not (math.isfinite(value) and value > 0):
+            if not ops._is_number(value) or not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite positive float, got {value!r}")
         # 0 is allowed, as by torch's rms_norm and the layer kernels: a state of zeros then normalises to NaN.
-        if not _is_real(self.rms_norm_eps) or not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
+        if not ops._is_number(self.rms_norm_eps) or not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
             raise ValueError(f"rms_norm_eps must be a finite float >= 0, got {self.rms_norm_eps!r}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")

@@ -31,6 +31,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from .. import ops
 from ..graphs import capture_graph
 from ..head import DenseHead, FlashHead, _HeadBase
 from ..hf import warn_unapplied_generation_settings
@@ -154,8 +155,7 @@ class FastSpeculativeDecoder:
         self.eos = eos_ids(eos_token_id, target.eos_token_id, target.config.vocab_size)
         warn_unapplied_generation_settings(target.generation_settings)
         if synthetic_acceptance is not None:
-            if isinstance(synthetic_acceptance, bool) or not isinstance(synthetic_acceptance, (int, float)) \
-                    or not 0.0 <= synthetic_acceptance <= 1.0:
+            if not ops._is_number(synthetic_acceptance) or not 0.0 <= synthetic_acceptance <= 1.0:
                 raise ValueError(f"synthetic_acceptance must be a probability in [0, 1] or None, got {synthetic_acceptance!r}")
             synthetic_acceptance = float(synthetic_acceptance)
         self.synthetic = synthetic_acceptance

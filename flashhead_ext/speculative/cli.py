@@ -7,6 +7,7 @@ README demo: SmolLM2-135M-Instruct as target, its first 8 layers as an early-exi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -20,7 +21,7 @@ from ..fast.decoder import BODIES
 from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS, load_prompts
 from .draft import early_exit_draft, make_draft_head
-from .driver import SpeculativeDecoder, check_draft_vocab
+from .driver import SpeculativeDecoder, check_draft_vocab, eos_ids
 from .runner import encode_prompt, plan_configs, run_interleaved, summarize, format_summary, reading, write_json
 
 DESCRIPTION = ("Speculative decoding of Spec-Bench prompts: baseline, ordinary and deferred, with dense and FlashHead "
@@ -87,6 +88,18 @@ def _load_model_or_exit(parser: argparse.ArgumentParser, flag: str, name: str, d
         parser.error(f"{flag} {name!r}: {error}")
 
 
+def _unwritable(path: Path) -> Optional[str]:
+    """Why the run's JSON could not be written at ``path`` once it is over, or None; creates nothing."""
+    if path.is_dir():
+        return "is a directory"
+    ancestor = path.parent.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{ancestor} is not a directory that can be written to"
+    return None
+
+
 def _early_exit_layers(spec: str) -> Optional[int]:
     """N of an ``early-exit:N`` draft (None for a model name); a ValueError unless N >= 1."""
     if not spec.startswith(EARLY_EXIT):
@@ -135,12 +148,12 @@ def _fast_models(args, target, draft, longest_prompt: int):
     return fast_target, fast_draft
 
 
-def _decoder(args, target, draft, head, eos_ids):
+def _decoder(args, target, draft, head, eos):
     if not args.fast:
-        return SpeculativeDecoder(target, draft, "dense" if head is None else head, k=args.k, eos_token_id=eos_ids)
+        return SpeculativeDecoder(target, draft, "dense" if head is None else head, k=args.k, eos_token_id=eos)
     from ..fast import FastSpeculativeDecoder
 
-    return FastSpeculativeDecoder(target, draft, "dense" if head is None else head, k=args.k, eos_token_id=eos_ids,
+    return FastSpeculativeDecoder(target, draft, "dense" if head is None else head, k=args.k, eos_token_id=eos,
                                   synthetic_acceptance=None if draft is None else args.synthetic_acceptance, seed=args.seed)
 
 
@@ -172,36 +185,36 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         questions = load_prompts(args.prompts, args.num_prompts)
     except (OSError, ValueError) as error:
         parser.error(f"--prompts: {error}")
-    try:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        parser.error(f"--json {args.json!r}: its directory cannot be created ({error})")
+    json_problem = _unwritable(Path(args.json))
+    if json_problem:
+        parser.error(f"--json {args.json!r}: {json_problem}")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     target, tokenizer = _load_model_or_exit(parser, "--target", args.target, dtype, args.device)
+    prompts = [dict(p, input_ids=encode_prompt(tokenizer, p["text"])) for p in questions]
+    vocab = output_embedding(target).shape[0]
+    eos = sorted(eos_ids(None, getattr(getattr(target, "generation_config", None), "eos_token_id", None), vocab))  # the target's own
+    draft = _load_draft(parser, args.draft, target, tokenizer, dtype, args.device) if any(c.head for c in configs) else None
     if any(c.head == "flashhead" for c in configs):
-        # Before minutes of clustering: C = ceil(V / --cluster-size).
+        # Before minutes of clustering the draft's rows: C = ceil(rows / --cluster-size).
         try:
-            num_clusters = cluster_sizes(output_embedding(target).shape[0], args.cluster_size)[1].numel()
+            num_clusters = cluster_sizes(output_embedding(draft).shape[0], args.cluster_size)[1].numel()
         except ValueError as error:
             parser.error(f"--cluster-size: {error}")
         if args.probes is not None and args.probes > num_clusters:
             parser.error(f"--probes {args.probes} exceeds the {num_clusters} FlashHead clusters "
-                         f"(the vocabulary in clusters of --cluster-size {args.cluster_size})")
-    prompts = [dict(p, input_ids=encode_prompt(tokenizer, p["text"])) for p in questions]
-    eos_ids = sorted(SpeculativeDecoder(target).eos)  # from the target's generation config
-    draft = _load_draft(parser, args.draft, target, tokenizer, dtype, args.device) if any(c.head for c in configs) else None
+                         f"(the draft's vocabulary in clusters of --cluster-size {args.cluster_size})")
     if args.fast:
         try:  # a model the fast decoder does not run, or a --draft-body the draft cannot
             target, draft = _fast_models(args, target, draft, max(len(p["input_ids"]) for p in prompts))
         except ValueError as error:
             parser.error(f"--fast: {error}")
-    decoders = {None: _decoder(args, target, None, None, eos_ids)}
+    decoders = {None: _decoder(args, target, None, None, eos)}
     for kind in dict.fromkeys(c.head for c in configs if c.head):  # in --head order
         head = make_draft_head(kind, draft.lm_head if args.fast else draft, probes=args.probes, cluster_size=args.cluster_size,
-                               kmeans_iters=args.kmeans_iters, seed=args.seed, special_token_ids=eos_ids, progress=True)
-        decoders[kind] = _decoder(args, target, draft, head, eos_ids)
+                               kmeans_iters=args.kmeans_iters, seed=args.seed, special_token_ids=eos, progress=True)
+        decoders[kind] = _decoder(args, target, draft, head, eos)
 
     records = run_interleaved(decoders, configs, prompts, args.max_new_tokens, warmup_tokens=args.warmup_tokens)
     rows = summarize(records, configs)

@@ -271,8 +271,20 @@ def _drop_last(cache, count: int) -> None:
 
 def cache_keyword(module) -> str:
     """The keyword ``module``'s forward takes its KV cache by: ``cache`` from transformers 5.24,
-    which deprecates ``past_key_values`` (removed in 5.40), ``past_key_values`` before."""
-    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+    which deprecates ``past_key_values`` (removed in 5.40), ``past_key_values`` before. A wrapper
+    whose forward names neither (``torch.compile``'s, one passing ``**kwargs`` on) gets the
+    installed transformers' keyword."""
+    from transformers import LlamaForCausalLM
+
+    base = getattr(module, "_orig_mod", module)  # torch.compile's OptimizedModule
+    if hasattr(base, "get_base_model"):  # a PEFT model
+        base = base.get_base_model()
+    for forward in (base.forward, LlamaForCausalLM.forward):
+        parameters = inspect.signature(forward).parameters
+        for name in ("cache", "past_key_values"):
+            if name in parameters:
+                return name
+    raise TypeError("the installed transformers' causal LM forward takes neither cache= nor past_key_values=")
 
 
 class SpeculativeDecoder:
