@@ -62,8 +62,8 @@ def _own_copy(tensor: Tensor, device, dtype) -> Tensor:
 
 def _check_finite(name: str, centroids: Tensor) -> None:
     if centroids.is_meta:
-        raise ValueError(f"{name} is on the meta device (the embedding's), which holds no values; FlashHead ranks "
-                         "clusters by them: materialise the weights first")
+        raise ValueError(f"{name} is on the meta device, which holds no values (a meta embedding puts the centroids "
+                         "there); FlashHead ranks clusters by them: materialise the weights first")
     # A sync, once per build or load: a NaN centroid would silently rank its cluster last at every step.
     if not torch.isfinite(centroids).all():
         raise ValueError(f"{name} must be finite; it holds NaN or inf (in the embedding's dtype {centroids.dtype})")

@@ -433,7 +433,7 @@ def head_args(device="cpu"):
     (dict(embedding=lambda a: a["embedding"][0]), ValueError, "embedding must be a non-empty 2-D tensor"),
     (dict(embedding=lambda a: a["embedding"].double()), TypeError, "embedding must be float16, bfloat16 or float32"),
     (dict(embedding=lambda a: a["embedding"].tolist()), TypeError, "embedding must be a torch.Tensor"),
-    (dict(embedding=lambda a: a["embedding"].to("meta")), ValueError, "centroids is on the meta device (the embedding's)"),
+    (dict(embedding=lambda a: a["embedding"].to("meta")), ValueError, "centroids is on the meta device, which holds no values (a meta embedding puts the centroids there)"),
 ], ids=lambda v: None)
 def test_flashhead_constructor_errors(change, error, fragment):
     args = head_args()

@@ -724,8 +724,8 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
                          (["--target", "tiny", "--draft", "tiny", "--target-layers", "3"],
                           "--target-layers: num_layers must be an int in 1..2 (the model's layers), got 3"),
                          (["--target", "tiny", "--draft", "smollm2-early-exit-8"],
-                          "--draft smollm2-early-exit-8 must share --target tiny's vocabulary: its 49152 rows are more than "
-                          "the target's 1000")):
+                          "--draft smollm2-early-exit-8: draft must share the target's tokenizer: its vocabulary has 49152 "
+                          "rows, more than the target's 1000")):
         with pytest.raises(SystemExit):
             main(["spec", "--device", "cpu", *bad])
         assert f"spec: error: {message}" in capsys.readouterr().err, bad

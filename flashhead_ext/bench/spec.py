@@ -28,6 +28,7 @@ from .._cli import device_arg
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
+from ..speculative.driver import check_draft_vocab
 from ..speculative.runner import format_summary, plan_configs, reading, run_interleaved, summarize, write_json
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
@@ -281,9 +282,10 @@ def spec_main(argv=None) -> int:
     except ValueError as error:
         parser.error(str(error))
     target_shape, draft_shape = SHAPES[args.target], SHAPES[args.draft]
-    if draft_shape.vocab_size > target_shape.vocab_size:  # fewer rows: the target's padding (docs/speculative.md)
-        parser.error(f"--draft {args.draft} must share --target {args.target}'s vocabulary: its {draft_shape.vocab_size} "
-                     f"rows are more than the target's {target_shape.vocab_size}")
+    try:  # fewer rows are allowed: the target's padding (docs/speculative.md)
+        check_draft_vocab(draft_shape.vocab_size, target_shape.vocab_size)
+    except ValueError as error:
+        parser.error(f"--draft {args.draft}: {error}")
     if args.target_layers is not None:
         try:
             target_shape = target_shape.first_layers(args.target_layers)
