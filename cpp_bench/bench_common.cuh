@@ -98,6 +98,14 @@ DeviceArray<T> random_array(size_t n, uint64_t seed, float scale) {
   return a;
 }
 
+// One value on the device (a scale the kernels read there).
+template <typename T>
+DeviceArray<T> constant_array(T value) {
+  DeviceArray<T> a(1);
+  a.upload({value});
+  return a;
+}
+
 // Qwen3-0.6B head by default: V=151936, D=1024, C=9496, b=16.
 struct Dims {
   int vocab = 151936, hidden_dim = 1024, num_clusters = 9496, cluster_size = 16;
@@ -105,15 +113,20 @@ struct Dims {
 
 // A synthetic head: random weights, and a cluster table that is a fixed permutation of the
 // vocabulary (clusters of scattered rows, like a real clustering).
+// The fp8 centroids hold 16x the values, in e4m3's normal range, with 1/16 as their scale.
 template <typename T>
 struct Head {
   Dims dims;
   DeviceArray<T> embedding, centroids;
+  DeviceArray<__nv_fp8_e4m3> fp8_centroids;
+  DeviceArray<float> fp8_scale;
   DeviceArray<int32_t> cluster_tokens;
 
   explicit Head(const Dims& d) : dims(d) {
     embedding = random_array<T>(size_t(d.vocab) * d.hidden_dim, 1, 1.0f);
     centroids = random_array<T>(size_t(d.num_clusters) * d.hidden_dim, 2, 0.05f);
+    fp8_centroids = random_array<__nv_fp8_e4m3>(size_t(d.num_clusters) * d.hidden_dim, 2, 0.8f);
+    fp8_scale = constant_array(1.0f / 16.0f);
     const size_t slots = size_t(d.num_clusters) * d.cluster_size;
     std::vector<int32_t> table(slots);
     // i -> (i * a + c) mod V is a permutation when a is coprime with V.

@@ -4,26 +4,31 @@
 // Conventions (docs/kernels.md): ids are int32; -1 in a candidate list marks a masked slot
 // (padding, a duplicated extra token, an out-of-range id) whose logit is -inf; scores and logits
 // are float32; ranking puts NaN below every number and breaks ties towards the smaller id.
+// Centroids are of hidden's dtype or float8_e4m3fn; the ops that score them take an optional
+// centroid_scale (float32, one element on their device) that multiplies every centroid score.
 #include <Python.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 TORCH_LIBRARY(flashhead, m) {
-  m.def("select_clusters(Tensor hidden, Tensor centroids, int probes) -> (Tensor cluster_ids, Tensor scores)");
   m.def(
-      "sample_clusters(Tensor hidden, Tensor centroids, int probes, float temperature, Tensor seed)"
+      "select_clusters(Tensor hidden, Tensor centroids, int probes, Tensor? centroid_scale=None)"
       " -> (Tensor cluster_ids, Tensor scores)");
+  m.def(
+      "sample_clusters(Tensor hidden, Tensor centroids, int probes, float temperature, Tensor seed,"
+      " Tensor? centroid_scale=None) -> (Tensor cluster_ids, Tensor scores)");
   m.def("gather_candidates(Tensor cluster_ids, Tensor cluster_tokens, Tensor? extra_ids) -> Tensor");
   m.def("candidate_logits(Tensor hidden, Tensor embedding, Tensor candidate_ids) -> Tensor");
   m.def(
       "decode_greedy(Tensor hidden, Tensor centroids, Tensor cluster_tokens, Tensor embedding, int probes,"
-      " Tensor? extra_ids) -> Tensor");
+      " Tensor? extra_ids, Tensor? centroid_scale=None) -> Tensor");
   m.def(
       "decode_greedy_out(Tensor hidden, Tensor centroids, Tensor cluster_tokens, Tensor embedding, int probes,"
-      " Tensor? extra_ids, Tensor(a!) out) -> ()");
+      " Tensor? extra_ids, Tensor(a!) out, Tensor? centroid_scale=None) -> ()");
   m.def(
       "decode_sample(Tensor hidden, Tensor centroids, Tensor cluster_tokens, Tensor embedding, int probes,"
-      " float temperature, Tensor seed, Tensor? extra_ids) -> (Tensor tokens, Tensor token_logprobs)");
+      " float temperature, Tensor seed, Tensor? extra_ids, Tensor? centroid_scale=None)"
+      " -> (Tensor tokens, Tensor token_logprobs)");
 
   // Decoder-layer ops for the fast path's draft steps (flashhead_ext.fast): few tokens, GEMVs at
   // memory bandwidth with the norms, gating and residual adds fused in; the cache length is a

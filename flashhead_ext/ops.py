@@ -11,6 +11,10 @@ Conventions shared by every op (docs/kernels.md):
 
 * hidden ``[B, D]``; centroids ``[C, D]`` and embedding ``[V, D]`` of the same float dtype
   (float16, bfloat16 or float32); accumulation and all scores/logits in float32.
+* centroids may instead be ``torch.float8_e4m3fn`` (half the bytes of bf16, so the scoring reads
+  them in about half the time), with an optional ``centroid_scale``: a float32 tensor of one
+  element on their device that multiplies every centroid score (:func:`quantize_centroids` makes
+  both). It is read on the device, so a captured graph sees the value current at replay.
 * ids are int32; ``-1`` in a candidate list is a masked slot whose logit is ``-inf``.
 * ranking: higher score first, NaN below every number, ties to the smaller id (cluster id for
   cluster selection, token id for the final argmax, as ``torch.argmax`` on a dense row).
@@ -130,14 +134,39 @@ def make_seed(device: torch.device, seed: SeedLike = None, generator: Optional[t
     return torch.randint(0, 2**62, (), dtype=torch.int64, device=device, generator=generator)
 
 
-def select_clusters(hidden: Tensor, centroids: Tensor, probes: int) -> tuple[Tensor, Tensor]:
+def quantize_centroids(centroids: Tensor) -> tuple[Tensor, Tensor]:
+    """``(float8_e4m3fn centroids, float32 scale [1])`` for the centroid-scoring ops' ``centroid_scale``.
+
+    The scale is a power of two (dividing by it is exact) that puts the largest magnitude in
+    [128, 256) before rounding, at most 256 after: e4m3's normal range, below its largest value
+    448 (a value past it would become NaN: e4m3fn has no inf). A quantized row's score times the scale approximates the original
+    score to 3 mantissa bits per element. Centroids must be finite and not all zero; this reads
+    them on the host once (a sync), so quantize when a head is built, not per step.
+    """
+    _require_tensor("centroids", centroids)
+    if centroids.dtype not in (torch.float16, torch.bfloat16, torch.float32) or centroids.numel() == 0:
+        raise TypeError(f"centroids must be a non-empty float16, bfloat16 or float32 tensor, got {centroids.dtype} "
+                        f"of shape {tuple(centroids.shape)}")
+    peak = centroids.detach().abs().amax().float()
+    if not torch.isfinite(peak) or peak == 0:
+        raise ValueError(f"centroids must be finite and not all zero to be quantized, got a largest magnitude of {float(peak)}")
+    _, exponent = torch.frexp(peak)  # peak = m * 2**exponent, m in [0.5, 1)
+    scale = torch.ldexp(torch.ones(1, device=peak.device), exponent - 8)
+    return (centroids.detach().float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def select_clusters(
+    hidden: Tensor, centroids: Tensor, probes: int, *, centroid_scale: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor]:
     """The ``probes`` best clusters per row by centroid score, best first.
 
-    Returns ``(cluster_ids int32 [B, probes], scores float32 [B, probes])``.
+    Returns ``(cluster_ids int32 [B, probes], scores float32 [B, probes])``; the scores include
+    ``centroid_scale``.
     """
     _require_tensor("hidden", hidden)
     _require_tensor("centroids", centroids)
-    return _ops.select_clusters(hidden, centroids, _require_int("probes", probes))
+    _require_optional_tensor("centroid_scale", centroid_scale)
+    return _ops.select_clusters(hidden, centroids, _require_int("probes", probes), centroid_scale)
 
 
 def sample_clusters(
@@ -148,17 +177,20 @@ def sample_clusters(
     *,
     seed: SeedLike = None,
     generator: Optional[torch.Generator] = None,
+    centroid_scale: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """``probes`` distinct clusters per row drawn without replacement from softmax(scores / T).
 
     Gumbel-top-k, in draw order. Returns ``(cluster_ids int32, raw scores float32)``, each
-    ``[B, probes]``. The same seed gives the same draw.
+    ``[B, probes]``; the scores include ``centroid_scale``. The same seed gives the same draw.
     """
     _require_tensor("hidden", hidden)
     _require_tensor("centroids", centroids)
+    _require_optional_tensor("centroid_scale", centroid_scale)
     seed_t = make_seed(hidden.device, seed, generator)
     return _ops.sample_clusters(
-        hidden, centroids, _require_int("probes", probes), _require_float("temperature", temperature), seed_t
+        hidden, centroids, _require_int("probes", probes), _require_float("temperature", temperature), seed_t,
+        centroid_scale,
     )
 
 
@@ -172,8 +204,7 @@ def gather_candidates(cluster_ids: Tensor, cluster_tokens: Tensor, extra_ids: Op
     """
     _require_tensor("cluster_ids", cluster_ids)
     _require_tensor("cluster_tokens", cluster_tokens)
-    if extra_ids is not None:
-        _require_tensor("extra_ids", extra_ids)
+    _require_optional_tensor("extra_ids", extra_ids)
     return _ops.gather_candidates(cluster_ids, cluster_tokens, extra_ids)
 
 
@@ -194,6 +225,7 @@ def decode_greedy(
     extra_ids: Optional[Tensor] = None,
     *,
     out: Optional[Tensor] = None,
+    centroid_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """The whole greedy FlashHead path: int64 token id per row (argmax over the candidates).
 
@@ -202,13 +234,13 @@ def decode_greedy(
     """
     for name, value in (("hidden", hidden), ("centroids", centroids), ("cluster_tokens", cluster_tokens), ("embedding", embedding)):
         _require_tensor(name, value)
-    if extra_ids is not None:
-        _require_tensor("extra_ids", extra_ids)
+    _require_optional_tensor("extra_ids", extra_ids)
+    _require_optional_tensor("centroid_scale", centroid_scale)
     probes = _require_int("probes", probes)
     if out is None:
-        return _ops.decode_greedy(hidden, centroids, cluster_tokens, embedding, probes, extra_ids)
+        return _ops.decode_greedy(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale)
     _require_tensor("out", out)
-    _ops.decode_greedy_out(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out)
+    _ops.decode_greedy_out(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out, centroid_scale)
     return out
 
 
@@ -223,6 +255,7 @@ def decode_sample(
     *,
     seed: SeedLike = None,
     generator: Optional[torch.Generator] = None,
+    centroid_scale: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """The whole sampling FlashHead path.
 
@@ -235,12 +268,12 @@ def decode_sample(
     """
     for name, value in (("hidden", hidden), ("centroids", centroids), ("cluster_tokens", cluster_tokens), ("embedding", embedding)):
         _require_tensor(name, value)
-    if extra_ids is not None:
-        _require_tensor("extra_ids", extra_ids)
+    _require_optional_tensor("extra_ids", extra_ids)
+    _require_optional_tensor("centroid_scale", centroid_scale)
     seed_t = make_seed(hidden.device, seed, generator)
     return _ops.decode_sample(
         hidden, centroids, cluster_tokens, embedding, _require_int("probes", probes),
-        _require_float("temperature", temperature), seed_t, extra_ids,
+        _require_float("temperature", temperature), seed_t, extra_ids, centroid_scale,
     )
 
 
@@ -469,13 +502,13 @@ def _register_fake(op: str):
 
 
 @_register_fake("select_clusters")
-def _select_clusters_fake(hidden, centroids, probes):
+def _select_clusters_fake(hidden, centroids, probes, centroid_scale=None):
     shape = (hidden.shape[0], probes)
     return hidden.new_empty(shape, dtype=torch.int32), hidden.new_empty(shape, dtype=torch.float32)
 
 
 @_register_fake("sample_clusters")
-def _sample_clusters_fake(hidden, centroids, probes, temperature, seed):
+def _sample_clusters_fake(hidden, centroids, probes, temperature, seed, centroid_scale=None):
     return _select_clusters_fake(hidden, centroids, probes)
 
 
@@ -491,17 +524,18 @@ def _candidate_logits_fake(hidden, embedding, candidate_ids):
 
 
 @_register_fake("decode_greedy")
-def _decode_greedy_fake(hidden, centroids, cluster_tokens, embedding, probes, extra_ids):
+def _decode_greedy_fake(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale=None):
     return hidden.new_empty((hidden.shape[0],), dtype=torch.int64)
 
 
 @_register_fake("decode_greedy_out")
-def _decode_greedy_out_fake(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out):
+def _decode_greedy_out_fake(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out, centroid_scale=None):
     return None
 
 
 @_register_fake("decode_sample")
-def _decode_sample_fake(hidden, centroids, cluster_tokens, embedding, probes, temperature, seed, extra_ids):
+def _decode_sample_fake(hidden, centroids, cluster_tokens, embedding, probes, temperature, seed, extra_ids,
+                        centroid_scale=None):
     batch = (hidden.shape[0],)
     return hidden.new_empty(batch, dtype=torch.int64), hidden.new_empty(batch, dtype=torch.float32)
 
@@ -531,6 +565,6 @@ def _decoder_step_fake(x, qkv_weight, o_weight, gate_up_weight, down_weight, att
 
 __all__ = [
     "select_clusters", "sample_clusters", "gather_candidates", "candidate_logits",
-    "decode_greedy", "decode_sample", "make_seed", "validate_cluster_table", "TEMPERATURE_RANGE", "ATTENTION_SCALE_MAX",
+    "decode_greedy", "decode_sample", "make_seed", "quantize_centroids", "validate_cluster_table", "TEMPERATURE_RANGE", "ATTENTION_SCALE_MAX",
     "fused_linear", "rotary_cache_write", "decode_attention", "decoder_step",
 ]

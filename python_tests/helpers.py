@@ -370,6 +370,25 @@ def counts_of(values: Tensor, n: int) -> np.ndarray:
     return torch.bincount(values.cpu().long().flatten(), minlength=n).numpy()
 
 
+def compiled(fn):
+    """``fn`` under torch.compile(fullgraph=True) with inductor, after a dynamo reset."""
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend="inductor")
+
+
+def capture(fn):
+    """Warm up on a side stream, then capture ``fn`` in a CUDA graph; returns (graph, outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
 def seed_tensor(value: int, device) -> Tensor:
     return torch.tensor(value, dtype=torch.int64, device=device)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashhead_ext import FlashHead, ops
-from helpers import DEVICES, Shape, make_problem, seed_tensor
+from helpers import DEVICES, Shape, capture, compiled, make_problem, seed_tensor
 
 device_params = pytest.mark.parametrize("device", DEVICES)
 SHAPE = Shape(B=5, D=64, C=37, b=8, p=3, pad=2, extras=True)
@@ -18,9 +18,6 @@ def flash_head(problem):
                      special_token_ids=problem.extra_ids)
 
 
-def compiled(fn):
-    torch._dynamo.reset()
-    return torch.compile(fn, fullgraph=True, backend="inductor")
 
 
 @pytest.mark.slow
@@ -75,19 +72,6 @@ def test_compile_decode_sample_and_candidate_logits(device):
 
 # ------------------------------------------------------------------------------------------
 # CUDA only: graph capture and host syncs.
-
-def capture(fn):
-    """Warm up on a side stream, then capture ``fn`` in a CUDA graph; returns (graph, outputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    return graph, outputs
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)

@@ -1,6 +1,6 @@
 """Runs every flashhead CUDA op once per dtype on small odd shapes, for compute-sanitizer.
 
-Includes the masking paths (out-of-range cluster and token ids, padding, duplicated extras), a
+Includes fp8 (e4m3) centroids with their scale, the masking paths (out-of-range cluster and token ids, padding, duplicated extras), a
 batch of 0 and sizes that are not multiples of the vector width, the fused decodes with and
 without extra ids (sampling with extras flags repeated ids and sets the extras aside for the
 row's last block), then compares with the CPU op.
@@ -18,7 +18,7 @@ import flashhead_ext  # noqa: F401
 from flashhead_ext import ops
 
 
-def case(dtype, batch, dim, clusters, size, probes, seed):
+def case(dtype, batch, dim, clusters, size, probes, seed, fp8=False):
     gen = torch.Generator().manual_seed(seed)
     vocab = clusters * size - 3  # padding in the last cluster
     order = torch.randperm(clusters * size, generator=gen)
@@ -33,35 +33,42 @@ def case(dtype, batch, dim, clusters, size, probes, seed):
         bad_cands=torch.tensor([[1, -1, vocab, 2**30]] * batch, dtype=torch.int32).view(batch, 4),
         seed=torch.tensor(seed, dtype=torch.int64),
     )
+    if fp8:
+        cpu["centroids"], cpu["scale"] = ops.quantize_centroids(cpu["centroids"])
     return cpu, {k: v.cuda() for k, v in cpu.items()}
 
 
 def run(t, probes):
-    ids, scores = ops.select_clusters(t["hidden"], t["centroids"], probes)
-    sids, _ = ops.sample_clusters(t["hidden"], t["centroids"], probes, 0.7, seed=t["seed"])
+    scale = t.get("scale")
+    ids, scores = ops.select_clusters(t["hidden"], t["centroids"], probes, centroid_scale=scale)
+    sids, _ = ops.sample_clusters(t["hidden"], t["centroids"], probes, 0.7, seed=t["seed"], centroid_scale=scale)
     cands = ops.gather_candidates(ids, t["table"], t["extra"])
     bad_gather = ops.gather_candidates(t["bad_ids"], t["table"], t["extra"])
     logits = ops.candidate_logits(t["hidden"], t["embedding"], cands)
     bad_logits = ops.candidate_logits(t["hidden"], t["embedding"], t["bad_cands"])
-    greedy = ops.decode_greedy(t["hidden"], t["centroids"], t["table"], t["embedding"], probes, t["extra"])
-    tokens, logprobs = ops.decode_sample(t["hidden"], t["centroids"], t["table"], t["embedding"], probes, 0.7, t["extra"], seed=t["seed"])
-    plain_greedy = ops.decode_greedy(t["hidden"], t["centroids"], t["table"], t["embedding"], probes)
-    plain_tokens, _ = ops.decode_sample(t["hidden"], t["centroids"], t["table"], t["embedding"], probes, 0.7, seed=t["seed"])
+    greedy = ops.decode_greedy(t["hidden"], t["centroids"], t["table"], t["embedding"], probes, t["extra"],
+                               centroid_scale=scale)
+    tokens, logprobs = ops.decode_sample(t["hidden"], t["centroids"], t["table"], t["embedding"], probes, 0.7, t["extra"],
+                                         seed=t["seed"], centroid_scale=scale)
+    plain_greedy = ops.decode_greedy(t["hidden"], t["centroids"], t["table"], t["embedding"], probes, centroid_scale=scale)
+    plain_tokens, _ = ops.decode_sample(t["hidden"], t["centroids"], t["table"], t["embedding"], probes, 0.7, seed=t["seed"],
+                                        centroid_scale=scale)
     return dict(ids=ids, sids=sids, cands=cands, bad_gather=bad_gather, bad_logits=bad_logits, greedy=greedy, tokens=tokens,
                 logits=logits, logprobs=logprobs, plain_greedy=plain_greedy, plain_tokens=plain_tokens)
 
 
 def head_ops() -> int:
     failures = 0
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for dtype, fp8 in ((torch.float32, False), (torch.float16, False), (torch.bfloat16, False), (torch.bfloat16, True),
+                       (torch.float32, True)):
         # The last two: the selection's 12- and 16-key variants, with clusters whose b is no
         # multiple of 4 (the gather's slot-by-slot path).
         for batch, dim, clusters, size, probes in ((3, 77, 37, 4, 5), (2, 576, 257, 16, 257), (0, 64, 37, 8, 3),
                                                    (5, 1024, 989, 16, 61), (2, 64, 9001, 3, 40), (1, 32, 13001, 1, 7)):
-            cpu, gpu = case(dtype, batch, dim, clusters, size, probes, seed=batch * 1000 + dim)
+            cpu, gpu = case(dtype, batch, dim, clusters, size, probes, seed=batch * 1000 + dim, fp8=fp8)
             got, want = run(gpu, probes), run(cpu, probes)
             torch.cuda.synchronize()
-            where = f"{dtype} B={batch} D={dim} C={clusters} b={size} p={probes}"
+            where = f"{dtype}{' fp8 centroids' if fp8 else ''} B={batch} D={dim} C={clusters} b={size} p={probes}"
             if not torch.equal(got["bad_gather"].cpu(), want["bad_gather"]):
                 print(f"MISMATCH bad_gather {where}")
                 failures += 1

@@ -22,6 +22,13 @@ at::Tensor row_scores(const at::Tensor& hidden, const at::Tensor& rows) {
 
 // NaN ranks below every number: mapping it to -inf before a stable sort keeps it last, and
 // ties (including among -inf) stay in index order, i.e. the smaller id wins.
+// Centroid scores [B, C], times the centroids' scale when one is given (float32, as the kernels).
+at::Tensor centroid_scores(const at::Tensor& hidden, const at::Tensor& centroids,
+                           const c10::optional<at::Tensor>& centroid_scale) {
+  auto scores = row_scores(hidden, centroids);
+  return centroid_scale.has_value() ? scores * centroid_scale->reshape({}) : scores;
+}
+
 at::Tensor nan_to_neg_inf(const at::Tensor& x) { return at::where(at::isnan(x), at::full({}, kNegInf), x); }
 
 at::Tensor top_indices(const at::Tensor& keys, int64_t k) {
@@ -69,23 +76,24 @@ at::Tensor valid_candidates(const at::Tensor& candidate_ids, int64_t vocab) {
 }
 
 std::tuple<at::Tensor, at::Tensor> select_clusters_cpu(const at::Tensor& hidden, const at::Tensor& centroids,
-                                                       int64_t probes) {
+                                                       int64_t probes, const c10::optional<at::Tensor>& centroid_scale) {
   constexpr const char* op = "select_clusters";
-  check_hidden_and_rows(op, hidden, centroids, "centroids");
+  check_centroids(op, hidden, centroids, centroid_scale);
   check_probes(op, probes, centroids.size(0));
-  auto scores = row_scores(hidden, centroids);
+  auto scores = centroid_scores(hidden, centroids, centroid_scale);
   return clusters_by_key(scores, scores, probes);
 }
 
 // Gumbel-top-k: the p largest of scores/T + Gumbel noise are p draws without replacement from
 // softmax(scores / T), in draw order.
 std::tuple<at::Tensor, at::Tensor> sample_clusters_cpu(const at::Tensor& hidden, const at::Tensor& centroids,
-                                                       int64_t probes, double temperature, const at::Tensor& seed) {
+                                                       int64_t probes, double temperature, const at::Tensor& seed,
+                                                       const c10::optional<at::Tensor>& centroid_scale) {
   constexpr const char* op = "sample_clusters";
-  check_hidden_and_rows(op, hidden, centroids, "centroids");
+  check_centroids(op, hidden, centroids, centroid_scale);
   check_probes(op, probes, centroids.size(0));
   check_sampling(op, temperature, seed, hidden);
-  auto scores = row_scores(hidden, centroids);
+  auto scores = centroid_scores(hidden, centroids, centroid_scale);
   const auto cluster_ids = at::arange(scores.size(1), at::kLong).expand({scores.size(0), scores.size(1)});
   auto keys = scores / temperature + gumbel(seed.item<int64_t>(), kClusterStream, cluster_ids);
   return clusters_by_key(scores, keys, probes);
@@ -131,11 +139,11 @@ at::Tensor candidate_logits_cpu(const at::Tensor& hidden, const at::Tensor& embe
 
 void decode_greedy_out_cpu(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
                            const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids,
-                           at::Tensor& out) {
+                           at::Tensor& out, const c10::optional<at::Tensor>& centroid_scale) {
   constexpr const char* op = "decode_greedy";
-  check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
-  check_decode_out(op, out, hidden, centroids, cluster_tokens, embedding, extra_ids);
-  auto cluster_ids = std::get<0>(select_clusters_cpu(hidden, centroids, probes));
+  check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale);
+  check_decode_out(op, out, hidden, centroids, cluster_tokens, embedding, extra_ids, centroid_scale);
+  auto cluster_ids = std::get<0>(select_clusters_cpu(hidden, centroids, probes, centroid_scale));
   auto candidates = gather_candidates_cpu(cluster_ids, cluster_tokens, extra_ids);
   auto logits = candidate_logits_cpu(hidden, embedding, candidates);
   auto valid = valid_candidates(candidates, embedding.size(0));
@@ -143,9 +151,10 @@ void decode_greedy_out_cpu(const at::Tensor& hidden, const at::Tensor& centroids
 }
 
 at::Tensor decode_greedy_cpu(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
-                             const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids) {
+                             const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids,
+                             const c10::optional<at::Tensor>& centroid_scale) {
   auto out = token_buffer(hidden);
-  decode_greedy_out_cpu(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out);
+  decode_greedy_out_cpu(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out, centroid_scale);
   return out;
 }
 
@@ -155,11 +164,12 @@ at::Tensor decode_greedy_cpu(const at::Tensor& hidden, const at::Tensor& centroi
 std::tuple<at::Tensor, at::Tensor> decode_sample_cpu(const at::Tensor& hidden, const at::Tensor& centroids,
                                                      const at::Tensor& cluster_tokens, const at::Tensor& embedding,
                                                      int64_t probes, double temperature, const at::Tensor& seed,
-                                                     const c10::optional<at::Tensor>& extra_ids) {
+                                                     const c10::optional<at::Tensor>& extra_ids,
+                                                     const c10::optional<at::Tensor>& centroid_scale) {
   constexpr const char* op = "decode_sample";
-  check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
+  check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale);
   check_sampling(op, temperature, seed, hidden);
-  auto cluster_ids = std::get<0>(sample_clusters_cpu(hidden, centroids, probes, temperature, seed));
+  auto cluster_ids = std::get<0>(sample_clusters_cpu(hidden, centroids, probes, temperature, seed, centroid_scale));
   auto candidates = gather_candidates_cpu(cluster_ids, cluster_tokens, extra_ids);
   auto scaled = candidate_logits_cpu(hidden, embedding, candidates) / temperature;
   auto valid = valid_candidates(candidates, embedding.size(0));

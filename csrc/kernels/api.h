@@ -4,11 +4,15 @@
 // take raw pointers, sizes and a cudaStream_t and return the launch's cudaError_t; they never
 // synchronise or allocate, so they are safe inside CUDA-graph capture. Scratch memory comes from
 // the caller as one `workspace` of the size the matching *_workspace_bytes() returns, which
-// depends on shapes only. Every launcher is instantiated for T = float, __half, __nv_bfloat16.
+// depends on shapes only. Every launcher is instantiated for T = float, __half, __nv_bfloat16;
+// the ones that score centroids also for centroids of fp8 e4m3 (TC = __nv_fp8_e4m3, torch's
+// float8_e4m3fn) with hidden rows of any T: half the bytes of bf16 centroids, which the scoring reads
+// at batch 1 in about half the time.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
@@ -29,10 +33,11 @@ struct HeadShape {
 };
 
 // The device tensors of a head (all contiguous, row-major).
-template <typename T>
+template <typename T, typename TC = T>
 struct HeadTensors {
   const T* hidden = nullptr;                  // [B, D]
-  const T* centroids = nullptr;               // [C, D]
+  const TC* centroids = nullptr;              // [C, D]
+  const float* centroid_scale = nullptr;      // one float on the device, or null for 1
   const int32_t* cluster_tokens = nullptr;    // [C, b]
   const T* embedding = nullptr;               // [V, D]
   const int32_t* extra_ids = nullptr;         // [E], may be null when E == 0
@@ -53,11 +58,13 @@ struct LaunchOptions {
 
 // ---- Stages ---------------------------------------------------------------------------------
 
-// scores[B, C] = hidden . centroids^T in fp32; with `sampling`, also Gumbel keys
-// keys[B, C] = scores / T + gumbel(seed, kClusterStream, row, cluster).
-template <typename T>
-cudaError_t launch_centroid_scores(const T* hidden, const T* centroids, int batch, int num_clusters, int hidden_dim,
-                                   float* scores, const Sampling* sampling, float* keys, cudaStream_t stream);
+// scores[B, C] = (hidden . centroids^T) * *centroid_scale in fp32 (the scale is read on the device,
+// so fp8 centroids quantized with one can be replaced in place under a captured graph; null for 1);
+// with `sampling`, also Gumbel keys keys[B, C] = scores / T + gumbel(seed, kClusterStream, row, cluster).
+template <typename T, typename TC>
+cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const float* centroid_scale, int batch,
+                                   int num_clusters, int hidden_dim, float* scores, const Sampling* sampling, float* keys,
+                                   cudaStream_t stream);
 
 // How the selection lists a row's clusters: in any order (the fastest), in an order that is the
 // same on every run (for a consumer whose float sums follow it), or in rank order (best first).
@@ -98,17 +105,17 @@ cudaError_t launch_candidate_logits(const T* hidden, const T* embedding, int bat
 
 // select_clusters / sample_clusters: cluster_ids and scores [B, p] in rank order.
 size_t cluster_select_workspace_bytes(const HeadShape& shape, bool sampling);
-template <typename T>
-cudaError_t launch_cluster_select(const T* hidden, const T* centroids, const HeadShape& shape,
-                                  const Sampling* sampling, int32_t* cluster_ids, float* scores, void* workspace,
-                                  cudaStream_t stream, const LaunchOptions& options = {});
+template <typename T, typename TC>
+cudaError_t launch_cluster_select(const T* hidden, const TC* centroids, const float* centroid_scale,
+                                  const HeadShape& shape, const Sampling* sampling, int32_t* cluster_ids, float* scores,
+                                  void* workspace, cudaStream_t stream, const LaunchOptions& options = {});
 
 // decode_greedy: token id per row into tokens[row * token_stride] (-1 when every candidate is masked).
 // decode_sample (sampling non-null): a Gumbel-max draw from softmax(logits / T) over the
 // candidates of p clusters drawn without replacement, plus its log-probability token_logprobs[B].
 size_t decode_workspace_bytes(const HeadShape& shape, bool sampling);
-template <typename T>
-cudaError_t launch_decode(const HeadTensors<T>& tensors, const HeadShape& shape, const Sampling* sampling,
+template <typename T, typename TC>
+cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& shape, const Sampling* sampling,
                           int64_t* tokens, int64_t token_stride, float* token_logprobs, void* workspace,
                           cudaStream_t stream, const LaunchOptions& options = {});
 

@@ -268,7 +268,7 @@ __device__ __forceinline__ void for_each_slot_group(const CandidateRows<T>& a, c
 #pragma unroll
     for (int r = 0; r < kCandRowsPerWarp; ++r) rows[r] = s.valid[r] ? a.embedding + int64_t{token[r]} * a.hidden_dim : nullptr;
     float acc[kCandRowsPerWarp][1];
-    warp_dot<T, kCandRowsPerWarp, 1, kCandUnroll>(rows, hid, a.hidden_dim, a.vec, policy, acc);
+    warp_dot<T, T, kCandRowsPerWarp, 1, kCandUnroll>(rows, hid, a.hidden_dim, a.vec, policy, acc);
 #pragma unroll
     for (int r = 0; r < kCandRowsPerWarp; ++r) {
       s.logit[r] = s.valid[r] ? acc[r][0] : -INFINITY;

@@ -14,10 +14,11 @@ namespace detail {
 constexpr int kScoreThreads = 256;
 constexpr int kScoreRowsPerWarp = 4;
 
-template <typename T>
+template <typename T, typename TC>
 struct ScoreArgs {
   const T* hidden;
-  const T* centroids;
+  const TC* centroids;
+  const float* centroid_scale;  // null: 1
   int batch, num_clusters, hidden_dim;
   bool vec;
   float* scores;  // [B, C]
@@ -34,8 +35,8 @@ constexpr int kScoreBlocksPerSm = RB == 1 ? 3 : 2;
 template <int RB>
 constexpr int kScoreUnroll = RB == 1 ? 2 : 1;
 
-template <typename T, int RB>
-__global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid_scores_kernel(ScoreArgs<T> a) {
+template <typename T, typename TC, int RB>
+__global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid_scores_kernel(ScoreArgs<T, TC> a) {
   // Let the selection kernel get resident while this one streams the centroids.
   let_next_kernel_start();
   constexpr int kWarps = kScoreThreads / kWarpSize;
@@ -44,6 +45,7 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
   // Fits in int: the launcher refuses shapes whose B x C scores would not.
   const int items = ceil_div(a.num_clusters, kScoreRowsPerWarp) * tiles;
   const uint64_t seed = a.keys ? static_cast<uint64_t>(*a.seed) : 0;
+  const float scale = a.centroid_scale ? *a.centroid_scale : 1.0f;
   const uint64_t policy = row_policy(rows_read_once(a.batch));
   // One batch tile: items are dealt round-robin over the blocks, so every SM streams the same
   // share (the grid is whole waves of resident blocks). Several tiles: consecutive items (the
@@ -53,7 +55,7 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
   for (int item = first_item; item < items; item += gridDim.x * kWarps) {
     const int c0 = item / tiles * kScoreRowsPerWarp;
     const int b0 = item % tiles * RB;
-    const T* rows[kScoreRowsPerWarp];
+    const TC* rows[kScoreRowsPerWarp];
     const T* hid[RB];
 #pragma unroll
     for (int r = 0; r < kScoreRowsPerWarp; ++r)
@@ -61,7 +63,7 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
 #pragma unroll
     for (int b = 0; b < RB; ++b) hid[b] = b0 + b < a.batch ? a.hidden + int64_t{b0 + b} * a.hidden_dim : nullptr;
     float acc[kScoreRowsPerWarp][RB];
-    warp_dot<T, kScoreRowsPerWarp, RB, kScoreUnroll<RB>>(rows, hid, a.hidden_dim, a.vec, policy, acc);
+    warp_dot<TC, T, kScoreRowsPerWarp, RB, kScoreUnroll<RB>>(rows, hid, a.hidden_dim, a.vec, policy, acc);
     // Lane r * RB + b writes score (c0 + r, b0 + b), so the Gumbel noise is drawn once per score.
     float flat[kScoreRowsPerWarp * RB];
 #pragma unroll
@@ -70,7 +72,7 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
       for (int b = 0; b < RB; ++b) flat[r * RB + b] = acc[r][b];
     const int c = c0 + lane / RB, b = b0 + lane % RB;
     if (lane < kScoreRowsPerWarp * RB && c < a.num_clusters && b < a.batch) {
-      const float score = pick(flat, lane);
+      const float score = pick(flat, lane) * scale;
       const int64_t at = int64_t{b} * a.num_clusters + c;
       a.scores[at] = score;
       if (a.keys)

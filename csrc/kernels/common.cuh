@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "kernels/api.h"
@@ -27,6 +28,7 @@ __host__ __device__ constexpr T ceil_div(T a, T b) {
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) { return static_cast<float>(x); }
 
 // W consecutive elements, loaded with one instruction: 16 bytes when the rows allow it (the
 // fast path), one element otherwise.
@@ -35,14 +37,23 @@ struct alignas(sizeof(T) * W) Chunk {
   T v[W];
 };
 
+// A chunk wider than 16 bytes (the hidden elements that match one 16-byte chunk of fp8 rows)
+// takes several 16-byte loads.
 template <typename T, int W>
 __device__ __forceinline__ Chunk<T, W> load_chunk(const T* p) {
   Chunk<T, W> c;
-  if constexpr (sizeof(Chunk<T, W>) == 16) {
-    const int4 raw = __ldg(reinterpret_cast<const int4*>(p));
-    memcpy(&c, &raw, sizeof(raw));
+  if constexpr (sizeof(Chunk<T, W>) % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < int(sizeof(c) / 16); ++i) {
+      const int4 raw = __ldg(reinterpret_cast<const int4*>(p) + i);
+      memcpy(reinterpret_cast<char*>(&c) + 16 * i, &raw, sizeof(raw));
+    }
+  } else if constexpr (sizeof(T) == 1) {
+    static_assert(W == 1, "chunks are whole 16-byte vectors or one element");
+    const unsigned char raw = __ldg(reinterpret_cast<const unsigned char*>(p));
+    memcpy(&c, &raw, 1);
   } else {
-    static_assert(W == 1, "chunks are 16 bytes or one element");
+    static_assert(W == 1, "chunks are whole 16-byte vectors or one element");
     c.v[0] = __ldg(p);
   }
   return c;
@@ -81,6 +92,26 @@ __device__ __forceinline__ Chunk<T, W> load_row_chunk(const T* p, uint64_t polic
 
 template <typename T>
 constexpr int kVecWidth = 16 / sizeof(T);
+
+// A chunk's elements as floats. fp8 converts in pairs (one cvt to f16x2, exact, NaN kept): its
+// one-at-a-time conversion goes through the slow conversion unit and would bound the scoring.
+template <typename T, int W>
+__device__ __forceinline__ void chunk_floats(const Chunk<T, W>& c, float (&out)[W]) {
+  if constexpr (std::is_same_v<T, __nv_fp8_e4m3> && W % 2 == 0) {
+#pragma unroll
+    for (int e = 0; e < W; e += 2) {
+      __nv_fp8x2_storage_t pair;
+      memcpy(&pair, &c.v[e], sizeof(pair));
+      const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+      const float2 f = __half22float2(__half2(raw));
+      out[e] = f.x;
+      out[e + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < W; ++e) out[e] = to_float(c.v[e]);
+  }
+}
 
 // Rows of D elements can use 16-byte loads when every row starts 16-byte aligned.
 template <typename T>
@@ -132,47 +163,46 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
-// Dot products of ROWS rows with RB hidden rows over D elements, fp32 accumulation; the rows are
-// loaded under `policy` (row_policy). A null row pointer is a masked row: it is never read and its
-// sums are 0. The loop keeps ROWS * U loads of each lane in flight before the first use. Every
-// lane returns the full sums.
-template <typename T, int W, int ROWS, int RB, int U>
-__device__ __forceinline__ void warp_dot_chunks(const T* const (&rows)[ROWS], const T* const (&hid)[RB], int dim,
+// Dot products of ROWS rows (of TR: T, or fp8 centroids) with RB hidden rows (of T) over D
+// elements, fp32 accumulation; a chunk is W elements of each. The rows are loaded under `policy`
+// (row_policy). A null row pointer is a masked row: it is never read and its sums are 0. The loop
+// keeps ROWS * U loads of each lane in flight before the first use. Every lane returns the full sums.
+template <typename TR, typename T, int W, int ROWS, int RB, int U>
+__device__ __forceinline__ void warp_dot_chunks(const TR* const (&rows)[ROWS], const T* const (&hid)[RB], int dim,
                                                 uint64_t policy, float (&acc)[ROWS][RB]) {
   const int lane = threadIdx.x % kWarpSize;
   const int num_chunks = dim / W;
   for (int base = 0; base < num_chunks; base += kWarpSize * U) {
-    Chunk<T, W> c[ROWS][U];
+    Chunk<TR, W> c[ROWS][U];
     Chunk<T, W> h[RB][U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int idx = base + u * kWarpSize + lane;
       const bool in_range = idx < num_chunks;
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) c[r][u] = (in_range && rows[r]) ? load_row_chunk<T, W>(rows[r] + int64_t{idx} * W, policy) : Chunk<T, W>{};
+      for (int r = 0; r < ROWS; ++r) c[r][u] = (in_range && rows[r]) ? load_row_chunk<TR, W>(rows[r] + int64_t{idx} * W, policy) : Chunk<TR, W>{};
 #pragma unroll
       for (int b = 0; b < RB; ++b) h[b][u] = (in_range && hid[b]) ? load_chunk<T, W>(hid[b] + int64_t{idx} * W) : Chunk<T, W>{};
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      float hf[RB][W], cf[ROWS][W];
 #pragma unroll
-      for (int e = 0; e < W; ++e) {
-        float hf[RB];
+      for (int b = 0; b < RB; ++b) chunk_floats(h[b][u], hf[b]);
 #pragma unroll
-        for (int b = 0; b < RB; ++b) hf[b] = to_float(h[b][u].v[e]);
+      for (int r = 0; r < ROWS; ++r) chunk_floats(c[r][u], cf[r]);
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          const float cf = to_float(c[r][u].v[e]);
+      for (int e = 0; e < W; ++e)
 #pragma unroll
-          for (int b = 0; b < RB; ++b) acc[r][b] = fmaf(cf, hf[b], acc[r][b]);
-        }
-      }
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+          for (int b = 0; b < RB; ++b) acc[r][b] = fmaf(cf[r][e], hf[b][e], acc[r][b]);
     }
   }
 }
 
-template <typename T, int ROWS, int RB, int U>
-__device__ __forceinline__ void warp_dot(const T* const (&rows)[ROWS], const T* const (&hid)[RB], int dim, bool vec,
+template <typename TR, typename T, int ROWS, int RB, int U>
+__device__ __forceinline__ void warp_dot(const TR* const (&rows)[ROWS], const T* const (&hid)[RB], int dim, bool vec,
                                          uint64_t policy, float (&acc)[ROWS][RB]) {
 #pragma unroll
   for (int r = 0; r < ROWS; ++r)
@@ -180,9 +210,9 @@ __device__ __forceinline__ void warp_dot(const T* const (&rows)[ROWS], const T* 
     for (int b = 0; b < RB; ++b) acc[r][b] = 0.0f;
   // Scalar loads when rows are not 16-byte aligned (odd D, offset views): correct, slower.
   if (vec) {
-    warp_dot_chunks<T, kVecWidth<T>, ROWS, RB, U>(rows, hid, dim, policy, acc);
+    warp_dot_chunks<TR, T, kVecWidth<TR>, ROWS, RB, U>(rows, hid, dim, policy, acc);
   } else {
-    warp_dot_chunks<T, 1, ROWS, RB, U * 2>(rows, hid, dim, policy, acc);
+    warp_dot_chunks<TR, T, 1, ROWS, RB, U * 2>(rows, hid, dim, policy, acc);
   }
 #pragma unroll
   for (int r = 0; r < ROWS; ++r)

@@ -62,8 +62,8 @@ struct SelectWorkspace {
   void* select;
 };
 
-template <typename T, bool kSample>
-cudaError_t launch_decode_candidates(const HeadTensors<T>& t, const HeadShape& shape, const Sampling* sampling,
+template <typename T, typename TC, bool kSample>
+cudaError_t launch_decode_candidates(const HeadTensors<T, TC>& t, const HeadShape& shape, const Sampling* sampling,
                                      const DecodeWorkspace& ws, int64_t* tokens, int64_t token_stride,
                                      float* token_logprobs, cudaStream_t stream, bool dependent) {
   const int n = shape.num_candidates(), d = shape.hidden_dim, max_blocks = max_candidate_blocks(shape);
@@ -116,16 +116,16 @@ size_t cluster_select_workspace_bytes(const HeadShape& shape, bool sampling) {
   return carver.bytes();
 }
 
-template <typename T>
-cudaError_t launch_cluster_select(const T* hidden, const T* centroids, const HeadShape& shape,
-                                  const Sampling* sampling, int32_t* cluster_ids, float* scores, void* workspace,
-                                  cudaStream_t stream, const LaunchOptions& options) {
+template <typename T, typename TC>
+cudaError_t launch_cluster_select(const T* hidden, const TC* centroids, const float* centroid_scale,
+                                  const HeadShape& shape, const Sampling* sampling, int32_t* cluster_ids, float* scores,
+                                  void* workspace, cudaStream_t stream, const LaunchOptions& options) {
   if (shape.batch == 0) return cudaSuccess;
   detail::WorkspaceCarver carver(workspace);
   detail::SelectWorkspace ws{};
   detail::carve_scores(carver, shape, sampling != nullptr, SelectOrder::kRanked, ws);
-  cudaError_t err = launch_centroid_scores(hidden, centroids, shape.batch, shape.num_clusters, shape.hidden_dim,
-                                           ws.scores, sampling, ws.keys, stream);
+  cudaError_t err = launch_centroid_scores(hidden, centroids, centroid_scale, shape.batch, shape.num_clusters,
+                                           shape.hidden_dim, ws.scores, sampling, ws.keys, stream);
   if (err != cudaSuccess) return err;
   SelectOutputs out;
   out.cluster_ids = cluster_ids;
@@ -140,15 +140,15 @@ size_t decode_workspace_bytes(const HeadShape& shape, bool sampling) {
   return carver.bytes();
 }
 
-template <typename T>
-cudaError_t launch_decode(const HeadTensors<T>& tensors, const HeadShape& shape, const Sampling* sampling,
+template <typename T, typename TC>
+cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& shape, const Sampling* sampling,
                           int64_t* tokens, int64_t token_stride, float* token_logprobs, void* workspace,
                           cudaStream_t stream, const LaunchOptions& options) {
   if (shape.batch == 0) return cudaSuccess;
   detail::WorkspaceCarver carver(workspace);
   const detail::DecodeWorkspace ws = detail::carve_decode(carver, shape, sampling != nullptr);
-  cudaError_t err = launch_centroid_scores(tensors.hidden, tensors.centroids, shape.batch, shape.num_clusters,
-                                           shape.hidden_dim, ws.scores, sampling, ws.keys, stream);
+  cudaError_t err = launch_centroid_scores(tensors.hidden, tensors.centroids, tensors.centroid_scale, shape.batch,
+                                           shape.num_clusters, shape.hidden_dim, ws.scores, sampling, ws.keys, stream);
   if (err != cudaSuccess) return err;
   SelectOutputs out;
   out.cluster_ids = ws.cluster_ids;
@@ -157,20 +157,24 @@ cudaError_t launch_decode(const HeadTensors<T>& tensors, const HeadShape& shape,
   err = launch_select(sampling ? ws.keys : ws.scores, shape, detail::decode_order(sampling != nullptr), out, ws.select,
                       stream, options);
   if (err != cudaSuccess) return err;
-  return sampling ? detail::launch_decode_candidates<T, true>(tensors, shape, sampling, ws, tokens, token_stride,
+  return sampling ? detail::launch_decode_candidates<T, TC, true>(tensors, shape, sampling, ws, tokens, token_stride,
                                                               token_logprobs, stream, options.dependent_launch)
-                  : detail::launch_decode_candidates<T, false>(tensors, shape, sampling, ws, tokens, token_stride,
+                  : detail::launch_decode_candidates<T, TC, false>(tensors, shape, sampling, ws, tokens, token_stride,
                                                                token_logprobs, stream, options.dependent_launch);
 }
 
-#define FLASHHEAD_INSTANTIATE(T)                                                                                    \
-  template cudaError_t launch_cluster_select<T>(const T*, const T*, const HeadShape&, const Sampling*, int32_t*,    \
-                                                float*, void*, cudaStream_t, const LaunchOptions&);                \
-  template cudaError_t launch_decode<T>(const HeadTensors<T>&, const HeadShape&, const Sampling*, int64_t*, int64_t, \
-                                        float*, void*, cudaStream_t, const LaunchOptions&);
-FLASHHEAD_INSTANTIATE(float)
-FLASHHEAD_INSTANTIATE(__half)
-FLASHHEAD_INSTANTIATE(__nv_bfloat16)
+#define FLASHHEAD_INSTANTIATE(T, TC)                                                                               \
+  template cudaError_t launch_cluster_select<T, TC>(const T*, const TC*, const float*, const HeadShape&,            \
+                                                    const Sampling*, int32_t*, float*, void*, cudaStream_t,         \
+                                                    const LaunchOptions&);                                          \
+  template cudaError_t launch_decode<T, TC>(const HeadTensors<T, TC>&, const HeadShape&, const Sampling*, int64_t*, \
+                                            int64_t, float*, void*, cudaStream_t, const LaunchOptions&);
+FLASHHEAD_INSTANTIATE(float, float)
+FLASHHEAD_INSTANTIATE(__half, __half)
+FLASHHEAD_INSTANTIATE(__nv_bfloat16, __nv_bfloat16)
+FLASHHEAD_INSTANTIATE(float, __nv_fp8_e4m3)
+FLASHHEAD_INSTANTIATE(__half, __nv_fp8_e4m3)
+FLASHHEAD_INSTANTIATE(__nv_bfloat16, __nv_fp8_e4m3)
 #undef FLASHHEAD_INSTANTIATE
 
 }  // namespace flashhead

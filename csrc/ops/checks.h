@@ -59,16 +59,17 @@ inline void check_same_device(const char* op, const at::Tensor& t, const char* n
                  " (", ref.device(), "), got ", t.device());
 }
 
-// hidden [B, D] and a row matrix [R, D] (centroids or embedding): same float dtype, device, D.
+// hidden [B, D] and a row matrix [R, D] (centroids or embedding): same float dtype (or fp8 e4m3
+// where fp8_allowed: centroids), device, D.
 inline void check_hidden_and_rows(const char* op, const at::Tensor& hidden, const at::Tensor& rows,
-                                  const char* rows_name) {
+                                  const char* rows_name, bool fp8_allowed = false) {
   check_rank(op, hidden, "hidden", 2, "[batch, hidden_dim]");
   check_rank(op, rows, rows_name, 2, "[rows, hidden_dim]");
   FH_CHECK_TYPE(op, is_float_dtype(hidden.scalar_type()),
                 "hidden must be float16, bfloat16 or float32, got ", dtype_str(hidden.scalar_type()));
-  FH_CHECK_TYPE(op, rows.scalar_type() == hidden.scalar_type(), rows_name,
-                " must have the dtype of hidden (", dtype_str(hidden.scalar_type()), "), got ",
-                dtype_str(rows.scalar_type()));
+  FH_CHECK_TYPE(op, rows.scalar_type() == hidden.scalar_type() || (fp8_allowed && rows.scalar_type() == at::kFloat8_e4m3fn),
+                rows_name, " must have the dtype of hidden (", dtype_str(hidden.scalar_type()), ")",
+                fp8_allowed ? " or be torch.float8_e4m3fn" : "", ", got ", dtype_str(rows.scalar_type()));
   check_same_device(op, rows, rows_name, hidden, "hidden");
   FH_CHECK_VALUE(op, hidden.size(1) > 0, "hidden_dim must be at least 1");
   FH_CHECK_VALUE(op, rows.size(1) == hidden.size(1), rows_name, " must have hidden_dim ",
@@ -76,6 +77,18 @@ inline void check_hidden_and_rows(const char* op, const at::Tensor& hidden, cons
   FH_CHECK_VALUE(op, rows.size(0) > 0, rows_name, " must have at least one row");
   FH_CHECK_VALUE(op, rows.size(0) < (int64_t{1} << 31), rows_name, " has ", num_str(rows.size(0)),
                  " rows; ids are int32, so at most 2^31 - 1");
+}
+
+// Centroids [C, D] (hidden's dtype or fp8 e4m3) and their optional scale: one float32 on their device.
+inline void check_centroids(const char* op, const at::Tensor& hidden, const at::Tensor& centroids,
+                            const c10::optional<at::Tensor>& centroid_scale) {
+  check_hidden_and_rows(op, hidden, centroids, "centroids", /*fp8_allowed=*/true);
+  if (!centroid_scale.has_value()) return;
+  FH_CHECK_TYPE(op, centroid_scale->scalar_type() == at::kFloat, "centroid_scale must be a float32 tensor, got ",
+                dtype_str(centroid_scale->scalar_type()));
+  FH_CHECK_VALUE(op, centroid_scale->numel() == 1, "centroid_scale must hold exactly one value, got shape ",
+                 shape_str(centroid_scale->sizes()));
+  check_same_device(op, *centroid_scale, "centroid_scale", hidden, "hidden");
 }
 
 inline void check_int32(const char* op, const at::Tensor& t, const char* name) {
@@ -161,8 +174,8 @@ inline void check_candidates(const char* op, const at::Tensor& candidate_ids, co
 // Checks shared by the fused decode ops (greedy and sampling).
 inline void check_decode(const char* op, const at::Tensor& hidden, const at::Tensor& centroids,
                          const at::Tensor& cluster_tokens, const at::Tensor& embedding, int64_t probes,
-                         const c10::optional<at::Tensor>& extra_ids) {
-  check_hidden_and_rows(op, hidden, centroids, "centroids");
+                         const c10::optional<at::Tensor>& extra_ids, const c10::optional<at::Tensor>& centroid_scale) {
+  check_centroids(op, hidden, centroids, centroid_scale);
   check_hidden_and_rows(op, hidden, embedding, "embedding");
   check_cluster_table(op, cluster_tokens, hidden, "hidden");
   FH_CHECK_VALUE(op, cluster_tokens.size(0) == centroids.size(0), "cluster_tokens must have one row per centroid (",
@@ -201,11 +214,13 @@ inline bool share_bytes(const at::Tensor& a, const at::Tensor& b) {
 // written while other rows' blocks may still read them.
 inline void check_decode_out(const char* op, const at::Tensor& out, const at::Tensor& hidden,
                              const at::Tensor& centroids, const at::Tensor& cluster_tokens,
-                             const at::Tensor& embedding, const c10::optional<at::Tensor>& extra_ids) {
+                             const at::Tensor& embedding, const c10::optional<at::Tensor>& extra_ids,
+                             const c10::optional<at::Tensor>& centroid_scale) {
   check_token_out(op, out, hidden);
   const std::pair<const at::Tensor*, const char*> inputs[] = {
       {&hidden, "hidden"}, {&centroids, "centroids"}, {&cluster_tokens, "cluster_tokens"},
-      {&embedding, "embedding"}, {extra_ids.has_value() ? &*extra_ids : nullptr, "extra_ids"}};
+      {&embedding, "embedding"}, {extra_ids.has_value() ? &*extra_ids : nullptr, "extra_ids"},
+      {centroid_scale.has_value() ? &*centroid_scale : nullptr, "centroid_scale"}};
   for (const auto& [input, name] : inputs) {
     if (input == nullptr) continue;
     FH_CHECK_VALUE(op, !share_bytes(out, *input), "out must not share memory with ", name,

@@ -36,6 +36,14 @@ void dispatch_float(at::ScalarType dtype, F&& f) {
   }
 }
 
+// Calls f(tag) with tag a null pointer to the CUDA element type of centroids of `dtype`: T (tagged
+// by hidden_tag) or fp8 e4m3.
+template <typename T, typename F>
+void dispatch_centroids(at::ScalarType dtype, T* hidden_tag, F&& f) {
+  if (dtype == at::kFloat8_e4m3fn) return f(static_cast<__nv_fp8_e4m3*>(nullptr));
+  f(hidden_tag);
+}
+
 template <typename T>
 const T* data_as(const at::Tensor& t) {
   return static_cast<const T*>(t.data_ptr());
@@ -80,8 +88,13 @@ c10::optional<at::Tensor> contiguous(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? c10::optional<at::Tensor>(t->contiguous()) : c10::nullopt;
 }
 
+const float* optional_scale(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<float>() : nullptr;
+}
+
 std::tuple<at::Tensor, at::Tensor> cluster_select(const char* op, const at::Tensor& hidden_in,
                                                   const at::Tensor& centroids_in, int64_t probes,
+                                                  const c10::optional<at::Tensor>& centroid_scale,
                                                   const Sampling* sampling) {
   const c10::cuda::CUDAGuard guard(hidden_in.device());
   const at::Tensor hidden = hidden_in.contiguous(), centroids = centroids_in.contiguous();
@@ -92,29 +105,34 @@ std::tuple<at::Tensor, at::Tensor> cluster_select(const char* op, const at::Tens
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_float(hidden.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    C10_CUDA_CHECK(launch_cluster_select<T>(data_as<T>(hidden), data_as<T>(centroids), shape, sampling,
-                                            cluster_ids.data_ptr<int32_t>(), scores.data_ptr<float>(),
-                                            ws.data_ptr(), stream));
+    dispatch_centroids(centroids.scalar_type(), tag, [&](auto* centroid_tag) {
+      using TC = std::remove_pointer_t<decltype(centroid_tag)>;
+      C10_CUDA_CHECK(launch_cluster_select<T, TC>(data_as<T>(hidden), data_as<TC>(centroids),
+                                                  optional_scale(centroid_scale), shape, sampling,
+                                                  cluster_ids.data_ptr<int32_t>(), scores.data_ptr<float>(),
+                                                  ws.data_ptr(), stream));
+    });
   });
   return {cluster_ids, scores};
 }
 
 std::tuple<at::Tensor, at::Tensor> select_clusters_cuda(const at::Tensor& hidden, const at::Tensor& centroids,
-                                                        int64_t probes) {
+                                                        int64_t probes, const c10::optional<at::Tensor>& centroid_scale) {
   constexpr const char* op = "select_clusters";
-  check_hidden_and_rows(op, hidden, centroids, "centroids");
+  check_centroids(op, hidden, centroids, centroid_scale);
   check_probes(op, probes, centroids.size(0));
-  return cluster_select(op, hidden, centroids, probes, nullptr);
+  return cluster_select(op, hidden, centroids, probes, centroid_scale, nullptr);
 }
 
 std::tuple<at::Tensor, at::Tensor> sample_clusters_cuda(const at::Tensor& hidden, const at::Tensor& centroids,
-                                                        int64_t probes, double temperature, const at::Tensor& seed) {
+                                                        int64_t probes, double temperature, const at::Tensor& seed,
+                                                        const c10::optional<at::Tensor>& centroid_scale) {
   constexpr const char* op = "sample_clusters";
-  check_hidden_and_rows(op, hidden, centroids, "centroids");
+  check_centroids(op, hidden, centroids, centroid_scale);
   check_probes(op, probes, centroids.size(0));
   check_sampling(op, temperature, seed, hidden);
   const Sampling sampling{static_cast<float>(temperature), seed.data_ptr<int64_t>()};
-  return cluster_select(op, hidden, centroids, probes, &sampling);
+  return cluster_select(op, hidden, centroids, probes, centroid_scale, &sampling);
 }
 
 at::Tensor gather_candidates_cuda(const at::Tensor& cluster_ids_in, const at::Tensor& cluster_tokens_in,
@@ -166,8 +184,8 @@ at::Tensor candidate_logits_cuda(const at::Tensor& hidden_in, const at::Tensor& 
 // The fused decode, greedy (sampling == nullptr) or sampling; checks already done by the caller.
 void decode(const char* op, const at::Tensor& hidden_in, const at::Tensor& centroids_in,
             const at::Tensor& cluster_tokens_in, const at::Tensor& embedding_in, int64_t probes,
-            const c10::optional<at::Tensor>& extra_ids_in, const Sampling* sampling, at::Tensor& tokens,
-            float* token_logprobs) {
+            const c10::optional<at::Tensor>& extra_ids_in, const c10::optional<at::Tensor>& centroid_scale,
+            const Sampling* sampling, at::Tensor& tokens, float* token_logprobs) {
   const c10::cuda::CUDAGuard guard(hidden_in.device());
   const at::Tensor hidden = hidden_in.contiguous(), centroids = centroids_in.contiguous();
   const at::Tensor cluster_tokens = cluster_tokens_in.contiguous(), embedding = embedding_in.contiguous();
@@ -178,44 +196,50 @@ void decode(const char* op, const at::Tensor& hidden_in, const at::Tensor& centr
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_float(hidden.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    HeadTensors<T> t;
-    t.hidden = data_as<T>(hidden);
-    t.centroids = data_as<T>(centroids);
-    t.cluster_tokens = cluster_tokens.data_ptr<int32_t>();
-    t.embedding = data_as<T>(embedding);
-    t.extra_ids = optional_ids(extra_ids);
-    C10_CUDA_CHECK(launch_decode<T>(t, shape, sampling, tokens.data_ptr<int64_t>(), tokens.stride(0), token_logprobs,
-                                    ws.data_ptr(), stream));
+    dispatch_centroids(centroids.scalar_type(), tag, [&](auto* centroid_tag) {
+      using TC = std::remove_pointer_t<decltype(centroid_tag)>;
+      HeadTensors<T, TC> t;
+      t.hidden = data_as<T>(hidden);
+      t.centroids = data_as<TC>(centroids);
+      t.centroid_scale = optional_scale(centroid_scale);
+      t.cluster_tokens = cluster_tokens.data_ptr<int32_t>();
+      t.embedding = data_as<T>(embedding);
+      t.extra_ids = optional_ids(extra_ids);
+      C10_CUDA_CHECK(launch_decode<T, TC>(t, shape, sampling, tokens.data_ptr<int64_t>(), tokens.stride(0),
+                                          token_logprobs, ws.data_ptr(), stream));
+    });
   });
 }
 
 void decode_greedy_out_cuda(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
                             const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids,
-                            at::Tensor& out) {
+                            at::Tensor& out, const c10::optional<at::Tensor>& centroid_scale) {
   constexpr const char* op = "decode_greedy";
-  check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
-  check_decode_out(op, out, hidden, centroids, cluster_tokens, embedding, extra_ids);
-  decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, nullptr, out, nullptr);
+  check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale);
+  check_decode_out(op, out, hidden, centroids, cluster_tokens, embedding, extra_ids, centroid_scale);
+  decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale, nullptr, out, nullptr);
 }
 
 at::Tensor decode_greedy_cuda(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
-                              const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids) {
+                              const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids,
+                              const c10::optional<at::Tensor>& centroid_scale) {
   auto out = token_buffer(hidden);
-  decode_greedy_out_cuda(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out);
+  decode_greedy_out_cuda(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out, centroid_scale);
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_sample_cuda(const at::Tensor& hidden, const at::Tensor& centroids,
                                                       const at::Tensor& cluster_tokens, const at::Tensor& embedding,
                                                       int64_t probes, double temperature, const at::Tensor& seed,
-                                                      const c10::optional<at::Tensor>& extra_ids) {
+                                                      const c10::optional<at::Tensor>& extra_ids,
+                                                      const c10::optional<at::Tensor>& centroid_scale) {
   constexpr const char* op = "decode_sample";
-  check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
+  check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale);
   check_sampling(op, temperature, seed, hidden);
   auto tokens = at::empty({hidden.size(0)}, hidden.options().dtype(at::kLong));
   auto token_logprobs = at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat));
   const Sampling sampling{static_cast<float>(temperature), seed.data_ptr<int64_t>()};
-  decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, &sampling, tokens,
+  decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale, &sampling, tokens,
          token_logprobs.data_ptr<float>());
   return {tokens, token_logprobs};
 }
