@@ -123,12 +123,15 @@ class FlashHeadAssets:
             "flash_head_greedy_scoring": self.greedy_scoring,
         }
 
-    def head(self, embedding: Tensor, probes: Optional[int] = None) -> FlashHead:
-        """A FlashHead over ``embedding`` (the model's output embedding, kept by reference)."""
+    def head(self, embedding: Tensor, probes: Optional[int] = None, *,
+             centroid_dtype: Optional[torch.dtype] = None) -> FlashHead:
+        """A FlashHead over ``embedding`` (the model's output embedding, kept by reference), its
+        centroids in ``centroid_dtype`` (FlashHead's argument: the embedding's, or float8_e4m3fn)."""
         _check_against_embedding(self.raw_centroids.shape[1], self.cluster_assignments.numel(), embedding)
         return FlashHead(
             embedding, self.centroids, self.cluster_tokens, self.n_probes if probes is None else probes,
             special_token_ids=self.special_token_ids, sampling_centroids=self.raw_centroids,
+            centroid_dtype=centroid_dtype,
         )
 
 
@@ -275,6 +278,7 @@ def flash_head_for(
     seed: int = 0,
     cache: bool = True,
     progress: bool = True,
+    centroid_dtype: Optional[torch.dtype] = None,
 ) -> tuple[FlashHead, FlashHeadAssets]:
     """A ready FlashHead for ``embedding``, clustering it unless a cached clustering exists.
 
@@ -283,8 +287,9 @@ def flash_head_for(
     higher agreement with the dense head at the same cost, docs/quality.md); without, it is plain
     k-means. It is cached under :func:`user_cache_dir` in the published layout, keyed by the
     method, the embedding's (and states') values and the settings; ``cache=False`` rebuilds and
-    overwrites it. Returns the head and its assets (``assets.head(embedding, probes)`` makes more
-    heads cheaply).
+    overwrites it. ``centroid_dtype`` is the head's (:class:`FlashHead`); the cache keeps float
+    centroids either way. Returns the head and its assets (``assets.head(embedding, probes)``
+    makes more heads cheaply).
     """
     special_token_ids = special_token_list(special_token_ids, embedding.shape[0])  # before minutes of clustering
     if probes is not None:
@@ -302,7 +307,7 @@ def flash_head_for(
         assets = FlashHeadAssets.from_clustering(clustering)
         save_assets(directory, assets)
     assets.special_token_ids = special_token_ids
-    return assets.head(embedding, probes), assets
+    return assets.head(embedding, probes, centroid_dtype=centroid_dtype), assets
 
 
 __all__ = [

@@ -161,6 +161,13 @@ class FlashHead(_HeadBase):
             FlashHead ranks greedy with L2-normalised and samples with raw centroids: from a
             :class:`Clustering`, pass ``centroids`` and ``raw_centroids`` (as
             ``FlashHeadAssets.head`` does).
+        centroid_dtype: the dtype the head keeps both centroid sets in: the embedding's (the
+            default), or ``torch.float8_e4m3fn``, which halves the bytes the cluster scoring reads
+            against bf16 (and its time at batch 1). Each set is then quantized with a power-of-two
+            scale (:func:`flashhead_ext.ops.quantize_centroids`; buffers ``centroid_scale`` and
+            ``sampling_centroid_scale``), which the ops apply to the scores, and keeps this dtype
+            through casts of the module. The scores carry e4m3's 3 mantissa bits, so a cluster
+            near the probes' boundary may swap with its neighbour; the logits stay exact.
 
     The buffers are the head's own, so ``load_state_dict`` changes no other object, and it runs
     the constructor's checks on what it loads. The state dict holds ``centroids``,
@@ -172,6 +179,8 @@ class FlashHead(_HeadBase):
 
     # 2: extra_ids always in the state dict (before, absent without special tokens).
     _version = 2
+    # Each centroid set's scale buffer: None unless the set is float8_e4m3fn.
+    _SCALES = {"centroids": "centroid_scale", "sampling_centroids": "sampling_centroid_scale"}
 
     def __init__(
         self,
@@ -181,14 +190,24 @@ class FlashHead(_HeadBase):
         probes: int,
         special_token_ids: Union[Sequence[int], Tensor, None] = None,
         sampling_centroids: Optional[Tensor] = None,
+        *,
+        centroid_dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
         _check_embedding(embedding)
+        if centroid_dtype not in (None, embedding.dtype, torch.float8_e4m3fn):
+            raise TypeError(f"centroid_dtype must be None, the embedding's dtype {embedding.dtype} or torch.float8_e4m3fn, "
+                            f"got {centroid_dtype!r}")
         vocab, dim = embedding.shape
         self.register_buffer("embedding", embedding.detach(), persistent=False)
-        self.register_buffer("centroids", self._as_centroids("centroids", centroids, embedding))
         sampling = centroids if sampling_centroids is None else sampling_centroids
-        self.register_buffer("sampling_centroids", self._as_centroids("sampling_centroids", sampling, embedding))
+        quantized = centroid_dtype == torch.float8_e4m3fn
+        for name, given in (("centroids", centroids), ("sampling_centroids", sampling)):
+            # Quantized from float32, so the values are rounded once.
+            rows = self._as_centroids(name, given, embedding, torch.float32 if quantized else embedding.dtype)
+            rows, scale = ops.quantize_centroids(rows) if quantized else (rows, None)
+            self.register_buffer(name, rows)
+            self.register_buffer(self._SCALES[name], scale)
         if self.sampling_centroids.shape[0] != self.centroids.shape[0]:
             raise ValueError(f"sampling_centroids must have one row per cluster like centroids ({self.centroids.shape[0]}), "
                              f"got shape {tuple(self.sampling_centroids.shape)}")
@@ -200,14 +219,14 @@ class FlashHead(_HeadBase):
         self.probes = probes
 
     @staticmethod
-    def _as_centroids(name: str, centroids, embedding: Tensor) -> Tensor:
+    def _as_centroids(name: str, centroids, embedding: Tensor, dtype: torch.dtype) -> Tensor:
         if not isinstance(centroids, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor [num_clusters, hidden_dim], got {type(centroids).__name__}")
         if centroids.dim() != 2 or centroids.shape[1] != embedding.shape[1] or centroids.shape[0] == 0:
             raise ValueError(f"{name} must have shape [num_clusters, {embedding.shape[1]}], got {tuple(centroids.shape)}")
         if not centroids.is_floating_point():
             raise TypeError(f"{name} must be a float tensor, got {centroids.dtype}")
-        centroids = _own_copy(centroids, embedding.device, embedding.dtype)
+        centroids = _own_copy(centroids, embedding.device, dtype)
         _check_finite(name, centroids)
         return centroids
 
@@ -230,7 +249,15 @@ class FlashHead(_HeadBase):
             state_dict[prefix + "extra_ids"] = torch.empty(0, dtype=torch.int32)  # saved without special tokens
         for name in ("centroids", "sampling_centroids"):
             if isinstance(incoming(name), Tensor):
-                _check_finite(f"{prefix}{name} in the state dict", incoming(name).to(self.centroids.dtype))
+                # A copy between the two kinds would cast fp8 values without their scale, or drop one.
+                if (incoming(name).dtype == torch.float8_e4m3fn) != (self.centroid_dtype == torch.float8_e4m3fn):
+                    raise ValueError(f"{prefix}{name} in the state dict is {incoming(name).dtype} and this head keeps "
+                                     f"{self.centroid_dtype} centroids: build the head with the state's centroid_dtype")
+                _check_finite(f"{prefix}{name} in the state dict", incoming(name).to(torch.float32))
+            scale = incoming(self._SCALES[name])
+            if isinstance(scale, Tensor) and not bool((torch.isfinite(scale) & (scale > 0)).all()):
+                raise ValueError(f"{prefix}{self._SCALES[name]} in the state dict must be finite and positive, "
+                                 f"got {scale.tolist()}")
         if isinstance(incoming("cluster_tokens"), Tensor):
             ops.validate_cluster_table(incoming("cluster_tokens"), self.vocab_size)
         if isinstance(incoming("extra_ids"), Tensor):
@@ -246,6 +273,21 @@ class FlashHead(_HeadBase):
         super().__setstate__(state)
         if self._buffers.get("extra_ids") is None:  # pickled when no special tokens meant None
             self._buffers["extra_ids"] = torch.empty(0, dtype=torch.int32, device=self.centroids.device)
+
+    @property
+    def centroid_dtype(self) -> torch.dtype:
+        return self.centroids.dtype
+
+    def _apply(self, fn, recurse=True):
+        # Module casts (head.half(), model.to(dtype)) cast every float buffer; fp8 centroids and
+        # their float32 scales keep their dtypes (fp8 values and power-of-two scales survive the
+        # round trip exactly), as the head was built to read them.
+        names = (*self._SCALES, *self._SCALES.values()) if self.centroid_scale is not None else ()
+        kept = {name: self._buffers[name].dtype for name in names}
+        super()._apply(fn, recurse)
+        for name, dtype in kept.items():
+            self._buffers[name] = self._buffers[name].to(dtype)
+        return self
 
     @property
     def num_clusters(self) -> int:
@@ -280,7 +322,7 @@ class FlashHead(_HeadBase):
         the rows of ``hidden`` (its leading dimensions flattened), is written and returned instead."""
         rows = self._rows(hidden)
         tokens = ops.decode_greedy(rows, self.centroids, self.cluster_tokens, self.embedding, self.probes, self._extra_ids,
-                                   out=out)
+                                   out=out, centroid_scale=self.centroid_scale)
         return tokens if out is not None else tokens.reshape(hidden.shape[:-1])
 
     def sample(self, hidden: Tensor, temperature: float = 1.0, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
@@ -291,7 +333,7 @@ class FlashHead(_HeadBase):
         rows = self._rows(hidden)
         tokens, logprobs = ops.decode_sample(
             rows, self.sampling_centroids, self.cluster_tokens, self.embedding, self.probes, temperature,
-            self._extra_ids, generator=generator,
+            self._extra_ids, generator=generator, centroid_scale=self.sampling_centroid_scale,
         )
         return tokens.reshape(hidden.shape[:-1]), logprobs.reshape(hidden.shape[:-1])
 
@@ -299,7 +341,7 @@ class FlashHead(_HeadBase):
         """The ``probes`` best clusters' tokens, then the special ones: ids int32 ``[..., N]`` (N =
         ``num_candidates``; -1 marks a padding slot, whose logit is -inf) and their exact float32 logits."""
         rows = self._rows(hidden)
-        cluster_ids, _ = ops.select_clusters(rows, self.centroids, self.probes)
+        cluster_ids, _ = ops.select_clusters(rows, self.centroids, self.probes, centroid_scale=self.centroid_scale)
         candidates = ops.gather_candidates(cluster_ids, self.cluster_tokens, self._extra_ids)
         logits = ops.candidate_logits(rows, self.embedding, candidates)
         return self._unflatten(candidates, hidden), self._unflatten(logits, hidden)
@@ -307,4 +349,4 @@ class FlashHead(_HeadBase):
     def extra_repr(self) -> str:
         return (f"vocab_size={self.vocab_size}, hidden_dim={self.hidden_dim}, num_clusters={self.num_clusters}, "
                 f"cluster_size={self.cluster_size}, probes={self.probes}, "
-                f"special_tokens={self.extra_ids.numel()}")
+                f"special_tokens={self.extra_ids.numel()}, centroid_dtype={self.centroid_dtype}")

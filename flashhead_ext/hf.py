@@ -297,9 +297,10 @@ class FlashHeadAttachment:
     training) keep the clusters built for the old ones: ``detach`` and ``attach`` again.
     """
 
-    def __init__(self, linear: nn.Linear, assets, probes: Optional[int]):
+    def __init__(self, linear: nn.Linear, assets, probes: Optional[int], centroid_dtype: Optional[torch.dtype] = None):
         self.linear = linear
         self.assets = assets
+        self.centroid_dtype = centroid_dtype
         self.probes = assets.n_probes if probes is None else probes
         self.enabled = True
         self._head: Optional[FlashHead] = None
@@ -338,7 +339,7 @@ class FlashHeadAttachment:
         # that record autograd.
         with torch.inference_mode(False):
             try:
-                head = self.assets.head(weight.detach(), self.probes)
+                head = self.assets.head(weight.detach(), self.probes, centroid_dtype=self.centroid_dtype)
             except ValueError as error:
                 if tuple(weight.shape) == self._attached_shape:
                     raise
@@ -412,7 +413,7 @@ def _published_assets_dir(model) -> Optional[Path]:
 
 
 def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build_if_missing: bool = True,
-           tokenizer=None, **build_options) -> FlashHeadAttachment:
+           tokenizer=None, centroid_dtype: Optional[torch.dtype] = None, **build_options) -> FlashHeadAttachment:
     """Makes a transformers causal LM choose its next token through FlashHead.
 
     Args:
@@ -433,6 +434,8 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
             several minutes on 2 CPU cores the first time, cached), which for SmolLM2 lifts top-1
             agreement at 12.5% of the vocabulary scored from 95.2% to 99.3% (docs/quality.md).
             Without it the clustering is plain k-means.
+        centroid_dtype: the head's centroid dtype (:class:`~flashhead_ext.head.FlashHead`): the
+            weight's (the default), or ``torch.float8_e4m3fn``.
         build_options: ``special_token_ids`` (scored at every step; added to given or found
             assets' own), ``progress``, and, only when a clustering is built (a TypeError
             otherwise), the other options of :func:`~flashhead_ext.assets.flash_head_for`.
@@ -483,7 +486,7 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
         raise TypeError(f"{sorted(build_options)} apply only when attach builds a clustering, not to given or found assets")
     if specials:  # on a copy: the caller's assets keep their own
         assets = dataclasses.replace(assets, special_token_ids=sorted(set(assets.special_token_ids) | set(specials)))
-    attachment = FlashHeadAttachment(linear, assets, probes)
+    attachment = FlashHeadAttachment(linear, assets, probes, centroid_dtype)
     attachment.head()  # checks the assets against the embedding and the probes now, not mid-generate
     linear.forward = attachment.forward  # an instance attribute shadows nn.Linear.forward
     linear._apply = attachment._apply

@@ -18,10 +18,13 @@ def test_head_bench_cli_with_special_tokens(tmp_path, capsys):
     points = {(r["batch"], r["probes"]) for r in rows}
     assert points == {(1, 7), (1, 31), (3, min(256, shape.num_clusters))}
     assert all(r["special_tokens"] == 5 and r["us"] > 0 and r["x_vs_dense"] > 0 for r in rows)
-    assert len(rows) == 4 * len(points)  # every impl at every point (eager only on a CPU)
-    greedy = next(r for r in rows if r["impl"] == "flash_greedy" and r["batch"] == 1 and r["probes"] == 7)
+    assert len(rows) == 6 * len(points)  # every impl at every point (eager only on a CPU)
+    greedy, fp8 = (next(r for r in rows if r["impl"] == impl and r["batch"] == 1 and r["probes"] == 7)
+                   for impl in ("flash_greedy", "flash_greedy_fp8"))
     rows_read = 1 * 7 * shape.cluster_size + 5
     assert greedy["floor_bytes"] == shape.num_clusters * shape.dim * 4 + rows_read * (shape.dim * 4 + 4) + shape.dim * 4
+    # fp8 centroids: one byte an element instead of four
+    assert greedy["floor_bytes"] - fp8["floor_bytes"] == shape.num_clusters * shape.dim * 3
 
 
 def test_plain_torch_baseline_decodes_like_ours_with_special_tokens():
@@ -31,6 +34,9 @@ def test_plain_torch_baseline_decodes_like_ours_with_special_tokens():
         plain = state.head_call("torch_flash", 3, probes, 0)()
         ours = state.head_call("flash_greedy", 3, probes, 0)()
         assert torch.equal(plain, ours), probes
+    # With every cluster probed the fp8 centroids' rounding cannot change the candidates.
+    every = SHAPES["tiny"].num_clusters
+    assert torch.equal(state.head_call("flash_greedy_fp8", 3, every, 0)(), state.head_call("flash_greedy", 3, every, 0)())
 
 
 def test_head_bench_refuses_bad_special_tokens():
@@ -54,6 +60,8 @@ def test_summary_names_a_baseline_that_was_not_run():
     assert "flash_greedy 21.0 us" in text and "4.00x dense (goal >= 6)" in text
     assert "torch_flash not run" in text and "nan" not in text
     rows.append(dict(point, impl="torch_flash", us=63.0))
+    rows.append(dict(point, impl="flash_greedy_fp8", us=16.8))
     add_ratios(rows)
     assert "3.00x torch_flash (goal >= 4)" in summary(rows, "qwen3-0.6b")
+    assert "flash_greedy_fp8 16.8 us, 5.00x dense" in summary(rows, "qwen3-0.6b")
     assert "nothing to compare" in summary([dict(r, mode="eager") for r in rows], "qwen3-0.6b")

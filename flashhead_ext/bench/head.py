@@ -2,7 +2,8 @@
 
 Compares, on the same device and in the same process: the torch dense head (matmul + argmax),
 a plain-torch FlashHead (matmul, topk, index gather, einsum, argmax) and our fused ops (greedy
-and sampling), eager and CUDA-graph replayed. Weights are random (timing does not depend on
+and sampling; ``*_fp8``: with float8_e4m3fn centroids and their scale, as
+``FlashHead(centroid_dtype=torch.float8_e4m3fn)`` keeps them), eager and CUDA-graph replayed. Weights are random (timing does not depend on
 trained values; never zeros). Each timed sample runs ``--calls`` head calls that rotate over
 several copies of the centroids and cluster table and over fresh hidden states, so, as in a
 real decode step where the model body flushes L2 between head calls, the head reads its bytes
@@ -43,7 +44,7 @@ SHAPES = {
     "tiny": VocabShape(4000, 64),  # for a quick check of the CLI itself, e.g. on a CPU
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-IMPLS = ("dense", "torch_flash", "flash_greedy", "flash_sample")
+IMPLS = ("dense", "torch_flash", "flash_greedy", "flash_sample", "flash_greedy_fp8", "flash_sample_fp8")
 
 
 class HeadState:
@@ -60,10 +61,11 @@ class HeadState:
         scale = dim ** -0.5
         # One embedding: at 100+ MB it never fits in L2, and real candidate rows are scattered in it.
         self.embedding = (torch.randn(vocab, dim, generator=gen, device=device) * scale).to(dtype)
-        self.centroids, self.tables, self.hidden = [], [], []
+        self.centroids, self.fp8_centroids, self.tables, self.hidden = [], [], [], []
         for _ in range(copies):
             cents = torch.nn.functional.normalize(torch.randn(clusters, dim, generator=gen, device=device), dim=1)
             self.centroids.append(cents.to(dtype))
+            self.fp8_centroids.append(ops.quantize_centroids(cents))
             order = torch.randperm(clusters * b, generator=gen, device=device)
             table = torch.where(order < vocab, order, torch.full_like(order, -1)).view(clusters, b)
             self.tables.append(table.to(torch.int32))
@@ -84,6 +86,11 @@ class HeadState:
             return lambda: ops.decode_greedy(h, cents, table, emb, probes, extra)
         if impl == "flash_sample":
             return lambda: ops.decode_sample(h, cents, table, emb, probes, 1.0, extra, seed=self.seed)
+        fp8, scale = self.fp8_centroids[i]
+        if impl == "flash_greedy_fp8":
+            return lambda: ops.decode_greedy(h, fp8, table, emb, probes, extra, centroid_scale=scale)
+        if impl == "flash_sample_fp8":
+            return lambda: ops.decode_sample(h, fp8, table, emb, probes, 1.0, extra, seed=self.seed, centroid_scale=scale)
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
@@ -101,12 +108,14 @@ def torch_flash_greedy(hidden, centroids, cluster_tokens, embedding, probes, ext
 
 def floor_bytes(impl: str, shape: VocabShape, batch: int, probes: int, dtype: torch.dtype,
                 special_tokens: int = 0) -> int:
-    """Fewest bytes a call must read: the whole embedding for dense; centroids + candidate rows otherwise."""
+    """Fewest bytes a call must read: the whole embedding for dense; centroids (one byte an element
+    in fp8) + candidate rows otherwise."""
     es = torch.finfo(dtype).bits // 8
     if impl == "dense":
         return shape.vocab * shape.dim * es + batch * shape.dim * es
     rows = min(shape.vocab, batch * probes * shape.cluster_size + special_tokens)
-    return shape.num_clusters * shape.dim * es + rows * (shape.dim * es + 4) + batch * shape.dim * es
+    centroid_bytes = 1 if impl.endswith("_fp8") else es
+    return shape.num_clusters * shape.dim * centroid_bytes + rows * (shape.dim * es + 4) + batch * shape.dim * es
 
 
 def measure(state: HeadState, impl: str, batch: int, probes: int, mode: str, calls: int, samples: int, device: str) -> float:
@@ -238,6 +247,10 @@ def summary(rows: list[dict], main_shape: str) -> str:
                      + ", ".join(ratios))
     if greedy and sample:
         lines.append(f"  sampling/greedy: {sample['us'] / greedy['us']:.2f}x (goal <= 1.5)")
+    fp8 = pick(shape=main_shape, batch=1, probes=256, impl="flash_greedy_fp8", mode="graph")
+    if fp8:
+        ratio = f", {fp8['x_vs_dense']:.2f}x dense" if "x_vs_dense" in fp8 else ""
+        lines.append(f"  fp8 centroids, B=1 p=256 graph: flash_greedy_fp8 {fp8['us']:.1f} us{ratio}")
     batch_rows = sorted({r["batch"] for r in rows if r["shape"] == main_shape and r["impl"] == "dense" and r["mode"] == "graph"})
     wins = [b for b in batch_rows
             if (d := pick(shape=main_shape, batch=b, impl="dense", mode="graph"))

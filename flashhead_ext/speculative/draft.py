@@ -50,7 +50,7 @@ def early_exit_draft(target, num_layers: int):
 
 def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clustering=None, cluster_size: int = 16,
                     kmeans_iters: int = 15, seed: int = 0, special_token_ids: Sequence[int] = (),
-                    progress: bool = False):
+                    progress: bool = False, centroid_dtype: Optional[torch.dtype] = None):
     """The draft's head over its output embedding (shared, not copied; a float64 one is copied to
     float32, since the heads compute in float16 / bfloat16 / float32 and the drivers cast hidden
     states to the head's dtype).
@@ -60,7 +60,8 @@ def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clusterin
     ``.centroids`` and ``.cluster_tokens``, e.g. from :func:`flashhead_ext.clustering.build_clusters`)
     is used when given; otherwise one is built, or loaded from the user cache when it was built
     before (:func:`flashhead_ext.assets.flash_head_for`). ``probes`` defaults to C/16;
-    ``special_token_ids`` (e.g. the EOS ids) are scored at every step.
+    ``special_token_ids`` (e.g. the EOS ids) are scored at every step; ``centroid_dtype`` is
+    :class:`FlashHead`'s (float8_e4m3fn halves the centroid bytes).
     """
     if kind not in HEADS:
         raise ValueError(f"kind must be one of {HEADS}, got {kind!r}")
@@ -71,7 +72,8 @@ def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clusterin
         return DenseHead(embedding)
     if clustering is None:
         return flash_head_for(embedding, cluster_size, probes, special_token_ids=special_token_ids,
-                              iters=kmeans_iters, seed=seed, progress=progress)[0]
+                              iters=kmeans_iters, seed=seed, progress=progress, centroid_dtype=centroid_dtype)[0]
     num_clusters = clustering.cluster_tokens.shape[0]
     return FlashHead(embedding, clustering.centroids, clustering.cluster_tokens,
-                     default_probes(num_clusters) if probes is None else probes, special_token_ids)
+                     default_probes(num_clusters) if probes is None else probes, special_token_ids,
+                     centroid_dtype=centroid_dtype)
