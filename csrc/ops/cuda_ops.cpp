@@ -107,10 +107,11 @@ std::tuple<at::Tensor, at::Tensor> cluster_select(const char* op, const at::Tens
     using T = std::remove_pointer_t<decltype(tag)>;
     dispatch_centroids(centroids.scalar_type(), tag, [&](auto* centroid_tag) {
       using TC = std::remove_pointer_t<decltype(centroid_tag)>;
-      C10_CUDA_CHECK(launch_cluster_select<T, TC>(data_as<T>(hidden), data_as<TC>(centroids),
-                                                  optional_scale(centroid_scale), shape, sampling,
-                                                  cluster_ids.data_ptr<int32_t>(), scores.data_ptr<float>(),
-                                                  ws.data_ptr(), stream));
+      // Parenthesised: the template's comma would split the macro's argument.
+      C10_CUDA_CHECK((launch_cluster_select<T, TC>(data_as<T>(hidden), data_as<TC>(centroids),
+                                                   optional_scale(centroid_scale), shape, sampling,
+                                                   cluster_ids.data_ptr<int32_t>(), scores.data_ptr<float>(),
+                                                   ws.data_ptr(), stream)));
     });
   });
   return {cluster_ids, scores};
@@ -205,8 +206,8 @@ void decode(const char* op, const at::Tensor& hidden_in, const at::Tensor& centr
       t.cluster_tokens = cluster_tokens.data_ptr<int32_t>();
       t.embedding = data_as<T>(embedding);
       t.extra_ids = optional_ids(extra_ids);
-      C10_CUDA_CHECK(launch_decode<T, TC>(t, shape, sampling, tokens.data_ptr<int64_t>(), tokens.stride(0),
-                                          token_logprobs, ws.data_ptr(), stream));
+      C10_CUDA_CHECK((launch_decode<T, TC>(t, shape, sampling, tokens.data_ptr<int64_t>(), tokens.stride(0),
+                                           token_logprobs, ws.data_ptr(), stream)));
     });
   });
 }
