@@ -706,6 +706,13 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
         ("tiny-gemma3", "eager", "dense"), ("tiny-gemma3", "eager", "flashhead")]
     assert "tiny-gemma3: body 'fused' skipped" in capsys.readouterr().out
     assert rows[1]["dense_over_flash"] > 0 and rows[0]["speedup_vs_first_body"] == 1.0 and rows[3]["speedup_vs_first_body"] > 0
+    assert main(["draft-step", "--shapes", "tiny", "--dtype", "bf16", "--samples", "2", "--device", "cpu", "--bodies", "eager",
+                 "--centroid-dtype", "fp8", "--json", str(tmp_path / "fp8.json")]) == 0
+    assert json.loads((tmp_path / "fp8.json").read_text())["meta"]["args"]["centroid_dtype"] == "fp8"
+    from argparse import Namespace
+    from flashhead_ext.bench.spec import make_head
+    fp8_args = Namespace(cluster_size=4, probes=None, centroid_dtype="fp8")
+    assert make_head("flashhead", torch.randn(99, 32), fp8_args).centroid_dtype == torch.float8_e4m3fn
     with pytest.raises(SystemExit):
         main(["draft-step", "--bodies", "eager,jit", "--device", "cpu"])
     assert main(["spec", "--target", "tiny", "--draft", "tiny", "--dtype", "fp32", "--device", "cpu", "--num-prompts", "1",

@@ -37,23 +37,14 @@ struct alignas(sizeof(T) * W) Chunk {
   T v[W];
 };
 
-// A chunk wider than 16 bytes (the hidden elements that match one 16-byte chunk of fp8 rows)
-// takes several 16-byte loads.
 template <typename T, int W>
 __device__ __forceinline__ Chunk<T, W> load_chunk(const T* p) {
   Chunk<T, W> c;
-  if constexpr (sizeof(Chunk<T, W>) % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < int(sizeof(c) / 16); ++i) {
-      const int4 raw = __ldg(reinterpret_cast<const int4*>(p) + i);
-      memcpy(reinterpret_cast<char*>(&c) + 16 * i, &raw, sizeof(raw));
-    }
-  } else if constexpr (sizeof(T) == 1) {
-    static_assert(W == 1, "chunks are whole 16-byte vectors or one element");
-    const unsigned char raw = __ldg(reinterpret_cast<const unsigned char*>(p));
-    memcpy(&c, &raw, 1);
+  if constexpr (sizeof(Chunk<T, W>) == 16) {
+    const int4 raw = __ldg(reinterpret_cast<const int4*>(p));
+    memcpy(&c, &raw, sizeof(raw));
   } else {
-    static_assert(W == 1, "chunks are whole 16-byte vectors or one element");
+    static_assert(W == 1, "chunks are 16 bytes or one element");
     c.v[0] = __ldg(p);
   }
   return c;
@@ -66,7 +57,7 @@ __device__ __forceinline__ Chunk<T, W> load_chunk(const T* p) {
 constexpr int kRowsOnceMaxBatch = 8;
 __host__ __device__ inline bool rows_read_once(int batch) { return batch <= kRowsOnceMaxBatch; }
 
-// The L2 policy of load_row_chunk: evict-first for rows read once, else normal.
+// The L2 policy of the dot products' row loads (load_piece): evict-first for rows read once, else normal.
 __device__ __forceinline__ uint64_t row_policy(bool read_once) {
   uint64_t first, normal;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(first));
@@ -74,43 +65,91 @@ __device__ __forceinline__ uint64_t row_policy(bool read_once) {
   return read_once ? first : normal;
 }
 
-// load_chunk of a row chunk under an L2 policy (16-byte chunks; single elements load plainly).
-template <typename T, int W>
-__device__ __forceinline__ Chunk<T, W> load_row_chunk(const T* p, uint64_t policy) {
-  if constexpr (sizeof(Chunk<T, W>) == 16) {
-    Chunk<T, W> c;
-    int4 raw;
-    asm("ld.global.nc.L2::cache_hint.v4.s32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-        : "l"(p), "l"(policy));
-    memcpy(&c, &raw, sizeof(raw));
-    return c;
-  } else {
-    return load_chunk<T, W>(p);
-  }
-}
-
 template <typename T>
 constexpr int kVecWidth = 16 / sizeof(T);
 
-// A chunk's elements as floats. fp8 converts in pairs (one cvt to f16x2, exact, NaN kept): its
-// one-at-a-time conversion goes through the slow conversion unit and would bound the scoring.
+// What a lane holds of W consecutive elements for the dot products: whole 16-byte vectors as raw
+// 32-bit words, converted straight from them, or one element in the low bits of a word. (A
+// struct of W elements cost a register move per element before each conversion: the scoring
+// loop issued about three times the instructions its arithmetic needs.)
 template <typename T, int W>
-__device__ __forceinline__ void chunk_floats(const Chunk<T, W>& c, float (&out)[W]) {
-  if constexpr (std::is_same_v<T, __nv_fp8_e4m3> && W % 2 == 0) {
+struct Piece {
+  static_assert(W == 1 || (sizeof(T) * W) % 16 == 0, "whole 16-byte vectors or one element");
+  static constexpr int kWords = W == 1 ? 1 : int(sizeof(T)) * W / 4;
+  uint32_t word[kWords];
+};
+
+// Elements of T packed in a 32-bit word (little-endian: element 0 in the low bits) as floats.
+// fp8 converts in pairs (one cvt to f16x2, exact, NaN kept); one at a time it goes through the
+// slow conversion unit.
+template <typename T>
+constexpr int kPerWord = 4 / sizeof(T);
+template <typename T>
+__device__ __forceinline__ void word_floats(uint32_t w, float* out) {
+  if constexpr (std::is_same_v<T, float>) {
+    out[0] = __uint_as_float(w);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    out[0] = __uint_as_float(w << 16);
+    out[1] = __uint_as_float(w & 0xffff0000u);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    __half2 pair;
+    memcpy(&pair, &w, sizeof(w));
+    const float2 f = __half22float2(pair);
+    out[0] = f.x;
+    out[1] = f.y;
+  } else {
+    static_assert(std::is_same_v<T, __nv_fp8_e4m3>, "float, bfloat16, half or fp8 e4m3");
 #pragma unroll
-    for (int e = 0; e < W; e += 2) {
-      __nv_fp8x2_storage_t pair;
-      memcpy(&pair, &c.v[e], sizeof(pair));
-      const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+    for (int k = 0; k < 2; ++k) {
+      const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> (16 * k)), __NV_E4M3);
       const float2 f = __half22float2(__half2(raw));
-      out[e] = f.x;
-      out[e + 1] = f.y;
+      out[2 * k] = f.x;
+      out[2 * k + 1] = f.y;
+    }
+  }
+}
+
+template <typename T, int W>
+__device__ __forceinline__ void piece_floats(const Piece<T, W>& piece, float (&out)[W]) {
+  if constexpr (W == 1) {
+    float all[kPerWord<T>];
+    word_floats<T>(piece.word[0], all);
+    out[0] = all[0];
+  } else {
+#pragma unroll
+    for (int i = 0; i < Piece<T, W>::kWords; ++i) word_floats<T>(piece.word[i], out + i * kPerWord<T>);
+  }
+}
+
+// A piece of row p (under an L2 policy) or of hidden (plain loads: it stays in L1).
+template <typename T, int W>
+__device__ __forceinline__ Piece<T, W> load_piece(const T* p, const uint64_t* policy) {
+  Piece<T, W> piece;
+  if constexpr (W == 1) {
+    piece.word[0] = 0;
+    if constexpr (sizeof(T) == 1) {
+      piece.word[0] = __ldg(reinterpret_cast<const unsigned char*>(p));
+    } else if constexpr (sizeof(T) == 2) {
+      piece.word[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
+    } else {
+      piece.word[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
     }
   } else {
 #pragma unroll
-    for (int e = 0; e < W; ++e) out[e] = to_float(c.v[e]);
+    for (int i = 0; i < Piece<T, W>::kWords / 4; ++i) {
+      const int4* at = reinterpret_cast<const int4*>(p) + i;
+      int4 raw;
+      if (policy) {
+        asm("ld.global.nc.L2::cache_hint.v4.s32 {%0, %1, %2, %3}, [%4], %5;"
+            : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+            : "l"(at), "l"(*policy));
+      } else {
+        raw = __ldg(at);
+      }
+      memcpy(&piece.word[4 * i], &raw, sizeof(raw));
+    }
   }
+  return piece;
 }
 
 // Rows of D elements can use 16-byte loads when every row starts 16-byte aligned.
@@ -164,7 +203,7 @@ __device__ __forceinline__ float warp_max(float x) {
 }
 
 // Dot products of ROWS rows (of TR: T, or fp8 centroids) with RB hidden rows (of T) over D
-// elements, fp32 accumulation; a chunk is W elements of each. The rows are loaded under `policy`
+// elements, fp32 accumulation; a piece is W elements of each. The rows are loaded under `policy`
 // (row_policy). A null row pointer is a masked row: it is never read and its sums are 0. The loop
 // keeps ROWS * U loads of each lane in flight before the first use. Every lane returns the full sums.
 template <typename TR, typename T, int W, int ROWS, int RB, int U>
@@ -173,30 +212,33 @@ __device__ __forceinline__ void warp_dot_chunks(const TR* const (&rows)[ROWS], c
   const int lane = threadIdx.x % kWarpSize;
   const int num_chunks = dim / W;
   for (int base = 0; base < num_chunks; base += kWarpSize * U) {
-    Chunk<TR, W> c[ROWS][U];
-    Chunk<T, W> h[RB][U];
+    Piece<TR, W> c[ROWS][U];
+    Piece<T, W> h[RB][U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int idx = base + u * kWarpSize + lane;
       const bool in_range = idx < num_chunks;
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) c[r][u] = (in_range && rows[r]) ? load_row_chunk<TR, W>(rows[r] + int64_t{idx} * W, policy) : Chunk<TR, W>{};
+      for (int r = 0; r < ROWS; ++r)
+        c[r][u] = (in_range && rows[r]) ? load_piece<TR, W>(rows[r] + int64_t{idx} * W, &policy) : Piece<TR, W>{};
 #pragma unroll
-      for (int b = 0; b < RB; ++b) h[b][u] = (in_range && hid[b]) ? load_chunk<T, W>(hid[b] + int64_t{idx} * W) : Chunk<T, W>{};
+      for (int b = 0; b < RB; ++b)
+        h[b][u] = (in_range && hid[b]) ? load_piece<T, W>(hid[b] + int64_t{idx} * W, nullptr) : Piece<T, W>{};
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      float hf[RB][W], cf[ROWS][W];
+      float hf[RB][W];
 #pragma unroll
-      for (int b = 0; b < RB; ++b) chunk_floats(h[b][u], hf[b]);
+      for (int b = 0; b < RB; ++b) piece_floats(h[b][u], hf[b]);
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) chunk_floats(c[r][u], cf[r]);
+      for (int r = 0; r < ROWS; ++r) {
+        float cf[W];
+        piece_floats(c[r][u], cf);
 #pragma unroll
-      for (int e = 0; e < W; ++e)
+        for (int e = 0; e < W; ++e)
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-          for (int b = 0; b < RB; ++b) acc[r][b] = fmaf(cf[r][e], hf[b][e], acc[r][b]);
+          for (int b = 0; b < RB; ++b) acc[r][b] = fmaf(cf[e], hf[b][e], acc[r][b]);
+      }
     }
   }
 }

@@ -21,6 +21,7 @@ import math
 from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -110,7 +111,11 @@ def step_read_bytes(model: Decoder, keys: int) -> int:
     return weights + embedding_row + cache_read_bytes(model, keys)
 
 
-def random_flash_head(embedding: torch.Tensor, cluster_size: int, probes, seed: int = 0) -> FlashHead:
+CENTROID_DTYPES = {"model": None, "fp8": torch.float8_e4m3fn}  # FlashHead's centroid_dtype
+
+
+def random_flash_head(embedding: torch.Tensor, cluster_size: int, probes, seed: int = 0,
+                      centroid_dtype: Optional[torch.dtype] = None) -> FlashHead:
     """A FlashHead over ``embedding`` with a random partition of the vocabulary; ``probes`` None: C/16."""
     vocab = embedding.shape[0]
     clusters = math.ceil(vocab / cluster_size)
@@ -119,17 +124,22 @@ def random_flash_head(embedding: torch.Tensor, cluster_size: int, probes, seed: 
     table = torch.where(order < vocab, order, torch.full_like(order, -1)).view(clusters, cluster_size)
     members = embedding[table.clamp(min=0)].float() * (table >= 0).unsqueeze(-1)
     centroids = torch.nn.functional.normalize(members.sum(1), dim=1)
-    return FlashHead(embedding, centroids, table, max(1, clusters // 16) if probes is None else probes)
+    return FlashHead(embedding, centroids, table, max(1, clusters // 16) if probes is None else probes,
+                     centroid_dtype=centroid_dtype)
 
 
 def make_head(kind: str, embedding: torch.Tensor, args):
-    return DenseHead(embedding) if kind == "dense" else random_flash_head(embedding, args.cluster_size, args.probes)
+    if kind == "dense":
+        return DenseHead(embedding)
+    return random_flash_head(embedding, args.cluster_size, args.probes, centroid_dtype=CENTROID_DTYPES[args.centroid_dtype])
 
 
 def _common(parser: argparse.ArgumentParser, json_default: str) -> None:
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="the models' dtype")
     parser.add_argument("--probes", type=int, default=None, help="FlashHead clusters per step (None: C/16)")
     parser.add_argument("--cluster-size", type=int, default=16, help="tokens per FlashHead cluster")
+    parser.add_argument("--centroid-dtype", default="model", choices=sorted(CENTROID_DTYPES),
+                        help="FlashHead's centroids: in the model's dtype, or float8_e4m3fn with a scale")
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="the models' device")
     parser.add_argument("--attention", default="sdpa", choices=ATTENTION, help="the decoders' attention implementation")
