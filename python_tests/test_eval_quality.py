@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from flashhead_ext import DenseHead, hf
+from flashhead_ext import DenseHead, FlashHead, hf
 from flashhead_ext.assets import FlashHeadAssets
 from flashhead_ext.clustering import build_clusters, calibrate_clusters
 from flashhead_ext.eval import quality
@@ -78,6 +78,14 @@ def test_scores_match_flashhead_itself(method, vocab, size):
         weighted = sum(row["per_category"][c]["top1_agreement"] * n for c, n in zip("ab", tokens)) / 61
         assert weighted == pytest.approx(row["top1_agreement"], abs=1e-6)
         assert row["worst_category"]["top1_agreement"] == min(v["top1_agreement"] for v in row["per_category"].values())
+    # Ranked by fp8 centroids: the agreement of FlashHead(centroid_dtype=torch.float8_e4m3fn) itself.
+    fp8_rows = quality.score_assets(assets, hidden, top, categories, [1, 2, 5], always,
+                                    quality.fp8_centroids(assets.centroids))
+    for row in fp8_rows:
+        head = FlashHead(emb, assets.centroids, assets.cluster_tokens, row["probes"], special_token_ids=always,
+                         centroid_dtype=torch.float8_e4m3fn)
+        agree = float((head.next_token(hidden) == DenseHead(emb).next_token(hidden)).float().mean())
+        assert row["top1_agreement"] == pytest.approx(agree, abs=1e-6)
 
 
 def test_cluster_ranks_break_ties_to_the_smaller_cluster_id():
@@ -116,7 +124,8 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     prompts = _questions(tmp_path / "questions.jsonl")
     calls = _record_spy(monkeypatch)
-    argv = _argv(tmp_path, tiny_model_dir, prompts, "--methods", "kmeans,kmeans-fit,calibrated", "--frequent-tokens", "3")
+    argv = _argv(tmp_path, tiny_model_dir, prompts, "--methods", "kmeans,kmeans-fit,calibrated", "--frequent-tokens", "3",
+                 "--fp8-centroids")
     assert main(argv) == 0
     result = json.loads((tmp_path / "out" / "quality.json").read_text())
     assert (tmp_path / "out" / "quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -130,7 +139,8 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir):
     assert all(i % 2 == 0 for i in result["calibration"]["question_ids"])
 
     methods = {r["method"] for r in result["results"]}
-    assert methods == {"kmeans", "kmeans-fit", "calibrated", "kmeans+frequent3", "kmeans-fit+frequent3", "calibrated+frequent3"}
+    plain = {"kmeans", "kmeans-fit", "calibrated", "kmeans+frequent3", "kmeans-fit+frequent3", "calibrated+frequent3"}
+    assert methods == plain | {f"{m}+fp8" for m in plain}
     assert {(r["cluster_size"], r["num_clusters"]) for r in result["results"]} == {(4, 25), (7, 14)}
     assert {r["probes"] for r in result["results"]} == {1, 2, 3}  # 40 > C for both sizes
     for row in result["results"]:

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--cluster-sizes", type=_probes_list, default=[16], help="comma-separated tokens per cluster b (default: 16)")
     quality.add_argument("--frequent-tokens", type=int, default=0,
                          help="also score each method with this many of the calibration's most frequent tokens always scored (default: %(default)s)")
+    quality.add_argument("--fp8-centroids", action="store_true",
+                         help="also score each method with its centroids in float8_e4m3fn (rows '<method>+fp8'), as "
+                              "FlashHead(centroid_dtype=torch.float8_e4m3fn) ranks clusters")
     quality.add_argument("--iters", type=_positive_int, default=15, help="k-means iterations (default: %(default)s)")
     quality.add_argument("--seed", type=int, default=0, help="k-means seed (default: %(default)s)")
     quality.add_argument("--batch-size", type=_positive_int, default=8, help="prompts generated at once while recording (default: %(default)s)")

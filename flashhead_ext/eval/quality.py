@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from .. import ops
 from ..assets import FlashHeadAssets, flash_head_for
 from ..bench.timing import source_commit
 from ..clustering import fit_max_logit_centroids
@@ -84,12 +85,20 @@ def frequent_tokens(tokens: Tensor, count: int, vocab_size: int) -> list:
     return torch.sort(-frequency, stable=True).indices[:count].tolist()
 
 
+def fp8_centroids(centroids: Tensor) -> Tensor:
+    """The values ``FlashHead(centroid_dtype=torch.float8_e4m3fn)`` ranks clusters by: the e4m3
+    centroids times their power-of-two scale (float32, exact), so their ranks are the head's."""
+    quantized, scale = ops.quantize_centroids(centroids.float())
+    return quantized.float() * scale
+
+
 def score_assets(assets: FlashHeadAssets, hidden: Tensor, top: Tensor, categories: Sequence[str],
-                 probes: Sequence[int], always: Sequence[int] = ()) -> list:
+                 probes: Sequence[int], always: Sequence[int] = (), centroids: Optional[Tensor] = None) -> list:
     """One result row per probes value (those above C skipped): top-1 agreement and top-k recall,
-    overall and per category, for ``assets`` with ``always`` scored at every step."""
+    overall and per category, for ``assets`` with ``always`` scored at every step, its clusters
+    ranked by ``centroids`` (default the assets' own)."""
     vocab = assets.cluster_assignments.numel()
-    ranks = cluster_ranks(hidden, assets.centroids, assets.cluster_assignments[top])
+    ranks = cluster_ranks(hidden, assets.centroids if centroids is None else centroids, assets.cluster_assignments[top])
     scored_always = torch.zeros(vocab, dtype=torch.bool)
     scored_always[torch.as_tensor(list(always), dtype=torch.int64)] = True
     scored_always = scored_always[top]
@@ -163,10 +172,12 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
                                   iters=args.iters, seed=args.seed, cache=not args.no_cache)
             build_seconds[f"{method}-b{size}"] = round(time.perf_counter() - build_start, 1)
             variants = [(method, [])] + ([(f"{method}+frequent{len(always)}", always)] if always else [])
-            for name, extra in variants:
-                for row in score_assets(assets, states["hidden"], top, categories, args.probes, extra):
-                    results.append({"method": name, "cluster_size": assets.cluster_tokens.shape[1],
-                                    "num_clusters": assets.num_clusters, "always_scored": len(extra), **row})
+            rankings = [("", None)] + ([("+fp8", fp8_centroids(assets.centroids))] if args.fp8_centroids else [])
+            for suffix, centroids in rankings:
+                for name, extra in variants:
+                    for row in score_assets(assets, states["hidden"], top, categories, args.probes, extra, centroids):
+                        results.append({"method": name + suffix, "cluster_size": assets.cluster_tokens.shape[1],
+                                        "num_clusters": assets.num_clusters, "always_scored": len(extra), **row})
     return {
         "date": time.strftime("%Y-%m-%d"),
         "git_commit": source_commit(mark_dirty=True),
