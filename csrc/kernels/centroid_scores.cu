@@ -43,12 +43,7 @@ cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const f
 #define FLASHHEAD_INSTANTIATE(T, TC)                                                                            \
   template cudaError_t launch_centroid_scores<T, TC>(const T*, const TC*, const float*, int, int, int, float*, \
                                                      const Sampling*, float*, cudaStream_t);
-FLASHHEAD_INSTANTIATE(float, float)
-FLASHHEAD_INSTANTIATE(__half, __half)
-FLASHHEAD_INSTANTIATE(__nv_bfloat16, __nv_bfloat16)
-FLASHHEAD_INSTANTIATE(float, __nv_fp8_e4m3)
-FLASHHEAD_INSTANTIATE(__half, __nv_fp8_e4m3)
-FLASHHEAD_INSTANTIATE(__nv_bfloat16, __nv_fp8_e4m3)
+FLASHHEAD_FOR_EACH_CENTROID_PAIR(FLASHHEAD_INSTANTIATE)
 #undef FLASHHEAD_INSTANTIATE
 
 }  // namespace flashhead

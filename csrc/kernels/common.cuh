@@ -14,6 +14,16 @@
 #include "kernels/api.h"
 #include "kernels/philox.cuh"
 
+// X(T, TC) for each (hidden dtype, centroid dtype) pair the centroid-scoring launchers are
+// instantiated for: the hidden dtype's own centroids, or fp8 e4m3 ones.
+#define FLASHHEAD_FOR_EACH_CENTROID_PAIR(X) \
+  X(float, float)                           \
+  X(__half, __half)                         \
+  X(__nv_bfloat16, __nv_bfloat16)           \
+  X(float, __nv_fp8_e4m3)                   \
+  X(__half, __nv_fp8_e4m3)                  \
+  X(__nv_bfloat16, __nv_fp8_e4m3)
+
 namespace flashhead {
 namespace detail {
 

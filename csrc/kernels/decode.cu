@@ -158,9 +158,9 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
                       stream, options);
   if (err != cudaSuccess) return err;
   return sampling ? detail::launch_decode_candidates<T, TC, true>(tensors, shape, sampling, ws, tokens, token_stride,
-                                                              token_logprobs, stream, options.dependent_launch)
+                                                                  token_logprobs, stream, options.dependent_launch)
                   : detail::launch_decode_candidates<T, TC, false>(tensors, shape, sampling, ws, tokens, token_stride,
-                                                               token_logprobs, stream, options.dependent_launch);
+                                                                   token_logprobs, stream, options.dependent_launch);
 }
 
 #define FLASHHEAD_INSTANTIATE(T, TC)                                                                               \
@@ -169,12 +169,7 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
                                                     const LaunchOptions&);                                          \
   template cudaError_t launch_decode<T, TC>(const HeadTensors<T, TC>&, const HeadShape&, const Sampling*, int64_t*, \
                                             int64_t, float*, void*, cudaStream_t, const LaunchOptions&);
-FLASHHEAD_INSTANTIATE(float, float)
-FLASHHEAD_INSTANTIATE(__half, __half)
-FLASHHEAD_INSTANTIATE(__nv_bfloat16, __nv_bfloat16)
-FLASHHEAD_INSTANTIATE(float, __nv_fp8_e4m3)
-FLASHHEAD_INSTANTIATE(__half, __nv_fp8_e4m3)
-FLASHHEAD_INSTANTIATE(__nv_bfloat16, __nv_fp8_e4m3)
+FLASHHEAD_FOR_EACH_CENTROID_PAIR(FLASHHEAD_INSTANTIATE)
 #undef FLASHHEAD_INSTANTIATE
 
 }  // namespace flashhead
