@@ -273,6 +273,8 @@ class FlashHead(_HeadBase):
         super().__setstate__(state)
         if self._buffers.get("extra_ids") is None:  # pickled when no special tokens meant None
             self._buffers["extra_ids"] = torch.empty(0, dtype=torch.int32, device=self.centroids.device)
+        for scale in self._SCALES.values():  # pickled before fp8 centroids: no scales
+            self._buffers.setdefault(scale, None)
 
     @property
     def centroid_dtype(self) -> torch.dtype:

@@ -241,10 +241,12 @@ def test_state_dicts_from_before_extra_ids_was_always_saved_still_load():
     head.load_state_dict(old)  # strict
     assert head.extra_ids.numel() == 0
     assert torch.equal(head.next_token(problem.hidden), plain.next_token(problem.hidden))
-    # ... and pickled heads of that time hold None.
+    # ... and pickled heads of that time hold None, and no centroid scales (before fp8 centroids).
     plain._buffers["extra_ids"] = None
+    del plain._buffers["centroid_scale"], plain._buffers["sampling_centroid_scale"]
     restored = pickle.loads(pickle.dumps(plain))
     assert restored.extra_ids.numel() == 0 and restored.num_candidates == problem.probes * SHAPE.b
+    assert torch.equal(restored.next_token(problem.hidden), head.next_token(problem.hidden))
 
 
 def test_loading_special_tokens_keeps_the_buffer_when_it_fits_and_drops_repeats():
