@@ -41,7 +41,7 @@ from torch import Tensor
 from .clustering import (ALGORITHM_VERSION, GREEDY_SCORINGS, Clustering, build_clusters, calibrate_clusters, cluster_table,
                          greedy_centroids)
 from . import ops
-from .head import FlashHead, special_token_list
+from .head import FlashHead, centroid_dtype_option, special_token_list
 
 CONFIG_NAME = "flash_head_config.json"
 TENSORS_NAME = "clustering_cache.safetensors"
@@ -292,6 +292,7 @@ def flash_head_for(
     makes more heads cheaply).
     """
     special_token_ids = special_token_list(special_token_ids, embedding.shape[0])  # before minutes of clustering
+    centroid_dtype = centroid_dtype_option(centroid_dtype, embedding.dtype)
     if probes is not None:
         ops._require_probes(probes)  # its upper bound needs the clusters
     # Plain k-means keeps the key it always had, so its cached entries stay valid; a calibrated

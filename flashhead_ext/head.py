@@ -66,7 +66,22 @@ def _check_finite(name: str, centroids: Tensor) -> None:
                          "there); FlashHead ranks clusters by them: materialise the weights first")
     # A sync, once per build or load: a NaN centroid would silently rank its cluster last at every step.
     if not torch.isfinite(centroids).all():
-        raise ValueError(f"{name} must be finite; it holds NaN or inf (in the embedding's dtype {centroids.dtype})")
+        raise ValueError(f"{name} must be finite; it holds NaN or inf (as {centroids.dtype})")
+
+
+FP8_CENTROIDS = torch.float8_e4m3fn
+
+
+def centroid_dtype_option(centroid_dtype, embedding_dtype: torch.dtype) -> Optional[torch.dtype]:
+    """``centroid_dtype`` as FlashHead takes it: None for the embedding's dtype (given as None or as
+    that dtype), or float8_e4m3fn; a TypeError naming it otherwise. Normalised to None, a
+    setting kept for later heads follows the embedding through casts."""
+    if centroid_dtype is None or centroid_dtype == embedding_dtype:
+        return None
+    if centroid_dtype == FP8_CENTROIDS:
+        return FP8_CENTROIDS
+    raise TypeError(f"centroid_dtype must be None, the embedding's dtype {embedding_dtype} or torch.float8_e4m3fn, "
+                    f"got {centroid_dtype!r}")
 
 
 class _HeadBase(nn.Module):
@@ -151,8 +166,8 @@ class FlashHead(_HeadBase):
             non-persistent buffer, so ``head.to(...)``, or a ``to()`` of a module that holds the
             head, moves or casts it into a new tensor apart from the model's weight; ``attach``
             keeps the head outside the model and rebuilds it over the moved weight instead.
-        centroids: ``[C, D]`` cluster centroids used to rank clusters for greedy decoding (copied,
-            in the embedding's dtype and on its device).
+        centroids: ``[C, D]`` float cluster centroids used to rank clusters for greedy decoding
+            (copied to the embedding's device, in its dtype or quantized: ``centroid_dtype``).
         cluster_tokens: ``[C, b]`` token ids of each cluster; -1 pads clusters when V is not a
             multiple of b. Copied, and checked once here (ids in range, disjoint, no empty cluster).
         probes: clusters kept per step, 1..C.
@@ -172,7 +187,9 @@ class FlashHead(_HeadBase):
     The buffers are the head's own, so ``load_state_dict`` changes no other object, and it runs
     the constructor's checks on what it loads. The state dict holds ``centroids``,
     ``sampling_centroids``, ``cluster_tokens`` and ``extra_ids`` (the special tokens, an empty
-    tensor when there are none): a head takes another's special tokens with its state, whatever
+    tensor when there are none), and with fp8 centroids ``centroid_scale`` and
+    ``sampling_centroid_scale``; it loads into a head of the same centroid dtype only. A head
+    takes another's special tokens with its state, whatever
     their number (a CUDA graph captured over the head must then be captured again). State dicts
     saved before ``extra_ids`` was always a tensor load as heads without special tokens.
     """
@@ -195,13 +212,10 @@ class FlashHead(_HeadBase):
     ):
         super().__init__()
         _check_embedding(embedding)
-        if centroid_dtype not in (None, embedding.dtype, torch.float8_e4m3fn):
-            raise TypeError(f"centroid_dtype must be None, the embedding's dtype {embedding.dtype} or torch.float8_e4m3fn, "
-                            f"got {centroid_dtype!r}")
+        quantized = centroid_dtype_option(centroid_dtype, embedding.dtype) == FP8_CENTROIDS
         vocab, dim = embedding.shape
         self.register_buffer("embedding", embedding.detach(), persistent=False)
         sampling = centroids if sampling_centroids is None else sampling_centroids
-        quantized = centroid_dtype == torch.float8_e4m3fn
         for name, given in (("centroids", centroids), ("sampling_centroids", sampling)):
             # Quantized from float32, so the values are rounded once.
             rows = self._as_centroids(name, given, embedding, torch.float32 if quantized else embedding.dtype)
@@ -224,8 +238,10 @@ class FlashHead(_HeadBase):
             raise TypeError(f"{name} must be a torch.Tensor [num_clusters, hidden_dim], got {type(centroids).__name__}")
         if centroids.dim() != 2 or centroids.shape[1] != embedding.shape[1] or centroids.shape[0] == 0:
             raise ValueError(f"{name} must have shape [num_clusters, {embedding.shape[1]}], got {tuple(centroids.shape)}")
-        if not centroids.is_floating_point():
-            raise TypeError(f"{name} must be a float tensor, got {centroids.dtype}")
+        if centroids.dtype not in HEAD_DTYPES + (torch.float64,):
+            # fp8 ones would come without their scale: FlashHead quantizes float ones itself.
+            raise TypeError(f"{name} must be a float16, bfloat16, float32 or float64 tensor (centroid_dtype="
+                            f"torch.float8_e4m3fn quantizes them), got {centroids.dtype}")
         centroids = _own_copy(centroids, embedding.device, dtype)
         _check_finite(name, centroids)
         return centroids
@@ -250,10 +266,16 @@ class FlashHead(_HeadBase):
         for name in ("centroids", "sampling_centroids"):
             if isinstance(incoming(name), Tensor):
                 # A copy between the two kinds would cast fp8 values without their scale, or drop one.
-                if (incoming(name).dtype == torch.float8_e4m3fn) != (self.centroid_dtype == torch.float8_e4m3fn):
+                fp8 = self.centroid_dtype == FP8_CENTROIDS
+                if (incoming(name).dtype == FP8_CENTROIDS) != fp8:
                     raise ValueError(f"{prefix}{name} in the state dict is {incoming(name).dtype} and this head keeps "
                                      f"{self.centroid_dtype} centroids: build the head with the state's centroid_dtype")
-                _check_finite(f"{prefix}{name} in the state dict", incoming(name).to(torch.float32))
+                if fp8 and not isinstance(incoming(self._SCALES[name]), Tensor):
+                    raise ValueError(f"{prefix}{name} in the state dict comes without {prefix}{self._SCALES[name]}, "
+                                     "the scale its fp8 values were quantized with")
+                # As this head will hold them: a float16 head overflows values past 65504.
+                _check_finite(f"{prefix}{name} in the state dict",
+                              incoming(name).to(torch.float32 if fp8 else self.centroid_dtype))
             scale = incoming(self._SCALES[name])
             if isinstance(scale, Tensor) and not bool((torch.isfinite(scale) & (scale > 0)).all()):
                 raise ValueError(f"{prefix}{self._SCALES[name]} in the state dict must be finite and positive, "
@@ -281,14 +303,20 @@ class FlashHead(_HeadBase):
         return self.centroids.dtype
 
     def _apply(self, fn, recurse=True):
-        # Module casts (head.half(), model.to(dtype)) cast every float buffer; fp8 centroids and
-        # their float32 scales keep their dtypes (fp8 values and power-of-two scales survive the
-        # round trip exactly), as the head was built to read them.
-        names = (*self._SCALES, *self._SCALES.values()) if self.centroid_scale is not None else ()
-        kept = {name: self._buffers[name].dtype for name in names}
-        super()._apply(fn, recurse)
-        for name, dtype in kept.items():
-            self._buffers[name] = self._buffers[name].to(dtype)
+        # Module casts (head.half(), model.to(dtype)) cast every float buffer. fp8 centroids and
+        # their float32 scales only follow the device: the ops read them in those dtypes, and a
+        # small scale would not survive a float16 round trip.
+        if self.centroid_scale is None:
+            return super()._apply(fn, recurse)
+        kept = {name: self._buffers[name] for name in (*self._SCALES, *self._SCALES.values())}
+        self._buffers.update(dict.fromkeys(kept))  # None buffers are skipped; the order stays
+        try:
+            super()._apply(fn, recurse)
+        except BaseException:
+            self._buffers.update(kept)
+            raise
+        for name, tensor in kept.items():
+            self._buffers[name] = tensor.to(fn(torch.empty(0, device=tensor.device)).device)
         return self
 
     @property

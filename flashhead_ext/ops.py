@@ -139,19 +139,23 @@ def quantize_centroids(centroids: Tensor) -> tuple[Tensor, Tensor]:
 
     The scale is a power of two (dividing by it is exact) that puts the largest magnitude in
     [128, 256) before rounding, at most 256 after: e4m3's normal range, below its largest value
-    448 (a value past it would become NaN: e4m3fn has no inf). A quantized row's score times the scale approximates the original
-    score to 3 mantissa bits per element. Centroids must be finite and not all zero; this reads
-    them on the host once (a sync), so quantize when a head is built, not per step.
+    448 (a value past it would become NaN: e4m3fn has no inf). A quantized row's score times the
+    scale approximates the original score to 3 mantissa bits per element. Centroids must be
+    finite and not all zero; this reads them on the host once (a sync), so quantize when a head
+    is built, not per step.
     """
     _require_tensor("centroids", centroids)
-    if centroids.dtype not in (torch.float16, torch.bfloat16, torch.float32) or centroids.numel() == 0:
-        raise TypeError(f"centroids must be a non-empty float16, bfloat16 or float32 tensor, got {centroids.dtype} "
-                        f"of shape {tuple(centroids.shape)}")
+    if centroids.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"centroids must be a float16, bfloat16 or float32 tensor, got {centroids.dtype}")
+    if centroids.numel() == 0:
+        raise ValueError(f"centroids must not be empty, got shape {tuple(centroids.shape)}")
     peak = centroids.detach().abs().amax().float()
     if not torch.isfinite(peak) or peak == 0:
         raise ValueError(f"centroids must be finite and not all zero to be quantized, got a largest magnitude of {float(peak)}")
     _, exponent = torch.frexp(peak)  # peak = m * 2**exponent, m in [0.5, 1)
     scale = torch.ldexp(torch.ones(1, device=peak.device), exponent - 8)
+    if scale == 0:  # below float32's smallest subnormal
+        raise ValueError(f"centroids are too small to quantize: their largest magnitude is {float(peak):g}")
     return (centroids.detach().float() / scale).to(torch.float8_e4m3fn), scale
 
 

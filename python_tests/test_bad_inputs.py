@@ -80,7 +80,7 @@ def test_non_tensor_argument(op, name, device):
 
 @device_params
 @pytest.mark.parametrize("op", [op for op in CALLS if "hidden" in USES[op]])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.bool], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.bool, torch.float8_e4m3fn], ids=str)
 def test_unsupported_float_dtype(op, dtype, device):
     args = valid_args(device)
     for name in ("hidden", "centroids", "embedding"):
@@ -417,7 +417,7 @@ def head_args(device="cpu"):
     (dict(centroids=lambda a: a["centroids"][:, :-1]), ValueError, "centroids must have shape [num_clusters, 16]"),
     (dict(centroids=lambda a: a["centroids"][0]), ValueError, "centroids must have shape [num_clusters, 16]"),
     (dict(centroids=lambda a: a["centroids"][:0]), ValueError, "centroids must have shape [num_clusters, 16]"),
-    (dict(centroids=lambda a: a["centroids"].int()), TypeError, "centroids must be a float tensor"),
+    (dict(centroids=lambda a: a["centroids"].int()), TypeError, "centroids must be a float16, bfloat16, float32 or float64 tensor"),
     (dict(centroids=lambda a: a["centroids"].index_fill(0, torch.tensor([2]), float("nan"))), ValueError,
      "centroids must be finite"),
     (dict(sampling_centroids=lambda a: a["centroids"].index_fill(1, torch.tensor([0]), float("inf"))), ValueError,

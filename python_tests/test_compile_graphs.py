@@ -18,8 +18,6 @@ def flash_head(problem):
                      special_token_ids=problem.extra_ids)
 
 
-
-
 @pytest.mark.slow
 @device_params
 def test_compile_next_token(device):

@@ -52,12 +52,14 @@ def test_quantize_centroids_scale_range_and_error():
 
 
 def test_quantize_centroids_refuses_what_it_cannot_quantize():
-    with pytest.raises(TypeError, match="centroids must be a non-empty float16, bfloat16 or float32"):
+    with pytest.raises(TypeError, match="centroids must be a float16, bfloat16 or float32 tensor, got torch.int32"):
         ops.quantize_centroids(torch.ones(3, 4, dtype=torch.int32))
-    with pytest.raises(TypeError, match="non-empty"):
+    with pytest.raises(ValueError, match=r"centroids must not be empty, got shape \(0, 4\)"):
         ops.quantize_centroids(torch.ones(0, 4))
-    with pytest.raises(TypeError, match="float8_e4m3fn"):
+    with pytest.raises(TypeError, match="got torch.float8_e4m3fn"):
         ops.quantize_centroids(torch.ones(3, 4).to(FP8))
+    with pytest.raises(ValueError, match="centroids are too small to quantize"):
+        ops.quantize_centroids(torch.full((3, 4), 2.0 ** -145))
     with pytest.raises(ValueError, match="finite and not all zero"):
         ops.quantize_centroids(torch.zeros(3, 4))
     with pytest.raises(ValueError, match="finite and not all zero"):
@@ -196,7 +198,14 @@ def test_flash_head_fp8_state_and_casts(device):
     bad = dict(state, centroid_scale=torch.tensor([float("nan")]))
     with pytest.raises(ValueError, match="centroid_scale in the state dict must be finite and positive"):
         other.load_state_dict(bad)
-    # A module cast changes the embedding's dtype, not the fp8 centroids or their float32 scales.
+    without_scale = {key: value for key, value in state.items() if key != "centroid_scale"}
+    with pytest.raises(ValueError, match="centroids in the state dict comes without centroid_scale"):
+        other.load_state_dict(without_scale, strict=False)
+    # A module cast changes the embedding's dtype, not the fp8 centroids or their float32 scales,
+    # which only follow the device.
+    head.double()
+    assert head.embedding.dtype == torch.float64 and head.centroid_dtype == FP8
+    assert head.centroid_scale.dtype == torch.float32 and head.centroid_scale.device == torch.device(device)
     head.half()
     assert head.embedding.dtype == torch.float16 and head.centroid_dtype == FP8
     assert head.centroid_scale.dtype == torch.float32 and head.sampling_centroid_scale.dtype == torch.float32
@@ -206,12 +215,37 @@ def test_flash_head_fp8_state_and_casts(device):
         "tokens after head.half()")
 
 
-def test_flash_head_refuses_other_centroid_dtypes():
+def test_flash_head_refuses_other_centroid_dtypes_and_fp8_input():
     problem = make_problem(CASES[0], torch.float32, "cpu")
     for dtype in (torch.float8_e5m2, torch.float16, "fp8"):
         with pytest.raises(TypeError, match="centroid_dtype must be None, the embedding's dtype torch.float32 or "
                                             "torch.float8_e4m3fn"):
             FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, 1, centroid_dtype=dtype)
+    # fp8 centroids would come without their scale: the head quantizes float ones itself.
+    for name in ("centroids", "sampling_centroids"):
+        args = dict(centroids=problem.centroids, sampling_centroids=problem.centroids)
+        args[name] = problem.centroids.to(FP8)
+        with pytest.raises(TypeError, match=f"{name} must be a float16, bfloat16, float32 or float64 tensor "
+                                            r"\(centroid_dtype=torch.float8_e4m3fn quantizes them\), got torch.float8_e4m3fn"):
+            FlashHead(problem.embedding, cluster_tokens=problem.cluster_tokens, probes=1, centroid_dtype=FP8, **args)
+
+
+def test_a_tiny_scale_survives_module_casts():
+    problem = make_problem(CASES[0], torch.float32, "cpu")
+    head = FlashHead(problem.embedding, problem.centroids * 1e-6, problem.cluster_tokens, 2, centroid_dtype=FP8)
+    scale = head.centroid_scale.clone()
+    assert float(scale) < 2.0 ** -24  # below float16's smallest subnormal
+    tokens = head.next_token(problem.hidden)
+    head.half().float()
+    assert torch.equal(head.centroid_scale, scale) and torch.equal(head.next_token(problem.hidden), tokens)
+
+
+def test_state_dict_centroids_are_checked_as_the_head_will_hold_them():
+    problem = make_problem(CASES[0], torch.float16, "cpu")
+    head = FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, 2)
+    state = dict(head.state_dict(), centroids=head.centroids.float() * 1e6)  # finite in float32, not in float16
+    with pytest.raises(ValueError, match=r"centroids in the state dict must be finite; it holds NaN or inf \(as torch.float16\)"):
+        head.load_state_dict(state)
 
 
 @pytest.mark.slow

@@ -142,6 +142,23 @@ def test_attach_follows_the_weight_across_dtype_moves():
     assert torch.equal(logits.argmax(-1), head.next_token(model.model(ids).last_hidden_state))
 
 
+@pytest.mark.parametrize("centroid_dtype", [torch.float8_e4m3fn, torch.float32])
+def test_attach_keeps_its_centroid_dtype_across_casts(centroid_dtype):
+    model = _tiny_llama(tied=False)
+    attachment = attach(model, _tiny_assets(model), centroid_dtype=centroid_dtype)
+    model.to(torch.bfloat16)  # the head is rebuilt over the cast weight
+    ids = torch.tensor([[1, 2, 3]])
+    logits = model(ids).logits
+    head = attachment.head()
+    # fp8 stays fp8; the weight's own dtype follows the weight.
+    assert head.centroid_dtype == (torch.float8_e4m3fn if centroid_dtype == torch.float8_e4m3fn else torch.bfloat16)
+    assert torch.equal(logits.argmax(-1), head.next_token(model.model(ids).last_hidden_state))
+    detach(model)
+    with pytest.raises(TypeError, match="centroid_dtype must be None, the embedding's dtype torch.bfloat16 or "
+                                        "torch.float8_e4m3fn, got torch.float16"):
+        attach(model, "never read: centroid_dtype is checked first", centroid_dtype=torch.float16)
+
+
 def test_attach_finds_assets_in_a_checkpoint_directory(tmp_path, monkeypatch):
     model = _tiny_llama(tied=True)
     model.save_pretrained(tmp_path)

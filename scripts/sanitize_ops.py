@@ -59,8 +59,8 @@ def run(t, probes):
 
 def head_ops() -> int:
     failures = 0
-    for dtype, fp8 in ((torch.float32, False), (torch.float16, False), (torch.bfloat16, False), (torch.bfloat16, True),
-                       (torch.float32, True)):
+    for dtype, fp8 in ((torch.float32, False), (torch.float16, False), (torch.bfloat16, False), (torch.float32, True),
+                       (torch.float16, True), (torch.bfloat16, True)):
         # The last two: the selection's 12- and 16-key variants, with clusters whose b is no
         # multiple of 4 (the gather's slot-by-slot path).
         for batch, dim, clusters, size, probes in ((3, 77, 37, 4, 5), (2, 576, 257, 16, 257), (0, 64, 37, 8, 3),

@@ -20,8 +20,6 @@ at::Tensor row_scores(const at::Tensor& hidden, const at::Tensor& rows) {
   return at::matmul(hidden.to(at::kFloat).contiguous(), rows.to(at::kFloat).contiguous().t());
 }
 
-// NaN ranks below every number: mapping it to -inf before a stable sort keeps it last, and
-// ties (including among -inf) stay in index order, i.e. the smaller id wins.
 // Centroid scores [B, C], times the centroids' scale when one is given (float32, as the kernels).
 at::Tensor centroid_scores(const at::Tensor& hidden, const at::Tensor& centroids,
                            const c10::optional<at::Tensor>& centroid_scale) {
@@ -29,6 +27,8 @@ at::Tensor centroid_scores(const at::Tensor& hidden, const at::Tensor& centroids
   return centroid_scale.has_value() ? scores * centroid_scale->reshape({}) : scores;
 }
 
+// NaN ranks below every number: mapping it to -inf before a stable sort keeps it last, and
+// ties (including among -inf) stay in index order, i.e. the smaller id wins.
 at::Tensor nan_to_neg_inf(const at::Tensor& x) { return at::where(at::isnan(x), at::full({}, kNegInf), x); }
 
 at::Tensor top_indices(const at::Tensor& keys, int64_t k) {

@@ -22,7 +22,7 @@ cudaError_t launch_scores(const detail::ScoreArgs<T, TC>& args, int sms, cudaStr
 }  // namespace
 
 // Batch tiles: one row is the memory-bound case worth its own instantiation; larger batches
-// share each centroid load among 8 rows.
+// share each centroid load among 8 rows (4 with fp8 centroids: kScoreBatchTile).
 template <typename T, typename TC>
 cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const float* centroid_scale, int batch,
                                    int num_clusters, int hidden_dim, float* scores, const Sampling* sampling, float* keys,
@@ -37,7 +37,8 @@ cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const f
   int sms = 0;
   const cudaError_t err = multiprocessor_count(&sms);
   if (err != cudaSuccess) return err;
-  return batch == 1 ? launch_scores<T, TC, 1>(args, sms, stream) : launch_scores<T, TC, 8>(args, sms, stream);
+  return batch == 1 ? launch_scores<T, TC, 1>(args, sms, stream)
+                    : launch_scores<T, TC, detail::kScoreBatchTile<T, TC>>(args, sms, stream);
 }
 
 #define FLASHHEAD_INSTANTIATE(T, TC)                                                                            \

@@ -27,6 +27,12 @@ struct ScoreArgs {
   const int64_t* seed;
 };
 
+// Batch rows a warp scores at once beyond batch 1. An fp8 piece is 16 elements, so its hidden
+// pieces take twice (bf16) or four times (float32) the registers: 8 rows of float32 spilled
+// about 1 KB a thread, so fp8 tiles hold 4 rows (bf16 and half hidden spilled 60 bytes at 8).
+template <typename T, typename TC>
+constexpr int kScoreBatchTile = sizeof(TC) == 1 ? 4 : 8;
+
 // Blocks per SM that stay resident (a register cap); the launcher sizes the grid to that, so the
 // whole matrix streams in one wave with no tail of late blocks.
 template <int RB>

@@ -38,7 +38,6 @@ __host__ __device__ constexpr T ceil_div(T a, T b) {
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) { return static_cast<float>(x); }
 
 // W consecutive elements, loaded with one instruction: 16 bytes when the rows allow it (the
 // fast path), one element otherwise.
@@ -136,7 +135,6 @@ template <typename T, int W>
 __device__ __forceinline__ Piece<T, W> load_piece(const T* p, const uint64_t* policy) {
   Piece<T, W> piece;
   if constexpr (W == 1) {
-    piece.word[0] = 0;
     if constexpr (sizeof(T) == 1) {
       piece.word[0] = __ldg(reinterpret_cast<const unsigned char*>(p));
     } else if constexpr (sizeof(T) == 2) {

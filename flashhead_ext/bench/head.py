@@ -3,8 +3,9 @@
 Compares, on the same device and in the same process: the torch dense head (matmul + argmax),
 a plain-torch FlashHead (matmul, topk, index gather, einsum, argmax) and our fused ops (greedy
 and sampling; ``*_fp8``: with float8_e4m3fn centroids and their scale, as
-``FlashHead(centroid_dtype=torch.float8_e4m3fn)`` keeps them), eager and CUDA-graph replayed. Weights are random (timing does not depend on
-trained values; never zeros). Each timed sample runs ``--calls`` head calls that rotate over
+``FlashHead(centroid_dtype=torch.float8_e4m3fn)`` keeps them), eager and CUDA-graph
+replayed. Weights are random (timing does not depend on trained values; never zeros). Each
+timed sample runs ``--calls`` head calls that rotate over
 several copies of the centroids and cluster table and over fresh hidden states, so, as in a
 real decode step where the model body flushes L2 between head calls, the head reads its bytes
 from device memory rather than from L2. The floor is the bytes the head must read over the

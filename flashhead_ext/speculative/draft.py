@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..assets import default_probes, flash_head_for
-from ..head import DenseHead, FlashHead
+from ..head import DenseHead, FlashHead, centroid_dtype_option
 from ..hf import output_embedding
 
 HEADS = ("dense", "flashhead")
@@ -70,6 +70,7 @@ def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clusterin
         embedding = embedding.float()
     if kind == "dense":
         return DenseHead(embedding)
+    centroid_dtype = centroid_dtype_option(centroid_dtype, embedding.dtype)  # before a clustering is built
     if clustering is None:
         return flash_head_for(embedding, cluster_size, probes, special_token_ids=special_token_ids,
                               iters=kmeans_iters, seed=seed, progress=progress, centroid_dtype=centroid_dtype)[0]
