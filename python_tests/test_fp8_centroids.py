@@ -205,7 +205,7 @@ def test_flash_head_fp8_state_and_casts(device):
     # which only follow the device.
     head.double()
     assert head.embedding.dtype == torch.float64 and head.centroid_dtype == FP8
-    assert head.centroid_scale.dtype == torch.float32 and head.centroid_scale.device == torch.device(device)
+    assert head.centroid_scale.dtype == torch.float32 and head.centroid_scale.device == head.embedding.device
     head.half()
     assert head.embedding.dtype == torch.float16 and head.centroid_dtype == FP8
     assert head.centroid_scale.dtype == torch.float32 and head.sampling_centroid_scale.dtype == torch.float32
