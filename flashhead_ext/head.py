@@ -189,9 +189,9 @@ class FlashHead(_HeadBase):
     ``sampling_centroids``, ``cluster_tokens`` and ``extra_ids`` (the special tokens, an empty
     tensor when there are none), and with fp8 centroids ``centroid_scale`` and
     ``sampling_centroid_scale``; it loads into a head of the same centroid dtype only. A head
-    takes another's special tokens with its state, whatever
-    their number (a CUDA graph captured over the head must then be captured again). State dicts
-    saved before ``extra_ids`` was always a tensor load as heads without special tokens.
+    takes another's special tokens with its state, whatever their number (a CUDA graph captured
+    over the head must then be captured again). State dicts saved before ``extra_ids`` was always
+    a tensor load as heads without special tokens.
     """
 
     # 2: extra_ids always in the state dict (before, absent without special tokens).
