@@ -629,7 +629,7 @@ def test_runner_bad_arguments_name_the_argument():
         FastSpeculativeDecoder(target, draft, head, k=0)
     with pytest.raises(ValueError, match="synthetic_acceptance must be a probability"):
         FastSpeculativeDecoder(target, draft, head, synthetic_acceptance=1.5)
-    with pytest.raises(TypeError, match="seed must be an int"):
+    with pytest.raises(TypeError, match="seed must be a Python int, got str"):
         FastSpeculativeDecoder(target, draft, head, seed="1")
     for seed in (2**63, -2**63 - 1):  # hashed as 8 signed bytes at each generate
         with pytest.raises(ValueError, match=f"seed must fit in int64, got {seed}"):

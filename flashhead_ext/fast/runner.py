@@ -159,11 +159,7 @@ class FastSpeculativeDecoder:
                 raise ValueError(f"synthetic_acceptance must be a probability in [0, 1] or None, got {synthetic_acceptance!r}")
             synthetic_acceptance = float(synthetic_acceptance)
         self.synthetic = synthetic_acceptance
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        if not -2**63 <= seed < 2**63:  # it is hashed as 8 signed bytes
-            raise ValueError(f"seed must fit in int64, got {seed}")
-        self.seed = seed
+        self.seed = ops._require_int("seed", seed)  # an int64: it is hashed as 8 signed bytes
         self.graphs = target.device.type == "cuda" if graphs is None else bool(graphs)
         if self.graphs and target.device.type != "cuda":
             raise ValueError(f"graphs=True needs the models on a CUDA device, the target is on {target.device}")
