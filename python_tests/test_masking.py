@@ -167,6 +167,20 @@ def test_nan_rows_rank_below_every_number(device):
 
 
 @device_params
+def test_signed_zeros_tie(device):
+    # -0 and +0 compare equal, so the smaller id wins among zero scores and zero logits alike.
+    hidden = torch.tensor([[1.0], [-1.0]], device=device)
+    centroids = torch.tensor([[-0.0], [0.0], [-0.0], [0.0], [-1.0], [-2.0]], device=device)
+    ids, _ = ops.select_clusters(hidden, centroids, 3)
+    assert ids.tolist() == [[0, 1, 2], [5, 4, 0]]
+    assert_same_ids(ids, ref.select_clusters(hidden, centroids, 3)[0])
+    cluster_tokens = torch.tensor([[5, 0], [3, 2], [1, 4], [7, 6], [9, 8], [11, 10]], dtype=torch.int32, device=device)
+    embedding = torch.tensor([[-0.0 if v % 2 == 0 else 0.0] for v in range(12)], device=device)
+    tokens = ops.decode_greedy(hidden[:1], centroids, cluster_tokens, embedding, 3)
+    assert tokens.tolist() == [0]
+
+
+@device_params
 def test_empty_batch(device):
     problem = make_problem(Shape(B=1, D=8, C=5, b=3, p=2, extras=True), device=device)
     empty = problem.with_(hidden=problem.hidden[:0])

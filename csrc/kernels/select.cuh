@@ -80,10 +80,13 @@ struct RowKeys {
     keys = row_keys;
     n = num;
     floor = 0;
-    // Unconditional (clamped) loads first, so all of them are in flight together.
+    // Every load first, so all of them are in flight together, from one address plus constant
+    // offsets (a clamped index cost each key its own 64-bit address arithmetic).
+    const float* mine = row_keys + threadIdx.x;
     float raw[kCached];
 #pragma unroll
-    for (int i = 0; i < kCached; ++i) raw[i] = row_keys[min(i * kSelectThreads + static_cast<int>(threadIdx.x), n - 1)];
+    for (int i = 0; i < kCached; ++i)
+      raw[i] = i * kSelectThreads + static_cast<int>(threadIdx.x) < n ? mine[i * kSelectThreads] : 0.0f;
 #pragma unroll
     for (int i = 0; i < kCached; ++i)
       cached[i] = i * kSelectThreads + static_cast<int>(threadIdx.x) < n ? order_key(raw[i]) : 0;
