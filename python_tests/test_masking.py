@@ -168,7 +168,10 @@ def test_nan_rows_rank_below_every_number(device):
 
 @device_params
 def test_signed_zeros_tie(device):
-    # -0 and +0 compare equal, so the smaller id wins among zero scores and zero logits alike.
+    # -0 and +0 compare equal, so the smaller id wins among zero scores. On the CPU the scores keep
+    # their signs (matmul), so this checks how the reference ranks -0; the CUDA kernels' sums start
+    # from +0 and never produce -0, so there it checks the tie-break among zeros (and the zero
+    # logits of the decode, all +0 on both devices, go to the smallest token).
     hidden = torch.tensor([[1.0], [-1.0]], device=device)
     centroids = torch.tensor([[-0.0], [0.0], [-0.0], [0.0], [-1.0], [-2.0]], device=device)
     ids, _ = ops.select_clusters(hidden, centroids, 3)
