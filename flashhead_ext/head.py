@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from . import ops
 
 
-HEAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the heads and the ops take
+HEAD_DTYPES = ops.FLOAT_DTYPES  # what the heads and the ops take
 
 
 def _check_embedding(embedding) -> None:

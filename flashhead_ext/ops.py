@@ -134,6 +134,10 @@ def make_seed(device: torch.device, seed: SeedLike = None, generator: Optional[t
     return torch.randint(0, 2**62, (), dtype=torch.int64, device=device, generator=generator)
 
 
+# The float dtypes of hidden, embedding and non-fp8 centroids.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def quantize_centroids(centroids: Tensor) -> tuple[Tensor, Tensor]:
     """``(float8_e4m3fn centroids, float32 scale [1])`` for the centroid-scoring ops' ``centroid_scale``.
 
@@ -145,7 +149,7 @@ def quantize_centroids(centroids: Tensor) -> tuple[Tensor, Tensor]:
     is built, not per step.
     """
     _require_tensor("centroids", centroids)
-    if centroids.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if centroids.dtype not in FLOAT_DTYPES:
         raise TypeError(f"centroids must be a float16, bfloat16 or float32 tensor, got {centroids.dtype}")
     if centroids.numel() == 0:
         raise ValueError(f"centroids must not be empty, got shape {tuple(centroids.shape)}")
