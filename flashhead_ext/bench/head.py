@@ -83,15 +83,13 @@ class HeadState:
             return lambda: (h @ emb.t()).argmax(dim=-1)
         if impl == "torch_flash":
             return lambda: torch_flash_greedy(h, cents, table, emb, probes, extra)
-        if impl == "flash_greedy":
-            return lambda: ops.decode_greedy(h, cents, table, emb, probes, extra)
-        if impl == "flash_sample":
-            return lambda: ops.decode_sample(h, cents, table, emb, probes, 1.0, extra, seed=self.seed)
-        fp8, scale = self.fp8_centroids[i]
-        if impl == "flash_greedy_fp8":
-            return lambda: ops.decode_greedy(h, fp8, table, emb, probes, extra, centroid_scale=scale)
-        if impl == "flash_sample_fp8":
-            return lambda: ops.decode_sample(h, fp8, table, emb, probes, 1.0, extra, seed=self.seed, centroid_scale=scale)
+        scale = None
+        if impl.endswith("_fp8"):
+            cents, scale = self.fp8_centroids[i]
+        if impl in ("flash_greedy", "flash_greedy_fp8"):
+            return lambda: ops.decode_greedy(h, cents, table, emb, probes, extra, centroid_scale=scale)
+        if impl in ("flash_sample", "flash_sample_fp8"):
+            return lambda: ops.decode_sample(h, cents, table, emb, probes, 1.0, extra, seed=self.seed, centroid_scale=scale)
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
