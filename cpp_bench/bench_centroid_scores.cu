@@ -6,7 +6,7 @@ using namespace fhbench;
 
 template <typename TC>
 static void time_scores(benchmark::State& state, int batch, bool sampling, const Dims& d, const float* scale) {
-  auto centroids = random_array<TC>(size_t(d.num_clusters) * d.hidden_dim, 2, scale ? 0.8f : 0.05f);
+  auto centroids = random_centroids<TC>(d);
   auto hidden = random_array<__nv_bfloat16>(size_t(batch) * d.hidden_dim, 3, 1.0f);
   DeviceArray<float> scores(size_t(batch) * d.num_clusters), keys(size_t(batch) * d.num_clusters);
   DeviceArray<int64_t> seed(1);
@@ -25,7 +25,7 @@ static void BM_centroid_scores(benchmark::State& state) {
   const bool sampling = state.range(1) != 0;
   const Dims d;
   if (state.range(2) == 0) return time_scores<__nv_bfloat16>(state, batch, sampling, d, nullptr);
-  const DeviceArray<float> scale = constant_array(1.0f / 16.0f);
+  const DeviceArray<float> scale = constant_array(kFp8CentroidScale);
   time_scores<__nv_fp8_e4m3>(state, batch, sampling, d, scale.get());
 }
 BENCHMARK(BM_centroid_scores)

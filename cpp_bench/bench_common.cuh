@@ -111,9 +111,17 @@ struct Dims {
   int vocab = 151936, hidden_dim = 1024, num_clusters = 9496, cluster_size = 16;
 };
 
+// Random centroids [C, D]: in [-0.05, 0.05), or for fp8 e4m3 16x that, in e4m3's normal range,
+// with kFp8CentroidScale as their scale.
+constexpr float kFp8CentroidScale = 1.0f / 16.0f;
+template <typename TC>
+DeviceArray<TC> random_centroids(const Dims& d) {
+  const float range = 0.05f / (sizeof(TC) == 1 ? kFp8CentroidScale : 1.0f);
+  return random_array<TC>(size_t(d.num_clusters) * d.hidden_dim, 2, range);
+}
+
 // A synthetic head: random weights, and a cluster table that is a fixed permutation of the
-// vocabulary (clusters of scattered rows, like a real clustering).
-// The fp8 centroids hold 16x the values, in e4m3's normal range, with 1/16 as their scale.
+// vocabulary (clusters of scattered rows, like a real clustering), with bf16 and fp8 centroids.
 template <typename T>
 struct Head {
   Dims dims;
@@ -124,9 +132,9 @@ struct Head {
 
   explicit Head(const Dims& d) : dims(d) {
     embedding = random_array<T>(size_t(d.vocab) * d.hidden_dim, 1, 1.0f);
-    centroids = random_array<T>(size_t(d.num_clusters) * d.hidden_dim, 2, 0.05f);
-    fp8_centroids = random_array<__nv_fp8_e4m3>(size_t(d.num_clusters) * d.hidden_dim, 2, 0.8f);
-    fp8_scale = constant_array(1.0f / 16.0f);
+    centroids = random_centroids<T>(d);
+    fp8_centroids = random_centroids<__nv_fp8_e4m3>(d);
+    fp8_scale = constant_array(kFp8CentroidScale);
     const size_t slots = size_t(d.num_clusters) * d.cluster_size;
     std::vector<int32_t> table(slots);
     // i -> (i * a + c) mod V is a permutation when a is coprime with V.
