@@ -7,12 +7,12 @@
 //     keys of that warp, so the minimum over the 32 warps is met by >= 32 w >= p keys. Keys below
 //     it cannot be selected (p <= 1024; larger p skips the bound).
 //  2. The survivors are compacted into shared memory by a block-wide prefix sum (a few hundred
-//     keys for p = 256 of ~10k).
+//     keys for p = 256 of ~10k), with predicated stores: most warps have a survivor in most rounds.
 //  3. A radix select over the survivors finds the p-th key: each pass splits the key range still
 //     in question, [floor, row maximum] at first, into 4096 shared-histogram bins of 2^s keys, s
 //     the smallest that covers the range, and keeps the bin holding the p-th key; it ends once
 //     that bin holds exactly the keys still needed, or one key value. The first histogram is
-//     counted by the compaction's own loop, and each pass costs about as much whatever its bin
+//     counted from the compacted survivors, and each pass costs about as much whatever its bin
 //     count (four bins a thread), so the wide bins mostly leave no pass at all: at p = 256 the
 //     boundary bin usually holds the p-th key alone. A last pass collects the winners as packed
 //     (key, id) pairs: by shared atomics, or, where the list's order must be the same on every
@@ -68,18 +68,21 @@ __device__ __forceinline__ void warp_append(bool take, uint64_t value, uint64_t*
 }
 
 // The keys of one row as seen by one thread: ids threadIdx.x + i * kSelectThreads, the first
-// kCached of them in registers. Keys below `floor` do not take part.
+// kCached of them in registers. Keys below `floor` do not take part. Ids past the row's end hold
+// key 0 and real keys are > 0 (order_key(-inf) > 0), so with floor >= 1 a key is valid exactly
+// when it reaches the floor: no bounds checks per key (they cost a predicate a round, which the
+// compiler kept in a register and rebuilt in every pass).
 template <int kCached>
 struct RowKeys {
   const float* keys;
   int n;
-  uint32_t floor;
+  uint32_t floor;  // >= 1
   uint32_t cached[kCached];
 
   __device__ __forceinline__ void load(const float* row_keys, int num) {
     keys = row_keys;
     n = num;
-    floor = 0;
+    floor = 1;
     // Every load first, so all of them are in flight together, from one address plus constant
     // offsets (a clamped index cost each key its own 64-bit address arithmetic).
     const float* mine = row_keys + threadIdx.x;
@@ -98,11 +101,26 @@ struct RowKeys {
   __device__ __forceinline__ void for_each_round(G g) const {
     const int rounds = ceil_div(n, kSelectThreads);
 #pragma unroll
-    for (int i = 0; i < kCached; ++i) {
-      const int idx = i * kSelectThreads + threadIdx.x;
-      if (i < rounds) g(idx, cached[i], idx < n && cached[i] >= floor);
-    }
+    for (int i = 0; i < kCached; ++i)
+      if (i < rounds) g(i * kSelectThreads + static_cast<int>(threadIdx.x), cached[i], cached[i] >= floor);
     for_each_uncached_round(g);
+  }
+
+  // f(id, key) for each key this thread holds, valid or not (0 past the row's end), in no step with
+  // the other threads (f must not vote or synchronise the block).
+  template <typename F>
+  __device__ __forceinline__ void for_each_key(F f) const {
+#pragma unroll
+    for (int i = 0; i < kCached; ++i) f(i * kSelectThreads + static_cast<int>(threadIdx.x), cached[i]);
+    for_each_uncached_round([&](int idx, uint32_t key, bool) { f(idx, key); });
+  }
+
+  // for_each_key over the valid keys only.
+  template <typename F>
+  __device__ __forceinline__ void for_each_valid(F f) const {
+    for_each_key([&](int idx, uint32_t key) {
+      if (key >= floor) f(idx, key);
+    });
   }
 
   // for_each_round's rounds past the cached ones, read from memory (rows of over kCached rounds).
@@ -111,17 +129,14 @@ struct RowKeys {
     for (int i = kCached; i < ceil_div(n, kSelectThreads); ++i) {
       const int idx = i * kSelectThreads + threadIdx.x;
       const uint32_t key = idx < n ? order_key(keys[idx]) : 0u;
-      g(idx, key, idx < n && key >= floor);
+      g(idx, key, key >= floor);
     }
   }
 
-  // Largest key of this thread (0 when it has none; real keys are > 0). Ids past the row's end
-  // are cached as 0, so the cached keys need no bounds checks.
+  // Largest key of this thread (0 when it has none).
   __device__ __forceinline__ uint32_t thread_max() const {
     uint32_t m = 0;
-#pragma unroll
-    for (int i = 0; i < kCached; ++i) m = max(m, cached[i]);
-    for_each_uncached_round([&](int, uint32_t key, bool valid) { m = valid ? max(m, key) : m; });
+    for_each_key([&](int, uint32_t key) { m = max(m, key); });
     return m;
   }
 };
@@ -137,6 +152,14 @@ struct SurvivorKeys {
       const int e = base + threadIdx.x;
       const uint64_t pair = e < n ? pairs[e] : kNoneRanked;
       g(packed_id(pair), static_cast<uint32_t>(pair >> 32), e < n);
+    }
+  }
+
+  template <typename F>
+  __device__ __forceinline__ void for_each_valid(F f) const {
+    for (int e = threadIdx.x; e < n; e += kSelectThreads) {
+      const uint64_t pair = pairs[e];
+      f(packed_id(pair), static_cast<uint32_t>(pair >> 32));
     }
   }
 };
@@ -165,7 +188,8 @@ __device__ __forceinline__ KeyRange selection_range(const Keys& keys, int p, Sel
   const int per_warp = ceil_div(p, kSelectWarps);
   if (per_warp > kWarpSize) return {0u, ~0u};
   const uint32_t mine = keys.thread_max();
-  const uint32_t bound = warp_kth_largest(mine, per_warp), warp_max = __reduce_max_sync(kFullMask, mine);
+  const uint32_t warp_max = __reduce_max_sync(kFullMask, mine);
+  const uint32_t bound = per_warp == 1 ? warp_max : warp_kth_largest(mine, per_warp);
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   if (lane == 0) {
     sh.warp_counts[warp] = bound;
@@ -217,6 +241,20 @@ struct Threshold {
 // Bins of 2^shift keys that cover [lo, hi] in kRadixBins bins: (hi - lo) >> shift < kRadixBins.
 __device__ __forceinline__ int radix_shift(uint32_t lo, uint32_t hi) { return max(0, 32 - __clz(hi - lo) - kRadixBits); }
 
+// Where key >= floor: pack_ranked(key, id) (the words ~id, key) to shared address pairs + 8 at, and
+// ++at. Predicated instructions from one shared address: as C++ the compiler branched around each
+// key's store and rebuilt the shared window's base inside every branch.
+__device__ __forceinline__ void append_if_valid(uint32_t key, uint32_t floor, int32_t id, uint32_t pairs, uint32_t& at) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\t"
+      "setp.ge.u32 p, %1, %2;\n\t"
+      "@p st.shared.v2.u32 [%3], {%4, %1};\n\t"
+      "@p add.u32 %0, %0, 1;\n\t}"
+      : "+r"(at)
+      : "r"(key), "r"(floor), "r"(pairs + 8 * at), "r"(~static_cast<uint32_t>(id))
+      : "memory");
+}
+
 // Counts a valid key of [lo, hi] into sh.hist at radix_shift(lo, hi).
 __device__ __forceinline__ void count_key(uint32_t key, uint32_t lo, int shift, SelectShared& sh) {
   atomicAdd(&sh.hist[(key - lo) >> shift], 1u);
@@ -261,8 +299,8 @@ __device__ __forceinline__ Threshold radix_select(const Keys& keys, uint32_t k, 
     tied = sh.tied;
     if (tied == need || shift == 0) break;
     const int next = radix_shift(lo, hi);
-    keys.for_each_round([&](int, uint32_t key, bool valid) {
-      if (valid && key >= lo && key <= hi) count_key(key, lo, next, sh);
+    keys.for_each_valid([&](int, uint32_t key) {
+      if (key >= lo && key <= hi) count_key(key, lo, next, sh);
     });
     __syncthreads();
   }
@@ -335,25 +373,34 @@ __device__ __forceinline__ void select_top(Keys& keys, int p, uint64_t* list, ui
   // of the prefix sum.
   reinterpret_cast<uint4*>(sh.hist)[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
   const KeyRange range = selection_range(keys, p, sh);
-  keys.floor = range.lo;
+  keys.floor = max(range.lo, 1u);
   // Compaction without atomics: each thread's count, a block-wide exclusive scan, then writes.
-  uint32_t mine = 0;
-  keys.for_each_round([&](int, uint32_t, bool valid) { mine += valid; });
+  // Counted against a copy of the floor the compiler cannot see through: otherwise it keeps each
+  // compare's result for the loops below as a bit of a register (two more instructions a key).
+  uint32_t floor = keys.floor, mine = 0;
+  asm("" : "+r"(floor));
+  keys.for_each_key([&](int, uint32_t key) { mine += key >= floor; });
   uint32_t num_survivors;
   uint32_t at = block_exclusive_sum(mine, num_survivors, sh);
-  const bool compacted = num_survivors <= capacity;
   const int shift = radix_shift(range.lo, range.hi);
-  keys.for_each_round([&](int idx, uint32_t key, bool valid) {
-    if (!valid) return;
-    if (compacted) survivors[at++] = pack_ranked(key, idx);
-    count_key(key, range.lo, shift, sh);
-  });
+  const bool compacted = num_survivors <= capacity;
+  if (compacted) {
+    const uint32_t pairs = static_cast<uint32_t>(__cvta_generic_to_shared(survivors));
+    keys.for_each_key([&](int idx, uint32_t key) { append_if_valid(key, keys.floor, idx, pairs, at); });
+  } else {
+    keys.for_each_valid([&](int, uint32_t key) { count_key(key, range.lo, shift, sh); });
+  }
   if (threadIdx.x == 0) sh.count = 0;  // warp_append's fill count
   __syncthreads();
   Threshold th;
   uint32_t count;
   if (compacted) {
+    // The first histogram from the compacted keys, a few a thread: counted in the loop above it
+    // cost a branch around each register key's atomic, since most warps have a survivor in most
+    // rounds.
     const SurvivorKeys compact{survivors, static_cast<int>(num_survivors)};
+    compact.for_each_valid([&](int, uint32_t key) { count_key(key, range.lo, shift, sh); });
+    __syncthreads();
     th = radix_select(compact, p, range, sh);
     count = collect_above<kStable>(compact, th, list, sh);
   } else {
