@@ -39,26 +39,6 @@ __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-// W consecutive elements, loaded with one instruction: 16 bytes when the rows allow it (the
-// fast path), one element otherwise.
-template <typename T, int W>
-struct alignas(sizeof(T) * W) Chunk {
-  T v[W];
-};
-
-template <typename T, int W>
-__device__ __forceinline__ Chunk<T, W> load_chunk(const T* p) {
-  Chunk<T, W> c;
-  if constexpr (sizeof(Chunk<T, W>) == 16) {
-    const int4 raw = __ldg(reinterpret_cast<const int4*>(p));
-    memcpy(&c, &raw, sizeof(raw));
-  } else {
-    static_assert(W == 1, "chunks are 16 bytes or one element");
-    c.v[0] = __ldg(p);
-  }
-  return c;
-}
-
 // Rows a head call reads once (centroids, candidate embedding rows) at small batch: marked to
 // leave L2 first, so the head does not evict what the model body around it keeps there (a
 // Qwen3-0.6B draft step with the FlashHead head 5% faster). Larger batches read rows again across
@@ -157,6 +137,18 @@ __device__ __forceinline__ Piece<T, W> load_piece(const T* p, const uint64_t* po
       memcpy(&piece.word[4 * i], &raw, sizeof(raw));
     }
   }
+  return piece;
+}
+
+// A 16-byte piece by a plain load: from shared memory (decoder_step's weight ring and staged keys)
+// or from memory that other blocks of the running kernel write, where load_piece's non-coherent
+// global loads do not apply.
+template <typename T, int W>
+__device__ __forceinline__ Piece<T, W> plain_piece(const T* p) {
+  static_assert(Piece<T, W>::kWords == 4, "one 16-byte vector");
+  Piece<T, W> piece;
+  const int4 raw = *reinterpret_cast<const int4*>(p);
+  memcpy(&piece.word[0], &raw, sizeof(raw));
   return piece;
 }
 

@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kLinearThreads) fused_linear_kernel(LinearPara
     }
     return c;
   };
-  auto load_weights = [&](const LinearCursor& c, Chunk<T, W> (&w)[R][U]) {
+  auto load_weights = [&](const LinearCursor& c, Piece<T, W> (&w)[R][U]) {
     const int vectors = vectors_of(c.col0);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -90,13 +90,13 @@ __global__ void __launch_bounds__(kLinearThreads) fused_linear_kernel(LinearPara
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int v = c.base + u * kWarpSize + lane;
-        w[r][u] = (row < p.out_features && v < vectors) ? load_chunk<T, W>(src + int64_t{v} * W) : Chunk<T, W>{};
+        w[r][u] = (row < p.out_features && v < vectors) ? load_piece<T, W>(src + int64_t{v} * W, nullptr) : Piece<T, W>{};
       }
     }
   };
 
   LinearCursor cur{static_cast<int>(blockIdx.x), 0, 0};
-  Chunk<T, W> w[R][U];
+  Piece<T, W> w[R][U];
   // Weights never depend on the previous kernel: start streaming them before waiting for it.
   if (cur.group < groups) load_weights(cur, w);
   wait_for_previous_kernel();
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(kLinearThreads) fused_linear_kernel(LinearPara
     }
 
     const LinearCursor next = advance(cur);
-    Chunk<T, W> w_next[R][U];
+    Piece<T, W> w_next[R][U];
     if (next.group < groups) load_weights(next, w_next);
 
     const int vectors = vectors_of(cur.col0);
@@ -191,13 +191,13 @@ __global__ void __launch_bounds__(kLinearThreads) fused_linear_kernel(LinearPara
           }
         }
 #pragma unroll
-        for (int e = 0; e < E; ++e) {
+        for (int r = 0; r < R; ++r) {
+          float wf[W];
+          piece_floats(w[r][u], wf);
 #pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const float wf = to_float(w[r][u].v[e0 + e]);
+          for (int e = 0; e < E; ++e)
 #pragma unroll
-            for (int t = 0; t < MB; ++t) acc[r][t] = fmaf(wf, xv[t][e], acc[r][t]);
-          }
+            for (int t = 0; t < MB; ++t) acc[r][t] = fmaf(wf[e0 + e], xv[t][e], acc[r][t]);
         }
       }
     }
@@ -426,10 +426,10 @@ __global__ void __launch_bounds__(kWarpSize) decode_attention_kernel(AttentionPa
   const int key = key0 + lane;
   const T* key_row = key < p.max_len ? p.k_cache + (int64_t{kv_head} * p.max_len + key) * hd : nullptr;
   for (int d0 = 0; d0 < hd; d0 += kPieceDims) {
-    Chunk<T, W> k_piece[kPieceDims / W];
+    Piece<T, W> k_piece[kPieceDims / W];
 #pragma unroll
     for (int c = 0; c < kPieceDims / W; ++c)
-      k_piece[c] = key_row && d0 + c * W < hd ? load_chunk<T, W>(key_row + d0 + c * W) : Chunk<T, W>{};
+      k_piece[c] = key_row && d0 + c * W < hd ? load_piece<T, W>(key_row + d0 + c * W, nullptr) : Piece<T, W>{};
     if (d0 == 0) {
       if constexpr (W > 1) __pipeline_wait_prior(0);
       __syncwarp();
@@ -438,7 +438,12 @@ __global__ void __launch_bounds__(kWarpSize) decode_attention_kernel(AttentionPa
       const T* qr = rows_q + r * q_stride + d0;
       float s = weights[r * kWarpSize + lane];
 #pragma unroll
-      for (int d = 0; d < kPieceDims; ++d) s = fmaf(to_float(qr[d]), to_float(k_piece[d / W].v[d % W]), s);
+      for (int c = 0; c < kPieceDims / W; ++c) {
+        float kf[W];
+        piece_floats(k_piece[c], kf);
+#pragma unroll
+        for (int e = 0; e < W; ++e) s = fmaf(to_float(qr[c * W + e]), kf[e], s);
+      }
       weights[r * kWarpSize + lane] = s;
     }
   }

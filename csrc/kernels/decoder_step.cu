@@ -499,7 +499,7 @@ __device__ __forceinline__ int which_value(int lane) {
 template <typename T>
 struct WeightTile {
   static constexpr int V = kVecWidth<T>;
-  Chunk<T, V> w[kTileRows][kTileVectors];
+  Piece<T, V> w[kTileRows][kTileVectors];
   int slice, first_row, row_step;
   int begin, end;  // the lane's first vector of the slice (in a row), and the slice's end
 
@@ -522,7 +522,7 @@ struct WeightTile {
 #pragma unroll
       for (int i = 0; i < kTileVectors; ++i) {
         const int v = first + kWarpSize * i;
-        w[j][i] = *reinterpret_cast<const Chunk<T, V>*>(row + (v < end ? v : begin) * V);
+        w[j][i] = plain_piece<T, V>(row + (v < end ? v : begin) * V);
       }
     }
   }
@@ -533,10 +533,9 @@ struct WeightTile {
 #pragma unroll
     for (int j = 0; j < kTileRows; ++j)
 #pragma unroll
-      for (int i = 0; i < kTileVectors; ++i) {
-        uint4& bits = *reinterpret_cast<uint4*>(&w[j][i]);
-        asm volatile("" : "+r"(bits.x), "+r"(bits.y), "+r"(bits.z), "+r"(bits.w)::"memory");
-      }
+      for (int i = 0; i < kTileVectors; ++i)
+#pragma unroll
+        for (int k = 0; k < Piece<T, V>::kWords; ++k) asm volatile("" : "+r"(w[j][i].word[k])::"memory");
   }
 
   // acc[j] += tile row j . the input's matching values (xs: the staged input as float).
@@ -552,9 +551,12 @@ struct WeightTile {
         x[e] = x4.x, x[e + 1] = x4.y, x[e + 2] = x4.z, x[e + 3] = x4.w;
       }
 #pragma unroll
-      for (int j = 0; j < kTileRows; ++j)
+      for (int j = 0; j < kTileRows; ++j) {
+        float wf[V];
+        piece_floats(w[j][i], wf);
 #pragma unroll
-        for (int e = 0; e < V; ++e) acc[j] = fmaf(to_float(w[j][i].v[e]), x[e], acc[j]);
+        for (int e = 0; e < V; ++e) acc[j] = fmaf(wf[e], x[e], acc[j]);
+      }
     }
   }
 };
@@ -834,11 +836,11 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, bool s
       for (int h = 0; h < kMaxGroup; ++h) dot[h] = 0.0f;
       // Loads are unconditional (clamped indices; the surplus is never used): a conditional load
       // is compiled as a branch, and the loads then go one round trip at a time.
-      Chunk<T, V> k_vec[kMaxVectorsPerThread];
+      Piece<T, V> k_vec[kMaxVectorsPerThread];
 #pragma unroll
       for (int i = 0; i < kMaxVectorsPerThread; ++i) {
         const int v = min(part + i * kThreadsPerKey, hd / V - 1);
-        k_vec[i] = *reinterpret_cast<const Chunk<T, V>*>(k_row + v * V);
+        k_vec[i] = plain_piece<T, V>(k_row + v * V);
       }
 #pragma unroll
       for (int i = 0; i < kMaxVectorsPerThread; ++i) {
@@ -847,8 +849,10 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, bool s
 #pragma unroll
         for (int h = 0; h < kMaxGroup; ++h) {
           if (h >= group) break;
+          float kf[V];
+          piece_floats(k_vec[i], kf);
 #pragma unroll
-          for (int e = 0; e < V; ++e) dot[h] = fmaf(q_rows[h * hd + v * V + e], to_float(k_vec[i].v[e]), dot[h]);
+          for (int e = 0; e < V; ++e) dot[h] = fmaf(q_rows[h * hd + v * V + e], kf[e], dot[h]);
         }
       }
 #pragma unroll
