@@ -110,7 +110,8 @@ __device__ __forceinline__ void piece_floats(const Piece<T, W>& piece, float (&o
   }
 }
 
-// A piece of row p (under an L2 policy) or of hidden (plain loads: it stays in L1).
+// A piece of row p under an L2 policy, or with a null policy by non-coherent loads (__ldg): hidden
+// rows (they stay in L1), the decoder-layer ops' weights and keys.
 template <typename T, int W>
 __device__ __forceinline__ Piece<T, W> load_piece(const T* p, const uint64_t* policy) {
   Piece<T, W> piece;
@@ -141,7 +142,7 @@ __device__ __forceinline__ Piece<T, W> load_piece(const T* p, const uint64_t* po
 }
 
 // A 16-byte piece by a plain load: from shared memory (decoder_step's weight ring and staged keys)
-// or from memory that other blocks of the running kernel write, where load_piece's non-coherent
+// or from memory the running kernel writes (this block included), where load_piece's non-coherent
 // global loads do not apply.
 template <typename T, int W>
 __device__ __forceinline__ Piece<T, W> plain_piece(const T* p) {

@@ -12,12 +12,12 @@
 //     in question, [floor, row maximum] at first, into 4096 shared-histogram bins of 2^s keys, s
 //     the smallest that covers the range, and keeps the bin holding the p-th key; it ends once
 //     that bin holds exactly the keys still needed, or one key value. The first histogram is
-//     counted from the compacted survivors, and each pass costs about as much whatever its bin
-//     count (four bins a thread), so the wide bins mostly leave no pass at all: at p = 256 the
-//     boundary bin usually holds the p-th key alone. A last pass collects the winners as packed
-//     (key, id) pairs: by shared atomics, or, where the list's order must be the same on every
-//     run, by a block-wide prefix sum. If the survivors overflow shared memory, steps 3-4 read the
-//     register keys instead.
+//     counted from the compacted survivors (from the register keys if they overflowed), and each
+//     pass costs about as much whatever its bin count (four bins a thread), so the wide bins
+//     mostly leave no pass at all: at p = 256 the boundary bin usually holds the p-th key alone.
+//     A last pass collects the winners as packed (key, id) pairs: by shared atomics, or, where the
+//     list's order must be the same on every run, by a block-wide prefix sum. If the survivors
+//     overflow shared memory, steps 3-4 read the register keys instead.
 //  4. Only an exact tie at the boundary needs id order (ties go to the smaller cluster id):
 //     a block-wide prefix count over the register keys, in id order, picks the smallest ids.
 // Rank order, when asked for, is a bitonic sort of the p pairs: one pair per thread, shuffles
@@ -123,7 +123,8 @@ struct RowKeys {
     });
   }
 
-  // for_each_round's rounds past the cached ones, read from memory (rows of over kCached rounds).
+  // The rounds past the cached ones, read from memory (rows of over kCached rounds), in step like
+  // for_each_round; for_each_key and thread_max take them through here too.
   template <typename G>
   __device__ __forceinline__ void for_each_uncached_round(G g) const {
     for (int i = kCached; i < ceil_div(n, kSelectThreads); ++i) {
@@ -155,6 +156,8 @@ struct SurvivorKeys {
     }
   }
 
+  // f(id, key) for each pair this thread holds (all of them valid), in no step with the other
+  // threads (f must not vote or synchronise the block).
   template <typename F>
   __device__ __forceinline__ void for_each_valid(F f) const {
     for (int e = threadIdx.x; e < n; e += kSelectThreads) {
@@ -376,7 +379,9 @@ __device__ __forceinline__ void select_top(Keys& keys, int p, uint64_t* list, ui
   keys.floor = max(range.lo, 1u);
   // Compaction without atomics: each thread's count, a block-wide exclusive scan, then writes.
   // Counted against a copy of the floor the compiler cannot see through: otherwise it keeps each
-  // compare's result for the loops below as a bit of a register (two more instructions a key).
+  // compare's result for the loops below as a bit of a register (two more instructions a key). The
+  // copy holds keys.floor's value, which the writes below compare against: the prefix sum's places
+  // and the writes agree.
   uint32_t floor = keys.floor, mine = 0;
   asm("" : "+r"(floor));
   keys.for_each_key([&](int, uint32_t key) { mine += key >= floor; });
