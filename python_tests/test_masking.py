@@ -167,6 +167,29 @@ def test_nan_rows_rank_below_every_number(device):
 
 
 @device_params
+@pytest.mark.parametrize("finite,p", [(200, 300), (2000, 2100)], ids=["bounded", "unbounded"])
+def test_selection_reaches_past_the_numbers(finite, p, device):
+    # A row of 3000 clusters (three rounds of the selecting block, the last one partial), only
+    # `finite` of them scored by a number: the rest by -inf or NaN, which rank alike below every
+    # number, the smaller id first. The p best must take p - finite of those (p <= 1024 goes through
+    # the kernel's lower bound, p > 1024 not), and never an id past the row's end, whose key slots
+    # the kernel holds as 0. A hidden value of -1 turns the -inf scores into +inf, ranked first.
+    gen = generator("past the numbers", finite, p)
+    C = 3000
+    values = torch.randn(C, generator=gen)
+    unscored = torch.randperm(C, generator=gen)[: C - finite]
+    values[unscored] = float("-inf")
+    values[unscored[::3]] = float("nan")
+    hidden = torch.tensor([[1.0], [-1.0]], device=device)
+    centroids = values[:, None].to(device)
+    ids, scores = ops.select_clusters(hidden, centroids, p)
+    expected, expected_scores = ref.select_clusters(hidden, centroids, p)
+    assert_same_ids(ids, expected)
+    assert torch.equal(scores.isnan(), expected_scores.isnan())
+    assert torch.equal(scores.nan_to_num(0.0), expected_scores.nan_to_num(0.0))
+
+
+@device_params
 def test_signed_zeros_tie(device):
     # -0 and +0 compare equal, so the smaller id wins among zero scores. On the CPU the scores keep
     # their signs (matmul), so this checks how the reference ranks -0; the CUDA kernels' sums start
