@@ -849,6 +849,8 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, bool s
 #pragma unroll
         for (int h = 0; h < kMaxGroup; ++h) {
           if (h >= group) break;
+          // Converted again for each query head: held across the heads, the floats made the largest
+          // head classes spill more.
           float kf[V];
           piece_floats(k_vec[i], kf);
 #pragma unroll
