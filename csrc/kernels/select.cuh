@@ -49,7 +49,7 @@ static_assert(kRadixBins == 4 * kSelectThreads, "a thread owns one uint4 of bins
 struct SelectShared {
   alignas(16) uint32_t hist[kRadixBins];
   uint32_t warp_counts[kSelectWarps];
-  uint32_t warp_max[kSelectWarps];
+  uint32_t warp_bound[kSelectWarps], warp_max[kSelectWarps];
   uint32_t digit, need, tied;
   uint32_t count;
 };
@@ -195,14 +195,11 @@ __device__ __forceinline__ KeyRange selection_range(const Keys& keys, int p, Sel
   const uint32_t bound = per_warp == 1 ? warp_max : warp_kth_largest(mine, per_warp);
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   if (lane == 0) {
-    sh.warp_counts[warp] = bound;
+    sh.warp_bound[warp] = bound;
     sh.warp_max[warp] = warp_max;
   }
   __syncthreads();
-  const KeyRange range{__reduce_min_sync(kFullMask, sh.warp_counts[lane]),
-                       __reduce_max_sync(kFullMask, sh.warp_max[lane])};
-  __syncthreads();  // warp_counts is reused
-  return range;
+  return {__reduce_min_sync(kFullMask, sh.warp_bound[lane]), __reduce_max_sync(kFullMask, sh.warp_max[lane])};
 }
 
 // Inclusive prefix sum over the lanes of a warp.
@@ -217,22 +214,22 @@ __device__ __forceinline__ uint32_t warp_inclusive_sum(uint32_t value) {
 }
 
 // The sum of the per-warp counts of the warps before this one, and their total, from
-// counts[kSelectWarps] in shared memory: every warp scans them, a count a lane.
+// counts[kSelectWarps] in shared memory, a count a lane: two warp reductions, side by side (a
+// shuffle scan was five dependent steps).
 __device__ __forceinline__ uint32_t warps_before(const uint32_t* counts, uint32_t& total) {
-  const uint32_t inclusive = warp_inclusive_sum(counts[threadIdx.x % kWarpSize]);
-  total = __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
-  const int warp = threadIdx.x / kWarpSize;
-  return warp == 0 ? 0 : __shfl_sync(kFullMask, inclusive, warp - 1);
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const uint32_t count = counts[lane];
+  total = __reduce_add_sync(kFullMask, count);
+  return __reduce_add_sync(kFullMask, lane < warp ? count : 0u);
 }
 
-// Exclusive prefix sum of one value per thread over the block, and the total.
+// Exclusive prefix sum of one value per thread over the block, and the total. The block must pass
+// a barrier before the next call (sh.warp_counts is rewritten): the callers' own barriers do.
 __device__ __forceinline__ uint32_t block_exclusive_sum(uint32_t value, uint32_t& total, SelectShared& sh) {
   const uint32_t inclusive = warp_inclusive_sum(value);
   if (threadIdx.x % kWarpSize == kWarpSize - 1) sh.warp_counts[threadIdx.x / kWarpSize] = inclusive;
   __syncthreads();
-  const uint32_t before = warps_before(sh.warp_counts, total);
-  __syncthreads();  // warp_counts is reused
-  return before + inclusive - value;
+  return warps_before(sh.warp_counts, total) + inclusive - value;
 }
 
 // The selected set is the keys above hi plus `need` of the `tied` keys in [lo, hi] (all of them
@@ -317,6 +314,7 @@ __device__ __forceinline__ uint32_t block_append(bool take, uint64_t value, uint
   uint32_t total;
   const uint32_t at = count + block_exclusive_sum(take, total, sh);
   if (take) list[at] = value;
+  __syncthreads();  // the next round's prefix sum rewrites sh.warp_counts
   return count + total;
 }
 
