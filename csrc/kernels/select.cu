@@ -24,6 +24,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
   // when not spilled]
   extern __shared__ uint64_t smem[];
   __shared__ SelectShared sh;
+  clear_histogram(sh);  // before the wait: nothing of the previous kernel's is touched
   wait_for_previous_kernel();
   let_next_kernel_start();
   const int64_t row = blockIdx.x;

@@ -192,7 +192,10 @@ __device__ __forceinline__ KeyRange selection_range(const Keys& keys, int p, Sel
   if (per_warp > kWarpSize) return {0u, ~0u};
   const uint32_t mine = keys.thread_max();
   const uint32_t warp_max = __reduce_max_sync(kFullMask, mine);
-  const uint32_t bound = per_warp == 1 ? warp_max : warp_kth_largest(mine, per_warp);
+  // The warp's 32nd largest lane maximum is its least: no sort.
+  const uint32_t bound = per_warp == 1           ? warp_max
+                         : per_warp == kWarpSize ? __reduce_min_sync(kFullMask, mine)
+                                                 : warp_kth_largest(mine, per_warp);
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   if (lane == 0) {
     sh.warp_bound[warp] = bound;
@@ -364,15 +367,18 @@ __device__ __forceinline__ void collect_ties(const Keys& keys, const Threshold& 
   });
 }
 
+// select_top's first histogram starts from zero bins, each thread clearing its four; the barriers
+// of the bound and of the survivors' prefix sum come before any bin is counted.
+__device__ __forceinline__ void clear_histogram(SelectShared& sh) {
+  reinterpret_cast<uint4*>(sh.hist)[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
+}
+
 // Writes the p best (key, id) pairs of the row, packed, to list[0, p), unranked: in an order set
 // by the keys alone (kStable), else in any order. `survivors` is shared scratch for up to
-// `capacity` pairs.
+// `capacity` pairs; sh.hist is zero on entry (clear_histogram).
 template <bool kStable, typename Keys>
 __device__ __forceinline__ void select_top(Keys& keys, int p, uint64_t* list, uint64_t* survivors,
                                            uint32_t capacity, SelectShared& sh) {
-  // radix_select's first histogram, counted below: cleared before the barriers of the range and
-  // of the prefix sum.
-  reinterpret_cast<uint4*>(sh.hist)[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
   const KeyRange range = selection_range(keys, p, sh);
   keys.floor = max(range.lo, 1u);
   // Compaction without atomics: each thread's count, a block-wide exclusive scan, then writes.
