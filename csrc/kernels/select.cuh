@@ -367,8 +367,8 @@ __device__ __forceinline__ void collect_ties(const Keys& keys, const Threshold& 
   });
 }
 
-// select_top's first histogram starts from zero bins, each thread clearing its four; the barriers
-// of the bound and of the survivors' prefix sum come before any bin is counted.
+// select_top's first histogram starts from zero bins, each thread clearing its four; the barrier
+// of the survivors' prefix sum, which every path passes, comes before any bin is counted.
 __device__ __forceinline__ void clear_histogram(SelectShared& sh) {
   reinterpret_cast<uint4*>(sh.hist)[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
 }
