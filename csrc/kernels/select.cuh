@@ -169,6 +169,7 @@ struct SurvivorKeys {
 
 // k-th largest (k in 1..32) of the lanes' values, in every lane: a bitonic sort across the warp.
 __device__ __forceinline__ uint32_t warp_kth_largest(uint32_t v, int k) {
+  if (k == kWarpSize) return __reduce_min_sync(kFullMask, v);  // the 32nd largest is the least: no sort
   const int lane = threadIdx.x % kWarpSize;
 #pragma unroll
   for (int size = 2; size <= kWarpSize; size <<= 1) {
@@ -192,10 +193,7 @@ __device__ __forceinline__ KeyRange selection_range(const Keys& keys, int p, Sel
   if (per_warp > kWarpSize) return {0u, ~0u};
   const uint32_t mine = keys.thread_max();
   const uint32_t warp_max = __reduce_max_sync(kFullMask, mine);
-  // The warp's 32nd largest lane maximum is its least: no sort.
-  const uint32_t bound = per_warp == 1           ? warp_max
-                         : per_warp == kWarpSize ? __reduce_min_sync(kFullMask, mine)
-                                                 : warp_kth_largest(mine, per_warp);
+  const uint32_t bound = per_warp == 1 ? warp_max : warp_kth_largest(mine, per_warp);
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   if (lane == 0) {
     sh.warp_bound[warp] = bound;
