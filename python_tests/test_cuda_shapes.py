@@ -74,6 +74,30 @@ def test_sampling_large(shape, dtype):
     check_decode_sample(tokens, logprobs, problem, T, seed, exact=False)
 
 
+# At batch 1 each warp of the scoring kernel scores 2, 3 or 4 centroid rows at once, whichever
+# leaves the busiest warp of the resident grid the fewest (centroid_scores.cu). On a 132-SM GPU
+# these cluster counts pick 2, 3, 4 and 3 rows (the last with two items a warp), each with a partial
+# last item; D 1001 takes the instances without 16-byte vectors.
+@pytest.mark.parametrize("centroid_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("clusters", [6001, 9496, 11999, 16001])
+@pytest.mark.parametrize("dim", [1024, 1001])
+def test_batch_one_scoring_rows_a_warp(dim, clusters, centroid_dtype):
+    problem = problem_for(Shape(B=1, D=dim, C=clusters, b=16, p=256), torch.bfloat16)
+    scale = None
+    if centroid_dtype == torch.float8_e4m3fn:
+        centroids, scale = ops.quantize_centroids(problem.centroids)
+        problem = problem.with_(centroids=centroids.float() * scale)
+    else:
+        centroids = problem.centroids
+    ids, scores = ops.select_clusters(problem.hidden, centroids, problem.probes, centroid_scale=scale)
+    ref_scores = ref.scores(problem.hidden, problem.centroids)
+    check_ranked_selection(ids, ref_scores, problem.probes, problem.score_tol(), exact=False)
+    assert_values_close(scores, ref_scores.gather(1, ids.long()), problem.score_tol(), "scores")
+    tokens = ops.decode_greedy(problem.hidden, centroids, problem.cluster_tokens, problem.embedding, problem.probes,
+                               centroid_scale=scale)
+    check_decode_greedy(tokens, problem, exact=False)
+
+
 def slots_past_one_pass():
     # More slots than one pass of the candidate grid covers at batch 1 (2 blocks an SM of 16 slots):
     # each warp has several slot groups, so rows are staged where the buffers fit.

@@ -1,9 +1,9 @@
 // Stage 1: centroid scores, a skinny GEMM scores[B, C] = hidden[B, D] . centroids[C, D]^T.
 //
 // Memory-bound at small B: the centroid matrix is read once, 16 bytes per lane, each warp
-// streaming kRowsPerWarp rows with several loads in flight. Hidden rows are re-read per chunk
-// from L1 (they are a few KB). B is processed in tiles of RB rows; the tile index varies fastest
-// across warps so the tiles of one centroid group run side by side and share its loads in cache.
+// streaming ROWS rows with several loads in flight. Hidden rows are re-read per chunk from L1
+// (they are a few KB). B is processed in tiles of RB rows; the tile index varies fastest across
+// warps so the tiles of one centroid group run side by side and share its loads in cache.
 #pragma once
 
 #include "kernels/common.cuh"
@@ -12,6 +12,8 @@ namespace flashhead {
 namespace detail {
 
 constexpr int kScoreThreads = 256;
+// Centroid rows a warp scores at once beyond batch 1; batch 1 picks 2, 3 or 4 to fit C
+// (score_rows_per_warp).
 constexpr int kScoreRowsPerWarp = 4;
 
 template <typename T, typename TC>
@@ -20,7 +22,6 @@ struct ScoreArgs {
   const TC* centroids;
   const float* centroid_scale;  // null: 1
   int batch, num_clusters, hidden_dim;
-  bool vec;
   float* scores;  // [B, C]
   float* keys;    // [B, C] Gumbel keys, only when sampling
   float temperature;
@@ -41,49 +42,50 @@ constexpr int kScoreBlocksPerSm = RB == 1 ? 3 : 2;
 template <int RB>
 constexpr int kScoreUnroll = RB == 1 ? 2 : 1;
 
-template <typename T, typename TC, int RB>
+// Batch 1 is one tile (RB == 1), the case worth a short start: its loads issue after a few
+// instructions, with no division, and the scale and seed are read only once the sums are in.
+// kVec: rows of whole 16-byte vectors (rows_vectorizable), an instance without the scalar path.
+template <typename T, typename TC, int RB, int ROWS, bool kVec>
 __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid_scores_kernel(ScoreArgs<T, TC> a) {
   // Let the selection kernel get resident while this one streams the centroids.
   let_next_kernel_start();
   constexpr int kWarps = kScoreThreads / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  const int tiles = ceil_div(a.batch, RB);
+  const int tiles = RB == 1 ? 1 : ceil_div(a.batch, RB);
   // Fits in int: the launcher refuses shapes whose B x C scores would not.
-  const int items = ceil_div(a.num_clusters, kScoreRowsPerWarp) * tiles;
-  const uint64_t seed = a.keys ? static_cast<uint64_t>(*a.seed) : 0;
-  const float scale = a.centroid_scale ? *a.centroid_scale : 1.0f;
-  const uint64_t policy = row_policy(rows_read_once(a.batch));
+  const int items = ceil_div(a.num_clusters, ROWS) * tiles;
+  const uint64_t policy = row_policy(rows_read_once(RB == 1 ? 1 : a.batch));
   // One batch tile: items are dealt round-robin over the blocks, so every SM streams the same
   // share (the grid is whole waves of resident blocks). Several tiles: consecutive items (the
   // tiles of one centroid group) stay in one block, so they share its loads in cache.
   const int warp = threadIdx.x / kWarpSize;
   const int first_item = tiles == 1 ? warp * gridDim.x + blockIdx.x : blockIdx.x * kWarps + warp;
   for (int item = first_item; item < items; item += gridDim.x * kWarps) {
-    const int c0 = item / tiles * kScoreRowsPerWarp;
-    const int b0 = item % tiles * RB;
-    const TC* rows[kScoreRowsPerWarp];
+    const int c0 = (RB == 1 ? item : item / tiles) * ROWS;
+    const int b0 = RB == 1 ? 0 : item % tiles * RB;
+    const TC* rows[ROWS];
     const T* hid[RB];
 #pragma unroll
-    for (int r = 0; r < kScoreRowsPerWarp; ++r)
+    for (int r = 0; r < ROWS; ++r)
       rows[r] = c0 + r < a.num_clusters ? a.centroids + int64_t{c0 + r} * a.hidden_dim : nullptr;
 #pragma unroll
     for (int b = 0; b < RB; ++b) hid[b] = b0 + b < a.batch ? a.hidden + int64_t{b0 + b} * a.hidden_dim : nullptr;
-    float acc[kScoreRowsPerWarp][RB];
-    warp_dot<TC, T, kScoreRowsPerWarp, RB, kScoreUnroll<RB>>(rows, hid, a.hidden_dim, a.vec, policy, acc);
+    float acc[ROWS][RB];
+    warp_dot<TC, T, ROWS, RB, kScoreUnroll<RB>>(rows, hid, a.hidden_dim, kVec, policy, acc);
     // Lane r * RB + b writes score (c0 + r, b0 + b), so the Gumbel noise is drawn once per score.
-    float flat[kScoreRowsPerWarp * RB];
+    float flat[ROWS * RB];
 #pragma unroll
-    for (int r = 0; r < kScoreRowsPerWarp; ++r)
+    for (int r = 0; r < ROWS; ++r)
 #pragma unroll
       for (int b = 0; b < RB; ++b) flat[r * RB + b] = acc[r][b];
     const int c = c0 + lane / RB, b = b0 + lane % RB;
-    if (lane < kScoreRowsPerWarp * RB && c < a.num_clusters && b < a.batch) {
-      const float score = pick(flat, lane) * scale;
+    if (lane < ROWS * RB && c < a.num_clusters && b < a.batch) {
+      const float score = pick(flat, lane) * (a.centroid_scale ? *a.centroid_scale : 1.0f);
       const int64_t at = int64_t{b} * a.num_clusters + c;
       a.scores[at] = score;
       if (a.keys)
-        a.keys[at] = score / a.temperature +
-                     gumbel_noise(seed, kClusterStream, static_cast<uint32_t>(b), static_cast<uint32_t>(c));
+        a.keys[at] = score / a.temperature + gumbel_noise(static_cast<uint64_t>(*a.seed), kClusterStream,
+                                                          static_cast<uint32_t>(b), static_cast<uint32_t>(c));
     }
   }
 }
