@@ -74,15 +74,17 @@ def test_sampling_large(shape, dtype):
     check_decode_sample(tokens, logprobs, problem, T, seed, exact=False)
 
 
-# At batch 1 each warp of the scoring kernel scores 2, 3 or 4 centroid rows at once, whichever
-# leaves the busiest warp of the resident grid the fewest (centroid_scores.cu). On a 132-SM GPU
-# these cluster counts pick 2, 3, 4 and 3 rows (the last with two items a warp), each with a partial
-# last item; D 1001 takes the instances without 16-byte vectors.
+# The scoring kernel's instances: at batch 1 each warp scores 2, 3 or 4 centroid rows at once,
+# whichever leaves the busiest warp of the resident grid the fewest (centroid_scores.cu); on a
+# 132-SM GPU these cluster counts pick 2, 3, 4 and 3 rows (the last with two items a warp), each
+# with a partial last item. Batches of 2, 3-4 and more score tiles of 2, 4 and 8 rows (4 with fp8
+# centroids), 3 and 5 with an empty row. D 1001 takes the instances without 16-byte vectors.
 @pytest.mark.parametrize("centroid_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
-@pytest.mark.parametrize("clusters", [6001, 9496, 11999, 16001])
+@pytest.mark.parametrize("batch,clusters", [(1, 6001), (1, 9496), (1, 11999), (1, 16001), (2, 9496), (3, 4099),
+                                            (4, 9496), (5, 3001)])
 @pytest.mark.parametrize("dim", [1024, 1001])
-def test_batch_one_scoring_rows_a_warp(dim, clusters, centroid_dtype):
-    problem = problem_for(Shape(B=1, D=dim, C=clusters, b=16, p=256), torch.bfloat16)
+def test_scoring_instances(dim, batch, clusters, centroid_dtype):
+    problem = problem_for(Shape(B=batch, D=dim, C=clusters, b=16, p=256), torch.bfloat16)
     scale = None
     if centroid_dtype == torch.float8_e4m3fn:
         centroids, scale = ops.quantize_centroids(problem.centroids)

@@ -28,19 +28,21 @@ struct ScoreArgs {
   const int64_t* seed;
 };
 
-// Batch rows a warp scores at once beyond batch 1. An fp8 piece is 16 elements, so its hidden
-// pieces take twice (bf16) or four times (float32) the registers: 8 rows of float32 spilled
-// about 1 KB a thread, so fp8 tiles hold 4 rows (bf16 and half hidden spilled 60 bytes at 8).
+// Batch rows a warp scores at once beyond batch 4 (batches of 2 and 3-4 have tiles of 2 and 4:
+// the loads of a larger tile's empty rows are skipped, but its registers cost resident warps and
+// loads in flight). An fp8 piece is 16 elements, so its hidden pieces take twice (bf16) or four
+// times (float32) the registers: 8 rows of float32 spilled about 1 KB a thread, so fp8 tiles hold
+// 4 rows (bf16 and half hidden spilled 60 bytes at 8).
 template <typename T, typename TC>
 constexpr int kScoreBatchTile = sizeof(TC) == 1 ? 4 : 8;
 
 // Blocks per SM that stay resident (a register cap); the launcher sizes the grid to that, so the
 // whole matrix streams in one wave with no tail of late blocks.
 template <int RB>
-constexpr int kScoreBlocksPerSm = RB == 1 ? 3 : 2;
-// Loads in flight per lane: kScoreRowsPerWarp * unroll centroid chunks plus RB * unroll hidden chunks.
+constexpr int kScoreBlocksPerSm = RB <= 2 ? 3 : 2;
+// Loads in flight per lane: ROWS * unroll centroid chunks plus RB * unroll hidden chunks.
 template <int RB>
-constexpr int kScoreUnroll = RB == 1 ? 2 : 1;
+constexpr int kScoreUnroll = RB <= 2 ? 2 : 1;
 
 // Batch 1 is one tile (RB == 1), the case worth a short start: its loads issue after a few
 // instructions, with no division, and the scale and seed are read only once the sums are in.
