@@ -76,9 +76,11 @@ def test_sampling_large(shape, dtype):
 
 # The scoring kernel's instances: at batch 1 each warp scores 2, 3 or 4 centroid rows at once,
 # whichever leaves the busiest warp of the resident grid the fewest (centroid_scores.cu); on a
-# 132-SM GPU these cluster counts pick 2, 3, 4 and 3 rows (the last with two items a warp), each
-# with a partial last item. Batches of 2, 3-4 and more score tiles of 2, 4 and 8 rows (4 with fp8
-# centroids), 3 and 5 with an empty row. D 1001 takes the instances without 16-byte vectors.
+# 132-SM GPU (H100, H200) these cluster counts pick 2, 3, 4 and 3 rows (the last with two items a
+# warp), each with a partial last item. Batches of 2, 3-4 and more score tiles of 2, 4 and 8 rows
+# (4 with fp8 centroids), batches 3 and 5 with empty rows. D 1001 takes the instances without
+# 16-byte vectors. Every score is checked (p = C: a score written twice or not at all would show),
+# then the greedy and the sampled decode (the Gumbel keys).
 @pytest.mark.parametrize("centroid_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("batch,clusters", [(1, 6001), (1, 9496), (1, 11999), (1, 16001), (2, 9496), (3, 4099),
                                             (4, 9496), (5, 3001)])
@@ -91,13 +93,15 @@ def test_scoring_instances(dim, batch, clusters, centroid_dtype):
         problem = problem.with_(centroids=centroids.float() * scale)
     else:
         centroids = problem.centroids
-    ids, scores = ops.select_clusters(problem.hidden, centroids, problem.probes, centroid_scale=scale)
+    ids, scores = ops.select_clusters(problem.hidden, centroids, clusters, centroid_scale=scale)
     ref_scores = ref.scores(problem.hidden, problem.centroids)
-    check_ranked_selection(ids, ref_scores, problem.probes, problem.score_tol(), exact=False)
+    check_ranked_selection(ids, ref_scores, clusters, problem.score_tol(), exact=False)
     assert_values_close(scores, ref_scores.gather(1, ids.long()), problem.score_tol(), "scores")
-    tokens = ops.decode_greedy(problem.hidden, centroids, problem.cluster_tokens, problem.embedding, problem.probes,
-                               centroid_scale=scale)
-    check_decode_greedy(tokens, problem, exact=False)
+    head = (problem.hidden, centroids, problem.cluster_tokens, problem.embedding, problem.probes)
+    check_decode_greedy(ops.decode_greedy(*head, centroid_scale=scale), problem, exact=False)
+    seed = 5 + clusters
+    tokens, logprobs = ops.decode_sample(*head, T, seed=seed, centroid_scale=scale)
+    check_decode_sample(tokens, logprobs, problem, T, seed, exact=False)
 
 
 def slots_past_one_pass():

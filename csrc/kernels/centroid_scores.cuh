@@ -32,7 +32,8 @@ struct ScoreArgs {
 // the loads of a larger tile's empty rows are skipped, but its registers cost resident warps and
 // loads in flight). An fp8 piece is 16 elements, so its hidden pieces take twice (bf16) or four
 // times (float32) the registers: 8 rows of float32 spilled about 1 KB a thread, so fp8 tiles hold
-// 4 rows (bf16 and half hidden spilled 60 bytes at 8).
+// 4 rows (bf16 and half hidden spilled 60 bytes at 8). These counts are sm_90's: on sm_80, where
+// e4m3 converts in software, the fp8 instances spill more (the tile of 2: 216-320 bytes).
 template <typename T, typename TC>
 constexpr int kScoreBatchTile = sizeof(TC) == 1 ? 4 : 8;
 
@@ -49,6 +50,7 @@ constexpr int kScoreUnroll = RB <= 2 ? 2 : 1;
 // kVec: rows of whole 16-byte vectors (rows_vectorizable), an instance without the scalar path.
 template <typename T, typename TC, int RB, int ROWS, bool kVec>
 __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid_scores_kernel(ScoreArgs<T, TC> a) {
+  static_assert(ROWS * RB <= kWarpSize, "a lane writes each of an item's scores");
   // Let the selection kernel get resident while this one streams the centroids.
   let_next_kernel_start();
   constexpr int kWarps = kScoreThreads / kWarpSize;
