@@ -54,17 +54,19 @@ cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const f
   int sms = 0;
   const cudaError_t err = multiprocessor_count(&sms);
   if (err != cudaSuccess) return err;
-  if (batch == 2) return launch_scores<T, TC, 2, kScoreRowsPerWarp>(args, vec, sms, stream);
-  if (batch > 2 && batch <= 4) return launch_scores<T, TC, 4, kScoreRowsPerWarp>(args, vec, sms, stream);
-  if (batch > 4) return launch_scores<T, TC, kScoreBatchTile<T, TC>, kScoreRowsPerWarp>(args, vec, sms, stream);
-  switch (score_rows_per_warp(num_clusters, sms)) {
-    case 2:
-      return launch_scores<T, TC, 1, 2>(args, vec, sms, stream);
-    case 3:
-      return launch_scores<T, TC, 1, 3>(args, vec, sms, stream);
-    default:
-      return launch_scores<T, TC, 1, 4>(args, vec, sms, stream);
+  if (batch == 1) {
+    switch (score_rows_per_warp(num_clusters, sms)) {
+      case 2:
+        return launch_scores<T, TC, 1, 2>(args, vec, sms, stream);
+      case 3:
+        return launch_scores<T, TC, 1, 3>(args, vec, sms, stream);
+      default:
+        return launch_scores<T, TC, 1, 4>(args, vec, sms, stream);
+    }
   }
+  if (batch == 2) return launch_scores<T, TC, 2, kScoreRowsPerWarp>(args, vec, sms, stream);
+  if (batch <= 4) return launch_scores<T, TC, 4, kScoreRowsPerWarp>(args, vec, sms, stream);
+  return launch_scores<T, TC, kScoreBatchTile<T, TC>, kScoreRowsPerWarp>(args, vec, sms, stream);
 }
 
 #define FLASHHEAD_INSTANTIATE(T, TC)                                                                            \

@@ -65,8 +65,8 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
   const int warp = threadIdx.x / kWarpSize;
   const int first_item = tiles == 1 ? warp * gridDim.x + blockIdx.x : blockIdx.x * kWarps + warp;
   for (int item = first_item; item < items; item += gridDim.x * kWarps) {
-    const int c0 = (RB == 1 ? item : item / tiles) * ROWS;
-    const int b0 = RB == 1 ? 0 : item % tiles * RB;
+    const int c0 = item / tiles * ROWS;
+    const int b0 = item % tiles * RB;
     const TC* rows[ROWS];
     const T* hid[RB];
 #pragma unroll
