@@ -74,16 +74,18 @@ def test_sampling_large(shape, dtype):
     check_decode_sample(tokens, logprobs, problem, T, seed, exact=False)
 
 
-# The scoring kernel's instances: at batch 1 each warp scores 2, 3 or 4 centroid rows at once,
-# whichever leaves the busiest warp of the resident grid the fewest (centroid_scores.cu); on a
-# 132-SM GPU (H100, H200) these cluster counts pick 2, 3, 4 and 3 rows (the last with two items a
-# warp), each with a partial last item. Batches of 2, 3-4 and more score tiles of 2, 4 and 8 rows
-# (4 with fp8 centroids), batches 3 and 5 with empty rows. D 1001 takes the instances without
-# 16-byte vectors. Every score is checked (p = C: a score written twice or not at all would show),
-# then the greedy and the sampled decode (the Gumbel keys).
+# The scoring kernel's instances: a batch of one tile (1, 2, 3-4 or 5-8 rows with bf16
+# centroids) has each warp score 2 to 5 centroid rows at once, whichever leaves the busiest warp of
+# the resident grid the fewest (centroid_scores.cu). On a 132-SM GPU (H100, H200) these cluster
+# counts pick, at batch 1, 2, 3, 4 and 3 rows (the last with two items a warp); at batch 2, 2, 3 and
+# 4; at batches 3-4 (a tile of 4), 3, 4 and 5; at batches 5-8 (a tile of 8), 2 and 3 (two items a
+# warp); every one with a partial last item. Batches 3 and 5 leave tile rows empty; with fp8
+# centroids batches 5 and 8 span tiles of 4. D 1001 takes the instances without 16-byte vectors.
+# Every score is checked (p = C: a score written twice or not at all would show), then the greedy
+# and the sampled decode (the Gumbel keys).
 @pytest.mark.parametrize("centroid_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
-@pytest.mark.parametrize("batch,clusters", [(1, 6001), (1, 9496), (1, 11999), (1, 16001), (2, 9496), (3, 4099),
-                                            (4, 9496), (5, 3001)])
+@pytest.mark.parametrize("batch,clusters", [(1, 6001), (1, 9496), (1, 11999), (1, 16001), (2, 6001), (2, 9496),
+                                            (2, 11999), (3, 6001), (4, 8001), (4, 9496), (5, 3001), (8, 9496)])
 @pytest.mark.parametrize("dim", [1024, 1001])
 def test_scoring_instances(dim, batch, clusters, centroid_dtype):
     problem = problem_for(Shape(B=batch, D=dim, C=clusters, b=16, p=256), torch.bfloat16)

@@ -20,19 +20,40 @@ cudaError_t launch_scores(const detail::ScoreArgs<T, TC>& args, bool vec, int sm
   return launch_kernel(kernel, dim3(blocks), dim3(kScoreThreads), 0, stream, false, args);
 }
 
-// Batch 1: the rows a warp scores at once, from 2 to 4, that leave the fewest rows for the busiest
-// warp of a resident grid (each warp's rows are a chain of loads and sums); the larger on a tie.
-// The Qwen3-0.6B head's 9,496 clusters make 3: one item for every warp of 132 SMs, where 4 left a
-// quarter of the warps idle (the scoring 0.16 µs slower with bf16 centroids, 0.3 with fp8).
-int score_rows_per_warp(int num_clusters, int sms) {
-  const int64_t warps = int64_t{sms} * detail::kScoreBlocksPerSm<1> * (detail::kScoreThreads / detail::kWarpSize);
-  int best = 4;
+// The most centroid rows a warp scores at once in one tile: an item's scores fit the warp's lanes,
+// a lane keeps at most 8 centroid chunks in flight (5 rows with two loads in flight spilled the fp8
+// tile of 2), and five rows at most, the most measured.
+template <int RB>
+constexpr int kScoreMaxRows = std::min({5, detail::kWarpSize / RB, 8 / detail::kScoreUnroll<RB>});
+
+// A tile's launch. One tile (batch <= RB): the centroid rows a warp scores at once, from 2 to
+// kScoreMaxRows, that leave the fewest rows for the busiest warp of the resident grid (each warp's
+// rows are a chain of loads and sums); the larger on a tie. The
+// Qwen3-0.6B head's 9,496 clusters make 3 at batch 1: one item for every warp of 132 SMs, where 4
+// left a quarter of the warps idle (the scoring 0.16 µs slower with bf16 centroids, 0.3 with fp8).
+// Several tiles: kScoreRowsPerWarp.
+template <typename T, typename TC, int RB>
+cudaError_t launch_tile(const detail::ScoreArgs<T, TC>& args, bool vec, int sms, cudaStream_t stream) {
+  using namespace detail;
+  if (args.batch > RB) return launch_scores<T, TC, RB, kScoreRowsPerWarp>(args, vec, sms, stream);
+  const int64_t warps = int64_t{sms} * kScoreBlocksPerSm<RB> * (kScoreThreads / kWarpSize);
+  int best = 2;
   int64_t best_rows = INT64_MAX;
-  for (int rows = 4; rows >= 2; --rows) {
-    const int64_t busiest = detail::ceil_div<int64_t>(detail::ceil_div(num_clusters, rows), warps) * rows;
-    if (busiest < best_rows) best = rows, best_rows = busiest;
+  for (int rows = 2; rows <= kScoreMaxRows<RB>; ++rows) {
+    const int64_t busiest = ceil_div<int64_t>(ceil_div(args.num_clusters, rows), warps) * rows;
+    if (busiest <= best_rows) best = rows, best_rows = busiest;
   }
-  return best;
+  switch (best) {
+    case 2:
+      return launch_scores<T, TC, RB, 2>(args, vec, sms, stream);
+    case 3:
+      return launch_scores<T, TC, RB, 3>(args, vec, sms, stream);
+    case 4:
+      return launch_scores<T, TC, RB, 4>(args, vec, sms, stream);
+    default:
+      if constexpr (kScoreMaxRows<RB> >= 5) return launch_scores<T, TC, RB, 5>(args, vec, sms, stream);
+      return cudaErrorInvalidValue;  // not reached: the loop picks at most kScoreMaxRows
+  }
 }
 
 }  // namespace
@@ -54,19 +75,10 @@ cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const f
   int sms = 0;
   const cudaError_t err = multiprocessor_count(&sms);
   if (err != cudaSuccess) return err;
-  if (batch == 1) {
-    switch (score_rows_per_warp(num_clusters, sms)) {
-      case 2:
-        return launch_scores<T, TC, 1, 2>(args, vec, sms, stream);
-      case 3:
-        return launch_scores<T, TC, 1, 3>(args, vec, sms, stream);
-      default:
-        return launch_scores<T, TC, 1, 4>(args, vec, sms, stream);
-    }
-  }
-  if (batch == 2) return launch_scores<T, TC, 2, kScoreRowsPerWarp>(args, vec, sms, stream);
-  if (batch <= 4) return launch_scores<T, TC, 4, kScoreRowsPerWarp>(args, vec, sms, stream);
-  return launch_scores<T, TC, kScoreBatchTile<T, TC>, kScoreRowsPerWarp>(args, vec, sms, stream);
+  if (batch == 1) return launch_tile<T, TC, 1>(args, vec, sms, stream);
+  if (batch == 2) return launch_tile<T, TC, 2>(args, vec, sms, stream);
+  if (batch <= 4) return launch_tile<T, TC, 4>(args, vec, sms, stream);
+  return launch_tile<T, TC, kScoreBatchTile<T, TC>>(args, vec, sms, stream);
 }
 
 #define FLASHHEAD_INSTANTIATE(T, TC)                                                                            \

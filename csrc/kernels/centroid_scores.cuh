@@ -12,8 +12,8 @@ namespace flashhead {
 namespace detail {
 
 constexpr int kScoreThreads = 256;
-// Centroid rows a warp scores at once beyond batch 1; batch 1 picks 2, 3 or 4 to fit C
-// (score_rows_per_warp).
+// Centroid rows a warp scores at once when a batch spans several tiles; one tile picks 2 to 5 to
+// fit C (launch_tile).
 constexpr int kScoreRowsPerWarp = 4;
 
 template <typename T, typename TC>
