@@ -76,10 +76,10 @@ def test_sampling_large(shape, dtype):
 
 # The scoring kernel's instances: a batch of one tile (1, 2, 3-4 or 5-8 rows with bf16
 # centroids) has each warp score 2 to 5 centroid rows at once, whichever leaves the busiest warp of
-# the resident grid the fewest (centroid_scores.cu). On a 132-SM GPU (H100, H200) these cluster
+# the resident grid the fewest (centroid_scores.cu). On a 132-SM GPU (H100 SXM, H200) these cluster
 # counts pick, at batch 1, 2, 3, 4 and 3 rows (the last with two items a warp); at batch 2, 2, 3 and
-# 4; at batches 3-4 (a tile of 4), 3, 4 and 5; at batches 5-8 (a tile of 8), 2 and 3 (two items a
-# warp); every one with a partial last item. Batches 3 and 5 leave tile rows empty; with fp8
+# 4; at batches 3-4 (a tile of 4), 3, 4 and 5; at batches 5-8 (a tile of 8), 2 and 3 (the 3 with
+# two items a warp); every one with a partial last item. Batches 3 and 5 leave tile rows empty; with fp8
 # centroids batches 5 and 8 span tiles of 4. D 1001 takes the instances without 16-byte vectors.
 # Every score is checked (p = C: a score written twice or not at all would show), then the greedy
 # and the sampled decode (the Gumbel keys).

@@ -9,33 +9,34 @@ namespace {
 template <typename T, typename TC, int RB, int ROWS>
 cudaError_t launch_scores(const detail::ScoreArgs<T, TC>& args, bool vec, int sms, cudaStream_t stream) {
   using namespace detail;
+  constexpr int kWarps = kScoreThreads / kWarpSize;
   const int tiles = ceil_div(args.batch, RB);
   const int64_t items = int64_t{ceil_div(args.num_clusters, ROWS)} * tiles;
-  if (items > INT32_MAX) return cudaErrorInvalidValue;
   // As the kernel deals items: round-robin over the blocks for one tile (a block per item, at
-  // most), else to a block's warps in turn (a block per kScoreThreads / kWarpSize items).
-  const int64_t wanted = tiles == 1 ? items : ceil_div<int64_t>(items, kScoreThreads / kWarpSize);
+  // most), else to a block's warps in turn (a block per kWarps items).
+  const int64_t wanted = tiles == 1 ? items : ceil_div<int64_t>(items, kWarps);
   const int blocks = static_cast<int>(std::min<int64_t>(wanted, int64_t{sms} * kScoreBlocksPerSm<RB>));
+  // The kernel's item index, an int, steps past the last item by at most a grid's warps.
+  if (items > INT32_MAX - int64_t{blocks} * kWarps) return cudaErrorInvalidValue;
   const auto kernel = vec ? centroid_scores_kernel<T, TC, RB, ROWS, true> : centroid_scores_kernel<T, TC, RB, ROWS, false>;
   return launch_kernel(kernel, dim3(blocks), dim3(kScoreThreads), 0, stream, false, args);
 }
 
 // The most centroid rows a warp scores at once in one tile: an item's scores fit the warp's lanes,
-// a lane keeps at most 8 centroid chunks in flight (5 rows with two loads in flight spilled the fp8
-// tile of 2), and five rows at most, the most measured.
+// a lane keeps at most 8 16-byte centroid chunks in flight (5 rows with two loads in flight
+// spilled the fp8 tile of 2), and five rows at most, the most measured.
 template <int RB>
 constexpr int kScoreMaxRows = std::min({5, detail::kWarpSize / RB, 8 / detail::kScoreUnroll<RB>});
 
-// A tile's launch. One tile (batch <= RB): the centroid rows a warp scores at once, from 2 to
+// A batch of one tile (batch <= RB): the centroid rows a warp scores at once, from 2 to
 // kScoreMaxRows, that leave the fewest rows for the busiest warp of the resident grid (each warp's
 // rows are a chain of loads and sums); the larger on a tie. The
 // Qwen3-0.6B head's 9,496 clusters make 3 at batch 1: one item for every warp of 132 SMs, where 4
 // left a quarter of the warps idle (the scoring 0.16 µs slower with bf16 centroids, 0.3 with fp8).
-// Several tiles: kScoreRowsPerWarp.
 template <typename T, typename TC, int RB>
 cudaError_t launch_tile(const detail::ScoreArgs<T, TC>& args, bool vec, int sms, cudaStream_t stream) {
   using namespace detail;
-  if (args.batch > RB) return launch_scores<T, TC, RB, kScoreRowsPerWarp>(args, vec, sms, stream);
+  static_assert(kScoreMaxRows<RB> >= 2 && kScoreMaxRows<RB> <= 5, "the switch below has an instance for each pick");
   const int64_t warps = int64_t{sms} * kScoreBlocksPerSm<RB> * (kScoreThreads / kWarpSize);
   int best = 2;
   int64_t best_rows = INT64_MAX;
@@ -50,9 +51,11 @@ cudaError_t launch_tile(const detail::ScoreArgs<T, TC>& args, bool vec, int sms,
       return launch_scores<T, TC, RB, 3>(args, vec, sms, stream);
     case 4:
       return launch_scores<T, TC, RB, 4>(args, vec, sms, stream);
-    default:
+    case 5:
       if constexpr (kScoreMaxRows<RB> >= 5) return launch_scores<T, TC, RB, 5>(args, vec, sms, stream);
-      return cudaErrorInvalidValue;  // not reached: the loop picks at most kScoreMaxRows
+      [[fallthrough]];
+    default:
+      return cudaErrorInvalidValue;  // not reached: the loop picks 2 to kScoreMaxRows
   }
 }
 
@@ -78,7 +81,8 @@ cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const f
   if (batch == 1) return launch_tile<T, TC, 1>(args, vec, sms, stream);
   if (batch == 2) return launch_tile<T, TC, 2>(args, vec, sms, stream);
   if (batch <= 4) return launch_tile<T, TC, 4>(args, vec, sms, stream);
-  return launch_tile<T, TC, kScoreBatchTile<T, TC>>(args, vec, sms, stream);
+  if (batch <= kScoreBatchTile<T, TC>) return launch_tile<T, TC, kScoreBatchTile<T, TC>>(args, vec, sms, stream);
+  return launch_scores<T, TC, kScoreBatchTile<T, TC>, kScoreRowsPerWarp>(args, vec, sms, stream);
 }
 
 #define FLASHHEAD_INSTANTIATE(T, TC)                                                                            \

@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
   constexpr int kWarps = kScoreThreads / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   const int tiles = RB == 1 ? 1 : ceil_div(a.batch, RB);
-  // Fits in int: the launcher refuses shapes whose B x C scores would not.
+  // Fits in int, with a grid's stride past it: the launcher refuses shapes whose items would not.
   const int items = ceil_div(a.num_clusters, ROWS) * tiles;
   const uint64_t policy = row_policy(rows_read_once(RB == 1 ? 1 : a.batch));
   // One batch tile: items are dealt round-robin over the blocks, so every SM streams the same

@@ -66,6 +66,7 @@ at::Tensor workspace(size_t bytes, const at::Tensor& like) {
 HeadShape head_shape(const char* op, const at::Tensor& hidden, const at::Tensor& centroids, int64_t probes) {
   check_fits_int(op, hidden.size(0), "the batch size");
   check_fits_int(op, hidden.size(1), "hidden_dim");
+  check_fits_int(op, centroids.size(0), "the number of clusters");
   HeadShape s;
   s.batch = static_cast<int>(hidden.size(0));
   s.hidden_dim = static_cast<int>(hidden.size(1));
