@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ._cli import device_arg
+from ._cli import device_arg, positive_int, positive_int_list
 from .prompts import DEFAULT_PROMPTS, load_prompts
 
 def next_tokens(head, hidden: Tensor, rows_per_call: int = 16) -> Tensor:
@@ -128,23 +128,6 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _probes_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive probes values, got {text!r}")
-    return values
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     # The console script `flashhead` (pyproject.toml) or `python -m flashhead_ext`, as the user typed it.
     prog = "flashhead" if Path(sys.argv[0]).name == "flashhead" else "python -m flashhead_ext"
@@ -155,15 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("compare-heads", 1)[1].strip(),
     )
     compare.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="Spec-Bench jsonl (default: %(default)s)")
-    compare.add_argument("--num-prompts", type=_positive_int, default=8, help="prompts to run (default: %(default)s)")
-    compare.add_argument("--max-new-tokens", type=_positive_int, default=32, help="greedy tokens per prompt (default: %(default)s)")
-    compare.add_argument("--probes", type=_probes_list, default=[64, 128, 192, 512], help="comma-separated probes values (default: 64,128,192,512)")
-    compare.add_argument("--cluster-size", type=_positive_int, default=16, help="tokens per cluster b (default: %(default)s)")
-    compare.add_argument("--iters", type=_positive_int, default=15, help="k-means iterations (default: %(default)s)")
+    compare.add_argument("--num-prompts", type=positive_int, default=8, help="prompts to run (default: %(default)s)")
+    compare.add_argument("--max-new-tokens", type=positive_int, default=32, help="greedy tokens per prompt (default: %(default)s)")
+    compare.add_argument("--probes", type=positive_int_list, default=[64, 128, 192, 512], help="comma-separated probes values (default: 64,128,192,512)")
+    compare.add_argument("--cluster-size", type=positive_int, default=16, help="tokens per cluster b (default: %(default)s)")
+    compare.add_argument("--iters", type=positive_int, default=15, help="k-means iterations (default: %(default)s)")
     compare.add_argument("--seed", type=int, default=0, help="k-means seed (default: %(default)s)")
     compare.add_argument("--no-cache", action="store_true", help="rebuild the clustering even if a cached one exists")
-    compare.add_argument("--repeats", type=_positive_int, default=100, help="timed calls per head (default: %(default)s)")
-    compare.add_argument("--threads", type=_positive_int, default=None,
+    compare.add_argument("--repeats", type=positive_int, default=100, help="timed calls per head (default: %(default)s)")
+    compare.add_argument("--threads", type=positive_int, default=None,
                          help="CPU threads for torch (default: torch's choice); on a busy machine 1 can be several times faster")
     compare.add_argument("--device", type=lambda text: torch.device(device_arg(text)),
                          default=torch.device("cuda" if torch.cuda.is_available() else "cpu"),

@@ -25,3 +25,33 @@ def device_arg(text: str) -> str:
         if device.index is not None and device.index >= count:
             raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} CUDA device{'s' if count > 1 else ''}")
     return text
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type`` of a count: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse ``type`` of a comma list of counts (probes values, cluster sizes, batch sizes)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive values, got {text!r}")
+    return values
+
+
+def choices_list(parser: argparse.ArgumentParser, names: str, choices, what: str) -> list:
+    """The comma list ``names``, each one of ``choices`` (a parser error names the bad one)."""
+    picked = [name for name in names.split(",") if name]
+    if not picked:
+        parser.error(f"no {what} given; choose from {sorted(choices)}")
+    for name in picked:
+        if name not in choices:
+            parser.error(f"unknown {what} {name!r}; choose from {sorted(choices)}")
+    return picked

@@ -149,6 +149,9 @@ def _check_against_embedding(dim: int, vocab: int, embedding: Tensor) -> None:
 def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering], **settings) -> Path:
     """Writes ``assets`` (or a :class:`Clustering`, with ``settings`` as in
     :meth:`FlashHeadAssets.from_clustering`) under ``directory``; returns the directory."""
+    if not isinstance(assets, (FlashHeadAssets, Clustering)):
+        raise TypeError(f"assets must be a FlashHeadAssets or a Clustering (save_assets(directory, assets)), "
+                        f"got {type(assets).__name__}")
     if isinstance(assets, Clustering):
         assets = FlashHeadAssets.from_clustering(assets, **settings)
     elif settings:

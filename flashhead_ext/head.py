@@ -60,10 +60,15 @@ def _own_copy(tensor: Tensor, device, dtype) -> Tensor:
     return tensor.detach().to(device, dtype, memory_format=torch.contiguous_format, copy=True)
 
 
-def _check_finite(name: str, centroids: Tensor) -> None:
+def _require_values(name: str, centroids: Tensor) -> None:
     if centroids.is_meta:
-        raise ValueError(f"{name} is on the meta device, which holds no values (a meta embedding puts the centroids "
-                         "there); FlashHead ranks clusters by them: materialise the weights first")
+        raise ValueError(f"{name} is on the meta device, which holds no values (centroids are kept on the embedding's "
+                         "device, so a meta embedding puts them there too); FlashHead ranks clusters by them: "
+                         "materialise the weights first")
+
+
+def _check_finite(name: str, centroids: Tensor) -> None:
+    _require_values(name, centroids)
     # A sync, once per build or load: a NaN centroid would silently rank its cluster last at every step.
     if not torch.isfinite(centroids).all():
         raise ValueError(f"{name} must be finite; it holds NaN or inf (as {centroids.dtype})")
@@ -242,6 +247,7 @@ class FlashHead(_HeadBase):
             # fp8 ones would come without their scale: FlashHead quantizes float ones itself.
             raise TypeError(f"{name} must be a float16, bfloat16, float32 or float64 tensor (centroid_dtype="
                             f"torch.float8_e4m3fn quantizes them), got {centroids.dtype}")
+        _require_values(name, centroids)  # before the copy, which cannot read a meta tensor
         centroids = _own_copy(centroids, embedding.device, dtype)
         _check_finite(name, centroids)
         return centroids

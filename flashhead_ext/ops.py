@@ -14,7 +14,10 @@ Conventions shared by every op (docs/kernels.md):
 * centroids may instead be ``torch.float8_e4m3fn`` (half the bytes of bf16, so the scoring reads
   them in about half the time), with an optional ``centroid_scale``: a float32 tensor of one
   element on their device that multiplies every centroid score (:func:`quantize_centroids` makes
-  both). It is read on the device, so a captured graph sees the value current at replay.
+  both). It is read on the device, so a captured graph sees the value current at replay; for the
+  same reason its value is not checked (that would sync with the host): it must be finite and
+  positive, since a negative scale reverses the ranking and 0 or NaN ties every score
+  (``FlashHead`` makes its own scale and checks one loaded from a state dict).
 * ids are int32; ``-1`` in a candidate list is a masked slot whose logit is ``-inf``.
 * ranking: higher score first, NaN below every number, ties to the smaller id (cluster id for
   cluster selection, token id for the final argmax, as ``torch.argmax`` on a dense row).

@@ -1,5 +1,6 @@
 """FlashHead assets: published layout round trips in both directions, malformed assets, the cache."""
 import json
+import re
 
 import pytest
 import torch
@@ -65,6 +66,13 @@ def test_save_writes_nothing_when_the_config_cannot_be_written(tmp_path, cluster
     other.special_token_ids = torch.tensor([4, 1])  # ids as a tensor are written as ints
     save_assets(tmp_path, other)
     assert load_assets(tmp_path).special_token_ids == [4, 1]
+
+
+def test_save_refuses_arguments_in_the_wrong_order(tmp_path, clustering):
+    with pytest.raises(TypeError, match=re.escape("assets must be a FlashHeadAssets or a Clustering (save_assets(directory, "
+                                                  "assets)), got PosixPath")):
+        save_assets(clustering, tmp_path)
+    assert not any(tmp_path.iterdir())
 
 
 def test_padded_clustering_round_trip(tmp_path):

@@ -434,7 +434,9 @@ def head_args(device="cpu"):
     (dict(embedding=lambda a: a["embedding"][0]), ValueError, "embedding must be a non-empty 2-D tensor"),
     (dict(embedding=lambda a: a["embedding"].double()), TypeError, "embedding must be float16, bfloat16 or float32"),
     (dict(embedding=lambda a: a["embedding"].tolist()), TypeError, "embedding must be a torch.Tensor"),
-    (dict(embedding=lambda a: a["embedding"].to("meta")), ValueError, "centroids is on the meta device, which holds no values (a meta embedding puts the centroids there)"),
+    (dict(embedding=lambda a: a["embedding"].to("meta")), ValueError, "centroids is on the meta device, which holds no values (centroids are kept on the embedding's device, so a meta embedding puts them there too)"),
+    (dict(centroids=lambda a: a["centroids"].to("meta")), ValueError, "centroids is on the meta device, which holds no values"),
+    (dict(sampling_centroids=lambda a: a["centroids"].to("meta")), ValueError, "sampling_centroids is on the meta device"),
 ], ids=lambda v: None)
 def test_flashhead_constructor_errors(change, error, fragment):
     args = head_args()

@@ -65,3 +65,40 @@ def test_summary_names_a_baseline_that_was_not_run():
     assert "3.00x torch_flash (goal >= 4)" in summary(rows, "qwen3-0.6b")
     assert "flash_greedy_fp8 16.8 us, 5.00x dense" in summary(rows, "qwen3-0.6b")
     assert "nothing to compare" in summary([dict(r, mode="eager") for r in rows], "qwen3-0.6b")
+
+
+def test_head_bench_times_a_capped_probes_value_once(tmp_path):
+    # Probes above the shape's clusters are capped; two capped to the same value are one point, so
+    # each row's ratios compare it with its own point's dense row.
+    out = tmp_path / "head.json"
+    clusters = SHAPES["tiny"].num_clusters
+    assert main(["head", "--shapes", "tiny", "--device", "cpu", "--dtype", "fp32", "--probes", f"{clusters + 1},{clusters + 50},7",
+                 "--batches", "1", "--samples", "2", "--calls", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted({r["probes"] for r in rows}) == [7, clusters]
+    assert len(rows) == 6 * 2
+    assert all(r["x_vs_dense"] == 1.0 for r in rows if r["impl"] == "dense")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["head", "--probes", "0"], "argument --probes: expected positive values"),
+    (["head", "--probes", "abc"], "argument --probes: expected comma-separated integers"),
+    (["head", "--batches", "2,0"], "argument --batches: expected positive values"),
+    (["head", "--samples", "0"], "argument --samples: expected a positive integer"),
+    (["head", "--calls", "-1"], "argument --calls: expected a positive integer"),
+    (["head", "--impls", "dense,foo"], "unknown implementation 'foo'"),
+    (["head", "--modes", "foo"], "unknown mode 'foo'"),
+    (["head", "--modes", "graph"], "--modes graph needs a CUDA device"),
+    (["head", "--shapes", ","], "no shape given"),
+    (["clusters", "--iters", "0"], "argument --iters: expected a positive integer"),
+    (["draft-step", "--context", "0"], "argument --context: expected a positive integer"),
+    (["draft-step", "--shapes", "tiny", "--probes", "100000"], "--probes 100000 exceeds the 63 clusters of tiny"),
+    (["spec", "--target", "tiny", "--draft", "tiny", "--cluster-size", "0"], "argument --cluster-size: expected a positive integer"),
+    (["layer-ops", "--tokens", "1,x"], "argument --tokens: expected comma-separated integers"),
+])
+def test_bench_refuses_bad_options(argv, message, capsys):
+    # A usage error before anything is built or timed (on the CPU, where graphs cannot run).
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--device", "cpu"] if argv[0] in ("head", "draft-step", "spec", "clusters") else argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

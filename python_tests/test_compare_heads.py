@@ -26,7 +26,7 @@ def test_probes_values_must_be_positive(capsys):
     assert parser.parse_args(["compare-heads", "--probes", "3,500"]).probes == [3, 500]
     with pytest.raises(SystemExit):
         parser.parse_args(["compare-heads", "--probes", "0"])
-    assert "expected positive probes values" in capsys.readouterr().err
+    assert "expected positive values" in capsys.readouterr().err
 
 
 def test_usage_names_the_command_as_typed(monkeypatch):

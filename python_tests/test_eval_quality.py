@@ -178,7 +178,7 @@ def test_bad_input(tmp_path, capsys):
     prompts = _questions(tmp_path / "q.jsonl")
     for argv, message in [
         (["quality", "--methods", "kmeans,bogus"], "expected comma-separated methods from kmeans, kmeans-fit, calibrated"),
-        (["quality", "--probes", "0"], "expected positive probes values"),
+        (["quality", "--probes", "0"], "expected positive values"),
         (["quality", "--frequent-tokens", "-1"], "--frequent-tokens must be >= 0"),
         (["quality", "--per-category", "0"], "expected a positive integer"),
     ]:

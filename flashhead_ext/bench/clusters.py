@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .._cli import device_arg, doc_summary
+from .._cli import choices_list, device_arg, doc_summary, positive_int
 from ..clustering import build_clusters
 from .timing import format_table, run_metadata
 
@@ -31,15 +31,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench clusters", description=doc_summary(__doc__),
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-0.6b,smollm2", help=f"comma list of {sorted(SHAPES)}")
-    parser.add_argument("--iters", type=int, default=15, help="k-means iterations (build_clusters' iters)")
+    parser.add_argument("--iters", type=positive_int, default=15, help="k-means iterations (build_clusters' iters)")
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the clustering runs")
     parser.add_argument("--json", default="results/bench_clusters.json", help="where the result JSON is written")
     args = parser.parse_args(argv)
-    names = args.shapes.split(",")
-    for name in names:
-        if name not in SHAPES:
-            parser.error(f"--shapes: unknown shape {name!r}; choose from {sorted(SHAPES)}")
+    names = choices_list(parser, args.shapes, SHAPES, "shape")
 
     gen = torch.Generator(device=args.device).manual_seed(0)
     warm = torch.randn(*SHAPES["tiny"][:2], generator=gen, device=args.device)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .. import ops
-from .._cli import device_arg, doc_summary
+from .._cli import choices_list, device_arg, doc_summary, positive_int, positive_int_list
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
@@ -46,6 +46,7 @@ SHAPES = {
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IMPLS = ("dense", "torch_flash", "flash_greedy", "flash_sample", "flash_greedy_fp8", "flash_sample_fp8")
+MODES = ("eager", "graph")
 
 
 class HeadState:
@@ -131,19 +132,22 @@ def measure(state: HeadState, impl: str, batch: int, probes: int, mode: str, cal
 
 
 def plan(args) -> list[dict]:
-    """The configurations to time: (shape, batch, probes) points, each with every impl and mode."""
+    """The configurations to time: (shape, batch, probes) points, each with every impl and mode.
+    Probes are capped at a shape's clusters; a point that capping repeats is timed once (the
+    ratios pair rows by point)."""
     points = []
     for name in args.shapes:
         shape = SHAPES[name]
         default_probes = max(1, shape.num_clusters // 16)
         main = name == args.shapes[0]
         probes_list = args.probes if main else sorted({256, default_probes})
-        for p in probes_list:
-            points.append(dict(shape=name, batch=1, probes=min(p, shape.num_clusters)))
+        wanted = [(1, p) for p in probes_list]
         if main:
-            for batch in args.batches:
-                if batch != 1:
-                    points.append(dict(shape=name, batch=batch, probes=min(args.batch_probes, shape.num_clusters)))
+            wanted += [(batch, args.batch_probes) for batch in args.batches if batch != 1]
+        for batch, p in wanted:
+            point = dict(shape=name, batch=batch, probes=min(p, shape.num_clusters))
+            if point not in points:
+                points.append(point)
     return points
 
 
@@ -153,32 +157,33 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="qwen3-0.6b,llama3,gemma3-1b",
                         help=f"comma list of {sorted(SHAPES)}; the first gets the probes and batch sweeps")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="the head's weights and hidden states")
-    parser.add_argument("--probes", default="32,256,593,1024", help="probes swept at batch 1 on the first shape")
-    parser.add_argument("--batches", default="1,2,4,8,16,32,64", help="batch sizes swept on the first shape")
-    parser.add_argument("--batch-probes", type=int, default=256, help="probes used in the batch sweep")
+    parser.add_argument("--probes", type=positive_int_list, default="32,256,593,1024",
+                        help="probes swept at batch 1 on the first shape (capped at its clusters)")
+    parser.add_argument("--batches", type=positive_int_list, default="1,2,4,8,16,32,64",
+                        help="batch sizes swept on the first shape")
+    parser.add_argument("--batch-probes", type=positive_int, default=256, help="probes used in the batch sweep")
     parser.add_argument("--special-tokens", type=int, default=0,
                         help="ids scored at every step besides the clusters' (the last N of the vocabulary), "
                              "as FlashHead(special_token_ids=...) does")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma list of the implementations compared")
     parser.add_argument("--modes", default="eager,graph", help="comma list: eager calls, CUDA-graph replays or both")
-    parser.add_argument("--calls", type=int, default=16, help="head calls per timed sample (rotating copies)")
-    parser.add_argument("--samples", type=int, default=25, help="timed samples (the median is reported)")
+    parser.add_argument("--calls", type=positive_int, default=16, help="head calls per timed sample (rotating copies)")
+    parser.add_argument("--samples", type=positive_int, default=25, help="timed samples (the median is reported)")
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where it runs (a GPU when there is one; the CPU runs the references, slowly)")
     parser.add_argument("--json", default="results/bench_head.json", help="where the result JSON is written")
     args = parser.parse_args(argv)
-    args.shapes = args.shapes.split(",")
+    args.shapes = choices_list(parser, args.shapes, SHAPES, "shape")
     for name in args.shapes:
-        if name not in SHAPES:
-            parser.error(f"--shapes: unknown shape {name!r}; choose from {sorted(SHAPES)}")
         if not 0 <= args.special_tokens < SHAPES[name].vocab:
             parser.error(f"--special-tokens must be in [0, {SHAPES[name].vocab}) for {name}, got {args.special_tokens}")
-    args.probes = [int(x) for x in args.probes.split(",")]
-    args.batches = [int(x) for x in args.batches.split(",")]
-    impls = args.impls.split(",")
-    modes = args.modes.split(",")
-    if args.device == "cpu":
-        modes = [m for m in modes if m == "eager"]  # graphs are CUDA-only
+    impls = choices_list(parser, args.impls, IMPLS, "implementation")
+    modes = choices_list(parser, args.modes, MODES, "mode")
+    if args.device == "cpu" and "graph" in modes:
+        if modes == ["graph"]:
+            parser.error("--modes graph needs a CUDA device (CUDA graphs); on the CPU use --modes eager")
+        modes = [m for m in modes if m != "graph"]
+        print("graph mode skipped: CUDA graphs need a CUDA device")
     dtype = DTYPES[args.dtype]
 
     meta = run_metadata()

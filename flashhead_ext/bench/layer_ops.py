@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from .. import ops
 from ..fast.decoder import Decoder, _fused_layer, _layer
 from ..graphs import capture_graph
-from .spec import SHAPES, _check_choices, _write, cache_read_bytes
+from .._cli import choices_list, positive_int, positive_int_list
+from .spec import SHAPES, _write, cache_read_bytes
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
 COLUMNS = [("shape", "shape", "s"), ("tokens", "M", "d"), ("op", "op", "s"), ("ours_us", "ours us", ".1f"),
@@ -102,14 +103,14 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-0.6b,gemma3-270m-llama,smollm2-early-exit-8,qwen3-32b",
                         help=f"comma list of {sorted(SHAPES)}")
-    parser.add_argument("--tokens", default="1,8", help="comma list of tokens per call (M)")
-    parser.add_argument("--context", type=int, default=1024, help="cache length (max_len); the layer row attends to all of it")
-    parser.add_argument("--samples", type=int, default=20, help="timed samples (the median is reported)")
-    parser.add_argument("--calls", type=int, default=32, help="calls per graph replay")
+    parser.add_argument("--tokens", type=positive_int_list, default="1,8", help="comma list of tokens per call (M)")
+    parser.add_argument("--context", type=positive_int, default=1024, help="cache length (max_len); the layer row attends to all of it")
+    parser.add_argument("--samples", type=positive_int, default=20, help="timed samples (the median is reported)")
+    parser.add_argument("--calls", type=positive_int, default=32, help="calls per graph replay")
     parser.add_argument("--json", default="results/bench_layer_ops.json", help="where the result JSON is written")
     args = parser.parse_args(argv)
-    shapes = _check_choices(parser, args.shapes, SHAPES, "shape")
-    tokens = [int(t) for t in args.tokens.split(",") if t]
+    shapes = choices_list(parser, args.shapes, SHAPES, "shape")
+    tokens = args.tokens
     if not torch.cuda.is_available():
         parser.error("layer-ops times CUDA kernels and needs a GPU")
     bandwidth = copy_bandwidth_gbs()

