@@ -395,7 +395,9 @@ def decoder_step(
     then up rows), ``"down"`` ``[L, D, I]``, ``"attn_norm"``, ``"mlp_norm"`` ``[L, D]`` and,
     optionally, ``"q_norm"``, ``"k_norm"`` ``[L, hd]`` (both or neither) and ``"qkv_bias"``
     ``[L, (H + 2 KV) hd]``: each layer's weights stacked along a leading layer dimension, all of
-    x's dtype. ``k_cache``, ``v_cache [L, KV, max_len, hd]`` (contiguous) get each layer's key and
+    x's dtype. Errors name them as the op ``torch.ops.flashhead.decoder_step`` does: ``qkv_weight``,
+    ``o_weight``, ``gate_up_weight`` and ``down_weight`` are ``weights["qkv"]``, ``["o"]``,
+    ``["gate_up"]`` and ``["down"]``; the others keep their keys. ``k_cache``, ``v_cache [L, KV, max_len, hd]`` (contiguous) get each layer's key and
     value at position ``length`` (in place); ``cos``, ``sin``, ``length`` and ``num_heads`` as in
     :func:`rotary_cache_write`, ``scale`` as in :func:`decode_attention` (default
     ``1 / sqrt(hd)``). Per layer ``i``, exactly::
