@@ -397,10 +397,10 @@ def decoder_step(
     ``[L, (H + 2 KV) hd]``: each layer's weights stacked along a leading layer dimension, all of
     x's dtype. Errors name them as the op ``torch.ops.flashhead.decoder_step`` does: ``qkv_weight``,
     ``o_weight``, ``gate_up_weight`` and ``down_weight`` are ``weights["qkv"]``, ``["o"]``,
-    ``["gate_up"]`` and ``["down"]``; the others keep their keys. ``k_cache``, ``v_cache [L, KV, max_len, hd]`` (contiguous) get each layer's key and
-    value at position ``length`` (in place); ``cos``, ``sin``, ``length`` and ``num_heads`` as in
-    :func:`rotary_cache_write`, ``scale`` as in :func:`decode_attention` (default
-    ``1 / sqrt(hd)``). Per layer ``i``, exactly::
+    ``["gate_up"]`` and ``["down"]``; the others keep their keys. ``k_cache``, ``v_cache [L, KV,
+    max_len, hd]`` (contiguous) get each layer's key and value at position ``length`` (in place);
+    ``cos``, ``sin``, ``length`` and ``num_heads`` as in :func:`rotary_cache_write`, ``scale`` as
+    in :func:`decode_attention` (default ``1 / sqrt(hd)``). Per layer ``i``, exactly::
 
         qkv = fused_linear(x, qkv[i], norm_weight=attn_norm[i], eps=eps, bias=qkv_bias[i])
         q = rotary_cache_write(qkv, cos, sin, length, k_cache[i], v_cache[i], num_heads,

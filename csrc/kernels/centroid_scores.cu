@@ -9,15 +9,14 @@ namespace {
 template <typename T, typename TC, int RB, int ROWS>
 cudaError_t launch_scores(const detail::ScoreArgs<T, TC>& args, bool vec, int sms, cudaStream_t stream) {
   using namespace detail;
-  constexpr int kWarps = kScoreThreads / kWarpSize;
   const int tiles = ceil_div(args.batch, RB);
   const int64_t items = int64_t{ceil_div(args.num_clusters, ROWS)} * tiles;
   // As the kernel deals items: round-robin over the blocks for one tile (a block per item, at
-  // most), else to a block's warps in turn (a block per kWarps items).
-  const int64_t wanted = tiles == 1 ? items : ceil_div<int64_t>(items, kWarps);
+  // most), else to a block's warps in turn (a block per kScoreWarps items).
+  const int64_t wanted = tiles == 1 ? items : ceil_div<int64_t>(items, kScoreWarps);
   const int blocks = static_cast<int>(std::min<int64_t>(wanted, int64_t{sms} * kScoreBlocksPerSm<RB>));
   // The kernel's item index, an int, steps past the last item by at most a grid's warps.
-  if (items > INT32_MAX - int64_t{blocks} * kWarps) return cudaErrorInvalidValue;
+  if (items > INT32_MAX - int64_t{blocks} * kScoreWarps) return cudaErrorInvalidValue;
   const auto kernel = vec ? centroid_scores_kernel<T, TC, RB, ROWS, true> : centroid_scores_kernel<T, TC, RB, ROWS, false>;
   return launch_kernel(kernel, dim3(blocks), dim3(kScoreThreads), 0, stream, false, args);
 }
@@ -37,7 +36,7 @@ template <typename T, typename TC, int RB>
 cudaError_t launch_tile(const detail::ScoreArgs<T, TC>& args, bool vec, int sms, cudaStream_t stream) {
   using namespace detail;
   static_assert(kScoreMaxRows<RB> >= 2 && kScoreMaxRows<RB> <= 5, "the switch below has an instance for each pick");
-  const int64_t warps = int64_t{sms} * kScoreBlocksPerSm<RB> * (kScoreThreads / kWarpSize);
+  const int64_t warps = int64_t{sms} * kScoreBlocksPerSm<RB> * kScoreWarps;
   int best = 2;
   int64_t best_rows = INT64_MAX;
   for (int rows = 2; rows <= kScoreMaxRows<RB>; ++rows) {

@@ -12,6 +12,7 @@ namespace flashhead {
 namespace detail {
 
 constexpr int kScoreThreads = 256;
+constexpr int kScoreWarps = kScoreThreads / kWarpSize;
 // Centroid rows a warp scores at once when a batch spans several tiles; one tile picks 2 to 5 to
 // fit C (launch_tile).
 constexpr int kScoreRowsPerWarp = 4;
@@ -54,7 +55,6 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
   static_assert(ROWS * RB <= kWarpSize, "a lane writes each of an item's scores");
   // Let the selection kernel get resident while this one streams the centroids.
   let_next_kernel_start();
-  constexpr int kWarps = kScoreThreads / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   const int tiles = RB == 1 ? 1 : ceil_div(a.batch, RB);
   // Fits in int, with a grid's stride past it: the launcher refuses shapes whose items would not.
@@ -64,8 +64,8 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
   // share (the grid is whole waves of resident blocks). Several tiles: consecutive items (the
   // tiles of one centroid group) stay in one block, so they share its loads in cache.
   const int warp = threadIdx.x / kWarpSize;
-  const int first_item = tiles == 1 ? warp * gridDim.x + blockIdx.x : blockIdx.x * kWarps + warp;
-  for (int item = first_item; item < items; item += gridDim.x * kWarps) {
+  const int first_item = tiles == 1 ? warp * gridDim.x + blockIdx.x : blockIdx.x * kScoreWarps + warp;
+  for (int item = first_item; item < items; item += gridDim.x * kScoreWarps) {
     const int c0 = item / tiles * ROWS;
     const int b0 = item % tiles * RB;
     const TC* rows[ROWS];

@@ -114,11 +114,16 @@ def step_read_bytes(model: Decoder, keys: int) -> int:
 CENTROID_DTYPES = {"model": None, "fp8": torch.float8_e4m3fn}  # FlashHead's centroid_dtype
 
 
+def random_cluster_count(vocab: int, cluster_size: int) -> int:
+    """The clusters random_flash_head makes: the vocabulary in clusters of ``cluster_size``, the last padded."""
+    return math.ceil(vocab / cluster_size)
+
+
 def random_flash_head(embedding: torch.Tensor, cluster_size: int, probes, seed: int = 0,
                       centroid_dtype: Optional[torch.dtype] = None) -> FlashHead:
     """A FlashHead over ``embedding`` with a random partition of the vocabulary; ``probes`` None: C/16."""
     vocab = embedding.shape[0]
-    clusters = math.ceil(vocab / cluster_size)
+    clusters = random_cluster_count(vocab, cluster_size)
     gen = torch.Generator(device=embedding.device).manual_seed(seed)
     order = torch.randperm(clusters * cluster_size, generator=gen, device=embedding.device)
     table = torch.where(order < vocab, order, torch.full_like(order, -1)).view(clusters, cluster_size)
@@ -130,9 +135,11 @@ def random_flash_head(embedding: torch.Tensor, cluster_size: int, probes, seed: 
 
 def check_probes(parser: argparse.ArgumentParser, args, shape_names) -> None:
     """A parser error when --probes exceeds the clusters random_flash_head makes for a shape."""
+    if args.probes is None:
+        return
     for name in shape_names:
-        clusters = math.ceil(SHAPES[name].vocab_size / args.cluster_size)
-        if args.probes is not None and args.probes > clusters:
+        clusters = random_cluster_count(SHAPES[name].vocab_size, args.cluster_size)
+        if args.probes > clusters:
             parser.error(f"--probes {args.probes} exceeds the {clusters} clusters of {name} "
                          f"(vocabulary {SHAPES[name].vocab_size}, --cluster-size {args.cluster_size})")
 
