@@ -74,36 +74,55 @@ def test_sampling_large(shape, dtype):
     check_decode_sample(tokens, logprobs, problem, T, seed, exact=False)
 
 
-# The scoring kernel's instances: a batch of one tile (1, 2, 3-4 or 5-8 rows with bf16
+def check_every_score(problem, centroids=None, scale=None, exact=False):
+    # p = C: every score is checked (one written twice or not at all would show), then the greedy
+    # and the sampled decode (the Gumbel keys).
+    centroids = problem.centroids if centroids is None else centroids
+    clusters = centroids.shape[0]
+    ids, scores = ops.select_clusters(problem.hidden, centroids, clusters, centroid_scale=scale)
+    ref_scores = ref.scores(problem.hidden, problem.centroids)
+    check_ranked_selection(ids, ref_scores, clusters, problem.score_tol(), exact=exact)
+    assert_values_close(scores, ref_scores.gather(1, ids.long()), problem.score_tol(), "scores")
+    head = (problem.hidden, centroids, problem.cluster_tokens, problem.embedding, problem.probes)
+    check_decode_greedy(ops.decode_greedy(*head, centroid_scale=scale), problem, exact=exact)
+    seed = 5 + clusters
+    tokens, logprobs = ops.decode_sample(*head, T, seed=seed, centroid_scale=scale)
+    check_decode_sample(tokens, logprobs, problem, T, seed, exact=exact)
+
+
+# The CUDA-core scoring kernel's instances: a batch of one tile (1, 2, 3-4 or 5-8 rows with bf16
 # centroids) has each warp score 2 to 5 centroid rows at once, whichever leaves the busiest warp of
 # the resident grid the fewest (centroid_scores.cu). On a 132-SM GPU (H100 SXM, H200) these cluster
 # counts pick, at batch 1, 2, 3, 4 and 3 rows (the last with two items a warp); at batch 2, 2, 3 and
 # 4; at batches 3-4 (a tile of 4), 3, 4 and 5; at batches 5-8 (a tile of 8), 2 and 3 (the 3 with
 # two items a warp); every one with a partial last item. Batches 3 and 5 leave tile rows empty; with fp8
-# centroids batches 5 and 8 span tiles of 4. D 1001 takes the instances without 16-byte vectors.
-# Every score is checked (p = C: a score written twice or not at all would show), then the greedy
-# and the sampled decode (the Gumbel keys).
+# centroids batches 5 and 8 span tiles of 4. D 1001 takes the instances without 16-byte vectors;
+# bf16 batches 5 and 8 with D 1024 take tensor cores (test_tensor_core_scoring).
 @pytest.mark.parametrize("centroid_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("batch,clusters", [(1, 6001), (1, 9496), (1, 11999), (1, 16001), (2, 6001), (2, 9496),
                                             (2, 11999), (3, 6001), (4, 8001), (4, 9496), (5, 3001), (8, 9496)])
 @pytest.mark.parametrize("dim", [1024, 1001])
 def test_scoring_instances(dim, batch, clusters, centroid_dtype):
     problem = problem_for(Shape(B=batch, D=dim, C=clusters, b=16, p=256), torch.bfloat16)
-    scale = None
     if centroid_dtype == torch.float8_e4m3fn:
         centroids, scale = ops.quantize_centroids(problem.centroids)
-        problem = problem.with_(centroids=centroids.float() * scale)
+        check_every_score(problem.with_(centroids=centroids.float() * scale), centroids, scale)
     else:
-        centroids = problem.centroids
-    ids, scores = ops.select_clusters(problem.hidden, centroids, clusters, centroid_scale=scale)
-    ref_scores = ref.scores(problem.hidden, problem.centroids)
-    check_ranked_selection(ids, ref_scores, clusters, problem.score_tol(), exact=False)
-    assert_values_close(scores, ref_scores.gather(1, ids.long()), problem.score_tol(), "scores")
-    head = (problem.hidden, centroids, problem.cluster_tokens, problem.embedding, problem.probes)
-    check_decode_greedy(ops.decode_greedy(*head, centroid_scale=scale), problem, exact=False)
-    seed = 5 + clusters
-    tokens, logprobs = ops.decode_sample(*head, T, seed=seed, centroid_scale=scale)
-    check_decode_sample(tokens, logprobs, problem, T, seed, exact=False)
+        check_every_score(problem)
+
+
+# The tensor-core scoring (bf16 or fp16 batches past 4 rows, 16-byte rows): one, two, four or eight
+# n-tiles of 8 batch rows a block (the last partial), batches past 64 in several chunks; tiles of
+# 16 centroid rows (a partial last one, or a single row); D split over the block's 4 warps in
+# blocks of 32 elements (a partial last block at D 1000, warps without a block at D 8 and 64).
+# Integer-valued inputs make every sum exact: there the ids must match exactly, ties included.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("batch,clusters,dim", [(5, 997, 1024), (8, 16, 64), (9, 1, 1000), (17, 4099, 576),
+                                                (33, 31, 2048), (64, 9496, 1024), (130, 257, 8)])
+@pytest.mark.parametrize("integer", [False, True], ids=["random", "integer"])
+def test_tensor_core_scoring(batch, clusters, dim, dtype, integer):
+    shape = Shape(B=batch, D=dim, C=clusters, b=4, p=min(clusters, 37))
+    check_every_score(make_problem(shape, dtype, "cuda", build_on_device=not integer, integer=integer), exact=integer)
 
 
 def slots_past_one_pass():

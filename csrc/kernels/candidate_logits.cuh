@@ -31,8 +31,6 @@ constexpr int kCandBuffers = 2;
 // A lane of the staged instance holds its 16-byte pieces of the hidden row in registers, at
 // most this many: rows of up to 4 KB (two blocks of buffers fit rows of about 3.5 KB on an H200).
 constexpr int kStagedHiddenChunks = 8;
-// gridDim.y limit; larger batches are launched in slices.
-constexpr int kMaxGridRows = 65535;
 
 // The dynamic shared memory of a candidate kernel's staged instance (`kernel`): its warps' buffers
 // when rows are to be staged, else 0 (the register instance runs). Rows are staged when a warp

@@ -1,4 +1,5 @@
-// Stage 1: centroid scores, a skinny GEMM scores[B, C] = hidden[B, D] . centroids[C, D]^T.
+// Stage 1: centroid scores, a skinny GEMM scores[B, C] = hidden[B, D] . centroids[C, D]^T, on CUDA
+// cores (batches of bf16 or fp16 past 4 rows take tensor cores: centroid_scores_mma.cuh).
 //
 // Memory-bound at small B: the centroid matrix is read once, 16 bytes per lane, each warp
 // streaming ROWS rows with several loads in flight. Hidden rows are re-read per chunk from L1
@@ -47,6 +48,18 @@ constexpr int kScoreBlocksPerSm = RB <= 2 ? 3 : 2;
 template <int RB>
 constexpr int kScoreUnroll = RB <= 2 ? 2 : 1;
 
+// Score (b, c) from its dot product: scaled, written, and with its Gumbel key when sampling (the
+// scale and seed are read only here, once the sums are in).
+template <typename T, typename TC>
+__device__ __forceinline__ void store_score(const ScoreArgs<T, TC>& a, int b, int c, float dot) {
+  const float score = dot * (a.centroid_scale ? *a.centroid_scale : 1.0f);
+  const int64_t at = int64_t{b} * a.num_clusters + c;
+  a.scores[at] = score;
+  if (a.keys)
+    a.keys[at] = score / a.temperature + gumbel_noise(static_cast<uint64_t>(*a.seed), kClusterStream,
+                                                      static_cast<uint32_t>(b), static_cast<uint32_t>(c));
+}
+
 // Batch 1 is one tile (RB == 1), the case worth a short start: its loads issue after a few
 // instructions, with no division, and the scale and seed are read only once the sums are in.
 // kVec: rows of whole 16-byte vectors (rows_vectorizable), an instance without the scalar path.
@@ -84,14 +97,7 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
 #pragma unroll
       for (int b = 0; b < RB; ++b) flat[r * RB + b] = acc[r][b];
     const int c = c0 + lane / RB, b = b0 + lane % RB;
-    if (lane < ROWS * RB && c < a.num_clusters && b < a.batch) {
-      const float score = pick(flat, lane) * (a.centroid_scale ? *a.centroid_scale : 1.0f);
-      const int64_t at = int64_t{b} * a.num_clusters + c;
-      a.scores[at] = score;
-      if (a.keys)
-        a.keys[at] = score / a.temperature + gumbel_noise(static_cast<uint64_t>(*a.seed), kClusterStream,
-                                                          static_cast<uint32_t>(b), static_cast<uint32_t>(c));
-    }
+    if (lane < ROWS * RB && c < a.num_clusters && b < a.batch) store_score(a, b, c, pick(flat, lane));
   }
 }
 

@@ -29,6 +29,8 @@ namespace detail {
 
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
+// gridDim.y limit: the candidate kernels launch larger batches in slices.
+constexpr int kMaxGridRows = 65535;
 
 template <typename T>
 __host__ __device__ constexpr T ceil_div(T a, T b) {
