@@ -96,8 +96,9 @@ def check_every_score(problem, centroids=None, scale=None, exact=False):
 # counts pick, at batch 1, 2, 3, 4 and 3 rows (the last with two items a warp); at batch 2, 2, 3 and
 # 4; at batches 3-4 (a tile of 4), 3, 4 and 5; at batches 5-8 (a tile of 8), 2 and 3 (the 3 with
 # two items a warp); every one with a partial last item. Batches 3 and 5 leave tile rows empty; with fp8
-# centroids batches 5 and 8 span tiles of 4. D 1001 takes the instances without 16-byte vectors;
-# bf16 batches 5 and 8 with D 1024 take tensor cores (test_tensor_core_scoring).
+# centroids batches 5 and 8 span tiles of 4. D 1001 takes the instances without 16-byte vectors.
+# With D 1024 the bf16 batches 5 and 8, and the fp8 ones from 3, take tensor cores instead
+# (test_tensor_core_scoring).
 @pytest.mark.parametrize("centroid_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("batch,clusters", [(1, 6001), (1, 9496), (1, 11999), (1, 16001), (2, 6001), (2, 9496),
                                             (2, 11999), (3, 6001), (4, 8001), (4, 9496), (5, 3001), (8, 9496)])
@@ -111,18 +112,25 @@ def test_scoring_instances(dim, batch, clusters, centroid_dtype):
         check_every_score(problem)
 
 
-# The tensor-core scoring (bf16 or fp16 batches past 4 rows, 16-byte rows): one, two, four or eight
-# n-tiles of 8 batch rows a block (the last partial), batches past 64 in several chunks; tiles of
-# 16 centroid rows (a partial last one, or a single row); D split over the block's 4 warps in
-# blocks of 32 elements (a partial last block at D 1000, warps without a block at D 8 and 64).
-# Integer-valued inputs make every sum exact: there the ids must match exactly, ties included.
+# The tensor-core scoring (bf16 or fp16 batches past 4 rows, past 2 with fp8 centroids; 16-byte
+# rows): one, two, four or eight n-tiles of 8 batch rows a block (the last partial; fp8 up to four),
+# larger batches in several chunks; tiles of 16 centroid rows (a partial last one, or a single row);
+# D split over the block's 4 warps in blocks of 4 lanes' 16 bytes (a partial last block at D 1008,
+# warps without a block at D 16 and 64). Integer-valued inputs make every sum exact: there the ids
+# must match exactly, ties included.
+@pytest.mark.parametrize("centroid_dtype", ["hidden", torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("batch,clusters,dim", [(5, 997, 1024), (8, 16, 64), (9, 1, 1000), (17, 4099, 576),
-                                                (33, 31, 2048), (64, 9496, 1024), (130, 257, 8)])
+@pytest.mark.parametrize("batch,clusters,dim", [(3, 997, 1024), (5, 997, 1024), (8, 16, 64), (9, 1, 1008),
+                                                (17, 4099, 576), (33, 31, 2048), (64, 9496, 1024), (130, 257, 16)])
 @pytest.mark.parametrize("integer", [False, True], ids=["random", "integer"])
-def test_tensor_core_scoring(batch, clusters, dim, dtype, integer):
+def test_tensor_core_scoring(batch, clusters, dim, dtype, centroid_dtype, integer):
     shape = Shape(B=batch, D=dim, C=clusters, b=4, p=min(clusters, 37))
-    check_every_score(make_problem(shape, dtype, "cuda", build_on_device=not integer, integer=integer), exact=integer)
+    problem = make_problem(shape, dtype, "cuda", build_on_device=not integer, integer=integer)
+    if centroid_dtype == torch.float8_e4m3fn:
+        centroids, scale = ops.quantize_centroids(problem.centroids)
+        check_every_score(problem.with_(centroids=centroids.float() * scale), centroids, scale, exact=integer)
+    else:
+        check_every_score(problem, exact=integer)
 
 
 def slots_past_one_pass():

@@ -59,44 +59,48 @@ cudaError_t launch_tile(const detail::ScoreArgs<T, TC>& args, bool vec, int sms,
   }
 }
 
-// Batches past a tile of 4 rows score on tensor cores where they can (launch_mma_scores). At the
-// Qwen3-0.6B head on an H200 the tensor cores took 8.8 µs at batch 8 against 12.4 on CUDA cores,
-// but 8.6 against 8.2 at batch 4 (and 8.4 against 6.7 at batch 2).
-constexpr int kMmaMinBatch = 5;
+// Batches from this many rows score on tensor cores where they can (launch_mma_scores): past a tile
+// of 4 with 16-bit centroids, past 2 with fp8. At the Qwen3-0.6B head on an H200 the tensor cores
+// took 8.8 µs at batch 8 against 12.4 on CUDA cores with bf16 centroids, but 8.6 against 8.2 at
+// batch 4 (and 8.4 against 6.7 at batch 2); with fp8 centroids 5.4 µs at batch 5 against 6.6 at
+// batch 4 and 5.0 at batch 2 on CUDA cores.
+template <typename TC>
+constexpr int kMmaMinBatch = sizeof(TC) == 1 ? 3 : 5;
 
-template <typename T, int NT>
-cudaError_t launch_mma_instance(const detail::ScoreArgs<T, T>& args, int chunks, cudaStream_t stream) {
+template <typename T, typename TC, int NT>
+cudaError_t launch_mma_instance(const detail::ScoreArgs<T, TC>& args, int chunks, cudaStream_t stream) {
   using namespace detail;
   const dim3 grid(ceil_div(args.num_clusters, kMmaTileRows), chunks);
-  return launch_kernel(centroid_scores_mma_kernel<T, NT>, grid, dim3(kMmaThreads), 0, stream, false, args);
+  return launch_kernel(centroid_scores_mma_kernel<T, TC, NT>, grid, dim3(kMmaThreads), 0, stream, false, args);
 }
 
 // The tensor-core kernel, where it applies: bf16 or fp16 hidden rows with centroids of the same
-// dtype and whole 16-byte rows (mma.sync on 16-bit floats needs sm_80, which the kernels' L2 cache
-// hints need anyway). *launched says whether it ran; otherwise the CUDA-core kernel scores.
+// dtype or fp8 ones, and whole 16-byte rows (mma.sync on 16-bit floats needs sm_80, which the
+// kernels' L2 cache hints need anyway). *launched says whether it ran; otherwise the CUDA-core
+// kernel scores.
 template <typename T, typename TC>
 cudaError_t launch_mma_scores(const detail::ScoreArgs<T, TC>& args, bool vec, cudaStream_t stream, bool* launched) {
   using namespace detail;
   *launched = false;
-  if constexpr (std::is_same_v<T, TC> && sizeof(T) == 2) {
-    constexpr int kChunkRows = kMmaMaxTiles * kMmaTileBatch;
+  if constexpr (sizeof(T) == 2 && (std::is_same_v<T, TC> || std::is_same_v<TC, __nv_fp8_e4m3>)) {
+    constexpr int kChunkRows = kMmaMaxTiles<TC> * kMmaTileBatch;
     const int chunks = ceil_div(args.batch, kChunkRows);
-    if (args.batch < kMmaMinBatch || !vec || chunks > kMaxGridRows) return cudaSuccess;
+    if (args.batch < kMmaMinBatch<TC> || !vec || chunks > kMaxGridRows) return cudaSuccess;
     *launched = true;
     // The fewest n-tiles, in powers of two, that hold a chunk.
     const int rows = std::min(args.batch, kChunkRows);
-    if (rows <= kMmaTileBatch) return launch_mma_instance<T, 1>(args, chunks, stream);
-    if (rows <= 2 * kMmaTileBatch) return launch_mma_instance<T, 2>(args, chunks, stream);
-    if (rows <= 4 * kMmaTileBatch) return launch_mma_instance<T, 4>(args, chunks, stream);
-    return launch_mma_instance<T, kMmaMaxTiles>(args, chunks, stream);
+    if (rows <= kMmaTileBatch) return launch_mma_instance<T, TC, 1>(args, chunks, stream);
+    if (rows <= 2 * kMmaTileBatch) return launch_mma_instance<T, TC, 2>(args, chunks, stream);
+    if (rows <= 4 * kMmaTileBatch) return launch_mma_instance<T, TC, 4>(args, chunks, stream);
+    return launch_mma_instance<T, TC, kMmaMaxTiles<TC>>(args, chunks, stream);
   }
   return cudaSuccess;
 }
 
 }  // namespace
 
-// Batches past 4 rows of bf16 or fp16 with centroids of their dtype go to tensor cores
-// (launch_mma_scores). Otherwise, batch tiles: one row is the memory-bound case worth its own
+// Batches past 4 rows of bf16 or fp16 with centroids of their dtype, or past 2 with fp8 ones, go to
+// tensor cores (launch_mma_scores). Otherwise, batch tiles: one row is the memory-bound case worth its own
 // instantiation; batches of 2 and 3-4 share each centroid load in tiles of 2 and 4, larger ones
 // among 8 rows (4 with fp8 centroids: kScoreBatchTile). In one tile of 8, batch 2 took 6.6 µs
 // longer (the Qwen3-0.6B head, bf16).

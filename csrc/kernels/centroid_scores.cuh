@@ -1,5 +1,6 @@
 // Stage 1: centroid scores, a skinny GEMM scores[B, C] = hidden[B, D] . centroids[C, D]^T, on CUDA
-// cores (batches of bf16 or fp16 past 4 rows take tensor cores: centroid_scores_mma.cuh).
+// cores (batches of bf16 or fp16 take tensor cores past 4 rows with centroids of their dtype, past 2
+// with fp8 ones: centroid_scores_mma.cuh).
 //
 // Memory-bound at small B: the centroid matrix is read once, 16 bytes per lane, each warp
 // streaming ROWS rows with several loads in flight. Hidden rows are re-read per chunk from L1
