@@ -97,15 +97,19 @@ def check_every_score(problem, centroids=None, scale=None, exact=False):
 # 4; at batches 3-4 (a tile of 4), 3, 4 and 5; at batches 5-8 (a tile of 8), 2 and 3 (the 3 with
 # two items a warp); every one with a partial last item. Batches 3 and 5 leave tile rows empty; with fp8
 # centroids batches 5 and 8 span tiles of 4. D 1001 takes the instances without 16-byte vectors.
-# With D 1024 the bf16 batches 5 and 8, and the fp8 ones from 3, take tensor cores instead
-# (test_tensor_core_scoring).
+# Hidden rows are bf16, but float32 where bf16 ones with 16-byte vectors would take tensor cores
+# (batches from 5, from 3 with fp8 centroids; test_tensor_core_scoring): float32 centroids then
+# stand for the bf16 ones.
 @pytest.mark.parametrize("centroid_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("batch,clusters", [(1, 6001), (1, 9496), (1, 11999), (1, 16001), (2, 6001), (2, 9496),
                                             (2, 11999), (3, 6001), (4, 8001), (4, 9496), (5, 3001), (8, 9496)])
 @pytest.mark.parametrize("dim", [1024, 1001])
 def test_scoring_instances(dim, batch, clusters, centroid_dtype):
-    problem = problem_for(Shape(B=batch, D=dim, C=clusters, b=16, p=256), torch.bfloat16)
-    if centroid_dtype == torch.float8_e4m3fn:
+    fp8 = centroid_dtype == torch.float8_e4m3fn
+    on_tensor_cores = dim % 16 == 0 and batch >= (3 if fp8 else 5)
+    problem = problem_for(Shape(B=batch, D=dim, C=clusters, b=16, p=256),
+                          torch.float32 if on_tensor_cores else torch.bfloat16)
+    if fp8:
         centroids, scale = ops.quantize_centroids(problem.centroids)
         check_every_score(problem.with_(centroids=centroids.float() * scale), centroids, scale)
     else:
@@ -131,6 +135,26 @@ def test_tensor_core_scoring(batch, clusters, dim, dtype, centroid_dtype, intege
         check_every_score(problem.with_(centroids=centroids.float() * scale), centroids, scale, exact=integer)
     else:
         check_every_score(problem, exact=integer)
+
+
+# More batch rows than one launch's grid holds (65,535 chunks of 64 rows; of 32 with fp8 centroids):
+# the tensor-core scoring goes in slices, and each row's Gumbel noise keeps its absolute index.
+@pytest.mark.parametrize("centroid_dtype", ["hidden", torch.float8_e4m3fn], ids=str)
+def test_tensor_core_scoring_in_slices(centroid_dtype):
+    fp8 = centroid_dtype == torch.float8_e4m3fn
+    problem = problem_for(Shape(B=65535 * (32 if fp8 else 64) + 3, D=16, C=2, b=1, p=1), torch.bfloat16)
+    centroids, scale = problem.centroids, None
+    if fp8:
+        centroids, scale = ops.quantize_centroids(problem.centroids)
+        problem = problem.with_(centroids=centroids.float() * scale)
+    ids, scores = ops.select_clusters(problem.hidden, centroids, 2, centroid_scale=scale)
+    ref_scores = ref.scores(problem.hidden, problem.centroids)
+    check_ranked_selection(ids, ref_scores, 2, problem.score_tol(), exact=False)
+    assert_values_close(scores, ref_scores.gather(1, ids.long()), problem.score_tol(), "scores")
+    seed = 11
+    ids, _ = ops.sample_clusters(problem.hidden, centroids, 1, T, seed=seed, centroid_scale=scale)
+    trace = ref.sample_clusters(problem.hidden, problem.centroids, 1, T, seed)
+    check_ranked_selection(ids, trace.cluster_keys, 1, problem.score_tol() / T + 1e-5, exact=False)
 
 
 def slots_past_one_pass():

@@ -62,13 +62,14 @@ def head_ops() -> int:
     for dtype, fp8 in ((torch.float32, False), (torch.float16, False), (torch.bfloat16, False), (torch.float32, True),
                        (torch.float16, True), (torch.bfloat16, True)):
         # 9001 clusters at batch 4 and 2: the scoring's tiles of 4 and 2 with 5 and 3 centroid rows a
-        # warp on a 132-SM GPU, with 16-byte vectors and (D = 77) without. Batches 5, 9 and 65 of
-        # 16-bit floats: the tensor-core scoring with one, two and eight n-tiles (65: two batch
-        # chunks), partial tiles of centroid rows, a partial block of D (1000) and warps without
-        # one (64). The last two: the selection's 12- and 16-key variants, with clusters whose b is
-        # no multiple of 4 (the gather's slot-by-slot path).
+        # warp on a 132-SM GPU, with 16-byte vectors and (D = 77) without (with fp8 centroids and
+        # 16-bit hidden rows, batch 4 with vectors takes tensor cores). Batches 5, 9 and 65 of 16-bit
+        # hidden rows: the tensor-core scoring with one, two and eight n-tiles (four with fp8
+        # centroids), 65 in two chunks (three with fp8), partial tiles of centroid rows, a partial
+        # step of D (1008) and warps without one (64). The last two: the selection's 12- and 16-key
+        # variants, with clusters whose b is no multiple of 4 (the gather's slot-by-slot path).
         for batch, dim, clusters, size, probes in ((3, 77, 37, 4, 5), (2, 576, 257, 16, 257), (0, 64, 37, 8, 3),
-                                                   (5, 1024, 989, 16, 61), (9, 64, 17, 8, 3), (65, 1000, 37, 4, 5),
+                                                   (5, 1024, 989, 16, 61), (9, 64, 17, 8, 3), (65, 1008, 37, 4, 5),
                                                    (4, 64, 9001, 3, 40), (4, 77, 9001, 3, 40),
                                                    (2, 64, 9001, 3, 40), (1, 32, 13001, 1, 7)):
             cpu, gpu = case(dtype, batch, dim, clusters, size, probes, seed=batch * 1000 + dim, fp8=fp8)

@@ -18,8 +18,16 @@ cudaError_t launch_scores(const detail::ScoreArgs<T, TC>& args, bool vec, int sm
   const int blocks = static_cast<int>(std::min<int64_t>(wanted, int64_t{sms} * kScoreBlocksPerSm<RB>));
   // The kernel's item index, an int, steps past the last item by at most a grid's warps.
   if (items > INT32_MAX - int64_t{blocks} * kScoreWarps) return cudaErrorInvalidValue;
-  const auto kernel = vec ? centroid_scores_kernel<T, TC, RB, ROWS, true> : centroid_scores_kernel<T, TC, RB, ROWS, false>;
-  return launch_kernel(kernel, dim3(blocks), dim3(kScoreThreads), 0, stream, false, args);
+  // Every batch in these tiles that tensor cores take reaches them with 16-byte rows
+  // (launch_mma_scores): only rows without are left, so no vector instance is built.
+  if constexpr (kScoresOnTensorCores<T, TC> && RB >= kMmaMinBatch<TC>) {
+    return launch_kernel(centroid_scores_kernel<T, TC, RB, ROWS, false>, dim3(blocks), dim3(kScoreThreads), 0, stream,
+                         false, args);
+  } else {
+    const auto kernel =
+        vec ? centroid_scores_kernel<T, TC, RB, ROWS, true> : centroid_scores_kernel<T, TC, RB, ROWS, false>;
+    return launch_kernel(kernel, dim3(blocks), dim3(kScoreThreads), 0, stream, false, args);
+  }
 }
 
 // The most centroid rows a warp scores at once in one tile: an item's scores fit the warp's lanes,
@@ -59,40 +67,44 @@ cudaError_t launch_tile(const detail::ScoreArgs<T, TC>& args, bool vec, int sms,
   }
 }
 
-// Batches from this many rows score on tensor cores where they can (launch_mma_scores): past a tile
-// of 4 with 16-bit centroids, past 2 with fp8. At the Qwen3-0.6B head on an H200 the tensor cores
-// took 8.8 µs at batch 8 against 12.4 on CUDA cores with bf16 centroids, but 8.6 against 8.2 at
-// batch 4 (and 8.4 against 6.7 at batch 2); with fp8 centroids 5.4 µs at batch 5 against 6.6 at
-// batch 4 and 5.0 at batch 2 on CUDA cores.
-template <typename TC>
-constexpr int kMmaMinBatch = sizeof(TC) == 1 ? 3 : 5;
-
 template <typename T, typename TC, int NT>
-cudaError_t launch_mma_instance(const detail::ScoreArgs<T, TC>& args, int chunks, cudaStream_t stream) {
+cudaError_t launch_mma_instance(const detail::ScoreArgs<T, TC>& args, int tiles, int chunks, cudaStream_t stream) {
   using namespace detail;
-  const dim3 grid(ceil_div(args.num_clusters, kMmaTileRows), chunks);
-  return launch_kernel(centroid_scores_mma_kernel<T, TC, NT>, grid, dim3(kMmaThreads), 0, stream, false, args);
+  return launch_kernel(centroid_scores_mma_kernel<T, TC, NT>, dim3(tiles, chunks), dim3(kMmaThreads), 0, stream, false,
+                       args);
 }
 
-// The tensor-core kernel, where it applies: bf16 or fp16 hidden rows with centroids of the same
-// dtype or fp8 ones, and whole 16-byte rows (mma.sync on 16-bit floats needs sm_80, which the
-// kernels' L2 cache hints need anyway). *launched says whether it ran; otherwise the CUDA-core
-// kernel scores.
+// The tensor-core kernel, where it applies (kScoresOnTensorCores, kMmaMinBatch, 16-byte rows;
+// mma.sync on 16-bit floats needs sm_80, which the kernels' L2 cache hints need anyway).
+// *launched says whether it ran; otherwise the CUDA-core kernel scores.
 template <typename T, typename TC>
 cudaError_t launch_mma_scores(const detail::ScoreArgs<T, TC>& args, bool vec, cudaStream_t stream, bool* launched) {
   using namespace detail;
   *launched = false;
-  if constexpr (sizeof(T) == 2 && (std::is_same_v<T, TC> || std::is_same_v<TC, __nv_fp8_e4m3>)) {
-    constexpr int kChunkRows = kMmaMaxTiles<TC> * kMmaTileBatch;
-    const int chunks = ceil_div(args.batch, kChunkRows);
-    if (args.batch < kMmaMinBatch<TC> || !vec || chunks > kMaxGridRows) return cudaSuccess;
+  if constexpr (kScoresOnTensorCores<T, TC>) {
+    if (args.batch < kMmaMinBatch<TC> || !vec) return cudaSuccess;
     *launched = true;
+    constexpr int kChunkRows = kMmaMaxTiles<TC> * kMmaTileBatch;
+    constexpr int64_t kSliceRows = int64_t{kMaxGridRows} * kChunkRows;
+    const int tiles = static_cast<int>(ceil_div<int64_t>(args.num_clusters, kMmaTileRows));
     // The fewest n-tiles, in powers of two, that hold a chunk.
     const int rows = std::min(args.batch, kChunkRows);
-    if (rows <= kMmaTileBatch) return launch_mma_instance<T, TC, 1>(args, chunks, stream);
-    if (rows <= 2 * kMmaTileBatch) return launch_mma_instance<T, TC, 2>(args, chunks, stream);
-    if (rows <= 4 * kMmaTileBatch) return launch_mma_instance<T, TC, 4>(args, chunks, stream);
-    return launch_mma_instance<T, TC, kMmaMaxTiles<TC>>(args, chunks, stream);
+    const int nt = rows <= kMmaTileBatch ? 1 : rows <= 2 * kMmaTileBatch ? 2 : rows <= 4 * kMmaTileBatch ? 4 : 8;
+    // Batches past kMaxGridRows chunks go in slices, a launch each.
+    for (int64_t first = 0; first < args.batch; first += kSliceRows) {
+      ScoreArgs<T, TC> slice = args;
+      slice.batch = static_cast<int>(std::min<int64_t>(args.batch - first, kSliceRows));
+      slice.row_offset = static_cast<int>(first);
+      slice.hidden += first * args.hidden_dim;
+      slice.scores += first * args.num_clusters;
+      if (slice.keys) slice.keys += first * args.num_clusters;
+      const int chunks = ceil_div(slice.batch, kChunkRows);
+      const cudaError_t err = nt == 1   ? launch_mma_instance<T, TC, 1>(slice, tiles, chunks, stream)
+                              : nt == 2 ? launch_mma_instance<T, TC, 2>(slice, tiles, chunks, stream)
+                              : nt == 4 ? launch_mma_instance<T, TC, 4>(slice, tiles, chunks, stream)
+                                        : launch_mma_instance<T, TC, kMmaMaxTiles<TC>>(slice, tiles, chunks, stream);
+      if (err != cudaSuccess) return err;
+    }
   }
   return cudaSuccess;
 }
@@ -100,10 +112,10 @@ cudaError_t launch_mma_scores(const detail::ScoreArgs<T, TC>& args, bool vec, cu
 }  // namespace
 
 // Batches past 4 rows of bf16 or fp16 with centroids of their dtype, or past 2 with fp8 ones, go to
-// tensor cores (launch_mma_scores). Otherwise, batch tiles: one row is the memory-bound case worth its own
-// instantiation; batches of 2 and 3-4 share each centroid load in tiles of 2 and 4, larger ones
-// among 8 rows (4 with fp8 centroids: kScoreBatchTile). In one tile of 8, batch 2 took 6.6 µs
-// longer (the Qwen3-0.6B head, bf16).
+// tensor cores when their rows are whole 16-byte vectors (launch_mma_scores). Otherwise, batch
+// tiles: one row is the memory-bound case worth its own instantiation; batches of 2 and 3-4 share
+// each centroid load in tiles of 2 and 4, larger ones among 8 rows (4 with fp8 centroids:
+// kScoreBatchTile). In one tile of 8, batch 2 took 6.6 µs longer (the Qwen3-0.6B head, bf16).
 template <typename T, typename TC>
 cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const float* centroid_scale, int batch,
                                    int num_clusters, int hidden_dim, float* scores, const Sampling* sampling, float* keys,
@@ -116,8 +128,8 @@ cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const f
   // A chunk is 16 bytes of centroids: with fp8 that is 16 elements, 32 bytes of bf16 hidden.
   const bool vec = rows_vectorizable<T>(hidden, hidden_dim) && rows_vectorizable<TC>(centroids, hidden_dim);
   bool on_tensor_cores = false;
-  if (const cudaError_t err = launch_mma_scores(args, vec, stream, &on_tensor_cores); err != cudaSuccess || on_tensor_cores)
-    return err;
+  const cudaError_t mma_err = launch_mma_scores(args, vec, stream, &on_tensor_cores);
+  if (mma_err != cudaSuccess || on_tensor_cores) return mma_err;
   int sms = 0;
   const cudaError_t err = multiprocessor_count(&sms);
   if (err != cudaSuccess) return err;

@@ -1,6 +1,6 @@
 // Stage 1: centroid scores, a skinny GEMM scores[B, C] = hidden[B, D] . centroids[C, D]^T, on CUDA
-// cores (batches of bf16 or fp16 take tensor cores past 4 rows with centroids of their dtype, past 2
-// with fp8 ones: centroid_scores_mma.cuh).
+// cores (batches of bf16 or fp16 rows of whole 16-byte vectors take tensor cores past 4 rows with
+// centroids of their dtype, past 2 with fp8 ones: centroid_scores_mma.cuh).
 //
 // Memory-bound at small B: the centroid matrix is read once, 16 bytes per lane, each warp
 // streaming ROWS rows with several loads in flight. Hidden rows are re-read per chunk from L1
@@ -29,6 +29,7 @@ struct ScoreArgs {
   float* keys;    // [B, C] Gumbel keys, only when sampling
   float temperature;
   const int64_t* seed;
+  int row_offset;  // batch row of hidden[0] in the call (the Gumbel noise is indexed by the absolute row)
 };
 
 // Batch rows a warp scores at once beyond batch 4 (batches of 2 and 3-4 have tiles of 2 and 4:
@@ -58,7 +59,8 @@ __device__ __forceinline__ void store_score(const ScoreArgs<T, TC>& a, int b, in
   a.scores[at] = score;
   if (a.keys)
     a.keys[at] = score / a.temperature + gumbel_noise(static_cast<uint64_t>(*a.seed), kClusterStream,
-                                                      static_cast<uint32_t>(b), static_cast<uint32_t>(c));
+                                                      static_cast<uint32_t>(a.row_offset + b),
+                                                      static_cast<uint32_t>(c));
 }
 
 // Batch 1 is one tile (RB == 1), the case worth a short start: its loads issue after a few

@@ -29,7 +29,7 @@ namespace detail {
 
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
-// gridDim.y limit: the candidate kernels launch larger batches in slices.
+// gridDim.y limit: the candidate kernels and the tensor-core scoring launch larger batches in slices.
 constexpr int kMaxGridRows = 65535;
 
 template <typename T>
