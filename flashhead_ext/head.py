@@ -183,7 +183,7 @@ class FlashHead(_HeadBase):
             ``FlashHeadAssets.head`` does).
         centroid_dtype: the dtype the head keeps both centroid sets in: the embedding's (the
             default), or ``torch.float8_e4m3fn``, which halves the bytes the cluster scoring reads
-            against bf16 (and its time at batch 1). Each set is then quantized with a power-of-two
+            against bf16 (and cuts its time at every batch size). Each set is then quantized with a power-of-two
             scale (:func:`flashhead_ext.ops.quantize_centroids`; buffers ``centroid_scale`` and
             ``sampling_centroid_scale``), which the ops apply to the scores, and keeps this dtype
             through casts of the module. The scores carry e4m3's 3 mantissa bits, so a cluster
