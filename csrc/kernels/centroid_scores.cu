@@ -87,9 +87,7 @@ cudaError_t launch_mma_scores(const detail::ScoreArgs<T, TC>& args, bool vec, cu
     constexpr int kChunkRows = kMmaMaxTiles<TC> * kMmaTileBatch;
     constexpr int64_t kSliceRows = int64_t{kMaxGridRows} * kChunkRows;
     const int tiles = static_cast<int>(ceil_div<int64_t>(args.num_clusters, kMmaTileRows));
-    // The fewest n-tiles, in powers of two, that hold a chunk.
-    const int rows = std::min(args.batch, kChunkRows);
-    const int nt = rows <= kMmaTileBatch ? 1 : rows <= 2 * kMmaTileBatch ? 2 : rows <= 4 * kMmaTileBatch ? 4 : 8;
+    const int rows = std::min(args.batch, kChunkRows);  // in a chunk
     // Batches past kMaxGridRows chunks go in slices, a launch each.
     for (int64_t first = 0; first < args.batch; first += kSliceRows) {
       ScoreArgs<T, TC> slice = args;
@@ -99,10 +97,12 @@ cudaError_t launch_mma_scores(const detail::ScoreArgs<T, TC>& args, bool vec, cu
       slice.scores += first * args.num_clusters;
       if (slice.keys) slice.keys += first * args.num_clusters;
       const int chunks = ceil_div(slice.batch, kChunkRows);
-      const cudaError_t err = nt == 1   ? launch_mma_instance<T, TC, 1>(slice, tiles, chunks, stream)
-                              : nt == 2 ? launch_mma_instance<T, TC, 2>(slice, tiles, chunks, stream)
-                              : nt == 4 ? launch_mma_instance<T, TC, 4>(slice, tiles, chunks, stream)
-                                        : launch_mma_instance<T, TC, kMmaMaxTiles<TC>>(slice, tiles, chunks, stream);
+      // The fewest n-tiles, in powers of two, that hold a chunk.
+      const cudaError_t err =
+          rows <= kMmaTileBatch       ? launch_mma_instance<T, TC, 1>(slice, tiles, chunks, stream)
+          : rows <= 2 * kMmaTileBatch ? launch_mma_instance<T, TC, 2>(slice, tiles, chunks, stream)
+          : rows <= 4 * kMmaTileBatch ? launch_mma_instance<T, TC, 4>(slice, tiles, chunks, stream)
+                                      : launch_mma_instance<T, TC, kMmaMaxTiles<TC>>(slice, tiles, chunks, stream);
       if (err != cudaSuccess) return err;
     }
   }
