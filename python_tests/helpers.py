@@ -13,6 +13,7 @@ from scipy import stats
 from torch import Tensor
 
 import reference as ref
+from flashhead_ext import ops
 
 # "cuda" entries are marked gpu here; conftest also marks any test whose parameters name a CUDA
 # device, and skips them when there is no GPU or no CUDA build.
@@ -94,6 +95,12 @@ class Problem:
 
     def with_(self, **changes) -> "Problem":
         return replace(self, **changes)
+
+    def with_fp8_centroids(self) -> tuple["Problem", Tensor, Tensor]:
+        """(this problem with its centroids as float8_e4m3fn quantization gives them back in float32,
+        so the reference scores what the ops see; the fp8 centroids; their scale)."""
+        centroids, scale = ops.quantize_centroids(self.centroids)
+        return self.with_(centroids=centroids.float() * scale), centroids, scale
 
     def to(self, device) -> "Problem":
         move = lambda t: None if t is None else t.to(device)

@@ -74,18 +74,27 @@ def test_sampling_large(shape, dtype):
     check_decode_sample(tokens, logprobs, problem, T, seed, exact=False)
 
 
-def check_every_score(problem, centroids=None, scale=None, exact=False):
-    # p = C: every score is checked (one written twice or not at all would show), then the greedy
-    # and the sampled decode (the Gumbel keys).
-    centroids = problem.centroids if centroids is None else centroids
+def ops_centroids(problem, fp8):
+    """(problem, the centroids and scale the ops take): fp8 ones quantized from the problem's, which
+    the returned problem holds dequantized for the reference."""
+    return problem.with_fp8_centroids() if fp8 else (problem, problem.centroids, None)
+
+
+def check_all_scores(problem, centroids, scale, exact=False):
+    # p = C: every score is checked (one written twice or not at all would show).
     clusters = centroids.shape[0]
     ids, scores = ops.select_clusters(problem.hidden, centroids, clusters, centroid_scale=scale)
     ref_scores = ref.scores(problem.hidden, problem.centroids)
     check_ranked_selection(ids, ref_scores, clusters, problem.score_tol(), exact=exact)
     assert_values_close(scores, ref_scores.gather(1, ids.long()), problem.score_tol(), "scores")
+
+
+def check_every_score(problem, centroids, scale, exact=False):
+    # Every score, then the greedy and the sampled decode (the Gumbel keys).
+    check_all_scores(problem, centroids, scale, exact)
     head = (problem.hidden, centroids, problem.cluster_tokens, problem.embedding, problem.probes)
     check_decode_greedy(ops.decode_greedy(*head, centroid_scale=scale), problem, exact=exact)
-    seed = 5 + clusters
+    seed = 5 + centroids.shape[0]
     tokens, logprobs = ops.decode_sample(*head, T, seed=seed, centroid_scale=scale)
     check_decode_sample(tokens, logprobs, problem, T, seed, exact=exact)
 
@@ -109,11 +118,7 @@ def test_scoring_instances(dim, batch, clusters, centroid_dtype):
     on_tensor_cores = dim % 16 == 0 and batch >= (3 if fp8 else 5)
     problem = problem_for(Shape(B=batch, D=dim, C=clusters, b=16, p=256),
                           torch.float32 if on_tensor_cores else torch.bfloat16)
-    if fp8:
-        centroids, scale = ops.quantize_centroids(problem.centroids)
-        check_every_score(problem.with_(centroids=centroids.float() * scale), centroids, scale)
-    else:
-        check_every_score(problem)
+    check_every_score(*ops_centroids(problem, fp8))
 
 
 # The tensor-core scoring (bf16 or fp16 batches past 4 rows, past 2 with fp8 centroids; 16-byte
@@ -130,11 +135,7 @@ def test_scoring_instances(dim, batch, clusters, centroid_dtype):
 def test_tensor_core_scoring(batch, clusters, dim, dtype, centroid_dtype, integer):
     shape = Shape(B=batch, D=dim, C=clusters, b=4, p=min(clusters, 37))
     problem = make_problem(shape, dtype, "cuda", build_on_device=not integer, integer=integer)
-    if centroid_dtype == torch.float8_e4m3fn:
-        centroids, scale = ops.quantize_centroids(problem.centroids)
-        check_every_score(problem.with_(centroids=centroids.float() * scale), centroids, scale, exact=integer)
-    else:
-        check_every_score(problem, exact=integer)
+    check_every_score(*ops_centroids(problem, centroid_dtype == torch.float8_e4m3fn), exact=integer)
 
 
 # More batch rows than one launch's grid holds (65,535 chunks of 64 rows; of 32 with fp8 centroids):
@@ -143,14 +144,8 @@ def test_tensor_core_scoring(batch, clusters, dim, dtype, centroid_dtype, intege
 def test_tensor_core_scoring_in_slices(centroid_dtype):
     fp8 = centroid_dtype == torch.float8_e4m3fn
     problem = problem_for(Shape(B=65535 * (32 if fp8 else 64) + 3, D=16, C=2, b=1, p=1), torch.bfloat16)
-    centroids, scale = problem.centroids, None
-    if fp8:
-        centroids, scale = ops.quantize_centroids(problem.centroids)
-        problem = problem.with_(centroids=centroids.float() * scale)
-    ids, scores = ops.select_clusters(problem.hidden, centroids, 2, centroid_scale=scale)
-    ref_scores = ref.scores(problem.hidden, problem.centroids)
-    check_ranked_selection(ids, ref_scores, 2, problem.score_tol(), exact=False)
-    assert_values_close(scores, ref_scores.gather(1, ids.long()), problem.score_tol(), "scores")
+    problem, centroids, scale = ops_centroids(problem, fp8)
+    check_all_scores(problem, centroids, scale)
     seed = 11
     ids, _ = ops.sample_clusters(problem.hidden, centroids, 1, T, seed=seed, centroid_scale=scale)
     trace = ref.sample_clusters(problem.hidden, problem.centroids, 1, T, seed)

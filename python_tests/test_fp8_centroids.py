@@ -30,9 +30,7 @@ TEMPERATURE = 0.8
 
 def quantized(shape, dtype, device):
     """(problem with the dequantized float32 centroids, fp8 centroids, scale)."""
-    problem = make_problem(shape, dtype, device)
-    centroids, scale = ops.quantize_centroids(problem.centroids)
-    return problem.with_(centroids=centroids.float() * scale), centroids, scale
+    return make_problem(shape, dtype, device).with_fp8_centroids()
 
 
 def test_quantize_centroids_scale_range_and_error():
