@@ -12,7 +12,7 @@ import torch
 
 import reference as ref
 from flashhead_ext import ops
-from helpers import (Shape, assert_same_ids, assert_values_close, check_decode_greedy, check_decode_sample,
+from helpers import (Shape, assert_same_ids, assert_values_close, capture, check_decode_greedy, check_decode_sample,
                      check_ranked_selection, make_problem)
 
 pytestmark = pytest.mark.gpu
@@ -72,6 +72,55 @@ def test_sampling_large(shape, dtype):
     check_ranked_selection(ids, trace.cluster_keys, problem.probes, problem.score_tol() / T + 1e-5, exact=False)
     tokens, logprobs = ops.decode_sample(*problem.args()[:5], T, problem.extra_ids, seed=seed)
     check_decode_sample(tokens, logprobs, problem, T, seed, exact=False)
+
+
+# Greedy batches of 16 to 64 rows that choose, between them, at least 3/4 as many clusters as
+# there are decode by claimed cluster on sm_90, where the rows can be staged (decode.cu): a cluster
+# is read once for all the rows that chose it. The first three shapes take that path (a padded
+# table, extra ids, B at both bounds, 16-bit and float32 rows); B = 65 and B = 15 beside them take
+# the row-by-row kernel. With "shared", odd rows repeat even ones, so every claimed cluster has two
+# rows or more and the kernel's second row of a pair is used; those rows' tokens must match.
+CLAIMED = [
+    (Shape(B=16, D=576, C=301, b=16, p=57, pad=5, extras=True), torch.bfloat16),
+    (Shape(B=64, D=1024, C=997, b=8, p=200), torch.float16),
+    (Shape(B=33, D=256, C=129, b=32, p=100, pad=31, extras=True), torch.float32),
+    (Shape(B=65, D=256, C=129, b=16, p=100), torch.bfloat16),
+    (Shape(B=15, D=576, C=301, b=16, p=57, extras=True), torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["independent", "shared"])
+@pytest.mark.parametrize("shape,dtype", CLAIMED, ids=[f"{s}-{d}" for s, d in CLAIMED])
+def test_decode_by_claimed_cluster(shape, dtype, shared):
+    problem = problem_for(shape, dtype)
+    if shared:
+        hidden = problem.hidden.clone()
+        hidden[1::2] = hidden[0::2][: shape.B // 2]
+        problem = problem.with_(hidden=hidden)
+    tokens = ops.decode_greedy(*problem.args())
+    check_decode_greedy(tokens, problem, exact=False)
+    if shared:
+        assert torch.equal(tokens[1::2], tokens[0::2][: shape.B // 2])
+    # No host sync, and a graph (its claims' memset a node) gives the eager tokens at every replay.
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = ops.decode_greedy(*problem.args())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph, captured = capture(lambda: ops.decode_greedy(*problem.args()))
+    for _ in range(2):
+        captured.fill_(-7)
+        graph.replay()
+        assert torch.equal(captured, tokens)
+    assert torch.equal(again, tokens)
+
+
+@pytest.mark.parametrize("shape,dtype", CLAIMED[:2], ids=[f"{s}-{d}" for s, d in CLAIMED[:2]])
+def test_decode_by_claimed_cluster_fp8_centroids(shape, dtype):
+    problem, centroids, scale = problem_for(shape, dtype).with_fp8_centroids()
+    head = (problem.hidden, centroids, problem.cluster_tokens, problem.embedding, problem.probes, problem.extra_ids)
+    check_decode_greedy(ops.decode_greedy(*head, centroid_scale=scale), problem, exact=False)
 
 
 def ops_centroids(problem, fp8):

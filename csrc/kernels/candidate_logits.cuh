@@ -32,20 +32,14 @@ constexpr int kCandBuffers = 2;
 // most this many: rows of up to 4 KB (two blocks of buffers fit rows of about 3.5 KB on an H200).
 constexpr int kStagedHiddenChunks = 8;
 
-// The dynamic shared memory of a candidate kernel's staged instance (`kernel`): its warps' buffers
-// when rows are to be staged, else 0 (the register instance runs). Rows are staged when a warp
-// has more than one slot group (one group gains nothing from the copy engine and pays the round
-// trip through shared memory), the kernel was compiled for sm_90 (its PTX version: a JIT from
-// older PTX has no bulk copies), rows are whole 16-byte vectors (`vec`) of at most
-// kStagedHiddenChunks a lane, and every warp's buffers fit with kCandBlocksPerSm blocks on an SM
-// (fewer blocks made Llama-3's head slower at batch 1).
+// The dynamic shared memory of a kernel whose warps stage rows by bulk copies (StagedRowBuffers),
+// or 0 where they cannot: the kernel compiled for sm_90 (its PTX version: a JIT from older PTX has
+// no bulk copies), rows of whole 16-byte vectors (`vec`), and every warp's buffers fitting with
+// kCandBlocksPerSm blocks on an SM (fewer blocks made Llama-3's head slower at batch 1).
 template <typename Kernel>
-cudaError_t staged_rows_smem(Kernel kernel, bool vec, int hidden_dim, size_t element, int num_candidates, int rows,
-                             int sms, size_t* staged_smem) {
+cudaError_t staged_buffers_smem(Kernel kernel, bool vec, int hidden_dim, size_t element, size_t* staged_smem) {
   *staged_smem = 0;
-  const bool one_group_a_warp = ceil_div(num_candidates, kCandSlotsPerBlock) <= sms * kCandBlocksPerSm / rows;
-  const bool row_in_registers = hidden_dim * element <= size_t{kStagedHiddenChunks} * kWarpSize * sizeof(int4);
-  if (!vec || one_group_a_warp || !row_in_registers) return cudaSuccess;
+  if (!vec) return cudaSuccess;
   KernelSmem limits{};
   if (cudaError_t err = kernel_smem(kernel, &limits); err != cudaSuccess) return err;
   const size_t smem = size_t{kCandThreads / kWarpSize} * kCandBuffers * kCandRowsPerWarp * hidden_dim * element;
@@ -54,6 +48,21 @@ cudaError_t staged_rows_smem(Kernel kernel, bool vec, int hidden_dim, size_t ele
   if (cudaError_t err = resident_blocks(kernel, kCandThreads, smem, &per_sm); err != cudaSuccess) return err;
   if (per_sm >= kCandBlocksPerSm) *staged_smem = smem;
   return cudaSuccess;
+}
+
+// The dynamic shared memory of a candidate kernel's staged instance (`kernel`): its warps' buffers
+// when rows are to be staged, else 0 (the register instance runs). Rows are staged when a warp
+// has more than one slot group (one group gains nothing from the copy engine and pays the round
+// trip through shared memory), a lane's pieces of the hidden row fit kStagedHiddenChunks, and
+// staged_buffers_smem allows it.
+template <typename Kernel>
+cudaError_t staged_rows_smem(Kernel kernel, bool vec, int hidden_dim, size_t element, int num_candidates, int rows,
+                             int sms, size_t* staged_smem) {
+  *staged_smem = 0;
+  const bool one_group_a_warp = ceil_div(num_candidates, kCandSlotsPerBlock) <= sms * kCandBlocksPerSm / rows;
+  const bool row_in_registers = hidden_dim * element <= size_t{kStagedHiddenChunks} * kWarpSize * sizeof(int4);
+  if (one_group_a_warp || !row_in_registers) return cudaSuccess;
+  return staged_buffers_smem(kernel, vec, hidden_dim, element, staged_smem);
 }
 
 // Blocks per row: enough slot groups for every block, and no more blocks than stay resident.
@@ -146,38 +155,67 @@ __device__ __forceinline__ WarpSlots slots_of(const CandidateRows<T>& a, const i
 }
 
 #ifdef FLASHHEAD_BULK_COPIES
-// for_each_slot_group with staged rows. Each warp has kCandBuffers buffers of kCandRowsPerWarp
-// rows in dynamic shared memory, each with an mbarrier; group k lands in buffer k % kCandBuffers.
-// Before reading group k the warp issues the copies of group k + kCandBuffers - 1 into the buffer
-// it finished reading last.
+// A warp's kCandBuffers buffers of kCandRowsPerWarp embedding rows in dynamic shared memory, each
+// with an mbarrier; rows land there by bulk copies (the copy engine), so a warp keeps groups of
+// rows in flight without holding them in registers.
+template <typename T>
+struct StagedRowBuffers {
+  static constexpr int R = kCandRowsPerWarp;
+  const T* embedding;  // [V, D]
+  int vocab, hidden_dim, row_bytes;
+  uint64_t policy;
+  T* rows;             // [kCandBuffers][R][D] of this warp
+  uint64_t* landed;    // [kCandBuffers]
+
+  // Every lane of the warp; `barriers` holds kCandBuffers a warp.
+  __device__ __forceinline__ StagedRowBuffers(const T* embedding_, int vocab_, int hidden_dim_, uint64_t policy_,
+                                              uint64_t* barriers)
+      : embedding(embedding_),
+        vocab(vocab_),
+        hidden_dim(hidden_dim_),
+        row_bytes(hidden_dim_ * static_cast<int>(sizeof(T))),
+        policy(policy_) {
+    extern __shared__ __align__(128) unsigned char staged_rows[];
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    rows = reinterpret_cast<T*>(staged_rows) + size_t{static_cast<unsigned>(warp)} * kCandBuffers * R * hidden_dim;
+    landed = barriers + warp * kCandBuffers;
+    if (lane < kCandBuffers) mbarrier_init(landed + lane);
+    fence_mbarrier_init();
+    __syncwarp();
+  }
+  __device__ __forceinline__ const T* row(int buffer, int r) const { return rows + (buffer * R + r) * hidden_dim; }
+  // The copies of `token`'s rows into `buffer`, one arrival expecting the valid rows' bytes; lane
+  // r copies row r. Ids outside [0, vocab) are masked: their rows are not copied. The whole warp
+  // calls it, after its last reads of the buffer and fence_before_bulk_copies.
+  __device__ __forceinline__ void issue(int buffer, const int32_t (&token)[R]) {
+    const int lane = threadIdx.x % kWarpSize;
+    int bytes = 0;
+#pragma unroll
+    for (int r = 0; r < R; ++r) bytes += token[r] >= 0 && token[r] < vocab ? row_bytes : 0;
+    if (lane == 0) mbarrier_expect_bytes(landed + buffer, bytes);
+    __syncwarp();  // the phase expects its bytes before any of them land
+    if (lane < R) {
+      const int32_t t = pick(token, lane);
+      if (t >= 0 && t < vocab)
+        copy_bulk(rows + (buffer * R + lane) * hidden_dim, embedding + int64_t{t} * hidden_dim, row_bytes,
+                  landed + buffer, policy);
+    }
+  }
+  // Waits for the `use`-th fill of `buffer` (counted from 0).
+  __device__ __forceinline__ void wait(int buffer, unsigned use) const { mbarrier_wait(landed + buffer, use); }
+};
+
+// for_each_slot_group with staged rows: group k lands in buffer k % kCandBuffers. Before reading
+// group k the warp issues the copies of group k + kCandBuffers - 1 into the buffer it finished
+// reading last.
 template <typename T, typename Tokens, typename F>
 __device__ __forceinline__ void for_each_staged_slot_group(const CandidateRows<T>& a, const Tokens& tokens,
                                                            int64_t row, F f) {
   constexpr int R = kCandRowsPerWarp, W = kVecWidth<T>, kWarps = kCandThreads / kWarpSize;
-  extern __shared__ __align__(128) unsigned char staged_rows[];
   __shared__ uint64_t landed[kWarps * kCandBuffers];
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  T* buffers = reinterpret_cast<T*>(staged_rows) + size_t{static_cast<unsigned>(warp)} * kCandBuffers * R * a.hidden_dim;
-  uint64_t* barriers = landed + warp * kCandBuffers;
-  if (lane < kCandBuffers) mbarrier_init(barriers + lane);
-  fence_mbarrier_init();
-  __syncwarp();
-  const int row_bytes = a.hidden_dim * static_cast<int>(sizeof(T));
-  const uint64_t policy = row_policy(a.rows_once);
-  // One arrival a group, expecting its valid rows' bytes; lane r copies row r.
-  auto issue = [&](int buffer, const int32_t (&token)[R]) {
-    int bytes = 0;
-#pragma unroll
-    for (int r = 0; r < R; ++r) bytes += in_vocab(a, token[r]) ? row_bytes : 0;
-    if (lane == 0) mbarrier_expect_bytes(barriers + buffer, bytes);
-    __syncwarp();  // the phase expects its bytes before any of them land
-    if (lane < R) {
-      const int32_t t = pick(token, lane);
-      if (in_vocab(a, t))
-        copy_bulk(buffers + (buffer * R + lane) * a.hidden_dim, a.embedding + int64_t{t} * a.hidden_dim,
-                  row_bytes, barriers + buffer, policy);
-    }
-  };
+  StagedRowBuffers<T> buffers(a.embedding, a.vocab, a.hidden_dim, row_policy(a.rows_once), landed);
+  auto issue = [&](int buffer, const int32_t (&token)[R]) { buffers.issue(buffer, token); };
   const int stride = gridDim.x * kCandSlotsPerBlock;
   const T* hid = a.hidden + row * a.hidden_dim;
   int first = blockIdx.x * kCandSlotsPerBlock + warp * R;
@@ -203,7 +241,7 @@ __device__ __forceinline__ void for_each_staged_slot_group(const CandidateRows<T
       issue((k + kCandBuffers - 1) % kCandBuffers, ahead[kCandBuffers - 1]);
     }
     const int buffer = k % kCandBuffers;
-    mbarrier_wait(barriers + buffer, k / kCandBuffers);
+    buffers.wait(buffer, k / kCandBuffers);
     WarpSlots s = slots_of(a, ahead[0]);
     // The same pieces in the same order as warp_dot. Not through warp_dot_chunks: with its loop
     // this instance was 8-60% slower at batch 8 (docs/benchmarks.md).
@@ -217,7 +255,7 @@ __device__ __forceinline__ void for_each_staged_slot_group(const CandidateRows<T
 #pragma unroll
         for (int r = 0; r < R; ++r) {  // a masked row's buffer holds an older row or nothing: its sum is dropped
           Piece<T, W> c;
-          const int4 raw = *reinterpret_cast<const int4*>(buffers + (buffer * R + r) * a.hidden_dim + idx * W);
+          const int4 raw = *reinterpret_cast<const int4*>(buffers.row(buffer, r) + idx * W);
           memcpy(c.word, &raw, sizeof(raw));
           float cf[W];
           piece_floats(c, cf);

@@ -16,6 +16,8 @@ struct DecodeWorkspace {
   float* keys;
   int32_t* cluster_ids;        // [B, p]
   RowTicket* tickets;
+  unsigned long long* claims;        // [1 + C], greedy by claimed cluster
+  int32_t* claimed_clusters;         // [min(C, B p)]
   RowPartial* partials;
   uint32_t* extra_repeats;     // [B, E], sampling
   RowPartial* extra_partials;  // [B, E], sampling
@@ -26,6 +28,16 @@ struct DecodeWorkspace {
 // the sampled draw, whose Gumbel noise is indexed by token id. Sampling's log-normaliser is a
 // float sum in slot order, though, so its list keeps one order from run to run.
 SelectOrder decode_order(bool sampling) { return sampling ? SelectOrder::kStable : SelectOrder::kAny; }
+
+// Greedy batches of kClaimedMinRows rows or more read each chosen cluster once for all the rows
+// that chose it when the rows choose, between them, at least 3/4 as many clusters as there are:
+// random rows then share a quarter or more of their clusters. Fewer shared clusters, or fewer
+// rows, do not pay for the claims' memset and atomics (docs/benchmarks.md, session 46).
+constexpr int kClaimedMinRows = 16;
+bool decodes_by_claimed_cluster(const HeadShape& shape, bool sampling) {
+  return !sampling && shape.batch >= kClaimedMinRows && shape.batch <= kClaimedMaxRows &&
+         4 * int64_t{shape.batch} * shape.probes >= 3 * int64_t{shape.num_clusters};
+}
 
 // Upper bound of the candidate kernel's blocks per row (the grid is smaller on small GPUs or
 // large batches): sizes the partials from shapes alone.
@@ -45,6 +57,10 @@ DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bo
   carve_scores(carver, shape, sampling, decode_order(sampling), ws);
   ws.cluster_ids = carver.take<int32_t>(size_t(shape.batch) * shape.probes);
   ws.tickets = carver.take<RowTicket>(shape.batch);
+  if (decodes_by_claimed_cluster(shape, sampling)) {
+    ws.claims = carver.take<unsigned long long>(1 + size_t(shape.num_clusters));
+    ws.claimed_clusters = carver.take<int32_t>(std::min<size_t>(shape.num_clusters, size_t(shape.batch) * shape.probes));
+  }
   if (sampling) {
     ws.partials = carver.take<RowPartial>(size_t(shape.batch) * max_candidate_blocks(shape));
     if (shape.num_extra > 0) {
@@ -147,16 +163,35 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
   if (shape.batch == 0) return cudaSuccess;
   detail::WorkspaceCarver carver(workspace);
   const detail::DecodeWorkspace ws = detail::carve_decode(carver, shape, sampling != nullptr);
+  size_t claimed_smem = 0;
+  if (detail::decodes_by_claimed_cluster(shape, sampling != nullptr)) {
+    const cudaError_t err =
+        detail::claimed_decode_smem(tensors.hidden, tensors.embedding, shape.hidden_dim, &claimed_smem);
+    if (err != cudaSuccess) return err;
+  }
+  if (claimed_smem > 0) {
+    const cudaError_t err =
+        cudaMemsetAsync(ws.claims, 0, sizeof(unsigned long long) * (1 + size_t(shape.num_clusters)), stream);
+    if (err != cudaSuccess) return err;
+  }
   cudaError_t err = launch_centroid_scores(tensors.hidden, tensors.centroids, tensors.centroid_scale, shape.batch,
                                            shape.num_clusters, shape.hidden_dim, ws.scores, sampling, ws.keys, stream);
   if (err != cudaSuccess) return err;
   SelectOutputs out;
   out.cluster_ids = ws.cluster_ids;
   out.row_tickets = ws.tickets;
+  if (claimed_smem > 0) {
+    out.claims = ws.claims;
+    out.claimed_clusters = ws.claimed_clusters;
+  }
   out.extra_repeats = ws.extra_repeats;
   err = launch_select(sampling ? ws.keys : ws.scores, shape, detail::decode_order(sampling != nullptr), out, ws.select,
                       stream, options);
   if (err != cudaSuccess) return err;
+  if (claimed_smem > 0)
+    return detail::launch_decode_claimed(tensors.hidden, tensors.embedding, tensors.cluster_tokens, tensors.extra_ids,
+                                         shape, ws.claims, ws.claimed_clusters, ws.tickets, claimed_smem, tokens,
+                                         token_stride, stream, options.dependent_launch);
   return sampling ? detail::launch_decode_candidates<T, TC, true>(tensors, shape, sampling, ws, tokens, token_stride,
                                                                   token_logprobs, stream, options.dependent_launch)
                   : detail::launch_decode_candidates<T, TC, false>(tensors, shape, sampling, ws, tokens, token_stride,

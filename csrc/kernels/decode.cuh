@@ -201,5 +201,18 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
   a.token_logprobs[row] = p.best == kNoneRanked ? NAN : p.best_scaled - log_norm;
 }
 
+
+// The greedy decode by claimed cluster (decode_claimed.cu), for batches of up to
+// kClaimedMaxRows rows whose selections listed SelectOutputs::claims and claimed_clusters.
+constexpr int kClaimedMaxRows = 64;  // a cluster's rows are one 64-bit mask
+// The kernel's staged rows' shared memory, or 0 where they cannot be staged (it does not run there).
+template <typename T>
+cudaError_t claimed_decode_smem(const T* hidden, const T* embedding, int hidden_dim, size_t* smem);
+template <typename T>
+cudaError_t launch_decode_claimed(const T* hidden, const T* embedding, const int32_t* cluster_tokens,
+                                  const int32_t* extra_ids, const HeadShape& shape, const unsigned long long* claims,
+                                  const int32_t* claimed_clusters, RowTicket* tickets, size_t smem, int64_t* tokens,
+                                  int64_t token_stride, cudaStream_t stream, bool dependent);
+
 }  // namespace detail
 }  // namespace flashhead

@@ -18,6 +18,23 @@ struct SelectArgs {
   int num_extra;
 };
 
+// Sets the row's bit on each chosen cluster; the first row to claim a cluster lists it (one
+// atomic on the count a warp).
+__device__ __forceinline__ void claim_clusters(const uint64_t* list, int probes, int row, const SelectOutputs& out) {
+  for (int base = 0; base < probes; base += blockDim.x) {  // whole warps: the appends vote
+    const int k = base + threadIdx.x;
+    const int32_t id = k < probes ? packed_id(list[k]) : 0;
+    const bool first = k < probes && atomicOr(&out.claims[1 + id], 1ull << row) == 0;
+    const unsigned ballot = __ballot_sync(kFullMask, first);
+    if (ballot == 0) continue;
+    const int lane = threadIdx.x % kWarpSize, leader = __ffs(ballot) - 1;
+    unsigned long long at = 0;
+    if (lane == leader) at = atomicAdd(&out.claims[0], static_cast<unsigned long long>(__popc(ballot)));
+    at = __shfl_sync(kFullMask, at, leader) + __popc(ballot & ((1u << lane) - 1));
+    if (first) out.claimed_clusters[at] = id;
+  }
+}
+
 template <int kCached, bool kStable>
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
   // [survivor_capacity pairs: compacted keys, then the sort's scratch][list_len pairs: the list,
@@ -46,6 +63,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
       if (out.selected_scores) out.selected_scores[row * a.probes + k] = out.scores[row * a.num_clusters + id];
     }
   }
+  if (out.claims) claim_clusters(list, a.probes, static_cast<int>(row), out);
   if (out.row_tickets && threadIdx.x == 0) out.row_tickets[row] = RowTicket{};
   if (out.extra_repeats)
     for (int j = threadIdx.x; j < a.num_extra; j += blockDim.x) out.extra_repeats[row * a.num_extra + j] = 0;

@@ -1,0 +1,199 @@
+// The greedy decode by claimed cluster, for batches whose rows share clusters: each cluster any
+// row chose (SelectOutputs::claims) is read once, and its logits computed for every row that chose
+// it, where decode_candidates_kernel reads a cluster once for each row. Items are a claimed
+// cluster's tokens kCandRowsPerWarp at a time, then each row's extra ids; each warp stages its
+// items' rows by bulk copies, two items in flight, and folds (key, token) maxima per row in shared
+// memory; the last block to arrive writes every row's token. Its own translation unit: beside
+// decode.cu's kernels it changed how nvcc inlined theirs (one instance grew by half).
+#include <algorithm>
+
+#include "kernels/decode.cuh"
+
+namespace flashhead {
+namespace detail {
+namespace {
+
+template <typename T>
+struct ClaimedArgs {
+  CandidateRows<T> rows;             // hidden [B, D], the embedding
+  const int32_t* cluster_tokens;     // [C, b]
+  const unsigned long long* claims;  // [1 + C]
+  const int32_t* claimed_clusters;   // [claims[0]]
+  const int32_t* extra_ids;          // [E], every row's
+  int cluster_size, num_extra, batch;
+  RowTicket* tickets;  // [B], zero on entry: each row's best; tickets[0].arrivals counts the blocks
+  int64_t* tokens;
+  int64_t token_stride;
+};
+
+struct ClaimedItem {
+  int32_t token[kCandRowsPerWarp];  // -1: none
+  unsigned long long chose;         // the rows to fold its logits into
+};
+
+#ifdef FLASHHEAD_BULK_COPIES
+__device__ __forceinline__ ClaimedItem no_item() {
+  ClaimedItem it;
+#pragma unroll
+  for (int j = 0; j < kCandRowsPerWarp; ++j) it.token[j] = -1;
+  it.chose = 0;
+  return it;
+}
+
+template <typename T>
+__device__ __forceinline__ ClaimedItem claimed_item(const ClaimedArgs<T>& a, int item, int listed_items) {
+  ClaimedItem it;
+  const int per_cluster = ceil_div(a.cluster_size, kCandRowsPerWarp);
+  if (item < listed_items) {
+    const int32_t cluster = __ldcg(a.claimed_clusters + item / per_cluster);
+    const int first = (item % per_cluster) * kCandRowsPerWarp;
+    it.chose = __ldcg(a.claims + 1 + cluster);
+#pragma unroll
+    for (int j = 0; j < kCandRowsPerWarp; ++j)
+      it.token[j] = first + j < a.cluster_size ? a.cluster_tokens[int64_t{cluster} * a.cluster_size + first + j] : -1;
+  } else {
+    const int extra = item - listed_items, row = extra / a.num_extra;
+    it = no_item();
+    it.chose = 1ull << row;
+    it.token[0] = a.extra_ids[extra - row * a.num_extra];
+  }
+  return it;
+}
+#endif
+
+template <typename T>
+__global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_claimed_kernel(ClaimedArgs<T> a) {
+#ifdef FLASHHEAD_BULK_COPIES
+  constexpr int R = kCandRowsPerWarp, W = kVecWidth<T>, kWarps = kCandThreads / kWarpSize;
+  __shared__ unsigned long long row_best[kClaimedMaxRows];
+  __shared__ uint64_t landed[kWarps * kCandBuffers];
+  __shared__ bool is_last_block;
+  for (int r = threadIdx.x; r < a.batch; r += blockDim.x) row_best[r] = kNoneRanked;
+  StagedRowBuffers<T> buffers(a.rows.embedding, a.rows.vocab, a.rows.hidden_dim, row_policy(false), landed);
+  wait_for_previous_kernel();
+  __syncthreads();
+  const int lane = threadIdx.x % kWarpSize, d = a.rows.hidden_dim;
+  const int warps = gridDim.x * kWarps;
+  const int listed_items = static_cast<int>(__ldcg(a.claims)) * ceil_div(a.cluster_size, R);
+  const int items = listed_items + a.batch * a.num_extra;
+  auto item_or_none = [&](int item) {
+    return item < items ? claimed_item(a, item, listed_items) : no_item();
+  };
+  // Item k of this warp lands in buffer k % 2; its copies go out while the warp reads item k - 1.
+  int item = blockIdx.x * kWarps + threadIdx.x / kWarpSize;
+  ClaimedItem it = item_or_none(item), next = item_or_none(item + warps);
+  buffers.issue(0, it.token);
+  for (unsigned k = 0; item < items; item += warps, ++k) {  // uniform within the warp
+    const ClaimedItem after = item_or_none(item + 2 * warps);
+    fence_before_bulk_copies();  // the buffer's last reads (ordered across the warp by __syncwarp below)
+    buffers.issue((k + 1) % kCandBuffers, next.token);
+    const int buffer = k % kCandBuffers;
+    buffers.wait(buffer, k / kCandBuffers);
+    // Two of the rows that chose the item at a time; the pieces in warp_dot's order, so a logit
+    // is the row-by-row kernel's to the bit.
+    for (unsigned long long chose = it.chose; chose;) {
+      const int r0 = __ffsll(chose) - 1;
+      chose &= chose - 1;
+      const int r1 = chose ? __ffsll(chose) - 1 : -1;
+      chose &= chose - 1;
+      const T* h0 = a.rows.hidden + int64_t{r0} * d;
+      const T* h1 = a.rows.hidden + int64_t{max(r1, r0)} * d;
+      float acc[R][2] = {};
+#pragma unroll 4
+      for (int idx = lane; idx < d / W; idx += kWarpSize) {
+        float hf[2][W];
+        piece_floats(load_piece<T, W>(h0 + idx * W, nullptr), hf[0]);
+        piece_floats(load_piece<T, W>(h1 + idx * W, nullptr), hf[1]);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          Piece<T, W> c;
+          const int4 raw = *reinterpret_cast<const int4*>(buffers.row(buffer, r) + idx * W);
+          memcpy(c.word, &raw, sizeof(raw));
+          float cf[W];
+          piece_floats(c, cf);
+#pragma unroll
+          for (int e = 0; e < W; ++e) {
+            acc[r][0] = fmaf(cf[e], hf[0][e], acc[r][0]);
+            acc[r][1] = fmaf(cf[e], hf[1][e], acc[r][1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float logit0 = warp_sum(acc[r][0]), logit1 = warp_sum(acc[r][1]);
+        if (lane != 0 || !in_vocab(a.rows, it.token[r])) continue;  // a masked row's buffer holds an older row
+        atomicMax(&row_best[r0], static_cast<unsigned long long>(pack_ranked(order_key(logit0), it.token[r])));
+        if (r1 >= 0)
+          atomicMax(&row_best[r1], static_cast<unsigned long long>(pack_ranked(order_key(logit1), it.token[r])));
+      }
+    }
+    __syncwarp();  // every lane is done with the buffer before the next issue refills it
+    it = next;
+    next = after;
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < a.batch; r += blockDim.x)
+    if (row_best[r] != kNoneRanked) atomicMax(&a.tickets[r].best, row_best[r]);
+  __syncthreads();  // orders the block's maxima before the arrival below
+  if (threadIdx.x == 0) is_last_block = arrive(&a.tickets[0].arrivals) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last_block) return;
+  for (int r = threadIdx.x; r < a.batch; r += blockDim.x) {
+    const uint64_t best = __ldcg(&a.tickets[r].best);
+    a.tokens[r * a.token_stride] = best == kNoneRanked ? -1 : packed_id(best);
+  }
+#else
+  __trap();  // launch_decode picks this kernel only where its rows can be staged (sm_90)
+#endif
+}
+
+
+}  // namespace
+
+template <typename T>
+cudaError_t claimed_decode_smem(const T* hidden, const T* embedding, int hidden_dim, size_t* smem) {
+  const bool vec = rows_vectorizable<T>(hidden, hidden_dim) && rows_vectorizable<T>(embedding, hidden_dim);
+  return staged_buffers_smem(decode_claimed_kernel<T>, vec, hidden_dim, sizeof(T), smem);
+}
+
+template <typename T>
+cudaError_t launch_decode_claimed(const T* hidden, const T* embedding, const int32_t* cluster_tokens,
+                                  const int32_t* extra_ids, const HeadShape& shape, const unsigned long long* claims,
+                                  const int32_t* claimed_clusters, RowTicket* tickets, size_t smem, int64_t* tokens,
+                                  int64_t token_stride, cudaStream_t stream, bool dependent) {
+  int sms = 0;
+  if (cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
+  ClaimedArgs<T> args{};
+  args.rows = {hidden, embedding, shape.vocab, shape.hidden_dim, true, shape.num_candidates(), false};
+  args.cluster_tokens = cluster_tokens;
+  args.claims = claims;
+  args.claimed_clusters = claimed_clusters;
+  args.extra_ids = extra_ids;
+  args.cluster_size = shape.cluster_size;
+  args.num_extra = shape.num_extra;
+  args.batch = shape.batch;
+  args.tickets = tickets;
+  args.tokens = tokens;
+  args.token_stride = token_stride;
+  // Items for the most clusters the rows can claim, whatever they claim this time.
+  const int64_t most_items =
+      std::min<int64_t>(shape.num_clusters, int64_t{shape.batch} * shape.probes) *
+          ceil_div(shape.cluster_size, kCandRowsPerWarp) +
+      int64_t{shape.batch} * shape.num_extra;
+  const int64_t wanted = ceil_div<int64_t>(most_items, kCandThreads / kWarpSize);
+  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sms * kCandBlocksPerSm, wanted)));
+  return launch_kernel(decode_claimed_kernel<T>, dim3(blocks), dim3(kCandThreads), smem, stream, dependent, args);
+}
+
+#define FLASHHEAD_INSTANTIATE(T)                                                                                  \
+  template cudaError_t claimed_decode_smem<T>(const T*, const T*, int, size_t*);                                  \
+  template cudaError_t launch_decode_claimed<T>(const T*, const T*, const int32_t*, const int32_t*,              \
+                                                const HeadShape&, const unsigned long long*, const int32_t*,     \
+                                                RowTicket*, size_t, int64_t*, int64_t, cudaStream_t, bool);
+FLASHHEAD_INSTANTIATE(float)
+FLASHHEAD_INSTANTIATE(__half)
+FLASHHEAD_INSTANTIATE(__nv_bfloat16)
+#undef FLASHHEAD_INSTANTIATE
+
+}  // namespace detail
+}  // namespace flashhead
