@@ -184,6 +184,11 @@ struct StagedRowBuffers {
     __syncwarp();
   }
   __device__ __forceinline__ const T* row(int buffer, int r) const { return rows + (buffer * R + r) * hidden_dim; }
+  // The 16-byte piece `chunk` of row r of `buffer`, or zeros where the row is masked: its buffer
+  // was not refilled, and its bytes from an older fill are not ordered by this fill's barrier.
+  __device__ __forceinline__ int4 piece(int buffer, int r, int chunk, bool valid) const {
+    return valid ? reinterpret_cast<const int4*>(row(buffer, r))[chunk] : make_int4(0, 0, 0, 0);
+  }
   // The copies of `token`'s rows into `buffer`, one arrival expecting the valid rows' bytes; lane
   // r copies row r. Ids outside [0, vocab) are masked: their rows are not copied. The whole warp
   // calls it, after its last reads of the buffer and fence_before_bulk_copies.
@@ -253,9 +258,9 @@ __device__ __forceinline__ void for_each_staged_slot_group(const CandidateRows<T
         float hf[W];
         piece_floats(h[j], hf);
 #pragma unroll
-        for (int r = 0; r < R; ++r) {  // a masked row's buffer holds an older row or nothing: its sum is dropped
+        for (int r = 0; r < R; ++r) {  // a masked row's sum is dropped
           Piece<T, W> c;
-          const int4 raw = *reinterpret_cast<const int4*>(buffers.row(buffer, r) + idx * W);
+          const int4 raw = buffers.piece(buffer, r, idx, s.valid[r]);
           memcpy(c.word, &raw, sizeof(raw));
           float cf[W];
           piece_floats(c, cf);

@@ -89,6 +89,9 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_claimed
     buffers.issue((k + 1) % kCandBuffers, next.token);
     const int buffer = k % kCandBuffers;
     buffers.wait(buffer, k / kCandBuffers);
+    bool valid[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) valid[r] = in_vocab(a.rows, it.token[r]);
     // Two of the rows that chose the item at a time; the pieces in warp_dot's order, so a logit
     // is the row-by-row kernel's to the bit.
     for (unsigned long long chose = it.chose; chose;) {
@@ -107,7 +110,7 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_claimed
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           Piece<T, W> c;
-          const int4 raw = *reinterpret_cast<const int4*>(buffers.row(buffer, r) + idx * W);
+          const int4 raw = buffers.piece(buffer, r, idx, valid[r]);
           memcpy(c.word, &raw, sizeof(raw));
           float cf[W];
           piece_floats(c, cf);
@@ -121,7 +124,7 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_claimed
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const float logit0 = warp_sum(acc[r][0]), logit1 = warp_sum(acc[r][1]);
-        if (lane != 0 || !in_vocab(a.rows, it.token[r])) continue;  // a masked row's buffer holds an older row
+        if (lane != 0 || !valid[r]) continue;
         atomicMax(&row_best[r0], static_cast<unsigned long long>(pack_ranked(order_key(logit0), it.token[r])));
         if (r1 >= 0)
           atomicMax(&row_best[r1], static_cast<unsigned long long>(pack_ranked(order_key(logit1), it.token[r])));
