@@ -154,14 +154,6 @@ __device__ __forceinline__ WarpSlots slots_of(const CandidateRows<T>& a, const i
   return s;
 }
 
-template <int N>
-__device__ __forceinline__ bool any_of(const bool (&flags)[N]) {
-  bool any = false;
-#pragma unroll
-  for (int i = 0; i < N; ++i) any = any || flags[i];
-  return any;
-}
-
 #ifdef FLASHHEAD_BULK_COPIES
 // A warp's kCandBuffers buffers of kCandRowsPerWarp embedding rows in dynamic shared memory, each
 // with an mbarrier; rows land there by bulk copies (the copy engine), so a warp keeps groups of
@@ -192,15 +184,11 @@ struct StagedRowBuffers {
     __syncwarp();
   }
   __device__ __forceinline__ const T* row(int buffer, int r) const { return rows + (buffer * R + r) * hidden_dim; }
-  // Row r of `buffer` to read where some row of the group is valid (else none is read): a masked
-  // row's buffer was not refilled, and its bytes from an older fill are not ordered by this fill's
-  // barrier, so it reads a refilled row instead (its sum is dropped). One address a row, no
-  // predicate a piece: a predicated load a piece made the row-by-row kernel up to 6% slower.
-  __device__ __forceinline__ const int4* readable_row(int buffer, int r, const bool (&valid)[R]) const {
-    int from = r;
-#pragma unroll
-    for (int j = R - 1; j >= 0; --j) from = valid[r] ? r : (valid[j] ? j : from);
-    return reinterpret_cast<const int4*>(row(buffer, from));
+  // The 16-byte piece `chunk` of row r of `buffer`, or zeros where the row is masked (`valid`
+  // false): its buffer was not refilled, and its bytes from an older fill are not ordered by this
+  // fill's barrier.
+  __device__ __forceinline__ int4 piece(int buffer, int r, int chunk, bool valid) const {
+    return valid ? reinterpret_cast<const int4*>(row(buffer, r))[chunk] : make_int4(0, 0, 0, 0);
   }
   // The copies of `token`'s rows into `buffer`, one arrival expecting the valid rows' bytes; lane
   // r copies row r. Ids outside [0, vocab) are masked: their rows are not copied. The whole warp
@@ -264,20 +252,19 @@ __device__ __forceinline__ void for_each_staged_slot_group(const CandidateRows<T
     // The same pieces in the same order as warp_dot. Not through warp_dot_chunks: with its loop
     // this instance was 8-60% slower at batch 8 (docs/benchmarks.md).
     float acc[R] = {};
-    const int4* staged[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) staged[r] = buffers.readable_row(buffer, r, s.valid);
-    const int chunks = any_of(s.valid) ? a.hidden_dim / W : 0;
 #pragma unroll
     for (int j = 0; j < kStagedHiddenChunks; ++j) {
       const int idx = lane + j * kWarpSize;
-      if (idx < chunks) {
+      if (idx < a.hidden_dim / W) {
         float hf[W];
         piece_floats(h[j], hf);
 #pragma unroll
-        for (int r = 0; r < R; ++r) {  // a masked row's sum is dropped
+        // A masked row's buffer holds bytes of an older fill or none, and its sum is dropped. Read
+        // anyway, not through piece() (racecheck warns of it): a predicate a piece made this kernel
+        // up to 6% slower at batches 2-16 (docs/benchmarks.md, session 46).
+        for (int r = 0; r < R; ++r) {
           Piece<T, W> c;
-          const int4 raw = staged[r][idx];
+          const int4 raw = *reinterpret_cast<const int4*>(buffers.row(buffer, r) + idx * W);
           memcpy(c.word, &raw, sizeof(raw));
           float cf[W];
           piece_floats(c, cf);

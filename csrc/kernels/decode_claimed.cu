@@ -102,18 +102,15 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_claimed
       const T* h0 = a.rows.hidden + int64_t{r0} * d;
       const T* h1 = a.rows.hidden + int64_t{max(r1, r0)} * d;
       float acc[R][2] = {};
-      const int4* staged[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) staged[r] = buffers.readable_row(buffer, r, valid);
 #pragma unroll 4
-      for (int idx = any_of(valid) ? lane : d / W; idx < d / W; idx += kWarpSize) {
+      for (int idx = lane; idx < d / W; idx += kWarpSize) {
         float hf[2][W];
         piece_floats(load_piece<T, W>(h0 + idx * W, nullptr), hf[0]);
         piece_floats(load_piece<T, W>(h1 + idx * W, nullptr), hf[1]);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           Piece<T, W> c;
-          const int4 raw = staged[r][idx];
+          const int4 raw = buffers.piece(buffer, r, idx, valid[r]);
           memcpy(c.word, &raw, sizeof(raw));
           float cf[W];
           piece_floats(c, cf);
