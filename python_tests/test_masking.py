@@ -60,13 +60,19 @@ def _table_with_invalid_cluster(problem):
     return problem.with_(cluster_tokens=table, centroids=centroids, probes=1)
 
 
+# 64 rows choose, between them, more clusters than 3/4 of C = 37: on sm_90 the greedy decode then
+# reads each chosen cluster once for every row that chose it (decode_claimed_kernel).
+batch_params = pytest.mark.parametrize("batch", [3, 64])
+
+
 @device_params
-def test_all_masked_rows_give_token_minus_one(device):
-    base = make_problem(Shape(B=3, D=16, C=37, b=8, p=1), device=device, integer=True)
+@batch_params
+def test_all_masked_rows_give_token_minus_one(device, batch):
+    base = make_problem(Shape(B=batch, D=16, C=37, b=8, p=1), device=device, integer=True)
     problem = _table_with_invalid_cluster(base.with_(hidden=base.hidden.abs() + 1))
     assert (ref.select_clusters(problem.hidden, problem.centroids, 1)[0] == 0).all()
     tokens = ops.decode_greedy(*problem.args())
-    assert tokens.tolist() == [-1, -1, -1]
+    assert tokens.tolist() == [-1] * batch
     check_decode_greedy(tokens, problem, exact=True)
     sampled, _ = ops.decode_sample(*problem.args()[:5], 1.0, None, seed=3)
     # The sampled cluster may differ, but a token is either a real token or -1, never garbage.
@@ -74,13 +80,14 @@ def test_all_masked_rows_give_token_minus_one(device):
     # An always-on extra token rescues every row.
     extra = torch.tensor([problem.vocab - 1, -1], dtype=torch.int32, device=device)
     rescued = ops.decode_greedy(*problem.args()[:5], extra)
-    assert rescued.tolist() == [problem.vocab - 1] * 3
+    assert rescued.tolist() == [problem.vocab - 1] * batch
 
 
 @device_params
-def test_masked_slots_never_win(device):
+@batch_params
+def test_masked_slots_never_win(device, batch):
     # Invalid ids in the best cluster, next to valid ones whose logits are low: a valid one wins.
-    base = make_problem(Shape(B=5, D=16, C=37, b=8, p=1), device=device, integer=True)
+    base = make_problem(Shape(B=batch, D=16, C=37, b=8, p=1), device=device, integer=True)
     problem = _table_with_invalid_cluster(base.with_(hidden=base.hidden.abs() + 1))
     table = problem.cluster_tokens.clone()
     table[0, 3] = base.cluster_tokens[0, 3]  # a real token of the original cluster 0

@@ -85,12 +85,13 @@ struct SelectOutputs {
   const float* scores = nullptr;  // needed with selected_scores
   RowTicket* row_tickets = nullptr;
   uint32_t* extra_repeats = nullptr;
-  // Greedy decodes by claimed cluster (batches of up to 64 rows, decode.cuh): claims[1 + c] gets
-  // bit r where row r chose cluster c, and the row whose bit lands first lists c in
-  // claimed_clusters, counting in claims[0]. Zero on entry.
+  // Greedy decodes by claimed cluster (batches of up to kClaimedMaxRows rows, decode.cuh):
+  // claims[1 + c] gets bit r where row r chose cluster c, and the row whose bit lands first lists
+  // c in claimed_clusters, counting in claims[0]. Zero on entry.
   unsigned long long* claims = nullptr;
   int32_t* claimed_clusters = nullptr;
 };
+constexpr int kClaimedMaxRows = 64;  // a cluster's claims are one 64-bit mask
 size_t select_workspace_bytes(const HeadShape& shape, SelectOrder order);
 cudaError_t launch_select(const float* keys, const HeadShape& shape, SelectOrder order, const SelectOutputs& out,
                           void* workspace, cudaStream_t stream, const LaunchOptions& options = {});

@@ -3,6 +3,7 @@
 // programmatic dependent launch where the device has it. The candidate kernel reads each slot's
 // token from the chosen clusters' table rows.
 #include <algorithm>
+#include <cstdint>
 #include <type_traits>
 
 #include "kernels/decode.cuh"
@@ -35,7 +36,12 @@ SelectOrder decode_order(bool sampling) { return sampling ? SelectOrder::kStable
 // rows, do not pay for the claims' memset and atomics (docs/benchmarks.md, session 46).
 constexpr int kClaimedMinRows = 16;
 bool decodes_by_claimed_cluster(const HeadShape& shape, bool sampling) {
-  return !sampling && shape.batch >= kClaimedMinRows && shape.batch <= kClaimedMaxRows &&
+  const int64_t most_clusters = std::min<int64_t>(shape.num_clusters, int64_t{shape.batch} * shape.probes);
+  // The kernel counts its items (at most most_clusters * b + B * E) in an int, with room for a
+  // grid stride or two past them.
+  const bool items_fit =
+      most_clusters * shape.cluster_size + int64_t{shape.batch} * shape.num_extra <= INT32_MAX / 2;
+  return !sampling && shape.batch >= kClaimedMinRows && shape.batch <= kClaimedMaxRows && items_fit &&
          4 * int64_t{shape.batch} * shape.probes >= 3 * int64_t{shape.num_clusters};
 }
 

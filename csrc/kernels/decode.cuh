@@ -204,7 +204,6 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
 
 // The greedy decode by claimed cluster (decode_claimed.cu), for batches of up to
 // kClaimedMaxRows rows whose selections listed SelectOutputs::claims and claimed_clusters.
-constexpr int kClaimedMaxRows = 64;  // a cluster's rows are one 64-bit mask
 // The kernel's staged rows' shared memory, or 0 where they cannot be staged (it does not run there).
 template <typename T>
 cudaError_t claimed_decode_smem(const T* hidden, const T* embedding, int hidden_dim, size_t* smem);

@@ -104,6 +104,7 @@ size_t select_workspace_bytes(const HeadShape& shape, SelectOrder order) {
 cudaError_t launch_select(const float* keys, const HeadShape& shape, SelectOrder order, const SelectOutputs& out,
                           void* workspace, cudaStream_t stream, const LaunchOptions& options) {
   if (shape.batch == 0) return cudaSuccess;
+  if (out.claims && shape.batch > kClaimedMaxRows) return cudaErrorInvalidValue;  // a row's bit in one mask
   detail::WorkspaceCarver carver(workspace);
   const int len = detail::list_length(shape.probes, order);
   uint64_t* spill = detail::carve_select(carver, shape, order);
