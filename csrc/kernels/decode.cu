@@ -17,8 +17,8 @@ struct DecodeWorkspace {
   float* keys;
   int32_t* cluster_ids;        // [B, p]
   RowTicket* tickets;
-  unsigned long long* claims;        // [1 + C], greedy by claimed cluster
-  int32_t* claimed_clusters;         // [min(C, B p)]
+  unsigned long long* claims;  // [1 + C], greedy by claimed cluster
+  int32_t* claimed_clusters;   // [min(C, B p)]
   RowPartial* partials;
   uint32_t* extra_repeats;     // [B, E], sampling
   RowPartial* extra_partials;  // [B, E], sampling

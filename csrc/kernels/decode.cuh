@@ -201,7 +201,6 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
   a.token_logprobs[row] = p.best == kNoneRanked ? NAN : p.best_scaled - log_norm;
 }
 
-
 // The greedy decode by claimed cluster (decode_claimed.cu), for batches of up to
 // kClaimedMaxRows rows whose selections listed SelectOutputs::claims and claimed_clusters.
 // The kernel's staged rows' shared memory, or 0 where they cannot be staged (it does not run there).
