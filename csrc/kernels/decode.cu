@@ -36,7 +36,7 @@ SelectOrder decode_order(bool sampling) { return sampling ? SelectOrder::kStable
 // rows, do not pay for the claims' memset and atomics (docs/benchmarks.md, session 46).
 constexpr int kClaimedMinRows = 16;
 bool decodes_by_claimed_cluster(const HeadShape& shape, bool sampling) {
-  const int64_t most_clusters = std::min<int64_t>(shape.num_clusters, int64_t{shape.batch} * shape.probes);
+  const int64_t most_clusters = most_claimed_clusters(shape);
   // The kernel counts its items (at most most_clusters * b + B * E) in an int, with room for a
   // grid stride or two past them.
   const bool items_fit =
@@ -65,7 +65,7 @@ DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bo
   ws.tickets = carver.take<RowTicket>(shape.batch);
   if (decodes_by_claimed_cluster(shape, sampling)) {
     ws.claims = carver.take<unsigned long long>(1 + size_t(shape.num_clusters));
-    ws.claimed_clusters = carver.take<int32_t>(std::min<size_t>(shape.num_clusters, size_t(shape.batch) * shape.probes));
+    ws.claimed_clusters = carver.take<int32_t>(static_cast<size_t>(most_claimed_clusters(shape)));
   }
   if (sampling) {
     ws.partials = carver.take<RowPartial>(size_t(shape.batch) * max_candidate_blocks(shape));

@@ -203,6 +203,10 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
 
 // The greedy decode by claimed cluster (decode_claimed.cu), for batches of up to
 // kClaimedMaxRows rows whose selections listed SelectOutputs::claims and claimed_clusters.
+// The most clusters a batch's rows can claim between them: what the list and the grid are sized for.
+inline int64_t most_claimed_clusters(const HeadShape& shape) {
+  return std::min<int64_t>(shape.num_clusters, int64_t{shape.batch} * shape.probes);
+}
 // The kernel's staged rows' shared memory, or 0 where they cannot be staged (it does not run there).
 template <typename T>
 cudaError_t claimed_decode_smem(const T* hidden, const T* embedding, int hidden_dim, size_t* smem);

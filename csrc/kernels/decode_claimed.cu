@@ -150,7 +150,6 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_claimed
 #endif
 }
 
-
 }  // namespace
 
 template <typename T>
@@ -167,6 +166,7 @@ cudaError_t launch_decode_claimed(const T* hidden, const T* embedding, const int
   int sms = 0;
   if (cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
   ClaimedArgs<T> args{};
+  // Rows of whole 16-byte vectors (vec): claimed_decode_smem gave no shared memory otherwise.
   args.rows = {hidden, embedding, shape.vocab, shape.hidden_dim, true, shape.num_candidates(), false};
   args.cluster_tokens = cluster_tokens;
   args.claims = claims;
@@ -179,10 +179,8 @@ cudaError_t launch_decode_claimed(const T* hidden, const T* embedding, const int
   args.tokens = tokens;
   args.token_stride = token_stride;
   // Items for the most clusters the rows can claim, whatever they claim this time.
-  const int64_t most_items =
-      std::min<int64_t>(shape.num_clusters, int64_t{shape.batch} * shape.probes) *
-          ceil_div(shape.cluster_size, kCandRowsPerWarp) +
-      int64_t{shape.batch} * shape.num_extra;
+  const int64_t most_items = most_claimed_clusters(shape) * ceil_div(shape.cluster_size, kCandRowsPerWarp) +
+                             int64_t{shape.batch} * shape.num_extra;
   const int64_t wanted = ceil_div<int64_t>(most_items, kCandThreads / kWarpSize);
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sms * kCandBlocksPerSm, wanted)));
   return launch_kernel(decode_claimed_kernel<T>, dim3(blocks), dim3(kCandThreads), smem, stream, dependent, args);
