@@ -74,12 +74,13 @@ def test_sampling_large(shape, dtype):
     check_decode_sample(tokens, logprobs, problem, T, seed, exact=False)
 
 
-# Greedy batches of 16 to 64 rows that choose, between them, at least 3/4 as many clusters as
-# there are decode by claimed cluster on sm_90, where the rows can be staged (decode.cu): a cluster
-# is read once for all the rows that chose it. The first three shapes take that path (a padded
-# table, extra ids, B at both bounds, 16-bit and float32 rows); B = 65 and B = 15 beside them take
-# the row-by-row kernel. With "shared", odd rows repeat even ones, so every claimed cluster has two
-# rows or more and the kernel's second row of a pair is used; those rows' tokens must match.
+# Greedy batches of 16 to 64 rows that make 3 choices or more a cluster (B p >= 3 C) decode by
+# claimed cluster on sm_90, where the rows can be staged (decode.cu): a cluster is read once for
+# every 8 rows that chose it. The first three shapes take that path (a padded table, extra ids, B
+# at both bounds, 16-bit and float32 rows); B = 65 and B = 15 beside them take the row-by-row
+# kernel. Rows repeat in runs of `repeat`: with 2 every claimed cluster has two rows or more and the
+# kernel's second row of a pair is used; with 20 most clusters have more rows than one group holds.
+# Repeated rows' tokens must match.
 CLAIMED = [
     (Shape(B=16, D=576, C=301, b=16, p=57, pad=5, extras=True), torch.bfloat16),
     (Shape(B=64, D=1024, C=997, b=8, p=200), torch.float16),
@@ -89,18 +90,15 @@ CLAIMED = [
 ]
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["independent", "shared"])
+@pytest.mark.parametrize("repeat", [1, 2, 20])
 @pytest.mark.parametrize("shape,dtype", CLAIMED, ids=[f"{s}-{d}" for s, d in CLAIMED])
-def test_decode_by_claimed_cluster(shape, dtype, shared):
+def test_decode_by_claimed_cluster(shape, dtype, repeat):
     problem = problem_for(shape, dtype)
-    if shared:
-        hidden = problem.hidden.clone()
-        hidden[1::2] = hidden[0::2][: shape.B // 2]
-        problem = problem.with_(hidden=hidden)
+    first_of_run = torch.arange(shape.B, device=problem.hidden.device) // repeat * repeat
+    problem = problem.with_(hidden=problem.hidden[first_of_run].clone())
     tokens = ops.decode_greedy(*problem.args())
     check_decode_greedy(tokens, problem, exact=False)
-    if shared:
-        assert torch.equal(tokens[1::2], tokens[0::2][: shape.B // 2])
+    assert torch.equal(tokens, tokens[first_of_run])
     # No host sync, and a graph (its claims' memset a node) gives the eager tokens at every replay.
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

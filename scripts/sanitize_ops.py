@@ -68,7 +68,8 @@ def head_ops() -> int:
         # centroids), 65 in two chunks (three with fp8), partial tiles of centroid rows, a partial
         # step of D (1008) and warps without one (64). The last two: the selection's 12- and 16-key
         # variants, with clusters whose b is no multiple of 4 (the gather's slot-by-slot path). Batches
-        # 17 and 64 (its largest): the greedy decode by claimed cluster.
+        # 17 and 64 (its largest): the greedy decode by claimed cluster, with clusters that more rows
+        # chose than one of its groups holds.
         for batch, dim, clusters, size, probes in ((3, 77, 37, 4, 5), (2, 576, 257, 16, 257), (0, 64, 37, 8, 3),
                                                    (5, 1024, 989, 16, 61), (9, 64, 17, 8, 3), (65, 1008, 37, 4, 5),
                                                    (4, 64, 9001, 3, 40), (4, 77, 9001, 3, 40),

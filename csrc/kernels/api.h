@@ -86,12 +86,15 @@ struct SelectOutputs {
   RowTicket* row_tickets = nullptr;
   uint32_t* extra_repeats = nullptr;
   // Greedy decodes by claimed cluster (batches of up to kClaimedMaxRows rows, decode.cuh):
-  // claims[1 + c] gets bit r where row r chose cluster c, and the row whose bit lands first lists
-  // c in claimed_clusters, counting in claims[0]. Zero on entry.
+  // claims[1 + c] gets bit r where row r chose cluster c. The rows of a cluster go in groups of
+  // kClaimedGroupRows, in the order their bits land: the row that opens a group lists it in
+  // claimed_groups as c * kClaimedGroupsMax + g, counting in claims[0]. Zero on entry.
   unsigned long long* claims = nullptr;
-  int32_t* claimed_clusters = nullptr;
+  int32_t* claimed_groups = nullptr;
 };
 constexpr int kClaimedMaxRows = 64;  // a cluster's claims are one 64-bit mask
+constexpr int kClaimedGroupRows = 8;
+constexpr int kClaimedGroupsMax = kClaimedMaxRows / kClaimedGroupRows;
 size_t select_workspace_bytes(const HeadShape& shape, SelectOrder order);
 cudaError_t launch_select(const float* keys, const HeadShape& shape, SelectOrder order, const SelectOutputs& out,
                           void* workspace, cudaStream_t stream, const LaunchOptions& options = {});

@@ -138,10 +138,7 @@ __device__ __forceinline__ void fetch_slot_tokens(const CandidateRows<T>& a, con
 }
 
 // A slot's token names a row of the embedding; any other id is a masked slot.
-template <typename T>
-__device__ __forceinline__ bool in_vocab(const CandidateRows<T>& a, int32_t token) {
-  return token >= 0 && token < a.vocab;
-}
+__device__ __forceinline__ bool in_vocab(int32_t token, int vocab) { return token >= 0 && token < vocab; }
 
 template <typename T>
 __device__ __forceinline__ WarpSlots slots_of(const CandidateRows<T>& a, const int32_t (&token)[kCandRowsPerWarp]) {
@@ -149,7 +146,7 @@ __device__ __forceinline__ WarpSlots slots_of(const CandidateRows<T>& a, const i
 #pragma unroll
   for (int r = 0; r < kCandRowsPerWarp; ++r) {
     s.token[r] = token[r];
-    s.valid[r] = in_vocab(a, token[r]);
+    s.valid[r] = in_vocab(token[r], a.vocab);
   }
   return s;
 }
@@ -197,12 +194,12 @@ struct StagedRowBuffers {
     const int lane = threadIdx.x % kWarpSize;
     int bytes = 0;
 #pragma unroll
-    for (int r = 0; r < R; ++r) bytes += token[r] >= 0 && token[r] < vocab ? row_bytes : 0;
+    for (int r = 0; r < R; ++r) bytes += in_vocab(token[r], vocab) ? row_bytes : 0;
     if (lane == 0) mbarrier_expect_bytes(landed + buffer, bytes);
     __syncwarp();  // the phase expects its bytes before any of them land
     if (lane < R) {
       const int32_t t = pick(token, lane);
-      if (t >= 0 && t < vocab)
+      if (in_vocab(t, vocab))
         copy_bulk(rows + (buffer * R + lane) * hidden_dim, embedding + int64_t{t} * hidden_dim, row_bytes,
                   landed + buffer, policy);
     }
@@ -260,8 +257,8 @@ __device__ __forceinline__ void for_each_staged_slot_group(const CandidateRows<T
         piece_floats(h[j], hf);
 #pragma unroll
         // A masked row's buffer holds bytes of an older fill or none, and its sum is dropped. Read
-        // anyway, not through piece() (racecheck warns of it): a predicate a piece made this kernel
-        // up to 6% slower at batches 2-16 (docs/benchmarks.md, session 46).
+        // anyway, not through piece(): a predicate a piece made this kernel up to 6% slower at
+        // batches 2-16 (docs/benchmarks.md, session 46).
         for (int r = 0; r < R; ++r) {
           Piece<T, W> c;
           const int4 raw = *reinterpret_cast<const int4*>(buffers.row(buffer, r) + idx * W);

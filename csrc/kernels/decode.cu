@@ -18,7 +18,7 @@ struct DecodeWorkspace {
   int32_t* cluster_ids;        // [B, p]
   RowTicket* tickets;
   unsigned long long* claims;  // [1 + C], greedy by claimed cluster
-  int32_t* claimed_clusters;   // [min(C, B p)]
+  int32_t* claimed_groups;     // [most_claimed_groups]
   RowPartial* partials;
   uint32_t* extra_repeats;     // [B, E], sampling
   RowPartial* extra_partials;  // [B, E], sampling
@@ -30,19 +30,22 @@ struct DecodeWorkspace {
 // float sum in slot order, though, so its list keeps one order from run to run.
 SelectOrder decode_order(bool sampling) { return sampling ? SelectOrder::kStable : SelectOrder::kAny; }
 
-// Greedy batches of kClaimedMinRows rows or more read each chosen cluster once for all the rows
-// that chose it when the rows choose, between them, at least 3/4 as many clusters as there are:
-// random rows then share a quarter or more of their clusters. Fewer shared clusters, or fewer
-// rows, do not pay for the claims' memset and atomics (docs/benchmarks.md, session 46).
+// Greedy batches of kClaimedMinRows rows or more read each chosen cluster once for every
+// kClaimedGroupRows rows that chose it when the rows make, between them, kClaimedMinChoices choices
+// a cluster or more (B p >= 3 C). On real batches (SmolLM2-135M's recorded states, and the same
+// choices with 2 KB rows spread over Qwen3-0.6B's vocabulary) the claimed kernel was 7-21% faster
+// from there on, and up to 5% slower below it, where the row-by-row kernel's repeated reads of
+// shared rows hit L2. Fewer rows do not pay for the claims' memset and atomics (docs/benchmarks.md,
+// sessions 46 and 47).
 constexpr int kClaimedMinRows = 16;
+constexpr int kClaimedMinChoices = 3;
 bool decodes_by_claimed_cluster(const HeadShape& shape, bool sampling) {
-  const int64_t most_clusters = most_claimed_clusters(shape);
-  // The kernel counts its items (at most most_clusters * b + B * E) in an int, with room for a
-  // grid stride or two past them.
+  // The kernel counts its items (at most most_claimed_groups * b + B * E) in an int, with room for
+  // a grid stride or two past them.
   const bool items_fit =
-      most_clusters * shape.cluster_size + int64_t{shape.batch} * shape.num_extra <= INT32_MAX / 2;
+      most_claimed_groups(shape) * shape.cluster_size + int64_t{shape.batch} * shape.num_extra <= INT32_MAX / 2;
   return !sampling && shape.batch >= kClaimedMinRows && shape.batch <= kClaimedMaxRows && items_fit &&
-         4 * int64_t{shape.batch} * shape.probes >= 3 * int64_t{shape.num_clusters};
+         int64_t{shape.batch} * shape.probes >= kClaimedMinChoices * int64_t{shape.num_clusters};
 }
 
 // Upper bound of the candidate kernel's blocks per row (the grid is smaller on small GPUs or
@@ -65,7 +68,7 @@ DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bo
   ws.tickets = carver.take<RowTicket>(shape.batch);
   if (decodes_by_claimed_cluster(shape, sampling)) {
     ws.claims = carver.take<unsigned long long>(1 + size_t(shape.num_clusters));
-    ws.claimed_clusters = carver.take<int32_t>(static_cast<size_t>(most_claimed_clusters(shape)));
+    ws.claimed_groups = carver.take<int32_t>(static_cast<size_t>(most_claimed_groups(shape)));
   }
   if (sampling) {
     ws.partials = carver.take<RowPartial>(size_t(shape.batch) * max_candidate_blocks(shape));
@@ -188,7 +191,7 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
   out.row_tickets = ws.tickets;
   if (claimed_smem > 0) {
     out.claims = ws.claims;
-    out.claimed_clusters = ws.claimed_clusters;
+    out.claimed_groups = ws.claimed_groups;
   }
   out.extra_repeats = ws.extra_repeats;
   err = launch_select(sampling ? ws.keys : ws.scores, shape, detail::decode_order(sampling != nullptr), out, ws.select,
@@ -196,7 +199,7 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
   if (err != cudaSuccess) return err;
   if (claimed_smem > 0)
     return detail::launch_decode_claimed(tensors.hidden, tensors.embedding, tensors.cluster_tokens, tensors.extra_ids,
-                                         shape, ws.claims, ws.claimed_clusters, ws.tickets, claimed_smem, tokens,
+                                         shape, ws.claims, ws.claimed_groups, ws.tickets, claimed_smem, tokens,
                                          token_stride, stream, options.dependent_launch);
   return sampling ? detail::launch_decode_candidates<T, TC, true>(tensors, shape, sampling, ws, tokens, token_stride,
                                                                   token_logprobs, stream, options.dependent_launch)

@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
     bool take = is_block;
     if (!is_block) {
       const int32_t id = a.slot_tokens.extra_ids[i - blocks];
-      take = id >= 0 && id < a.rows.vocab && !__ldcg(&a.extras.repeated[extra]);
+      take = in_vocab(id, a.rows.vocab) && !__ldcg(&a.extras.repeated[extra]);
     }
     if (take) p = merge<kSample>(p, q);
   }
@@ -202,10 +202,13 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
 }
 
 // The greedy decode by claimed cluster (decode_claimed.cu), for batches of up to
-// kClaimedMaxRows rows whose selections listed SelectOutputs::claims and claimed_clusters.
-// The most clusters a batch's rows can claim between them: what the list and the grid are sized for.
-inline int64_t most_claimed_clusters(const HeadShape& shape) {
-  return std::min<int64_t>(shape.num_clusters, int64_t{shape.batch} * shape.probes);
+// kClaimedMaxRows rows whose selections listed SelectOutputs::claims and claimed_groups.
+// The most row groups a batch's claims can list: what the list and the grid are sized for. A
+// cluster that n rows chose has ceil(n / G) <= 1 + floor(n / G) groups; at most min(C, B p)
+// clusters are chosen, by B p choices in all.
+inline int64_t most_claimed_groups(const HeadShape& shape) {
+  const int64_t choices = int64_t{shape.batch} * shape.probes;
+  return std::min(choices, std::min<int64_t>(shape.num_clusters, choices) + choices / kClaimedGroupRows);
 }
 // The kernel's staged rows' shared memory, or 0 where they cannot be staged (it does not run there).
 template <typename T>
@@ -213,7 +216,7 @@ cudaError_t claimed_decode_smem(const T* hidden, const T* embedding, int hidden_
 template <typename T>
 cudaError_t launch_decode_claimed(const T* hidden, const T* embedding, const int32_t* cluster_tokens,
                                   const int32_t* extra_ids, const HeadShape& shape, const unsigned long long* claims,
-                                  const int32_t* claimed_clusters, RowTicket* tickets, size_t smem, int64_t* tokens,
+                                  const int32_t* claimed_groups, RowTicket* tickets, size_t smem, int64_t* tokens,
                                   int64_t token_stride, cudaStream_t stream, bool dependent);
 
 }  // namespace detail

@@ -1,10 +1,13 @@
 // The greedy decode by claimed cluster, for batches whose rows share clusters: each cluster any
-// row chose (SelectOutputs::claims) is read once, and its logits computed for every row that chose
-// it, where decode_candidates_kernel reads a cluster once for each row. Items are a claimed
-// cluster's tokens kCandRowsPerWarp at a time, then each row's extra ids; each warp stages its
-// items' rows by bulk copies, two items in flight, and folds (key, token) maxima per row in shared
-// memory; the last block to arrive writes every row's token. Its own translation unit: beside
-// decode.cu's kernels it changed how nvcc inlined theirs (one instance grew by half).
+// row chose (SelectOutputs::claims) is read once for every kClaimedGroupRows rows that chose it,
+// and its logits computed for each of them, where decode_candidates_kernel reads a cluster once
+// for each row. Items are a listed row group's tokens kCandRowsPerWarp at a time, then each row's
+// extra ids; each warp stages its items' rows by bulk copies, two items in flight, and folds
+// (key, token) maxima per row in shared memory; the last block to arrive writes every row's token.
+// Groups bound an item's work: real batches share a few clusters among nearly all their rows,
+// and one item for all of them made its warp the grid's last (docs/benchmarks.md, session 47).
+// Its own translation unit: beside decode.cu's kernels it changed how nvcc inlined theirs (one
+// instance grew by half).
 #include <algorithm>
 
 #include "kernels/decode.cuh"
@@ -18,7 +21,7 @@ struct ClaimedArgs {
   CandidateRows<T> rows;             // hidden [B, D], the embedding
   const int32_t* cluster_tokens;     // [C, b]
   const unsigned long long* claims;  // [1 + C]
-  const int32_t* claimed_clusters;   // [claims[0]]
+  const int32_t* claimed_groups;     // [claims[0]]
   const int32_t* extra_ids;          // [E], every row's
   int cluster_size, num_extra, batch;
   RowTicket* tickets;  // [B], zero on entry: each row's best; tickets[0].arrivals counts the blocks
@@ -28,7 +31,10 @@ struct ClaimedArgs {
 
 struct ClaimedItem {
   int32_t token[kCandRowsPerWarp];  // -1: none
-  unsigned long long chose;         // the rows to fold its logits into
+  // The rows to fold its logits into: group `group` of `chose` (group_rows, taken when the item's
+  // turn comes: the claims' load then has two items' time to land).
+  unsigned long long chose;
+  int group;
 };
 
 #ifdef FLASHHEAD_BULK_COPIES
@@ -37,7 +43,18 @@ __device__ __forceinline__ ClaimedItem no_item() {
 #pragma unroll
   for (int j = 0; j < kCandRowsPerWarp; ++j) it.token[j] = -1;
   it.chose = 0;
+  it.group = 0;
   return it;
+}
+
+// Group `group` of the rows in `chose`: its set bits from the (group G)-th to the (group G + G - 1)-th,
+// counted from the lowest (G = kClaimedGroupRows). Most clusters have one group.
+__device__ __forceinline__ unsigned long long group_rows(unsigned long long chose, int group) {
+  if (__popcll(chose) <= kClaimedGroupRows) return chose;
+  for (int i = 0; i < group * kClaimedGroupRows; ++i) chose &= chose - 1;
+  unsigned long long later = chose;
+  for (int i = 0; i < kClaimedGroupRows; ++i) later &= later - 1;
+  return chose ^ later;
 }
 
 template <typename T>
@@ -45,9 +62,11 @@ __device__ __forceinline__ ClaimedItem claimed_item(const ClaimedArgs<T>& a, int
   ClaimedItem it;
   const int per_cluster = ceil_div(a.cluster_size, kCandRowsPerWarp);
   if (item < listed_items) {
-    const int32_t cluster = __ldcg(a.claimed_clusters + item / per_cluster);
+    const int32_t listed = __ldcg(a.claimed_groups + item / per_cluster);
+    const int32_t cluster = listed / kClaimedGroupsMax;
     const int first = (item % per_cluster) * kCandRowsPerWarp;
     it.chose = __ldcg(a.claims + 1 + cluster);
+    it.group = listed % kClaimedGroupsMax;
 #pragma unroll
     for (int j = 0; j < kCandRowsPerWarp; ++j)
       it.token[j] = first + j < a.cluster_size ? a.cluster_tokens[int64_t{cluster} * a.cluster_size + first + j] : -1;
@@ -91,10 +110,10 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_claimed
     buffers.wait(buffer, k / kCandBuffers);
     bool valid[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) valid[r] = in_vocab(a.rows, it.token[r]);
+    for (int r = 0; r < R; ++r) valid[r] = in_vocab(it.token[r], a.rows.vocab);
     // Two of the rows that chose the item at a time; the pieces in warp_dot's order, so a logit
     // is the row-by-row kernel's to the bit.
-    for (unsigned long long chose = it.chose; chose;) {
+    for (unsigned long long chose = group_rows(it.chose, it.group); chose;) {
       const int r0 = __ffsll(chose) - 1;
       chose &= chose - 1;
       const int r1 = chose ? __ffsll(chose) - 1 : -1;
@@ -161,7 +180,7 @@ cudaError_t claimed_decode_smem(const T* hidden, const T* embedding, int hidden_
 template <typename T>
 cudaError_t launch_decode_claimed(const T* hidden, const T* embedding, const int32_t* cluster_tokens,
                                   const int32_t* extra_ids, const HeadShape& shape, const unsigned long long* claims,
-                                  const int32_t* claimed_clusters, RowTicket* tickets, size_t smem, int64_t* tokens,
+                                  const int32_t* claimed_groups, RowTicket* tickets, size_t smem, int64_t* tokens,
                                   int64_t token_stride, cudaStream_t stream, bool dependent) {
   int sms = 0;
   if (cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
@@ -170,7 +189,7 @@ cudaError_t launch_decode_claimed(const T* hidden, const T* embedding, const int
   args.rows = {hidden, embedding, shape.vocab, shape.hidden_dim, true, shape.num_candidates(), false};
   args.cluster_tokens = cluster_tokens;
   args.claims = claims;
-  args.claimed_clusters = claimed_clusters;
+  args.claimed_groups = claimed_groups;
   args.extra_ids = extra_ids;
   args.cluster_size = shape.cluster_size;
   args.num_extra = shape.num_extra;
@@ -178,8 +197,8 @@ cudaError_t launch_decode_claimed(const T* hidden, const T* embedding, const int
   args.tickets = tickets;
   args.tokens = tokens;
   args.token_stride = token_stride;
-  // Items for the most clusters the rows can claim, whatever they claim this time.
-  const int64_t most_items = most_claimed_clusters(shape) * ceil_div(shape.cluster_size, kCandRowsPerWarp) +
+  // Items for the most groups the rows' claims can list, whatever they list this time.
+  const int64_t most_items = most_claimed_groups(shape) * ceil_div(shape.cluster_size, kCandRowsPerWarp) +
                              int64_t{shape.batch} * shape.num_extra;
   const int64_t wanted = ceil_div<int64_t>(most_items, kCandThreads / kWarpSize);
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sms * kCandBlocksPerSm, wanted)));

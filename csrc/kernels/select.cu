@@ -18,20 +18,21 @@ struct SelectArgs {
   int num_extra;
 };
 
-// Sets the row's bit on each chosen cluster; the first row to claim a cluster lists it (one
-// atomic on the count a warp).
+// Sets the row's bit on each chosen cluster; a row whose bit opens a group of kClaimedGroupRows
+// (the cluster's kClaimedGroupRows * g-th claim) lists the group (one atomic on the count a warp).
 __device__ __forceinline__ void claim_clusters(const uint64_t* list, int probes, int row, const SelectOutputs& out) {
   for (int base = 0; base < probes; base += blockDim.x) {  // whole warps: the appends vote
     const int k = base + threadIdx.x;
     const int32_t id = k < probes ? packed_id(list[k]) : 0;
-    const bool first = k < probes && atomicOr(&out.claims[1 + id], 1ull << row) == 0;
-    const unsigned ballot = __ballot_sync(kFullMask, first);
+    const int earlier = k < probes ? __popcll(atomicOr(&out.claims[1 + id], 1ull << row)) : -1;
+    const bool opens = earlier >= 0 && earlier % kClaimedGroupRows == 0;
+    const unsigned ballot = __ballot_sync(kFullMask, opens);
     if (ballot == 0) continue;
     const int lane = threadIdx.x % kWarpSize, leader = __ffs(ballot) - 1;
     unsigned long long at = 0;
     if (lane == leader) at = atomicAdd(&out.claims[0], static_cast<unsigned long long>(__popc(ballot)));
     at = __shfl_sync(kFullMask, at, leader) + __popc(ballot & ((1u << lane) - 1));
-    if (first) out.claimed_clusters[at] = id;
+    if (opens) out.claimed_groups[at] = id * kClaimedGroupsMax + earlier / kClaimedGroupRows;
   }
 }
 
