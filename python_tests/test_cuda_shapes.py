@@ -74,9 +74,9 @@ def test_sampling_large(shape, dtype):
     check_decode_sample(tokens, logprobs, problem, T, seed, exact=False)
 
 
-# Greedy batches of 16 to 64 rows that make 3 choices or more a cluster (B p >= 3 C) decode by
+# Greedy batches of 16 to 64 rows that make 2 choices or more a cluster (B p >= 2 C) decode by
 # claimed cluster on sm_90, where the rows can be staged (decode.cu): a cluster is read once for
-# every 8 rows that chose it. The first three shapes take that path (a padded table, extra ids, B
+# every 4 rows that chose it. The first three shapes take that path (a padded table, extra ids, B
 # at both bounds, 16-bit and float32 rows); B = 65 and B = 15 beside them take the row-by-row
 # kernel. Rows repeat in runs of `repeat`: with 2 every claimed cluster has two rows or more and the
 # kernel's second row of a pair is used; with 20 most clusters have more rows than one group holds.

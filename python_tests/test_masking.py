@@ -60,9 +60,9 @@ def _table_with_invalid_cluster(problem):
     return problem.with_(cluster_tokens=table, centroids=centroids, probes=1)
 
 
-# 64 rows make 3 choices or more a cluster of C = 21: on sm_90 the greedy decode then reads each
-# chosen cluster once for every 8 rows that chose it (decode_claimed_kernel); here all 64 rows choose
-# cluster 0, eight groups of it.
+# 64 rows make 2 choices or more a cluster of C = 21: on sm_90 the greedy decode then reads each
+# chosen cluster once for every 4 rows that chose it (decode_claimed_kernel); here all 64 rows choose
+# cluster 0, sixteen groups of it.
 batch_params = pytest.mark.parametrize("batch", [3, 64])
 
 

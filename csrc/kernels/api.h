@@ -93,7 +93,7 @@ struct SelectOutputs {
   int32_t* claimed_groups = nullptr;
 };
 constexpr int kClaimedMaxRows = 64;  // a cluster's claims are one 64-bit mask
-constexpr int kClaimedGroupRows = 8;
+constexpr int kClaimedGroupRows = 4;
 constexpr int kClaimedGroupsMax = kClaimedMaxRows / kClaimedGroupRows;
 size_t select_workspace_bytes(const HeadShape& shape, SelectOrder order);
 cudaError_t launch_select(const float* keys, const HeadShape& shape, SelectOrder order, const SelectOutputs& out,

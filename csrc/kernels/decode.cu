@@ -32,13 +32,13 @@ SelectOrder decode_order(bool sampling) { return sampling ? SelectOrder::kStable
 
 // Greedy batches of kClaimedMinRows rows or more read each chosen cluster once for every
 // kClaimedGroupRows rows that chose it when the rows make, between them, kClaimedMinChoices choices
-// a cluster or more (B p >= 3 C). On real batches (SmolLM2-135M's recorded states, and the same
-// choices with 2 KB rows spread over Qwen3-0.6B's vocabulary) the claimed kernel was 7-21% faster
-// from there on, and up to 5% slower below it, where the row-by-row kernel's repeated reads of
-// shared rows hit L2. Fewer rows do not pay for the claims' memset and atomics (docs/benchmarks.md,
-// sessions 46 and 47).
+// a cluster or more (B p >= 2 C). On real batches (SmolLM2-135M's recorded states, and the same
+// choices with 2 KB rows spread over Qwen3-0.6B's vocabulary) the claimed kernel was 3-22% faster
+// from there on; below it SmolLM2's own head was 2-32% slower (its row-by-row reads of the shared
+// rows hit L2), though the 2 KB rows still gained from 1.3 choices. Fewer rows do not pay for the
+// claims' memset and atomics (docs/benchmarks.md, sessions 46 and 47).
 constexpr int kClaimedMinRows = 16;
-constexpr int kClaimedMinChoices = 3;
+constexpr int kClaimedMinChoices = 2;
 bool decodes_by_claimed_cluster(const HeadShape& shape, bool sampling) {
   // The kernel counts its items (at most most_claimed_groups * b + B * E) in an int, with room for
   // a grid stride or two past them.
