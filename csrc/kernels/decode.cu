@@ -34,7 +34,7 @@ SelectOrder decode_order(bool sampling) { return sampling ? SelectOrder::kStable
 // kClaimedGroupRows rows that chose it when the rows make, between them, kClaimedMinChoices choices
 // a cluster or more (B p >= 2 C). On real batches (SmolLM2-135M's recorded states, and the same
 // choices with 2 KB rows spread over Qwen3-0.6B's vocabulary) the claimed kernel was 3-22% faster
-// from there on; below it SmolLM2's own head was 2-32% slower (its row-by-row reads of the shared
+// from there on; below it SmolLM2's own head was 3-32% slower (its row-by-row reads of the shared
 // rows hit L2), though the 2 KB rows still gained from 1.3 choices. Fewer rows do not pay for the
 // claims' memset and atomics (docs/benchmarks.md, sessions 46 and 47).
 constexpr int kClaimedMinRows = 16;
