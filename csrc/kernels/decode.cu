@@ -41,10 +41,11 @@ constexpr int kClaimedMinRows = 16;
 constexpr int kClaimedMinChoices = 2;
 bool decodes_by_claimed_cluster(const HeadShape& shape, bool sampling) {
   // The kernel counts its items (at most most_claimed_groups * b + B * E) in an int, with room for
-  // a grid stride or two past them.
+  // a grid stride or two past them; a listed group, c * kClaimedGroupsMax + g, is an int too.
   const bool items_fit =
       most_claimed_groups(shape) * shape.cluster_size + int64_t{shape.batch} * shape.num_extra <= INT32_MAX / 2;
-  return !sampling && shape.batch >= kClaimedMinRows && shape.batch <= kClaimedMaxRows && items_fit &&
+  const bool groups_fit = int64_t{shape.num_clusters} * kClaimedGroupsMax <= INT32_MAX;
+  return !sampling && shape.batch >= kClaimedMinRows && shape.batch <= kClaimedMaxRows && items_fit && groups_fit &&
          int64_t{shape.batch} * shape.probes >= kClaimedMinChoices * int64_t{shape.num_clusters};
 }
 
