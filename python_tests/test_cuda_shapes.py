@@ -80,8 +80,7 @@ def test_sampling_large(shape, dtype):
 # at both bounds, 16-bit and float32 rows); B = 65 and B = 15 beside them take the row-by-row
 # kernel. Rows repeat in runs of `repeat`: with 2 nearly every claimed cluster has two rows or more
 # and the kernel's second row of a pair is used; with 20 most clusters have more rows than one group
-# holds.
-# Repeated rows' tokens must match.
+# holds. Repeated rows' tokens must match.
 CLAIMED = [
     (Shape(B=16, D=576, C=301, b=16, p=57, pad=5, extras=True), torch.bfloat16),
     (Shape(B=64, D=1024, C=997, b=8, p=200), torch.float16),
