@@ -88,7 +88,22 @@ def head_ops() -> int:
                 if not torch.allclose(got[key].cpu(), want[key], rtol=tol, atol=tol, equal_nan=False):
                     print(f"MISMATCH {key} {where}")
                     failures += 1
+            # Greedy tokens (batches 17 and 64 take the claimed-cluster decode): another token only
+            # where its logit ties the CPU's within tolerance (another summation order).
+            for key in ("greedy", "plain_greedy"):
+                if not same_or_tied_tokens(got[key].cpu(), want[key], cpu["hidden"], cpu["embedding"], tol):
+                    print(f"MISMATCH {key} {where}")
+                    failures += 1
     return failures
+
+
+def same_or_tied_tokens(got, want, hidden, embedding, tol) -> bool:
+    got, want = got.long(), want.long()
+    if not ((got >= 0) & (got < embedding.shape[0])).all():
+        return False
+    logits = hidden.float() @ embedding.float().T
+    got_logit, want_logit = logits.gather(1, got[:, None]), logits.gather(1, want[:, None])
+    return bool(((got == want) | ((got_logit - want_logit).abs() <= tol * (1 + want_logit.abs()))[:, 0]).all())
 
 
 def decoder_layer_ops() -> int:
