@@ -49,6 +49,9 @@ bool decodes_by_claimed_cluster(const HeadShape& shape, bool sampling) {
          int64_t{shape.batch} * shape.probes >= kClaimedMinChoices * int64_t{shape.num_clusters};
 }
 
+// SelectOutputs::claims: the count of listed groups, then each cluster's mask of the rows that chose it.
+size_t claims_words(const HeadShape& shape) { return 1 + size_t(shape.num_clusters); }
+
 // Upper bound of the candidate kernel's blocks per row (the grid is smaller on small GPUs or
 // large batches): sizes the partials from shapes alone.
 int max_candidate_blocks(const HeadShape& shape) { return ceil_div(shape.num_candidates(), kCandSlotsPerBlock); }
@@ -68,7 +71,7 @@ DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bo
   ws.cluster_ids = carver.take<int32_t>(size_t(shape.batch) * shape.probes);
   ws.tickets = carver.take<RowTicket>(shape.batch);
   if (decodes_by_claimed_cluster(shape, sampling)) {
-    ws.claims = carver.take<unsigned long long>(1 + size_t(shape.num_clusters));
+    ws.claims = carver.take<unsigned long long>(claims_words(shape));
     ws.claimed_groups = carver.take<int32_t>(static_cast<size_t>(most_claimed_groups(shape)));
   }
   if (sampling) {
@@ -181,7 +184,7 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
   }
   if (claimed_smem > 0) {
     const cudaError_t err =
-        cudaMemsetAsync(ws.claims, 0, sizeof(unsigned long long) * (1 + size_t(shape.num_clusters)), stream);
+        cudaMemsetAsync(ws.claims, 0, sizeof(unsigned long long) * detail::claims_words(shape), stream);
     if (err != cudaSuccess) return err;
   }
   cudaError_t err = launch_centroid_scores(tensors.hidden, tensors.centroids, tensors.centroid_scale, shape.batch,
