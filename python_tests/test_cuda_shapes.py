@@ -74,17 +74,19 @@ def test_sampling_large(shape, dtype):
     check_decode_sample(tokens, logprobs, problem, T, seed, exact=False)
 
 
-# Greedy batches of 16 to 64 rows that make 2 choices or more a cluster (B p >= 2 C) decode by
-# claimed cluster on sm_90, where the rows can be staged (decode.cu): a cluster is read once for
-# every 4 rows that chose it. The first three shapes take that path (a padded table, extra ids, B
-# at both bounds, 16-bit and float32 rows); B = 65 and B = 15 beside them take the row-by-row
-# kernel. Rows repeat in runs of `repeat`: with 2 nearly every claimed cluster has two rows or more
-# and the kernel's second row of a pair is used; with 20 most clusters have more rows than one group
-# holds. Repeated rows' tokens must match.
+# Greedy batches of 16 to 64 rows that make 2 choices or more a cluster (B p >= 2 C), or 5/4 where
+# the embedding is more than twice the L2, decode by claimed cluster on sm_90, where the rows can be
+# staged (decode.cu): a cluster is read once for every 4 rows that chose it. The first four shapes
+# take that path (a padded table, extra ids, B at both bounds, 16-bit and float32 rows; the fourth
+# at 1.27 choices, its 164 MB embedding more than twice an H100's or H200's L2); B = 65 and B = 15
+# beside them take the row-by-row kernel. Rows repeat in runs of `repeat`: with 2 nearly every
+# claimed cluster has two rows or more and the kernel's second row of a pair is used; with 20 most
+# clusters have more rows than one group holds. Repeated rows' tokens must match.
 CLAIMED = [
     (Shape(B=16, D=576, C=301, b=16, p=57, pad=5, extras=True), torch.bfloat16),
     (Shape(B=64, D=1024, C=997, b=8, p=200), torch.float16),
     (Shape(B=33, D=256, C=129, b=32, p=100, pad=31, extras=True), torch.float32),
+    (Shape(B=16, D=2048, C=2503, b=16, p=199, extras=True), torch.bfloat16),
     (Shape(B=65, D=256, C=129, b=16, p=100), torch.bfloat16),
     (Shape(B=15, D=576, C=301, b=16, p=57, extras=True), torch.bfloat16),
 ]

@@ -309,6 +309,7 @@ __device__ __forceinline__ unsigned arrive(unsigned* counter) {
 
 bool dependent_launch_supported();
 cudaError_t multiprocessor_count(int* count);
+cudaError_t l2_cache_bytes(int* bytes);
 
 // A kernel's dynamic shared memory on the current device, worked out once per (kernel, device)
 // and kept. Its limit is shared by every host thread, so it is only ever raised: a launcher that

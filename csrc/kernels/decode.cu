@@ -31,22 +31,41 @@ struct DecodeWorkspace {
 SelectOrder decode_order(bool sampling) { return sampling ? SelectOrder::kStable : SelectOrder::kAny; }
 
 // Greedy batches of kClaimedMinRows rows or more read each chosen cluster once for every
-// kClaimedGroupRows rows that chose it when the rows make, between them, kClaimedMinChoices choices
-// a cluster or more (B p >= 2 C). On real batches (SmolLM2-135M's recorded states, and the same
-// choices with 2 KB rows spread over Qwen3-0.6B's vocabulary) the claimed kernel was 3-22% faster
-// from there on; below it SmolLM2's own head was 3-32% slower (its row-by-row reads of the shared
-// rows hit L2), though the 2 KB rows still gained from 1.3 choices. Fewer rows do not pay for the
-// claims' memset and atomics (docs/benchmarks.md, sessions 46 and 47).
+// kClaimedGroupRows rows that chose it when the rows make, between them, enough choices a cluster
+// (B p / C). Where the embedding fits twice in L2 that is 2: on real SmolLM2-135M batches (54 MiB
+// of rows, an H200's 60 MiB L2) the claimed kernel was faster from there on at every measured
+// point but one (by up to 22%; 1% slower at that one) and up to 14% slower below, as the
+// row-by-row kernel's reads of shared rows hit L2. Larger embeddings stream
+// from DRAM, and there it gains from 5/4: the same real choices over Qwen3-0.6B's 151,936 rows of
+// 2 KB were 1-13% faster from 1.3 choices and within 2% either way at 1.15 (random rows gained
+// from 0.7). Fewer rows do not pay for the claims' memset and atomics (docs/benchmarks.md,
+// sessions 46-48).
 constexpr int kClaimedMinRows = 16;
-constexpr int kClaimedMinChoices = 2;
-bool decodes_by_claimed_cluster(const HeadShape& shape, bool sampling) {
+struct ChoicesBound {
+  int numerator, denominator;  // choices a cluster
+};
+constexpr ChoicesBound kClaimedMinChoicesInL2{2, 1}, kClaimedMinChoicesStreamed{5, 4};
+bool makes_choices(const HeadShape& shape, ChoicesBound bound) {
+  return bound.denominator * int64_t{shape.batch} * shape.probes >= bound.numerator * int64_t{shape.num_clusters};
+}
+// Where the claimed kernel may run, at the lower bound: the workspace then holds its lists, and
+// launch_decode takes it if the embedding's size against the L2 allows.
+bool may_decode_by_claimed_cluster(const HeadShape& shape, bool sampling) {
   // The kernel counts its items (at most most_claimed_groups * b + B * E) in an int, with room for
   // a grid stride or two past them; a listed group, c * kClaimedGroupsMax + g, is an int too.
   const bool items_fit =
       most_claimed_groups(shape) * shape.cluster_size + int64_t{shape.batch} * shape.num_extra <= INT32_MAX / 2;
   const bool groups_fit = int64_t{shape.num_clusters} * kClaimedGroupsMax <= INT32_MAX;
   return !sampling && shape.batch >= kClaimedMinRows && shape.batch <= kClaimedMaxRows && items_fit && groups_fit &&
-         int64_t{shape.batch} * shape.probes >= kClaimedMinChoices * int64_t{shape.num_clusters};
+         makes_choices(shape, kClaimedMinChoicesStreamed);
+}
+template <typename T>
+bool decodes_by_claimed_cluster(const HeadShape& shape, bool sampling) {
+  if (!may_decode_by_claimed_cluster(shape, sampling)) return false;
+  int l2_bytes = 0;
+  const bool streamed = l2_cache_bytes(&l2_bytes) == cudaSuccess &&
+                        double(shape.vocab) * shape.hidden_dim * sizeof(T) > 2.0 * l2_bytes;
+  return makes_choices(shape, streamed ? kClaimedMinChoicesStreamed : kClaimedMinChoicesInL2);
 }
 
 // SelectOutputs::claims: the count of listed groups, then each cluster's mask of the rows that chose it.
@@ -70,7 +89,7 @@ DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bo
   carve_scores(carver, shape, sampling, decode_order(sampling), ws);
   ws.cluster_ids = carver.take<int32_t>(size_t(shape.batch) * shape.probes);
   ws.tickets = carver.take<RowTicket>(shape.batch);
-  if (decodes_by_claimed_cluster(shape, sampling)) {
+  if (may_decode_by_claimed_cluster(shape, sampling)) {
     ws.claims = carver.take<unsigned long long>(claims_words(shape));
     ws.claimed_groups = carver.take<int32_t>(static_cast<size_t>(most_claimed_groups(shape)));
   }
@@ -177,7 +196,7 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
   detail::WorkspaceCarver carver(workspace);
   const detail::DecodeWorkspace ws = detail::carve_decode(carver, shape, sampling != nullptr);
   size_t claimed_smem = 0;
-  if (detail::decodes_by_claimed_cluster(shape, sampling != nullptr)) {
+  if (detail::decodes_by_claimed_cluster<T>(shape, sampling != nullptr)) {
     const cudaError_t err =
         detail::claimed_decode_smem(tensors.hidden, tensors.embedding, shape.hidden_dim, &claimed_smem);
     if (err != cudaSuccess) return err;

@@ -16,11 +16,16 @@ bool dependent_launch_supported() {
   return major >= 9;
 }
 
-cudaError_t multiprocessor_count(int* count) {
+namespace {
+cudaError_t current_device_attribute(cudaDeviceAttr attribute, int* value) {
   int device = 0;
   const cudaError_t err = cudaGetDevice(&device);
-  return err == cudaSuccess ? cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device) : err;
+  return err == cudaSuccess ? cudaDeviceGetAttribute(value, attribute, device) : err;
 }
+}  // namespace
+
+cudaError_t multiprocessor_count(int* count) { return current_device_attribute(cudaDevAttrMultiProcessorCount, count); }
+cudaError_t l2_cache_bytes(int* bytes) { return current_device_attribute(cudaDevAttrL2CacheSize, bytes); }
 
 namespace {
 
