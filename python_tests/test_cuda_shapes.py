@@ -79,28 +79,43 @@ def test_sampling_large(shape, dtype):
 # staged (decode.cu): a cluster is read once for every 4 rows that chose it. The first four shapes
 # take that path (a padded table, extra ids, B at both bounds, 16-bit and float32 rows; the fourth
 # at 1.27 choices, its 164 MB embedding more than twice an H100's or H200's L2); B = 65 and B = 15
-# beside them take the row-by-row kernel. Rows repeat in runs of `repeat`: with 2 nearly every
-# claimed cluster has two rows or more and the kernel's second row of a pair is used; with 20 most
-# clusters have more rows than one group holds. Repeated rows' tokens must match.
+# beside them take the row-by-row kernel; the test checks which kernel ran. Rows repeat in runs of
+# `repeat`: with 2 nearly every claimed cluster has two rows or more and the kernel's second row of
+# a pair is used; with 20 most clusters have more rows than one group holds. Repeated rows' tokens
+# must match.
 CLAIMED = [
-    (Shape(B=16, D=576, C=301, b=16, p=57, pad=5, extras=True), torch.bfloat16),
-    (Shape(B=64, D=1024, C=997, b=8, p=200), torch.float16),
-    (Shape(B=33, D=256, C=129, b=32, p=100, pad=31, extras=True), torch.float32),
-    (Shape(B=16, D=2048, C=2503, b=16, p=199, extras=True), torch.bfloat16),
-    (Shape(B=65, D=256, C=129, b=16, p=100), torch.bfloat16),
-    (Shape(B=15, D=576, C=301, b=16, p=57, extras=True), torch.bfloat16),
+    (Shape(B=16, D=576, C=301, b=16, p=57, pad=5, extras=True), torch.bfloat16, True),
+    (Shape(B=64, D=1024, C=997, b=8, p=200), torch.float16, True),
+    (Shape(B=33, D=256, C=129, b=32, p=100, pad=31, extras=True), torch.float32, True),
+    (Shape(B=16, D=1024, C=5003, b=16, p=397, extras=True), torch.bfloat16, True),
+    (Shape(B=65, D=256, C=129, b=16, p=100), torch.bfloat16, False),
+    (Shape(B=15, D=576, C=301, b=16, p=57, extras=True), torch.bfloat16, False),
 ]
+claimed_params = pytest.mark.parametrize("shape,dtype,claimed", CLAIMED, ids=[f"{s}-{d}" for s, d, _ in CLAIMED])
+
+
+def kernels_run(call) -> set:
+    """The names of the CUDA kernels that `call` launches."""
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        call()
+        torch.cuda.synchronize()
+    return {event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA}
 
 
 @pytest.mark.parametrize("repeat", [1, 2, 20])
-@pytest.mark.parametrize("shape,dtype", CLAIMED, ids=[f"{s}-{d}" for s, d in CLAIMED])
-def test_decode_by_claimed_cluster(shape, dtype, repeat):
+@claimed_params
+def test_decode_by_claimed_cluster(shape, dtype, claimed, repeat):
     problem = problem_for(shape, dtype)
     first_of_run = torch.arange(shape.B, device=problem.hidden.device) // repeat * repeat
     problem = problem.with_(hidden=problem.hidden[first_of_run].clone())
     tokens = ops.decode_greedy(*problem.args())
     check_decode_greedy(tokens, problem, exact=False)
     assert torch.equal(tokens, tokens[first_of_run])
+    if torch.cuda.get_device_capability()[0] >= 9:
+        names = kernels_run(lambda: ops.decode_greedy(*problem.args()))
+        assert any("decode_candidates_kernel" in n or "decode_claimed_kernel" in n for n in names), names
+        assert any("decode_claimed_kernel" in n for n in names) == claimed, names
     # No host sync, and a graph (its claims' memset a node) gives the eager tokens at every replay.
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -116,7 +131,7 @@ def test_decode_by_claimed_cluster(shape, dtype, repeat):
     assert torch.equal(again, tokens)
 
 
-@pytest.mark.parametrize("shape,dtype", CLAIMED[:2], ids=[f"{s}-{d}" for s, d in CLAIMED[:2]])
+@pytest.mark.parametrize("shape,dtype", [c[:2] for c in CLAIMED[:2]], ids=[f"{s}-{d}" for s, d, _ in CLAIMED[:2]])
 def test_decode_by_claimed_cluster_fp8_centroids(shape, dtype):
     problem, centroids, scale = problem_for(shape, dtype).with_fp8_centroids()
     head = (problem.hidden, centroids, problem.cluster_tokens, problem.embedding, problem.probes, problem.extra_ids)
