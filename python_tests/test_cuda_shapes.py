@@ -79,7 +79,8 @@ def test_sampling_large(shape, dtype):
 # staged (decode.cu): a cluster is read once for every 4 rows that chose it. The first four shapes
 # take that path (a padded table, extra ids, B at both bounds, 16-bit and float32 rows; the fourth
 # at 1.27 choices, its 164 MB embedding more than twice an H100's or H200's L2); B = 65 and B = 15
-# beside them take the row-by-row kernel; the test checks which kernel ran. Rows repeat in runs of
+# beside them take the row-by-row kernel; on sm_90 (the H100 and H200 the bounds were set on, with
+# 50-60 MiB of L2) the test checks which kernel ran. Rows repeat in runs of
 # `repeat`: with 2 nearly every claimed cluster has two rows or more and the kernel's second row of
 # a pair is used; with 20 most clusters have more rows than one group holds. Repeated rows' tokens
 # must match.
@@ -112,10 +113,11 @@ def test_decode_by_claimed_cluster(shape, dtype, claimed, repeat):
     tokens = ops.decode_greedy(*problem.args())
     check_decode_greedy(tokens, problem, exact=False)
     assert torch.equal(tokens, tokens[first_of_run])
-    if torch.cuda.get_device_capability()[0] >= 9:
+    if torch.cuda.get_device_capability() == (9, 0):
         names = kernels_run(lambda: ops.decode_greedy(*problem.args()))
-        assert any("decode_candidates_kernel" in n or "decode_claimed_kernel" in n for n in names), names
-        assert any("decode_claimed_kernel" in n for n in names) == claimed, names
+        if names:  # none where the profiler cannot attach (e.g. the suite under ncu or nsys)
+            assert any("decode_candidates_kernel" in n or "decode_claimed_kernel" in n for n in names), names
+            assert any("decode_claimed_kernel" in n for n in names) == claimed, names
     # No host sync, and a graph (its claims' memset a node) gives the eager tokens at every replay.
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -89,21 +89,30 @@ def head_ops() -> int:
                     print(f"MISMATCH {key} {where}")
                     failures += 1
             # Greedy tokens (batches 17 and 64 take the claimed-cluster decode): another token only
-            # where its logit ties the CPU's within tolerance (another summation order).
+            # where its logit ties the CPU's (another summation order).
             for key in ("greedy", "plain_greedy"):
-                if not same_or_tied_tokens(got[key].cpu(), want[key], cpu["hidden"], cpu["embedding"], tol):
+                if not same_or_tied_tokens(got[key].cpu(), want[key], cpu["hidden"], cpu["embedding"]):
                     print(f"MISMATCH {key} {where}")
                     failures += 1
     return failures
 
 
-def same_or_tied_tokens(got, want, hidden, embedding, tol) -> bool:
+def same_or_tied_tokens(got, want, hidden, embedding) -> bool:
+    """Each row's token equals the CPU's, or both are in range and their float32 logits tie within
+    the summation-order error (1e-4 of the sum of the products' magnitudes)."""
     got, want = got.long(), want.long()
-    if not ((got >= 0) & (got < embedding.shape[0])).all():
+    differ = got != want
+    if not differ.any():
+        return True
+    rows = differ.nonzero()[:, 0]
+    g, w = got[rows], want[rows]
+    vocab = embedding.shape[0]
+    if not (((g >= 0) & (g < vocab)) & ((w >= 0) & (w < vocab))).all():
         return False
-    logits = hidden.float() @ embedding.float().T
-    got_logit, want_logit = logits.gather(1, got[:, None]), logits.gather(1, want[:, None])
-    return bool(((got == want) | ((got_logit - want_logit).abs() <= tol * (1 + want_logit.abs()))[:, 0]).all())
+    h, e = hidden[rows].float(), embedding.float()
+    got_logit, want_logit = (h * e[g]).sum(1), (h * e[w]).sum(1)
+    scale = (h * e[w]).abs().sum(1)
+    return bool(((got_logit - want_logit).abs() <= 1e-4 * scale).all())
 
 
 def decoder_layer_ops() -> int:

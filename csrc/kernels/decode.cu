@@ -32,19 +32,21 @@ SelectOrder decode_order(bool sampling) { return sampling ? SelectOrder::kStable
 
 // Greedy batches of kClaimedMinRows rows or more read each chosen cluster once for every
 // kClaimedGroupRows rows that chose it when the rows make, between them, enough choices a cluster
-// (B p / C). Where the embedding fits twice in L2 that is 2: on real SmolLM2-135M batches (54 MiB
-// of rows, an H200's 60 MiB L2) the claimed kernel was faster from there on at every measured
-// point but one (by up to 22%; 1% slower at that one) and up to 14% slower below, as the
-// row-by-row kernel's reads of shared rows hit L2. Larger embeddings stream
-// from DRAM, and there it gains from 5/4: the same real choices over Qwen3-0.6B's 151,936 rows of
-// 2 KB were 1-13% faster from 1.3 choices and within 2% either way at 1.15 (random rows gained
-// from 0.7). Fewer rows do not pay for the claims' memset and atomics (docs/benchmarks.md,
-// sessions 46-48).
+// (B p / C). Where the embedding is at most twice the L2 that is 2: on real SmolLM2-135M batches
+// (54 MiB of rows, an H200's 60 MiB L2) the claimed kernel was faster from there on at every
+// measured point but one (by up to 22%; 1% slower at that one) and up to 14% slower below, as the
+// row-by-row kernel's reads of shared rows hit L2. Larger embeddings stream from DRAM, and there
+// it gains from 5/4: the same real choices over Qwen3-0.6B's 151,936 rows of 2 KB were 1-13%
+// faster from 1.3 choices and within 2% either way at 1.15 (random rows gained from 0.7). Fewer
+// rows do not pay for the claims' memset and atomics (docs/benchmarks.md, sessions 46-48).
 constexpr int kClaimedMinRows = 16;
 struct ChoicesBound {
   int numerator, denominator;  // choices a cluster
 };
 constexpr ChoicesBound kClaimedMinChoicesInL2{2, 1}, kClaimedMinChoicesStreamed{5, 4};
+// The workspace sets the lists aside from the streamed bound, so it must be the lower one.
+static_assert(kClaimedMinChoicesStreamed.numerator * kClaimedMinChoicesInL2.denominator <=
+              kClaimedMinChoicesInL2.numerator * kClaimedMinChoicesStreamed.denominator);
 bool makes_choices(const HeadShape& shape, ChoicesBound bound) {
   return bound.denominator * int64_t{shape.batch} * shape.probes >= bound.numerator * int64_t{shape.num_clusters};
 }
