@@ -80,10 +80,9 @@ def test_sampling_large(shape, dtype):
 # take that path (a padded table, extra ids, B at both bounds, 16-bit and float32 rows; the fourth
 # at 1.27 choices, its 164 MB embedding more than twice an H100's or H200's L2); B = 65 and B = 15
 # beside them take the row-by-row kernel; on sm_90 (the H100 and H200 the bounds were set on, with
-# 50-60 MiB of L2) the test checks which kernel ran. Rows repeat in runs of
-# `repeat`: with 2 nearly every claimed cluster has two rows or more and the kernel's second row of
-# a pair is used; with 20 most clusters have more rows than one group holds. Repeated rows' tokens
-# must match.
+# 50-60 MiB of L2) the test checks which kernel ran. Rows repeat in runs of `repeat`: with 2 nearly
+# every claimed cluster has two rows or more and the kernel's second row of a pair is used; with 20
+# most clusters have more rows than one group holds. Repeated rows' tokens must match.
 CLAIMED = [
     (Shape(B=16, D=576, C=301, b=16, p=57, pad=5, extras=True), torch.bfloat16, True),
     (Shape(B=64, D=1024, C=997, b=8, p=200), torch.float16, True),
