@@ -35,9 +35,11 @@ constexpr int kStagedHiddenChunks = 8;
 // The dynamic shared memory of a kernel whose warps stage rows by bulk copies (StagedRowBuffers),
 // or 0 where they cannot: the kernel compiled for sm_90 (its PTX version: a JIT from older PTX has
 // no bulk copies), rows of whole 16-byte vectors (`vec`), and every warp's buffers fitting with
-// kCandBlocksPerSm blocks on an SM (fewer blocks made Llama-3's head slower at batch 1).
+// kCandBlocksPerSm blocks on an SM (fewer blocks made Llama-3's head slower at batch 1); and, where
+// asked, how many blocks with those buffers an SM holds.
 template <typename Kernel>
-cudaError_t staged_buffers_smem(Kernel kernel, bool vec, int hidden_dim, size_t element, size_t* staged_smem) {
+cudaError_t staged_buffers_smem(Kernel kernel, bool vec, int hidden_dim, size_t element, size_t* staged_smem,
+                                int* blocks_per_sm = nullptr) {
   *staged_smem = 0;
   if (!vec) return cudaSuccess;
   KernelSmem limits{};
@@ -47,6 +49,7 @@ cudaError_t staged_buffers_smem(Kernel kernel, bool vec, int hidden_dim, size_t 
   int per_sm = 0;
   if (cudaError_t err = resident_blocks(kernel, kCandThreads, smem, &per_sm); err != cudaSuccess) return err;
   if (per_sm >= kCandBlocksPerSm) *staged_smem = smem;
+  if (blocks_per_sm) *blocks_per_sm = per_sm;
   return cudaSuccess;
 }
 

@@ -32,42 +32,50 @@ SelectOrder decode_order(bool sampling) { return sampling ? SelectOrder::kStable
 
 // Greedy batches of kClaimedMinRows rows or more read each chosen cluster once for every
 // kClaimedGroupRows rows that chose it when the rows make, between them, enough choices a cluster
-// (B p / C). Where the embedding is at most twice the L2 that is 2: on real SmolLM2-135M batches
-// (54 MiB of rows, an H200's 60 MiB L2) the claimed kernel was faster from there on at every
-// measured point but one (by up to 22%; 1% slower at that one) and up to 14% slower below, as the
-// row-by-row kernel's reads of shared rows hit L2. Larger embeddings stream from DRAM, and there
-// it gains from 5/4: the same real choices over Qwen3-0.6B's 151,936 rows of 2 KB were 1-13%
-// faster from 1.3 choices and within 2% either way at 1.15 (random rows gained from 0.7). Fewer
-// rows do not pay for the claims' memset and atomics (docs/benchmarks.md, sessions 46-48).
+// (B p / C). Where the embedding is at most twice the L2 that is 2 with two claimed blocks an SM:
+// on real SmolLM2-135M batches (54 MiB of rows, an H200's 60 MiB L2) the claimed kernel was faster
+// from there on at every measured point but one (by up to 22%; 1% slower at that one) and up to
+// 14% slower below, as the row-by-row kernel's reads of shared rows hit L2. With three (bfloat16
+// rows up to about 1,180 values) it is 7/4: 2.4-6.2% faster there at batches 16, 32 and 64, from
+// 3.8% faster to 1.3% slower at 1.5. Larger embeddings stream from DRAM, and there it gains from
+// 5/4: the same real choices over Qwen3-0.6B's 151,936 rows of 2 KB were 1-13% faster from 1.3
+// choices and within 2% either way at 1.15 (random rows gained from 0.7). Fewer rows do not pay
+// for the claims' memset and atomics (docs/benchmarks.md, sessions 46-49).
 constexpr int kClaimedMinRows = 16;
 struct ChoicesBound {
   int numerator, denominator;  // choices a cluster
 };
-constexpr ChoicesBound kClaimedMinChoicesInL2{2, 1}, kClaimedMinChoicesStreamed{5, 4};
-// The workspace sets the lists aside from the streamed bound, so it must be the lower one.
-static_assert(kClaimedMinChoicesStreamed.numerator * kClaimedMinChoicesInL2.denominator <=
-              kClaimedMinChoicesInL2.numerator * kClaimedMinChoicesStreamed.denominator);
+constexpr ChoicesBound kClaimedMinChoicesStreamed{5, 4};
+constexpr ChoicesBound claimed_min_choices_in_l2(int blocks_per_sm) {
+  return blocks_per_sm >= 3 ? ChoicesBound{7, 4} : ChoicesBound{2, 1};
+}
+constexpr bool at_most(ChoicesBound lower, ChoicesBound upper) {
+  return lower.numerator * upper.denominator <= upper.numerator * lower.denominator;
+}
+// The workspace sets the lists aside from the streamed bound, so it must be the lowest.
+static_assert(at_most(kClaimedMinChoicesStreamed, claimed_min_choices_in_l2(2)) &&
+              at_most(kClaimedMinChoicesStreamed, claimed_min_choices_in_l2(3)));
 bool makes_choices(const HeadShape& shape, ChoicesBound bound) {
   return bound.denominator * int64_t{shape.batch} * shape.probes >= bound.numerator * int64_t{shape.num_clusters};
 }
 // Where the claimed kernel may run, at the lower bound: the workspace then holds its lists, and
-// launch_decode takes it if the embedding's size against the L2 allows.
+// launch_decode takes it if its plan and the embedding's size against the L2 allow.
 bool may_decode_by_claimed_cluster(const HeadShape& shape, bool sampling) {
-  // The kernel counts its items (at most most_claimed_groups * b + B * E) in an int, with room for
-  // a grid stride or two past them; a listed group, c * kClaimedGroupsMax + g, is an int too.
-  const bool items_fit =
-      most_claimed_groups(shape) * shape.cluster_size + int64_t{shape.batch} * shape.num_extra <= INT32_MAX / 2;
+  // The kernel counts its items in an int, with room for a grid stride or two past them; a listed
+  // group, c * kClaimedGroupsMax + g, is an int too.
+  const bool items_fit = most_claimed_items(shape) <= INT32_MAX / 2;
   const bool groups_fit = int64_t{shape.num_clusters} * kClaimedGroupsMax <= INT32_MAX;
   return !sampling && shape.batch >= kClaimedMinRows && shape.batch <= kClaimedMaxRows && items_fit && groups_fit &&
          makes_choices(shape, kClaimedMinChoicesStreamed);
 }
+// For a shape may_decode_by_claimed_cluster allows, with the kernel's plan.
 template <typename T>
-bool decodes_by_claimed_cluster(const HeadShape& shape, bool sampling) {
-  if (!may_decode_by_claimed_cluster(shape, sampling)) return false;
+bool decodes_by_claimed_cluster(const HeadShape& shape, const ClaimedPlan& plan) {
+  if (plan.smem == 0) return false;
   int l2_bytes = 0;
   const bool streamed = l2_cache_bytes(&l2_bytes) == cudaSuccess &&
                         double(shape.vocab) * shape.hidden_dim * sizeof(T) > 2.0 * l2_bytes;
-  return makes_choices(shape, streamed ? kClaimedMinChoicesStreamed : kClaimedMinChoicesInL2);
+  return makes_choices(shape, streamed ? kClaimedMinChoicesStreamed : claimed_min_choices_in_l2(plan.blocks_per_sm));
 }
 
 // SelectOutputs::claims: the count of listed groups, then each cluster's mask of the rows that chose it.
@@ -197,13 +205,14 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
   if (shape.batch == 0) return cudaSuccess;
   detail::WorkspaceCarver carver(workspace);
   const detail::DecodeWorkspace ws = detail::carve_decode(carver, shape, sampling != nullptr);
-  size_t claimed_smem = 0;
-  if (detail::decodes_by_claimed_cluster<T>(shape, sampling != nullptr)) {
-    const cudaError_t err =
-        detail::claimed_decode_smem(tensors.hidden, tensors.embedding, shape.hidden_dim, &claimed_smem);
+  detail::ClaimedPlan claimed{};
+  if (detail::may_decode_by_claimed_cluster(shape, sampling != nullptr)) {
+    const cudaError_t err = detail::plan_claimed_decode(tensors.hidden, tensors.embedding, shape.hidden_dim, &claimed);
     if (err != cudaSuccess) return err;
+    if (!detail::decodes_by_claimed_cluster<T>(shape, claimed)) claimed = {};
   }
-  if (claimed_smem > 0) {
+  const bool by_claimed_cluster = claimed.smem > 0;
+  if (by_claimed_cluster) {
     const cudaError_t err =
         cudaMemsetAsync(ws.claims, 0, sizeof(unsigned long long) * detail::claims_words(shape), stream);
     if (err != cudaSuccess) return err;
@@ -214,7 +223,7 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
   SelectOutputs out;
   out.cluster_ids = ws.cluster_ids;
   out.row_tickets = ws.tickets;
-  if (claimed_smem > 0) {
+  if (by_claimed_cluster) {
     out.claims = ws.claims;
     out.claimed_groups = ws.claimed_groups;
   }
@@ -222,9 +231,9 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
   err = launch_select(sampling ? ws.keys : ws.scores, shape, detail::decode_order(sampling != nullptr), out, ws.select,
                       stream, options);
   if (err != cudaSuccess) return err;
-  if (claimed_smem > 0)
+  if (by_claimed_cluster)
     return detail::launch_decode_claimed(tensors.hidden, tensors.embedding, tensors.cluster_tokens, tensors.extra_ids,
-                                         shape, ws.claims, ws.claimed_groups, ws.tickets, claimed_smem, tokens,
+                                         shape, ws.claims, ws.claimed_groups, ws.tickets, claimed, tokens,
                                          token_stride, stream, options.dependent_launch);
   return sampling ? detail::launch_decode_candidates<T, TC, true>(tensors, shape, sampling, ws, tokens, token_stride,
                                                                   token_logprobs, stream, options.dependent_launch)

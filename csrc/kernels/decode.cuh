@@ -210,14 +210,25 @@ inline int64_t most_claimed_groups(const HeadShape& shape) {
   const int64_t choices = int64_t{shape.batch} * shape.probes;
   return std::min(choices, std::min<int64_t>(shape.num_clusters, choices) + choices / kClaimedGroupRows);
 }
-// The kernel's staged rows' shared memory, or 0 where they cannot be staged (it does not run there).
+// The kernel's items for those groups: kCandRowsPerWarp of a group's tokens each, then one for each
+// row's extra token.
+inline int64_t most_claimed_items(const HeadShape& shape) {
+  return most_claimed_groups(shape) * ceil_div(shape.cluster_size, kCandRowsPerWarp) +
+         int64_t{shape.batch} * shape.num_extra;
+}
+// The kernel's staged rows' shared memory (0 where they cannot be staged: it does not run there)
+// and the blocks an SM it runs with.
+struct ClaimedPlan {
+  size_t smem = 0;
+  int blocks_per_sm = 0;
+};
 template <typename T>
-cudaError_t claimed_decode_smem(const T* hidden, const T* embedding, int hidden_dim, size_t* smem);
+cudaError_t plan_claimed_decode(const T* hidden, const T* embedding, int hidden_dim, ClaimedPlan* plan);
 template <typename T>
 cudaError_t launch_decode_claimed(const T* hidden, const T* embedding, const int32_t* cluster_tokens,
                                   const int32_t* extra_ids, const HeadShape& shape, const unsigned long long* claims,
-                                  const int32_t* claimed_groups, RowTicket* tickets, size_t smem, int64_t* tokens,
-                                  int64_t token_stride, cudaStream_t stream, bool dependent);
+                                  const int32_t* claimed_groups, RowTicket* tickets, const ClaimedPlan& plan,
+                                  int64_t* tokens, int64_t token_stride, cudaStream_t stream, bool dependent);
 
 }  // namespace detail
 }  // namespace flashhead

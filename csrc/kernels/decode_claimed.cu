@@ -179,22 +179,25 @@ __global__ void __launch_bounds__(kCandThreads, kClaimedBlocksPerSm<T>) decode_c
 }  // namespace
 
 template <typename T>
-cudaError_t claimed_decode_smem(const T* hidden, const T* embedding, int hidden_dim, size_t* smem) {
+cudaError_t plan_claimed_decode(const T* hidden, const T* embedding, int hidden_dim, ClaimedPlan* plan) {
+  *plan = {};
   const bool vec = rows_vectorizable<T>(hidden, hidden_dim) && rows_vectorizable<T>(embedding, hidden_dim);
-  return staged_buffers_smem(decode_claimed_kernel<T>, vec, hidden_dim, sizeof(T), smem);
+  int per_sm = 0;
+  const cudaError_t err =
+      staged_buffers_smem(decode_claimed_kernel<T>, vec, hidden_dim, sizeof(T), &plan->smem, &per_sm);
+  plan->blocks_per_sm = std::min(per_sm, kClaimedBlocksPerSm<T>);
+  return err;
 }
 
 template <typename T>
 cudaError_t launch_decode_claimed(const T* hidden, const T* embedding, const int32_t* cluster_tokens,
                                   const int32_t* extra_ids, const HeadShape& shape, const unsigned long long* claims,
-                                  const int32_t* claimed_groups, RowTicket* tickets, size_t smem, int64_t* tokens,
-                                  int64_t token_stride, cudaStream_t stream, bool dependent) {
-  int sms = 0, per_sm = 0;
+                                  const int32_t* claimed_groups, RowTicket* tickets, const ClaimedPlan& plan,
+                                  int64_t* tokens, int64_t token_stride, cudaStream_t stream, bool dependent) {
+  int sms = 0;
   if (cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
-  if (cudaError_t err = resident_blocks(decode_claimed_kernel<T>, kCandThreads, smem, &per_sm); err != cudaSuccess)
-    return err;
   ClaimedArgs<T> args{};
-  // Rows of whole 16-byte vectors (vec): claimed_decode_smem gave no shared memory otherwise.
+  // Rows of whole 16-byte vectors (vec): plan_claimed_decode gave no shared memory otherwise.
   args.rows = {hidden, embedding, shape.vocab, shape.hidden_dim, true, shape.num_candidates(), false};
   args.cluster_tokens = cluster_tokens;
   args.claims = claims;
@@ -207,19 +210,18 @@ cudaError_t launch_decode_claimed(const T* hidden, const T* embedding, const int
   args.tokens = tokens;
   args.token_stride = token_stride;
   // Items for the most groups the rows' claims can list, whatever they list this time.
-  const int64_t most_items = most_claimed_groups(shape) * ceil_div(shape.cluster_size, kCandRowsPerWarp) +
-                             int64_t{shape.batch} * shape.num_extra;
-  const int64_t wanted = ceil_div<int64_t>(most_items, kCandThreads / kWarpSize);
-  const int resident = sms * std::min(per_sm, kClaimedBlocksPerSm<T>);
+  const int64_t wanted = ceil_div<int64_t>(most_claimed_items(shape), kCandThreads / kWarpSize);
+  const int64_t resident = int64_t{sms} * plan.blocks_per_sm;
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(resident, wanted)));
-  return launch_kernel(decode_claimed_kernel<T>, dim3(blocks), dim3(kCandThreads), smem, stream, dependent, args);
+  return launch_kernel(decode_claimed_kernel<T>, dim3(blocks), dim3(kCandThreads), plan.smem, stream, dependent, args);
 }
 
 #define FLASHHEAD_INSTANTIATE(T)                                                                                  \
-  template cudaError_t claimed_decode_smem<T>(const T*, const T*, int, size_t*);                                  \
+  template cudaError_t plan_claimed_decode<T>(const T*, const T*, int, ClaimedPlan*);                             \
   template cudaError_t launch_decode_claimed<T>(const T*, const T*, const int32_t*, const int32_t*,              \
                                                 const HeadShape&, const unsigned long long*, const int32_t*,     \
-                                                RowTicket*, size_t, int64_t*, int64_t, cudaStream_t, bool);
+                                                RowTicket*, const ClaimedPlan&, int64_t*, int64_t, cudaStream_t,   \
+                                                bool);
 FLASHHEAD_INSTANTIATE(float)
 FLASHHEAD_INSTANTIATE(__half)
 FLASHHEAD_INSTANTIATE(__nv_bfloat16)
