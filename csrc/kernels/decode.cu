@@ -38,22 +38,25 @@ SelectOrder decode_order(bool sampling) { return sampling ? SelectOrder::kStable
 // 14% slower below, as the row-by-row kernel's reads of shared rows hit L2. With three (bfloat16
 // rows up to about 1,180 values) it is 7/4: 2.4-6.2% faster there at batches 16, 32 and 64, from
 // 3.8% faster to 1.3% slower at 1.5. Larger embeddings stream from DRAM, and there it gains from
-// 5/4: the same real choices over Qwen3-0.6B's 151,936 rows of 2 KB were 1-13% faster from 1.3
-// choices and within 2% either way at 1.15 (random rows gained from 0.7). Fewer rows do not pay
-// for the claims' memset and atomics (docs/benchmarks.md, sessions 46-49).
+// 5/4 for rows of up to 2 KB: the same real choices over Qwen3-0.6B's 151,936 rows of 2 KB were
+// 1-13% faster from 1.3 choices and within 2% either way at 1.15 (random rows gained from 0.7).
+// Wider rows take 2: with 2.5 and 3 KB rows (two blocks an SM) batch 64 was 1.4-7.3% slower from
+// 1.3 to 1.75 choices (0.2-3.4% at 2), batch 16 0.2-7.3% faster from 1.5. Fewer rows do not pay for the claims' memset and atomics
+// (docs/benchmarks.md, sessions 46-49).
 constexpr int kClaimedMinRows = 16;
 struct ChoicesBound {
   int numerator, denominator;  // choices a cluster
 };
-constexpr ChoicesBound kClaimedMinChoicesStreamed{5, 4};
+constexpr ChoicesBound kClaimedMinChoicesStreamed{5, 4}, kClaimedMinChoices{2, 1};
+constexpr size_t kClaimedStreamedRowBytes = 2048;  // widest rows measured to gain from 5/4
 constexpr ChoicesBound claimed_min_choices_in_l2(int blocks_per_sm) {
-  return blocks_per_sm >= 3 ? ChoicesBound{7, 4} : ChoicesBound{2, 1};
+  return blocks_per_sm >= 3 ? ChoicesBound{7, 4} : kClaimedMinChoices;
 }
 constexpr bool at_most(ChoicesBound lower, ChoicesBound upper) {
   return lower.numerator * upper.denominator <= upper.numerator * lower.denominator;
 }
 // The workspace sets the lists aside from the streamed bound, so it must be the lowest.
-static_assert(at_most(kClaimedMinChoicesStreamed, claimed_min_choices_in_l2(2)) &&
+static_assert(at_most(kClaimedMinChoicesStreamed, kClaimedMinChoices) &&
               at_most(kClaimedMinChoicesStreamed, claimed_min_choices_in_l2(3)));
 bool makes_choices(const HeadShape& shape, ChoicesBound bound) {
   return bound.denominator * int64_t{shape.batch} * shape.probes >= bound.numerator * int64_t{shape.num_clusters};
@@ -73,9 +76,10 @@ template <typename T>
 bool decodes_by_claimed_cluster(const HeadShape& shape, const ClaimedPlan& plan) {
   if (plan.smem == 0) return false;
   int l2_bytes = 0;
-  const bool streamed = l2_cache_bytes(&l2_bytes) == cudaSuccess &&
-                        double(shape.vocab) * shape.hidden_dim * sizeof(T) > 2.0 * l2_bytes;
-  return makes_choices(shape, streamed ? kClaimedMinChoicesStreamed : claimed_min_choices_in_l2(plan.blocks_per_sm));
+  const size_t row_bytes = size_t(shape.hidden_dim) * sizeof(T);
+  const bool streamed = l2_cache_bytes(&l2_bytes) == cudaSuccess && double(shape.vocab) * row_bytes > 2.0 * l2_bytes;
+  if (!streamed) return makes_choices(shape, claimed_min_choices_in_l2(plan.blocks_per_sm));
+  return makes_choices(shape, row_bytes <= kClaimedStreamedRowBytes ? kClaimedMinChoicesStreamed : kClaimedMinChoices);
 }
 
 // SelectOutputs::claims: the count of listed groups, then each cluster's mask of the rows that chose it.
