@@ -79,10 +79,10 @@ def test_sampling_large(shape, dtype):
 # up to 2 KB is more than twice the L2, decode by claimed cluster on sm_90, where the rows can be
 # staged (decode.cu): a cluster is read once for every 4 rows that chose it. The first four shapes
 # take that path (a padded table, extra ids, B at both bounds, 16-bit and float32 rows; the fourth
-# at 1.27 choices, its 164 MB embedding more than twice an H100's or H200's L2); at 1.84 choices
-# over an 18 MB embedding bf16 rows take it and fp16 ones (two blocks an SM) do not; 3 KB rows over
-# a 148 MB embedding need 2 choices (2.01 take it, 1.60 do not); B = 65 and B = 15 take the
-# row-by-row kernel; on sm_90 (the H100 and H200 the bounds were set on, with 50-60 MiB of L2) the
+# at 1.27 choices, its 164 MB embedding more than twice an H100's or H200's L2); over an 18 MB
+# embedding bf16 rows take it at 1.84 choices and not at 1.60, fp16 ones (two blocks an SM) not at
+# 1.84; 3 KB rows over a 148 MB embedding need 2 choices (2.01 take it, 1.60 do not); B = 65 and
+# B = 15 take the row-by-row kernel; on sm_90 (the H100 and H200 the bounds were set on, with 50-60 MiB of L2) the
 # test checks which kernel ran. Rows repeat in runs of `repeat`: with 2 nearly every claimed
 # cluster has two rows or more and the kernel's second row of a pair is used; with 20 most
 # clusters have more rows than one group holds. Repeated rows' tokens must match.
@@ -93,6 +93,7 @@ CLAIMED = [
     (Shape(B=16, D=1024, C=5003, b=16, p=397, extras=True), torch.bfloat16, True),
     (Shape(B=16, D=576, C=1001, b=16, p=115), torch.bfloat16, True),
     (Shape(B=16, D=576, C=1001, b=16, p=115), torch.float16, False),
+    (Shape(B=16, D=576, C=1001, b=16, p=100), torch.bfloat16, False),
     (Shape(B=16, D=1536, C=3001, b=16, p=376), torch.bfloat16, True),
     (Shape(B=16, D=1536, C=3001, b=16, p=300), torch.bfloat16, False),
     (Shape(B=65, D=256, C=129, b=16, p=100), torch.bfloat16, False),

@@ -41,6 +41,7 @@ template <typename Kernel>
 cudaError_t staged_buffers_smem(Kernel kernel, bool vec, int hidden_dim, size_t element, size_t* staged_smem,
                                 int* blocks_per_sm = nullptr) {
   *staged_smem = 0;
+  if (blocks_per_sm) *blocks_per_sm = 0;
   if (!vec) return cudaSuccess;
   KernelSmem limits{};
   if (cudaError_t err = kernel_smem(kernel, &limits); err != cudaSuccess) return err;

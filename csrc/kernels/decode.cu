@@ -32,36 +32,38 @@ SelectOrder decode_order(bool sampling) { return sampling ? SelectOrder::kStable
 
 // Greedy batches of kClaimedMinRows rows or more read each chosen cluster once for every
 // kClaimedGroupRows rows that chose it when the rows make, between them, enough choices a cluster
-// (B p / C). Where the embedding is at most twice the L2 that is 2 with two claimed blocks an SM:
-// on real SmolLM2-135M batches (54 MiB of rows, an H200's 60 MiB L2) the claimed kernel was faster
-// from there on at every measured point but one (by up to 22%; 1% slower at that one) and up to
-// 14% slower below, as the row-by-row kernel's reads of shared rows hit L2. With three (bfloat16
-// rows up to about 1,180 values) it is 7/4: 2.4-6.2% faster there at batches 16, 32 and 64, from
-// 3.8% faster to 1.3% slower at 1.5. Larger embeddings stream from DRAM, and there it gains from
-// 5/4 for rows of up to 2 KB: the same real choices over Qwen3-0.6B's 151,936 rows of 2 KB were
-// 1-13% faster from 1.3 choices and within 2% either way at 1.15 (random rows gained from 0.7).
-// Wider rows take 2: with 2.5 and 3 KB rows (two blocks an SM) batch 64 was 1.4-7.3% slower from
-// 1.3 to 1.75 choices (0.2-3.4% at 2), batch 16 0.2-7.3% faster from 1.5. Fewer rows do not pay for the claims' memset and atomics
-// (docs/benchmarks.md, sessions 46-49).
+// (B p / C). That is 2 with two claimed blocks an SM: on real SmolLM2-135M batches (54 MiB of
+// rows, an H200's 60 MiB L2) the claimed kernel was faster from there on at every measured point
+// but one (by up to 22%; 1% slower at that one) and up to 14% slower below, as the row-by-row
+// kernel's reads of shared rows hit L2. With three (bfloat16 rows up to about 1,180 values) it is
+// 7/4: 2.4-6.2% faster there at batches 16, 32 and 64, from 3.8% faster to 1.3% slower at 1.5.
+// Embeddings of more than twice the L2 with rows of up to 2 KB stream from DRAM, and there it
+// gains from 5/4: the same real choices over Qwen3-0.6B's 151,936 rows of 2 KB were 1-13% faster
+// from 1.3 choices and within 2% either way at 1.15 (random rows gained from 0.7). Wider streamed
+// rows gain less: with 2.5 and 3 KB rows (two blocks an SM) batch 64 was 1.4-7.3% slower from 1.3
+// to 1.75 choices (0.2-3.4% at 2), batch 16 0.2-7.3% faster from 1.5, so they keep the bound of
+// their blocks. Fewer rows do not pay for the claims' memset and atomics (docs/benchmarks.md,
+// sessions 46-49).
 constexpr int kClaimedMinRows = 16;
 struct ChoicesBound {
   int numerator, denominator;  // choices a cluster
 };
-constexpr ChoicesBound kClaimedMinChoicesStreamed{5, 4}, kClaimedMinChoices{2, 1};
-constexpr size_t kClaimedStreamedRowBytes = 2048;  // widest rows measured to gain from 5/4
-constexpr ChoicesBound claimed_min_choices_in_l2(int blocks_per_sm) {
-  return blocks_per_sm >= 3 ? ChoicesBound{7, 4} : kClaimedMinChoices;
+constexpr ChoicesBound kClaimedMinChoicesStreamed{5, 4}, kClaimedMinChoicesTwoBlocks{2, 1},
+    kClaimedMinChoicesThreeBlocks{7, 4};
+constexpr size_t kClaimedStreamedRowBytes = 2048;  // the widest rows measured to gain from 5/4
+constexpr ChoicesBound claimed_min_choices(int blocks_per_sm) {
+  return blocks_per_sm >= 3 ? kClaimedMinChoicesThreeBlocks : kClaimedMinChoicesTwoBlocks;
 }
 constexpr bool at_most(ChoicesBound lower, ChoicesBound upper) {
   return lower.numerator * upper.denominator <= upper.numerator * lower.denominator;
 }
-// The workspace sets the lists aside from the streamed bound, so it must be the lowest.
-static_assert(at_most(kClaimedMinChoicesStreamed, kClaimedMinChoices) &&
-              at_most(kClaimedMinChoicesStreamed, claimed_min_choices_in_l2(3)));
+// The workspace sets the lists aside from kClaimedMinChoicesStreamed, so it must be the lowest.
+static_assert(at_most(kClaimedMinChoicesStreamed, kClaimedMinChoicesTwoBlocks) &&
+              at_most(kClaimedMinChoicesStreamed, kClaimedMinChoicesThreeBlocks));
 bool makes_choices(const HeadShape& shape, ChoicesBound bound) {
   return bound.denominator * int64_t{shape.batch} * shape.probes >= bound.numerator * int64_t{shape.num_clusters};
 }
-// Where the claimed kernel may run, at the lower bound: the workspace then holds its lists, and
+// Where the claimed kernel may run, at the lowest bound: the workspace then holds its lists, and
 // launch_decode takes it if its plan and the embedding's size against the L2 allow.
 bool may_decode_by_claimed_cluster(const HeadShape& shape, bool sampling) {
   // The kernel counts its items in an int, with room for a grid stride or two past them; a listed
@@ -78,8 +80,9 @@ bool decodes_by_claimed_cluster(const HeadShape& shape, const ClaimedPlan& plan)
   int l2_bytes = 0;
   const size_t row_bytes = size_t(shape.hidden_dim) * sizeof(T);
   const bool streamed = l2_cache_bytes(&l2_bytes) == cudaSuccess && double(shape.vocab) * row_bytes > 2.0 * l2_bytes;
-  if (!streamed) return makes_choices(shape, claimed_min_choices_in_l2(plan.blocks_per_sm));
-  return makes_choices(shape, row_bytes <= kClaimedStreamedRowBytes ? kClaimedMinChoicesStreamed : kClaimedMinChoices);
+  const bool gains_from_streaming = streamed && row_bytes <= kClaimedStreamedRowBytes;
+  return makes_choices(shape,
+                       gains_from_streaming ? kClaimedMinChoicesStreamed : claimed_min_choices(plan.blocks_per_sm));
 }
 
 // SelectOutputs::claims: the count of listed groups, then each cluster's mask of the rows that chose it.
