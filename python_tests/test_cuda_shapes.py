@@ -82,10 +82,10 @@ def test_sampling_large(shape, dtype):
 # at 1.27 choices, its 164 MB embedding more than twice an H100's or H200's L2); over an 18 MB
 # embedding bf16 rows take it at 1.84 choices and not at 1.60, fp16 ones (two blocks an SM) not at
 # 1.84; 3 KB rows over a 148 MB embedding need 2 choices (2.01 take it, 1.60 do not); B = 65 and
-# B = 15 take the row-by-row kernel; on sm_90 (the H100 and H200 the bounds were set on, with 50-60 MiB of L2) the
-# test checks which kernel ran. Rows repeat in runs of `repeat`: with 2 nearly every claimed
-# cluster has two rows or more and the kernel's second row of a pair is used; with 20 most
-# clusters have more rows than one group holds. Repeated rows' tokens must match.
+# B = 15 take the row-by-row kernel. On sm_90 (the H100 and H200 the bounds were set on, with
+# 50-60 MiB of L2) the test checks which kernel ran. Rows repeat in runs of `repeat`: with 2 nearly
+# every claimed cluster has two rows or more and the kernel's second row of a pair is used; with 20
+# most clusters have more rows than one group holds. Repeated rows' tokens must match.
 CLAIMED = [
     (Shape(B=16, D=576, C=301, b=16, p=57, pad=5, extras=True), torch.bfloat16, True),
     (Shape(B=64, D=1024, C=997, b=8, p=200), torch.float16, True),
