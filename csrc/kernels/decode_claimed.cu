@@ -83,12 +83,14 @@ __device__ __forceinline__ ClaimedItem claimed_item(const ClaimedArgs<T>& a, int
 
 // bfloat16 rows: three blocks an SM where their buffers fit (rows up to about 1,180 values), 1-7%
 // faster than two at every point of session 48's sweep (real and random batches of 16-64 rows). At
-// the 80 registers that three allow, the half and float instances spill, so they keep two.
+// the 80 registers that three allow, the half and float instances spill, so they keep two. Wider
+// bfloat16 rows fit two blocks only and run an instance compiled for two: the three-block one's 80
+// registers cost them 1.1-3.0% (docs/benchmarks.md, session 49).
 template <typename T>
-constexpr int kClaimedBlocksPerSm = std::is_same_v<T, __nv_bfloat16> ? 3 : kCandBlocksPerSm;
+constexpr int kClaimedMostBlocksPerSm = std::is_same_v<T, __nv_bfloat16> ? 3 : kCandBlocksPerSm;
 
-template <typename T>
-__global__ void __launch_bounds__(kCandThreads, kClaimedBlocksPerSm<T>) decode_claimed_kernel(ClaimedArgs<T> a) {
+template <typename T, int kBlocksPerSm>
+__global__ void __launch_bounds__(kCandThreads, kBlocksPerSm) decode_claimed_kernel(ClaimedArgs<T> a) {
 #ifdef FLASHHEAD_BULK_COPIES
   constexpr int R = kCandRowsPerWarp, W = kVecWidth<T>, kWarps = kCandThreads / kWarpSize;
   __shared__ unsigned long long row_best[kClaimedMaxRows];
@@ -178,15 +180,27 @@ __global__ void __launch_bounds__(kCandThreads, kClaimedBlocksPerSm<T>) decode_c
 
 }  // namespace
 
+// The instance for `blocks_per_sm` blocks an SM: the one compiled for the most where they fit.
+template <typename T>
+auto claimed_kernel(int blocks_per_sm) {
+  return blocks_per_sm >= kClaimedMostBlocksPerSm<T> ? decode_claimed_kernel<T, kClaimedMostBlocksPerSm<T>>
+                                                     : decode_claimed_kernel<T, kCandBlocksPerSm>;
+}
+
 template <typename T>
 cudaError_t plan_claimed_decode(const T* hidden, const T* embedding, int hidden_dim, ClaimedPlan* plan) {
   *plan = {};
   const bool vec = rows_vectorizable<T>(hidden, hidden_dim) && rows_vectorizable<T>(embedding, hidden_dim);
-  int per_sm = 0;
-  const cudaError_t err =
-      staged_buffers_smem(decode_claimed_kernel<T>, vec, hidden_dim, sizeof(T), &plan->smem, &per_sm);
-  plan->blocks_per_sm = std::min(per_sm, kClaimedBlocksPerSm<T>);
-  return err;
+  // The most blocks first; where fewer fit, the instance for fewer plans (and raises its own
+  // shared-memory limit) again.
+  for (const int most : {kClaimedMostBlocksPerSm<T>, kCandBlocksPerSm}) {
+    int per_sm = 0;
+    const cudaError_t err =
+        staged_buffers_smem(claimed_kernel<T>(most), vec, hidden_dim, sizeof(T), &plan->smem, &per_sm);
+    plan->blocks_per_sm = std::min(per_sm, most);
+    if (err != cudaSuccess || plan->smem == 0 || plan->blocks_per_sm == most) return err;
+  }
+  return cudaSuccess;
 }
 
 template <typename T>
@@ -213,7 +227,8 @@ cudaError_t launch_decode_claimed(const T* hidden, const T* embedding, const int
   const int64_t wanted = ceil_div<int64_t>(most_claimed_items(shape), kCandThreads / kWarpSize);
   const int64_t resident = int64_t{sms} * plan.blocks_per_sm;
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(resident, wanted)));
-  return launch_kernel(decode_claimed_kernel<T>, dim3(blocks), dim3(kCandThreads), plan.smem, stream, dependent, args);
+  return launch_kernel(claimed_kernel<T>(plan.blocks_per_sm), dim3(blocks), dim3(kCandThreads), plan.smem, stream,
+                       dependent, args);
 }
 
 #define FLASHHEAD_INSTANTIATE(T)                                                                                  \
