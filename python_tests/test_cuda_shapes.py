@@ -74,15 +74,16 @@ def test_sampling_large(shape, dtype):
     check_decode_sample(tokens, logprobs, problem, T, seed, exact=False)
 
 
-# Greedy batches of 16 to 64 rows that make 2 choices or more a cluster (B p >= 2 C; 7/4 with
-# three claimed blocks an SM, bf16 rows up to about 1,180 values), or 5/4 where an embedding of rows
-# up to 2 KB is more than twice the L2, decode by claimed cluster on sm_90, where the rows can be
-# staged (decode.cu): a cluster is read once for every 4 rows that chose it. The first four shapes
-# take that path (a padded table, extra ids, B at both bounds, 16-bit and float32 rows; the fourth
-# at 1.27 choices, its 164 MB embedding more than twice an H100's or H200's L2); over an 18 MB
-# embedding bf16 rows take it at 1.84 choices and not at 1.60, fp16 ones (two blocks an SM) not at
-# 1.84; 3 KB rows over a 148 MB embedding need 2 choices (2.01 take it, 1.60 do not); B = 65 and
-# B = 15 take the row-by-row kernel. On sm_90 (the H100 and H200 the bounds were set on, with
+# Greedy batches of 16 to 64 rows that make 2 choices or more a cluster (B p >= 2 C; 7/4 with three
+# claimed blocks an SM, bf16 rows up to about 1,180 values), or 5/4 where an embedding of rows up to
+# 2 KB, or of rows three blocks an SM take, is more than twice the L2, decode by claimed cluster on
+# sm_90, where the rows can be staged (decode.cu): a cluster is read once for every 4 rows that
+# chose it. The first four shapes take that path (a padded table, extra ids, B at both bounds,
+# 16-bit and float32 rows; the fourth at 1.27 choices, its 164 MB embedding more than twice an
+# H100's or H200's L2); over an 18 MB embedding bf16 rows take it at 1.84 choices and not at 1.60,
+# fp16 ones (two blocks an SM) not at 1.84; 3 KB rows over a 148 MB embedding need 2 choices (2.01
+# take it, 1.60 do not), 2.3 KB rows (three blocks) over a 129 MB one 5/4 (1.50 takes it); B = 65
+# and B = 15 take the row-by-row kernel. On sm_90 (the H100 and H200 the bounds were set on, with
 # 50-60 MiB of L2) the test checks which kernel ran. Rows repeat in runs of `repeat`: with 2 nearly
 # every claimed cluster has two rows or more and the kernel's second row of a pair is used; with 20
 # most clusters have more rows than one group holds. Repeated rows' tokens must match.
@@ -96,6 +97,7 @@ CLAIMED = [
     (Shape(B=16, D=576, C=1001, b=16, p=100), torch.bfloat16, False),
     (Shape(B=16, D=1536, C=3001, b=16, p=376), torch.bfloat16, True),
     (Shape(B=16, D=1536, C=3001, b=16, p=300), torch.bfloat16, False),
+    (Shape(B=16, D=1152, C=3500, b=16, p=328), torch.bfloat16, True),
     (Shape(B=65, D=256, C=129, b=16, p=100), torch.bfloat16, False),
     (Shape(B=15, D=576, C=301, b=16, p=57, extras=True), torch.bfloat16, False),
 ]

@@ -39,20 +39,24 @@ SelectOrder decode_order(bool sampling) { return sampling ? SelectOrder::kStable
 // 7/4: 2.4-6.2% faster there at batches 16, 32 and 64, from 3.8% faster to 1.3% slower at 1.5.
 // Embeddings of more than twice the L2 with rows of up to 2 KB stream from DRAM, and there it
 // gains from 5/4: the same real choices over Qwen3-0.6B's 151,936 rows of 2 KB were 1-13% faster
-// from 1.3 choices and within 2% either way at 1.15 (random rows gained from 0.7). Wider streamed
-// rows gain less: with 2.5 and 3 KB rows (two blocks an SM) batch 64 was 1.4-7.3% slower from 1.3
-// to 1.75 choices (0.2-3.4% at 2), batch 16 0.2-7.3% faster from 1.5, so they keep the bound of
-// their blocks. Fewer rows do not pay for the claims' memset and atomics (docs/benchmarks.md,
-// sessions 46-49).
+// from 1.3 choices and within 2% either way at 1.15 (random rows gained from 0.7). So do the wider
+// rows of three blocks: at 1,088 and 1,152 values (2.1 and 2.3 KB) the claimed kernel was 0.4-1.4%
+// faster at 1.3 choices, 0.6% slower to 4.3% faster at 1.5, 3-10% faster from 1.75, and 1-8% slower
+// below 1.3. Wider rows at two blocks gain less: with 2.5 and 3 KB rows batch 64 was
+// 1.4-7.3% slower from 1.3 to 1.75 choices (0.2-3.4% at 2), batch 16 0.2-7.3% faster from 1.5, so
+// they keep the bound of their blocks. Fewer rows do not pay for the claims' memset and atomics
+// (docs/benchmarks.md, sessions 46-50).
 constexpr int kClaimedMinRows = 16;
 struct ChoicesBound {
   int numerator, denominator;  // choices a cluster
 };
 constexpr ChoicesBound kClaimedMinChoicesStreamed{5, 4}, kClaimedMinChoicesTwoBlocks{2, 1},
     kClaimedMinChoicesThreeBlocks{7, 4};
-constexpr size_t kClaimedStreamedRowBytes = 2048;  // the widest rows measured to gain from 5/4
+// The widest rows measured to gain from 5/4 at two blocks an SM.
+constexpr size_t kClaimedStreamedRowBytes = 2048;
+constexpr bool three_claimed_blocks(int blocks_per_sm) { return blocks_per_sm >= 3; }
 constexpr ChoicesBound claimed_min_choices(int blocks_per_sm) {
-  return blocks_per_sm >= 3 ? kClaimedMinChoicesThreeBlocks : kClaimedMinChoicesTwoBlocks;
+  return three_claimed_blocks(blocks_per_sm) ? kClaimedMinChoicesThreeBlocks : kClaimedMinChoicesTwoBlocks;
 }
 constexpr bool at_most(ChoicesBound lower, ChoicesBound upper) {
   return lower.numerator * upper.denominator <= upper.numerator * lower.denominator;
@@ -80,7 +84,8 @@ bool decodes_by_claimed_cluster(const HeadShape& shape, const ClaimedPlan& plan)
   int l2_bytes = 0;
   const size_t row_bytes = size_t(shape.hidden_dim) * sizeof(T);
   const bool streamed = l2_cache_bytes(&l2_bytes) == cudaSuccess && double(shape.vocab) * row_bytes > 2.0 * l2_bytes;
-  const bool gains_from_streaming = streamed && row_bytes <= kClaimedStreamedRowBytes;
+  const bool gains_from_streaming =
+      streamed && (row_bytes <= kClaimedStreamedRowBytes || three_claimed_blocks(plan.blocks_per_sm));
   return makes_choices(shape,
                        gains_from_streaming ? kClaimedMinChoicesStreamed : claimed_min_choices(plan.blocks_per_sm));
 }
