@@ -41,10 +41,10 @@ SelectOrder decode_order(bool sampling) { return sampling ? SelectOrder::kStable
 // gains from 5/4: the same real choices over Qwen3-0.6B's 151,936 rows of 2 KB were 1-13% faster
 // from 1.3 choices and within 2% either way at 1.15 (random rows gained from 0.7). So do the wider
 // rows of three blocks: at 1,088 and 1,152 values (2.1 and 2.3 KB) the claimed kernel was 0.4-1.4%
-// faster at 1.3 choices, 0.6% slower to 4.3% faster at 1.5, 3-10% faster from 1.75, and 1-8% slower
-// below 1.3. Wider rows at two blocks gain less: with 2.5 and 3 KB rows batch 64 was
-// 1.4-7.3% slower from 1.3 to 1.75 choices (0.2-3.4% at 2), batch 16 0.2-7.3% faster from 1.5, so
-// they keep the bound of their blocks. Fewer rows do not pay for the claims' memset and atomics
+// faster at 1.3 choices, 0.6% slower to 4.3% faster at 1.5, 2.7-10.4% faster from 1.75, and
+// 0.7-8.2% slower below 1.3. Wider rows at two blocks gain less: with 2.5 and 3 KB rows batch 64
+// was 1.4-7.3% slower from 1.3 to 1.75 choices (0.2-3.4% at 2), batch 16 0.2-7.3% faster from 1.5,
+// so they keep the bound of their blocks. Fewer rows do not pay for the claims' memset and atomics
 // (docs/benchmarks.md, sessions 46-50).
 constexpr int kClaimedMinRows = 16;
 struct ChoicesBound {
