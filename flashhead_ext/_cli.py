@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 import torch
 
@@ -27,11 +29,33 @@ def device_arg(text: str) -> str:
     return text
 
 
+def output_file(text: str) -> str:
+    """argparse ``type`` of a file a run writes once it is over (--json, --plot): a path that could
+    not be written is a usage error before the run, which would otherwise be lost. Creates nothing."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory")
+    ancestor = path.parent.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: {ancestor} is not a directory that can be written to")
+    return text
+
+
 def positive_int(text: str) -> int:
     """argparse ``type`` of a count: an integer >= 1."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse ``type`` of a count that may be 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 

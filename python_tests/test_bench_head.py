@@ -95,6 +95,10 @@ def test_head_bench_times_a_capped_probes_value_once(tmp_path):
     (["draft-step", "--shapes", "tiny", "--probes", "100000"], "--probes 100000 exceeds the 63 clusters of tiny"),
     (["spec", "--target", "tiny", "--draft", "tiny", "--cluster-size", "0"], "argument --cluster-size: expected a positive integer"),
     (["layer-ops", "--tokens", "1,x"], "argument --tokens: expected comma-separated integers"),
+    # Where the results could not be written: refused before the run, not after it.
+    *[([name, "--json", "."], "argument --json: '.' is a directory")
+      for name in ("head", "clusters", "draft-step", "spec", "layer-ops")],
+    (["head", "--json", "/proc/version/x.json"], "argument --json: '/proc/version/x.json': /proc/version is not a directory"),
 ])
 def test_bench_refuses_bad_options(argv, message, capsys):
     # A usage error before anything is built or timed (on the CPU, where graphs cannot run).
@@ -102,3 +106,24 @@ def test_bench_refuses_bad_options(argv, message, capsys):
         main([*argv, "--device", "cpu"] if argv[0] in ("head", "draft-step", "spec", "clusters") else argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   RuntimeError("[enforce fail at alloc_cpu.cpp:127] . DefaultCPUAllocator: can't allocate "
+                                                "memory: you tried to allocate 33554432000 bytes.")])
+def test_spec_bench_weights_past_the_device_are_a_usage_error(error, monkeypatch, capsys):
+    # The default Qwen3-32B-shaped target (about 66 GB) on a smaller device: a usage error naming the
+    # flag, not the allocator's traceback (simulated: CI machines differ in memory).
+    from flashhead_ext.bench import spec
+
+    def random(config, **kwargs):
+        raise error
+
+    monkeypatch.setattr(spec.Decoder, "random", random)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["spec", "--device", "cpu", "--head", "dense", "--mode", "baseline"])
+    assert exit_info.value.code == 2
+    assert f"--target qwen3-32b: its weights do not fit on cpu ({str(error).splitlines()[0]})" in capsys.readouterr().err
+    monkeypatch.setattr(spec.Decoder, "random", lambda config, **kwargs: (_ for _ in ()).throw(RuntimeError("other")))
+    with pytest.raises(RuntimeError, match="other"):  # any other failure is not a usage error
+        main(["spec", "--device", "cpu", "--head", "dense", "--mode", "baseline"])

@@ -161,6 +161,20 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir):
         main(argv[:6] + ["7"] + argv[7:])
 
 
+def test_sizes_past_the_vocabulary_are_usage_errors_before_recording(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    calls = _record_spy(monkeypatch)
+    prompts = _questions(tmp_path / "q.jsonl")
+    for extra, message in ((["--cluster-sizes", "4,100000"], "quality: error: --cluster-sizes: cluster_size must be in 1.."),
+                           (["--frequent-tokens", "100000"], "quality: error: --frequent-tokens 100000 exceeds the model's")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(_argv(tmp_path, tiny_model_dir, prompts, *extra))
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    assert calls == []  # refused once the model loaded, before any state was recorded
+    assert not (tmp_path / "out").exists()
+
+
 def test_plain_kmeans_needs_no_calibration_and_no_matplotlib(tmp_path, monkeypatch, capsys, tiny_model_dir):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     calls = _record_spy(monkeypatch)
@@ -179,7 +193,10 @@ def test_bad_input(tmp_path, capsys):
     for argv, message in [
         (["quality", "--methods", "kmeans,bogus"], "expected comma-separated methods from kmeans, kmeans-fit, calibrated"),
         (["quality", "--probes", "0"], "expected positive values"),
-        (["quality", "--frequent-tokens", "-1"], "--frequent-tokens must be >= 0"),
+        (["quality", "--frequent-tokens", "-1"], "quality: error: argument --frequent-tokens: expected an integer >= 0"),
+        (["quality", "--model", str(tmp_path / "missing")], "quality: error: --model must be 'smollm2' or a local transformers"),
+        (["quality", "--json", str(tmp_path)], "quality: error: argument --json: "),
+        (["quality", "--plot", str(tmp_path)], "quality: error: argument --plot: "),
         (["quality", "--per-category", "0"], "expected a positive integer"),
     ]:
         with pytest.raises(SystemExit):

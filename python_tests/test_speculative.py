@@ -498,8 +498,8 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
                          (["--prompts", str(tmp_path / "none.jsonl")], f"--prompts: no Spec-Bench prompts at {tmp_path / 'none.jsonl'}"),
                          (["--prompts", str(tmp_path / "model" / "config.json")], f"--prompts: {tmp_path / 'model' / 'config.json'}:1: not a JSON line"),
                          (["--prompts", str(questions), "--json", str(questions / "spec.json")],
-                          f"--json '{questions / 'spec.json'}': {questions} is not a directory that can be written to"),
-                         (["--prompts", str(questions), "--json", str(tmp_path)], f"--json '{tmp_path}': is a directory")):
+                          f"argument --json: '{questions / 'spec.json'}': {questions} is not a directory that can be written to"),
+                         (["--prompts", str(questions), "--json", str(tmp_path)], f"argument --json: '{tmp_path}' is a directory")):
         with pytest.raises(SystemExit):
             entry(["--target", str(tmp_path / "missing"), *bad])
         assert f"spec: error: {message}" in capsys.readouterr().err, bad

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .._cli import choices_list, device_arg, doc_summary, positive_int
+from .._cli import choices_list, device_arg, doc_summary, output_file, positive_int
 from ..clustering import build_clusters
 from .timing import format_table, run_metadata
 
@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=positive_int, default=15, help="k-means iterations (build_clusters' iters)")
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the clustering runs")
-    parser.add_argument("--json", default="results/bench_clusters.json", help="where the result JSON is written")
+    parser.add_argument("--json", type=output_file, default="results/bench_clusters.json",
+                        help="where the result JSON is written")
     args = parser.parse_args(argv)
     names = choices_list(parser, args.shapes, SHAPES, "shape")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .. import ops
-from .._cli import choices_list, device_arg, doc_summary, positive_int, positive_int_list
+from .._cli import choices_list, device_arg, doc_summary, output_file, positive_int, positive_int_list
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=positive_int, default=25, help="timed samples (the median is reported)")
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where it runs (a GPU when there is one; the CPU runs the references, slowly)")
-    parser.add_argument("--json", default="results/bench_head.json", help="where the result JSON is written")
+    parser.add_argument("--json", type=output_file, default="results/bench_head.json", help="where the result JSON is written")
     args = parser.parse_args(argv)
     args.shapes = choices_list(parser, args.shapes, SHAPES, "shape")
     for name in args.shapes:

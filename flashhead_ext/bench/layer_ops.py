@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..fast.decoder import Decoder, _fused_layer, _layer
 from ..graphs import capture_graph
-from .._cli import choices_list, positive_int, positive_int_list
+from .._cli import choices_list, output_file, positive_int, positive_int_list
 from .spec import SHAPES, _write, cache_read_bytes
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
@@ -107,7 +107,8 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=positive_int, default=1024, help="cache length (max_len); the layer row attends to all of it")
     parser.add_argument("--samples", type=positive_int, default=20, help="timed samples (the median is reported)")
     parser.add_argument("--calls", type=positive_int, default=32, help="calls per graph replay")
-    parser.add_argument("--json", default="results/bench_layer_ops.json", help="where the result JSON is written")
+    parser.add_argument("--json", type=output_file, default="results/bench_layer_ops.json",
+                        help="where the result JSON is written")
     args = parser.parse_args(argv)
     shapes = choices_list(parser, args.shapes, SHAPES, "shape")
     tokens = args.tokens

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from .._cli import choices_list, device_arg, positive_int
+from .._cli import choices_list, device_arg, output_file, positive_int
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
@@ -159,7 +159,18 @@ def _common(parser: argparse.ArgumentParser, json_default: str) -> None:
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="the models' device")
     parser.add_argument("--attention", default="sdpa", choices=ATTENTION, help="the decoders' attention implementation")
-    parser.add_argument("--json", default=json_default, help="where the result JSON is written")
+    parser.add_argument("--json", type=output_file, default=json_default, help="where the result JSON is written")
+
+
+def _random_decoder(parser: argparse.ArgumentParser, flag: str, name: str, config: DecoderConfig, **kwargs) -> Decoder:
+    """``Decoder.random(config, **kwargs)`` for shape ``name``, or a usage error naming ``flag`` where its
+    weights do not fit the device (the default Qwen3-32B-shaped target needs about 66 GB in bf16)."""
+    try:
+        return Decoder.random(config, **kwargs)
+    except RuntimeError as error:  # torch.OutOfMemoryError on a GPU, the DefaultCPUAllocator's on the CPU
+        if not isinstance(error, torch.OutOfMemoryError) and "can't allocate memory" not in str(error):
+            raise
+        parser.error(f"{flag} {name}: its weights do not fit on {kwargs['device']} ({str(error).splitlines()[0]})")
 
 
 # ---- draft step ------------------------------------------------------------------------------
@@ -186,7 +197,7 @@ def draft_step_main(argv=None) -> int:
     meta["copy_bandwidth_gbs"] = bandwidth
     rows = []
     for name in shapes:
-        model = Decoder.random(SHAPES[name], max_len=args.context, dtype=dtype, device=args.device)
+        model = _random_decoder(parser, "--shapes", name, SHAPES[name], max_len=args.context, dtype=dtype, device=args.device)
         model.attention = args.attention
         # The last position: eager/compiled attend over the whole cache at any length, fused and
         # persistent read the cache up to the length, so this is their most expensive step.
@@ -318,9 +329,11 @@ def spec_main(argv=None) -> int:
             parser.error(f"{flag} {body!r} {limit}")
     max_len = args.prompt_tokens + args.max_new_tokens + args.k + 1
     max_len = max(8 * math.ceil(max_len / 8), 3 * (args.k + 2))  # a multiple of 8 keeps SDPA's mask aligned
-    target = Decoder.random(target_shape, max_len=max_len, dtype=dtype, device=args.device, seed=args.seed)
+    target = _random_decoder(parser, "--target", args.target, target_shape, max_len=max_len, dtype=dtype,
+                             device=args.device, seed=args.seed)
     draft_device = args.draft_device or args.device
-    draft = Decoder.random(draft_shape, max_len=max_len, dtype=dtype, device=draft_device, seed=args.seed + 1)
+    draft = _random_decoder(parser, "--draft", args.draft, draft_shape, max_len=max_len, dtype=dtype,
+                            device=draft_device, seed=args.seed + 1)
     target.attention = draft.attention = args.attention
     target.body, draft.body = args.target_body, args.body
     decoders = {None: FastSpeculativeDecoder(target, k=args.k, eos_token_id=[])}

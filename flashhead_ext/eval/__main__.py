@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .._cli import positive_int, positive_int_list
+from .._cli import non_negative_int, output_file, positive_int, positive_int_list
 from ..prompts import DEFAULT_PROMPTS
-from .quality import METHODS, format_table, plot, run_quality
+from .quality import METHODS, check_vocab_args, format_table, load_model, model_problem, plot, run_quality
 
 
 def _methods_list(text: str) -> list:
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--methods", type=_methods_list, default=["kmeans", "calibrated"],
                          help=f"comma-separated, from {', '.join(METHODS)} (default: kmeans,calibrated)")
     quality.add_argument("--cluster-sizes", type=positive_int_list, default=[16], help="comma-separated tokens per cluster b (default: 16)")
-    quality.add_argument("--frequent-tokens", type=int, default=0,
+    quality.add_argument("--frequent-tokens", type=non_negative_int, default=0,
                          help="also score each method with this many of the calibration's most frequent tokens always scored (default: %(default)s)")
     quality.add_argument("--fp8-centroids", action="store_true",
                          help="also score each method with its centroids in float8_e4m3fn (rows '<method>+fp8'), as "
@@ -53,31 +53,46 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
     quality.add_argument("--no-cache", action="store_true", help="record states and build clusterings again, overwriting the cache")
     quality.add_argument("--quiet", action="store_true", help="no progress bars")
-    quality.add_argument("--json", type=Path, default=Path("results/quality.json"), help="output JSON (default: %(default)s)")
-    quality.add_argument("--plot", type=Path, default=Path("results/quality.png"), help="output PNG (default: %(default)s)")
+    quality.add_argument("--json", type=output_file, default="results/quality.json", help="output JSON (default: %(default)s)")
+    quality.add_argument("--plot", type=output_file, default="results/quality.png", help="output PNG (default: %(default)s)")
+    quality.set_defaults(command_parser=quality)
     return parser
 
 
+def _parse(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    """The arguments, checked as far as they can be before a model loads, and the command's parser."""
+    args = build_parser().parse_args(argv)
+    command_parser = vars(args).pop("command_parser")
+    problem = model_problem(args.model)
+    if problem:
+        command_parser.error(problem)
+    return args, command_parser
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.frequent_tokens < 0:
-        parser.error(f"--frequent-tokens must be >= 0, got {args.frequent_tokens}")
-    return args
+    return _parse(argv)[0]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
+    from ..hf import output_embedding
+
+    args, command_parser = _parse(argv)
     # The plot is the one output that needs matplotlib (the [models] extra): said before the run.
     plotting = importlib.util.find_spec("matplotlib") is not None
     if not plotting:
         print(f"matplotlib is not installed: the table and {args.json} only, no {args.plot}", file=sys.stderr)
-    result = run_quality(args)
+    model, tokenizer, description = load_model(args.model)
+    try:
+        check_vocab_args(args, output_embedding(model).shape[0])
+    except ValueError as error:
+        command_parser.error(str(error))
+    result = run_quality(args, model, tokenizer, description)
     print(format_table(result))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     if plotting:
-        plot(result, args.plot)
+        plot(result, Path(args.plot))
     print(f"wrote {args.json}" + (f" and {args.plot}" if plotting else ""), file=sys.stderr)
     return 0
 

