@@ -41,7 +41,7 @@ from torch import Tensor
 from .clustering import (ALGORITHM_VERSION, GREEDY_SCORINGS, Clustering, build_clusters, calibrate_clusters, cluster_table,
                          greedy_centroids)
 from . import ops
-from .head import FlashHead, centroid_dtype_option, special_token_list
+from .head import FlashHead, _check_embedding, centroid_dtype_option, special_token_list
 
 CONFIG_NAME = "flash_head_config.json"
 TENSORS_NAME = "clustering_cache.safetensors"
@@ -107,7 +107,7 @@ class FlashHeadAssets:
             cluster_assignments=clustering.cluster_assignments.long().cpu(),
             cluster_tokens=table.cpu(),
             n_probes=default_probes(table.shape[0]) if n_probes is None else n_probes,
-            special_token_ids=[int(t) for t in special_token_ids],
+            special_token_ids=special_token_list(special_token_ids, clustering.cluster_assignments.numel()),
             enforce_equal_cluster_sizes=bool((table >= 0).all()),
             cache_dir=cache_dir,
             greedy_scoring=clustering.greedy_scoring,
@@ -146,6 +146,15 @@ def _check_against_embedding(dim: int, vocab: int, embedding: Tensor) -> None:
         raise ValueError(f"assets assign {vocab} tokens (cluster_assignments) but the embedding has vocab size {embedding.shape[0]}")
 
 
+def _check_settings(probes, specials, clusters: int, vocab: int) -> None:
+    """ValueError unless ``n_probes`` and the special token ids are what load_assets accepts."""
+    if isinstance(probes, bool) or not isinstance(probes, int) or not 1 <= probes <= clusters:
+        raise ValueError(f"n_probes must be an int in 1..{clusters} (n_clusters), got {probes!r}")
+    if not isinstance(specials, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                 for t in specials):
+        raise ValueError(f"flash_head_special_token_ids must be a list of token ids in [0, {vocab}), got {specials!r}")
+
+
 def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering], **settings) -> Path:
     """Writes ``assets`` (or a :class:`Clustering`, with ``settings`` as in
     :meth:`FlashHeadAssets.from_clustering`) under ``directory``; returns the directory."""
@@ -156,7 +165,11 @@ def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering],
         assets = FlashHeadAssets.from_clustering(assets, **settings)
     elif settings:
         raise TypeError(f"settings {sorted(settings)} apply only when saving a Clustering")
-    config = json.dumps(assets.config(), indent=2) + "\n"  # first: a config that cannot be written leaves no files
+    stored = assets.config()
+    # What load_assets would refuse is refused before anything is written.
+    _check_settings(stored["n_probes"], stored["flash_head_special_token_ids"], assets.num_clusters,
+                    assets.cluster_assignments.numel())
+    config = json.dumps(stored, indent=2) + "\n"  # first: a config that cannot be written leaves no files
     directory = Path(directory)
     (directory / assets.cache_dir).mkdir(parents=True, exist_ok=True)
     tensors = directory / assets.cache_dir / TENSORS_NAME
@@ -242,11 +255,8 @@ def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> Flas
                          f"(cluster {int(counts.argmin())}) to {int(counts.max())} (cluster {int(counts.argmax())}); "
                          "expected every cluster to hold the same number of tokens")
     probes = config.get("n_probes", default_probes(count))
-    if isinstance(probes, bool) or not isinstance(probes, int) or not 1 <= probes <= count:
-        raise ValueError(f"n_probes must be an int in 1..{count} (n_clusters), got {probes!r}")
     specials = config.get("flash_head_special_token_ids") or []
-    if not isinstance(specials, list) or not all(isinstance(t, int) and 0 <= t < assignments.numel() for t in specials):
-        raise ValueError(f"flash_head_special_token_ids must be a list of token ids in [0, {assignments.numel()}), got {specials!r}")
+    _check_settings(probes, specials, count, assignments.numel())
     scoring = config.get("flash_head_greedy_scoring", "normalized")
     if scoring not in GREEDY_SCORINGS:
         raise ValueError(f"flash_head_greedy_scoring must be one of {GREEDY_SCORINGS}, got {scoring!r}")
@@ -294,7 +304,8 @@ def flash_head_for(
     centroids either way. Returns the head and its assets (``assets.head(embedding, probes)``
     makes more heads cheaply).
     """
-    special_token_ids = special_token_list(special_token_ids, embedding.shape[0])  # before minutes of clustering
+    _check_embedding(embedding)  # the head's checks, before minutes of clustering
+    special_token_ids = special_token_list(special_token_ids, embedding.shape[0])
     centroid_dtype = centroid_dtype_option(centroid_dtype, embedding.dtype)
     if probes is not None:
         ops._require_probes(probes)  # its upper bound needs the clusters

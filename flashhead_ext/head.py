@@ -37,6 +37,8 @@ def special_token_list(special_token_ids, vocab: int) -> list:
     ``[tokenizer.eos_token_id]`` is ``[None]``)."""
     if special_token_ids is None:
         return []
+    if isinstance(special_token_ids, Tensor) and special_token_ids.is_meta:
+        raise ValueError("special_token_ids is a meta tensor: its ids have no values (pass ints or a tensor on a real device)")
     expected = "special_token_ids must be integer token ids (a sequence or set of ints, or an integer tensor), got"
     try:
         if isinstance(special_token_ids, (set, frozenset)):  # torch.as_tensor takes no sets
@@ -175,6 +177,8 @@ class FlashHead(_HeadBase):
             (copied to the embedding's device, in its dtype or quantized: ``centroid_dtype``).
         cluster_tokens: ``[C, b]`` token ids of each cluster; -1 pads clusters when V is not a
             multiple of b. Copied, and checked once here (ids in range, disjoint, no empty cluster).
+            A token in no cluster (nor in ``special_token_ids``) is never produced, whatever the
+            probes: the tables the clustering builds list every token.
         probes: clusters kept per step, 1..C.
         special_token_ids: tokens scored at every step whatever the clusters (e.g. EOS).
         sampling_centroids: centroids for sampling mode (default: ``centroids``). The published

@@ -68,6 +68,23 @@ def test_save_writes_nothing_when_the_config_cannot_be_written(tmp_path, cluster
     assert load_assets(tmp_path).special_token_ids == [4, 1]
 
 
+def test_save_refuses_settings_that_load_would_refuse(tmp_path, clustering):
+    clusters = VOCAB // SIZE
+    for settings, error, match in (
+            (dict(n_probes=0), ValueError, f"n_probes must be an int in 1..{clusters} \\(n_clusters\\), got 0"),
+            (dict(n_probes=10**6), ValueError, "n_probes must be an int in 1.."),
+            (dict(n_probes=2.5), ValueError, "n_probes must be an int in 1.."),
+            (dict(special_token_ids=[10**6]), ValueError, f"special_token_ids must be in \\[0, {VOCAB}\\)"),
+            (dict(special_token_ids=[2.5]), TypeError, "special_token_ids must be integer token ids")):
+        with pytest.raises(error, match=match):
+            save_assets(tmp_path, clustering, **settings)
+    assets = FlashHeadAssets.from_clustering(clustering)
+    assets.special_token_ids = [VOCAB]  # set by hand
+    with pytest.raises(ValueError, match=f"flash_head_special_token_ids must be a list of token ids in \\[0, {VOCAB}\\)"):
+        save_assets(tmp_path, assets)
+    assert not any(tmp_path.iterdir())  # nothing written that load_assets would refuse
+
+
 def test_save_refuses_arguments_in_the_wrong_order(tmp_path, clustering):
     with pytest.raises(TypeError, match=re.escape("assets must be a FlashHeadAssets or a Clustering (save_assets(directory, "
                                                   "assets)), got PosixPath")):
@@ -175,6 +192,15 @@ def test_head_checks_the_embedding(embedding, clustering):
         assets.head(embedding.numpy())
     with pytest.raises(ValueError, match=r"embedding must be 2-D \[vocab_size, hidden_dim\], got shape \(96, 12, 1\)"):
         assets.head(embedding.unsqueeze(-1))
+
+
+def test_flash_head_for_checks_the_embedding_before_clustering(monkeypatch, embedding):
+    monkeypatch.setattr(assets_mod, "build_clusters", lambda *a, **k: pytest.fail("clustered a bad embedding"))
+    for bad, error, match in ((embedding.tolist(), TypeError, "embedding must be a torch.Tensor"),
+                              (embedding.double(), TypeError, "embedding must be float16, bfloat16 or float32"),
+                              (embedding[0], ValueError, "embedding must be a non-empty 2-D tensor")):
+        with pytest.raises(error, match=match):
+            flash_head_for(bad, SIZE, iters=1, cache=False, progress=False)
 
 
 def test_flash_head_for_caches_the_clustering(tmp_path, monkeypatch, embedding):

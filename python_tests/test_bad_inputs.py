@@ -414,6 +414,8 @@ def head_args(device="cpu"):
     (dict(special_token_ids={1.5, 2}), TypeError, "special_token_ids must be integer token ids"),
     (dict(special_token_ids=[None]), TypeError, "special_token_ids must be integer token ids (a sequence or set of "
                                                 "ints, or an integer tensor), got [None]"),
+    (dict(special_token_ids=torch.tensor([1]).to("meta")), ValueError,
+     "special_token_ids is a meta tensor: its ids have no values"),
     (dict(centroids=lambda a: a["centroids"][:, :-1]), ValueError, "centroids must have shape [num_clusters, 16]"),
     (dict(centroids=lambda a: a["centroids"][0]), ValueError, "centroids must have shape [num_clusters, 16]"),
     (dict(centroids=lambda a: a["centroids"][:0]), ValueError, "centroids must have shape [num_clusters, 16]"),
