@@ -89,11 +89,7 @@ def compare_heads(args) -> dict:
         "dense": {"latency_ms": median_call_ms(dense.next_token, hidden, args.repeats)},
         "flash": [],
     }
-    # Values past the clusters are capped; those capped alike are one point, timed once.
-    requested_by_probes = defaultdict(list)
-    for probes in args.probes:
-        requested_by_probes[min(probes, assets.num_clusters)].append(probes)
-    for probes, requested in requested_by_probes.items():
+    for probes, requested in probes_points(args.probes, assets.num_clusters).items():
         flash.probes = probes
         agree = next_tokens(flash, hidden) == reference
         per_category = defaultdict(list)
@@ -109,6 +105,15 @@ def compare_heads(args) -> dict:
         })
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
     return result
+
+
+def probes_points(requested: Sequence[int], clusters: int) -> dict:
+    """{probes run: the requested values it stands for}: values past ``clusters`` are capped, and
+    those capped alike are one point, timed once."""
+    points = defaultdict(list)
+    for probes in requested:
+        points[min(probes, clusters)].append(probes)
+    return dict(points)
 
 
 def format_table(result: dict) -> str:

@@ -35,6 +35,8 @@ def output_file(text: str) -> str:
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and cannot be written")
     ancestor = path.parent.absolute()
     while not ancestor.exists():
         ancestor = ancestor.parent

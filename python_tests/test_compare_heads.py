@@ -1,7 +1,9 @@
 """compare-heads' table: its rows, and the note when asked probes exceed the clusters."""
+import os
+
 import pytest
 
-from flashhead_ext.__main__ import build_parser, format_table
+from flashhead_ext.__main__ import build_parser, format_table, probes_points
 
 
 def _result(requested):
@@ -29,10 +31,25 @@ def test_probes_values_must_be_positive(capsys):
     assert "expected positive values" in capsys.readouterr().err
 
 
+def test_probes_capped_alike_are_one_point():
+    assert probes_points([64, 5000, 8, 3072, 9000], 3072) == {64: [64], 3072: [5000, 3072, 9000], 8: [8]}
+    assert probes_points([3], 3072) == {3: [3]}
+
+
 def test_an_unwritable_json_is_a_usage_error(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["compare-heads", "--json", str(tmp_path)])
-    assert f"argument --json: '{tmp_path}' is a directory" in capsys.readouterr().err
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    read_only = tmp_path / "read_only.json"
+    read_only.write_text("")
+    read_only.chmod(0o444)
+    cases = [(tmp_path, f"argument --json: '{tmp_path}' is a directory"),
+             (a_file / "x.json", f"argument --json: '{a_file / 'x.json'}': {a_file} is not a directory that can be written to")]
+    if not os.access(read_only, os.W_OK):  # root may write it anyway
+        cases.append((read_only, f"argument --json: '{read_only}' exists and cannot be written"))
+    for path, message in cases:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["compare-heads", "--json", str(path)])
+        assert message in capsys.readouterr().err
 
 
 def test_usage_names_the_command_as_typed(monkeypatch):

@@ -195,8 +195,8 @@ def test_bad_input(tmp_path, capsys):
         (["quality", "--probes", "0"], "expected positive values"),
         (["quality", "--frequent-tokens", "-1"], "quality: error: argument --frequent-tokens: expected an integer >= 0"),
         (["quality", "--model", str(tmp_path / "missing")], "quality: error: --model must be 'smollm2' or a local transformers"),
-        (["quality", "--json", str(tmp_path)], "quality: error: argument --json: "),
-        (["quality", "--plot", str(tmp_path)], "quality: error: argument --plot: "),
+        (["quality", "--json", str(tmp_path)], f"quality: error: argument --json: '{tmp_path}' is a directory"),
+        (["quality", "--plot", str(tmp_path)], f"quality: error: argument --plot: '{tmp_path}' is a directory"),
         (["quality", "--per-category", "0"], "expected a positive integer"),
     ]:
         with pytest.raises(SystemExit):

@@ -14,7 +14,10 @@ from typing import Optional, Sequence
 
 from .._cli import non_negative_int, output_file, positive_int, positive_int_list
 from ..prompts import DEFAULT_PROMPTS
-from .quality import METHODS, check_vocab_args, format_table, load_model, model_problem, plot, run_quality
+from .quality import METHODS, VocabArgumentError, format_table, model_problem, plot, run_quality
+
+
+DEFAULT_PLOT = "results/quality.png"
 
 
 def _methods_list(text: str) -> list:
@@ -54,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--no-cache", action="store_true", help="record states and build clusterings again, overwriting the cache")
     quality.add_argument("--quiet", action="store_true", help="no progress bars")
     quality.add_argument("--json", type=output_file, default="results/quality.json", help="output JSON (default: %(default)s)")
-    quality.add_argument("--plot", type=output_file, default="results/quality.png", help="output PNG (default: %(default)s)")
+    quality.add_argument("--plot", type=output_file, default=None,
+                         help=f"output PNG (default: {DEFAULT_PLOT}; none without matplotlib)")
     quality.set_defaults(command_parser=quality)
     return parser
 
@@ -74,19 +78,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ..hf import output_embedding
-
     args, command_parser = _parse(argv)
-    # The plot is the one output that needs matplotlib (the [models] extra): said before the run.
+    # The plot is the one output that needs matplotlib (the [models] extra): said before the run,
+    # and its default place checked only where it will be written.
     plotting = importlib.util.find_spec("matplotlib") is not None
     if not plotting:
-        print(f"matplotlib is not installed: the table and {args.json} only, no {args.plot}", file=sys.stderr)
-    model, tokenizer, description = load_model(args.model)
+        print(f"matplotlib is not installed: the table and {args.json} only, no plot", file=sys.stderr)
+    elif args.plot is None:
+        try:
+            args.plot = output_file(DEFAULT_PLOT)
+        except argparse.ArgumentTypeError as error:
+            command_parser.error(f"the default --plot: {error}")
     try:
-        check_vocab_args(args, output_embedding(model).shape[0])
-    except ValueError as error:
+        result = run_quality(args)
+    except VocabArgumentError as error:
         command_parser.error(str(error))
-    result = run_quality(args, model, tokenizer, description)
     print(format_table(result))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

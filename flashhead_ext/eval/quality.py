@@ -149,16 +149,20 @@ def load_model(name: str):
     return model, tokenizer, str(name)
 
 
+class VocabArgumentError(ValueError):
+    """An argument that does not fit the model's vocabulary (the CLI makes it a usage error)."""
+
+
 def check_vocab_args(args, vocab: int) -> None:
-    """ValueError unless every cluster size and the frequent-token count fit the model's ``vocab``
-    rows: checked once the model is loaded, before minutes of recording."""
+    """VocabArgumentError unless every cluster size and the frequent-token count fit the model's
+    ``vocab`` rows: checked once the model is loaded, before minutes of recording."""
     for size in args.cluster_sizes:
         try:
             cluster_sizes(vocab, size)
         except ValueError as error:
-            raise ValueError(f"--cluster-sizes: {error}") from None
+            raise VocabArgumentError(f"--cluster-sizes: {error}") from None
     if args.frequent_tokens > vocab:
-        raise ValueError(f"--frequent-tokens {args.frequent_tokens} exceeds the model's {vocab} vocabulary rows")
+        raise VocabArgumentError(f"--frequent-tokens {args.frequent_tokens} exceeds the model's {vocab} vocabulary rows")
 
 
 def run_quality(args, model=None, tokenizer=None, description: Optional[str] = None) -> dict:
