@@ -85,7 +85,7 @@ __device__ __forceinline__ ClaimedItem claimed_item(const ClaimedArgs<T>& a, int
 // faster than two at every point of session 48's sweep (real and random batches of 16-64 rows). At
 // the 80 registers that three allow, the half and float instances spill, so they keep two. Wider
 // bfloat16 rows fit two blocks only and run an instance compiled for two: the three-block one's 80
-// registers cost them 1.1-3.0% (docs/benchmarks.md, session 49).
+// registers cost them 1.0-3.1% (docs/benchmarks.md, session 50).
 template <typename T>
 constexpr int kClaimedMostBlocksPerSm = std::is_same_v<T, __nv_bfloat16> ? 3 : kCandBlocksPerSm;
 
