@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ._cli import device_arg, output_file, positive_int, positive_int_list
+from ._cli import device_arg, output_file, positive_int, positive_int_list, write_output
 from .prompts import DEFAULT_PROMPTS, load_prompts
 
 def next_tokens(head, hidden: Tensor, rows_per_call: int = 16) -> Tensor:
@@ -182,9 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return spec_cli.run(args, vars(args).pop("spec_parser"))
     result = args.run(args)
     print(args.report(result))
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_output(args.json, json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)
     return 0
 

@@ -45,6 +45,14 @@ def output_file(text: str) -> str:
     return text
 
 
+def write_output(path, text: str) -> Path:
+    """Writes a run's output file (an ``output_file`` path), making its directories; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
 def positive_int(text: str) -> int:
     """argparse ``type`` of a count: an integer >= 1."""
     value = int(text)

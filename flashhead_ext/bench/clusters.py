@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 
-from .._cli import choices_list, device_arg, doc_summary, output_file, positive_int
+from .._cli import choices_list, device_arg, doc_summary, output_file, positive_int, write_output
 from ..clustering import build_clusters
 from .timing import format_table, run_metadata
 
@@ -61,8 +60,6 @@ def main(argv=None) -> int:
     print(format_table(rows, [("shape", "shape", ""), ("vocab", "V", "d"), ("dim", "D", "d"), ("clusters", "C", "d"),
                               ("iters", "iters run", "d"), ("device", "device", ""), ("threads", "threads", "d"),
                               ("seconds", "seconds", ".1f"), ("seconds_per_iter", "s/iter", ".2f"), ("equal_sizes", "equal", "")]))
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": run_metadata(), "rows": rows}, indent=1))
+    out = write_output(args.json, json.dumps({"meta": run_metadata(), "rows": rows}, indent=1))
     print(f"wrote {out}")
     return 0

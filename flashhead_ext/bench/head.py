@@ -17,12 +17,11 @@ import argparse
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from .. import ops
-from .._cli import choices_list, device_arg, doc_summary, output_file, positive_int, positive_int_list
+from .._cli import choices_list, device_arg, doc_summary, output_file, positive_int, positive_int_list, write_output
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
@@ -213,9 +212,8 @@ def main(argv=None) -> int:
         print(f"{args.special_tokens} special tokens scored at every step")
     print(format_table(rows, COLUMNS))
     print(summary(rows, args.shapes[0]))
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "args": {k: v for k, v in vars(args).items()}, "rows": rows}, indent=1))
+    out = write_output(args.json, json.dumps({"meta": meta, "args": {k: v for k, v in vars(args).items()}, "rows": rows},
+                                             indent=1))
     print(f"wrote {out}")
     return 0
 

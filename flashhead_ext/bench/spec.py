@@ -20,12 +20,11 @@ import argparse
 import math
 from collections.abc import Mapping
 from functools import partial
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from .._cli import choices_list, device_arg, output_file, positive_int
+from .._cli import choices_list, device_arg, output_file, positive_int, write_output
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
@@ -262,10 +261,7 @@ def _time(fn, args, cuda: bool) -> float:
 def _write(path, payload: dict) -> None:
     import json
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1))
-    print(f"wrote {path}")
+    print(f"wrote {write_output(path, json.dumps(payload, indent=1))}")
 
 
 # ---- end to end ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .._cli import non_negative_int, output_file, positive_int, positive_int_list
+from .._cli import non_negative_int, output_file, positive_int, positive_int_list, write_output
 from ..prompts import DEFAULT_PROMPTS
 from .quality import METHODS, VocabArgumentError, format_table, model_problem, plot, run_quality
 
@@ -94,9 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except VocabArgumentError as error:
         command_parser.error(str(error))
     print(format_table(result))
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_output(args.json, json.dumps(result, indent=2) + "\n")
     if plotting:
         plot(result, Path(args.plot))
     print(f"wrote {args.json}" + (f" and {args.plot}" if plotting else ""), file=sys.stderr)

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
+from .._cli import write_output
 from ..bench.timing import format_table
 from .draft import HEADS
 from .driver import MODES
@@ -192,10 +193,7 @@ def reading(rows: list) -> str:
 
 
 def write_json(path, meta: dict, rows: list, records: list) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(meta=meta, summary=rows, runs=records), indent=1))
-    return path
+    return write_output(path, json.dumps(dict(meta=meta, summary=rows, runs=records), indent=1))
 
 
 __all__ = ["RunConfig", "plan_configs", "encode_prompt", "run_interleaved", "summarize", "format_summary", "reading",
