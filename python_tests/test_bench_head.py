@@ -16,7 +16,8 @@ def test_head_bench_cli_with_special_tokens(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     shape = SHAPES["tiny"]
     points = {(r["batch"], r["probes"]) for r in rows}
-    assert points == {(1, 7), (1, 31), (3, min(256, shape.num_clusters))}
+    batch_probes = min(256, shape.num_clusters)  # --batch-probes' default, capped
+    assert points == {(1, 7), (1, 31), (1, batch_probes), (3, batch_probes)}
     assert all(r["special_tokens"] == 5 and r["us"] > 0 and r["x_vs_dense"] > 0 for r in rows)
     assert len(rows) == 6 * len(points)  # every impl at every point (eager only on a CPU)
     greedy, fp8 = (next(r for r in rows if r["impl"] == impl and r["batch"] == 1 and r["probes"] == 7)
@@ -65,6 +66,17 @@ def test_summary_names_a_baseline_that_was_not_run():
     assert "3.00x torch_flash (goal >= 4)" in summary(rows, "qwen3-0.6b")
     assert "flash_greedy_fp8 16.8 us, 5.00x dense" in summary(rows, "qwen3-0.6b")
     assert "nothing to compare" in summary([dict(r, mode="eager") for r in rows], "qwen3-0.6b")
+
+
+def test_summary_finds_where_dense_wins_at_the_batch_sweeps_probes():
+    # Batch 1 also has a probes sweep; only its point at the sweep's probes counts, as at batch 2.
+    timings = {(1, 1024): (84.0, 90.0), (1, 256): (84.0, 16.0), (2, 256): (85.0, 20.0), (4, 256): (86.0, 86.5)}
+    rows = [dict(shape="qwen3-0.6b", batch=b, probes=p, mode="graph", impl=impl, us=us)
+            for (b, p), pair in timings.items() for impl, us in zip(("dense", "flash_greedy"), pair)]
+    assert "dense wins from batch: 4" in summary(rows, "qwen3-0.6b")
+    assert "dense wins from batch: 1" in summary(rows, "qwen3-0.6b", batch_probes=1024)
+    faster_at_4 = [dict(r, us=80.0) if (r["batch"], r["impl"]) == (4, "flash_greedy") else r for r in rows]
+    assert "dense wins from batch: never up to 4" in summary(faster_at_4, "qwen3-0.6b")
 
 
 def test_head_bench_times_a_capped_probes_value_once(tmp_path):

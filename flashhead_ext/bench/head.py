@@ -142,7 +142,7 @@ def plan(args) -> list[dict]:
         probes_list = args.probes if main else sorted({256, default_probes})
         wanted = [(1, p) for p in probes_list]
         if main:
-            wanted += [(batch, args.batch_probes) for batch in args.batches if batch != 1]
+            wanted += [(batch, args.batch_probes) for batch in args.batches]
         for batch, p in wanted:
             point = dict(shape=name, batch=batch, probes=min(p, shape.num_clusters))
             if point not in points:
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     parser.add_argument("--probes", type=positive_int_list, default="32,256,593,1024",
                         help="probes swept at batch 1 on the first shape (capped at its clusters)")
     parser.add_argument("--batches", type=positive_int_list, default="1,2,4,8,16,32,64",
-                        help="batch sizes swept on the first shape")
+                        help="batch sizes swept on the first shape, at --batch-probes")
     parser.add_argument("--batch-probes", type=positive_int, default=256, help="probes used in the batch sweep")
     parser.add_argument("--special-tokens", type=int, default=0,
                         help="ids scored at every step besides the clusters' (the last N of the vocabulary), "
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     if args.special_tokens:
         print(f"{args.special_tokens} special tokens scored at every step")
     print(format_table(rows, COLUMNS))
-    print(summary(rows, args.shapes[0]))
+    print(summary(rows, args.shapes[0], min(args.batch_probes, SHAPES[args.shapes[0]].num_clusters)))
     out = write_output(args.json, json.dumps({"meta": meta, "args": {k: v for k, v in vars(args).items()}, "rows": rows},
                                              indent=1))
     print(f"wrote {out}")
@@ -233,8 +233,9 @@ def add_ratios(rows: list[dict]) -> None:
                 r[f"x_vs_{base}"] = index[(*key, base)] / r["us"]
 
 
-def summary(rows: list[dict], main_shape: str) -> str:
-    """Key numbers against the issue's goals, and the batch at which dense starts to win."""
+def summary(rows: list[dict], main_shape: str, batch_probes: int = 256) -> str:
+    """Key numbers against the issue's goals, and the batch at which dense starts to win (at the
+    batch sweep's probes, `batch_probes` as capped in the rows)."""
     def pick(**kw):
         return next((r for r in rows if all(r.get(k) == v for k, v in kw.items())), None)
 
@@ -253,10 +254,11 @@ def summary(rows: list[dict], main_shape: str) -> str:
     if fp8:
         ratio = f", {fp8['x_vs_dense']:.2f}x dense" if "x_vs_dense" in fp8 else ""
         lines.append(f"  fp8 centroids, B=1 p=256 graph: flash_greedy_fp8 {fp8['us']:.1f} us{ratio}")
-    batch_rows = sorted({r["batch"] for r in rows if r["shape"] == main_shape and r["impl"] == "dense" and r["mode"] == "graph"})
+    sweep = dict(shape=main_shape, probes=batch_probes, mode="graph")
+    batch_rows = sorted({r["batch"] for r in rows if r["impl"] == "dense" and all(r.get(k) == v for k, v in sweep.items())})
     wins = [b for b in batch_rows
-            if (d := pick(shape=main_shape, batch=b, impl="dense", mode="graph"))
-            and (f := pick(shape=main_shape, batch=b, impl="flash_greedy", mode="graph")) and d["us"] <= f["us"]]
+            if (d := pick(**sweep, batch=b, impl="dense"))
+            and (f := pick(**sweep, batch=b, impl="flash_greedy")) and d["us"] <= f["us"]]
     if batch_rows:
         lines.append(f"  dense wins from batch: {wins[0] if wins else 'never up to ' + str(batch_rows[-1])}")
     if not greedy and not batch_rows:
