@@ -53,14 +53,31 @@ TORCH_LIBRARY(flashhead, m) {
       " int[] sliding_layers=[], Tensor? sliding_cos=None, Tensor? sliding_sin=None, float input_scale=1.0) -> Tensor");
 }
 
+namespace {
+constexpr const char* kOps[] = {"select_clusters",  "sample_clusters", "gather_candidates", "candidate_logits",
+                                "decode_greedy",    "decode_greedy_out", "decode_sample",   "fused_linear",
+                                "rotary_cache_write", "decode_attention", "decoder_step"};
+
+// Autocast leaves the ops' dtypes alone: their inputs are not cast, and the ATen calls inside the
+// CPU references (float32 matmuls) are not cast either, which had made their scores and logits
+// bfloat16 under torch.autocast("cpu") (a selection other than the reference's).
+void without_autocast(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::AutocastCPU), stack);
+}
+}  // namespace
+
 // The ops are for inference and have no derivatives. Without an autograd kernel torch's default
 // fallback differentiated the CPU references through their ATen calls but gave CUDA inputs no
 // gradient (a warning at most); this kernel makes a backward through any op raise, on every device.
 TORCH_LIBRARY_IMPL(flashhead, Autograd, m) {
-  for (const char* op : {"select_clusters", "sample_clusters", "gather_candidates", "candidate_logits", "decode_greedy",
-                         "decode_greedy_out", "decode_sample", "fused_linear", "rotary_cache_write", "decode_attention",
-                         "decoder_step"})
-    m.impl(op, torch::autograd::autogradNotImplementedFallback());
+  for (const char* op : kOps) m.impl(op, torch::autograd::autogradNotImplementedFallback());
+}
+TORCH_LIBRARY_IMPL(flashhead, AutocastCPU, m) {
+  for (const char* op : kOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&without_autocast>());
+}
+TORCH_LIBRARY_IMPL(flashhead, AutocastCUDA, m) {
+  for (const char* op : kOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&without_autocast>());
 }
 
 // `import flashhead_ext._C` loads this library, which runs the registrations above; the module

@@ -10,7 +10,7 @@ import torch
 import reference as ref
 from flashhead_ext import ops
 from helpers import (DEVICES, DTYPES, TWO_GPUS, Problem, Shape, assert_same_ids, assert_values_close,
-                     check_decode_greedy, check_decode_sample, check_ranked_selection, exact_on, make_problem)
+                     check_decode_greedy, check_decode_sample, check_ranked_selection, exact_on, make_problem, seed_tensor)
 
 # B in 1, 3, 17; D in 64, 576 and odd 7 and 1; C not a power of two; p in 1, C//16, C; b in 1, 4, 16;
 # padded tables (V not a multiple of b); extra ids (one already a candidate, one repeated).
@@ -263,3 +263,25 @@ def test_ops_run_on_their_inputs_gpu_not_the_current_one(dtype):
         for output, expected in zip(outputs, first[name]):
             assert output.device == torch.device("cuda:1"), name
             assert torch.equal(output.cpu(), expected.cpu()), name
+
+
+@device_params
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_autocast_changes_no_op(dtype, device):
+    # Inside torch.autocast the ops run as outside it: float32 scores and logits, the same ids.
+    problem = make_problem(Shape(B=3, D=576, C=257, b=4, p=257 // 16, pad=3, extras=True), dtype, device)
+    hidden, centroids, table, embedding, probes, extra = problem.args()
+    seed = seed_tensor(11, device)
+    candidates = ops.gather_candidates(ops.select_clusters(hidden, centroids, probes)[0], table, extra)
+
+    def run_all():
+        return (*ops.select_clusters(hidden, centroids, probes), *ops.sample_clusters(hidden, centroids, probes, 0.7, seed=seed),
+                ops.candidate_logits(hidden, embedding, candidates), ops.decode_greedy(*problem.args()),
+                *ops.decode_sample(*problem.args()[:5], 0.7, extra, seed=seed),
+                ops.fused_linear(hidden, embedding[:40]))
+
+    plain = run_all()
+    with torch.autocast(torch.device(device).type, dtype=torch.float16 if dtype == torch.bfloat16 else torch.bfloat16):
+        cast = run_all()
+    for i, (a, b) in enumerate(zip(plain, cast)):
+        assert a.dtype == b.dtype and torch.equal(a, b), i
