@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -196,7 +197,13 @@ def read_config(directory: Path) -> dict:
     for name in (CONFIG_NAME, "config.json"):
         path = directory / name
         if path.is_file():
-            found = {k: v for k, v in json.loads(path.read_text()).items() if k in CONFIG_KEYS}
+            try:
+                config = json.loads(path.read_text())
+            except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
+                raise ValueError(f"{path} is not a JSON file: {error}") from error
+            if not isinstance(config, dict):
+                raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+            found = {k: v for k, v in config.items() if k in CONFIG_KEYS}
             if found or name == CONFIG_NAME:
                 return found
     return {}
@@ -224,7 +231,10 @@ def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> Flas
     path = directory / cache_dir / TENSORS_NAME
     if not path.is_file():
         raise FileNotFoundError(f"expected FlashHead clustering tensors at {path} (flash_head_cache_dir={cache_dir!r})")
-    tensors = load_file(str(path))
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{path} is not a readable safetensors file: {error}") from error
     for name in ("centroids", "cluster_assignments"):
         if name not in tensors:
             raise ValueError(f"{path} has no tensor {name!r} (found {sorted(tensors)}); "
