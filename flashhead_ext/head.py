@@ -230,7 +230,10 @@ class FlashHead(_HeadBase):
             rows = self._as_centroids(name, given, embedding, torch.float32 if quantized else embedding.dtype)
             rows, scale = ops.quantize_centroids(rows) if quantized else (rows, None)
             self.register_buffer(name, rows)
-            self.register_buffer(self._SCALES[name], scale)
+            if scale is None:  # a plain attribute: torch.export (non-strict) fails on None buffers
+                self.__dict__[self._SCALES[name]] = None
+            else:
+                self.register_buffer(self._SCALES[name], scale)
         if self.sampling_centroids.shape[0] != self.centroids.shape[0]:
             raise ValueError(f"sampling_centroids must have one row per cluster like centroids ({self.centroids.shape[0]}), "
                              f"got shape {tuple(self.sampling_centroids.shape)}")
@@ -305,8 +308,10 @@ class FlashHead(_HeadBase):
         super().__setstate__(state)
         if self._buffers.get("extra_ids") is None:  # pickled when no special tokens meant None
             self._buffers["extra_ids"] = torch.empty(0, dtype=torch.int32, device=self.centroids.device)
-        for scale in self._SCALES.values():  # pickled before fp8 centroids: no scales
-            self._buffers.setdefault(scale, None)
+        for scale in self._SCALES.values():  # pickled before fp8 centroids (no scales) or with None buffers
+            if self._buffers.get(scale) is None:
+                self._buffers.pop(scale, None)
+                self.__dict__[scale] = None
 
     @property
     def centroid_dtype(self) -> torch.dtype:

@@ -241,12 +241,17 @@ def test_state_dicts_from_before_extra_ids_was_always_saved_still_load():
     head.load_state_dict(old)  # strict
     assert head.extra_ids.numel() == 0
     assert torch.equal(head.next_token(problem.hidden), plain.next_token(problem.hidden))
-    # ... and pickled heads of that time hold None, and no centroid scales (before fp8 centroids).
+    # ... and pickled heads of that time hold None, and no centroid scales (before fp8 centroids);
+    # later ones held the scales as None buffers, which are attributes now (torch.export).
     plain._buffers["extra_ids"] = None
-    del plain._buffers["centroid_scale"], plain._buffers["sampling_centroid_scale"]
-    restored = pickle.loads(pickle.dumps(plain))
-    assert restored.extra_ids.numel() == 0 and restored.num_candidates == problem.probes * SHAPE.b
-    assert torch.equal(restored.next_token(problem.hidden), head.next_token(problem.hidden))
+    for scales in ({}, {"centroid_scale": None, "sampling_centroid_scale": None}):
+        del plain.__dict__["centroid_scale"], plain.__dict__["sampling_centroid_scale"]
+        plain._buffers.update(scales)
+        restored = pickle.loads(pickle.dumps(plain))
+        assert restored.extra_ids.numel() == 0 and restored.num_candidates == problem.probes * SHAPE.b
+        assert restored.centroid_scale is None and "centroid_scale" not in restored._buffers
+        assert torch.equal(restored.next_token(problem.hidden), head.next_token(problem.hidden))
+        plain = restored
 
 
 def test_loading_special_tokens_keeps_the_buffer_when_it_fits_and_drops_repeats():
