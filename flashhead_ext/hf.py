@@ -114,6 +114,11 @@ def load_smollm2(dtype: torch.dtype = torch.float32, *, cache: bool = True):
     return from_pretrained(directory, dtype)
 
 
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (its OptimizedModule's ``_orig_mod``), or ``model`` itself."""
+    return getattr(model, "_orig_mod", model)
+
+
 def output_embedding(model: nn.Module) -> Tensor:
     """The output embedding ``[V, D]`` of a transformers causal LM (its lm_head weight, tied or not)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -278,6 +283,12 @@ def calibration_states(model, tokenizer, prompts=DEFAULT_PROMPTS, per_category: 
 HEAD_CHANGED = "the output head changed since attach (e.g. resize_token_embeddings): detach(model) and attach it again"
 
 
+def _check_head_dtype(weight: Tensor) -> None:
+    if weight.dtype not in HEAD_DTYPES:
+        raise TypeError(f"the model's output head weight is {weight.dtype}; FlashHead takes float16, bfloat16 or "
+                        "float32 weights: cast the model (e.g. model.float()) or detach(model)")
+
+
 class FlashHeadAttachment:
     """What :func:`attach` puts on a model (as ``model.flash_head``): the output head's new forward.
 
@@ -332,9 +343,7 @@ class FlashHeadAttachment:
     @torch.compiler.disable  # clustering tables are checked on the host: a graph break, once per change
     def _rebuild(self) -> FlashHead:
         weight = self.linear.weight
-        if weight.dtype not in HEAD_DTYPES:
-            raise TypeError(f"the model's output head weight is {weight.dtype}; FlashHead takes float16, bfloat16 or "
-                            "float32 weights: cast the model (e.g. model.float()) or detach(model)")
+        _check_head_dtype(weight)
         # Built outside inference mode, so a head first built inside it still serves forwards
         # that record autograd.
         with torch.inference_mode(False):
@@ -360,8 +369,9 @@ class FlashHeadAttachment:
                 return self._replaced_forward(hidden)
             return nn.functional.linear(hidden, self.linear.weight)
         head = self.head()
-        # The head's device, as accelerate's hook (which this forward replaces) would move it.
-        ids, logits = head.candidate_logits(hidden.to(head.embedding.device))
+        # The head's device, as accelerate's hook (which this forward replaces) would move it, and its
+        # dtype: under autocast a float32 head gets the body's bfloat16 or float16 states.
+        ids, logits = head.candidate_logits(hidden.to(device=head.embedding.device, dtype=head.embedding.dtype))
         out = logits.new_full((*logits.shape[:-1], head.vocab_size), float("-inf"))
         # Masked slots (-1) carry -inf; "amax" keeps them from overwriting token 0's real logit.
         out.scatter_reduce_(-1, ids.clamp(min=0).long(), logits, reduce="amax")
@@ -405,10 +415,12 @@ def _published_assets_dir(model) -> Optional[Path]:
         return None
     tensors = _hub_cached_file(name, f"{cache_dir}/{TENSORS_NAME}", getattr(config, "_commit_hash", None))
     if tensors is None:
+        # A model loaded from a relative directory, then the working directory changed, lands here too.
         raise FileNotFoundError(
-            f"the config of {name!r} names FlashHead assets (flash_head_cache_dir={cache_dir!r}) but "
-            f"{cache_dir}/{TENSORS_NAME} is not in the local Hugging Face cache: fetch it with "
-            f"huggingface_hub.snapshot_download({name!r}, allow_patterns=[{cache_dir + '/*'!r}]), or pass assets=")
+            f"the config of {name!r} names FlashHead assets (flash_head_cache_dir={cache_dir!r}) but {name!r} is no "
+            f"directory here ({os.getcwd()}) and {cache_dir}/{TENSORS_NAME} is not in the local Hugging Face cache: "
+            f"for a hub model fetch it with huggingface_hub.snapshot_download({name!r}, "
+            f"allow_patterns=[{cache_dir + '/*'!r}]), or pass assets= (e.g. the checkpoint directory)")
     return tensors.parents[len(Path(cache_dir).parts)]
 
 
@@ -461,6 +473,7 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
         raise ValueError("the model's output head has a bias; FlashHead scores bias-free heads only")
     if hasattr(model, "flash_head"):
         raise ValueError("a FlashHead is already attached to this model; call detach(model) first")
+    _check_head_dtype(linear.weight)  # before clustering, which would name its own argument
     # Before minutes of clustering; kept as None unless fp8, so a cast model's rebuilt head follows it.
     centroid_dtype = centroid_dtype_option(centroid_dtype, linear.weight.dtype)
     embedding = linear.weight.detach()

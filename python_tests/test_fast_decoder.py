@@ -275,6 +275,9 @@ def test_early_exit_layers_and_state_dict_loading():
     # The config says untied: without the head's key, tying it to the input embedding would give wrong logits.
     with pytest.raises(ValueError, match="state_dict has no 'lm_head.weight'.*tie_word_embeddings=False"):
         Decoder.from_state_dict(model.config, body, max_len=16)
+    # A torch.compile'd model: its wrapper's state dict prefixes every key with "_orig_mod.".
+    compiled = Decoder.from_hf(torch.compile(model), max_len=16, num_layers=1)
+    torch.testing.assert_close(compiled.forward(ids), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_decoder_bad_arguments_name_the_argument():
@@ -410,6 +413,21 @@ def test_fast_runner_is_exact_in_every_mode(arch, mode):
             assert gen.stats.accepted_per_round == [min(e, k) for e in gen.stats.emitted_per_round]
         if mode == "baseline":
             break
+
+
+@pytest.mark.parametrize("mode", ["ordinary", "deferred"])
+def test_fast_runner_follows_a_changed_k(mode):
+    # The steps' buffers are sized by k: a new k rebuilds them (a wrong size had failed mid-generate).
+    target, drafts = fast_models("llama")
+    runner = FastSpeculativeDecoder(target, drafts["early"], head_for(drafts["early"], "dense"), k=4)
+    for k in (2, 6, 4):
+        runner.k = k
+        gen = runner.generate(prompt(k), mode=mode, max_new_tokens=NEW)
+        assert tuple(gen.tokens) == reference("llama", k)
+        check_counters(gen, mode, k, NEW)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        runner.k = 0
+    assert runner.k == 4
 
 
 def padded_target_and_short_draft(device: str, dtype: torch.dtype):
@@ -786,6 +804,11 @@ def test_graph_replay_equals_eager(mode, head, attention):
     assert tokens[True] == tokens[False]
     # float32 weights on the GPU (no TF32): the float64 reference's tokens, whose margins are far wider.
     assert tuple(tokens[True][0]) == reference("qwen3", 6)
+    if mode != "baseline":
+        runner.k = 5  # the steps' graphs are captured again for it
+        gen = runner.generate(prompt(6), mode=mode, max_new_tokens=NEW)
+        check_counters(gen, mode, 5, NEW)
+        assert tuple(gen.tokens) == reference("qwen3", 6)
 
 
 def _check_short_step_body(target: Decoder, draft: Decoder, body: str, mode: str, arch: str) -> None:

@@ -276,8 +276,8 @@ def test_attach_finds_a_hub_models_assets_in_the_local_hub_cache(tmp_path, monke
     detach(model)
     # Named by the config but not downloaded: an error that says so, not another clustering.
     model.config._commit_hash = "f" * 40
-    with pytest.raises(FileNotFoundError, match=r"not in the local Hugging Face cache: fetch it with "
-                                                r"huggingface_hub.snapshot_download\('acme/tiny'"):
+    with pytest.raises(FileNotFoundError, match=r"'acme/tiny' is no directory here .* not in the local Hugging Face cache: "
+                                                r"for a hub model fetch it with huggingface_hub.snapshot_download\('acme/tiny'"):
         attach(model)
 
 
@@ -450,6 +450,23 @@ def test_attach_names_an_output_head_dtype_it_cannot_take():
     detach(model)
     with pytest.raises(TypeError, match=message):
         attach(model, assets)
+    with pytest.raises(TypeError, match=message):  # before a clustering is built for it
+        attach(model)
+
+
+def test_attached_float32_head_takes_the_bfloat16_states_of_autocast():
+    model = _tiny_llama(tied=False).to(torch.bfloat16)
+    model.lm_head.float()
+    assets = _tiny_assets(model)
+    attach(model, assets, probes=assets.num_clusters)
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model.lm_head(hidden)
+        tokens = model.generate(torch.tensor([[5, 7, 11]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    # Every cluster probed: the float32 logits of the float32 head over the bfloat16 states.
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden.float() @ model.lm_head.weight.detach().t(), rtol=1e-5, atol=1e-5)
+    assert tokens.shape == (1, 7)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -232,6 +232,15 @@ def test_accepted_counts_only_emitted_proposals(mode):
     check_counters(gen, mode, k, NEW)
 
 
+def test_early_exit_draft_of_a_compiled_target_shares_its_modules():
+    target = tiny_model("llama")
+    draft = early_exit_draft(torch.compile(target), 2)
+    assert draft.base_model.layers[1] is target.base_model.layers[1] and draft.lm_head is target.lm_head
+    ids = prompt(3).view(1, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(draft(input_ids=ids).logits, early_exit_draft(target, 2)(input_ids=ids).logits)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_acceptance_of_the_target_itself_and_of_unrelated_weights(arch):
     target, ref = tiny_model(arch), reference(arch, 5)

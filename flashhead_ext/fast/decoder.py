@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import ops
-from ..hf import greedy_logit_settings
+from ..hf import greedy_logit_settings, uncompiled
 
 # SmolLM2 is a Llama; Qwen2 (and 2.5) adds biases to q, k and v; Qwen3 RMSNorm on q and k; Gemma-3
 # (text) also GELU, norms on the attention's and the MLP's outputs, scaled embeddings and
@@ -397,6 +397,7 @@ class Decoder:
         an early-exit draft). Weights are copied into the fused layout; ``eos_token_id`` is the
         model's ``generation_config.eos_token_id``, ``generation_settings`` the logits processors it
         sets, which the runner does not apply (:func:`flashhead_ext.hf.greedy_logit_settings`)."""
+        model = uncompiled(model)  # a compiled model's state dict names every weight "_orig_mod."...
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "state_dict"):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")

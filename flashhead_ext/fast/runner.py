@@ -123,7 +123,7 @@ class FastSpeculativeDecoder:
             need ``max_len >= 3 * (k + 2)``.
         draft_head: ``"dense"`` (the draft's own output embedding; a float32 copy of a float64 one)
             or a DenseHead / FlashHead on the draft's device.
-        k: proposals per round.
+        k: proposals per round; it may be changed later (the steps are rebuilt for it).
         eos_token_id: int or ints that end a generation (emitted, then stop). None: the target's
             ``eos_token_id`` (``Decoder.from_hf``: the model's ``generation_config.eos_token_id``, as
             :class:`SpeculativeDecoder`); an empty list: never stop early, which also lets deferred
@@ -151,7 +151,7 @@ class FastSpeculativeDecoder:
             raise TypeError(f"target must be a flashhead_ext.fast.Decoder, got {type(target).__name__}")
         if draft is not None and not isinstance(draft, Decoder):
             raise TypeError(f"draft must be a flashhead_ext.fast.Decoder or None, got {type(draft).__name__}")
-        self.target, self.draft, self.k = target, draft, require_positive_int("k", k)
+        self.target, self.draft, self._k = target, draft, require_positive_int("k", k)
         self.eos = eos_ids(eos_token_id, target.eos_token_id, target.config.vocab_size)
         warn_unapplied_generation_settings(target.generation_settings)
         if synthetic_acceptance is not None:
@@ -167,6 +167,19 @@ class FastSpeculativeDecoder:
         if draft is not None:
             self.head = self._check_draft(draft, draft_head)
         self._build()
+
+    @property
+    def k(self) -> int:
+        """Proposals per round. Setting another value rebuilds the steps (on a GPU, recaptures their
+        graphs), whose buffers are sized by it."""
+        return self._k
+
+    @k.setter
+    def k(self, value: int) -> None:
+        value = require_positive_int("k", value)
+        if value != self._k:
+            self._k = value
+            self._build()
 
     def _check_draft(self, draft: Decoder, head) -> _HeadBase:
         if draft.length is self.target.length:  # the same Decoder, or a copy of it

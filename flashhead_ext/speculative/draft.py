@@ -9,7 +9,7 @@ from torch import nn
 
 from ..assets import default_probes, flash_head_for
 from ..head import DenseHead, FlashHead, centroid_dtype_option
-from ..hf import output_embedding
+from ..hf import output_embedding, uncompiled
 
 HEADS = ("dense", "flashhead")
 
@@ -24,6 +24,7 @@ def early_exit_draft(target, num_layers: int):
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int):
         raise TypeError(f"num_layers must be an int, got {type(num_layers).__name__}")
+    target = uncompiled(target)  # the draft shares the modules, not the compiled wrapper
     body = getattr(target, "base_model", None)
     layers = getattr(body, "layers", None)
     if body is None or body is target or not isinstance(layers, nn.ModuleList):

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..head import DenseHead, FlashHead, _HeadBase
-from ..hf import greedy_logit_settings, output_embedding, warn_unapplied_generation_settings
+from ..hf import greedy_logit_settings, output_embedding, uncompiled, warn_unapplied_generation_settings
 from .draft import make_draft_head
 
 MODES = ("baseline", "ordinary", "deferred")
@@ -276,7 +276,7 @@ def cache_keyword(module) -> str:
     installed transformers' keyword."""
     from transformers import LlamaForCausalLM
 
-    base = getattr(module, "_orig_mod", module)  # torch.compile's OptimizedModule
+    base = uncompiled(module)
     if hasattr(base, "get_base_model"):  # a PEFT model
         base = base.get_base_model()
     for forward in (base.forward, LlamaForCausalLM.forward):
