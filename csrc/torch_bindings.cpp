@@ -58,11 +58,13 @@ constexpr const char* kOps[] = {"select_clusters",  "sample_clusters", "gather_c
                                 "decode_greedy",    "decode_greedy_out", "decode_sample",   "fused_linear",
                                 "rotary_cache_write", "decode_attention", "decoder_step"};
 
-// Autocast leaves the ops' dtypes alone: their inputs are not cast, and the ATen calls inside the
-// CPU references (float32 matmuls) are not cast either, which had made their scores and logits
-// bfloat16 under torch.autocast("cpu") (a selection other than the reference's).
+// The ops run with autocast off. Autocast's default for a custom op (fall through) casts none of its
+// inputs, but leaves autocast on for the ATen calls inside it: the CPU references' float32 matmuls
+// and softmaxes then ran in bfloat16 under torch.autocast("cpu"), with bfloat16 scores and logits
+// and a selection other than the reference's.
 void without_autocast(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  // AutocastCPU is the lowest autocast key (torch 2.6-2.14): the keys after it are past autocast.
   op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::AutocastCPU), stack);
 }
 }  // namespace

@@ -205,7 +205,7 @@ class FlashHead(_HeadBase):
 
     # 2: extra_ids always in the state dict (before, absent without special tokens).
     _version = 2
-    # Each centroid set's scale buffer: None unless the set is float8_e4m3fn.
+    # Each centroid set's scale: a buffer when the set is float8_e4m3fn, else a None attribute.
     _SCALES = {"centroids": "centroid_scale", "sampling_centroids": "sampling_centroid_scale"}
 
     def __init__(

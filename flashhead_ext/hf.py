@@ -115,8 +115,11 @@ def load_smollm2(dtype: torch.dtype = torch.float32, *, cache: bool = True):
 
 
 def uncompiled(model: nn.Module) -> nn.Module:
-    """The module ``torch.compile`` wrapped (its OptimizedModule's ``_orig_mod``), or ``model`` itself."""
-    return getattr(model, "_orig_mod", model)
+    """The module ``torch.compile`` wrapped (its OptimizedModule's ``_orig_mod``, through every
+    wrapping), or ``model`` itself."""
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod
+    return model
 
 
 def output_embedding(model: nn.Module) -> Tensor:
@@ -303,7 +306,8 @@ class FlashHeadAttachment:
     ``attachment.head().sample(hidden, ...)`` directly, as the speculative driver does with any
     head. Classifier-free guidance (``generate(guidance_scale=...)``) subtracts two passes'
     log-probabilities; their candidate sets differ, so it needs every cluster probed (or the
-    dense head). ``head()`` is the FlashHead over the model's current output weight, rebuilt when
+    dense head). Under ``torch.autocast`` the hidden states are cast to the head's dtype (a float32
+    head of a bfloat16 body gets bfloat16 states). ``head()`` is the FlashHead over the model's current output weight, rebuilt when
     ``model.to()`` moved or cast that weight. Weights changed in place (``load_state_dict``,
     training) keep the clusters built for the old ones: ``detach`` and ``attach`` again.
     """
@@ -369,9 +373,13 @@ class FlashHeadAttachment:
                 return self._replaced_forward(hidden)
             return nn.functional.linear(hidden, self.linear.weight)
         head = self.head()
-        # The head's device, as accelerate's hook (which this forward replaces) would move it, and its
-        # dtype: under autocast a float32 head gets the body's bfloat16 or float16 states.
-        ids, logits = head.candidate_logits(hidden.to(device=head.embedding.device, dtype=head.embedding.dtype))
+        # The head's device, as accelerate's hook (which this forward replaces) would move it. Under
+        # autocast a float32 head of a bfloat16 or float16 body gets the body's states, which the
+        # dense head would take too: they are cast to the head's dtype (outside autocast a mismatch
+        # raises, as it does for the dense head).
+        cast = hidden.is_floating_point() and torch.is_autocast_enabled(hidden.device.type)
+        ids, logits = head.candidate_logits(
+            hidden.to(device=head.embedding.device, dtype=head.embedding.dtype if cast else hidden.dtype))
         out = logits.new_full((*logits.shape[:-1], head.vocab_size), float("-inf"))
         # Masked slots (-1) carry -inf; "amax" keeps them from overwriting token 0's real logit.
         out.scatter_reduce_(-1, ids.clamp(min=0).long(), logits, reduce="amax")
@@ -416,11 +424,12 @@ def _published_assets_dir(model) -> Optional[Path]:
     tensors = _hub_cached_file(name, f"{cache_dir}/{TENSORS_NAME}", getattr(config, "_commit_hash", None))
     if tensors is None:
         # A model loaded from a relative directory, then the working directory changed, lands here too.
+        where = "" if os.path.isabs(name) else f" from {os.getcwd()}"
         raise FileNotFoundError(
             f"the config of {name!r} names FlashHead assets (flash_head_cache_dir={cache_dir!r}) but {name!r} is no "
-            f"directory here ({os.getcwd()}) and {cache_dir}/{TENSORS_NAME} is not in the local Hugging Face cache: "
-            f"for a hub model fetch it with huggingface_hub.snapshot_download({name!r}, "
-            f"allow_patterns=[{cache_dir + '/*'!r}]), or pass assets= (e.g. the checkpoint directory)")
+            f"directory{where} and {cache_dir}/{TENSORS_NAME} is not in the local Hugging Face cache: for a hub "
+            f"model fetch it with huggingface_hub.snapshot_download({name!r}, allow_patterns=[{cache_dir + '/*'!r}]), "
+            "or pass assets= (e.g. the checkpoint directory)")
     return tensors.parents[len(Path(cache_dir).parts)]
 
 

@@ -1,4 +1,4 @@
-"""torch.compile(fullgraph=True) over the Python API, CUDA-graph capture and replay, and no host sync.
+"""torch.compile(fullgraph=True) and torch.export over the Python API, CUDA-graph capture and replay, and no host sync.
 
 Compiled and captured results must equal eager ones exactly (same kernels, same inputs).
 The inductor backend is used on both devices (about 5 s per compile on 2 CPU cores).
@@ -68,9 +68,6 @@ def test_compile_decode_sample_and_candidate_logits(device):
     assert torch.equal(ids, eager_ids) and torch.equal(logits, eager_logits)
 
 
-# ------------------------------------------------------------------------------------------
-# CUDA only: graph capture and host syncs.
-
 @device_params
 @pytest.mark.parametrize("centroid_dtype", [None, torch.float8_e4m3fn], ids=str)
 def test_export_flash_head(centroid_dtype, device):
@@ -82,6 +79,9 @@ def test_export_flash_head(centroid_dtype, device):
     for hidden in (problem.hidden, problem.hidden.flip(0).contiguous()):
         assert torch.equal(exported(hidden), head(hidden))
 
+
+# ------------------------------------------------------------------------------------------
+# CUDA only: graph capture and host syncs.
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)

@@ -809,6 +809,10 @@ def test_graph_replay_equals_eager(mode, head, attention):
         gen = runner.generate(prompt(6), mode=mode, max_new_tokens=NEW)
         check_counters(gen, mode, 5, NEW)
         assert tuple(gen.tokens) == reference("qwen3", 6)
+        with pytest.raises(ValueError, match=r"max_len must be >= 3 \* \(k \+ 2\) = 51 for graph capture"):
+            runner.k = 15  # a capture that fails leaves the steps as they were
+        assert runner.k == 5 and all(step.graph is not None for step in runner.steps.values())
+        assert tuple(runner.generate(prompt(6), mode=mode, max_new_tokens=NEW).tokens) == reference("qwen3", 6)
 
 
 def _check_short_step_body(target: Decoder, draft: Decoder, body: str, mode: str, arch: str) -> None:

@@ -276,7 +276,7 @@ def test_attach_finds_a_hub_models_assets_in_the_local_hub_cache(tmp_path, monke
     detach(model)
     # Named by the config but not downloaded: an error that says so, not another clustering.
     model.config._commit_hash = "f" * 40
-    with pytest.raises(FileNotFoundError, match=r"'acme/tiny' is no directory here .* not in the local Hugging Face cache: "
+    with pytest.raises(FileNotFoundError, match=r"'acme/tiny' is no directory from .* not in the local Hugging Face cache: "
                                                 r"for a hub model fetch it with huggingface_hub.snapshot_download\('acme/tiny'"):
         attach(model)
 
@@ -460,6 +460,8 @@ def test_attached_float32_head_takes_the_bfloat16_states_of_autocast():
     assets = _tiny_assets(model)
     attach(model, assets, probes=assets.num_clusters)
     hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with pytest.raises(TypeError, match="hidden must have the head's dtype torch.float32"):
+        model.lm_head(hidden)  # outside autocast, as the dense head refuses it
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model.lm_head(hidden)
         tokens = model.generate(torch.tensor([[5, 7, 11]]), max_new_tokens=4, do_sample=False, pad_token_id=0)

@@ -41,11 +41,13 @@ def test_opcheck(op, shape, dtype, device):
 
 
 def test_every_op_has_the_autograd_kernel_that_refuses_a_backward():
-    # torch_bindings.cpp lists the ops again for their autograd kernels: an op added to the schema
-    # block but not to that list would fall back to torch's default, device-dependent autograd.
+    # torch_bindings.cpp lists the ops again for their autograd and autocast kernels: an op added to
+    # the schema block but not to that list would fall back to torch's default, device-dependent
+    # autograd, and its CPU reference's ATen calls would be autocast.
     ops = [name for name in torch._C._dispatch_get_all_op_names() if name.startswith("flashhead::")]
     assert len(ops) == 11
-    assert [name for name in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd")] == []
+    for key in ("Autograd", "AutocastCPU", "AutocastCUDA"):  # autocast: the ops run with it off
+        assert [name for name in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(name, key)] == [], key
 
 
 # The ops with float results (the selections' scores, the candidates' logits, sampling's log-probs).

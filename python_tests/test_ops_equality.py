@@ -268,17 +268,21 @@ def test_ops_run_on_their_inputs_gpu_not_the_current_one(dtype):
 @device_params
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_autocast_changes_no_op(dtype, device):
-    # Inside torch.autocast the ops run as outside it: float32 scores and logits, the same ids.
+    # Inside torch.autocast the ops run as outside it: float32 scores and logits, the same ids (the
+    # CPU references' own matmuls had been autocast).
     problem = make_problem(Shape(B=3, D=576, C=257, b=4, p=257 // 16, pad=3, extras=True), dtype, device)
     hidden, centroids, table, embedding, probes, extra = problem.args()
     seed = seed_tensor(11, device)
     candidates = ops.gather_candidates(ops.select_clusters(hidden, centroids, probes)[0], table, extra)
+    # 3 queries of 12 heads over a cache of 4 KV heads and 12 positions, head_dim 48.
+    queries, keys, values = hidden.view(3, 12, 48), embedding[:4].reshape(4, 12, 48), embedding[4:8].reshape(4, 12, 48)
 
     def run_all():
         return (*ops.select_clusters(hidden, centroids, probes), *ops.sample_clusters(hidden, centroids, probes, 0.7, seed=seed),
                 ops.candidate_logits(hidden, embedding, candidates), ops.decode_greedy(*problem.args()),
                 *ops.decode_sample(*problem.args()[:5], 0.7, extra, seed=seed),
-                ops.fused_linear(hidden, embedding[:40]))
+                ops.fused_linear(hidden, embedding[:40]),
+                ops.decode_attention(queries, keys, values, torch.tensor(5, device=device)))
 
     plain = run_all()
     with torch.autocast(torch.device(device).type, dtype=torch.float16 if dtype == torch.bfloat16 else torch.bfloat16):

@@ -361,6 +361,10 @@ def test_bad_inputs_name_the_argument():
         SpeculativeDecoder(target, target, head, k=0)
     with pytest.raises(TypeError, match="k must be an int"):
         SpeculativeDecoder(target, target, head, k=2.0)
+    decoder = SpeculativeDecoder(target, target, head, k=3)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        decoder.k = 0  # checked when set later, too
+    assert decoder.k == 3
     for bad in (["2"], 2.0, object(), torch.tensor([2.0])):
         with pytest.raises(TypeError, match="eos_token_id must be an int or a sequence of ints, got"):
             SpeculativeDecoder(target, target, head, eos_token_id=bad)

@@ -130,6 +130,11 @@ def measure(state: HeadState, impl: str, batch: int, probes: int, mode: str, cal
     return time_calls(run_all, calls_per_sample=calls, samples=samples, device=device)
 
 
+def capped_probes(probes: int, shape: VocabShape) -> int:
+    """A point's probes: at most the shape's clusters."""
+    return min(probes, shape.num_clusters)
+
+
 def plan(args) -> list[dict]:
     """The configurations to time: (shape, batch, probes) points, each with every impl and mode.
     Probes are capped at a shape's clusters; a point that capping repeats is timed once (the
@@ -144,7 +149,7 @@ def plan(args) -> list[dict]:
         if main:
             wanted += [(batch, args.batch_probes) for batch in args.batches]
         for batch, p in wanted:
-            point = dict(shape=name, batch=batch, probes=min(p, shape.num_clusters))
+            point = dict(shape=name, batch=batch, probes=capped_probes(p, shape))
             if point not in points:
                 points.append(point)
     return points
@@ -211,7 +216,7 @@ def main(argv=None) -> int:
     if args.special_tokens:
         print(f"{args.special_tokens} special tokens scored at every step")
     print(format_table(rows, COLUMNS))
-    print(summary(rows, args.shapes[0], min(args.batch_probes, SHAPES[args.shapes[0]].num_clusters)))
+    print(summary(rows, args.shapes[0], capped_probes(args.batch_probes, SHAPES[args.shapes[0]])))
     out = write_output(args.json, json.dumps({"meta": meta, "args": {k: v for k, v in vars(args).items()}, "rows": rows},
                                              indent=1))
     print(f"wrote {out}")

@@ -171,15 +171,22 @@ class FastSpeculativeDecoder:
     @property
     def k(self) -> int:
         """Proposals per round. Setting another value rebuilds the steps (on a GPU, recaptures their
-        graphs), whose buffers are sized by it."""
+        graphs) for it and for the models' current ``body`` and ``attention``; if that fails, the
+        steps are rebuilt for the old value before the error is raised."""
         return self._k
 
     @k.setter
     def k(self, value: int) -> None:
         value = require_positive_int("k", value)
-        if value != self._k:
-            self._k = value
+        if value == self._k:
+            return
+        old, self._k = self._k, value
+        try:
             self._build()
+        except BaseException:
+            self._k = old
+            self._build()
+            raise
 
     def _check_draft(self, draft: Decoder, head) -> _HeadBase:
         if draft.length is self.target.length:  # the same Decoder, or a copy of it

@@ -305,11 +305,20 @@ class SpeculativeDecoder:
             ``generation_config.eos_token_id``; an empty list: never stop early.
     """
 
+    @property
+    def k(self) -> int:
+        """Proposals per round; may be changed between generations."""
+        return self._k
+
+    @k.setter
+    def k(self, value: int) -> None:
+        self._k = require_positive_int("k", value)
+
     def __init__(self, target, draft=None, draft_head: Union[str, DenseHead, FlashHead] = "dense", *, k: int = 6,
                  eos_token_id: Union[int, Sequence[int], None] = None):
         self.target = target
         self._target_cache = cache_keyword(target)
-        self.k = require_positive_int("k", k)
+        self.k = k
         self.device = next(target.parameters()).device
         self.vocab_size = vocab = _output_embedding(target, "target").shape[0]
         self.eos = eos_ids(eos_token_id, getattr(getattr(target, "generation_config", None), "eos_token_id", None), vocab)
