@@ -3,7 +3,7 @@
 //
 // Conventions (docs/kernels.md): ids are int32; -1 in a candidate list marks a masked slot
 // (padding, a duplicated extra token, an out-of-range id) whose logit is -inf; scores and logits
-// are float32; ranking puts NaN below every number and breaks ties towards the smaller id.
+// are float32; ranking puts NaN where -inf would be and breaks ties towards the smaller id.
 // Centroids are of hidden's dtype or float8_e4m3fn; the ops that score them take an optional
 // centroid_scale (float32, one element on their device) that multiplies every centroid score.
 #include <Python.h>

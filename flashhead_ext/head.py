@@ -128,7 +128,7 @@ class DenseHead(_HeadBase):
 
     Its argmax is ``torch.argmax``'s over logits rounded to the model dtype, as in HF's greedy
     decoding: a NaN logit wins, and of two logits that round to one bfloat16 or float16 value the
-    smaller id wins. FlashHead ranks by float32 logits and NaN below every number (docs/kernels.md),
+    smaller id wins. FlashHead ranks by float32 logits and a NaN like -inf (docs/kernels.md),
     so with every cluster probed the two differ on rows holding a NaN and, in half precision, where
     the top two logits tie after rounding (about 1.5% of random bfloat16 rows at V = 4096).
     """

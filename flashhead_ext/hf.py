@@ -101,7 +101,8 @@ def load_smollm2(dtype: torch.dtype = torch.float32, *, cache: bool = True):
     """Loads SmolLM2-135M-Instruct (Llama, 30 layers, D=576, V=49152, tied head) offline.
 
     Returns ``(model, tokenizer)``, the model in eval mode on the CPU in ``dtype``. With ``cache``
-    the dequantised model is kept under the user cache directory keyed by the GGUF file's hash.
+    the dequantised model is kept under the user cache directory keyed by the GGUF file's hash and
+    the transformers version (a new version converts it again).
     """
     import transformers
 
@@ -465,8 +466,8 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
     Returns the :class:`FlashHeadAttachment`, also set as ``model.flash_head``; ``detach(model)``
     restores the dense head. Models that rescale logits after the head (Gemma-2's final logit
     softcapping) turn the non-candidates' ``-inf`` into their lowest logit, not ``-inf``. For
-    inference: FlashHead's logits carry no gradient to the output weight, and a loss over them is
-    infinite where a label falls outside the candidates.
+    inference: a backward through FlashHead's logits raises (``detach(model)`` to train), and a loss
+    over them is infinite where a label falls outside the candidates.
     """
     unknown = set(build_options) - _BUILD_OPTIONS
     if unknown:

@@ -19,7 +19,7 @@ Conventions shared by every op (docs/kernels.md):
   positive, since a negative scale reverses the ranking and 0 or NaN ties every score
   (``FlashHead`` makes its own scale and checks one loaded from a state dict).
 * ids are int32; ``-1`` in a candidate list is a masked slot whose logit is ``-inf``.
-* ranking: higher score first, NaN below every number, ties to the smaller id (cluster id for
+* ranking: higher score first, NaN like ``-inf``, ties to the smaller id (cluster id for
   cluster selection, token id for the final argmax, as ``torch.argmax`` on a dense row).
 * non-contiguous inputs are copied to contiguous memory first.
 
