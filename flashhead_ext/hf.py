@@ -308,9 +308,10 @@ class FlashHeadAttachment:
     head. Classifier-free guidance (``generate(guidance_scale=...)``) subtracts two passes'
     log-probabilities; their candidate sets differ, so it needs every cluster probed (or the
     dense head). Under ``torch.autocast`` the hidden states are cast to the head's dtype (a float32
-    head of a bfloat16 body gets bfloat16 states). ``head()`` is the FlashHead over the model's current output weight, rebuilt when
-    ``model.to()`` moved or cast that weight. Weights changed in place (``load_state_dict``,
-    training) keep the clusters built for the old ones: ``detach`` and ``attach`` again.
+    head of a bfloat16 body takes the body's states as float32). ``head()`` is the FlashHead over
+    the model's current output weight, rebuilt when ``model.to()`` moved or cast that weight.
+    Weights changed in place (``load_state_dict``, training) keep the clusters built for the old
+    ones: ``detach`` and ``attach`` again.
     """
 
     def __init__(self, linear: nn.Linear, assets, probes: Optional[int], centroid_dtype: Optional[torch.dtype] = None):
@@ -378,7 +379,8 @@ class FlashHeadAttachment:
         # autocast a float32 head of a bfloat16 or float16 body gets the body's states, which the
         # dense head would take too: they are cast to the head's dtype (outside autocast a mismatch
         # raises, as it does for the dense head).
-        cast = hidden.is_floating_point() and torch.is_autocast_enabled(hidden.device.type)
+        kind = hidden.device.type  # autocast knows no "meta", for one
+        cast = hidden.is_floating_point() and torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
         ids, logits = head.candidate_logits(
             hidden.to(device=head.embedding.device, dtype=head.embedding.dtype if cast else hidden.dtype))
         out = logits.new_full((*logits.shape[:-1], head.vocab_size), float("-inf"))

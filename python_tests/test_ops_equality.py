@@ -267,7 +267,7 @@ def test_ops_run_on_their_inputs_gpu_not_the_current_one(dtype):
 
 @device_params
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_autocast_changes_no_op(dtype, device):
+def test_ops_run_as_outside_autocast(dtype, device):
     # Inside torch.autocast the ops run as outside it: float32 scores and logits, the same ids (the
     # CPU references' own matmuls had been autocast).
     problem = make_problem(Shape(B=3, D=576, C=257, b=4, p=257 // 16, pad=3, extras=True), dtype, device)
