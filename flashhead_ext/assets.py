@@ -30,6 +30,7 @@ import hashlib
 import json
 import operator
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -183,8 +184,11 @@ def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering],
 
 def write_replacing(path: Path, write) -> None:
     """``write(partial)``, then the partial file replaces ``path`` at once: a failed or killed
-    write leaves the old file, never a truncated one."""
-    partial = path.with_name(path.name + ".partial")
+    write leaves the old file, never a truncated one. Each call writes a partial file of its own,
+    so processes filling one cache entry at once (every rank of a job) do not remove each other's."""
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    os.close(handle)
+    partial = Path(name)
     try:
         write(partial)
         partial.replace(path)

@@ -7,7 +7,9 @@ Padding scheme (V not a multiple of b). With ``cluster_size=b``, ``C = ceil(V / 
 ``n_clusters=C``, ``b = ceil(V / C)``. The ``P = C*b - V`` missing slots are dealt one per
 cluster from the last cluster backwards, wrapping round when ``P > C`` (tiny vocabularies only),
 so cluster sizes differ by at most one; those rows of ``cluster_tokens`` end in ``-1``, the
-padding value the ops mask. The table keeps width b even when no cluster is full.
+padding value the ops mask. The table is as wide as the largest cluster: b, or less where no
+cluster is full (P >= C), so a clustering saved and loaded again (which keeps no width) has the
+table it was built with.
 ``strict=True`` refuses such sizes with a ValueError instead.
 
 Algorithm. Rows are L2-normalised; centroids start at ``C`` distinct random rows (seeded). Each
@@ -246,7 +248,8 @@ def build_clusters(
     if cluster_size is None and n_clusters is None:
         cluster_size = 16
     vocab = embedding.shape[0]
-    width, sizes = cluster_sizes(vocab, cluster_size, n_clusters, strict)
+    sizes = cluster_sizes(vocab, cluster_size, n_clusters, strict)[1]
+    width = int(sizes.max())
     count = sizes.numel()
 
     rows = torch.nn.functional.normalize(embedding.detach().to(device or embedding.device, torch.float32), dim=1)

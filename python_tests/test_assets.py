@@ -92,6 +92,29 @@ def test_save_refuses_arguments_in_the_wrong_order(tmp_path, clustering):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("vocab,size", [(10, 7), (17, 16), (101, 16)])
+def test_a_cached_clustering_has_the_table_it_was_built_with(tmp_path, monkeypatch, vocab, size):
+    # Where no cluster is full (P >= C) the table had kept width b when built and come back as wide
+    # as its largest cluster from the cache, so a head's candidate count changed between runs.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    embedding = torch.randn(vocab, DIM, generator=torch.Generator().manual_seed(vocab))
+    built, _ = flash_head_for(embedding, size, progress=False)
+    cached, _ = flash_head_for(embedding, size, progress=False)
+    assert torch.equal(built.cluster_tokens, cached.cluster_tokens) and built.num_candidates == cached.num_candidates
+
+
+def test_concurrent_writes_of_one_file_each_land_whole(tmp_path):
+    # Two writers of one cache file at once (ranks of a job): neither removes the other's partial file.
+    target = tmp_path / "entry.txt"
+
+    def outer(partial):
+        partial.write_text("outer")
+        assets_mod.write_replacing(target, lambda inner: inner.write_text("inner"))
+
+    assets_mod.write_replacing(target, outer)
+    assert target.read_text() == "outer" and [p.name for p in tmp_path.iterdir()] == ["entry.txt"]
+
+
 def test_padded_clustering_round_trip(tmp_path):
     emb = torch.randn(99, 5, generator=torch.Generator().manual_seed(4))
     clustering = build_clusters(emb, 8, iters=2, progress=False)

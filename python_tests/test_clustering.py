@@ -54,14 +54,17 @@ def test_centroids_are_unit_norm_means_of_member_unit_rows():
     (101, {"cluster_size": 16}, 16, [1, 1, 1, 2, 2, 2, 2]),  # C = 7, P = 11
     (100, {"n_clusters": 7}, 15, [0, 0, 1, 1, 1, 1, 1]),  # b = 15, P = 5
     (10, {"cluster_size": 8}, 8, [3, 3]),  # P > C
+    (17, {"cluster_size": 7}, 7, [1, 1, 2]),  # P > C, wrapping
     (96, {"cluster_size": 16}, 16, [0] * 6),
 ])
 def test_padding_scheme(vocab, kwargs, width, expected_pads):
     b, sizes = cluster_sizes(vocab, **kwargs)
     assert b == width and sizes.tolist() == [width - p for p in expected_pads]
     result = build_clusters(_embedding(vocab, 4, seed=1), iters=3, progress=False, **kwargs)
-    assert result.cluster_tokens.shape == (len(expected_pads), width)
-    assert (result.cluster_tokens < 0).sum(dim=1).tolist() == expected_pads
+    # The table is as wide as the largest cluster: narrower than b where none is full (P >= C).
+    table_width = width - min(expected_pads)
+    assert result.cluster_tokens.shape == (len(expected_pads), table_width)
+    assert (result.cluster_tokens < 0).sum(dim=1).tolist() == [p - min(expected_pads) for p in expected_pads]
     _check_partition(result, vocab)
 
 
