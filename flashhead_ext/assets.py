@@ -40,8 +40,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from .clustering import (ALGORITHM_VERSION, GREEDY_SCORINGS, Clustering, build_clusters, calibrate_clusters, cluster_table,
-                         greedy_centroids)
+from .clustering import (ALGORITHM_VERSION, GREEDY_SCORINGS, Clustering, build_clusters, calibrate_clusters,
+                         check_clustering_inputs, cluster_table, greedy_centroids)
 from . import ops
 from .head import FlashHead, _check_embedding, centroid_dtype_option, special_token_list
 
@@ -319,6 +319,7 @@ def flash_head_for(
     makes more heads cheaply).
     """
     _check_embedding(embedding)  # the head's checks, before minutes of clustering
+    check_clustering_inputs(embedding, hidden)  # before the digests, which read their values
     special_token_ids = special_token_list(special_token_ids, embedding.shape[0])
     centroid_dtype = centroid_dtype_option(centroid_dtype, embedding.dtype)
     if probes is not None:

@@ -219,6 +219,16 @@ def _check_matrix(name: str, value, shape: str) -> None:
         raise ValueError(f"{name} holds NaN or infinite values; clustering needs finite rows")
 
 
+def check_clustering_inputs(embedding, hidden=None) -> None:
+    """The checks build_clusters makes of ``embedding`` and, with ``hidden``, calibrate_clusters of
+    both: a TypeError or ValueError naming the argument."""
+    _check_matrix("embedding", embedding, "[vocab_size, hidden_dim]")
+    if hidden is not None:
+        _check_matrix("hidden", hidden, f"[num_states, {embedding.shape[1]}]")
+        if hidden.shape[1] != embedding.shape[1]:
+            raise ValueError(f"hidden must have the embedding's hidden size {embedding.shape[1]}, got shape {tuple(hidden.shape)}")
+
+
 def build_clusters(
     embedding: Tensor,
     cluster_size: Optional[int] = None,
@@ -237,7 +247,7 @@ def build_clusters(
     with ``strict=True``. Runs on ``device`` (default: the embedding's) in float32; the same seed
     gives the same clustering on the same device. Returns a :class:`Clustering` on that device.
     """
-    _check_matrix("embedding", embedding, "[vocab_size, hidden_dim]")
+    check_clustering_inputs(embedding)
     for name, value in (("iters", iters), ("seed", seed)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -342,10 +352,7 @@ def calibrate_clusters(
     result has ``method="calibrated"`` and ``greedy_scoring="raw"``. Deterministic for a seed on
     one device.
     """
-    _check_matrix("embedding", embedding, "[vocab_size, hidden_dim]")
-    _check_matrix("hidden", hidden, f"[num_states, {embedding.shape[1]}]")
-    if hidden.shape[1] != embedding.shape[1]:
-        raise ValueError(f"hidden must have the embedding's hidden size {embedding.shape[1]}, got shape {tuple(hidden.shape)}")
+    check_clustering_inputs(embedding, hidden)
     _check_ridge(ridge)  # before k-means, not after it
     if hidden.shape[0] < hidden.shape[1]:
         # The whitening then keeps only the states' span, and k-means clusters a projection of the

@@ -233,9 +233,16 @@ def test_flash_head_for_checks_the_embedding_before_clustering(monkeypatch, embe
     monkeypatch.setattr(assets_mod, "build_clusters", lambda *a, **k: pytest.fail("clustered a bad embedding"))
     for bad, error, match in ((embedding.tolist(), TypeError, "embedding must be a torch.Tensor"),
                               (embedding.double(), TypeError, "embedding must be float16, bfloat16 or float32"),
-                              (embedding[0], ValueError, "embedding must be a non-empty 2-D tensor")):
+                              (embedding[0], ValueError, "embedding must be a non-empty 2-D tensor"),
+                              (embedding.to("meta"), ValueError, "embedding is on the meta device")):
         with pytest.raises(error, match=match):
             flash_head_for(bad, SIZE, iters=1, cache=False, progress=False)
+    # The calibration states too, before the cache key's digest reads them.
+    for bad, error, match in ((embedding.tolist(), TypeError, "hidden must be a torch.Tensor"),
+                              (embedding.to("meta"), ValueError, "hidden is on the meta device"),
+                              (embedding[:, :3], ValueError, "hidden must have the embedding's hidden size")):
+        with pytest.raises(error, match=match):
+            flash_head_for(embedding, SIZE, hidden=bad, iters=1, progress=False)
 
 
 def test_flash_head_for_caches_the_clustering(tmp_path, monkeypatch, embedding):
