@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ._cli import device_arg, output_file, positive_int, positive_int_list, write_output
+from ._cli import device_arg, kmeans_seed, output_file, positive_int, positive_int_list, write_output
 from .prompts import DEFAULT_PROMPTS, load_prompts
 
 def next_tokens(head, hidden: Tensor, rows_per_call: int = 16) -> Tensor:
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--probes", type=positive_int_list, default=[64, 128, 192, 512], help="comma-separated probes values (default: 64,128,192,512)")
     compare.add_argument("--cluster-size", type=positive_int, default=16, help="tokens per cluster b (default: %(default)s)")
     compare.add_argument("--iters", type=positive_int, default=15, help="k-means iterations (default: %(default)s)")
-    compare.add_argument("--seed", type=int, default=0, help="k-means seed (default: %(default)s)")
+    compare.add_argument("--seed", type=kmeans_seed, default=0, help="k-means seed (default: %(default)s)")
     compare.add_argument("--no-cache", action="store_true", help="rebuild the clustering even if a cached one exists")
     compare.add_argument("--repeats", type=positive_int, default=100, help="timed calls per head (default: %(default)s)")
     compare.add_argument("--threads", type=positive_int, default=None,

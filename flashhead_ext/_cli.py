@@ -20,6 +20,8 @@ def device_arg(text: str) -> str:
         device = torch.device(text)
     except RuntimeError as error:
         raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({error})") from None
+    if device.type == "meta":
+        raise argparse.ArgumentTypeError(f"{text!r} holds no values: a run needs a CPU or CUDA device")
     if device.type == "cuda":
         count = torch.cuda.device_count()
         if count == 0:
@@ -66,6 +68,18 @@ def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def kmeans_seed(text: str) -> int:
+    """argparse ``type`` of a clustering's seed: one torch.Generator.manual_seed takes."""
+    from .clustering import check_seed
+
+    value = int(text)
+    try:
+        check_seed(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return value
 
 

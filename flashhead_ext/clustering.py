@@ -219,6 +219,14 @@ def _check_matrix(name: str, value, shape: str) -> None:
         raise ValueError(f"{name} holds NaN or infinite values; clustering needs finite rows")
 
 
+def check_seed(seed) -> None:
+    """A k-means seed: an int that torch.Generator.manual_seed takes, or a TypeError / ValueError."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not -2**63 <= seed < 2**64:
+        raise ValueError(f"seed must be in -2**63..2**64 - 1 (what torch.Generator.manual_seed takes), got {seed}")
+
+
 def check_clustering_inputs(embedding, hidden=None) -> None:
     """The checks build_clusters makes of ``embedding`` and, with ``hidden``, calibrate_clusters of
     both: a TypeError or ValueError naming the argument."""
@@ -248,11 +256,9 @@ def build_clusters(
     gives the same clustering on the same device. Returns a :class:`Clustering` on that device.
     """
     check_clustering_inputs(embedding)
-    for name, value in (("iters", iters), ("seed", seed)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not -2**63 <= seed < 2**64:
-        raise ValueError(f"seed must be in -2**63..2**64 - 1 (what torch.Generator.manual_seed takes), got {seed}")
+    check_seed(seed)
+    if isinstance(iters, bool) or not isinstance(iters, int):
+        raise TypeError(f"iters must be an int, got {type(iters).__name__}")
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     if cluster_size is None and n_clusters is None:

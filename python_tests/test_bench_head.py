@@ -103,6 +103,7 @@ def test_head_bench_times_a_capped_probes_value_once(tmp_path):
     (["head", "--modes", "graph"], "--modes graph needs a CUDA device"),
     (["head", "--shapes", ","], "no shape given"),
     (["clusters", "--iters", "0"], "argument --iters: expected a positive integer"),
+    (["clusters", "--device", "meta"], "argument --device: 'meta' holds no values"),
     (["draft-step", "--context", "0"], "argument --context: expected a positive integer"),
     (["draft-step", "--shapes", "tiny", "--probes", "100000"], "--probes 100000 exceeds the 63 clusters of tiny"),
     (["spec", "--target", "tiny", "--draft", "tiny", "--cluster-size", "0"], "argument --cluster-size: expected a positive integer"),

@@ -52,6 +52,14 @@ def test_an_unwritable_json_is_a_usage_error(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+def test_a_seed_or_device_no_run_can_take_is_a_usage_error(capsys):
+    for argv, message in ((["--seed", "-" + str(2**63 + 1)], "argument --seed: seed must be in -2**63..2**64 - 1"),
+                          (["--device", "meta"], "argument --device: 'meta' holds no values")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["compare-heads", *argv])
+        assert message in capsys.readouterr().err
+
+
 def test_usage_names_the_command_as_typed(monkeypatch):
     monkeypatch.setattr("sys.argv", ["/opt/venv/bin/flashhead", "--help"])  # the console script
     assert build_parser().prog == "flashhead"

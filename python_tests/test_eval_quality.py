@@ -198,6 +198,7 @@ def test_bad_input(tmp_path, capsys):
         (["quality", "--json", str(tmp_path)], f"quality: error: argument --json: '{tmp_path}' is a directory"),
         (["quality", "--plot", str(tmp_path)], f"quality: error: argument --plot: '{tmp_path}' is a directory"),
         (["quality", "--per-category", "0"], "expected a positive integer"),
+        (["quality", "--seed", str(2**64)], "argument --seed: seed must be in -2**63..2**64 - 1"),
     ]:
         with pytest.raises(SystemExit):
             parse_args(argv)

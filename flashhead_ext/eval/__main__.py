@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .._cli import non_negative_int, output_file, positive_int, positive_int_list, write_output
+from .._cli import kmeans_seed, non_negative_int, output_file, positive_int, positive_int_list, write_output
 from ..prompts import DEFAULT_PROMPTS
 from .quality import METHODS, VocabArgumentError, format_table, model_problem, plot, run_quality
 
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also score each method with its centroids in float8_e4m3fn (rows '<method>+fp8'), as "
                               "FlashHead(centroid_dtype=torch.float8_e4m3fn) ranks clusters")
     quality.add_argument("--iters", type=positive_int, default=15, help="k-means iterations (default: %(default)s)")
-    quality.add_argument("--seed", type=int, default=0, help="k-means seed (default: %(default)s)")
+    quality.add_argument("--seed", type=kmeans_seed, default=0, help="k-means seed (default: %(default)s)")
     quality.add_argument("--batch-size", type=positive_int, default=8, help="prompts generated at once while recording (default: %(default)s)")
     quality.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
     quality.add_argument("--no-cache", action="store_true", help="record states and build clusterings again, overwriting the cache")
