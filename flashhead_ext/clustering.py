@@ -183,6 +183,11 @@ def _greedy_fill(tokens: Tensor, scores: Tensor, ids: Tensor, capacity: list, as
 def _assign(rows: Tensor, centroids: Tensor, sizes: Tensor) -> Tensor:
     """Capacity-constrained greedy assignment of every row; cluster c receives exactly sizes[c] rows."""
     vocab, n_clusters = rows.shape[0], centroids.shape[0]
+    if bool((rows == rows[:1]).all()):
+        # Every score ties (a constant or all-zero embedding, e.g. an untrained head): any equal-size
+        # split is as good, and the greedy below would place only _CANDIDATES clusters' worth a
+        # round, re-scoring every free row each time (minutes at 49k rows).
+        return torch.repeat_interleave(torch.arange(n_clusters, device=rows.device), sizes.to(rows.device))
     capacity = sizes.tolist()
     assignment = [-1] * vocab
     tokens = torch.arange(vocab, device=rows.device)
@@ -326,7 +331,11 @@ def fit_max_logit_centroids(embedding: Tensor, hidden: Tensor, cluster_tokens: T
     targets = best_member_logits(rows, states, cluster_tokens.to(rows.device))
     gram = states.T @ states
     regularised = gram + ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], device=gram.device)
-    centroids = torch.linalg.solve(regularised, states.T @ targets).T.contiguous()
+    try:
+        centroids = torch.linalg.solve(regularised, states.T @ targets).T.contiguous()
+    except torch.linalg.LinAlgError as error:  # all-zero (or vanishingly small) states leave nothing to fit
+        raise ValueError(f"hidden gives a singular fit (the mean diagonal of its Gram matrix is "
+                         f"{float(gram.diagonal().mean()):.3g}): the states are zero or too small to calibrate on") from error
     # A sync, once per fit: a huge ridge (or huge states) overflows float32 and the fit comes out NaN.
     if not torch.isfinite(centroids).all():
         raise ValueError(f"the fitted centroids are not finite: ridge ({ridge!r}) times the mean diagonal of the states' "

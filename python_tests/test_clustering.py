@@ -68,6 +68,15 @@ def test_padding_scheme(vocab, kwargs, width, expected_pads):
     _check_partition(result, vocab)
 
 
+@pytest.mark.parametrize("fill", [0.0, 0.25])
+def test_a_constant_embedding_is_split_at_once(fill):
+    # Every score ties: the greedy had placed 8 clusters a round, re-scoring every free row (minutes).
+    vocab, size = 3001, 2
+    result = build_clusters(torch.full((vocab, 8), fill), size, iters=2, progress=False)
+    _check_partition(result, vocab)
+    assert result.cluster_assignments.tolist() == torch.arange(vocab).div(size, rounding_mode="floor").tolist()
+
+
 def test_strict_refuses_padding():
     with pytest.raises(ValueError, match="not a multiple of cluster_size=16 and strict=True"):
         build_clusters(_embedding(100, 4), 16, strict=True, progress=False)
@@ -220,6 +229,7 @@ def test_calibration_with_fewer_states_than_the_hidden_size_warns():
     ({"hidden": torch.zeros(5, 4)}, ValueError, "hidden must have the embedding's hidden size 3"),
     ({"hidden": torch.zeros(0, 3)}, ValueError, "hidden must be a non-empty 2-D float tensor"),
     ({"hidden": torch.full((5, 3), float("inf"))}, ValueError, "hidden holds NaN or infinite"),
+    ({"hidden": torch.zeros(5, 3)}, ValueError, "hidden gives a singular fit .* the states are zero or too small"),
     ({"ridge": 0.0}, ValueError, "ridge must be a finite number > 0"),
     ({"ridge": float("inf")}, ValueError, "ridge must be a finite number > 0"),
     ({"ridge": 1e300}, ValueError, r"the fitted centroids are not finite: ridge \(1e\+300\)"),
