@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from .clustering import check_seed
+
 
 def doc_summary(doc: str) -> str:
     """A module docstring's first paragraph as a CLI description (without reST's double backticks)."""
@@ -73,8 +75,6 @@ def non_negative_int(text: str) -> int:
 
 def kmeans_seed(text: str) -> int:
     """argparse ``type`` of a clustering's seed: one torch.Generator.manual_seed takes."""
-    from .clustering import check_seed
-
     value = int(text)
     try:
         check_seed(value)
