@@ -161,12 +161,15 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir):
         main(argv[:6] + ["7"] + argv[7:])
 
 
-def test_sizes_past_the_vocabulary_are_usage_errors_before_recording(tmp_path, monkeypatch, capsys, tiny_model_dir):
+def test_sizes_past_the_vocabulary_or_its_clusters_are_usage_errors_before_recording(tmp_path, monkeypatch, capsys, tiny_model_dir):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     calls = _record_spy(monkeypatch)
     prompts = _questions(tmp_path / "q.jsonl")
     for extra, message in ((["--cluster-sizes", "4,100000"], "quality: error: --cluster-sizes: cluster_size must be in 1.."),
-                           (["--frequent-tokens", "100000"], "quality: error: --frequent-tokens 100000 exceeds the model's")):
+                           (["--frequent-tokens", "100000"], "quality: error: --frequent-tokens 100000 exceeds the model's"),
+                           # 15 fits the 25 clusters of b=4, neither value the 14 of b=7, which would have no rows
+                           (["--probes", "40,15"], "quality: error: --probes 40,15: every value exceeds the 14 clusters "
+                                                   "of --cluster-sizes 7 (the model's 97 vocabulary rows)")):
         with pytest.raises(SystemExit) as exit_info:
             main(_argv(tmp_path, tiny_model_dir, prompts, *extra))
         assert exit_info.value.code == 2

@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="even-id calibration prompts per category (default: all)")
     quality.add_argument("--max-new-tokens", type=positive_int, default=64, help="greedy tokens per prompt (default: %(default)s)")
     quality.add_argument("--probes", type=positive_int_list, default=[32, 64, 96, 128, 144, 160, 192, 256, 384, 512],
-                         help="comma-separated probes values; those above a clustering's C are skipped (default: 32,...,512)")
+                         help="comma-separated probes values; those above a clustering's C are skipped, and none left "
+                              "is an error (default: 32,...,512)")
     quality.add_argument("--methods", type=_methods_list, default=["kmeans", "calibrated"],
                          help=f"comma-separated, from {', '.join(METHODS)} (default: kmeans,calibrated)")
     quality.add_argument("--cluster-sizes", type=positive_int_list, default=[16], help="comma-separated tokens per cluster b (default: 16)")

@@ -152,9 +152,13 @@ def load_model(name: str):
 
 def check_vocab_args(args, vocab: int) -> None:
     """VocabArgumentError unless every cluster size and the frequent-token count fit the model's
-    ``vocab`` rows: checked once the model is loaded, before minutes of recording."""
+    ``vocab`` rows and some probes value fits each size's clusters: checked once the model is
+    loaded, before minutes of recording."""
     for size in args.cluster_sizes:
-        cluster_count("--cluster-sizes", vocab, size)
+        clusters = cluster_count("--cluster-sizes", vocab, size)
+        if min(args.probes) > clusters:  # score_assets skips them all: that clustering would have no rows
+            raise VocabArgumentError(f"--probes {','.join(map(str, args.probes))}: every value exceeds the {clusters} "
+                                     f"clusters of --cluster-sizes {size} (the model's {vocab} vocabulary rows)")
     if args.frequent_tokens > vocab:
         raise VocabArgumentError(f"--frequent-tokens {args.frequent_tokens} exceeds the model's {vocab} vocabulary rows")
 
