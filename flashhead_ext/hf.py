@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .assets import (TENSORS_NAME, FlashHeadAssets, read_config, write_replacing, flash_head_for, load_assets,
+from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, read_config, write_replacing, flash_head_for, load_assets,
                      user_cache_dir)
 from . import ops
 from .head import HEAD_DTYPES, FlashHead, centroid_dtype_option, special_token_list
@@ -415,19 +415,30 @@ def _published_assets_dir(model) -> Optional[Path]:
     A model loaded from a directory: that directory, when its ``config.json`` or a
     ``flash_head_config.json`` beside it (what :func:`save_assets` writes) names an assets
     directory. A model loaded by hub id whose config names one: its snapshot in the local hub cache
-    (``from_pretrained`` does not download the assets; a FileNotFoundError says how to).
+    (``from_pretrained`` does not download the assets; a FileNotFoundError says how to). A model
+    whose name is neither (its directory moved, or was relative to another working directory): a
+    UserWarning, and None.
     """
     config = getattr(model, "config", None)
     name = getattr(config, "_name_or_path", "") or ""
-    if name and Path(name).is_dir():
+    if not name:
+        return None
+    if Path(name).is_dir():
         return Path(name) if "flash_head_cache_dir" in read_config(Path(name)) else None
     cache_dir = getattr(config, "flash_head_cache_dir", None)
-    if not name or cache_dir is None:
+    revision = getattr(config, "_commit_hash", None)
+    # A model loaded from a relative directory, then the working directory changed, lands here too.
+    where = "" if os.path.isabs(name) else f" from {os.getcwd()}"
+    if cache_dir is None:
+        # Assets in a flash_head_config.json beside the model cannot be looked for once its directory
+        # is out of reach: said, rather than another clustering silently taking their place.
+        if _hub_cached_file(name, "config.json", revision) is None:
+            warnings.warn(f"the model was loaded from {name!r}, which is no directory{where} nor a model in the local "
+                          f"Hugging Face cache: FlashHead assets saved beside it ({CONFIG_NAME}) cannot be found, so "
+                          "none are used; pass assets= (e.g. the checkpoint directory) to use them", UserWarning, stacklevel=3)
         return None
-    tensors = _hub_cached_file(name, f"{cache_dir}/{TENSORS_NAME}", getattr(config, "_commit_hash", None))
+    tensors = _hub_cached_file(name, f"{cache_dir}/{TENSORS_NAME}", revision)
     if tensors is None:
-        # A model loaded from a relative directory, then the working directory changed, lands here too.
-        where = "" if os.path.isabs(name) else f" from {os.getcwd()}"
         raise FileNotFoundError(
             f"the config of {name!r} names FlashHead assets (flash_head_cache_dir={cache_dir!r}) but {name!r} is no "
             f"directory{where} and {cache_dir}/{TENSORS_NAME} is not in the local Hugging Face cache: for a hub "
@@ -452,7 +463,9 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
         build_if_missing: with ``assets=None`` and no assets for the model, build them (the
             default) or raise FileNotFoundError. A model whose config names published assets that
             are not on disk (a hub checkpoint whose assets were not downloaded) raises
-            FileNotFoundError either way, rather than get another clustering.
+            FileNotFoundError either way, rather than get another clustering; one loaded from a
+            directory that no longer resolves (a relative path, then a new working directory) warns
+            that assets beside it cannot be found.
         tokenizer: the model's tokenizer. When a clustering is built and ``build_options`` has no
             ``hidden``, it is then calibrated on the model's own states (:func:`calibration_states`:
             several minutes on 2 CPU cores the first time, cached), which for SmolLM2 lifts top-1

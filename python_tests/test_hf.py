@@ -2,6 +2,7 @@
 import gc
 import importlib.util
 import json
+import warnings
 import weakref
 
 import pytest
@@ -279,6 +280,37 @@ def test_attach_finds_a_hub_models_assets_in_the_local_hub_cache(tmp_path, monke
     with pytest.raises(FileNotFoundError, match=r"'acme/tiny' is no directory from .* not in the local Hugging Face cache: "
                                                 r"for a hub model fetch it with huggingface_hub.snapshot_download\('acme/tiny'"):
         attach(model)
+
+
+def test_attach_warns_when_the_directory_a_model_came_from_no_longer_resolves(tmp_path, monkeypatch):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    model = _tiny_llama(tied=True)
+    checkpoint = tmp_path / "work" / "models" / "tiny"
+    model.save_pretrained(checkpoint)
+    save_assets(checkpoint, _tiny_assets(model, probes=3))  # the keys in flash_head_config.json only
+    monkeypatch.chdir(tmp_path / "work")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained("models/tiny", local_files_only=True)
+    monkeypatch.chdir(tmp_path)  # the relative name now reads as a hub id
+    with pytest.warns(UserWarning, match=r"loaded from 'models/tiny', which is no directory from .* nor a model in the "
+                                         r"local Hugging Face cache: FlashHead assets saved beside it"):
+        with pytest.raises(FileNotFoundError, match="build_if_missing=False"):
+            attach(loaded, build_if_missing=False)
+    # Where the name resolves, as a directory or as a hub model, nothing is missed: no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        monkeypatch.chdir(tmp_path / "work")
+        assert attach(loaded, build_if_missing=False).assets.num_clusters == 17
+        detach(loaded)
+        snapshot = tmp_path / "hub" / "models--models--tiny" / "snapshots" / ("0" * 40)
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text((checkpoint / "config.json").read_text())
+        (snapshot.parents[1] / "refs").mkdir()
+        (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+        monkeypatch.chdir(tmp_path)
+        with pytest.raises(FileNotFoundError, match="build_if_missing=False"):
+            attach(loaded, build_if_missing=False)
 
 
 def test_calibration_with_a_tokenizer_without_pad_token_or_chat_template():
