@@ -712,6 +712,21 @@ def test_bench_help_describes_every_benchmark(capsys):
     assert main(["speculate"]) == 2 and "unknown benchmark 'speculate'" in capsys.readouterr().err
 
 
+def test_draft_step_leaves_a_head_time_below_the_noise_blank(tmp_path, monkeypatch, capsys):
+    from flashhead_ext.bench import spec
+    from flashhead_ext.bench.__main__ import main
+
+    # Per body: the body alone, then the dense and FlashHead steps; the dense step times faster than its body.
+    timings = iter([50.0, 49.5, 53.0])
+    monkeypatch.setattr(spec, "_time", lambda fn, args, cuda: next(timings))
+    assert main(["draft-step", "--shapes", "tiny", "--dtype", "fp32", "--device", "cpu", "--bodies", "eager",
+                 "--json", str(tmp_path / "step.json")]) == 0
+    rows = json.loads((tmp_path / "step.json").read_text())["rows"]
+    assert [r["head_us"] for r in rows] == [None, pytest.approx(3.0)]
+    printed = capsys.readouterr().out
+    assert "-0.5" not in printed and "head us blank: the step timed no slower than the body alone" in printed
+
+
 def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
     from flashhead_ext.bench.__main__ import main
 

@@ -225,7 +225,8 @@ def draft_step_main(argv=None) -> int:
                 head_bytes = model.lm_head.numel() * model.lm_head.element_size() if kind == "dense" else None
                 first_body_step.setdefault(kind, step_us)
                 rows.append(dict(shape=name, body=body, head=kind, layers=SHAPES[name].num_layers, step_us=step_us,
-                                 body_us=body_us, head_us=step_us - body_us,
+                                 # A difference of two noisy timings: blank (None) where it is not positive.
+                                 body_us=body_us, head_us=step_us - body_us if step_us > body_us else None,
                                  probes=getattr(head, "probes", None), clusters=getattr(head, "num_clusters", None),
                                  body_floor_us=body_bytes / (bandwidth * 1e3) if bandwidth else None,
                                  dense_head_floor_us=head_bytes / (bandwidth * 1e3) if bandwidth and head_bytes else None,
@@ -236,6 +237,8 @@ def draft_step_main(argv=None) -> int:
           f"(eager/compiled bodies), context {args.context}, FlashHead: {CLUSTERS}; "
           f"x first body = the {bodies[0]} body's step time over this one's, same head")
     print(format_table(rows, STEP_COLUMNS))
+    if any(row["head_us"] is None for row in rows):
+        print("head us blank: the step timed no slower than the body alone (the head's time is within the timing noise)")
     _write(args.json, dict(meta=meta, rows=rows))
     return 0
 
