@@ -172,6 +172,9 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         questions = load_prompts(args.prompts, args.num_prompts)
     except (OSError, ValueError) as error:
         parser.error(f"--prompts: {error}")
+    if len(questions) < args.num_prompts:
+        parser.error(f"--num-prompts {args.num_prompts} exceeds the {len(questions)} prompts with an odd question_id "
+                     f"in {args.prompts}")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
