@@ -183,11 +183,6 @@ def _greedy_fill(tokens: Tensor, scores: Tensor, ids: Tensor, capacity: list, as
 def _assign(rows: Tensor, centroids: Tensor, sizes: Tensor) -> Tensor:
     """Capacity-constrained greedy assignment of every row; cluster c receives exactly sizes[c] rows."""
     vocab, n_clusters = rows.shape[0], centroids.shape[0]
-    if bool((rows == rows[:1]).all()):
-        # Every score ties (a constant or all-zero embedding, e.g. an untrained head): any equal-size
-        # split is as good, and the greedy below would place only _CANDIDATES clusters' worth a
-        # round, re-scoring every free row each time (minutes at 49k rows).
-        return torch.repeat_interleave(torch.arange(n_clusters, device=rows.device), sizes.to(rows.device))
     capacity = sizes.tolist()
     assignment = [-1] * vocab
     tokens = torch.arange(vocab, device=rows.device)
@@ -278,12 +273,18 @@ def build_clusters(
     generator = torch.Generator().manual_seed(seed)
     start = torch.randperm(vocab, generator=generator)[:count].to(rows.device)
     centroids = rows[start]
+    # Every score ties where every row is the same (a constant or all-zero embedding, e.g. an
+    # untrained head): any equal-size split is as good, and the greedy would place only _CANDIDATES
+    # clusters' worth a round, re-scoring every free row each time (minutes at 49k rows). The rows
+    # never change, so this is checked once, not each iteration.
+    in_order = (torch.repeat_interleave(torch.arange(count, device=rows.device), sizes.to(rows.device))
+                if bool((rows == rows[:1]).all()) else None)
 
     assignment = None
     iterations = 0
     bar = tqdm(range(iters), desc=f"k-means {vocab}x{rows.shape[1]} -> {count}x{width}", disable=not progress, leave=False)
     for _ in bar:
-        new = _assign(rows, centroids, sizes)
+        new = _assign(rows, centroids, sizes) if in_order is None else in_order
         moved = vocab if assignment is None else int((new != assignment).sum())
         assignment = new
         table = cluster_table(assignment, count, width)

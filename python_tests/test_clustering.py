@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from flashhead_ext import FlashHead
+from flashhead_ext import clustering as clustering_mod
 from flashhead_ext.clustering import build_clusters, calibrate_clusters, cluster_sizes, cluster_table, fit_max_logit_centroids
 
 
@@ -69,12 +70,15 @@ def test_padding_scheme(vocab, kwargs, width, expected_pads):
 
 
 @pytest.mark.parametrize("fill", [0.0, 0.25])
-def test_a_constant_embedding_is_split_at_once(fill):
+def test_a_constant_embedding_is_split_at_once(fill, monkeypatch):
     # Every score ties: the greedy had placed 8 clusters a round, re-scoring every free row (minutes).
+    # The tie is found once per build, so no iteration runs the greedy (nor compares every row again).
+    monkeypatch.setattr(clustering_mod, "_assign", lambda *args: pytest.fail("the greedy ran on tied rows"))
     vocab, size = 3001, 2
     result = build_clusters(torch.full((vocab, 8), fill), size, iters=2, progress=False)
     _check_partition(result, vocab)
     assert result.cluster_assignments.tolist() == torch.arange(vocab).div(size, rounding_mode="floor").tolist()
+    assert result.iterations == 2  # the second finds that no token moved, as before
 
 
 def test_strict_refuses_padding():
