@@ -319,7 +319,9 @@ def flash_head_for(
     makes more heads cheaply).
     """
     _check_embedding(embedding)  # the head's checks, before minutes of clustering
-    check_clustering_inputs(embedding, hidden)  # before the digests, which read their values
+    # Before the digests, which read their values. Finiteness is left to the clustering on a miss: a
+    # cached entry was built, so checked, from the values its key digests.
+    check_clustering_inputs(embedding, hidden, finite=False)
     special_token_ids = special_token_list(special_token_ids, embedding.shape[0])
     centroid_dtype = centroid_dtype_option(centroid_dtype, embedding.dtype)
     if probes is not None:

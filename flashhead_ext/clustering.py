@@ -207,7 +207,7 @@ def _member_means(rows: Tensor, table: Tensor, sizes: Tensor) -> Tensor:
     return members.sum(dim=1) / sizes.to(rows.device, rows.dtype).unsqueeze(1)
 
 
-def _check_matrix(name: str, value, shape: str) -> None:
+def _check_matrix(name: str, value, shape: str, finite: bool = True) -> None:
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor {shape}, got {type(value).__name__}")
     if value.dim() != 2 or value.numel() == 0 or not value.is_floating_point():
@@ -215,7 +215,7 @@ def _check_matrix(name: str, value, shape: str) -> None:
                          f"{tuple(value.shape)} and dtype {value.dtype}")
     if value.is_meta:
         raise ValueError(f"{name} is on the meta device, which holds no values; clustering needs them: materialise it first")
-    if not torch.isfinite(value).all():
+    if finite and not torch.isfinite(value).all():
         raise ValueError(f"{name} holds NaN or infinite values; clustering needs finite rows")
 
 
@@ -227,12 +227,13 @@ def check_seed(seed) -> None:
         raise ValueError(f"seed must be in -2**63..2**64 - 1 (what torch.Generator.manual_seed takes), got {seed}")
 
 
-def check_clustering_inputs(embedding, hidden=None) -> None:
+def check_clustering_inputs(embedding, hidden=None, *, finite: bool = True) -> None:
     """The checks build_clusters makes of ``embedding`` and, with ``hidden``, calibrate_clusters of
-    both: a TypeError or ValueError naming the argument."""
-    _check_matrix("embedding", embedding, "[vocab_size, hidden_dim]")
+    both: a TypeError or ValueError naming the argument. ``finite=False`` leaves out the pass over
+    every value for NaN and infinities, for a caller that clusters only through those two."""
+    _check_matrix("embedding", embedding, "[vocab_size, hidden_dim]", finite)
     if hidden is not None:
-        _check_matrix("hidden", hidden, f"[num_states, {embedding.shape[1]}]")
+        _check_matrix("hidden", hidden, f"[num_states, {embedding.shape[1]}]", finite)
         if hidden.shape[1] != embedding.shape[1]:
             raise ValueError(f"hidden must have the embedding's hidden size {embedding.shape[1]}, got shape {tuple(hidden.shape)}")
 

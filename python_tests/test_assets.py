@@ -266,6 +266,26 @@ def test_flash_head_for_caches_the_clustering(tmp_path, monkeypatch, embedding):
         flash_head_for(embedding * 2, SIZE, iters=2, progress=False)
 
 
+def test_flash_head_for_checks_finiteness_where_it_clusters_not_on_a_cache_hit(tmp_path, monkeypatch, embedding):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    hidden = _hidden(31)
+    for states in (None, hidden):
+        flash_head_for(embedding, SIZE, hidden=states, iters=2, progress=False)  # built: checked
+    checked = []
+    isfinite = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda tensor: checked.append(tensor) or isfinite(tensor))
+    for states in (None, hidden):
+        flash_head_for(embedding, SIZE, hidden=states, iters=2, progress=False)  # cache hits
+    assert not any(tensor is embedding or tensor is hidden for tensor in checked)  # the values that were checked when built
+    # A miss still refuses values the clustering cannot take.
+    nan_row, inf_state = embedding.clone(), hidden.clone()
+    nan_row[5, 3], inf_state[7, 2] = float("nan"), float("inf")
+    with pytest.raises(ValueError, match="embedding holds NaN or infinite values"):
+        flash_head_for(nan_row, SIZE, iters=2, progress=False)
+    with pytest.raises(ValueError, match="hidden holds NaN or infinite values"):
+        flash_head_for(embedding, SIZE, hidden=inf_state, iters=2, progress=False)
+
+
 @pytest.mark.parametrize("probes,error,fragment", [(0, ValueError, "probes must be at least 1, got 0"),
                                                     (2.0, TypeError, "probes must be a Python int")])
 def test_flash_head_for_checks_probes_before_clustering(tmp_path, monkeypatch, embedding, probes, error, fragment):
