@@ -409,6 +409,18 @@ def _hub_cached_file(repo_id: str, filename: str, revision: Optional[str]) -> Op
     return Path(found) if isinstance(found, str) else None
 
 
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the local Hugging Face cache holds any revision of the hub model ``repo_id``."""
+    try:
+        from huggingface_hub import constants
+        from huggingface_hub.file_download import repo_folder_name
+        from huggingface_hub.utils import validate_repo_id
+        validate_repo_id(repo_id)
+    except (ImportError, ValueError):  # no huggingface_hub, or not a repo id (HFValidationError)
+        return False
+    return (Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")).is_dir()
+
+
 def _published_assets_dir(model) -> Optional[Path]:
     """The directory holding a published FlashHead checkpoint's assets for ``model``, or None.
 
@@ -416,8 +428,8 @@ def _published_assets_dir(model) -> Optional[Path]:
     ``flash_head_config.json`` beside it (what :func:`save_assets` writes) names an assets
     directory. A model loaded by hub id whose config names one: its snapshot in the local hub cache
     (``from_pretrained`` does not download the assets; a FileNotFoundError says how to). A model
-    whose name is neither (its directory moved, or was relative to another working directory): a
-    UserWarning, and None.
+    whose name is neither a directory nor a model in the local hub cache (its directory moved, or
+    was relative to another working directory): a UserWarning, and None.
     """
     config = getattr(model, "config", None)
     name = getattr(config, "_name_or_path", "") or ""
@@ -426,18 +438,21 @@ def _published_assets_dir(model) -> Optional[Path]:
     if Path(name).is_dir():
         return Path(name) if "flash_head_cache_dir" in read_config(Path(name)) else None
     cache_dir = getattr(config, "flash_head_cache_dir", None)
-    revision = getattr(config, "_commit_hash", None)
     # A model loaded from a relative directory, then the working directory changed, lands here too.
     where = "" if os.path.isabs(name) else f" from {os.getcwd()}"
     if cache_dir is None:
         # Assets in a flash_head_config.json beside the model cannot be looked for once its directory
-        # is out of reach: said, rather than another clustering silently taking their place.
-        if _hub_cached_file(name, "config.json", revision) is None:
-            warnings.warn(f"the model was loaded from {name!r}, which is no directory{where} nor a model in the local "
-                          f"Hugging Face cache: FlashHead assets saved beside it ({CONFIG_NAME}) cannot be found, so "
-                          "none are used; pass assets= (e.g. the checkpoint directory) to use them", UserWarning, stacklevel=3)
+        # is out of reach: said, rather than another clustering silently taking their place. Any
+        # revision in the cache counts as a hub model (its config does not say which was loaded); one
+        # loaded with from_pretrained(cache_dir=...) cannot be told from a lost directory, hence "if".
+        if not _in_hub_cache(name):
+            warnings.warn(f"the model's name {name!r} is no directory{where} and no model in the local Hugging Face "
+                          f"cache: if it was loaded from a directory (a relative path, then another working directory; "
+                          f"or a directory since moved), FlashHead assets saved beside it ({CONFIG_NAME}) cannot be "
+                          "found and none are used; pass assets= (e.g. the checkpoint directory) to use them",
+                          UserWarning, stacklevel=3)
         return None
-    tensors = _hub_cached_file(name, f"{cache_dir}/{TENSORS_NAME}", revision)
+    tensors = _hub_cached_file(name, f"{cache_dir}/{TENSORS_NAME}", getattr(config, "_commit_hash", None))
     if tensors is None:
         raise FileNotFoundError(
             f"the config of {name!r} names FlashHead assets (flash_head_cache_dir={cache_dir!r}) but {name!r} is no "

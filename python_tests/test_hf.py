@@ -293,11 +293,13 @@ def test_attach_warns_when_the_directory_a_model_came_from_no_longer_resolves(tm
     monkeypatch.chdir(tmp_path / "work")
     loaded = transformers.AutoModelForCausalLM.from_pretrained("models/tiny", local_files_only=True)
     monkeypatch.chdir(tmp_path)  # the relative name now reads as a hub id
-    with pytest.warns(UserWarning, match=r"loaded from 'models/tiny', which is no directory from .* nor a model in the "
-                                         r"local Hugging Face cache: FlashHead assets saved beside it"):
+    with pytest.warns(UserWarning, match=r"name 'models/tiny' is no directory from .* and no model in the local "
+                                         r"Hugging Face cache: if it was loaded from a directory .* FlashHead assets "
+                                         r"saved beside it"):
         with pytest.raises(FileNotFoundError, match="build_if_missing=False"):
             attach(loaded, build_if_missing=False)
-    # Where the name resolves, as a directory or as a hub model, nothing is missed: no warning.
+    # Where the name resolves, as a directory or as a hub model of any revision (the config does not
+    # say which was loaded), nothing is missed: no warning.
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         monkeypatch.chdir(tmp_path / "work")
@@ -307,7 +309,7 @@ def test_attach_warns_when_the_directory_a_model_came_from_no_longer_resolves(tm
         snapshot.mkdir(parents=True)
         (snapshot / "config.json").write_text((checkpoint / "config.json").read_text())
         (snapshot.parents[1] / "refs").mkdir()
-        (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+        (snapshot.parents[1] / "refs" / "dev").write_text("0" * 40)
         monkeypatch.chdir(tmp_path)
         with pytest.raises(FileNotFoundError, match="build_if_missing=False"):
             attach(loaded, build_if_missing=False)
