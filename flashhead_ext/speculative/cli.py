@@ -14,10 +14,10 @@ from typing import Optional
 import torch
 
 from ..bench.timing import run_metadata
-from .._cli import VocabArgumentError, cluster_count, device_arg, output_file
+from .._cli import DEFAULT_NUM_PROMPTS, ArgumentValueError, cli_prompts, cluster_count, device_arg, output_file
 from ..fast.decoder import BODIES
 from ..hf import output_embedding
-from ..prompts import DEFAULT_PROMPTS, load_prompts
+from ..prompts import DEFAULT_PROMPTS
 from .draft import early_exit_draft, make_draft_head
 from .driver import SpeculativeDecoder, check_draft_vocab, eos_ids
 from .runner import encode_prompt, plan_configs, run_interleaved, summarize, format_summary, reading, write_json
@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", default="baseline,ordinary,deferred", type=_comma_list, help="comma list of baseline,ordinary,deferred")
     parser.add_argument("--k", type=int, default=6, help="draft proposals per round")
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="jsonl with question_id, category, turns")
-    parser.add_argument("--num-prompts", type=int, default=8, help="Spec-Bench prompts (odd ids, round-robin over categories)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help=f"Spec-Bench prompts (odd ids, round-robin over categories; default: {DEFAULT_NUM_PROMPTS}, "
+                             "or all the file holds if fewer)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     parser.add_argument("--probes", type=int, default=None, help="FlashHead clusters per step (None: C/16)")
     parser.add_argument("--cluster-size", type=int, default=16, help="tokens per FlashHead cluster, when a clustering is built")
@@ -169,12 +171,10 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--synthetic-acceptance must be in [0, 1], got {args.synthetic_acceptance}")
     # What can be checked before a model loads.
     try:
-        questions = load_prompts(args.prompts, args.num_prompts)
-    except (OSError, ValueError) as error:
-        parser.error(f"--prompts: {error}")
-    if len(questions) < args.num_prompts:
-        parser.error(f"--num-prompts {args.num_prompts} exceeds the {len(questions)} prompts with an odd question_id "
-                     f"in {args.prompts}")
+        questions = cli_prompts(args.prompts, args.num_prompts)
+    except ArgumentValueError as error:
+        parser.error(str(error))
+    args.num_prompts = len(questions)  # what the run's JSON records
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -187,7 +187,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         # Before minutes of clustering the draft's rows: C = ceil(rows / --cluster-size).
         try:
             num_clusters = cluster_count("--cluster-size", output_embedding(draft).shape[0], args.cluster_size)
-        except VocabArgumentError as error:
+        except ArgumentValueError as error:
             parser.error(str(error))
         if args.probes is not None and args.probes > num_clusters:
             parser.error(f"--probes {args.probes} exceeds the {num_clusters} FlashHead clusters "
