@@ -356,6 +356,9 @@ def test_decoder_bad_arguments_name_the_argument():
         Decoder.from_hf(model, max_len=8, dtype="float32")
     with pytest.raises(TypeError, match=r"dtype must be a torch.dtype .*, got str 'cpu'"):
         Decoder.random(decoder.config, max_len=8, dtype="cpu", device="cpu")
+    if not torch.cuda.is_available():  # the default device is "cuda": named, not a driver error from torch
+        with pytest.raises(ValueError, match=r"device 'cuda' \(the default is 'cuda'\): no CUDA device here"):
+            Decoder.random(decoder.config, max_len=8, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"hidden_act must be one of \('silu', 'gelu_tanh'\), got 'gelu'"):
         DecoderConfig(10, 8, 8, 1, 4, 4, 2, hidden_act="gelu")
     for bad in ((2,), (0, 0), [0], (True,)):

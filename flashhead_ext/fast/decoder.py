@@ -472,10 +472,14 @@ class Decoder:
     @classmethod
     def random(cls, config: DecoderConfig, *, max_len: int, dtype: torch.dtype = torch.bfloat16, device="cuda",
                seed: int = 0, std: float = 0.02) -> "Decoder":
-        """Random weights allocated directly on ``device`` (a 32B-shaped model never passes through the
-        host). For timing: the values are irrelevant, but never zeros, and norms are ones."""
+        """Random weights allocated directly on ``device`` (default ``"cuda"``; a 32B-shaped model never
+        passes through the host). For timing: the values are irrelevant, but never zeros, and norms are ones."""
         _require_dtype(dtype)
         device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            # Else torch's own error, which may only speak of drivers (the default device is "cuda").
+            raise ValueError(f"device {str(device)!r} (the default is 'cuda'): no CUDA device here "
+                             "(torch.cuda.is_available() is False); pass device='cpu'")
         gen = torch.Generator(device=device).manual_seed(seed)
         c = config
         hd, d = c.head_dim, c.hidden_size
