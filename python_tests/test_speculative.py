@@ -322,6 +322,26 @@ def test_default_dense_head_of_a_float64_draft_is_float32():
     assert flash.embedding.dtype == torch.float32
 
 
+def test_draft_head_from_a_clustering_samples_with_its_raw_centroids():
+    """A Clustering or FlashHeadAssets given to make_draft_head makes the head flash_head_for makes
+    (FlashHeadAssets.head): greedy ranks by the normalised centroids, sampling scores the raw ones."""
+    from flashhead_ext import build_clusters
+    from flashhead_ext.assets import FlashHeadAssets
+
+    embedding = tiny_model("llama").get_output_embeddings().weight.detach().float()
+    clustering = build_clusters(embedding, cluster_size=4, seed=0, progress=False)
+    assert not torch.equal(clustering.centroids, clustering.raw_centroids)  # k-means: greedy ranks them normalised
+    for given in (clustering, FlashHeadAssets.from_clustering(clustering)):
+        head = make_draft_head("flashhead", embedding, clustering=given, probes=3)
+        reference = FlashHeadAssets.from_clustering(clustering).head(embedding, 3)
+        torch.testing.assert_close(head.centroids, reference.centroids, rtol=0, atol=0)
+        torch.testing.assert_close(head.sampling_centroids, reference.sampling_centroids, rtol=0, atol=0)
+    # Anything with .centroids and .cluster_tokens only: sampling scores those centroids.
+    plain = random_clustering(embedding, 4)
+    head = make_draft_head("flashhead", embedding, clustering=plain, probes=3)
+    torch.testing.assert_close(head.sampling_centroids, plain.centroids, rtol=0, atol=0)
+
+
 def test_early_exit_draft_is_the_targets_first_layers():
     target = tiny_model("gemma3")
     draft = early_exit_draft(target, 2)

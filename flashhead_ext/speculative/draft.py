@@ -58,8 +58,9 @@ def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clusterin
 
     ``draft`` is a transformers causal LM or its output embedding ``[V, D]`` itself (the fast path's
     :class:`~flashhead_ext.fast.Decoder` keeps it as ``lm_head``). ``kind`` is ``"dense"`` or ``"flashhead"``. For FlashHead, ``clustering`` (anything with
-    ``.centroids`` and ``.cluster_tokens``, e.g. from :func:`flashhead_ext.clustering.build_clusters`)
-    is used when given; otherwise one is built, or loaded from the user cache when it was built
+    ``.centroids`` and ``.cluster_tokens``, e.g. from :func:`flashhead_ext.clustering.build_clusters`;
+    its ``.raw_centroids``, where it has them, are the head's sampling centroids, as in
+    :meth:`~flashhead_ext.assets.FlashHeadAssets.head`) is used when given; otherwise one is built, or loaded from the user cache when it was built
     before (:func:`flashhead_ext.assets.flash_head_for`). ``probes`` defaults to C/16;
     ``special_token_ids`` (e.g. the EOS ids) are scored at every step; ``centroid_dtype`` is
     :class:`FlashHead`'s (float8_e4m3fn halves the centroid bytes).
@@ -76,6 +77,8 @@ def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clusterin
         return flash_head_for(embedding, cluster_size, probes, special_token_ids=special_token_ids,
                               iters=kmeans_iters, seed=seed, progress=progress, centroid_dtype=centroid_dtype)[0]
     num_clusters = clustering.cluster_tokens.shape[0]
+    # Greedy ranks by .centroids (normalised, for k-means), sampling scores the raw ones, as a head
+    # from flash_head_for (FlashHeadAssets.head) does.
     return FlashHead(embedding, clustering.centroids, clustering.cluster_tokens,
                      default_probes(num_clusters) if probes is None else probes, special_token_ids,
-                     centroid_dtype=centroid_dtype)
+                     sampling_centroids=getattr(clustering, "raw_centroids", None), centroid_dtype=centroid_dtype)
