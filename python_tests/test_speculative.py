@@ -426,6 +426,12 @@ def test_bad_inputs_name_the_argument():
         SpeculativeDecoder(target, eos_token_id=torch.tensor(3.0))
     with pytest.raises(ValueError, match="mode 'deferred' needs a draft model"):
         SpeculativeDecoder(target).generate(prompt(0), mode="deferred")
+    # A model name or a module that is no causal LM: named, not an AttributeError from its forward.
+    for bad in ("HuggingFaceTB/SmolLM2-135M-Instruct", target.model):
+        with pytest.raises(ValueError, match=f"target: model must be a transformers causal LM .*, got {type(bad).__name__}"):
+            SpeculativeDecoder(bad)
+    with pytest.raises(ValueError, match="draft: model must be a transformers causal LM .*, got DenseHead"):
+        SpeculativeDecoder(target, head)  # the head passed as the draft
 
 
 class _ScriptedDecoder:

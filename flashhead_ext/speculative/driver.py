@@ -317,10 +317,12 @@ class SpeculativeDecoder:
     def __init__(self, target, draft=None, draft_head: Union[str, DenseHead, FlashHead] = "dense", *, k: int = 6,
                  eos_token_id: Union[int, Sequence[int], None] = None):
         self.target = target
+        # First: it names a target that is no causal LM (a model name, a tokenizer), which the
+        # forward's signature and parameters below would not.
+        self.vocab_size = vocab = _output_embedding(target, "target").shape[0]
         self._target_cache = cache_keyword(target)
         self.k = k
         self.device = next(target.parameters()).device
-        self.vocab_size = vocab = _output_embedding(target, "target").shape[0]
         self.eos = eos_ids(eos_token_id, getattr(getattr(target, "generation_config", None), "eos_token_id", None), vocab)
         warn_unapplied_generation_settings(greedy_logit_settings(target))
         self.draft = draft
