@@ -165,6 +165,14 @@ def _uses_chat_template(tokenizer) -> bool:
     return getattr(tokenizer, "chat_template", "") is not None
 
 
+def _check_tokenizer(tokenizer) -> None:
+    # A name or path (AutoTokenizer.from_pretrained's argument) passed for the tokenizer had failed
+    # on a missing attribute deep inside the recording.
+    if isinstance(tokenizer, (str, bytes, os.PathLike)):
+        raise TypeError(f"tokenizer must be the model's tokenizer object (e.g. AutoTokenizer.from_pretrained(...)), "
+                        f"got {type(tokenizer).__name__} {tokenizer!r}")
+
+
 @torch.no_grad()
 def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, progress: bool = True,
                          batch_size: int = 1):
@@ -185,6 +193,7 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     """
     from tqdm.auto import tqdm
 
+    _check_tokenizer(tokenizer)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     lacks_pad = batch_size > 1 and getattr(tokenizer, "pad_token", "") is None
@@ -395,8 +404,8 @@ class FlashHeadAttachment:
             raise ValueError(HEAD_CHANGED)
 
 
-# What attach passes to flash_head_for when it builds a clustering.
-_BUILD_OPTIONS = frozenset(inspect.signature(flash_head_for).parameters) - {"embedding", "probes"}
+# What attach passes to flash_head_for when it builds a clustering (less attach's own arguments).
+_BUILD_OPTIONS = frozenset(inspect.signature(flash_head_for).parameters) - {"embedding", "probes", "centroid_dtype"}
 
 
 def _hub_cached_file(repo_id: str, filename: str, revision: Optional[str]) -> Optional[Path]:
@@ -505,6 +514,8 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
                         f"it takes {sorted(_BUILD_OPTIONS)} besides its own")
     if probes is not None:
         ops._require_probes(probes)  # before minutes of clustering; the upper bound needs the clusters
+    if tokenizer is not None:
+        _check_tokenizer(tokenizer)  # before the clustering it would calibrate
     linear = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"model must be a transformers causal LM with an nn.Linear output head, got {type(model).__name__} "

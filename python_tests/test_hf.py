@@ -244,9 +244,20 @@ def test_attach_adds_special_tokens_to_given_assets_and_refuses_options_it_would
     assert assets.special_token_ids == []  # the caller's assets keep their own
     with pytest.raises(TypeError, match=r"\['cluster_size'\] apply only when attach builds a clustering"):
         attach(model, assets, cluster_size=8)
-    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['bogus'\]"):
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['bogus'\]") as refused:
         attach(model, assets, bogus=1)
+    assert "'centroid_dtype'" not in str(refused.value)  # attach's own argument, not one it passes on
     assert not hasattr(model, "flash_head")
+
+
+def test_a_tokenizer_given_by_name_is_refused_before_clustering(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    model = _tiny_llama(tied=True)
+    with pytest.raises(TypeError, match="tokenizer must be the model's tokenizer object .* got str"):
+        attach(model, tokenizer="gpt2")
+    assert not hasattr(model, "flash_head") and not (tmp_path / "cache").exists()
+    with pytest.raises(TypeError, match="tokenizer must be the model's tokenizer object .* got str"):
+        record_hidden_states(model, "gpt2", ["Hello"], max_new_tokens=2)
 
 
 def test_attach_finds_assets_saved_beside_a_checkpoint(tmp_path):
