@@ -41,7 +41,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from .clustering import (ALGORITHM_VERSION, GREEDY_SCORINGS, Clustering, build_clusters, calibrate_clusters,
-                         check_clustering_inputs, cluster_table, greedy_centroids)
+                         check_clustering_inputs, check_kmeans_settings, cluster_sizes, cluster_table,
+                         greedy_centroids)
 from . import ops
 from .head import FlashHead, _check_embedding, centroid_dtype_option, special_token_list
 
@@ -322,6 +323,9 @@ def flash_head_for(
     # Before the digests, which read their values. Finiteness is left to the clustering on a miss: a
     # cached entry was built, so checked, from the values its key digests.
     check_clustering_inputs(embedding, hidden, finite=False)
+    # And the settings the key names, which a cache hit would otherwise take unchecked.
+    cluster_sizes(embedding.shape[0], cluster_size)
+    check_kmeans_settings(iters, seed)
     special_token_ids = special_token_list(special_token_ids, embedding.shape[0])
     centroid_dtype = centroid_dtype_option(centroid_dtype, embedding.dtype)
     if probes is not None:

@@ -227,6 +227,15 @@ def check_seed(seed) -> None:
         raise ValueError(f"seed must be in -2**63..2**64 - 1 (what torch.Generator.manual_seed takes), got {seed}")
 
 
+def check_kmeans_settings(iters, seed) -> None:
+    """build_clusters' checks of its k-means ``iters`` and ``seed``: a TypeError or ValueError naming the argument."""
+    check_seed(seed)
+    if isinstance(iters, bool) or not isinstance(iters, int):
+        raise TypeError(f"iters must be an int, got {type(iters).__name__}")
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+
+
 def check_clustering_inputs(embedding, hidden=None, *, finite: bool = True) -> None:
     """The checks build_clusters makes of ``embedding`` and, with ``hidden``, calibrate_clusters of
     both: a TypeError or ValueError naming the argument. ``finite=False`` leaves out the pass over
@@ -257,11 +266,7 @@ def build_clusters(
     gives the same clustering on the same device. Returns a :class:`Clustering` on that device.
     """
     check_clustering_inputs(embedding)
-    check_seed(seed)
-    if isinstance(iters, bool) or not isinstance(iters, int):
-        raise TypeError(f"iters must be an int, got {type(iters).__name__}")
-    if iters < 1:
-        raise ValueError(f"iters must be >= 1, got {iters}")
+    check_kmeans_settings(iters, seed)
     if cluster_size is None and n_clusters is None:
         cluster_size = 16
     vocab = embedding.shape[0]

@@ -286,6 +286,22 @@ def test_flash_head_for_checks_finiteness_where_it_clusters_not_on_a_cache_hit(t
         flash_head_for(embedding, SIZE, hidden=inf_state, iters=2, progress=False)
 
 
+@pytest.mark.parametrize("settings,error,fragment", [(dict(cluster_size="8"), TypeError, "cluster_size must be an int"),
+                                                      (dict(cluster_size=10**6), ValueError, "cluster_size must be in 1.."),
+                                                      (dict(iters=0), ValueError, "iters must be >= 1"),
+                                                      (dict(seed=-2**64), ValueError, "seed must be in")])
+def test_flash_head_for_checks_the_settings_its_key_names_on_a_cache_hit_too(tmp_path, monkeypatch, embedding, settings,
+                                                                             error, fragment):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    flash_head_for(embedding, SIZE, iters=2, progress=False)
+    (built,) = (tmp_path / "clusters").iterdir()
+    asked = {**dict(cluster_size=SIZE, iters=2, seed=0), **settings}
+    # Renamed to the key the refused call names: without the checks it would be a cache hit.
+    built.rename(built.with_name(built.name.replace(f"-b{SIZE}-i2-s0", "-b{cluster_size}-i{iters}-s{seed}".format(**asked))))
+    with pytest.raises(error, match=fragment):
+        flash_head_for(embedding, progress=False, **asked)
+
+
 @pytest.mark.parametrize("probes,error,fragment", [(0, ValueError, "probes must be at least 1, got 0"),
                                                     (2.0, TypeError, "probes must be a Python int")])
 def test_flash_head_for_checks_probes_before_clustering(tmp_path, monkeypatch, embedding, probes, error, fragment):
