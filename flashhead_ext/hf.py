@@ -388,8 +388,10 @@ class FlashHeadAttachment:
         # autocast a float32 head of a bfloat16 or float16 body gets the body's states, which the
         # dense head would take too: they are cast to the head's dtype (outside autocast a mismatch
         # raises, as it does for the dense head).
-        kind = hidden.device.type  # autocast knows no "meta", for one
-        cast = hidden.is_floating_point() and torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+        # The devices FlashHead's ops run on (autocast knows no "meta", for one); not through
+        # torch.amp.is_autocast_available, which torch.compile(fullgraph=True) cannot trace (torch 2.11).
+        kind = hidden.device.type
+        cast = hidden.is_floating_point() and kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind)
         ids, logits = head.candidate_logits(
             hidden.to(device=head.embedding.device, dtype=head.embedding.dtype if cast else hidden.dtype))
         out = logits.new_full((*logits.shape[:-1], head.vocab_size), float("-inf"))
