@@ -387,9 +387,9 @@ class FlashHeadAttachment:
         # The head's device, as accelerate's hook (which this forward replaces) would move it. Under
         # autocast a float32 head of a bfloat16 or float16 body gets the body's states, which the
         # dense head would take too: they are cast to the head's dtype (outside autocast a mismatch
-        # raises, as it does for the dense head).
-        # The devices FlashHead's ops run on (autocast knows no "meta", for one); not through
-        # torch.amp.is_autocast_available, which torch.compile(fullgraph=True) cannot trace (torch 2.11).
+        # raises, as it does for the dense head). Autocast is asked only on the ops' own devices
+        # (it knows no "meta"), not through torch.amp.is_autocast_available, which
+        # torch.compile(fullgraph=True) cannot trace on torch 2.11.
         kind = hidden.device.type
         cast = hidden.is_floating_point() and kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind)
         ids, logits = head.candidate_logits(
@@ -516,8 +516,7 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
                         f"it takes {sorted(_BUILD_OPTIONS)} besides its own")
     if probes is not None:
         ops._require_probes(probes)  # before minutes of clustering; the upper bound needs the clusters
-    if tokenizer is not None:
-        _check_tokenizer(tokenizer)  # before the clustering it would calibrate
+    _check_tokenizer(tokenizer)  # before the clustering it would calibrate (None: no calibration)
     linear = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"model must be a transformers causal LM with an nn.Linear output head, got {type(model).__name__} "
