@@ -139,18 +139,66 @@ def test_decode_by_claimed_cluster(shape, dtype, claimed, repeat):
                                                    for n in names) if m}
             assert instances == ({claimed_blocks_per_sm(shape, dtype)} if claimed else set()), names
     # No host sync, and a graph (its claims' memset a node) gives the eager tokens at every replay.
+    check_sync_free_and_replayed(lambda: ops.decode_greedy(*problem.args()), tokens)
+
+
+def check_sync_free_and_replayed(call, expected):
+    """`call` runs with no host sync and, captured in a graph, gives `expected` at every replay."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        again = ops.decode_greedy(*problem.args())
+        again = call()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    graph, captured = capture(lambda: ops.decode_greedy(*problem.args()))
+    graph, captured = capture(call)
     for _ in range(2):
         captured.fill_(-7)
         graph.replay()
-        assert torch.equal(captured, tokens)
-    assert torch.equal(again, tokens)
+        assert torch.equal(captured, expected)
+    assert torch.equal(again, expected)
+
+
+# Greedy batch 1 scores some clusters while the selection runs (decode.cuh, EarlyClusterTokens):
+# where the candidate warps take one slot group each (p b + E <= 32 * 2 * SMs) and a slice of
+# 3 C / (3/4 of the blocks) scores fits 256 ids. On a 132-SM GPU the first five shapes do (the
+# Qwen3-0.6B head at p = 256, a padded table with extra ids, clusters of 32 over two blocks,
+# clusters of 8 at the widest slice, rows without 16-byte vectors); p = 593 there stages rows
+# and p = 32 makes slices of 1,187 scores, so those two do not.
+EARLY = [
+    (Shape(B=1, D=1024, C=9496, b=16, p=256), torch.bfloat16, True),
+    (Shape(B=1, D=576, C=3001, b=16, p=200, pad=7, extras=True), torch.float16, True),
+    (Shape(B=1, D=2048, C=4099, b=32, p=100, pad=3), torch.float32, True),
+    (Shape(B=1, D=1152, C=16384, b=8, p=512), torch.bfloat16, True),
+    (Shape(B=1, D=1023, C=2000, b=16, p=128, extras=True), torch.bfloat16, True),
+    (Shape(B=1, D=1024, C=9496, b=16, p=593), torch.bfloat16, False),
+    (Shape(B=1, D=1024, C=9496, b=16, p=32), torch.bfloat16, False),
+]
+
+
+def early_instance_ran(names) -> bool:
+    return any(re.search(r"decode_candidates_kernel<[^>]*,\s*(?:true|\(bool\)1)>", n) for n in names)
+
+
+@pytest.mark.parametrize("shape,dtype,early", EARLY, ids=[f"{s}-{d}" for s, d, _ in EARLY])
+def test_decode_greedy_early_clusters(shape, dtype, early):
+    problem = problem_for(shape, dtype)
+    # Tokens of clusters ranked well past p get logits far above every other: a cluster scored
+    # early but not chosen must not reach the token (its best is set aside, not folded).
+    scores = ref.scores(problem.hidden, problem.centroids)[0]
+    left_out = scores.argsort(descending=True)[shape.p + 16:]
+    planted = problem.cluster_tokens[left_out].flatten()
+    planted = planted[planted >= 0].long()
+    embedding = problem.embedding.clone()
+    embedding[planted] = (problem.hidden[0] * 50).to(dtype)
+    problem = problem.with_(embedding=embedding)
+    tokens = ops.decode_greedy(*problem.args())
+    check_decode_greedy(tokens, problem, exact=False)
+    props = torch.cuda.get_device_properties(0)
+    if (props.major, props.minor) == (9, 0) and props.multi_processor_count == 132:
+        names = kernels_run(lambda: ops.decode_greedy(*problem.args()))
+        if names:
+            assert early_instance_ran(names) == early, names
+    check_sync_free_and_replayed(lambda: ops.decode_greedy(*problem.args()), tokens)
 
 
 @pytest.mark.parametrize("shape,dtype", [c[:2] for c in CLAIMED[:2]], ids=[f"{s}-{d}" for s, d, _ in CLAIMED[:2]])

@@ -61,10 +61,11 @@ struct LaunchOptions {
 // scores[B, C] = (hidden . centroids^T) * *centroid_scale in fp32 (the scale is read on the device,
 // so fp8 centroids quantized with one can be replaced in place under a captured graph; null for 1);
 // with `sampling`, also Gumbel keys keys[B, C] = scores / T + gumbel(seed, kClusterStream, row, cluster).
+// `cleared` [B, C], if given, is zeroed beside the scores (the fused decode's early clusters).
 template <typename T, typename TC>
 cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const float* centroid_scale, int batch,
                                    int num_clusters, int hidden_dim, float* scores, const Sampling* sampling, float* keys,
-                                   cudaStream_t stream);
+                                   cudaStream_t stream, unsigned long long* cleared = nullptr);
 
 // How the selection lists a row's clusters: in any order (the fastest), in an order that is the
 // same on every run (for a consumer whose float sums follow it), or in rank order (best first).

@@ -85,14 +85,21 @@ struct CandidateRows {
   bool rows_once;      // rows_read_once(batch)
 };
 
-// The slot tokens of for_each_slot_group come from a policy: token(row, slot) for slot < N, and
+// A slot's token, and a packed (key, token) best already found for the slot's whole cluster (0:
+// none; such a slot's row is not read).
+struct SlotToken {
+  int32_t token;
+  uint64_t known;
+};
+
+// The slot tokens of for_each_slot_group come from a policy: slot(row, slot) for slot < N, and
 // warm_l2(), which a block may run before its inputs are ready.
 // ListedTokens: a written list of candidates [B, N].
 struct ListedTokens {
   const int32_t* candidates;
   int num_candidates;
-  __device__ __forceinline__ int32_t token(int64_t row, int slot) const {
-    return candidates[row * num_candidates + slot];
+  __device__ __forceinline__ SlotToken slot(int64_t row, int slot) const {
+    return {candidates[row * num_candidates + slot], 0};
   }
   __device__ __forceinline__ void warm_l2() const {}
 };
@@ -105,12 +112,15 @@ struct ClusterTokens {
   const int32_t* cluster_tokens;  // [C, b]
   const int32_t* extra_ids;       // [E]
   int probes, cluster_size, num_clusters;
-  __device__ __forceinline__ int32_t token(int64_t row, int slot) const {
+  __device__ __forceinline__ SlotToken slot(int64_t row, int slot) const { return slot_with(row, slot, nullptr); }
+  // With the clusters' known bests [C] (null: none known), read beside the table entry.
+  __device__ __forceinline__ SlotToken slot_with(int64_t row, int slot, const unsigned long long* known_bests) const {
     const int gathered = probes * cluster_size;
-    if (slot >= gathered) return extra_ids[slot - gathered];
+    if (slot >= gathered) return {extra_ids[slot - gathered], 0};
     const int k = slot / cluster_size;
     const int32_t cluster = cluster_ids[row * probes + k];
-    return cluster_tokens[int64_t{cluster} * cluster_size + (slot - k * cluster_size)];
+    return {cluster_tokens[int64_t{cluster} * cluster_size + (slot - k * cluster_size)],
+            known_bests ? __ldcg(known_bests + cluster) : 0};
   }
   // The table is an input of the op, never written by the kernels before this one, so its lines
   // can be pulled into L2 while the selection still runs; the slots' lookups then hit L2.
@@ -125,34 +135,47 @@ struct ClusterTokens {
   }
 };
 
-// Logits of kCandRowsPerWarp consecutive slots, in every lane of the warp.
+// Logits of kCandRowsPerWarp consecutive slots, in every lane of the warp. A slot with a known
+// best (SlotToken) is not valid: its row was not read.
 struct WarpSlots {
   int32_t token[kCandRowsPerWarp];
   bool valid[kCandRowsPerWarp];
   float logit[kCandRowsPerWarp];
+  uint64_t known[kCandRowsPerWarp];
 };
 
-// The tokens of the kCandRowsPerWarp slots from `first` of `row` (-1 past the row's end).
+// The tokens of the kCandRowsPerWarp slots from `first` of `row` (-1 past the row's end), and
+// where asked their known bests.
 template <typename T, typename Tokens>
 __device__ __forceinline__ void fetch_slot_tokens(const CandidateRows<T>& a, const Tokens& tokens, int64_t row,
-                                                  int first, int32_t (&token)[kCandRowsPerWarp]) {
+                                                  int first, int32_t (&token)[kCandRowsPerWarp],
+                                                  uint64_t (*known)[kCandRowsPerWarp] = nullptr) {
 #pragma unroll
-  for (int r = 0; r < kCandRowsPerWarp; ++r)
-    token[r] = first + r < a.num_candidates ? tokens.token(row, first + r) : -1;
+  for (int r = 0; r < kCandRowsPerWarp; ++r) {
+    const SlotToken id = first + r < a.num_candidates ? tokens.slot(row, first + r) : SlotToken{-1, 0};
+    token[r] = id.token;
+    if (known) (*known)[r] = id.known;
+  }
 }
 
 // A slot's token names a row of the embedding; any other id is a masked slot.
 __device__ __forceinline__ bool in_vocab(int32_t token, int vocab) { return token >= 0 && token < vocab; }
 
 template <typename T>
-__device__ __forceinline__ WarpSlots slots_of(const CandidateRows<T>& a, const int32_t (&token)[kCandRowsPerWarp]) {
+__device__ __forceinline__ WarpSlots slots_of(const CandidateRows<T>& a, const int32_t (&token)[kCandRowsPerWarp],
+                                             const uint64_t (&known)[kCandRowsPerWarp]) {
   WarpSlots s;
 #pragma unroll
   for (int r = 0; r < kCandRowsPerWarp; ++r) {
     s.token[r] = token[r];
-    s.valid[r] = in_vocab(token[r], a.vocab);
+    s.known[r] = known[r];
+    s.valid[r] = known[r] == 0 && in_vocab(token[r], a.vocab);
   }
   return s;
+}
+template <typename T>
+__device__ __forceinline__ WarpSlots slots_of(const CandidateRows<T>& a, const int32_t (&token)[kCandRowsPerWarp]) {
+  return slots_of(a, token, {});
 }
 
 #ifdef FLASHHEAD_BULK_COPIES
@@ -309,20 +332,28 @@ __device__ __forceinline__ void for_each_slot_group(const CandidateRows<T>& a, c
   const uint64_t policy = row_policy(a.rows_once);
   int first = blockIdx.x * kCandSlotsPerBlock + threadIdx.x / kWarpSize * kCandRowsPerWarp;
   int32_t token[kCandRowsPerWarp];
-  fetch_slot_tokens(a, tokens, row, first, token);
+  uint64_t known[kCandRowsPerWarp];
+  fetch_slot_tokens(a, tokens, row, first, token, &known);
   for (; first < a.num_candidates; first += stride) {  // uniform within the warp
     int32_t next[kCandRowsPerWarp];
-    fetch_slot_tokens(a, tokens, row, first + stride, next);
-    WarpSlots s = slots_of(a, token);
+    uint64_t next_known[kCandRowsPerWarp];
+    fetch_slot_tokens(a, tokens, row, first + stride, next, &next_known);
+    WarpSlots s = slots_of(a, token, known);
     const T* rows[kCandRowsPerWarp];
+    bool any_row = false;
 #pragma unroll
-    for (int r = 0; r < kCandRowsPerWarp; ++r) rows[r] = s.valid[r] ? a.embedding + int64_t{token[r]} * a.hidden_dim : nullptr;
-    float acc[kCandRowsPerWarp][1];
-    warp_dot<T, T, kCandRowsPerWarp, 1, kCandUnroll>(rows, hid, a.hidden_dim, a.vec, policy, acc);
+    for (int r = 0; r < kCandRowsPerWarp; ++r) {
+      rows[r] = s.valid[r] ? a.embedding + int64_t{token[r]} * a.hidden_dim : nullptr;
+      any_row |= s.valid[r];
+    }
+    float acc[kCandRowsPerWarp][1] = {};
+    // A group with no row to read (masked, or every slot known) skips the hidden row's loads too.
+    if (any_row) warp_dot<T, T, kCandRowsPerWarp, 1, kCandUnroll>(rows, hid, a.hidden_dim, a.vec, policy, acc);
 #pragma unroll
     for (int r = 0; r < kCandRowsPerWarp; ++r) {
       s.logit[r] = s.valid[r] ? acc[r][0] : -INFINITY;
       token[r] = next[r];
+      known[r] = next_known[r];
     }
     f(s, first);
   }

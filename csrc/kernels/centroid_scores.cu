@@ -96,6 +96,7 @@ cudaError_t launch_mma_scores(const detail::ScoreArgs<T, TC>& args, bool vec, cu
       slice.hidden += first * args.hidden_dim;
       slice.scores += first * args.num_clusters;
       if (slice.keys) slice.keys += first * args.num_clusters;
+      if (slice.cleared) slice.cleared += first * args.num_clusters;
       const int chunks = ceil_div(slice.batch, kChunkRows);
       // The fewest n-tiles, in powers of two, that hold a chunk.
       const cudaError_t err =
@@ -119,12 +120,12 @@ cudaError_t launch_mma_scores(const detail::ScoreArgs<T, TC>& args, bool vec, cu
 template <typename T, typename TC>
 cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const float* centroid_scale, int batch,
                                    int num_clusters, int hidden_dim, float* scores, const Sampling* sampling, float* keys,
-                                   cudaStream_t stream) {
+                                   cudaStream_t stream, unsigned long long* cleared) {
   using namespace detail;
   if (batch == 0) return cudaSuccess;
   ScoreArgs<T, TC> args{hidden, centroids, centroid_scale, batch, num_clusters, hidden_dim,
                         scores, sampling ? keys : nullptr, sampling ? sampling->temperature : 1.0f,
-                        sampling ? sampling->seed : nullptr};
+                        sampling ? sampling->seed : nullptr, 0, cleared};
   // A chunk is 16 bytes of centroids: with fp8 that is 16 elements, 32 bytes of bf16 hidden.
   const bool vec = rows_vectorizable<T>(hidden, hidden_dim) && rows_vectorizable<TC>(centroids, hidden_dim);
   bool on_tensor_cores = false;
@@ -142,7 +143,7 @@ cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const f
 
 #define FLASHHEAD_INSTANTIATE(T, TC)                                                                            \
   template cudaError_t launch_centroid_scores<T, TC>(const T*, const TC*, const float*, int, int, int, float*, \
-                                                     const Sampling*, float*, cudaStream_t);
+                                                     const Sampling*, float*, cudaStream_t, unsigned long long*);
 FLASHHEAD_FOR_EACH_CENTROID_PAIR(FLASHHEAD_INSTANTIATE)
 #undef FLASHHEAD_INSTANTIATE
 

@@ -30,6 +30,7 @@ struct ScoreArgs {
   float temperature;
   const int64_t* seed;
   int row_offset;  // batch row of hidden[0] in the call (the Gumbel noise is indexed by the absolute row)
+  unsigned long long* cleared;  // [B, C] or null: each word zeroed beside its score
 };
 
 // Batch rows a warp scores at once beyond batch 4 (batches of 2 and 3-4 have tiles of 2 and 4:
@@ -57,6 +58,7 @@ __device__ __forceinline__ void store_score(const ScoreArgs<T, TC>& a, int b, in
   const float score = dot * (a.centroid_scale ? *a.centroid_scale : 1.0f);
   const int64_t at = int64_t{b} * a.num_clusters + c;
   a.scores[at] = score;
+  if (a.cleared) a.cleared[at] = 0;
   if (a.keys)
     a.keys[at] = score / a.temperature + gumbel_noise(static_cast<uint64_t>(*a.seed), kClusterStream,
                                                       static_cast<uint32_t>(a.row_offset + b),

@@ -22,6 +22,7 @@ struct DecodeWorkspace {
   RowPartial* partials;
   uint32_t* extra_repeats;     // [B, E], sampling
   RowPartial* extra_partials;  // [B, E], sampling
+  unsigned long long* early_best;  // [C], greedy batch 1
   void* select;
 };
 
@@ -97,6 +98,27 @@ size_t claims_words(const HeadShape& shape) { return 1 + size_t(shape.num_cluste
 // large batches): sizes the partials from shapes alone.
 int max_candidate_blocks(const HeadShape& shape) { return ceil_div(shape.num_candidates(), kCandSlotsPerBlock); }
 
+// Greedy batch 1 may score clusters early (decode.cuh, EarlyClusterTokens): with dependent launch,
+// while the selection runs; without it they would only lengthen the candidate kernel.
+bool may_score_early(const HeadShape& shape, bool sampling) { return !sampling && shape.batch == 1; }
+bool scores_early(const HeadShape& shape, bool sampling, const LaunchOptions& options) {
+  return may_score_early(shape, sampling) && options.dependent_launch && dependent_launch_supported();
+}
+
+// The early clusters' slices for the candidate kernel's grid, or none (items 0): they need the
+// register instance (one slot group a warp, so every block's rows are its early cluster's and
+// then its chosen ones'), and slices that fit early_cluster.
+EarlyClusterTokens plan_early_clusters(const HeadShape& shape, int blocks, bool staged) {
+  EarlyClusterTokens plan{};
+  const int items = blocks * kEarlyBlocksNum / kEarlyBlocksDen;
+  if (staged || items < kEarlyRanks) return plan;
+  const int64_t width = ceil_div<int64_t>(int64_t{kEarlyRanks} * shape.num_clusters, items);
+  if (width > kEarlyLaneKeys * kWarpSize) return plan;
+  plan.slice_width = static_cast<int>(width);
+  plan.items = static_cast<int>(ceil_div<int64_t>(shape.num_clusters, width)) * kEarlyRanks;
+  return plan;
+}
+
 // Scores and (sampling) keys [B, C], then what the selection kernel needs.
 template <typename Carve>
 void carve_scores(WorkspaceCarver& carver, const HeadShape& shape, bool sampling, SelectOrder order, Carve& ws) {
@@ -111,6 +133,7 @@ DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bo
   carve_scores(carver, shape, sampling, decode_order(sampling), ws);
   ws.cluster_ids = carver.take<int32_t>(size_t(shape.batch) * shape.probes);
   ws.tickets = carver.take<RowTicket>(shape.batch);
+  if (may_score_early(shape, sampling)) ws.early_best = carver.take<unsigned long long>(shape.num_clusters);
   if (may_decode_by_claimed_cluster(shape, sampling)) {
     ws.claims = carver.take<unsigned long long>(claims_words(shape));
     ws.claimed_groups = carver.take<int32_t>(static_cast<size_t>(most_claimed_groups(shape)));
@@ -132,33 +155,66 @@ struct SelectWorkspace {
   void* select;
 };
 
+// The candidate kernel's grid for a chunk of `rows` rows: its staged rows' shared memory (0: the
+// register instance) and blocks a row.
+struct CandidateGrid {
+  bool vec;
+  size_t smem;
+  int blocks;
+};
+template <typename T, typename TC, typename Kernel>
+cudaError_t plan_candidate_grid(const HeadTensors<T, TC>& t, const HeadShape& shape, Kernel staged_instance, int rows,
+                                CandidateGrid* grid) {
+  const int n = shape.num_candidates(), d = shape.hidden_dim;
+  grid->vec = rows_vectorizable<T>(t.hidden, d) && rows_vectorizable<T>(t.embedding, d);
+  int sms = 0;
+  if (const cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
+  grid->blocks = candidate_blocks_per_row(n, rows, sms);
+  return staged_rows_smem(staged_instance, grid->vec, d, sizeof(T), n, rows, sms, &grid->smem);
+}
+
+// The early clusters of a greedy batch-1 decode (items 0: none), their scores and bests in `ws`.
+template <typename T, typename TC>
+cudaError_t plan_early(const HeadTensors<T, TC>& t, const HeadShape& shape, const DecodeWorkspace& ws,
+                       EarlyClusterTokens* early) {
+  CandidateGrid grid{};
+  const cudaError_t err = plan_candidate_grid(t, shape, decode_candidates_kernel<T, false, false, true>, 1, &grid);
+  if (err != cudaSuccess) return err;
+  *early = plan_early_clusters(shape, grid.blocks, grid.smem > 0);
+  early->scores = ws.scores;
+  early->best = ws.early_best;
+  return cudaSuccess;
+}
+
 template <typename T, typename TC, bool kSample>
 cudaError_t launch_decode_candidates(const HeadTensors<T, TC>& t, const HeadShape& shape, const Sampling* sampling,
-                                     const DecodeWorkspace& ws, int64_t* tokens, int64_t token_stride,
-                                     float* token_logprobs, cudaStream_t stream, bool dependent) {
+                                     const DecodeWorkspace& ws, const EarlyClusterTokens& early, int64_t* tokens,
+                                     int64_t token_stride, float* token_logprobs, cudaStream_t stream,
+                                     bool dependent) {
   const int n = shape.num_candidates(), d = shape.hidden_dim, max_blocks = max_candidate_blocks(shape);
-  const bool vec = rows_vectorizable<T>(t.hidden, d) && rows_vectorizable<T>(t.embedding, d);
-  int sms = 0;
-  const cudaError_t attr = multiprocessor_count(&sms);
-  if (attr != cudaSuccess) return attr;
   const auto instance = [&](auto staged) {
     constexpr bool kStaged = decltype(staged)::value;
-    if constexpr (kSample)
+    if constexpr (kSample) {
       if (ws.extra_repeats) return decode_candidates_kernel<T, true, true, kStaged>;
+    } else if constexpr (!kStaged) {
+      if (early.items > 0) return decode_candidates_kernel<T, false, false, false, true>;
+    }
     return decode_candidates_kernel<T, kSample, false, kStaged>;
   };
   for (int r0 = 0; r0 < shape.batch; r0 += kMaxGridRows) {
     const int rows = std::min(kMaxGridRows, shape.batch - r0);
-    size_t smem = 0;
-    const cudaError_t planned = staged_rows_smem(instance(std::true_type{}), vec, d, sizeof(T), n, rows, sms, &smem);
+    CandidateGrid grid{};
+    const cudaError_t planned = plan_candidate_grid(t, shape, instance(std::true_type{}), rows, &grid);
     if (planned != cudaSuccess) return planned;
+    const size_t smem = grid.smem;
     const auto kernel = smem > 0 ? instance(std::true_type{}) : instance(std::false_type{});
-    const int blocks = candidate_blocks_per_row(n, rows, sms);
     const int64_t extras_from = int64_t{r0} * shape.num_extra;
     DecodeArgs<T> args{};
-    args.rows = {t.hidden + int64_t{r0} * d, t.embedding, shape.vocab, d, vec, n, rows_read_once(shape.batch)};
-    args.slot_tokens = {ws.cluster_ids + int64_t{r0} * shape.probes, t.cluster_tokens, t.extra_ids,
-                        shape.probes, shape.cluster_size, shape.num_clusters};
+    args.rows = {t.hidden + int64_t{r0} * d, t.embedding, shape.vocab, d, grid.vec, n, rows_read_once(shape.batch)};
+    args.slot_tokens = early;  // batch 1: the early fields, if any
+    static_cast<ClusterTokens&>(args.slot_tokens) = {ws.cluster_ids + int64_t{r0} * shape.probes, t.cluster_tokens,
+                                                     t.extra_ids, shape.probes, shape.cluster_size,
+                                                     shape.num_clusters};
     if (ws.extra_repeats)
       args.extras = {shape.num_extra, ws.extra_repeats + extras_from, ws.extra_partials + extras_from};
     args.row_offset = r0;
@@ -170,7 +226,7 @@ cudaError_t launch_decode_candidates(const HeadTensors<T, TC>& t, const HeadShap
     args.token_stride = token_stride;
     args.token_logprobs = kSample ? token_logprobs + r0 : nullptr;
     const cudaError_t err =
-        launch_kernel(kernel, dim3(blocks, rows), dim3(kCandThreads), smem, stream, dependent, args);
+        launch_kernel(kernel, dim3(grid.blocks, rows), dim3(kCandThreads), smem, stream, dependent, args);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
@@ -224,13 +280,19 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
     if (!detail::decodes_by_claimed_cluster<T>(shape, claimed)) claimed = {};
   }
   const bool by_claimed_cluster = claimed.smem > 0;
+  detail::EarlyClusterTokens early{};
+  if (detail::scores_early(shape, sampling != nullptr, options) && !by_claimed_cluster) {
+    const cudaError_t err = detail::plan_early(tensors, shape, ws, &early);
+    if (err != cudaSuccess) return err;
+  }
   if (by_claimed_cluster) {
     const cudaError_t err =
         cudaMemsetAsync(ws.claims, 0, sizeof(unsigned long long) * detail::claims_words(shape), stream);
     if (err != cudaSuccess) return err;
   }
-  cudaError_t err = launch_centroid_scores(tensors.hidden, tensors.centroids, tensors.centroid_scale, shape.batch,
-                                           shape.num_clusters, shape.hidden_dim, ws.scores, sampling, ws.keys, stream);
+  cudaError_t err =
+      launch_centroid_scores(tensors.hidden, tensors.centroids, tensors.centroid_scale, shape.batch, shape.num_clusters,
+                             shape.hidden_dim, ws.scores, sampling, ws.keys, stream, early.items > 0 ? early.best : nullptr);
   if (err != cudaSuccess) return err;
   SelectOutputs out;
   out.cluster_ids = ws.cluster_ids;
@@ -247,10 +309,12 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
     return detail::launch_decode_claimed(tensors.hidden, tensors.embedding, tensors.cluster_tokens, tensors.extra_ids,
                                          shape, ws.claims, ws.claimed_groups, ws.tickets, claimed, tokens,
                                          token_stride, stream, options.dependent_launch);
-  return sampling ? detail::launch_decode_candidates<T, TC, true>(tensors, shape, sampling, ws, tokens, token_stride,
-                                                                  token_logprobs, stream, options.dependent_launch)
-                  : detail::launch_decode_candidates<T, TC, false>(tensors, shape, sampling, ws, tokens, token_stride,
-                                                                   token_logprobs, stream, options.dependent_launch);
+  return sampling ? detail::launch_decode_candidates<T, TC, true>(tensors, shape, sampling, ws, early, tokens,
+                                                                  token_stride, token_logprobs, stream,
+                                                                  options.dependent_launch)
+                  : detail::launch_decode_candidates<T, TC, false>(tensors, shape, sampling, ws, early, tokens,
+                                                                   token_stride, token_logprobs, stream,
+                                                                   options.dependent_launch);
 }
 
 #define FLASHHEAD_INSTANTIATE(T, TC)                                                                               \

@@ -71,6 +71,98 @@ __device__ __forceinline__ RowPartial load_partial(const RowPartial* p) {
   return {__ldcg(&p->best), __ldcg(&p->best_scaled), __ldcg(&p->max), __ldcg(&p->sum)};
 }
 
+// Clusters scored early, greedy batch 1 (launch_decode says where): the candidate blocks are
+// resident about 4 us before the one-SM selection has its list, and the memory is idle then. So
+// each block first takes one cluster likely to be chosen, the rank-t best of a slice of the
+// centroid scores (slices of slice_width ids, kEarlyRanks ranks each, one per block up to
+// `items`), reads its rows and stores the cluster's packed (key, token) best. After the
+// selection, a chosen cluster with a stored best is folded as that value, its rows not read
+// again: at the Qwen3-0.6B head (p = 256) three quarters of the candidate rows are then read
+// before the list exists (docs/benchmarks.md, session 53). Any set of early clusters gives the
+// same token: a stored best is the exact maximum over that cluster's slots.
+constexpr int kEarlyRanks = 3;
+constexpr int kEarlyBlocksNum = 3, kEarlyBlocksDen = 4;  // the share of blocks with an early cluster
+constexpr int kEarlyLaneKeys = 8;                       // slices of up to 8 * 32 scores
+struct EarlyClusterTokens : ClusterTokens {
+  const float* scores;       // [C]: the row's centroid scores
+  unsigned long long* best;  // [C]: each cluster's best once scored early, else 0 (the scoring kernel clears it)
+  int slice_width, items;
+  // Another block may store a best while this one reads it from L2: 0 or the whole best.
+  __device__ __forceinline__ SlotToken slot(int64_t row, int slot) const { return slot_with(row, slot, best); }
+};
+
+// The id of the rank-t best score of [lo, hi) (at most kEarlyLaneKeys * 32 ids), equal scores in
+// any order, or -1 where the slice holds t or fewer. Every warp of the block computes it alike.
+__device__ __forceinline__ int32_t early_cluster(const float* scores, int lo, int hi, int t) {
+  const int lane = threadIdx.x % kWarpSize;
+  uint32_t key[kEarlyLaneKeys];
+#pragma unroll
+  for (int i = 0; i < kEarlyLaneKeys; ++i) {
+    const int id = lo + i * kWarpSize + lane;
+    // Written by the scoring kernel, which finished before the selection kernel let this grid start.
+    key[i] = id < hi ? order_key(__ldcg(scores + id)) : 0;  // real keys are > 0
+  }
+  int32_t id = -1;
+  for (int r = 0; r <= t; ++r) {
+    uint32_t mine = 0;
+#pragma unroll
+    for (int i = 0; i < kEarlyLaneKeys; ++i) mine = max(mine, key[i]);
+    const uint32_t top = __reduce_max_sync(kFullMask, mine);
+    if (top == 0) return -1;
+    const int owner = __ffs(__ballot_sync(kFullMask, mine == top)) - 1;
+    int at = 0;
+#pragma unroll
+    for (int i = kEarlyLaneKeys - 1; i >= 0; --i) at = key[i] == top ? i : at;
+    if (lane == owner) {
+#pragma unroll
+      for (int i = 0; i < kEarlyLaneKeys; ++i) key[i] = i == at ? 0 : key[i];
+    }
+    id = __shfl_sync(kFullMask, lo + at * kWarpSize + lane, owner);
+  }
+  return id;
+}
+
+// This block's early cluster (batch row 0): its slots' logits, as the slot loop computes them,
+// folded into its stored best.
+template <typename T>
+__device__ __forceinline__ void score_early_cluster(const CandidateRows<T>& a, const EarlyClusterTokens& t,
+                                                    uint64_t* warp_best) {
+  constexpr int kWarps = kCandThreads / kWarpSize;
+  const int item = blockIdx.x;
+  if (item >= t.items) return;
+  const int slice = item / kEarlyRanks;
+  const int lo = slice * t.slice_width, hi = min(t.num_clusters, lo + t.slice_width);
+  const int32_t cluster = lo < hi ? early_cluster(t.scores, lo, hi, item % kEarlyRanks) : -1;
+  if (cluster < 0) return;  // alike in every warp
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const T* hid[1] = {a.hidden};
+  uint64_t best = kNoneRanked;
+  for (int slot = warp * kCandRowsPerWarp; slot < t.cluster_size; slot += kCandSlotsPerBlock) {
+    int32_t token[kCandRowsPerWarp];
+    const T* rows[kCandRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kCandRowsPerWarp; ++r) {
+      token[r] = slot + r < t.cluster_size ? t.cluster_tokens[int64_t{cluster} * t.cluster_size + slot + r] : -1;
+      rows[r] = in_vocab(token[r], a.vocab) ? a.embedding + int64_t{token[r]} * a.hidden_dim : nullptr;
+    }
+    float acc[kCandRowsPerWarp][1];
+    warp_dot<T, T, kCandRowsPerWarp, 1, kCandUnroll>(rows, hid, a.hidden_dim, a.vec, row_policy(a.rows_once), acc);
+#pragma unroll
+    for (int r = 0; r < kCandRowsPerWarp; ++r)
+      if (rows[r]) {
+        const uint64_t slot_best = pack_ranked(order_key(acc[r][0]), token[r]);
+        best = slot_best > best ? slot_best : best;
+      }
+  }
+  if (lane == 0) warp_best[warp] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kWarps; ++w) best = warp_best[w] > best ? warp_best[w] : best;
+    if (best != kNoneRanked) __stcg(t.best + cluster, static_cast<unsigned long long>(best));
+  }
+  __syncthreads();  // warp_best is reused
+}
+
 // The extra ids' side state in sampling, [rows, E] each (null when greedy or E == 0).
 struct ExtraSlots {
   int count;             // E
@@ -81,7 +173,7 @@ struct ExtraSlots {
 template <typename T>
 struct DecodeArgs {
   CandidateRows<T> rows;
-  ClusterTokens slot_tokens;
+  EarlyClusterTokens slot_tokens;  // its early fields for the kEarly instance only
   ExtraSlots extras;
   int row_offset;  // batch row of blockIdx.y == 0 (the Gumbel noise is indexed by the absolute row)
   float temperature;
@@ -121,14 +213,22 @@ __device__ __forceinline__ void mark_repeated_extras(const ClusterTokens& tokens
 }
 
 // kExtrasAside: sampling with extra ids (the extras' flags and partials); its own instance, so the
-// other decodes' slot loop carries none of it. kStaged: as for_each_slot_group.
-template <typename T, bool kSample, bool kExtrasAside, bool kStaged>
+// other decodes' slot loop carries none of it. kStaged: as for_each_slot_group. kEarly: greedy
+// batch 1 with clusters scored early (EarlyClusterTokens), register rows.
+template <typename T, bool kSample, bool kExtrasAside, bool kStaged, bool kEarly = false>
 __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candidates_kernel(DecodeArgs<T> a) {
   static_assert(kSample || !kExtrasAside, "greedy folds every extra id");
+  static_assert(!kEarly || (!kSample && !kStaged), "early clusters fold greedy bests");
+  using Tokens = std::conditional_t<kEarly, EarlyClusterTokens, ClusterTokens>;
+  const Tokens& tokens = a.slot_tokens;
   constexpr int kWarps = kCandThreads / kWarpSize;
   __shared__ RowPartial warp_partials[kWarps];
   __shared__ bool is_last_block;
-  a.slot_tokens.warm_l2();
+  tokens.warm_l2();
+  if constexpr (kEarly) {
+    __shared__ uint64_t warp_best[kWarps];
+    score_early_cluster(a.rows, a.slot_tokens, warp_best);
+  }
   wait_for_previous_kernel();
   const int64_t row = blockIdx.y, abs_row = a.row_offset + row;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
@@ -138,9 +238,14 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
 
   // Lane r folds slot first + r of each group.
   RowPartial p = empty_partial();
-  for_each_slot_group<kStaged>(a.rows, a.slot_tokens, row, [&](const WarpSlots& s, int first) {
+  for_each_slot_group<kStaged>(a.rows, tokens, row, [&](const WarpSlots& s, int first) {
     if constexpr (kExtrasAside) mark_repeated_extras(a.slot_tokens, a.extras, lane_extra, s, first, row);
-    if (lane >= kCandRowsPerWarp || !pick(s.valid, lane)) return;
+    if (lane >= kCandRowsPerWarp) return;
+    if constexpr (kEarly) {
+      const uint64_t known = pick(s.known, lane);
+      p.best = known > p.best ? known : p.best;
+    }
+    if (!pick(s.valid, lane)) return;
     const int slot = first + lane;
     const float logit = pick(s.logit, lane);
     const int32_t token = pick(s.token, lane);

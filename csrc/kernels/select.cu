@@ -44,6 +44,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
   __shared__ SelectShared sh;
   clear_histogram(sh);  // before the wait: nothing of the previous kernel's is touched
   wait_for_previous_kernel();
+  // After the wait: the fused decode's candidate kernel reads the scores before its own wait.
   let_next_kernel_start();
   const int64_t row = blockIdx.x;
   RowKeys<kCached> keys;
