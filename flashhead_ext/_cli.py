@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -31,23 +31,42 @@ def device_arg(text: str) -> str:
         if count == 0:
             raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device here (torch.cuda.is_available() is False)")
         if device.index is not None and device.index >= count:
-            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} CUDA device{'s' if count > 1 else ''}")
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {counted(count, 'CUDA device')}")
     return text
+
+
+def counted(count: int, noun: str) -> str:
+    """``count`` and ``noun``, plural unless ``count`` is 1: "1 prompt", "3 prompts"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def output_file(text: str) -> str:
     """argparse ``type`` of a file a run writes once it is over (--json, --plot): a path that could
-    not be written is a usage error before the run, which would otherwise be lost. Creates nothing."""
+    not be written is a usage error before the run, which would otherwise be lost. Leaves nothing
+    behind. Permission bits do not tell (root passes them, and /proc refuses new files anyway), so
+    it opens an existing file for appending, or else makes an unnamed file in the directory that
+    would hold it."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text!r} exists and cannot be written")
+    if path.exists():
+        if not path.is_file():  # opening a FIFO or device could block or act
+            raise argparse.ArgumentTypeError(f"{text!r} exists and is not a regular file")
+        try:
+            with open(path, "ab"):
+                pass
+        except OSError:
+            raise argparse.ArgumentTypeError(f"{text!r} exists and cannot be written") from None
+        return text
     ancestor = path.parent.absolute()
     while not ancestor.exists():
         ancestor = ancestor.parent
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text!r}: {ancestor} is not a directory that can be written to")
+    try:
+        if not ancestor.is_dir():
+            raise NotADirectoryError(ancestor)
+        tempfile.TemporaryFile(dir=ancestor).close()
+    except OSError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {ancestor} is not a directory that can be written to") from None
     return text
 
 

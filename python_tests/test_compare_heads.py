@@ -1,6 +1,7 @@
 """compare-heads' table: its rows, and the note when asked probes exceed the clusters."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +48,12 @@ def test_an_unwritable_json_is_a_usage_error(tmp_path, capsys):
              (a_file / "x.json", f"argument --json: '{a_file / 'x.json'}': {a_file} is not a directory that can be written to")]
     if not os.access(read_only, os.W_OK):  # root may write it anyway
         cases.append((read_only, f"argument --json: '{read_only}' exists and cannot be written"))
+    # Permission bits pass these for root: /proc takes no new files, and a FIFO would block the write.
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    cases.append((fifo, f"argument --json: '{fifo}' exists and is not a regular file"))
+    if Path("/proc/self").is_dir():
+        cases.append(("/proc/flashhead.json", "argument --json: '/proc/flashhead.json': /proc is not a directory that can be written to"))
     for path, message in cases:
         with pytest.raises(SystemExit):
             build_parser().parse_args(["compare-heads", "--json", str(path)])
