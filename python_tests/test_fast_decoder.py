@@ -299,10 +299,11 @@ def test_decoder_bad_arguments_name_the_argument():
     decoder.reset(0)
     for body in decoder.bodies:  # the ids are checked before any body reads them
         decoder.body = body
-        for bad, what in ((torch.tensor([[1, 2]]), "a 2-d torch.int64 tensor of 2 ids"), ([1, 2], "list"),
-                          (torch.tensor([1.0]), "a 1-d torch.float32 tensor of 1 ids"),
-                          (torch.empty(0, dtype=torch.int64), "a 1-d torch.int64 tensor of 0 ids")):
-            with pytest.raises(ValueError, match=f"ids must be a non-empty 1-d int32 or int64 tensor, got {what}"):
+        for bad, what, error in ((torch.tensor([[1, 2]]), "a 2-d torch.int64 tensor of 2 ids", ValueError),
+                                 ([1, 2], "list", TypeError),
+                                 (torch.tensor([1.0]), "a 1-d torch.float32 tensor of 1 ids", ValueError),
+                                 (torch.empty(0, dtype=torch.int64), "a 1-d torch.int64 tensor of 0 ids", ValueError)):
+            with pytest.raises(error, match=f"ids must be a non-empty 1-d int32 or int64 tensor, got {what}"):
                 decoder.forward(bad)
         with pytest.raises(ValueError, match="ids must be on the model's device cpu, got meta"):
             decoder.forward(torch.tensor([1], device="meta"))

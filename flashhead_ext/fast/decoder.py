@@ -520,9 +520,11 @@ class Decoder:
         step then costs only a launch, which lets a captured graph skip a step on the device.
         Nor are the ids' values checked: one outside the vocabulary fails the embedding lookup.
         """
-        if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or not ids.numel():
-            what = f"a {ids.dim()}-d {ids.dtype} tensor of {ids.numel()} ids" if isinstance(ids, Tensor) else type(ids).__name__
-            raise ValueError(f"ids must be a non-empty 1-d int32 or int64 tensor, got {what}")
+        if not isinstance(ids, Tensor):
+            raise TypeError(f"ids must be a non-empty 1-d int32 or int64 tensor, got {type(ids).__name__}")
+        if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or not ids.numel():
+            raise ValueError(f"ids must be a non-empty 1-d int32 or int64 tensor, got a {ids.dim()}-d {ids.dtype} tensor "
+                             f"of {ids.numel()} ids")
         if ids.device != self.device:
             raise ValueError(f"ids must be on the model's device {self.device}, got {ids.device}")
         c = self.config
