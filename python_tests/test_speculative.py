@@ -503,6 +503,12 @@ def _package_main(argv):
     return main(["spec", *argv])
 
 
+def test_run_header_counts_in_the_singular_for_one():
+    from flashhead_ext._cli import counted
+    assert [counted(n, "prompt") for n in (0, 1, 2)] == ["0 prompts", "1 prompt", "2 prompts"]
+    assert counted(1, "new token") == "1 new token"
+
+
 # Both entry points: `python -m flashhead_ext spec` (the README demo) and the module's own main.
 @pytest.mark.parametrize("entry", [_spec_main, _package_main], ids=["speculative.cli", "python -m flashhead_ext"])
 def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):

@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 
 from ..bench.timing import run_metadata
-from .._cli import DEFAULT_NUM_PROMPTS, ArgumentValueError, cli_prompts, cluster_count, device_arg, output_file
+from .._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, cli_prompts, cluster_count, counted, device_arg,
+                    output_file)
 from ..fast.decoder import BODIES
 from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS
@@ -211,9 +212,9 @@ def run(args, parser: argparse.ArgumentParser) -> int:
                 probes_used=flash.head.probes if flash else None,
                 num_clusters=flash.head.num_clusters if flash else None)
     count = torch.get_num_threads()
-    threads = f", {count} thread{'s' if count > 1 else ''}" if torch.device(args.device).type == "cpu" else ""
+    threads = f", {counted(count, 'thread')}" if torch.device(args.device).type == "cpu" else ""
     flash_line = f", FlashHead {flash.head.probes} of {flash.head.num_clusters} clusters" if flash else ""
-    print(f"target {args.target}, draft {args.draft}, K={args.k}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
+    print(f"target {args.target}, draft {args.draft}, K={args.k}, {counted(len(prompts), 'prompt')} x {counted(args.max_new_tokens, 'new token')}, "
           f"{args.dtype} on {args.device}{threads}{flash_line}, {'fast path' if args.fast else 'transformers driver'}")
     print(format_summary(rows))
     print(reading(rows))
