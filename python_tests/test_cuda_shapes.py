@@ -159,7 +159,7 @@ def check_sync_free_and_replayed(call, expected):
 
 
 # Greedy batch 1 scores some clusters while the selection runs (decode.cuh, EarlyClusterTokens):
-# where the candidate warps take one slot group each (p b + E <= 32 * 2 * SMs) and a slice of
+# where the candidate warps take one slot group each (p b + E <= 32 * SMs) and a slice of
 # 3 C / (3/4 of the blocks) scores fits 256 ids. On a 132-SM GPU the first five shapes do (the
 # Qwen3-0.6B head at p = 256, a padded table with extra ids, clusters of 32 over two blocks,
 # clusters of 8 at the widest slice, rows without 16-byte vectors); p = 593 there stages rows

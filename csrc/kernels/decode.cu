@@ -105,13 +105,14 @@ bool scores_early(const HeadShape& shape, bool sampling, const LaunchOptions& op
   return may_score_early(shape, sampling) && options.dependent_launch && dependent_launch_supported();
 }
 
-// The early clusters' slices for the candidate kernel's grid, or none (items 0): they need the
-// register instance (one slot group a warp, so every block's rows are its early cluster's and
-// then its chosen ones'), and slices that fit early_cluster.
+// The early clusters' slices for the candidate kernel's grid, or none (items 0): they need one slot
+// group a warp in the register instance (a block's rows are then its early cluster's and its
+// chosen ones'; only that was measured), and slices that fit early_cluster.
 EarlyClusterTokens plan_early_clusters(const HeadShape& shape, int blocks, bool staged) {
   EarlyClusterTokens plan{};
   const int items = blocks * kEarlyBlocksNum / kEarlyBlocksDen;
-  if (staged || items < kEarlyRanks) return plan;
+  const bool one_group_a_warp = int64_t{blocks} * kCandSlotsPerBlock >= shape.num_candidates();
+  if (staged || !one_group_a_warp || items < kEarlyRanks) return plan;
   const int64_t width = ceil_div<int64_t>(int64_t{kEarlyRanks} * shape.num_clusters, items);
   if (width > kEarlyLaneKeys * kWarpSize) return plan;
   plan.slice_width = static_cast<int>(width);
@@ -281,7 +282,7 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
   }
   const bool by_claimed_cluster = claimed.smem > 0;
   detail::EarlyClusterTokens early{};
-  if (detail::scores_early(shape, sampling != nullptr, options) && !by_claimed_cluster) {
+  if (detail::scores_early(shape, sampling != nullptr, options)) {  // batch 1: never by claimed cluster
     const cudaError_t err = detail::plan_early(tensors, shape, ws, &early);
     if (err != cudaSuccess) return err;
   }
@@ -290,9 +291,10 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
         cudaMemsetAsync(ws.claims, 0, sizeof(unsigned long long) * detail::claims_words(shape), stream);
     if (err != cudaSuccess) return err;
   }
-  cudaError_t err =
-      launch_centroid_scores(tensors.hidden, tensors.centroids, tensors.centroid_scale, shape.batch, shape.num_clusters,
-                             shape.hidden_dim, ws.scores, sampling, ws.keys, stream, early.items > 0 ? early.best : nullptr);
+  unsigned long long* cleared = early.items > 0 ? early.best : nullptr;
+  cudaError_t err = launch_centroid_scores(tensors.hidden, tensors.centroids, tensors.centroid_scale, shape.batch,
+                                           shape.num_clusters, shape.hidden_dim, ws.scores, sampling, ws.keys, stream,
+                                           cleared);
   if (err != cudaSuccess) return err;
   SelectOutputs out;
   out.cluster_ids = ws.cluster_ids;

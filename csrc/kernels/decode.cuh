@@ -77,8 +77,8 @@ __device__ __forceinline__ RowPartial load_partial(const RowPartial* p) {
 // centroid scores (slices of slice_width ids, kEarlyRanks ranks each, one per block up to
 // `items`), reads its rows and stores the cluster's packed (key, token) best. After the
 // selection, a chosen cluster with a stored best is folded as that value, its rows not read
-// again: at the Qwen3-0.6B head (p = 256) three quarters of the candidate rows are then read
-// before the list exists (docs/benchmarks.md, session 53). Any set of early clusters gives the
+// again: at the Qwen3-0.6B head (p = 256) about two thirds of the chosen clusters' rows are then
+// read before the list exists (docs/benchmarks.md, session 53). Any set of early clusters gives the
 // same token: a stored best is the exact maximum over that cluster's slots.
 constexpr int kEarlyRanks = 3;
 constexpr int kEarlyBlocksNum = 3, kEarlyBlocksDen = 4;  // the share of blocks with an early cluster
