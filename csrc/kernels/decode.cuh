@@ -160,7 +160,7 @@ __device__ __forceinline__ void score_early_cluster(const CandidateRows<T>& a, c
     for (int w = 0; w < kWarps; ++w) best = warp_best[w] > best ? warp_best[w] : best;
     if (best != kNoneRanked) __stcg(t.best + cluster, static_cast<unsigned long long>(best));
   }
-  __syncthreads();  // warp_best is reused
+  __syncthreads();  // not needed by warp_best (read once, above); kept until a device run times its removal
 }
 
 // The extra ids' side state in sampling, [rows, E] each (null when greedy or E == 0).

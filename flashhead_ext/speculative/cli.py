@@ -214,8 +214,9 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     count = torch.get_num_threads()
     threads = f", {counted(count, 'thread')}" if torch.device(args.device).type == "cpu" else ""
     flash_line = f", FlashHead {flash.head.probes} of {flash.head.num_clusters} clusters" if flash else ""
-    print(f"target {args.target}, draft {args.draft}, K={args.k}, {counted(len(prompts), 'prompt')} x {counted(args.max_new_tokens, 'new token')}, "
-          f"{args.dtype} on {args.device}{threads}{flash_line}, {'fast path' if args.fast else 'transformers driver'}")
+    workload = f"{counted(len(prompts), 'prompt')} x {counted(args.max_new_tokens, 'new token')}"
+    print(f"target {args.target}, draft {args.draft}, K={args.k}, {workload}, {args.dtype} on {args.device}{threads}"
+          f"{flash_line}, {'fast path' if args.fast else 'transformers driver'}")
     print(format_summary(rows))
     print(reading(rows))
     print(f"wrote {write_json(args.json, meta, rows, records)}")
