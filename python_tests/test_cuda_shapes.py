@@ -158,18 +158,20 @@ def check_sync_free_and_replayed(call, expected):
     assert torch.equal(again, expected)
 
 
-# Greedy batch 1 scores some clusters while the selection runs (decode.cuh, EarlyClusterTokens):
-# where the candidate warps take one slot group each (p b + E <= 32 * SMs) and a slice of
-# 3 C / (3/4 of the blocks) scores fits 256 ids. On a 132-SM GPU the first five shapes do (the
+# Greedy batch 1 scores some clusters while the selection runs (decode.cuh, EarlyClusters): where
+# each candidate warp takes one slot group (p b + E <= 32 * SMs, rows not staged) and a slice of
+# 3 C / (3/4 of the blocks) scores fits 256 ids. On a 132-SM GPU the first seven shapes do (the
 # Qwen3-0.6B head at p = 256, a padded table with extra ids, clusters of 32 over two blocks,
-# clusters of 8 at the widest slice, rows without 16-byte vectors); p = 593 there stages rows
-# and p = 32 makes slices of 1,187 scores, so those two do not.
+# clusters of 8 at the widest slice, rows without 16-byte vectors, clusters of 5 and of 1); p =
+# 593 there stages rows and p = 32 makes slices of 1,187 scores, so those two do not.
 EARLY = [
     (Shape(B=1, D=1024, C=9496, b=16, p=256), torch.bfloat16, True),
     (Shape(B=1, D=576, C=3001, b=16, p=200, pad=7, extras=True), torch.float16, True),
     (Shape(B=1, D=2048, C=4099, b=32, p=100, pad=3), torch.float32, True),
     (Shape(B=1, D=1152, C=16384, b=8, p=512), torch.bfloat16, True),
     (Shape(B=1, D=1023, C=2000, b=16, p=128, extras=True), torch.bfloat16, True),
+    (Shape(B=1, D=576, C=2001, b=5, p=400, pad=3, extras=True), torch.float16, True),
+    (Shape(B=1, D=1024, C=4000, b=1, p=2000), torch.bfloat16, True),
     (Shape(B=1, D=1024, C=9496, b=16, p=593), torch.bfloat16, False),
     (Shape(B=1, D=1024, C=9496, b=16, p=32), torch.bfloat16, False),
 ]
@@ -181,24 +183,43 @@ def early_instance_ran(names) -> bool:
 
 @pytest.mark.parametrize("shape,dtype,early", EARLY, ids=[f"{s}-{d}" for s, d, _ in EARLY])
 def test_decode_greedy_early_clusters(shape, dtype, early):
-    problem = problem_for(shape, dtype)
-    # Tokens of clusters ranked well past p get logits far above every other: a cluster scored
-    # early but not chosen must not reach the token (its best is set aside, not folded).
-    scores = ref.scores(problem.hidden, problem.centroids)[0]
-    left_out = scores.argsort(descending=True)[shape.p + 16:]
-    planted = problem.cluster_tokens[left_out].flatten()
-    planted = planted[planted >= 0].long()
+    # Integer values: every sum is exact, so the token must be the reference's, ties included.
+    problem = make_problem(shape, dtype, "cuda", integer=True, build_on_device=True)
+    hidden = problem.hidden[0]
+    # The best cluster by far is rank 0 of its slice, so always scored early, and chosen; one of its
+    # tokens gets the best chosen logit: a dropped early best changes the token.
+    centroids = problem.centroids.clone()
+    top = int(torch.randint(0, shape.C, (1,), generator=torch.Generator().manual_seed(shape.C)))
+    centroids[top] = hidden
     embedding = problem.embedding.clone()
-    embedding[planted] = (problem.hidden[0] * 50).to(dtype)
-    problem = problem.with_(embedding=embedding)
+    members = problem.cluster_tokens[top][problem.cluster_tokens[top] >= 0].long()
+    embedding[members[-1]] = (hidden * 10).to(dtype)
+    # Tokens of clusters ranked well past p (extra ids aside) get logits far above every other: a
+    # cluster scored early but not chosen must not reach the token.
+    scores = ref.scores(problem.hidden, centroids)[0]
+    left_out = scores.argsort(descending=True)[shape.p + 16:]
+    planted = problem.cluster_tokens[left_out].flatten().long()
+    planted = planted[planted >= 0]
+    if problem.extra_ids is not None:
+        planted = planted[~torch.isin(planted, problem.extra_ids.long())]
+    embedding[planted] = (hidden * 50).to(dtype)
+    problem = problem.with_(centroids=centroids, embedding=embedding)
     tokens = ops.decode_greedy(*problem.args())
-    check_decode_greedy(tokens, problem, exact=False)
+    check_decode_greedy(tokens, problem, exact=True)
     props = torch.cuda.get_device_properties(0)
     if (props.major, props.minor) == (9, 0) and props.multi_processor_count == 132:
         names = kernels_run(lambda: ops.decode_greedy(*problem.args()))
         if names:
             assert early_instance_ran(names) == early, names
     check_sync_free_and_replayed(lambda: ops.decode_greedy(*problem.args()), tokens)
+    # Replayed on other hidden states: no best stored for the first ones may be taken.
+    static = problem.hidden.clone()
+    graph, captured = capture(lambda: ops.decode_greedy(static, *problem.args()[1:]))
+    other = make_problem(shape, dtype, "cuda", seed=1, integer=True, build_on_device=True).hidden
+    for states in (other, problem.hidden):
+        static.copy_(states)
+        graph.replay()
+        check_decode_greedy(captured, problem.with_(hidden=states), exact=True)
 
 
 @pytest.mark.parametrize("shape,dtype", [c[:2] for c in CLAIMED[:2]], ids=[f"{s}-{d}" for s, d, _ in CLAIMED[:2]])

@@ -178,6 +178,27 @@ __device__ __forceinline__ WarpSlots slots_of(const CandidateRows<T>& a, const i
   return slots_of(a, token, {});
 }
 
+// The logits of a warp's kCandRowsPerWarp slots: the rows of `token` where `valid`, 0 elsewhere.
+// The register slot loop and the fused decode's early clusters (decode.cuh) both sum through it, so
+// a cluster's logits are the same bits either way. A group with no row to read skips the hidden
+// row's loads too; `valid` must be the same in every lane (warp_dot's shuffles take the whole warp).
+template <typename T>
+__device__ __forceinline__ void group_logits(const CandidateRows<T>& a, const T* hidden_row,
+                                             const int32_t (&token)[kCandRowsPerWarp],
+                                             const bool (&valid)[kCandRowsPerWarp], float (&acc)[kCandRowsPerWarp][1]) {
+  const T* rows[kCandRowsPerWarp];
+  const T* hid[1] = {hidden_row};
+  bool any_row = false;
+#pragma unroll
+  for (int r = 0; r < kCandRowsPerWarp; ++r) {
+    rows[r] = valid[r] ? a.embedding + int64_t{token[r]} * a.hidden_dim : nullptr;
+    any_row |= valid[r];
+    acc[r][0] = 0.0f;
+  }
+  if (any_row)
+    warp_dot<T, T, kCandRowsPerWarp, 1, kCandUnroll>(rows, hid, a.hidden_dim, a.vec, row_policy(a.rows_once), acc);
+}
+
 #ifdef FLASHHEAD_BULK_COPIES
 // A warp's kCandBuffers buffers of kCandRowsPerWarp embedding rows in dynamic shared memory, each
 // with an mbarrier; rows land there by bulk copies (the copy engine), so a warp keeps groups of
@@ -328,8 +349,7 @@ __device__ __forceinline__ void for_each_slot_group(const CandidateRows<T>& a, c
   }
 #endif
   const int stride = gridDim.x * kCandSlotsPerBlock;
-  const T* hid[1] = {a.hidden + row * a.hidden_dim};
-  const uint64_t policy = row_policy(a.rows_once);
+  const T* hidden_row = a.hidden + row * a.hidden_dim;
   int first = blockIdx.x * kCandSlotsPerBlock + threadIdx.x / kWarpSize * kCandRowsPerWarp;
   int32_t token[kCandRowsPerWarp];
   uint64_t known[kCandRowsPerWarp];
@@ -338,17 +358,9 @@ __device__ __forceinline__ void for_each_slot_group(const CandidateRows<T>& a, c
     int32_t next[kCandRowsPerWarp];
     uint64_t next_known[kCandRowsPerWarp];
     fetch_slot_tokens(a, tokens, row, first + stride, next, &next_known);
-    WarpSlots s = slots_of(a, token, known);
-    const T* rows[kCandRowsPerWarp];
-    bool any_row = false;
-#pragma unroll
-    for (int r = 0; r < kCandRowsPerWarp; ++r) {
-      rows[r] = s.valid[r] ? a.embedding + int64_t{token[r]} * a.hidden_dim : nullptr;
-      any_row |= s.valid[r];
-    }
-    float acc[kCandRowsPerWarp][1] = {};
-    // A group with no row to read (masked, or every slot known) skips the hidden row's loads too.
-    if (any_row) warp_dot<T, T, kCandRowsPerWarp, 1, kCandUnroll>(rows, hid, a.hidden_dim, a.vec, policy, acc);
+    WarpSlots s = slots_of(a, token, known);  // alike in every lane: each read the same ids and bests
+    float acc[kCandRowsPerWarp][1];
+    group_logits(a, hidden_row, token, s.valid, acc);
 #pragma unroll
     for (int r = 0; r < kCandRowsPerWarp; ++r) {
       s.logit[r] = s.valid[r] ? acc[r][0] : -INFINITY;

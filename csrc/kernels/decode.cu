@@ -98,7 +98,7 @@ size_t claims_words(const HeadShape& shape) { return 1 + size_t(shape.num_cluste
 // large batches): sizes the partials from shapes alone.
 int max_candidate_blocks(const HeadShape& shape) { return ceil_div(shape.num_candidates(), kCandSlotsPerBlock); }
 
-// Greedy batch 1 may score clusters early (decode.cuh, EarlyClusterTokens): with dependent launch,
+// Greedy batch 1 may score clusters early (decode.cuh, EarlyClusters): with dependent launch,
 // while the selection runs; without it they would only lengthen the candidate kernel.
 bool may_score_early(const HeadShape& shape, bool sampling) { return !sampling && shape.batch == 1; }
 bool scores_early(const HeadShape& shape, bool sampling, const LaunchOptions& options) {
@@ -108,8 +108,8 @@ bool scores_early(const HeadShape& shape, bool sampling, const LaunchOptions& op
 // The early clusters' slices for the candidate kernel's grid, or none (items 0): they need one slot
 // group a warp in the register instance (a block's rows are then its early cluster's and its
 // chosen ones'; only that was measured), and slices that fit early_cluster.
-EarlyClusterTokens plan_early_clusters(const HeadShape& shape, int blocks, bool staged) {
-  EarlyClusterTokens plan{};
+EarlyClusters plan_early_clusters(const HeadShape& shape, int blocks, bool staged) {
+  EarlyClusters plan{};
   const int items = blocks * kEarlyBlocksNum / kEarlyBlocksDen;
   const bool one_group_a_warp = int64_t{blocks} * kCandSlotsPerBlock >= shape.num_candidates();
   if (staged || !one_group_a_warp || items < kEarlyRanks) return plan;
@@ -177,7 +177,7 @@ cudaError_t plan_candidate_grid(const HeadTensors<T, TC>& t, const HeadShape& sh
 // The early clusters of a greedy batch-1 decode (items 0: none), their scores and bests in `ws`.
 template <typename T, typename TC>
 cudaError_t plan_early(const HeadTensors<T, TC>& t, const HeadShape& shape, const DecodeWorkspace& ws,
-                       EarlyClusterTokens* early) {
+                       EarlyClusters* early) {
   CandidateGrid grid{};
   const cudaError_t err = plan_candidate_grid(t, shape, decode_candidates_kernel<T, false, false, true>, 1, &grid);
   if (err != cudaSuccess) return err;
@@ -189,7 +189,7 @@ cudaError_t plan_early(const HeadTensors<T, TC>& t, const HeadShape& shape, cons
 
 template <typename T, typename TC, bool kSample>
 cudaError_t launch_decode_candidates(const HeadTensors<T, TC>& t, const HeadShape& shape, const Sampling* sampling,
-                                     const DecodeWorkspace& ws, const EarlyClusterTokens& early, int64_t* tokens,
+                                     const DecodeWorkspace& ws, const EarlyClusters& early, int64_t* tokens,
                                      int64_t token_stride, float* token_logprobs, cudaStream_t stream,
                                      bool dependent) {
   const int n = shape.num_candidates(), d = shape.hidden_dim, max_blocks = max_candidate_blocks(shape);
@@ -212,10 +212,9 @@ cudaError_t launch_decode_candidates(const HeadTensors<T, TC>& t, const HeadShap
     const int64_t extras_from = int64_t{r0} * shape.num_extra;
     DecodeArgs<T> args{};
     args.rows = {t.hidden + int64_t{r0} * d, t.embedding, shape.vocab, d, grid.vec, n, rows_read_once(shape.batch)};
-    args.slot_tokens = early;  // batch 1: the early fields, if any
-    static_cast<ClusterTokens&>(args.slot_tokens) = {ws.cluster_ids + int64_t{r0} * shape.probes, t.cluster_tokens,
-                                                     t.extra_ids, shape.probes, shape.cluster_size,
-                                                     shape.num_clusters};
+    args.slot_tokens = {{ws.cluster_ids + int64_t{r0} * shape.probes, t.cluster_tokens, t.extra_ids, shape.probes,
+                         shape.cluster_size, shape.num_clusters},
+                        early};
     if (ws.extra_repeats)
       args.extras = {shape.num_extra, ws.extra_repeats + extras_from, ws.extra_partials + extras_from};
     args.row_offset = r0;
@@ -281,7 +280,7 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
     if (!detail::decodes_by_claimed_cluster<T>(shape, claimed)) claimed = {};
   }
   const bool by_claimed_cluster = claimed.smem > 0;
-  detail::EarlyClusterTokens early{};
+  detail::EarlyClusters early{};
   if (detail::scores_early(shape, sampling != nullptr, options)) {  // batch 1: never by claimed cluster
     const cudaError_t err = detail::plan_early(tensors, shape, ws, &early);
     if (err != cudaSuccess) return err;

@@ -79,16 +79,21 @@ __device__ __forceinline__ RowPartial load_partial(const RowPartial* p) {
 // selection, a chosen cluster with a stored best is folded as that value, its rows not read
 // again: at the Qwen3-0.6B head (p = 256) about two thirds of the chosen clusters' rows are then
 // read before the list exists (docs/benchmarks.md, session 53). Any set of early clusters gives the
-// same token: a stored best is the exact maximum over that cluster's slots.
+// same token: a stored best is the exact maximum over that cluster's slots (group_logits sums them
+// as the slot loop does).
 constexpr int kEarlyRanks = 3;
 constexpr int kEarlyBlocksNum = 3, kEarlyBlocksDen = 4;  // the share of blocks with an early cluster
 constexpr int kEarlyLaneKeys = 8;                       // slices of up to 8 * 32 scores
-struct EarlyClusterTokens : ClusterTokens {
+// launch_decode's plan (items 0: no early clusters).
+struct EarlyClusters {
   const float* scores;       // [C]: the row's centroid scores
   unsigned long long* best;  // [C]: each cluster's best once scored early, else 0 (the scoring kernel clears it)
   int slice_width, items;
+};
+struct EarlyClusterTokens : ClusterTokens {
+  EarlyClusters early;
   // Another block may store a best while this one reads it from L2: 0 or the whole best.
-  __device__ __forceinline__ SlotToken slot(int64_t row, int slot) const { return slot_with(row, slot, best); }
+  __device__ __forceinline__ SlotToken slot(int64_t row, int slot) const { return slot_with(row, slot, early.best); }
 };
 
 // The id of the rank-t best score of [lo, hi) (at most kEarlyLaneKeys * 32 ids), equal scores in
@@ -128,39 +133,37 @@ template <typename T>
 __device__ __forceinline__ void score_early_cluster(const CandidateRows<T>& a, const EarlyClusterTokens& t,
                                                     uint64_t* warp_best) {
   constexpr int kWarps = kCandThreads / kWarpSize;
+  const EarlyClusters& e = t.early;
   const int item = blockIdx.x;
-  if (item >= t.items) return;
+  if (item >= e.items) return;  // alike in the block, as is every return below
   const int slice = item / kEarlyRanks;
-  const int lo = slice * t.slice_width, hi = min(t.num_clusters, lo + t.slice_width);
-  const int32_t cluster = lo < hi ? early_cluster(t.scores, lo, hi, item % kEarlyRanks) : -1;
-  if (cluster < 0) return;  // alike in every warp
+  const int lo = slice * e.slice_width, hi = min(t.num_clusters, lo + e.slice_width);
+  const int32_t cluster = lo < hi ? early_cluster(e.scores, lo, hi, item % kEarlyRanks) : -1;
+  if (cluster < 0) return;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const T* hid[1] = {a.hidden};
   uint64_t best = kNoneRanked;
   for (int slot = warp * kCandRowsPerWarp; slot < t.cluster_size; slot += kCandSlotsPerBlock) {
     int32_t token[kCandRowsPerWarp];
-    const T* rows[kCandRowsPerWarp];
+    bool valid[kCandRowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kCandRowsPerWarp; ++r) {
       token[r] = slot + r < t.cluster_size ? t.cluster_tokens[int64_t{cluster} * t.cluster_size + slot + r] : -1;
-      rows[r] = in_vocab(token[r], a.vocab) ? a.embedding + int64_t{token[r]} * a.hidden_dim : nullptr;
+      valid[r] = in_vocab(token[r], a.vocab);
     }
     float acc[kCandRowsPerWarp][1];
-    warp_dot<T, T, kCandRowsPerWarp, 1, kCandUnroll>(rows, hid, a.hidden_dim, a.vec, row_policy(a.rows_once), acc);
+    group_logits(a, a.hidden, token, valid, acc);
 #pragma unroll
     for (int r = 0; r < kCandRowsPerWarp; ++r)
-      if (rows[r]) {
+      if (valid[r]) {
         const uint64_t slot_best = pack_ranked(order_key(acc[r][0]), token[r]);
         best = slot_best > best ? slot_best : best;
       }
   }
   if (lane == 0) warp_best[warp] = best;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < kWarps; ++w) best = warp_best[w] > best ? warp_best[w] : best;
-    if (best != kNoneRanked) __stcg(t.best + cluster, static_cast<unsigned long long>(best));
-  }
-  __syncthreads();  // not needed by warp_best (read once, above); kept until a device run times its removal
+  if (threadIdx.x != 0) return;
+  for (int w = 0; w < kWarps; ++w) best = warp_best[w] > best ? warp_best[w] : best;
+  if (best != kNoneRanked) __stcg(e.best + cluster, static_cast<unsigned long long>(best));
 }
 
 // The extra ids' side state in sampling, [rows, E] each (null when greedy or E == 0).
