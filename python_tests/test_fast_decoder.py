@@ -438,7 +438,8 @@ def padded_target_and_short_draft(device: str, dtype: torch.dtype):
     """A Llama target whose last 3 output rows (padding beyond the draft's vocabulary, as Qwen2.5-7B's
     beyond Qwen2.5-0.5B's) are scaled up so that a quarter of its greedy tokens after prompt 5 land
     there, and a draft of its weights without those rows; with those tokens (float64)."""
-    model = hf_model("llama-aligned")  # sizes the CUDA persistent body takes
+    # A copy: hf_model is cached, and scaling it in place had changed later tests' references (reference()).
+    model = copy.deepcopy(hf_model("llama-aligned"))  # sizes the CUDA persistent body takes
     with torch.no_grad():
         model.lm_head.weight[-3:] *= 1.4
     state = {name: w[:VOCAB - 3] if name in ("model.embed_tokens.weight", "lm_head.weight") else w
@@ -464,6 +465,13 @@ def test_a_draft_without_the_targets_padding_rows_is_exact(mode, device):
             assert sum(gen.stats.accepted_per_round) > 0
     with pytest.raises(ValueError, match="draft_head must cover the draft's vocabulary of 94 tokens, got 97"):
         FastSpeculativeDecoder(target, draft, DenseHead(target.lm_head.float()))
+
+
+def test_the_padded_target_leaves_the_cached_model_alone():
+    model = hf_model("llama-aligned")
+    before = {name: w.clone() for name, w in model.state_dict().items()}
+    padded_target_and_short_draft("cpu", torch.float64)
+    assert all(torch.equal(w, before[name]) for name, w in model.state_dict().items())
 
 
 @pytest.mark.parametrize("body", ["eager", "persistent"])  # persistent: deferred launches proposals ahead
