@@ -268,7 +268,7 @@ def test_flash_head_for_caches_the_clustering(tmp_path, monkeypatch, embedding):
 
 def test_flash_head_for_checks_finiteness_where_it_clusters_not_on_a_cache_hit(tmp_path, monkeypatch, embedding):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
-    hidden = _hidden(31)
+    hidden = _hidden(37)
     for states in (None, hidden):
         flash_head_for(embedding, SIZE, hidden=states, iters=2, progress=False)  # built: checked
     checked = []
@@ -333,7 +333,7 @@ def test_calibrated_clustering_round_trip_keeps_raw_greedy_scoring(tmp_path, emb
 def test_flash_head_for_keeps_methods_apart_in_the_cache(tmp_path, monkeypatch, embedding):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
     _, plain = flash_head_for(embedding, SIZE, iters=2, progress=False)
-    _, calibrated = flash_head_for(embedding, SIZE, hidden=_hidden(30), iters=2, progress=False)
+    _, calibrated = flash_head_for(embedding, SIZE, hidden=_hidden(36), iters=2, progress=False)
     assert (plain.greedy_scoring, calibrated.greedy_scoring) == ("normalized", "raw")
     assert len(list((tmp_path / "clusters").iterdir())) == 2
 
@@ -343,8 +343,8 @@ def test_flash_head_for_keeps_methods_apart_in_the_cache(tmp_path, monkeypatch, 
     monkeypatch.setattr(assets_mod, "build_clusters", no_rebuild)
     monkeypatch.setattr(assets_mod, "calibrate_clusters", no_rebuild)
     assert flash_head_for(embedding, SIZE, iters=2, progress=False)[1].greedy_scoring == "normalized"
-    again = flash_head_for(embedding, SIZE, hidden=_hidden(30), iters=2, progress=False)[1]
+    again = flash_head_for(embedding, SIZE, hidden=_hidden(36), iters=2, progress=False)[1]
     assert torch.equal(again.raw_centroids, calibrated.raw_centroids)
     # Other calibration states are another clustering.
     with pytest.raises(AssertionError, match="must not be rebuilt"):
-        flash_head_for(embedding, SIZE, hidden=_hidden(31), iters=2, progress=False)
+        flash_head_for(embedding, SIZE, hidden=_hidden(37), iters=2, progress=False)

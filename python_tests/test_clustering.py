@@ -6,7 +6,8 @@ import torch
 
 from flashhead_ext import FlashHead
 from flashhead_ext import clustering as clustering_mod
-from flashhead_ext.clustering import build_clusters, calibrate_clusters, cluster_sizes, cluster_table, fit_max_logit_centroids
+from flashhead_ext.clustering import (MIN_STATES_PER_DIM, build_clusters, calibrate_clusters, cluster_sizes, cluster_table,
+                                   fit_max_logit_centroids)
 
 
 def _embedding(vocab, dim, seed=0):
@@ -221,11 +222,22 @@ def test_fitted_centroids_solve_the_ridge_least_squares():
 
 def test_calibration_with_fewer_states_than_the_hidden_size_warns():
     emb = _embedding(24, 6)
-    with pytest.warns(UserWarning, match="5 states for hidden size 6; their second moment has rank at most 5"):
+    with pytest.warns(UserWarning, match="5 states for hidden size 6; their second moment has rank at most 5, .* "
+                                         f"Record at least {MIN_STATES_PER_DIM * 6} states"):
         calibrate_clusters(emb, _embedding(5, 6, seed=1), 4, iters=1, progress=False)
+
+
+def test_calibration_with_few_states_per_hidden_dimension_warns():
+    # Random states: this checks where the warning starts, not the quality it warns about.
+    emb, enough = _embedding(24, 6), MIN_STATES_PER_DIM * 6
+    for states in (6, enough - 1):  # as many as the hidden size: full rank, still too few
+        with pytest.warns(UserWarning, match=f"{states} states for hidden size 6, fewer than {MIN_STATES_PER_DIM}x it "
+                                             f"\\({enough}\\); .* less often than plain k-means. .* build_clusters") as caught:
+            calibrate_clusters(emb, _embedding(states, 6, seed=1), 4, iters=1, progress=False)
+        assert len(caught) == 1 and "second moment" not in str(caught[0].message)  # the rank warning is for fewer
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        calibrate_clusters(emb, _embedding(6, 6, seed=1), 4, iters=1, progress=False)  # as many: no warning
+        calibrate_clusters(emb, _embedding(enough, 6, seed=1), 4, iters=1, progress=False)  # enough: no warning
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -233,7 +245,7 @@ def test_calibration_with_fewer_states_than_the_hidden_size_warns():
     ({"hidden": torch.zeros(5, 4)}, ValueError, "hidden must have the embedding's hidden size 3"),
     ({"hidden": torch.zeros(0, 3)}, ValueError, "hidden must be a non-empty 2-D float tensor"),
     ({"hidden": torch.full((5, 3), float("inf"))}, ValueError, "hidden holds NaN or infinite"),
-    ({"hidden": torch.zeros(5, 3)}, ValueError, "hidden gives a singular fit .* the states are zero or too small"),
+    ({"hidden": torch.zeros(9, 3)}, ValueError, "hidden gives a singular fit .* the states are zero or too small"),
     ({"ridge": 0.0}, ValueError, "ridge must be a finite number > 0"),
     ({"ridge": float("inf")}, ValueError, "ridge must be a finite number > 0"),
     ({"ridge": 1e300}, ValueError, r"the fitted centroids are not finite: ridge \(1e\+300\)"),
@@ -241,6 +253,6 @@ def test_calibration_with_fewer_states_than_the_hidden_size_warns():
     ({"cluster_size": 0}, ValueError, r"cluster_size must be in 1..12"),
 ])
 def test_calibrated_bad_input(kwargs, error, match):
-    args = {"hidden": _embedding(5, 3, seed=1), "cluster_size": 4, "progress": False, **kwargs}
+    args = {"hidden": _embedding(9, 3, seed=1), "cluster_size": 4, "progress": False, **kwargs}
     with pytest.raises(error, match=match):
         calibrate_clusters(_embedding(12, 3), args.pop("hidden"), **args)
