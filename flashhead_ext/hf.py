@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, read_config, write_replacing, flash_head_for, load_assets,
                      user_cache_dir)
 from . import ops
+from .clustering import MIN_STATES_PER_DIM
 from .head import HEAD_DTYPES, FlashHead, centroid_dtype_option, special_token_list
 from .prompts import DEFAULT_PROMPTS, prompts_per_category
 
@@ -282,15 +283,28 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
 
 
 def calibration_states(model, tokenizer, prompts=DEFAULT_PROMPTS, per_category: Optional[int] = 8,
-                       max_new_tokens: int = 64, progress: bool = True) -> Tensor:
+                       max_new_tokens: int = 64, progress: bool = True, min_states: int = 0) -> Tensor:
     """Final hidden states to calibrate a clustering on (:func:`~flashhead_ext.clustering.calibrate_clusters`):
     the model's greedy generations on ``per_category`` Spec-Bench questions of every category with
-    an even ``question_id`` (odd ids are kept for evaluation), recorded once and cached.
+    an even ``question_id`` (odd ids are kept for evaluation), recorded once and cached. While
+    there are fewer than ``min_states`` states, the next ``per_category`` questions of every
+    category are recorded too (each batch cached on its own), until none are left.
 
     More states fit better: on SmolLM2 (C=3072, b=16, 192 probes, odd ids) 4, 8 and all (None)
     prompts per category gave 98.9%, 99.3% and 99.4% top-1 agreement (docs/quality.md)."""
+    if isinstance(min_states, bool) or not isinstance(min_states, int) or min_states < 0:
+        raise ValueError(f"min_states must be a non-negative int, got {min_states!r}")
     chosen = prompts_per_category(prompts, per_category, "even")
-    return recorded_states(model, tokenizer, chosen, max_new_tokens, progress=progress)["hidden"]
+    parts = [recorded_states(model, tokenizer, chosen, max_new_tokens, progress=progress)["hidden"]]
+    taken, wanted = {row["question_id"] for row in chosen}, per_category
+    while per_category is not None and sum(len(part) for part in parts) < min_states:
+        wanted += per_category
+        more = [row for row in prompts_per_category(prompts, wanted, "even") if row["question_id"] not in taken]
+        if not more:
+            break
+        parts.append(recorded_states(model, tokenizer, more, max_new_tokens, progress=progress)["hidden"])
+        taken.update(row["question_id"] for row in more)
+    return torch.cat(parts)
 
 
 HEAD_CHANGED = "the output head changed since attach (e.g. resize_token_embeddings): detach(model) and attach it again"
@@ -494,7 +508,8 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
             that assets beside it cannot be found.
         tokenizer: the model's tokenizer. When a clustering is built and ``build_options`` has no
             ``hidden``, it is then calibrated on the model's own states (:func:`calibration_states`:
-            several minutes on 2 CPU cores the first time, cached), which for SmolLM2 lifts top-1
+            several minutes on 2 CPU cores the first time, cached; 8 prompts a category, more
+            where the hidden size needs over 3 states a dimension), which for SmolLM2 lifts top-1
             agreement at 12.5% of the vocabulary scored from 95.2% to 99.3% (docs/quality.md).
             Without it the clustering is plain k-means.
         centroid_dtype: the head's centroid dtype (:class:`~flashhead_ext.head.FlashHead`): the
@@ -543,7 +558,9 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
             raise FileNotFoundError("no FlashHead assets for this model (its config names none) and build_if_missing=False")
         else:
             if tokenizer is not None and build_options.get("hidden") is None:
-                build_options["hidden"] = calibration_states(model, tokenizer, progress=build_options.get("progress", True))
+                # Enough states that calibrate_clusters does not warn (more prompts for wide models).
+                build_options["hidden"] = calibration_states(model, tokenizer, progress=build_options.get("progress", True),
+                                                             min_states=MIN_STATES_PER_DIM * embedding.shape[1])
             assets = flash_head_for(embedding, special_token_ids=specials, **build_options)[1]
             build_options, specials = {}, []
     elif not isinstance(assets, FlashHeadAssets):

@@ -208,6 +208,40 @@ def test_attach_with_a_tokenizer_calibrates_on_even_ids_only(tmp_path, monkeypat
     assert torch.equal(attachment.head().centroids, attachment.assets.raw_centroids)
 
 
+def test_calibration_states_record_more_questions_until_min_states(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": ("qa", "math")[i % 4 // 2], "turns": [f"q{i}"]})
+                                 + "\n" for i in range(1, 23)))  # even ids: qa 4, 8, ..., 20; math 2, 6, ..., 22
+    recorded = []
+    real = hf.recorded_states
+
+    def recording(model, tokenizer, prompts, *args, **kwargs):
+        recorded.append([row["question_id"] for row in prompts])
+        return real(model, tokenizer, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "recorded_states", recording)
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=None)
+    model = transformers.LlamaForCausalLM(config).eval()  # no EOS: 3 states a prompt
+    tokenizer = char_tokenizer()
+
+    def states(min_states):
+        recorded.clear()
+        return hf.calibration_states(model, tokenizer, questions, per_category=2, max_new_tokens=3, progress=False,
+                                     min_states=min_states)
+
+    assert len(states(0)) == 12 and recorded == [[2, 6, 4, 8]]
+    more = states(13)  # one more batch of 2 a category is 24 states
+    assert recorded == [[2, 6, 4, 8], [10, 14, 12, 16]] and len(more) == 24
+    assert torch.equal(more[:12], states(0))
+    every = states(10**6)  # all 11 even ids, then stops short of min_states
+    assert [i for batch in recorded for i in batch] == [2, 6, 4, 8, 10, 14, 12, 16, 18, 22, 20] and len(every) == 33
+    with pytest.raises(ValueError, match="min_states must be a non-negative int, got -1"):
+        states(-1)
+
+
 def test_attach_bad_input(tmp_path):
     model = _tiny_llama(tied=False)
     with pytest.raises(TypeError, match="assets must be FlashHeadAssets, a path or None, got int"):
