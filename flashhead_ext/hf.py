@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from itertools import groupby
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -296,14 +297,16 @@ def calibration_states(model, tokenizer, prompts=DEFAULT_PROMPTS, per_category: 
         raise ValueError(f"min_states must be a non-negative int, got {min_states!r}")
     chosen = prompts_per_category(prompts, per_category, "even")
     parts = [recorded_states(model, tokenizer, chosen, max_new_tokens, progress=progress)["hidden"]]
-    taken, wanted = {row["question_id"] for row in chosen}, per_category
+    wanted = per_category
     while per_category is not None and sum(len(part) for part in parts) < min_states:
         wanted += per_category
-        more = [row for row in prompts_per_category(prompts, wanted, "even") if row["question_id"] not in taken]
+        # Each category's next questions by place (prompts_per_category lists them a category at a
+        # time), not by question_id, which a file joined from several sources may repeat.
+        by_category = groupby(prompts_per_category(prompts, wanted, "even"), key=lambda row: row["category"])
+        more = [row for _, rows in by_category for row in list(rows)[wanted - per_category:]]
         if not more:
             break
         parts.append(recorded_states(model, tokenizer, more, max_new_tokens, progress=progress)["hidden"])
-        taken.update(row["question_id"] for row in more)
     return torch.cat(parts)
 
 
@@ -508,8 +511,10 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
             that assets beside it cannot be found.
         tokenizer: the model's tokenizer. When a clustering is built and ``build_options`` has no
             ``hidden``, it is then calibrated on the model's own states (:func:`calibration_states`:
-            several minutes on 2 CPU cores the first time, cached; 8 prompts a category, more
-            where the hidden size needs over 3 states a dimension), which for SmolLM2 lifts top-1
+            several minutes on 2 CPU cores the first time, cached; 8 prompts a category, then 8
+            more at a time while there are fewer than 3 states a hidden dimension, the bound under
+            which ``calibrate_clusters`` warns; past a hidden size of about 4,600 even all 240
+            even-id prompts may fall short, and it warns), which for SmolLM2 lifts top-1
             agreement at 12.5% of the vocabulary scored from 95.2% to 99.3% (docs/quality.md).
             Without it the clustering is plain k-means.
         centroid_dtype: the head's centroid dtype (:class:`~flashhead_ext.head.FlashHead`): the
@@ -558,7 +563,7 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
             raise FileNotFoundError("no FlashHead assets for this model (its config names none) and build_if_missing=False")
         else:
             if tokenizer is not None and build_options.get("hidden") is None:
-                # Enough states that calibrate_clusters does not warn (more prompts for wide models).
+                # As many states as calibrate_clusters wants, where the prompts hold them (more for wide models).
                 build_options["hidden"] = calibration_states(model, tokenizer, progress=build_options.get("progress", True),
                                                              min_states=MIN_STATES_PER_DIM * embedding.shape[1])
             assets = flash_head_for(embedding, special_token_ids=specials, **build_options)[1]

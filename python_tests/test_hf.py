@@ -242,6 +242,25 @@ def test_calibration_states_record_more_questions_until_min_states(tmp_path, mon
         states(-1)
 
 
+def test_calibration_states_take_each_batch_by_place_not_by_question_id(tmp_path, monkeypatch):
+    # Two sources numbered apart: math's first ids are qa's later ones, which a batch taken by id skipped.
+    questions = tmp_path / "questions.jsonl"
+    rows = [(i, "qa") for i in (2, 4, 6, 8, 10, 12)] + [(i, "math") for i in (6, 8, 10, 12, 14, 16)]
+    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"{c} {i}"]}) + "\n"
+                                 for i, c in rows))
+    recorded = []
+
+    def recording(model, tokenizer, prompts, *args, **kwargs):
+        recorded.append([row["text"] for row in prompts])
+        return {"hidden": torch.zeros(len(prompts), 4)}
+
+    monkeypatch.setattr(hf, "recorded_states", recording)
+    states = hf.calibration_states(None, None, questions, per_category=2, progress=False, min_states=12)
+    assert recorded == [["qa 2", "qa 4", "math 6", "math 8"], ["qa 6", "qa 8", "math 10", "math 12"],
+                        ["qa 10", "qa 12", "math 14", "math 16"]]
+    assert len(states) == 12
+
+
 def test_attach_bad_input(tmp_path):
     model = _tiny_llama(tied=False)
     with pytest.raises(TypeError, match="assets must be FlashHeadAssets, a path or None, got int"):
