@@ -251,7 +251,9 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
 def model_digest(model) -> str:
     """sha256 of a model's class, config and every parameter and buffer: names its recordings."""
     digest = hashlib.sha256(type(model).__name__.encode())
-    digest.update(model.config.to_json_string(use_diff=False).encode())
+    config = model.config.to_dict()
+    config.pop("_name_or_path", None)  # where it was loaded from: the same model from another path is the same
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     for name, tensor in model.state_dict().items():
         digest.update(name.encode())
         digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())

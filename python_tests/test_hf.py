@@ -208,6 +208,20 @@ def test_attach_with_a_tokenizer_calibrates_on_even_ids_only(tmp_path, monkeypat
     assert torch.equal(attachment.head().centroids, attachment.assets.raw_centroids)
 
 
+def test_model_digest_names_the_model_not_where_it_was_loaded_from(tmp_path):
+    model = _tiny_llama(tied=False)
+    model.save_pretrained(tmp_path / "a")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "a").eval()
+    assert loaded.config._name_or_path != model.config._name_or_path
+    assert hf.model_digest(loaded) == hf.model_digest(model)  # its recordings are found again
+    loaded.config.rms_norm_eps *= 2
+    assert hf.model_digest(loaded) != hf.model_digest(model)
+    other = _tiny_llama(tied=False)
+    with torch.no_grad():
+        other.lm_head.weight[3, 5] += 1
+    assert hf.model_digest(other) != hf.model_digest(model)
+
+
 def test_calibration_states_record_more_questions_until_min_states(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     questions = tmp_path / "questions.jsonl"
