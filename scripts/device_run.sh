@@ -6,8 +6,9 @@
 #   suite: the whole suite alone, CPU and GPU cases (the CPU ones under the device's torch, which
 #     CI's does not cover: session 52 found a torch.compile break there);
 #   quick: the GPU tests and the head benchmark.
-# A call runs at most 600 s and the build takes about 2 min, so the whole suite has its own mode:
-# on one H200, 14 workers had 16 of its 3,272 tests left after 440 s (session 54).
+# A call runs at most 600 s and the build takes about 2 min, so the whole suite has its own mode.
+# On one H200 it took under 420 s on 8 workers (session 52), while 14 workers had 16 of its 3,272
+# tests left after 440 s (session 54): more workers than 8 contend for the one GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/device}
@@ -33,7 +34,7 @@ fi
 # xdist workers: a crashing test fails alone instead of ending the run.
 if [ "$mode" = suite ]; then
   step "tests (CPU and GPU cases)"
-  timeout 460 python3 -m pytest python_tests -q -n "$(nproc)" -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
+  timeout 460 python3 -m pytest python_tests -q -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
 else
   step "tests (GPU cases)"
   timeout 240 python3 -m pytest python_tests -q -m gpu -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
