@@ -7,8 +7,8 @@
 #     CI's does not cover: session 52 found a torch.compile break there);
 #   quick: the GPU tests and the head benchmark.
 # A call runs at most 600 s and the build takes about 2 min, so the whole suite has its own mode.
-# On one H200 it took under 420 s on 8 workers (session 52), while 14 workers had 16 of its 3,272
-# tests left after 440 s (session 54): most likely more workers contend for the one GPU.
+# On one H200 it finished on 8 workers (session 52; its time not recorded), while 14 workers had
+# 16 of its 3,272 tests left after 440 s (session 54): more workers most likely contend for the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/device}
