@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashhead_ext import FlashHead, ops
-from helpers import DEVICES, Shape, capture, compiled, make_problem, seed_tensor
+from helpers import DEVICES, Shape, capture, compiled, generator, make_problem, random_partition, seed_tensor
 
 device_params = pytest.mark.parametrize("device", DEVICES)
 SHAPE = Shape(B=5, D=64, C=37, b=8, p=3, pad=2, extras=True)
@@ -163,3 +163,50 @@ def test_no_host_sync():
         head.candidate_logits(problem.hidden)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 6])
+def test_ops_read_what_the_kernel_before_them_wrote(batch):
+    # An op's first kernel (the centroid scoring) starts while the stream's previous kernel drains
+    # (dependent launch) and must wait for it before reading any input. The selection kernel lets
+    # its dependents start before it writes its outputs, so an op fed sample_clusters' scores (in
+    # draw order, so rows differ) as hidden states reads them as they are written unless it waits.
+    g = generator("kernel before", batch)
+    D, C, b = 320, 451, 8
+    centroids_in = torch.randn(700, 96, generator=g).cuda()
+    centroids = torch.randn(C, D, generator=g).cuda()
+    table = random_partition(C * b - 5, b, seed=batch).int().cuda()
+    embedding = torch.randn(C * b - 5, D, generator=g).cuda()
+    inputs = [torch.randn(batch, 96, generator=g).cuda() for _ in range(3)]
+    seed = seed_tensor(5, "cuda")
+
+    def hidden_of(x):
+        return ops.sample_clusters(x, centroids_in, D, 20.0, seed=seed)[1]  # [batch, D], written last
+
+    def second(hidden):
+        return ops.select_clusters(hidden, centroids, 17), ops.decode_greedy(hidden, centroids, table, embedding, 9)
+
+    def expected(x):
+        hidden = hidden_of(x)
+        torch.cuda.synchronize()
+        selected = ops.select_clusters(hidden, centroids, 17)
+        torch.cuda.synchronize()
+        return selected, ops.decode_greedy(hidden, centroids, table, embedding, 9)
+
+    def check(actual, wanted):
+        (ids, scores), tokens = actual
+        (wanted_ids, wanted_scores), wanted_tokens = wanted
+        assert torch.equal(ids, wanted_ids) and torch.equal(scores, wanted_scores) and torch.equal(tokens, wanted_tokens)
+
+    wanted = [expected(x) for x in inputs]
+    assert len({tuple(w[1].tolist()) for w in wanted}) > 1  # the inputs lead to different tokens
+    # Fresh outputs reuse freed blocks that held another input's values, so a read too early shows.
+    for x, want in zip(inputs + inputs, wanted + wanted):
+        check(second(hidden_of(x)), want)
+    static_x = inputs[0].clone()
+    graph, outputs = capture(lambda: second(hidden_of(static_x)))
+    for x, want in zip(inputs[1:] + inputs, wanted[1:] + wanted):
+        static_x.copy_(x)
+        graph.replay()
+        check(outputs, want)

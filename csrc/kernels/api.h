@@ -62,10 +62,13 @@ struct LaunchOptions {
 // so fp8 centroids quantized with one can be replaced in place under a captured graph; null for 1);
 // with `sampling`, also Gumbel keys keys[B, C] = scores / T + gumbel(seed, kClusterStream, row, cluster).
 // `cleared` [B, C], if given, is zeroed beside the scores (the fused decode's early clusters).
+// With dependent launch the kernel may start while the stream's previous kernel drains; it waits
+// for that kernel before its first memory access, so any input may be that kernel's output.
 template <typename T, typename TC>
 cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const float* centroid_scale, int batch,
                                    int num_clusters, int hidden_dim, float* scores, const Sampling* sampling, float* keys,
-                                   cudaStream_t stream, unsigned long long* cleared = nullptr);
+                                   cudaStream_t stream, unsigned long long* cleared = nullptr,
+                                   const LaunchOptions& options = {});
 
 // How the selection lists a row's clusters: in any order (the fastest), in an order that is the
 // same on every run (for a consumer whose float sums follow it), or in rank order (best first).

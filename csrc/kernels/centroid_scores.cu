@@ -8,7 +8,7 @@ namespace flashhead {
 namespace {
 
 template <typename T, typename TC, int RB, int ROWS>
-cudaError_t launch_scores(const detail::ScoreArgs<T, TC>& args, bool vec, int sms, cudaStream_t stream) {
+cudaError_t launch_scores(const detail::ScoreArgs<T, TC>& args, bool vec, int sms, cudaStream_t stream, bool dependent) {
   using namespace detail;
   const int tiles = ceil_div(args.batch, RB);
   const int64_t items = int64_t{ceil_div(args.num_clusters, ROWS)} * tiles;
@@ -22,11 +22,11 @@ cudaError_t launch_scores(const detail::ScoreArgs<T, TC>& args, bool vec, int sm
   // (launch_mma_scores): only rows without are left, so no vector instance is built.
   if constexpr (kScoresOnTensorCores<T, TC> && RB >= kMmaMinBatch<TC>) {
     return launch_kernel(centroid_scores_kernel<T, TC, RB, ROWS, false>, dim3(blocks), dim3(kScoreThreads), 0, stream,
-                         false, args);
+                         dependent, args);
   } else {
     const auto kernel =
         vec ? centroid_scores_kernel<T, TC, RB, ROWS, true> : centroid_scores_kernel<T, TC, RB, ROWS, false>;
-    return launch_kernel(kernel, dim3(blocks), dim3(kScoreThreads), 0, stream, false, args);
+    return launch_kernel(kernel, dim3(blocks), dim3(kScoreThreads), 0, stream, dependent, args);
   }
 }
 
@@ -42,7 +42,7 @@ constexpr int kScoreMaxRows = std::min({5, detail::kWarpSize / RB, 8 / detail::k
 // Qwen3-0.6B head's 9,496 clusters make 3 at batch 1: one item for every warp of 132 SMs, where 4
 // left a quarter of the warps idle (the scoring 0.16 µs slower with bf16 centroids, 0.3 with fp8).
 template <typename T, typename TC, int RB>
-cudaError_t launch_tile(const detail::ScoreArgs<T, TC>& args, bool vec, int sms, cudaStream_t stream) {
+cudaError_t launch_tile(const detail::ScoreArgs<T, TC>& args, bool vec, int sms, cudaStream_t stream, bool dependent) {
   using namespace detail;
   static_assert(kScoreMaxRows<RB> >= 2 && kScoreMaxRows<RB> <= 5, "the switch below has an instance for each pick");
   const int64_t warps = int64_t{sms} * kScoreBlocksPerSm<RB> * kScoreWarps;
@@ -54,13 +54,13 @@ cudaError_t launch_tile(const detail::ScoreArgs<T, TC>& args, bool vec, int sms,
   }
   switch (best) {
     case 2:
-      return launch_scores<T, TC, RB, 2>(args, vec, sms, stream);
+      return launch_scores<T, TC, RB, 2>(args, vec, sms, stream, dependent);
     case 3:
-      return launch_scores<T, TC, RB, 3>(args, vec, sms, stream);
+      return launch_scores<T, TC, RB, 3>(args, vec, sms, stream, dependent);
     case 4:
-      return launch_scores<T, TC, RB, 4>(args, vec, sms, stream);
+      return launch_scores<T, TC, RB, 4>(args, vec, sms, stream, dependent);
     case 5:
-      if constexpr (kScoreMaxRows<RB> >= 5) return launch_scores<T, TC, RB, 5>(args, vec, sms, stream);
+      if constexpr (kScoreMaxRows<RB> >= 5) return launch_scores<T, TC, RB, 5>(args, vec, sms, stream, dependent);
       [[fallthrough]];
     default:
       return cudaErrorInvalidValue;  // not reached: the loop picks 2 to kScoreMaxRows
@@ -68,9 +68,10 @@ cudaError_t launch_tile(const detail::ScoreArgs<T, TC>& args, bool vec, int sms,
 }
 
 template <typename T, typename TC, int NT>
-cudaError_t launch_mma_instance(const detail::ScoreArgs<T, TC>& args, int tiles, int chunks, cudaStream_t stream) {
+cudaError_t launch_mma_instance(const detail::ScoreArgs<T, TC>& args, int tiles, int chunks, cudaStream_t stream,
+                                bool dependent) {
   using namespace detail;
-  return launch_kernel(centroid_scores_mma_kernel<T, TC, NT>, dim3(tiles, chunks), dim3(kMmaThreads), 0, stream, false,
+  return launch_kernel(centroid_scores_mma_kernel<T, TC, NT>, dim3(tiles, chunks), dim3(kMmaThreads), 0, stream, dependent,
                        args);
 }
 
@@ -78,7 +79,8 @@ cudaError_t launch_mma_instance(const detail::ScoreArgs<T, TC>& args, int tiles,
 // mma.sync on 16-bit floats needs sm_80, which the kernels' L2 cache hints need anyway).
 // *launched says whether it ran; otherwise the CUDA-core kernel scores.
 template <typename T, typename TC>
-cudaError_t launch_mma_scores(const detail::ScoreArgs<T, TC>& args, bool vec, cudaStream_t stream, bool* launched) {
+cudaError_t launch_mma_scores(const detail::ScoreArgs<T, TC>& args, bool vec, cudaStream_t stream, bool dependent,
+                              bool* launched) {
   using namespace detail;
   *launched = false;
   if constexpr (kScoresOnTensorCores<T, TC>) {
@@ -100,10 +102,10 @@ cudaError_t launch_mma_scores(const detail::ScoreArgs<T, TC>& args, bool vec, cu
       const int chunks = ceil_div(slice.batch, kChunkRows);
       // The fewest n-tiles, in powers of two, that hold a chunk.
       const cudaError_t err =
-          rows <= kMmaTileBatch       ? launch_mma_instance<T, TC, 1>(slice, tiles, chunks, stream)
-          : rows <= 2 * kMmaTileBatch ? launch_mma_instance<T, TC, 2>(slice, tiles, chunks, stream)
-          : rows <= 4 * kMmaTileBatch ? launch_mma_instance<T, TC, 4>(slice, tiles, chunks, stream)
-                                      : launch_mma_instance<T, TC, kMmaMaxTiles<TC>>(slice, tiles, chunks, stream);
+          rows <= kMmaTileBatch       ? launch_mma_instance<T, TC, 1>(slice, tiles, chunks, stream, dependent)
+          : rows <= 2 * kMmaTileBatch ? launch_mma_instance<T, TC, 2>(slice, tiles, chunks, stream, dependent)
+          : rows <= 4 * kMmaTileBatch ? launch_mma_instance<T, TC, 4>(slice, tiles, chunks, stream, dependent)
+                                      : launch_mma_instance<T, TC, kMmaMaxTiles<TC>>(slice, tiles, chunks, stream, dependent);
       if (err != cudaSuccess) return err;
     }
   }
@@ -120,7 +122,7 @@ cudaError_t launch_mma_scores(const detail::ScoreArgs<T, TC>& args, bool vec, cu
 template <typename T, typename TC>
 cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const float* centroid_scale, int batch,
                                    int num_clusters, int hidden_dim, float* scores, const Sampling* sampling, float* keys,
-                                   cudaStream_t stream, unsigned long long* cleared) {
+                                   cudaStream_t stream, unsigned long long* cleared, const LaunchOptions& options) {
   using namespace detail;
   if (batch == 0) return cudaSuccess;
   ScoreArgs<T, TC> args{hidden, centroids, centroid_scale, batch, num_clusters, hidden_dim,
@@ -128,22 +130,25 @@ cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const f
                         sampling ? sampling->seed : nullptr, 0, cleared};
   // A chunk is 16 bytes of centroids: with fp8 that is 16 elements, 32 bytes of bf16 hidden.
   const bool vec = rows_vectorizable<T>(hidden, hidden_dim) && rows_vectorizable<TC>(centroids, hidden_dim);
+  const bool dependent = options.dependent_launch;
   bool on_tensor_cores = false;
-  const cudaError_t mma_err = launch_mma_scores(args, vec, stream, &on_tensor_cores);
+  const cudaError_t mma_err = launch_mma_scores(args, vec, stream, dependent, &on_tensor_cores);
   if (mma_err != cudaSuccess || on_tensor_cores) return mma_err;
   int sms = 0;
   const cudaError_t err = multiprocessor_count(&sms);
   if (err != cudaSuccess) return err;
-  if (batch == 1) return launch_tile<T, TC, 1>(args, vec, sms, stream);
-  if (batch == 2) return launch_tile<T, TC, 2>(args, vec, sms, stream);
-  if (batch <= 4) return launch_tile<T, TC, 4>(args, vec, sms, stream);
-  if (batch <= kScoreBatchTile<T, TC>) return launch_tile<T, TC, kScoreBatchTile<T, TC>>(args, vec, sms, stream);
-  return launch_scores<T, TC, kScoreBatchTile<T, TC>, kScoreRowsPerWarp>(args, vec, sms, stream);
+  if (batch == 1) return launch_tile<T, TC, 1>(args, vec, sms, stream, dependent);
+  if (batch == 2) return launch_tile<T, TC, 2>(args, vec, sms, stream, dependent);
+  if (batch <= 4) return launch_tile<T, TC, 4>(args, vec, sms, stream, dependent);
+  if (batch <= kScoreBatchTile<T, TC>)
+    return launch_tile<T, TC, kScoreBatchTile<T, TC>>(args, vec, sms, stream, dependent);
+  return launch_scores<T, TC, kScoreBatchTile<T, TC>, kScoreRowsPerWarp>(args, vec, sms, stream, dependent);
 }
 
 #define FLASHHEAD_INSTANTIATE(T, TC)                                                                            \
   template cudaError_t launch_centroid_scores<T, TC>(const T*, const TC*, const float*, int, int, int, float*, \
-                                                     const Sampling*, float*, cudaStream_t, unsigned long long*);
+                                                     const Sampling*, float*, cudaStream_t, unsigned long long*,    \
+                                                     const LaunchOptions&);
 FLASHHEAD_FOR_EACH_CENTROID_PAIR(FLASHHEAD_INSTANTIATE)
 #undef FLASHHEAD_INSTANTIATE
 

@@ -71,6 +71,9 @@ __device__ __forceinline__ void store_score(const ScoreArgs<T, TC>& a, int b, in
 template <typename T, typename TC, int RB, int ROWS, bool kVec>
 __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid_scores_kernel(ScoreArgs<T, TC> a) {
   static_assert(ROWS * RB <= kWarpSize, "a lane writes each of an item's scores");
+  // Launched as a dependent of whatever kernel came before (an op's first kernel): every input may
+  // be its output, so nothing is read before it ends. The launch itself overlaps its drain.
+  wait_for_previous_kernel();
   // Let the selection kernel get resident while this one streams the centroids.
   let_next_kernel_start();
   const int lane = threadIdx.x % kWarpSize;

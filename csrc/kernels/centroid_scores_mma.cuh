@@ -108,6 +108,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) centroid_scores_
   static_assert(NT >= 1 && NT <= kMmaMaxTiles<TC>, "one to kMmaMaxTiles n-tiles");
   // The warps' partial tiles, as the mma leaves them: [warp][n-tile][element of the lane][lane].
   __shared__ float partial[kMmaWarps][NT][4][kWarpSize];
+  wait_for_previous_kernel();  // as centroid_scores_kernel: a dependent of the kernel before
   let_next_kernel_start();
   constexpr int E = kMmaLaneElems<TC>, WC = kVecWidth<TC>, WH = kVecWidth<T>;
   constexpr int kStepElems = 4 * E;                  // a step of D: the lanes t = 0..3 of a row

@@ -251,7 +251,7 @@ cudaError_t launch_cluster_select(const T* hidden, const TC* centroids, const fl
   detail::SelectWorkspace ws{};
   detail::carve_scores(carver, shape, sampling != nullptr, SelectOrder::kRanked, ws);
   cudaError_t err = launch_centroid_scores(hidden, centroids, centroid_scale, shape.batch, shape.num_clusters,
-                                           shape.hidden_dim, ws.scores, sampling, ws.keys, stream);
+                                           shape.hidden_dim, ws.scores, sampling, ws.keys, stream, nullptr, options);
   if (err != cudaSuccess) return err;
   SelectOutputs out;
   out.cluster_ids = cluster_ids;
@@ -293,7 +293,7 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
   unsigned long long* cleared = early.items > 0 ? early.best : nullptr;
   cudaError_t err = launch_centroid_scores(tensors.hidden, tensors.centroids, tensors.centroid_scale, shape.batch,
                                            shape.num_clusters, shape.hidden_dim, ws.scores, sampling, ws.keys, stream,
-                                           cleared);
+                                           cleared, options);
   if (err != cudaSuccess) return err;
   SelectOutputs out;
   out.cluster_ids = ws.cluster_ids;
