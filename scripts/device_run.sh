@@ -7,8 +7,8 @@
 #     CI's does not cover: session 52 found a torch.compile break there);
 #   quick: the GPU tests and the head benchmark.
 # A call runs at most 600 s and the build takes about 2 min, so the whole suite has its own mode.
-# On one H200 it finished on 8 workers (session 52; its time not recorded), while 14 workers had
-# 16 of its 3,272 tests left after 440 s (session 54): more workers most likely contend for the GPU.
+# On one H200 it takes 328 s on 8 workers (session 55), while 14 workers had 16 of its 3,272 tests
+# left after 440 s (session 54): more workers most likely contend for the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/device}
@@ -37,7 +37,7 @@ if [ "$mode" = suite ]; then
   timeout 460 python3 -m pytest python_tests -q -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
 else
   step "tests (GPU cases)"
-  # About 4 min: session 54's run reached 66% of them in about 160 s.
+  # 269 s on one H200 (session 55; the build took 139 s, the sanitizers and benchmarks the rest).
   timeout 300 python3 -m pytest python_tests -q -m gpu -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
 fi
 summary+=("tests: $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1)")
