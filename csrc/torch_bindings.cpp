@@ -33,9 +33,11 @@ TORCH_LIBRARY(flashhead, m) {
   // Decoder-layer ops for the fast path's draft steps (flashhead_ext.fast): few tokens, GEMVs at
   // memory bandwidth with the norms, gating and residual adds fused in; the cache length is a
   // device tensor so a captured step replays at any length.
+  // static_weight: the caller promises that the stream's previous kernel did not write weight (model
+  // weights), so the CUDA kernel may start reading it before that kernel has finished.
   m.def(
       "fused_linear(Tensor x, Tensor weight, Tensor? norm_weight, float eps, bool gated, Tensor? residual,"
-      " Tensor? bias=None) -> Tensor");
+      " Tensor? bias=None, bool static_weight=False) -> Tensor");
   m.def(
       "rotary_cache_write(Tensor qkv, Tensor cos, Tensor sin, Tensor length, Tensor(a!) k_cache,"
       " Tensor(b!) v_cache, int num_heads, Tensor? q_norm, Tensor? k_norm, float eps) -> Tensor");

@@ -297,6 +297,7 @@ def fused_linear(
     gated: bool = False,
     residual: Optional[Tensor] = None,
     bias: Optional[Tensor] = None,
+    static_weight: bool = False,
 ) -> Tensor:
     """``[residual +] (norm or gate of x) @ weight.T [+ bias]``: one projection of a decoder layer, ``[M, N]``.
 
@@ -305,6 +306,11 @@ def fused_linear(
     ``F.rms_norm``); ``gated`` uses ``F.silu(gate) * up`` instead (not both). The product is
     accumulated in float32, ``bias [N]`` added, and rounded to x's dtype once (as ``F.linear``),
     then ``residual [M, N]`` is added in that dtype. Host-sync free, capturable in CUDA graphs.
+
+    ``static_weight=True`` promises that ``weight`` was not written by the kernel that runs just
+    before this call on the stream (true of model weights, written once at load): on the GPU the
+    kernel then starts reading it while that kernel drains. The result is the same; with the
+    promise broken it may read the weight's old values.
     """
     _require_tensor("x", x)
     _require_tensor("weight", weight)
@@ -312,7 +318,7 @@ def fused_linear(
     _require_optional_tensor("residual", residual)
     _require_optional_tensor("bias", bias)
     return _ops.fused_linear(x, weight, norm_weight, _require_float("eps", eps), _require_bool("gated", gated), residual,
-                             bias)
+                             bias, _require_bool("static_weight", static_weight))
 
 
 def rotary_cache_write(
@@ -554,7 +560,7 @@ def _decode_sample_fake(hidden, centroids, cluster_tokens, embedding, probes, te
 
 
 @_register_fake("fused_linear")
-def _fused_linear_fake(x, weight, norm_weight, eps, gated, residual, bias=None):
+def _fused_linear_fake(x, weight, norm_weight, eps, gated, residual, bias=None, static_weight=False):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 

@@ -166,46 +166,61 @@ def test_no_host_sync():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("producer", ["sample_clusters", "fused_linear"])
 @pytest.mark.parametrize("batch", [1, 6])
-def test_ops_read_what_the_kernel_before_them_wrote(batch):
-    # An op's first kernel (the centroid scoring) starts while the stream's previous kernel drains
-    # (dependent launch) and must wait for it before reading any input. The selection kernel lets
-    # its dependents start before it writes its outputs, so an op fed sample_clusters' scores (in
-    # draw order, so rows differ) as hidden states reads them as they are written unless it waits.
-    g = generator("kernel before", batch)
+def test_ops_read_what_the_kernel_before_them_wrote(producer, batch):
+    # An op's first kernel (the centroid scoring, fused_linear's GEMV) starts while the stream's
+    # previous kernel drains (dependent launch) and must wait for it before reading any input. The
+    # producers' last kernels (the selection, the GEMV) let their dependents start before they
+    # write, so a consumer fed their output as hidden states, or as fused_linear's weight, reads it
+    # as it is written unless it waits. sample_clusters' scores (float32, in draw order, so rows
+    # differ) reach the CUDA-core scoring; a bfloat16 projection at batch 6 the tensor-core one.
+    g = generator("kernel before", producer, batch)
     D, C, b = 320, 451, 8
-    centroids_in = torch.randn(700, 96, generator=g).cuda()
-    centroids = torch.randn(C, D, generator=g).cuda()
+    dtype = torch.float32 if producer == "sample_clusters" else torch.bfloat16
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype).cuda()
+    width = 96 if producer == "sample_clusters" else 4096  # a long GEMV: its rows are written late
+    weight_in = torch.randn(700, width, generator=g).cuda() if producer == "sample_clusters" else rand(D, width) / 64
+    centroids, embedding, probe = rand(C, D), rand(C * b - 5, D), rand(5, D)
     table = random_partition(C * b - 5, b, seed=batch).int().cuda()
-    embedding = torch.randn(C * b - 5, D, generator=g).cuda()
-    inputs = [torch.randn(batch, 96, generator=g).cuda() for _ in range(3)]
+    inputs = [rand(batch, width) for _ in range(3)]
     seed = seed_tensor(5, "cuda")
 
-    def hidden_of(x):
-        return ops.sample_clusters(x, centroids_in, D, 20.0, seed=seed)[1]  # [batch, D], written last
+    def produce(x):  # [batch, D], written by the producer's last kernel
+        if producer == "sample_clusters":
+            return ops.sample_clusters(x, weight_in, D, 20.0, seed=seed)[1]
+        return ops.fused_linear(x, weight_in)
 
-    def second(hidden):
-        return ops.select_clusters(hidden, centroids, 17), ops.decode_greedy(hidden, centroids, table, embedding, 9)
+    consumers = (lambda h: ops.select_clusters(h, centroids, 17),
+                 lambda h: ops.decode_greedy(h, centroids, table, embedding, 9),
+                 lambda h: ops.decode_sample(h, centroids, table, embedding, 9, 0.7, seed=seed),
+                 lambda h: ops.fused_linear(probe, h))
+
+    def chained(x):  # each consumer right after the producer's kernels
+        return [consume(produce(x)) for consume in consumers]
 
     def expected(x):
-        hidden = hidden_of(x)
-        torch.cuda.synchronize()
-        selected = ops.select_clusters(hidden, centroids, 17)
-        torch.cuda.synchronize()
-        return selected, ops.decode_greedy(hidden, centroids, table, embedding, 9)
+        outputs = []
+        for consume in consumers:
+            hidden = produce(x)
+            torch.cuda.synchronize()
+            outputs.append(consume(hidden))
+        return outputs
 
     def check(actual, wanted):
-        (ids, scores), tokens = actual
-        (wanted_ids, wanted_scores), wanted_tokens = wanted
-        assert torch.equal(ids, wanted_ids) and torch.equal(scores, wanted_scores) and torch.equal(tokens, wanted_tokens)
+        for got, want in zip(actual, wanted):
+            for a, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+                assert torch.equal(a, w)
 
     wanted = [expected(x) for x in inputs]
     assert len({tuple(w[1].tolist()) for w in wanted}) > 1  # the inputs lead to different tokens
     # Fresh outputs reuse freed blocks that held another input's values, so a read too early shows.
+    # The GPU first sleeps, so the launches queue up behind it instead of each finding it idle.
     for x, want in zip(inputs + inputs, wanted + wanted):
-        check(second(hidden_of(x)), want)
+        torch.cuda._sleep(2_000_000)
+        check(chained(x), want)
     static_x = inputs[0].clone()
-    graph, outputs = capture(lambda: second(hidden_of(static_x)))
+    graph, outputs = capture(lambda: chained(static_x))
     for x, want in zip(inputs[1:] + inputs, wanted[1:] + wanted):
         static_x.copy_(x)
         graph.replay()

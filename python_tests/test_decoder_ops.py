@@ -182,6 +182,18 @@ def test_fused_linear(M, K, N, option, dtype):
     assert_close(out, fused_linear64(**args), dtype, "out")
 
 
+@device_params
+def test_fused_linear_static_weight_same_result(device):
+    # static_weight only lets the CUDA kernel read the weight before the previous kernel has ended.
+    args = on(linear_args(5, 97, 64, "norm+bias+residual", torch.bfloat16), device)
+    out = ops.fused_linear(**args)
+    assert torch.equal(ops.fused_linear(**args, static_weight=True), out)
+    # A weight that is not contiguous is copied first, by the kernel just before the GEMV.
+    strided = args["weight"].t().contiguous().t()
+    assert not strided.is_contiguous()
+    assert torch.equal(ops.fused_linear(**{**args, "weight": strided}, static_weight=True), out)
+
+
 def test_fused_linear_options_matter():
     # Each option changes the result by far more than the tolerance (the test above can fail).
     base = linear_args(7, 97, 64, "norm+bias+residual", torch.float32)
@@ -286,6 +298,7 @@ def valid_args(device):
     r = lambda *shape: randn(g, *shape, dtype=torch.float32).to(device)
     return dict(
         x=r(M_, K_), weight=r(N_, K_), norm_weight=r(K_), gated=False, residual=r(M_, N_), bias=r(N_), eps=1e-6,
+        static_weight=False,
         qkv=r(M_, (H_ + 2 * KV_) * HD_), cos=r(MAX_LEN_, HD_), sin=r(MAX_LEN_, HD_),
         length=torch.tensor(2, device=device), k_cache=r(KV_, MAX_LEN_, HD_), v_cache=r(KV_, MAX_LEN_, HD_),
         num_heads=H_, q_norm=r(HD_), k_norm=r(HD_), q=r(M_, H_, HD_), scale=0.5,
@@ -293,7 +306,7 @@ def valid_args(device):
 
 
 USES = {
-    "fused_linear": ("x", "weight", "norm_weight", "eps", "gated", "residual", "bias"),
+    "fused_linear": ("x", "weight", "norm_weight", "eps", "gated", "residual", "bias", "static_weight"),
     "rotary_cache_write": ("qkv", "cos", "sin", "length", "k_cache", "v_cache", "num_heads", "q_norm", "k_norm", "eps"),
     "decode_attention": ("q", "k_cache", "v_cache", "length", "scale"),
 }
@@ -501,6 +514,7 @@ def test_norm_and_gated_together(device):
     ("rotary_cache_write", "eps", None, TypeError, "eps must be a Python float or int"),
     ("decode_attention", "scale", "big", TypeError, "scale must be a Python float or int"),
     ("fused_linear", "gated", 1, TypeError, "gated must be a bool"),
+    ("fused_linear", "static_weight", 1, TypeError, "static_weight must be a bool"),
 ], ids=repr)
 def test_bad_scalars(op, name, value, error, fragment, device):
     args = valid_args(device)

@@ -45,7 +45,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 
 at::Tensor fused_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& norm_weight,
                             double eps, bool gated, const c10::optional<at::Tensor>& residual,
-                            const c10::optional<at::Tensor>& bias) {
+                            const c10::optional<at::Tensor>& bias, bool /*static_weight: a CUDA launch hint*/) {
   check_fused_linear("fused_linear", x, weight, norm_weight, eps, gated, residual, bias);
   return linear(x, weight, norm_weight, eps, gated, residual, bias, false);
 }

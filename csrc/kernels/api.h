@@ -137,10 +137,14 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
 // out[M, N] = (residual +) round(h . weight^T (+ bias)), h = x (plain), RMSNorm(x) * norm_weight
 // (norm_weight non-null), or silu(gate) * up with x = [gate | up] of 2K columns (gated).
 // Bandwidth-bound GEMV for a few tokens; any M works, each 8 tokens re-read the weight.
+// With dependent launch the kernel waits for the previous kernel before reading any input, except,
+// with weight_before_wait, the weight: for a caller that knows that kernel did not write it (model
+// weights), the first weight loads then overlap its drain.
 template <typename T>
 cudaError_t launch_fused_linear(const T* x, const T* weight, const T* norm_weight, bool gated, float eps,
                                 const T* residual, const T* bias, T* out, int tokens, int out_features,
-                                int in_features, cudaStream_t stream, const LaunchOptions& options = {});
+                                int in_features, cudaStream_t stream, const LaunchOptions& options = {},
+                                bool weight_before_wait = false);
 
 // Rotary embedding (after the optional q/k RMSNorms) of the query and key heads of qkv
 // [M, (H + 2 KV) hd] at positions *length + i; keys and values go to the caches [KV, max_len, hd],

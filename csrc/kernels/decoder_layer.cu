@@ -5,8 +5,9 @@
 // memory bandwidth, with the RMSNorm, the SiLU gate and the residual add folded into its prologue
 // and epilogue; rotary + q/k norm + the cache write are one small kernel; attention is split over
 // the cache (flash-decoding) and merged by a second small kernel. Every kernel is launched as a
-// programmatic dependent of the previous one; the GEMV issues its first weight loads before it
-// waits, so the weight stream starts while the previous kernel drains.
+// programmatic dependent of the previous one; the GEMV may issue its first weight loads before it
+// waits (weight_before_wait: model weights), so the weight stream starts while the previous kernel
+// drains.
 #include <cuda_pipeline.h>
 
 #include <algorithm>
@@ -38,6 +39,7 @@ struct LinearParams {
   int prologue;
   float eps;
   int chunk;  // input columns staged in shared memory at a time (a multiple of 8)
+  bool weight_before_wait;  // the previous kernel did not write weight: read it before waiting
 };
 
 // Where a warp is in its weight stream: a group of rows (one per block, strided by the grid), a
@@ -97,10 +99,11 @@ __global__ void __launch_bounds__(kLinearThreads) fused_linear_kernel(LinearPara
 
   LinearCursor cur{static_cast<int>(blockIdx.x), 0, 0};
   Piece<T, W> w[R][U];
-  // Weights never depend on the previous kernel: start streaming them before waiting for it.
-  if (cur.group < groups) load_weights(cur, w);
+  // Weights the previous kernel did not write start streaming before waiting for it.
+  if (p.weight_before_wait && cur.group < groups) load_weights(cur, w);
   wait_for_previous_kernel();
   let_next_kernel_start();
+  if (!p.weight_before_wait && cur.group < groups) load_weights(cur, w);
 
   float acc[R][MB];
 #pragma unroll
@@ -560,10 +563,11 @@ __global__ void __launch_bounds__(kMergeThreads) merge_attention_kernel(Attentio
 template <typename T>
 cudaError_t launch_fused_linear(const T* x, const T* weight, const T* norm_weight, bool gated, float eps,
                                 const T* residual, const T* bias, T* out, int tokens, int out_features,
-                                int in_features, cudaStream_t stream, const LaunchOptions& options) {
+                                int in_features, cudaStream_t stream, const LaunchOptions& options,
+                                bool weight_before_wait) {
   using namespace detail;
   LinearParams<T> p{x, weight, norm_weight, residual, bias, out, tokens, out_features, in_features,
-                    gated ? kSiluGate : (norm_weight ? kRmsNorm : kPlain), eps, 0};
+                    gated ? kSiluGate : (norm_weight ? kRmsNorm : kPlain), eps, 0, weight_before_wait};
   int tokens_per_block = 1;
   while (tokens_per_block < min(tokens, kLinearMaxTokens)) tokens_per_block *= 2;
   const int max_chunk = kLinearSmemBytes / (tokens_per_block * static_cast<int>(sizeof(float))) / 8 * 8;
@@ -636,7 +640,7 @@ cudaError_t launch_decode_attention(const T* q, const T* k_cache, const T* v_cac
 
 #define FLASHHEAD_INSTANTIATE_DECODER_LAYER(T)                                                                      \
   template cudaError_t launch_fused_linear<T>(const T*, const T*, const T*, bool, float, const T*, const T*, T*, int,  \
-                                              int, int, cudaStream_t, const LaunchOptions&);                        \
+                                              int, int, cudaStream_t, const LaunchOptions&, bool);                  \
   template cudaError_t launch_rotary_cache_write<T>(const T*, const T*, const T*, const int64_t*, const T*, const T*, \
                                                     float, T*, T*, T*, int, int, int, int, int, cudaStream_t,       \
                                                     const LaunchOptions&);                                          \

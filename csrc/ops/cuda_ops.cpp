@@ -253,12 +253,15 @@ const T* optional_data(const c10::optional<at::Tensor>& t) {
 
 at::Tensor fused_linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in,
                              const c10::optional<at::Tensor>& norm_weight_in, double eps, bool gated,
-                             const c10::optional<at::Tensor>& residual_in, const c10::optional<at::Tensor>& bias_in) {
+                             const c10::optional<at::Tensor>& residual_in, const c10::optional<at::Tensor>& bias_in,
+                             bool static_weight) {
   constexpr const char* op = "fused_linear";
   check_fused_linear(op, x_in, weight_in, norm_weight_in, eps, gated, residual_in, bias_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
   const auto norm_weight = contiguous(norm_weight_in), residual = contiguous(residual_in), bias = contiguous(bias_in);
+  // A weight that was not contiguous was just copied by the kernel before the GEMV's.
+  const bool weight_before_wait = static_weight && weight_in.is_contiguous();
   check_fits_int(op, x.size(0), "the number of tokens");
   check_fits_int(op, x.size(1), "in_features");
   check_fits_int(op, weight.size(0), "out_features");
@@ -269,7 +272,7 @@ at::Tensor fused_linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in
                                           static_cast<float>(eps), optional_data<T>(residual), optional_data<T>(bias),
                                           static_cast<T*>(out.data_ptr()), static_cast<int>(x.size(0)),
                                           static_cast<int>(weight.size(0)), static_cast<int>(weight.size(1)),
-                                          at::cuda::getCurrentCUDAStream()));
+                                          at::cuda::getCurrentCUDAStream(), {}, weight_before_wait));
   });
   return out;
 }

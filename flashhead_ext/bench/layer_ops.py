@@ -62,14 +62,17 @@ def _layer_rows(name: str, tokens: int, args, bandwidth: float) -> list[dict]:
     gate_up = rand(tokens, 2 * c.intermediate_size)
     eps = c.rms_norm_eps
     gemvs = {
-        "qkv: norm+linear": (lambda w: ops.fused_linear(x, w["qkv"], norm_weight=w["attn_norm"], eps=eps),
+        "qkv: norm+linear": (lambda w: ops.fused_linear(x, w["qkv"], norm_weight=w["attn_norm"], eps=eps,
+                                                        static_weight=True),
                              lambda w: F.linear(F.rms_norm(x, (c.hidden_size,), w["attn_norm"], eps), w["qkv"]), "qkv"),
-        "o: linear+residual": (lambda w: ops.fused_linear(o, w["o"], residual=x), lambda w: x + F.linear(o, w["o"]), "o"),
-        "gate_up: norm+linear": (lambda w: ops.fused_linear(x, w["gate_up"], norm_weight=w["mlp_norm"], eps=eps),
+        "o: linear+residual": (lambda w: ops.fused_linear(o, w["o"], residual=x, static_weight=True),
+                               lambda w: x + F.linear(o, w["o"]), "o"),
+        "gate_up: norm+linear": (lambda w: ops.fused_linear(x, w["gate_up"], norm_weight=w["mlp_norm"], eps=eps,
+                                                            static_weight=True),
                                  lambda w: F.linear(F.rms_norm(x, (c.hidden_size,), w["mlp_norm"], eps), w["gate_up"]),
                                  "gate_up"),
         "down: silu gate+linear+residual": (
-            lambda w: ops.fused_linear(gate_up, w["down"], gated=True, residual=x),
+            lambda w: ops.fused_linear(gate_up, w["down"], gated=True, residual=x, static_weight=True),
             lambda w: x + F.linear(F.silu(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:], w["down"]),
             "down"),
     }

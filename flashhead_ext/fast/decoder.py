@@ -270,13 +270,15 @@ def _fused_layer(x: Tensor, w: dict, k_cache: Tensor, v_cache: Tensor, length: T
     """``_layer`` as six flashhead ops (seven CUDA kernels): the norms, gate and residual adds ride
     in the GEMVs, rotary and the cache write are one kernel, attention reads only the cache up to
     ``length``. ``cos`` / ``sin`` are the whole tables: the ops index them by ``length``."""
-    qkv = ops.fused_linear(x, w["qkv"], norm_weight=w["attn_norm"], eps=eps, bias=w.get("qkv_bias"))
+    # The layer's weights are never written by the kernel before a projection.
+    qkv = ops.fused_linear(x, w["qkv"], norm_weight=w["attn_norm"], eps=eps, bias=w.get("qkv_bias"),
+                           static_weight=True)
     q = ops.rotary_cache_write(qkv, cos, sin, length, k_cache, v_cache, num_heads,
                                q_norm=w.get("q_norm"), k_norm=w.get("k_norm"), eps=eps)
     o = ops.decode_attention(q, k_cache, v_cache, length, scale)
-    x = ops.fused_linear(o, w["o"], residual=x)
-    gate_up = ops.fused_linear(x, w["gate_up"], norm_weight=w["mlp_norm"], eps=eps)
-    return ops.fused_linear(gate_up, w["down"], gated=True, residual=x)
+    x = ops.fused_linear(o, w["o"], residual=x, static_weight=True)
+    gate_up = ops.fused_linear(x, w["gate_up"], norm_weight=w["mlp_norm"], eps=eps, static_weight=True)
+    return ops.fused_linear(gate_up, w["down"], gated=True, residual=x, static_weight=True)
 
 
 # How a forward of at most STEP_MAX_TOKENS tokens (draft steps, verify batches, and prefills of
