@@ -50,8 +50,10 @@ struct Sampling {
   const int64_t* seed = nullptr;  // one int64 on the device
 };
 
-// Programmatic dependent launch lets a kernel of a multi-kernel op start while its predecessor
-// drains; it is used only where the device supports it (compute capability 9.0+).
+// Programmatic dependent launch lets each kernel of an op, the first one included, start while the
+// stream's previous kernel drains; each waits for that kernel before reading anything it may have
+// written (fused_linear's weight_before_wait aside). Used only where the device (compute capability
+// 9.0+) and the kernel's build (PTX 9.0+) have it; false orders every kernel after all work before it.
 struct LaunchOptions {
   bool dependent_launch = true;
 };

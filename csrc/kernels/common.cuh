@@ -308,6 +308,9 @@ __device__ __forceinline__ unsigned arrive(unsigned* counter) {
 }
 
 bool dependent_launch_supported();
+// And the kernel was built from PTX 9.0 or later: one JIT-compiled from older PTX has no
+// griddepcontrol instructions, so as a dependent it would read its inputs without waiting.
+bool dependent_launch_compiled(const void* kernel);
 cudaError_t multiprocessor_count(int* count);
 cudaError_t l2_cache_bytes(int* bytes);
 
@@ -349,7 +352,7 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
-  if (dependent && dependent_launch_supported()) {
+  if (dependent && dependent_launch_compiled(reinterpret_cast<const void*>(kernel))) {
     attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute[0].val.programmaticStreamSerializationAllowed = 1;
     config.attrs = attribute;
