@@ -25,12 +25,12 @@ cudaError_t current_device_attribute(cudaDeviceAttr attribute, int* value) {
 }  // namespace
 
 cudaError_t multiprocessor_count(int* count) { return current_device_attribute(cudaDevAttrMultiProcessorCount, count); }
+cudaError_t l2_cache_bytes(int* bytes) { return current_device_attribute(cudaDevAttrL2CacheSize, bytes); }
 
 bool dependent_launch_compiled(const void* kernel) {
   KernelSmem smem{};
   return dependent_launch_supported() && kernel_smem(kernel, &smem) == cudaSuccess && smem.ptx_version >= 90;
 }
-cudaError_t l2_cache_bytes(int* bytes) { return current_device_attribute(cudaDevAttrL2CacheSize, bytes); }
 
 namespace {
 
