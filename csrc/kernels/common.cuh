@@ -307,9 +307,9 @@ __device__ __forceinline__ unsigned arrive(unsigned* counter) {
   return before;
 }
 
-bool dependent_launch_supported();
-// And the kernel was built from PTX 9.0 or later: one JIT-compiled from older PTX has no
-// griddepcontrol instructions, so as a dependent it would read its inputs without waiting.
+// Whether `kernel` may be launched as a programmatic dependent on the current device: compute
+// capability 9.0+ and a build from PTX 9.0 or later (one JIT-compiled from older PTX has no
+// griddepcontrol instructions, so as a dependent it would read its inputs without waiting).
 bool dependent_launch_compiled(const void* kernel);
 cudaError_t multiprocessor_count(int* count);
 cudaError_t l2_cache_bytes(int* bytes);

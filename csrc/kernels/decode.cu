@@ -101,8 +101,11 @@ int max_candidate_blocks(const HeadShape& shape) { return ceil_div(shape.num_can
 // Greedy batch 1 may score clusters early (decode.cuh, EarlyClusters): with dependent launch,
 // while the selection runs; without it they would only lengthen the candidate kernel.
 bool may_score_early(const HeadShape& shape, bool sampling) { return !sampling && shape.batch == 1; }
+template <typename T>
 bool scores_early(const HeadShape& shape, bool sampling, const LaunchOptions& options) {
-  return may_score_early(shape, sampling) && options.dependent_launch && dependent_launch_supported();
+  const auto early_instance = decode_candidates_kernel<T, false, false, false, true>;
+  return may_score_early(shape, sampling) && options.dependent_launch &&
+         dependent_launch_compiled(reinterpret_cast<const void*>(early_instance));
 }
 
 // The early clusters' slices for the candidate kernel's grid, or none (items 0): they need one slot
@@ -281,7 +284,7 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
   }
   const bool by_claimed_cluster = claimed.smem > 0;
   detail::EarlyClusters early{};
-  if (detail::scores_early(shape, sampling != nullptr, options)) {  // batch 1: never by claimed cluster
+  if (detail::scores_early<T>(shape, sampling != nullptr, options)) {  // batch 1: never by claimed cluster
     const cudaError_t err = detail::plan_early(tensors, shape, ws, &early);
     if (err != cudaSuccess) return err;
   }

@@ -7,6 +7,7 @@
 namespace flashhead {
 namespace detail {
 
+namespace {
 // Asked per launch (an attribute query, no synchronisation) so a process that switches devices
 // gets the right answer.
 bool dependent_launch_supported() {
@@ -16,7 +17,6 @@ bool dependent_launch_supported() {
   return major >= 9;
 }
 
-namespace {
 cudaError_t current_device_attribute(cudaDeviceAttr attribute, int* value) {
   int device = 0;
   const cudaError_t err = cudaGetDevice(&device);
