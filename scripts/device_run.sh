@@ -77,4 +77,5 @@ fi
 
 step "summary"
 printf '%s\n' "${summary[@]}"
-if [ -f "$OUT/bench_head.log" ]; then sed -n '/^summary:/,$p' "$OUT/bench_head.log"; fi
+# This run's benchmark only: $OUT may hold an earlier run's log.
+if [ "$mode" != suite ]; then sed -n '/^summary:/,$p' "$OUT/bench_head.log"; fi
