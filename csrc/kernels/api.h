@@ -63,13 +63,20 @@ struct LaunchOptions {
 // scores[B, C] = (hidden . centroids^T) * *centroid_scale in fp32 (the scale is read on the device,
 // so fp8 centroids quantized with one can be replaced in place under a captured graph; null for 1);
 // with `sampling`, also Gumbel keys keys[B, C] = scores / T + gumbel(seed, kClusterStream, row, cluster).
-// `cleared` [B, C], if given, is zeroed beside the scores (the fused decode's early clusters).
+// `presets`: words the kernel also sets, for kernels after it that poll or fold into them (the
+// fused decode's, whose workspace is fresh memory on every call).
 // With dependent launch the kernel may start while the stream's previous kernel drains; it waits
 // for that kernel before its first memory access, so any input may be that kernel's output.
+struct WorkspacePresets {
+  unsigned long long* zeroed = nullptr;  // [zeroed_words], set to 0
+  int64_t zeroed_words = 0;
+  int32_t* unset_ids = nullptr;  // [unset_count], set to -1
+  int64_t unset_count = 0;
+};
 template <typename T, typename TC>
 cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const float* centroid_scale, int batch,
                                    int num_clusters, int hidden_dim, float* scores, const Sampling* sampling, float* keys,
-                                   cudaStream_t stream, unsigned long long* cleared = nullptr,
+                                   cudaStream_t stream, const WorkspacePresets& presets = {},
                                    const LaunchOptions& options = {});
 
 // How the selection lists a row's clusters: in any order (the fastest), in an order that is the

@@ -114,13 +114,29 @@ struct ClusterTokens {
   int probes, cluster_size, num_clusters;
   __device__ __forceinline__ SlotToken slot(int64_t row, int slot) const { return slot_with(row, slot, nullptr); }
   // With the clusters' known bests [C] (null: none known), read beside the table entry.
+  // kPolled: see chosen_cluster.
+  template <bool kPolled = false>
   __device__ __forceinline__ SlotToken slot_with(int64_t row, int slot, const unsigned long long* known_bests) const {
     const int gathered = probes * cluster_size;
     if (slot >= gathered) return {extra_ids[slot - gathered], 0};
     const int k = slot / cluster_size;
-    const int32_t cluster = cluster_ids[row * probes + k];
+    const int32_t cluster = chosen_cluster<kPolled>(row, k);
     return {cluster_tokens[int64_t{cluster} * cluster_size + (slot - k * cluster_size)],
             known_bests ? __ldcg(known_bests + cluster) : 0};
+  }
+  // The k-th cluster listed for `row`. kPolled: the list is -1 until the selection writes it (the
+  // scoring kernel sets it so), and the entry is polled, not read once the selection has ended.
+  template <bool kPolled>
+  __device__ __forceinline__ int32_t chosen_cluster(int64_t row, int k) const {
+    const int32_t* entry = cluster_ids + row * probes + k;
+    if constexpr (kPolled) {
+      int32_t cluster;
+      do cluster = load_relaxed(entry);
+      while (cluster < 0);
+      return cluster;
+    } else {
+      return *entry;
+    }
   }
   // The table is an input of the op, never written by the kernels before this one, so its lines
   // can be pulled into L2 while the selection still runs; the slots' lookups then hit L2.

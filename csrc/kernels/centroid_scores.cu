@@ -98,7 +98,7 @@ cudaError_t launch_mma_scores(const detail::ScoreArgs<T, TC>& args, bool vec, cu
       slice.hidden += first * args.hidden_dim;
       slice.scores += first * args.num_clusters;
       if (slice.keys) slice.keys += first * args.num_clusters;
-      if (slice.cleared) slice.cleared += first * args.num_clusters;
+      if (first > 0) slice.presets = {};  // set by the first slice's launch
       const int chunks = ceil_div(slice.batch, kChunkRows);
       // The fewest n-tiles, in powers of two, that hold a chunk.
       const cudaError_t err =
@@ -122,12 +122,12 @@ cudaError_t launch_mma_scores(const detail::ScoreArgs<T, TC>& args, bool vec, cu
 template <typename T, typename TC>
 cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const float* centroid_scale, int batch,
                                    int num_clusters, int hidden_dim, float* scores, const Sampling* sampling, float* keys,
-                                   cudaStream_t stream, unsigned long long* cleared, const LaunchOptions& options) {
+                                   cudaStream_t stream, const WorkspacePresets& presets, const LaunchOptions& options) {
   using namespace detail;
   if (batch == 0) return cudaSuccess;
   ScoreArgs<T, TC> args{hidden, centroids, centroid_scale, batch, num_clusters, hidden_dim,
                         scores, sampling ? keys : nullptr, sampling ? sampling->temperature : 1.0f,
-                        sampling ? sampling->seed : nullptr, 0, cleared};
+                        sampling ? sampling->seed : nullptr, 0, presets};
   // A chunk is 16 bytes of centroids: with fp8 that is 16 elements, 32 bytes of bf16 hidden.
   const bool vec = rows_vectorizable<T>(hidden, hidden_dim) && rows_vectorizable<TC>(centroids, hidden_dim);
   const bool dependent = options.dependent_launch;
@@ -147,8 +147,8 @@ cudaError_t launch_centroid_scores(const T* hidden, const TC* centroids, const f
 
 #define FLASHHEAD_INSTANTIATE(T, TC)                                                                            \
   template cudaError_t launch_centroid_scores<T, TC>(const T*, const TC*, const float*, int, int, int, float*, \
-                                                     const Sampling*, float*, cudaStream_t, unsigned long long*,    \
-                                                     const LaunchOptions&);
+                                                     const Sampling*, float*, cudaStream_t,                          \
+                                                     const WorkspacePresets&, const LaunchOptions&);
 FLASHHEAD_FOR_EACH_CENTROID_PAIR(FLASHHEAD_INSTANTIATE)
 #undef FLASHHEAD_INSTANTIATE
 

@@ -30,8 +30,16 @@ struct ScoreArgs {
   float temperature;
   const int64_t* seed;
   int row_offset;  // batch row of hidden[0] in the call (the Gumbel noise is indexed by the absolute row)
-  unsigned long long* cleared;  // [B, C] or null: each word zeroed beside its score
+  WorkspacePresets presets;
 };
+
+// The presets, a few words a thread of the grid, once its scores are stored.
+__device__ __forceinline__ void set_presets(const WorkspacePresets& w) {
+  const int64_t threads = int64_t{gridDim.x} * gridDim.y * blockDim.x;
+  const int64_t first = (int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = first; i < w.zeroed_words; i += threads) w.zeroed[i] = 0;
+  for (int64_t i = first; i < w.unset_count; i += threads) w.unset_ids[i] = -1;
+}
 
 // Batch rows a warp scores at once beyond batch 4 (batches of 2 and 3-4 have tiles of 2 and 4:
 // the loads of a larger tile's empty rows are skipped, but its registers cost resident warps and
@@ -58,7 +66,6 @@ __device__ __forceinline__ void store_score(const ScoreArgs<T, TC>& a, int b, in
   const float score = dot * (a.centroid_scale ? *a.centroid_scale : 1.0f);
   const int64_t at = int64_t{b} * a.num_clusters + c;
   a.scores[at] = score;
-  if (a.cleared) a.cleared[at] = 0;
   if (a.keys)
     a.keys[at] = score / a.temperature + gumbel_noise(static_cast<uint64_t>(*a.seed), kClusterStream,
                                                       static_cast<uint32_t>(a.row_offset + b),
@@ -107,6 +114,7 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
     const int c = c0 + lane / RB, b = b0 + lane % RB;
     if (lane < ROWS * RB && c < a.num_clusters && b < a.batch) store_score(a, b, c, pick(flat, lane));
   }
+  set_presets(a.presets);
 }
 
 }  // namespace detail

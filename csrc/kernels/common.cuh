@@ -285,6 +285,23 @@ __device__ __forceinline__ int32_t packed_id(uint64_t packed) {
 }
 constexpr uint64_t kNoneRanked = 0;
 
+// Loads and stores at gpu scope, relaxed, for a word another block (or a kernel still running)
+// writes once and whose value is its own signal: the reader polls it past this SM's L1, with no
+// fence. No memory clobber: what a caller does with the value depends on the value itself.
+__device__ __forceinline__ int32_t load_relaxed(const int32_t* word) {
+  int32_t value;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(word));
+  return value;
+}
+__device__ __forceinline__ uint64_t load_relaxed(const uint64_t* word) {
+  uint64_t value;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(value) : "l"(word));
+  return value;
+}
+__device__ __forceinline__ void store_relaxed(uint64_t* word, uint64_t value) {
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(word), "l"(value));
+}
+
 // Programmatic dependent launch (sm_90+): a dependent kernel may start early and must wait for
 // its predecessor's results before touching memory the predecessor writes or reads.
 __device__ __forceinline__ void wait_for_previous_kernel() {

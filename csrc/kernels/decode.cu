@@ -22,7 +22,8 @@ struct DecodeWorkspace {
   RowPartial* partials;
   uint32_t* extra_repeats;     // [B, E], sampling
   RowPartial* extra_partials;  // [B, E], sampling
-  unsigned long long* early_best;  // [C], greedy batch 1
+  unsigned long long* early_best;  // [C], greedy batch 1, then
+  uint64_t* block_bests;           // [max_candidate_blocks] (the two zeroed together)
   void* select;
 };
 
@@ -137,7 +138,10 @@ DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bo
   carve_scores(carver, shape, sampling, decode_order(sampling), ws);
   ws.cluster_ids = carver.take<int32_t>(size_t(shape.batch) * shape.probes);
   ws.tickets = carver.take<RowTicket>(shape.batch);
-  if (may_score_early(shape, sampling)) ws.early_best = carver.take<unsigned long long>(shape.num_clusters);
+  if (may_score_early(shape, sampling)) {
+    ws.early_best = carver.take<unsigned long long>(size_t(shape.num_clusters) + max_candidate_blocks(shape));
+    if (ws.early_best) ws.block_bests = reinterpret_cast<uint64_t*>(ws.early_best + shape.num_clusters);
+  }
   if (may_decode_by_claimed_cluster(shape, sampling)) {
     ws.claims = carver.take<unsigned long long>(claims_words(shape));
     ws.claimed_groups = carver.take<int32_t>(static_cast<size_t>(most_claimed_groups(shape)));
@@ -187,6 +191,7 @@ cudaError_t plan_early(const HeadTensors<T, TC>& t, const HeadShape& shape, cons
   *early = plan_early_clusters(shape, grid.blocks, grid.smem > 0);
   early->scores = ws.scores;
   early->best = ws.early_best;
+  early->block_bests = ws.block_bests;
   return cudaSuccess;
 }
 
@@ -254,7 +259,7 @@ cudaError_t launch_cluster_select(const T* hidden, const TC* centroids, const fl
   detail::SelectWorkspace ws{};
   detail::carve_scores(carver, shape, sampling != nullptr, SelectOrder::kRanked, ws);
   cudaError_t err = launch_centroid_scores(hidden, centroids, centroid_scale, shape.batch, shape.num_clusters,
-                                           shape.hidden_dim, ws.scores, sampling, ws.keys, stream, nullptr, options);
+                                           shape.hidden_dim, ws.scores, sampling, ws.keys, stream, {}, options);
   if (err != cudaSuccess) return err;
   SelectOutputs out;
   out.cluster_ids = cluster_ids;
@@ -293,14 +298,19 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
         cudaMemsetAsync(ws.claims, 0, sizeof(unsigned long long) * detail::claims_words(shape), stream);
     if (err != cudaSuccess) return err;
   }
-  unsigned long long* cleared = early.items > 0 ? early.best : nullptr;
+  // The early instance's words (decode.cuh, EarlyClusters): the clusters' and the blocks' bests
+  // zeroed, the list it polls unset.
+  WorkspacePresets presets;
+  if (early.items > 0)
+    presets = {ws.early_best, int64_t{shape.num_clusters} + detail::max_candidate_blocks(shape), ws.cluster_ids,
+               int64_t{shape.batch} * shape.probes};
   cudaError_t err = launch_centroid_scores(tensors.hidden, tensors.centroids, tensors.centroid_scale, shape.batch,
                                            shape.num_clusters, shape.hidden_dim, ws.scores, sampling, ws.keys, stream,
-                                           cleared, options);
+                                           presets, options);
   if (err != cudaSuccess) return err;
   SelectOutputs out;
   out.cluster_ids = ws.cluster_ids;
-  out.row_tickets = ws.tickets;
+  if (early.items == 0) out.row_tickets = ws.tickets;  // the early instance posts block bests instead
   if (by_claimed_cluster) {
     out.claims = ws.claims;
     out.claimed_groups = ws.claimed_groups;

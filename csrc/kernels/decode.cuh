@@ -5,7 +5,8 @@
 //
 // Each block folds its slots into one RowPartial; the last block of a row to finish (an
 // acquire-release arrival on the row's ticket; the selection kernel zeroes the tickets) writes the
-// result.
+// result. Greedy batch 1 with early clusters goes on without waiting for the selection to end: its
+// blocks poll their list entries, and block 0 polls the blocks' posted bests (EarlyClusters).
 // Greedy: each block folds its packed (key, token) into the row's ticket with an atomic max, so
 // the last block only reads it back. Sampling: blocks write their partials and the last block
 // merges them: a max over packed (key, token), and an online-softmax merge of (max, sum of exp)
@@ -81,6 +82,12 @@ __device__ __forceinline__ RowPartial load_partial(const RowPartial* p) {
 // read before the list exists (docs/benchmarks.md, session 53). Any set of early clusters gives the
 // same token: a stored best is the exact maximum over that cluster's slots (group_logits sums them
 // as the slot loop does).
+// Nor does this instance wait for the selection kernel to end (0.5-1.3 us after its list, in a
+// trace): each block polls its own list entries, which the scoring kernel set to -1, and posts its
+// best in its own word, which the scoring kernel zeroed; block 0 polls those and writes the token,
+// one L2 round trip after the last post, where an atomic maximum, an arrival and a read-back took
+// three. Each block waits for the selection to end before it exits, so a kernel after this one
+// (which waits for this grid alone) never runs beside the selection.
 constexpr int kEarlyRanks = 3;
 constexpr int kEarlyBlocksNum = 3, kEarlyBlocksDen = 4;  // the share of blocks with an early cluster
 constexpr int kEarlyLaneKeys = 8;                       // slices of up to 8 * 32 scores
@@ -88,12 +95,18 @@ constexpr int kEarlyLaneKeys = 8;                       // slices of up to 8 * 3
 struct EarlyClusters {
   const float* scores;       // [C]: the row's centroid scores
   unsigned long long* best;  // [C]: each cluster's best once scored early, else 0 (the scoring kernel clears it)
+  // [blocks]: each block's posted best, 0 until posted (the scoring kernel clears them); a block
+  // with no slot posts kNoBlockBest.
+  uint64_t* block_bests;
   int slice_width, items;
 };
+constexpr uint64_t kNoBlockBest = 1;  // below every packed best (their keys are > 0)
 struct EarlyClusterTokens : ClusterTokens {
   EarlyClusters early;
   // Another block may store a best while this one reads it from L2: 0 or the whole best.
-  __device__ __forceinline__ SlotToken slot(int64_t row, int slot) const { return slot_with(row, slot, early.best); }
+  __device__ __forceinline__ SlotToken slot(int64_t row, int slot) const {
+    return slot_with<true>(row, slot, early.best);
+  }
 };
 
 // The id of the rank-t best score of [lo, hi) (at most kEarlyLaneKeys * 32 ids), equal scores in
@@ -166,6 +179,28 @@ __device__ __forceinline__ void score_early_cluster(const CandidateRows<T>& a, c
   if (best != kNoneRanked) __stcg(e.best + cluster, static_cast<unsigned long long>(best));
 }
 
+// The end of the early instance: thread 0 of each block posts the block's best; warp 0 of block 0
+// polls every block's word and writes the token.
+__device__ __forceinline__ void post_block_best(const EarlyClusters& e, uint64_t best) {
+  store_relaxed(e.block_bests + blockIdx.x, best > kNoBlockBest ? best : kNoBlockBest);
+}
+__device__ __forceinline__ void write_best_of_blocks(const EarlyClusters& e, int64_t* token) {
+  const int lane = threadIdx.x % kWarpSize;
+  uint64_t best;
+  bool all_posted;
+  do {
+    best = 0;
+    all_posted = true;
+    for (int i = lane; i < gridDim.x; i += kWarpSize) {
+      const uint64_t posted = load_relaxed(e.block_bests + i);
+      all_posted &= posted != 0;
+      best = max(best, posted);
+    }
+  } while (!__all_sync(kFullMask, all_posted));
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) best = max(best, __shfl_xor_sync(kFullMask, best, offset));
+  if (lane == 0) *token = best == kNoBlockBest ? -1 : packed_id(best);
+}
+
 // The extra ids' side state in sampling, [rows, E] each (null when greedy or E == 0).
 struct ExtraSlots {
   int count;             // E
@@ -232,7 +267,7 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
     __shared__ uint64_t warp_best[kWarps];
     score_early_cluster(a.rows, a.slot_tokens, warp_best);
   }
-  wait_for_previous_kernel();
+  if constexpr (!kEarly) wait_for_previous_kernel();  // the early instance polls instead
   const int64_t row = blockIdx.y, abs_row = a.row_offset + row;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int gathered = a.slot_tokens.probes * a.slot_tokens.cluster_size;
@@ -266,6 +301,15 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
   p = warp_merge<kSample>(p, kCandRowsPerWarp);
   if (lane == 0) warp_partials[warp] = p;
   __syncthreads();  // also orders this block's extra flags and partials before the arrival below
+  if constexpr (kEarly) {
+    if (threadIdx.x == 0) {
+      for (int w = 1; w < kWarps; ++w) p = merge<kSample>(p, warp_partials[w]);
+      post_block_best(tokens.early, p.best);
+    }
+    if (blockIdx.x == 0 && warp == 0) write_best_of_blocks(tokens.early, a.tokens);
+    if (threadIdx.x == 0) wait_for_previous_kernel();
+    return;
+  }
   if (threadIdx.x == 0) {
     for (int w = 1; w < kWarps; ++w) p = merge<kSample>(p, warp_partials[w]);
     if constexpr (kSample)

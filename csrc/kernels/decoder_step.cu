@@ -211,14 +211,9 @@ static_assert(kMaxStages - 2 <= 6, "wait_async_except covers stages - 2 pending 
 // is never written (the launch zeroes the words), and post numbers grow over the step, so no stale
 // word matches.
 __device__ __forceinline__ void post(uint64_t* word, float value, unsigned number) {
-  const uint64_t bits = (uint64_t{number} << 32) | __float_as_uint(value);
-  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(word), "l"(bits));
+  store_relaxed(word, (uint64_t{number} << 32) | __float_as_uint(value));
 }
-__device__ __forceinline__ uint64_t load_post(const uint64_t* word) {
-  uint64_t bits;
-  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(bits) : "l"(word));
-  return bits;
-}
+__device__ __forceinline__ uint64_t load_post(const uint64_t* word) { return load_relaxed(word); }
 __device__ __forceinline__ bool has_post(uint64_t bits, unsigned number) {
   return static_cast<unsigned>(bits >> 32) == number;
 }
