@@ -183,7 +183,6 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm) centroid_scores_
     const int c = c0 + r, b = b0 + col;
     if (c < a.num_clusters && b < a.batch) store_score(a, b, c, dot);
   }
-  set_presets(a.presets);
 }
 
 }  // namespace detail
