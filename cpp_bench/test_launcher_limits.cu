@@ -1,7 +1,7 @@
-// The torch-free decoder_step launcher's own limits, for C++ callers that skip the ATen
-// wrapper's checks: decoder_step_limit names the limit a shape breaks, and the plan returns
-// cudaErrorInvalidValue for it before anything asks the device (so this runs without a GPU too),
-// never a launch that divides by zero.
+// The torch-free launchers' own limits, for C++ callers that skip the ATen wrappers' checks, each
+// returning cudaErrorInvalidValue before anything asks the device (so this runs without a GPU too):
+// decoder_step_limit names the limit a shape breaks, and the plan refuses it, never a launch that
+// divides by zero; launch_decode refuses probes outside [1, C], whose list entries would stay unset.
 #include <cstdio>
 
 #include "kernels/api.h"
@@ -66,6 +66,21 @@ int main() {
       ++failures;
     }
   }
+  // Probes outside [1, C]: refused before any pointer is used (these are all null).
+  int cases = static_cast<int>(sizeof(bad) / sizeof(bad[0])) + 1;
+  for (const int probes : {0, 38}) {
+    flashhead::HeadShape shape;
+    shape.batch = 1, shape.hidden_dim = 64, shape.num_clusters = 37, shape.cluster_size = 4, shape.vocab = 148;
+    shape.probes = probes;
+    const cudaError_t got = flashhead::launch_decode(flashhead::HeadTensors<__nv_bfloat16>{}, shape, nullptr, nullptr,
+                                                     1, nullptr, nullptr, nullptr);
+    ++cases;
+    if (got != cudaErrorInvalidValue) {
+      std::printf("FAIL launch_decode with %d probes of 37 clusters: %s (expected cudaErrorInvalidValue)\n", probes,
+                  cudaGetErrorName(got));
+      ++failures;
+    }
+  }
   // Within the limits the plan goes on to the device: success on a GPU, a device error without one.
   DecoderStepPlan plan{};
   const cudaError_t good = flashhead::plan_decoder_step<__nv_bfloat16>(kGood, &plan);
@@ -74,7 +89,7 @@ int main() {
     std::printf("FAIL a shape within the limits: cudaErrorInvalidValue\n");
     ++failures;
   }
-  std::printf("test_launcher_limits: %d of %d cases failed (the valid shape: %s)\n", failures,
-              static_cast<int>(sizeof(bad) / sizeof(bad[0])) + 1, cudaGetErrorName(good));
+  std::printf("test_launcher_limits: %d of %d cases failed (the valid decoder_step shape: %s)\n", failures, cases,
+              cudaGetErrorName(good));
   return failures == 0 ? 0 : 1;
 }

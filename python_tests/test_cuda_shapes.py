@@ -212,14 +212,25 @@ def test_decode_greedy_early_clusters(shape, dtype, early):
         if names:
             assert early_instance_ran(names) == early, names
     check_sync_free_and_replayed(lambda: ops.decode_greedy(*problem.args()), tokens)
-    # Replayed on other hidden states: no best stored for the first ones may be taken.
+    # Replayed on other hidden states and back: no list entry, cluster best or block best stored
+    # for the states before may be taken (the scoring kernel presets them every call).
     static = problem.hidden.clone()
     graph, captured = capture(lambda: ops.decode_greedy(static, *problem.args()[1:]))
     other = make_problem(shape, dtype, "cuda", seed=1, integer=True, build_on_device=True).hidden
-    for states in (other, problem.hidden):
+    for states in (problem.hidden, other, problem.hidden):
         static.copy_(states)
         graph.replay()
         check_decode_greedy(captured, problem.with_(hidden=states), exact=True)
+    # Eager calls on a used workspace: the caching allocator hands the op freed blocks, here ones
+    # filled with all-ones bytes (a best not preset would read as the largest, token 0) or zeros
+    # (a list entry not preset would read as cluster 0); the GPU sleeps first so that the calls queue.
+    for fill in (0xFF, 0x00):
+        for states in (other, problem.hidden):
+            torch.cuda.empty_cache()
+            junk = [torch.full((1 << 20,), fill, dtype=torch.uint8, device="cuda") for _ in range(2)]
+            del junk  # one whole 2 MiB segment of the small-block pool, free and filled
+            torch.cuda._sleep(1_000_000)
+            check_decode_greedy(ops.decode_greedy(states, *problem.args()[1:]), problem.with_(hidden=states), exact=True)
 
 
 @pytest.mark.parametrize("shape,dtype", [c[:2] for c in CLAIMED[:2]], ids=[f"{s}-{d}" for s, d, _ in CLAIMED[:2]])

@@ -298,6 +298,9 @@ __device__ __forceinline__ uint64_t load_relaxed(const uint64_t* word) {
   asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(value) : "l"(word));
   return value;
 }
+__device__ __forceinline__ void store_relaxed(int32_t* word, int32_t value) {
+  asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(word), "r"(value));
+}
 __device__ __forceinline__ void store_relaxed(uint64_t* word, uint64_t value) {
   asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(word), "l"(value));
 }

@@ -279,6 +279,9 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
                           int64_t* tokens, int64_t token_stride, float* token_logprobs, void* workspace,
                           cudaStream_t stream, const LaunchOptions& options) {
   if (shape.batch == 0) return cudaSuccess;
+  // The ops check this; a C++ caller past C would leave list entries unset (-1): the early
+  // instance would poll them forever, the others read the table before its start.
+  if (shape.probes < 1 || shape.probes > shape.num_clusters) return cudaErrorInvalidValue;
   detail::WorkspaceCarver carver(workspace);
   const detail::DecodeWorkspace ws = detail::carve_decode(carver, shape, sampling != nullptr);
   detail::ClaimedPlan claimed{};

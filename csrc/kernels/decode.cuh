@@ -217,7 +217,7 @@ struct DecodeArgs {
   float temperature;
   const int64_t* seed;
   RowPartial* partials;  // [rows, gridDim.x], sampling
-  RowTicket* tickets;    // [rows], zero on entry
+  RowTicket* tickets;    // [rows], zero on entry (unused by the kEarly instance)
   int64_t* tokens;
   int64_t token_stride;
   float* token_logprobs;

@@ -44,7 +44,9 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
   __shared__ SelectShared sh;
   clear_histogram(sh);  // before the wait: nothing of the previous kernel's is touched
   wait_for_previous_kernel();
-  // After the wait: the fused decode's candidate kernel reads the scores before its own wait.
+  // After the wait: the fused decode's candidate kernel reads the scores (and, in its early-cluster
+  // instance, the scoring kernel's presets) before its own wait, and that instance polls the ids
+  // written below while this kernel runs.
   let_next_kernel_start();
   const int64_t row = blockIdx.x;
   RowKeys<kCached> keys;
@@ -61,7 +63,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
   if (out.cluster_ids || out.selected_scores) {
     for (int k = threadIdx.x; k < a.probes; k += blockDim.x) {
       const int32_t id = packed_id(list[k]);
-      if (out.cluster_ids) out.cluster_ids[row * a.probes + k] = id;
+      if (out.cluster_ids) store_relaxed(out.cluster_ids + row * a.probes + k, id);  // each once, final
       if (out.selected_scores) out.selected_scores[row * a.probes + k] = out.scores[row * a.num_clusters + id];
     }
   }
