@@ -135,6 +135,7 @@ cudaError_t launch_cluster_select(const T* hidden, const TC* centroids, const fl
 // decode_greedy: token id per row into tokens[row * token_stride] (-1 when every candidate is masked).
 // decode_sample (sampling non-null): a Gumbel-max draw from softmax(logits / T) over the
 // candidates of p clusters drawn without replacement, plus its log-probability token_logprobs[B].
+// cudaErrorInvalidValue for probes outside [1, C], before anything is read or launched.
 size_t decode_workspace_bytes(const HeadShape& shape, bool sampling);
 template <typename T, typename TC>
 cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& shape, const Sampling* sampling,
