@@ -22,8 +22,8 @@ struct DecodeWorkspace {
   RowPartial* partials;
   uint32_t* extra_repeats;     // [B, E], sampling
   RowPartial* extra_partials;  // [B, E], sampling
-  unsigned long long* early_best;  // [C], greedy batch 1, then
-  uint64_t* block_bests;           // [max_candidate_blocks] (the two zeroed together)
+  unsigned long long* early_best;  // greedy batch 1: [early_words], the clusters' bests, then
+  uint64_t* block_bests;           // the blocks' bests (early_best + C)
   void* select;
 };
 
@@ -102,6 +102,9 @@ int max_candidate_blocks(const HeadShape& shape) { return ceil_div(shape.num_can
 // Greedy batch 1 may score clusters early (decode.cuh, EarlyClusters): with dependent launch,
 // while the selection runs; without it they would only lengthen the candidate kernel.
 bool may_score_early(const HeadShape& shape, bool sampling) { return !sampling && shape.batch == 1; }
+// Its workspace words, zeroed together by the scoring kernel: the clusters' bests [C], then the
+// candidate blocks' [max_candidate_blocks].
+int64_t early_words(const HeadShape& shape) { return int64_t{shape.num_clusters} + max_candidate_blocks(shape); }
 template <typename T>
 bool scores_early(const HeadShape& shape, bool sampling, const LaunchOptions& options) {
   const auto early_instance = decode_candidates_kernel<T, false, false, false, true>;
@@ -139,7 +142,7 @@ DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bo
   ws.cluster_ids = carver.take<int32_t>(size_t(shape.batch) * shape.probes);
   ws.tickets = carver.take<RowTicket>(shape.batch);
   if (may_score_early(shape, sampling)) {
-    ws.early_best = carver.take<unsigned long long>(size_t(shape.num_clusters) + max_candidate_blocks(shape));
+    ws.early_best = carver.take<unsigned long long>(static_cast<size_t>(early_words(shape)));
     if (ws.early_best) ws.block_bests = reinterpret_cast<uint64_t*>(ws.early_best + shape.num_clusters);
   }
   if (may_decode_by_claimed_cluster(shape, sampling)) {
@@ -305,8 +308,7 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
   // zeroed, the list it polls unset.
   WorkspacePresets presets;
   if (early.items > 0)
-    presets = {ws.early_best, int64_t{shape.num_clusters} + detail::max_candidate_blocks(shape), ws.cluster_ids,
-               int64_t{shape.batch} * shape.probes};
+    presets = {ws.early_best, detail::early_words(shape), ws.cluster_ids, int64_t{shape.batch} * shape.probes};
   cudaError_t err = launch_centroid_scores(tensors.hidden, tensors.centroids, tensors.centroid_scale, shape.batch,
                                            shape.num_clusters, shape.hidden_dim, ws.scores, sampling, ws.keys, stream,
                                            presets, options);
