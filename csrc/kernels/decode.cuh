@@ -301,17 +301,15 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
   p = warp_merge<kSample>(p, kCandRowsPerWarp);
   if (lane == 0) warp_partials[warp] = p;
   __syncthreads();  // also orders this block's extra flags and partials before the arrival below
+  if (threadIdx.x == 0)
+    for (int w = 1; w < kWarps; ++w) p = merge<kSample>(p, warp_partials[w]);
   if constexpr (kEarly) {
-    if (threadIdx.x == 0) {
-      for (int w = 1; w < kWarps; ++w) p = merge<kSample>(p, warp_partials[w]);
-      post_block_best(tokens.early, p.best);
-    }
+    if (threadIdx.x == 0) post_block_best(tokens.early, p.best);
     if (blockIdx.x == 0 && warp == 0) write_best_of_blocks(tokens.early, a.tokens);
     if (threadIdx.x == 0) wait_for_previous_kernel();
     return;
   }
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w) p = merge<kSample>(p, warp_partials[w]);
     if constexpr (kSample)
       a.partials[row * gridDim.x + blockIdx.x] = p;
     else
