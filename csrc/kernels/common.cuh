@@ -199,9 +199,14 @@ __device__ __forceinline__ float gelu_tanh(float x) {
   return 0.5f * x * (1.0f + tanhf(kBeta * (x + kKappa * x * x * x)));
 }
 
-__device__ __forceinline__ float warp_max(float x) {
+// The larger of two values: fmaxf for floats (a NaN loses to a number), max for packed words.
+__device__ __forceinline__ float larger(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ uint64_t larger(uint64_t a, uint64_t b) { return max(a, b); }
+// The largest value over the warp, in every lane.
+template <typename V>
+__device__ __forceinline__ V warp_max(V x) {
 #pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) x = larger(x, __shfl_xor_sync(kFullMask, x, offset));
   return x;
 }
 

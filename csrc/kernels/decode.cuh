@@ -197,7 +197,7 @@ __device__ __forceinline__ void write_best_of_blocks(const EarlyClusters& e, int
       best = max(best, posted);
     }
   } while (!__all_sync(kFullMask, all_posted));
-  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) best = max(best, __shfl_xor_sync(kFullMask, best, offset));
+  best = warp_max(best);
   if (lane == 0) *token = best == kNoBlockBest ? -1 : packed_id(best);
 }
 
