@@ -160,7 +160,8 @@ def check_sync_free_and_replayed(call, expected):
 
 # Greedy batch 1 scores some clusters while the selection runs (decode.cuh, EarlyClusters): where
 # each candidate warp takes one slot group (p b + E <= 32 * SMs, rows not staged) and a slice of
-# 3 C / (3/4 of the blocks) scores fits 256 ids. On a 132-SM GPU the first seven shapes do (the
+# 3 C / (3/4 of the blocks; 1/2, or as many as fit, where the selection keeps candidates) scores
+# fits 256 ids. On a 132-SM GPU the first seven shapes do (the
 # Qwen3-0.6B head at p = 256, a padded table with extra ids, clusters of 32 over two blocks,
 # clusters of 8 at the widest slice, rows without 16-byte vectors, clusters of 5 and of 1); p =
 # 593 there stages rows and p = 32 makes slices of 1,187 scores, so those two do not.
@@ -231,6 +232,72 @@ def test_decode_greedy_early_clusters(shape, dtype, early):
             del junk  # one whole 2 MiB segment of the small-block pool, free and filled
             torch.cuda._sleep(1_000_000)
             check_decode_greedy(ops.decode_greedy(states, *problem.args()[1:]), problem.with_(hidden=states), exact=True)
+
+
+# Batch 1 selects from the scoring blocks' kept candidates where they pay (block_candidates.cuh; on
+# a 132-SM GPU the first three shapes: the Qwen3-0.6B head at p = 256, clusters of 8 over 16,384
+# at p = 33 with extra ids, two centroid rows an item at p = 100; p = 1024 there keeps none) and
+# from the whole row where they fall short. Rows: random integers; all scores equal (no candidate
+# passes the largest cutoff); p - 1 scores far above the rest and three tied next (the p-th key
+# ties keys the candidates leave unordered, so ids decide). The last two come through a one-hot
+# hidden row, so every score is its centroid's first value, exactly.
+KEPT = [
+    (Shape(B=1, D=1024, C=9496, b=16, p=256), torch.bfloat16, True),
+    (Shape(B=1, D=1152, C=16384, b=8, p=33, pad=5, extras=True), torch.float32, True),
+    (Shape(B=1, D=576, C=4099, b=32, p=100, pad=3), torch.float16, True),
+    (Shape(B=1, D=1024, C=9496, b=16, p=1024), torch.bfloat16, False),
+]
+
+
+def kept_instances_ran(names) -> bool:
+    keeps = any(re.search(r"centroid_scores_kernel<[^>]*,\s*(?:true|\(bool\)1),\s*(?:true|\(bool\)1)>", n) for n in names)
+    selects = any(re.search(r"select_kernel<[^>]*,\s*(?:true|\(bool\)1)>", n) for n in names)
+    assert keeps == selects, names
+    return selects
+
+
+def first_score_rows(problem, values):
+    """``problem`` with scores[0, c] = values[c] exactly: a one-hot hidden row on the first value."""
+    hidden = torch.zeros_like(problem.hidden)
+    hidden[:, 0] = 1
+    centroids = problem.centroids.clone()
+    centroids[:, 0] = values.to(centroids.device, centroids.dtype)
+    return problem.with_(hidden=hidden, centroids=centroids)
+
+
+@pytest.mark.parametrize("row", ["random", "equal", "tied_at_p"])
+@pytest.mark.parametrize("shape,dtype,kept", KEPT, ids=[f"{s}-{d}" for s, d, _ in KEPT])
+def test_batch1_selection_from_kept_candidates(shape, dtype, kept, row):
+    problem = make_problem(shape, dtype, "cuda", integer=True, build_on_device=True)
+    generator = torch.Generator().manual_seed(shape.C + shape.p)
+    if row == "equal":
+        problem = first_score_rows(problem, torch.full((shape.C,), 3.0))
+    elif row == "tied_at_p":
+        values = torch.randint(-50, 50, (shape.C,), generator=generator).float()
+        order = torch.randperm(shape.C, generator=generator)
+        values[order[:shape.p - 1]] = 200.0
+        values[order[shape.p - 1:shape.p + 2]] = 100.0
+        problem = first_score_rows(problem, values)
+    ref_scores = ref.scores(problem.hidden, problem.centroids)
+    ids, scores = ops.select_clusters(problem.hidden, problem.centroids, problem.probes)
+    check_ranked_selection(ids, ref_scores, problem.probes, problem.score_tol(), exact=True)
+    assert_values_close(scores, ref_scores.gather(1, ids.long()), problem.score_tol(), "scores")
+    tokens = ops.decode_greedy(*problem.args())
+    check_decode_greedy(tokens, problem, exact=True)
+    seed = 5 + shape.C
+    sampled, _ = ops.sample_clusters(problem.hidden, problem.centroids, problem.probes, T, seed=seed)
+    trace = ref.sample_clusters(problem.hidden, problem.centroids, problem.probes, T, seed)
+    check_ranked_selection(sampled, trace.cluster_keys, problem.probes, problem.score_tol() / T + 1e-5, exact=False)
+    drawn, logprobs = ops.decode_sample(*problem.args()[:5], T, problem.extra_ids, seed=seed)
+    check_decode_sample(drawn, logprobs, problem, T, seed, exact=False)
+    props = torch.cuda.get_device_properties(0)
+    if (props.major, props.minor) == (9, 0) and props.multi_processor_count == 132:
+        for call in (lambda: ops.select_clusters(problem.hidden, problem.centroids, problem.probes),
+                     lambda: ops.decode_greedy(*problem.args())):
+            names = kernels_run(call)
+            if names:
+                assert kept_instances_ran(names) == kept, names
+    check_sync_free_and_replayed(lambda: ops.decode_greedy(*problem.args()), tokens)
 
 
 @pytest.mark.parametrize("shape,dtype", [c[:2] for c in CLAIMED[:2]], ids=[f"{s}-{d}" for s, d, _ in CLAIMED[:2]])

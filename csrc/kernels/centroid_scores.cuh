@@ -8,7 +8,7 @@
 // warps so the tiles of one centroid group run side by side and share its loads in cache.
 #pragma once
 
-#include "kernels/common.cuh"
+#include "kernels/block_candidates.cuh"
 
 namespace flashhead {
 namespace detail {
@@ -52,9 +52,10 @@ template <int RB>
 constexpr int kScoreUnroll = RB <= 2 ? 2 : 1;
 
 // Score (b, c) from its dot product: scaled, written, and with its Gumbel key when sampling (the
-// scale and seed are read only here, once the sums are in).
+// scale and seed are read only here, once the sums are in). Returns what the selection ranks: the
+// key when sampling, else the score.
 template <typename T, typename TC>
-__device__ __forceinline__ void store_score(const ScoreArgs<T, TC>& a, int b, int c, float dot) {
+__device__ __forceinline__ float store_score(const ScoreArgs<T, TC>& a, int b, int c, float dot) {
   const float score = dot * (a.centroid_scale ? *a.centroid_scale : 1.0f);
   const int64_t at = int64_t{b} * a.num_clusters + c;
   a.scores[at] = score;
@@ -63,18 +64,57 @@ __device__ __forceinline__ void store_score(const ScoreArgs<T, TC>& a, int b, in
   const int64_t score_count = int64_t{a.batch} * a.num_clusters;
   for (int64_t i = at; i < a.presets.zeroed_words; i += score_count) a.presets.zeroed[i] = 0;
   for (int64_t i = at; i < a.presets.unset_count; i += score_count) a.presets.unset_ids[i] = -1;
-  if (a.keys)
-    a.keys[at] = score / a.temperature + gumbel_noise(static_cast<uint64_t>(*a.seed), kClusterStream,
-                                                      static_cast<uint32_t>(a.row_offset + b),
-                                                      static_cast<uint32_t>(c));
+  if (!a.keys) return score;
+  const float key = score / a.temperature + gumbel_noise(static_cast<uint64_t>(*a.seed), kClusterStream,
+                                                         static_cast<uint32_t>(a.row_offset + b),
+                                                         static_cast<uint32_t>(c));
+  a.keys[at] = key;
+  return key;
+}
+
+// The block's keys ranked (block_candidates.cuh), one slot a thread: its best per_block to the
+// candidates and the next one's key to the cutoff. Slots no score took hold their own index, below
+// every packed key and unique, so the ranks are a permutation of the slots. A round's slots are
+// read in one unrolled run of 16-byte loads (a loop of single loads, each waiting for the last,
+// cost the scoring's end about 0.5 us).
+template <int ROWS>
+__device__ __forceinline__ void keep_block_candidates(const BlockCandidates& kept, const uint64_t* slot_keys) {
+  constexpr int kRoundSlots = kScoreWarps * ROWS;
+  static_assert(kRoundSlots % 2 == 0, "a round is whole pairs of slots");
+  const int t = threadIdx.x;
+  if (t >= kept.slots) return;
+  const uint64_t mine = slot_keys[t];
+  int rank = 0;
+  for (int round = 0; round < kept.slots / kRoundSlots; ++round) {
+    const ulonglong2* two = reinterpret_cast<const ulonglong2*>(slot_keys + round * kRoundSlots);
+#pragma unroll
+    for (int j = 0; j < kRoundSlots / 2; ++j) {
+      const ulonglong2 pair = two[j];
+      rank += (pair.x > mine) + (pair.y > mine);
+    }
+  }
+  if (rank < kept.per_block)
+    kept.pairs[int64_t{blockIdx.x} * kept.per_block + rank] = mine;
+  else if (rank == kept.per_block)
+    kept.cutoffs[blockIdx.x] = static_cast<uint32_t>(mine >> 32);
 }
 
 // Batch 1 is one tile (RB == 1), the case worth a short start: its loads issue after a few
 // instructions, with no division, and the scale and seed are read only once the sums are in.
 // kVec: rows of whole 16-byte vectors (rows_vectorizable), an instance without the scalar path.
-template <typename T, typename TC, int RB, int ROWS, bool kVec>
-__global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid_scores_kernel(ScoreArgs<T, TC> a) {
+// kKeep: batch 1 keeping candidates for the selection (`kept`), an instance of its own; `kept` is
+// a parameter of its own so that the other instances' code stays as it was.
+template <typename T, typename TC, int RB, int ROWS, bool kVec, bool kKeep = false>
+__global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>)
+    centroid_scores_kernel(ScoreArgs<T, TC> a, BlockCandidates kept) {
   static_assert(ROWS * RB <= kWarpSize, "a lane writes each of an item's scores");
+  static_assert(!kKeep || RB == 1, "candidates are kept for batch 1");
+  // The block's keys by slot, (round * kScoreWarps + warp) * ROWS + r.
+  __shared__ __align__(16) uint64_t slot_keys[kKeep ? kBlockCandidateSlots : 2];
+  if constexpr (kKeep) {
+    for (int t = threadIdx.x; t < kept.slots; t += blockDim.x) slot_keys[t] = t;
+    __syncthreads();
+  }
   // Launched as a dependent of whatever kernel came before (an op's first kernel): every input may
   // be its output, so nothing is read before it ends. The launch itself overlaps its drain.
   wait_for_previous_kernel();
@@ -90,7 +130,8 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
   // tiles of one centroid group) stay in one block, so they share its loads in cache.
   const int warp = threadIdx.x / kWarpSize;
   const int first_item = tiles == 1 ? warp * gridDim.x + blockIdx.x : blockIdx.x * kScoreWarps + warp;
-  for (int item = first_item; item < items; item += gridDim.x * kScoreWarps) {
+  int round = 0;
+  for (int item = first_item; item < items; item += gridDim.x * kScoreWarps, ++round) {
     const int c0 = item / tiles * ROWS;
     const int b0 = item % tiles * RB;
     const TC* rows[ROWS];
@@ -109,7 +150,14 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm<RB>) centroid
 #pragma unroll
       for (int b = 0; b < RB; ++b) flat[r * RB + b] = acc[r][b];
     const int c = c0 + lane / RB, b = b0 + lane % RB;
-    if (lane < ROWS * RB && c < a.num_clusters && b < a.batch) store_score(a, b, c, pick(flat, lane));
+    if (lane < ROWS * RB && c < a.num_clusters && b < a.batch) {
+      const float ranked = store_score(a, b, c, pick(flat, lane));
+      if constexpr (kKeep) slot_keys[(round * kScoreWarps + warp) * ROWS + lane] = pack_ranked(order_key(ranked), c);
+    }
+  }
+  if constexpr (kKeep) {
+    __syncthreads();
+    keep_block_candidates<ROWS>(kept, slot_keys);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/block_candidates.cuh"
 #include "kernels/decode.cuh"
 
 namespace flashhead {
@@ -25,6 +26,7 @@ struct DecodeWorkspace {
   unsigned long long* early_best;  // greedy batch 1: [early_words], the clusters' bests, then
   uint64_t* block_bests;           // the blocks' bests (early_best + C)
   void* select;
+  BlockCandidates kept;
 };
 
 // The decodes' clusters are unranked: the greedy argmax does not depend on their order, nor does
@@ -114,10 +116,15 @@ bool scores_early(const HeadShape& shape, bool sampling, const LaunchOptions& op
 
 // The early clusters' slices for the candidate kernel's grid, or none (items 0): they need one slot
 // group a warp in the register instance (a block's rows are then its early cluster's and its
-// chosen ones'; only that was measured), and slices that fit early_cluster.
-EarlyClusters plan_early_clusters(const HeadShape& shape, int blocks, bool staged) {
+// chosen ones'; only that was measured), and slices that fit early_cluster. `kept`: the selection
+// works from kept candidates (kEarlyShareAfterKept).
+EarlyClusters plan_early_clusters(const HeadShape& shape, int blocks, bool staged, bool kept) {
   EarlyClusters plan{};
-  const int items = blocks * kEarlyBlocksNum / kEarlyBlocksDen;
+  const int most = blocks * kEarlyShare.num / kEarlyShare.den;
+  const int64_t fitting = ceil_div<int64_t>(int64_t{kEarlyRanks} * shape.num_clusters, kEarlyLaneKeys * kWarpSize);
+  const int items = kept ? static_cast<int>(std::min<int64_t>(
+                               most, std::max<int64_t>(blocks * kEarlyShareAfterKept.num / kEarlyShareAfterKept.den, fitting)))
+                         : most;
   const bool one_group_a_warp = int64_t{blocks} * kCandSlotsPerBlock >= shape.num_candidates();
   if (staged || !one_group_a_warp || items < kEarlyRanks) return plan;
   const int64_t width = ceil_div<int64_t>(int64_t{kEarlyRanks} * shape.num_clusters, items);
@@ -127,13 +134,31 @@ EarlyClusters plan_early_clusters(const HeadShape& shape, int blocks, bool stage
   return plan;
 }
 
-// Scores and (sampling) keys [B, C], then what the selection kernel needs.
+// Scores and (sampling) keys [B, C], then what the selection kernel needs: at batch 1 the words
+// for the scoring blocks' candidates too.
 template <typename Carve>
 void carve_scores(WorkspaceCarver& carver, const HeadShape& shape, bool sampling, SelectOrder order, Carve& ws) {
   const size_t scores = size_t(shape.batch) * shape.num_clusters;
   ws.scores = carver.take<float>(scores);
   ws.keys = sampling ? carver.take<float>(scores) : nullptr;
   ws.select = carver.take<char>(select_workspace_bytes(shape, order));
+  if (shape.batch == 1) {
+    ws.kept.pairs = carver.take<uint64_t>(kBlockCandidatesMax);
+    ws.kept.cutoffs = carver.take<uint32_t>(kBlockCandidateBlocksMax);
+  }
+}
+
+// The scoring and selection of a batch-1 row keep candidates where they pay (block_candidates.cuh),
+// in the words carve_scores set aside.
+cudaError_t plan_kept(const HeadShape& shape, BlockCandidates* kept) {
+  if (shape.batch != 1) return cudaSuccess;
+  int sms = 0;
+  if (const cudaError_t err = multiprocessor_count(&sms); err != cudaSuccess) return err;
+  BlockCandidates plan = plan_block_candidates(shape.num_clusters, shape.probes, sms);
+  plan.pairs = kept->pairs;
+  plan.cutoffs = kept->cutoffs;
+  *kept = plan;
+  return cudaSuccess;
 }
 
 DecodeWorkspace carve_decode(WorkspaceCarver& carver, const HeadShape& shape, bool sampling) {
@@ -164,6 +189,7 @@ struct SelectWorkspace {
   float* scores;
   float* keys;
   void* select;
+  BlockCandidates kept;
 };
 
 // The candidate kernel's grid for a chunk of `rows` rows: its staged rows' shared memory (0: the
@@ -191,7 +217,7 @@ cudaError_t plan_early(const HeadTensors<T, TC>& t, const HeadShape& shape, cons
   CandidateGrid grid{};
   const cudaError_t err = plan_candidate_grid(t, shape, decode_candidates_kernel<T, false, false, true>, 1, &grid);
   if (err != cudaSuccess) return err;
-  *early = plan_early_clusters(shape, grid.blocks, grid.smem > 0);
+  *early = plan_early_clusters(shape, grid.blocks, grid.smem > 0, ws.kept.per_block > 0);
   early->scores = ws.scores;
   early->best = ws.early_best;
   early->block_bests = ws.block_bests;
@@ -261,14 +287,17 @@ cudaError_t launch_cluster_select(const T* hidden, const TC* centroids, const fl
   detail::WorkspaceCarver carver(workspace);
   detail::SelectWorkspace ws{};
   detail::carve_scores(carver, shape, sampling != nullptr, SelectOrder::kRanked, ws);
-  cudaError_t err = launch_centroid_scores(hidden, centroids, centroid_scale, shape.batch, shape.num_clusters,
-                                           shape.hidden_dim, ws.scores, sampling, ws.keys, stream, {}, options);
+  cudaError_t err = detail::plan_kept(shape, &ws.kept);
+  if (err != cudaSuccess) return err;
+  err = detail::launch_scores_keeping(hidden, centroids, centroid_scale, shape.batch, shape.num_clusters,
+                                      shape.hidden_dim, ws.scores, sampling, ws.keys, stream, {}, options, ws.kept);
   if (err != cudaSuccess) return err;
   SelectOutputs out;
   out.cluster_ids = cluster_ids;
   out.selected_scores = scores;
   out.scores = ws.scores;
-  return launch_select(sampling ? ws.keys : ws.scores, shape, SelectOrder::kRanked, out, ws.select, stream, options);
+  return detail::launch_select_keeping(sampling ? ws.keys : ws.scores, shape, SelectOrder::kRanked, out, ws.select,
+                                       stream, options, ws.kept);
 }
 
 size_t decode_workspace_bytes(const HeadShape& shape, bool sampling) {
@@ -286,7 +315,8 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
   // instance would poll them forever, the others read the table before its start.
   if (shape.probes < 1 || shape.probes > shape.num_clusters) return cudaErrorInvalidValue;
   detail::WorkspaceCarver carver(workspace);
-  const detail::DecodeWorkspace ws = detail::carve_decode(carver, shape, sampling != nullptr);
+  detail::DecodeWorkspace ws = detail::carve_decode(carver, shape, sampling != nullptr);
+  if (const cudaError_t err = detail::plan_kept(shape, &ws.kept); err != cudaSuccess) return err;
   detail::ClaimedPlan claimed{};
   if (detail::may_decode_by_claimed_cluster(shape, sampling != nullptr)) {
     const cudaError_t err = detail::plan_claimed_decode(tensors.hidden, tensors.embedding, shape.hidden_dim, &claimed);
@@ -309,9 +339,9 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
   WorkspacePresets presets;
   if (early.items > 0)
     presets = {ws.early_best, detail::early_words(shape), ws.cluster_ids, int64_t{shape.batch} * shape.probes};
-  cudaError_t err = launch_centroid_scores(tensors.hidden, tensors.centroids, tensors.centroid_scale, shape.batch,
-                                           shape.num_clusters, shape.hidden_dim, ws.scores, sampling, ws.keys, stream,
-                                           presets, options);
+  cudaError_t err = detail::launch_scores_keeping(tensors.hidden, tensors.centroids, tensors.centroid_scale,
+                                                  shape.batch, shape.num_clusters, shape.hidden_dim, ws.scores,
+                                                  sampling, ws.keys, stream, presets, options, ws.kept);
   if (err != cudaSuccess) return err;
   SelectOutputs out;
   out.cluster_ids = ws.cluster_ids;
@@ -321,8 +351,8 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
     out.claimed_groups = ws.claimed_groups;
   }
   out.extra_repeats = ws.extra_repeats;
-  err = launch_select(sampling ? ws.keys : ws.scores, shape, detail::decode_order(sampling != nullptr), out, ws.select,
-                      stream, options);
+  err = detail::launch_select_keeping(sampling ? ws.keys : ws.scores, shape, detail::decode_order(sampling != nullptr),
+                                     out, ws.select, stream, options, ws.kept);
   if (err != cudaSuccess) return err;
   if (by_claimed_cluster)
     return detail::launch_decode_claimed(tensors.hidden, tensors.embedding, tensors.cluster_tokens, tensors.extra_ids,

@@ -78,8 +78,9 @@ __device__ __forceinline__ RowPartial load_partial(const RowPartial* p) {
 // centroid scores (slices of slice_width ids, kEarlyRanks ranks each, one per block up to
 // `items`), reads its rows and stores the cluster's packed (key, token) best. After the
 // selection, a chosen cluster with a stored best is folded as that value, its rows not read
-// again: at the Qwen3-0.6B head (p = 256) about two thirds of the chosen clusters' rows are then
-// read before the list exists (docs/benchmarks.md, session 53). Any set of early clusters gives the
+// again: at the Qwen3-0.6B head (p = 256), with three quarters of the blocks taking one, about two
+// thirds of the chosen clusters' rows were then read before the list existed (docs/benchmarks.md,
+// session 53). Any set of early clusters gives the
 // same token: a stored best is the exact maximum over that cluster's slots (group_logits sums them
 // as the slot loop does).
 // Nor does this instance wait for the selection kernel to end (0.5-1.3 us after its list, in a
@@ -89,8 +90,16 @@ __device__ __forceinline__ RowPartial load_partial(const RowPartial* p) {
 // three. Each block waits for the selection to end before it exits, so a kernel after this one
 // (which waits for this grid alone) never runs beside the selection.
 constexpr int kEarlyRanks = 3;
-constexpr int kEarlyBlocksNum = 3, kEarlyBlocksDen = 4;  // the share of blocks with an early cluster
-constexpr int kEarlyLaneKeys = 8;                       // slices of up to 8 * 32 scores
+constexpr int kEarlyLaneKeys = 8;  // slices of up to 8 * 32 scores
+// The share of blocks with an early cluster: three quarters, or half where the selection works
+// from the scoring blocks' kept candidates (block_candidates.cuh). Its list then comes about a
+// microsecond sooner, when with three quarters most blocks were still reading their early rows
+// (the Qwen3-0.6B head at p = 256: 14.22-14.32 us against 14.67-14.69; docs/benchmarks.md,
+// session 58). Half grows to as many blocks as make the slices fit, up to three quarters.
+struct BlockShare {
+  int num, den;
+};
+constexpr BlockShare kEarlyShare{3, 4}, kEarlyShareAfterKept{1, 2};
 // launch_decode's plan (items 0: no early clusters).
 struct EarlyClusters {
   const float* scores;       // [C]: the row's centroid scores

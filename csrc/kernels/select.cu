@@ -36,8 +36,11 @@ __device__ __forceinline__ void claim_clusters(const uint64_t* list, int probes,
   }
 }
 
-template <int kCached, bool kStable>
-__global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
+// kFromCandidates: batch 1 with the scoring blocks' kept candidates, from the row where they fall
+// short; an instance of its own. `kept` is a parameter of its own too: as a field of SelectArgs it
+// changed the code of every instance.
+template <int kCached, bool kStable, bool kFromCandidates>
+__global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a, BlockCandidates kept) {
   // [survivor_capacity pairs: compacted keys, then the sort's scratch][list_len pairs: the list,
   // when not spilled]
   extern __shared__ uint64_t smem[];
@@ -50,10 +53,17 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
   let_next_kernel_start();
   const int64_t row = blockIdx.x;
   RowKeys<kCached> keys;
-  keys.load(a.keys + row * a.num_clusters, a.num_clusters);
+  if constexpr (!kFromCandidates) keys.load(a.keys + row * a.num_clusters, a.num_clusters);
   uint64_t* survivors = smem;
   uint64_t* list = a.list_spill ? a.list_spill + row * a.list_len : smem + a.survivor_capacity;
-  select_top<kStable>(keys, a.probes, list, survivors, a.survivor_capacity, sh);
+  if constexpr (kFromCandidates) {
+    if (!select_top_from_candidates<kStable>(kept, a.probes, list, survivors, a.survivor_capacity, sh)) {
+      keys.load(a.keys + row * a.num_clusters, a.num_clusters);
+      select_top<kStable>(keys, a.probes, list, survivors, a.survivor_capacity, sh);
+    }
+  } else {
+    select_top<kStable>(keys, a.probes, list, survivors, a.survivor_capacity, sh);
+  }
   if (a.order == SelectOrder::kRanked) {
     for (int i = a.probes + threadIdx.x; i < a.list_len; i += blockDim.x) list[i] = kNoneRanked;
     __syncthreads();
@@ -76,12 +86,17 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
 // Launches the instance that caches the fewest keys a thread, from kCached up, that hold a row of
 // `rounds` rounds (kSelectCached for longer rows). A register slot past the row's end still costs
 // instructions in every pass: Qwen3-0.6B's 10 rounds took up to 3% longer on the 12-key instance.
-template <int kCached, bool kStable, typename Launch>
+template <int kCached, bool kStable, bool kFromCandidates, typename Launch>
 cudaError_t launch_fitted(int rounds, Launch&& launch) {
   if constexpr (kCached < kSelectCached) {
-    if (rounds > kCached) return launch_fitted<kCached + 1, kStable>(rounds, launch);
+    if (rounds > kCached) return launch_fitted<kCached + 1, kStable, kFromCandidates>(rounds, launch);
   }
-  return launch(select_kernel<kCached, kStable>);
+  return launch(select_kernel<kCached, kStable, kFromCandidates>);
+}
+template <bool kStable, typename Launch>
+cudaError_t launch_fitted(int rounds, bool from_candidates, Launch&& launch) {
+  return from_candidates ? launch_fitted<kMinSelectCached, kStable, true>(rounds, launch)
+                         : launch_fitted<kMinSelectCached, kStable, false>(rounds, launch);
 }
 
 int list_length(int probes, SelectOrder order) {
@@ -107,7 +122,14 @@ size_t select_workspace_bytes(const HeadShape& shape, SelectOrder order) {
 
 cudaError_t launch_select(const float* keys, const HeadShape& shape, SelectOrder order, const SelectOutputs& out,
                           void* workspace, cudaStream_t stream, const LaunchOptions& options) {
+  return detail::launch_select_keeping(keys, shape, order, out, workspace, stream, options, {});
+}
+
+cudaError_t detail::launch_select_keeping(const float* keys, const HeadShape& shape, SelectOrder order,
+                                          const SelectOutputs& out, void* workspace, cudaStream_t stream,
+                                          const LaunchOptions& options, const BlockCandidates& kept) {
   if (shape.batch == 0) return cudaSuccess;
+  if (kept.per_block > 0 && shape.batch != 1) return cudaErrorInvalidValue;  // kept for batch 1's row
   if (out.claims && shape.batch > kClaimedMaxRows) return cudaErrorInvalidValue;  // a row's bit in one mask
   detail::WorkspaceCarver carver(workspace);
   const int len = detail::list_length(shape.probes, order);
@@ -127,11 +149,12 @@ cudaError_t launch_select(const float* keys, const HeadShape& shape, SelectOrder
     const detail::SelectArgs args{keys, shape.num_clusters, shape.probes, order, len, spill, capacity, out,
                                   shape.num_extra};
     return detail::launch_kernel(kernel, dim3(shape.batch), dim3(detail::kSelectThreads), smem, stream,
-                                 options.dependent_launch, args);
+                                 options.dependent_launch, args, kept);
   };
   // A stable list is its own instance: its prefix sums would cost the other orders registers.
-  return order == SelectOrder::kStable ? detail::launch_fitted<detail::kMinSelectCached, true>(rounds, launch)
-                                       : detail::launch_fitted<detail::kMinSelectCached, false>(rounds, launch);
+  const bool from_candidates = kept.per_block > 0;
+  return order == SelectOrder::kStable ? detail::launch_fitted<true>(rounds, from_candidates, launch)
+                                       : detail::launch_fitted<false>(rounds, from_candidates, launch);
 }
 
 }  // namespace flashhead

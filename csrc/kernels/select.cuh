@@ -24,7 +24,7 @@
 // within a warp, one barrier per step across warps; warps without pairs skip the work.
 #pragma once
 
-#include "kernels/common.cuh"
+#include "kernels/block_candidates.cuh"
 
 namespace flashhead {
 namespace detail {
@@ -416,6 +416,65 @@ __device__ __forceinline__ void select_top(Keys& keys, int p, uint64_t* list, ui
   }
   if (th.need != th.tied) collect_ties<kStable>(keys, th, list, count, sh);
   __syncthreads();
+}
+
+static_assert(kBlockCandidateBlocksMax <= kSelectThreads, "a thread reads a block's cutoff");
+static_assert(kBlockCandidatesMax <= kBlockCandidatesPerThread * kSelectThreads, "candidates fit the threads");
+
+// select_top from the scoring blocks' kept candidates (block_candidates.cuh) instead of the row:
+// the keys above the largest cutoff are all candidates, and where p of them pass it they hold the
+// row's p best. Returns false, with nothing written and sh as on entry, where fewer pass or where
+// the p-th key ties keys the cutoff left out (ids order ties, so that takes the whole row).
+template <bool kStable>
+__device__ __forceinline__ bool select_top_from_candidates(const BlockCandidates& kept, int p, uint64_t* list,
+                                                           uint64_t* survivors, uint32_t capacity, SelectShared& sh) {
+  const int count = kept.blocks * kept.per_block;
+  uint64_t pair[kBlockCandidatesPerThread];
+#pragma unroll
+  for (int i = 0; i < kBlockCandidatesPerThread; ++i) {
+    const int at = i * kSelectThreads + static_cast<int>(threadIdx.x);
+    pair[i] = at < count ? kept.pairs[at] : kNoneRanked;
+  }
+  const uint32_t cutoff = static_cast<int>(threadIdx.x) < kept.blocks ? kept.cutoffs[threadIdx.x] : 0u;
+  uint32_t top = 0;
+#pragma unroll
+  for (int i = 0; i < kBlockCandidatesPerThread; ++i) top = max(top, static_cast<uint32_t>(pair[i] >> 32));
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const uint32_t warp_cutoff = __reduce_max_sync(kFullMask, cutoff), warp_top = __reduce_max_sync(kFullMask, top);
+  if (lane == 0) {
+    sh.warp_bound[warp] = warp_cutoff;
+    sh.warp_max[warp] = warp_top;
+  }
+  __syncthreads();
+  // + 1 does not wrap: no key exceeds order_key(+inf) < 2^32 - 1.
+  const uint32_t floor = __reduce_max_sync(kFullMask, sh.warp_bound[lane]) + 1;
+  const KeyRange range{floor, max(floor, __reduce_max_sync(kFullMask, sh.warp_max[lane]))};
+  uint32_t mine = 0;
+#pragma unroll
+  for (int i = 0; i < kBlockCandidatesPerThread; ++i) mine += static_cast<uint32_t>(pair[i] >> 32) >= floor;
+  uint32_t passed;
+  uint32_t at = block_exclusive_sum(mine, passed, sh);
+  if (passed < static_cast<uint32_t>(p) || passed > capacity) {
+    __syncthreads();  // every thread has read sh.warp_counts
+    return false;
+  }
+#pragma unroll
+  for (int i = 0; i < kBlockCandidatesPerThread; ++i)
+    if (static_cast<uint32_t>(pair[i] >> 32) >= floor) survivors[at++] = pair[i];
+  if (threadIdx.x == 0) sh.count = 0;  // warp_append's fill count
+  __syncthreads();
+  const SurvivorKeys compact{survivors, static_cast<int>(passed)};
+  const int shift = radix_shift(range.lo, range.hi);
+  compact.for_each_valid([&](int, uint32_t key) { count_key(key, range.lo, shift, sh); });
+  __syncthreads();
+  const Threshold th = radix_select(compact, p, range, sh);  // leaves sh.hist zero
+  if (th.need != th.tied) {
+    __syncthreads();  // every thread has read sh's threshold
+    return false;
+  }
+  collect_above<kStable>(compact, th, list, sh);
+  __syncthreads();
+  return true;
 }
 
 // Block-wide bitonic sort of list[0, n) (n a power of two), best first. Up to kSelectThreads
