@@ -235,17 +235,20 @@ def test_decode_greedy_early_clusters(shape, dtype, early):
 
 
 # Batch 1 selects from the scoring blocks' kept candidates where they pay (block_candidates.cuh; on
-# a 132-SM GPU the first three shapes: the Qwen3-0.6B head at p = 256, clusters of 8 over 16,384
-# at p = 33 with extra ids, two centroid rows an item at p = 100; p = 1024 there keeps none) and
-# from the whole row where they fall short. Rows: random integers; all scores equal (no candidate
-# passes the largest cutoff); p - 1 scores far above the rest and three tied next (the p-th key
-# ties keys the candidates leave unordered, so ids decide). The last two come through a one-hot
-# hidden row, so every score is its centroid's first value, exactly.
+# a 132-SM GPU the first four shapes: the Qwen3-0.6B head at p = 256, clusters of 8 over 16,384
+# at p = 33 with extra ids, two centroid rows an item at p = 100, and clusters of 8 at p = 512,
+# whose greedy decode keeps none, as half its candidate blocks' early slices would not fit; p =
+# 1024 there keeps none) and from the whole row where they fall short. Rows: random integers; all
+# scores equal (no candidate passes the largest cutoff); p - 1 scores far above the rest and three
+# tied next (the p-th key ties keys the candidates leave unordered, so ids decide). The last two
+# come through a one-hot hidden row, so every score is its centroid's first value, exactly.
+# (shape, dtype, kept by select_clusters, kept by decode_greedy)
 KEPT = [
-    (Shape(B=1, D=1024, C=9496, b=16, p=256), torch.bfloat16, True),
-    (Shape(B=1, D=1152, C=16384, b=8, p=33, pad=5, extras=True), torch.float32, True),
-    (Shape(B=1, D=576, C=4099, b=32, p=100, pad=3), torch.float16, True),
-    (Shape(B=1, D=1024, C=9496, b=16, p=1024), torch.bfloat16, False),
+    (Shape(B=1, D=1024, C=9496, b=16, p=256), torch.bfloat16, True, True),
+    (Shape(B=1, D=1152, C=16384, b=8, p=33, pad=5, extras=True), torch.float32, True, True),
+    (Shape(B=1, D=576, C=4099, b=32, p=100, pad=3), torch.float16, True, True),
+    (Shape(B=1, D=1152, C=16384, b=8, p=512), torch.bfloat16, True, False),
+    (Shape(B=1, D=1024, C=9496, b=16, p=1024), torch.bfloat16, False, False),
 ]
 
 
@@ -266,8 +269,8 @@ def first_score_rows(problem, values):
 
 
 @pytest.mark.parametrize("row", ["random", "equal", "tied_at_p"])
-@pytest.mark.parametrize("shape,dtype,kept", KEPT, ids=[f"{s}-{d}" for s, d, _ in KEPT])
-def test_batch1_selection_from_kept_candidates(shape, dtype, kept, row):
+@pytest.mark.parametrize("shape,dtype,kept_select,kept_greedy", KEPT, ids=[f"{s}-{d}" for s, d, _, _ in KEPT])
+def test_batch1_selection_from_kept_candidates(shape, dtype, kept_select, kept_greedy, row):
     problem = make_problem(shape, dtype, "cuda", integer=True, build_on_device=True)
     generator = torch.Generator().manual_seed(shape.C + shape.p)
     if row == "equal":
@@ -292,8 +295,8 @@ def test_batch1_selection_from_kept_candidates(shape, dtype, kept, row):
     check_decode_sample(drawn, logprobs, problem, T, seed, exact=False)
     props = torch.cuda.get_device_properties(0)
     if (props.major, props.minor) == (9, 0) and props.multi_processor_count == 132:
-        for call in (lambda: ops.select_clusters(problem.hidden, problem.centroids, problem.probes),
-                     lambda: ops.decode_greedy(*problem.args())):
+        for call, kept in ((lambda: ops.select_clusters(problem.hidden, problem.centroids, problem.probes), kept_select),
+                           (lambda: ops.decode_greedy(*problem.args()), kept_greedy)):
             names = kernels_run(call)
             if names:
                 assert kept_instances_ran(names) == kept, names

@@ -116,19 +116,22 @@ bool scores_early(const HeadShape& shape, bool sampling, const LaunchOptions& op
 
 // The early clusters' slices for the candidate kernel's grid, or none (items 0): they need one slot
 // group a warp in the register instance (a block's rows are then its early cluster's and its
-// chosen ones'; only that was measured), and slices that fit early_cluster. `kept`: the selection
-// works from kept candidates (kEarlyShareAfterKept).
-EarlyClusters plan_early_clusters(const HeadShape& shape, int blocks, bool staged, bool kept) {
+// chosen ones'; only that was measured), and slices that fit early_cluster. *kept: whether the
+// selection works from kept candidates; it is cleared where early clusters run and half the blocks'
+// slices would not fit (kEarlyShareAfterKept).
+EarlyClusters plan_early_clusters(const HeadShape& shape, int blocks, bool staged, bool* kept) {
   EarlyClusters plan{};
-  const int most = blocks * kEarlyShare.num / kEarlyShare.den;
-  const int64_t fitting = ceil_div<int64_t>(int64_t{kEarlyRanks} * shape.num_clusters, kEarlyLaneKeys * kWarpSize);
-  const int items = kept ? static_cast<int>(std::min<int64_t>(
-                               most, std::max<int64_t>(blocks * kEarlyShareAfterKept.num / kEarlyShareAfterKept.den, fitting)))
-                         : most;
   const bool one_group_a_warp = int64_t{blocks} * kCandSlotsPerBlock >= shape.num_candidates();
+  const auto slice_width = [&](int items) {
+    return ceil_div<int64_t>(int64_t{kEarlyRanks} * shape.num_clusters, std::max(items, 1));
+  };
+  const int half = blocks * kEarlyShareAfterKept.num / kEarlyShareAfterKept.den;
+  const bool half_fits = half >= kEarlyRanks && slice_width(half) <= kEarlyLaneKeys * kWarpSize;
+  const int items = *kept && half_fits ? half : blocks * kEarlyShare.num / kEarlyShare.den;
   if (staged || !one_group_a_warp || items < kEarlyRanks) return plan;
-  const int64_t width = ceil_div<int64_t>(int64_t{kEarlyRanks} * shape.num_clusters, items);
+  const int64_t width = slice_width(items);
   if (width > kEarlyLaneKeys * kWarpSize) return plan;
+  *kept = *kept && half_fits;
   plan.slice_width = static_cast<int>(width);
   plan.items = static_cast<int>(ceil_div<int64_t>(shape.num_clusters, width)) * kEarlyRanks;
   return plan;
@@ -210,17 +213,20 @@ cudaError_t plan_candidate_grid(const HeadTensors<T, TC>& t, const HeadShape& sh
   return staged_rows_smem(staged_instance, grid->vec, d, sizeof(T), n, rows, sms, &grid->smem);
 }
 
-// The early clusters of a greedy batch-1 decode (items 0: none), their scores and bests in `ws`.
+// The early clusters of a greedy batch-1 decode (items 0: none), their scores and bests in `ws`;
+// ws->kept dropped where plan_early_clusters says.
 template <typename T, typename TC>
-cudaError_t plan_early(const HeadTensors<T, TC>& t, const HeadShape& shape, const DecodeWorkspace& ws,
+cudaError_t plan_early(const HeadTensors<T, TC>& t, const HeadShape& shape, DecodeWorkspace* ws,
                        EarlyClusters* early) {
   CandidateGrid grid{};
   const cudaError_t err = plan_candidate_grid(t, shape, decode_candidates_kernel<T, false, false, true>, 1, &grid);
   if (err != cudaSuccess) return err;
-  *early = plan_early_clusters(shape, grid.blocks, grid.smem > 0, ws.kept.per_block > 0);
-  early->scores = ws.scores;
-  early->best = ws.early_best;
-  early->block_bests = ws.block_bests;
+  bool kept = ws->kept.per_block > 0;
+  *early = plan_early_clusters(shape, grid.blocks, grid.smem > 0, &kept);
+  if (!kept) ws->kept.per_block = 0;
+  early->scores = ws->scores;
+  early->best = ws->early_best;
+  early->block_bests = ws->block_bests;
   return cudaSuccess;
 }
 
@@ -326,7 +332,7 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
   const bool by_claimed_cluster = claimed.smem > 0;
   detail::EarlyClusters early{};
   if (detail::scores_early<T>(shape, sampling != nullptr, options)) {  // batch 1: never by claimed cluster
-    const cudaError_t err = detail::plan_early(tensors, shape, ws, &early);
+    const cudaError_t err = detail::plan_early(tensors, shape, &ws, &early);
     if (err != cudaSuccess) return err;
   }
   if (by_claimed_cluster) {

@@ -94,8 +94,10 @@ constexpr int kEarlyLaneKeys = 8;  // slices of up to 8 * 32 scores
 // The share of blocks with an early cluster: three quarters, or half where the selection works
 // from the scoring blocks' kept candidates (block_candidates.cuh). Its list then comes about a
 // microsecond sooner, when with three quarters most blocks were still reading their early rows
-// (the Qwen3-0.6B head at p = 256: 14.22-14.32 us against 14.67-14.69; docs/benchmarks.md,
-// session 58). Half grows to as many blocks as make the slices fit, up to three quarters.
+// (the Qwen3-0.6B head at p = 256: 14.22-14.32 us against 14.67-14.69). Where half the blocks'
+// slices would not fit, the selection takes the whole row and three quarters keep early clusters:
+// kept candidates with three quarters made Gemma-3-1B's head (16,384 clusters, p = 256) 0.55 us
+// slower, 0.8 with fp8 centroids (docs/benchmarks.md, session 58).
 struct BlockShare {
   int num, den;
 };
