@@ -64,15 +64,18 @@ def test_decode_greedy_large(shape, dtype):
     assert torch.equal(out, tokens)
 
 
-@case_params
-def test_sampling_large(shape, dtype):
-    problem = problem_for(shape, dtype)
-    seed = 2 + shape.C
+def check_sampling(problem, seed):
+    """sample_clusters and decode_sample at temperature T against the Philox reference."""
     ids, _ = ops.sample_clusters(problem.hidden, problem.centroids, problem.probes, T, seed=seed)
     trace = ref.sample_clusters(problem.hidden, problem.centroids, problem.probes, T, seed)
     check_ranked_selection(ids, trace.cluster_keys, problem.probes, problem.score_tol() / T + 1e-5, exact=False)
     tokens, logprobs = ops.decode_sample(*problem.args()[:5], T, problem.extra_ids, seed=seed)
     check_decode_sample(tokens, logprobs, problem, T, seed, exact=False)
+
+
+@case_params
+def test_sampling_large(shape, dtype):
+    check_sampling(problem_for(shape, dtype), seed=2 + shape.C)
 
 
 # Greedy batches of 16 to 64 rows that make 2 choices or more a cluster (B p >= 2 C; 7/4 with three
@@ -287,12 +290,7 @@ def test_batch1_selection_from_kept_candidates(shape, dtype, kept_select, kept_g
     assert_values_close(scores, ref_scores.gather(1, ids.long()), problem.score_tol(), "scores")
     tokens = ops.decode_greedy(*problem.args())
     check_decode_greedy(tokens, problem, exact=True)
-    seed = 5 + shape.C
-    sampled, _ = ops.sample_clusters(problem.hidden, problem.centroids, problem.probes, T, seed=seed)
-    trace = ref.sample_clusters(problem.hidden, problem.centroids, problem.probes, T, seed)
-    check_ranked_selection(sampled, trace.cluster_keys, problem.probes, problem.score_tol() / T + 1e-5, exact=False)
-    drawn, logprobs = ops.decode_sample(*problem.args()[:5], T, problem.extra_ids, seed=seed)
-    check_decode_sample(drawn, logprobs, problem, T, seed, exact=False)
+    check_sampling(problem, seed=5 + shape.C)
     props = torch.cuda.get_device_properties(0)
     if (props.major, props.minor) == (9, 0) and props.multi_processor_count == 132:
         for call, kept in ((lambda: ops.select_clusters(problem.hidden, problem.centroids, problem.probes), kept_select),
