@@ -8,19 +8,26 @@ namespace flashhead {
 
 namespace {
 
+// The scoring grid for `items` items in `tiles` batch tiles, as the kernel deals them: round-robin
+// over the blocks for one tile (a block per item, at most), else to a block's warps in turn (a
+// block per kScoreWarps items); no more blocks than stay resident.
+template <int RB>
+int score_blocks(int64_t items, int tiles, int sms) {
+  using namespace detail;
+  const int64_t wanted = tiles == 1 ? items : ceil_div<int64_t>(items, kScoreWarps);
+  return static_cast<int>(std::min<int64_t>(wanted, int64_t{sms} * kScoreBlocksPerSm<RB>));
+}
+
 template <typename T, typename TC, int RB, int ROWS>
 cudaError_t launch_scores(const detail::ScoreArgs<T, TC>& args, const detail::BlockCandidates& kept, bool vec, int sms,
                           cudaStream_t stream, bool dependent) {
   using namespace detail;
   const int tiles = ceil_div(args.batch, RB);
   const int64_t items = int64_t{ceil_div(args.num_clusters, ROWS)} * tiles;
-  // As the kernel deals items: round-robin over the blocks for one tile (a block per item, at
-  // most), else to a block's warps in turn (a block per kScoreWarps items).
-  const int64_t wanted = tiles == 1 ? items : ceil_div<int64_t>(items, kScoreWarps);
-  const int blocks = static_cast<int>(std::min<int64_t>(wanted, int64_t{sms} * kScoreBlocksPerSm<RB>));
+  const int blocks = score_blocks<RB>(items, tiles, sms);
   // The kernel's item index, an int, steps past the last item by at most a grid's warps.
   if (items > INT32_MAX - int64_t{blocks} * kScoreWarps) return cudaErrorInvalidValue;
-  // Kept candidates are planned for this grid (plan_block_candidates deals it alike).
+  // Kept candidates are planned for this grid (plan_block_candidates sizes it through score_blocks).
   if (kept.per_block > 0 && kept.blocks != blocks) return cudaErrorInvalidValue;
   // Every batch in these tiles that tensor cores take reaches them with 16-byte rows
   // (launch_mma_scores): only rows without are left, so no vector instance is built.
@@ -194,7 +201,7 @@ int candidates_a_block(int keys_a_block, int blocks, double share) {
 BlockCandidates plan_block_candidates(int num_clusters, int probes, int sms) {
   const int rows = tile_rows<1>(num_clusters, sms);
   const int items = ceil_div(num_clusters, rows);
-  const int blocks = std::min(items, sms * kScoreBlocksPerSm<1>);
+  const int blocks = score_blocks<1>(items, 1, sms);
   const int slots = ceil_div(items, blocks * kScoreWarps) * kScoreWarps * rows;
   const int keys_a_block = ceil_div(items, blocks) * rows;
   if (slots > kBlockCandidateSlots || blocks > kBlockCandidateBlocksMax) return {};

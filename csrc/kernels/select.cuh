@@ -308,6 +308,16 @@ __device__ __forceinline__ Threshold radix_select(const Keys& keys, uint32_t k, 
   return {lo, hi, need, tied};
 }
 
+// radix_select over compacted keys, all of them in `range`, their first histogram counted here;
+// every thread has passed a barrier since they were stored.
+__device__ __forceinline__ Threshold radix_select_compacted(const SurvivorKeys& compact, uint32_t k, KeyRange range,
+                                                            SelectShared& sh) {
+  const int shift = radix_shift(range.lo, range.hi);
+  compact.for_each_valid([&](int, uint32_t key) { count_key(key, range.lo, shift, sh); });
+  __syncthreads();
+  return radix_select(compact, k, range, sh);
+}
+
 // Appends `value` where `take` to list[count ...] in thread order (a block-wide prefix sum: the
 // same order on every run, at a barrier pair a round); returns the new count.
 __device__ __forceinline__ uint32_t block_append(bool take, uint64_t value, uint64_t* list, uint32_t count,
@@ -406,9 +416,7 @@ __device__ __forceinline__ void select_top(Keys& keys, int p, uint64_t* list, ui
     // cost a branch around each register key's atomic, since most warps have a survivor in most
     // rounds.
     const SurvivorKeys compact{survivors, static_cast<int>(num_survivors)};
-    compact.for_each_valid([&](int, uint32_t key) { count_key(key, range.lo, shift, sh); });
-    __syncthreads();
-    th = radix_select(compact, p, range, sh);
+    th = radix_select_compacted(compact, p, range, sh);
     count = collect_above<kStable>(compact, th, list, sh);
   } else {
     th = radix_select(keys, p, range, sh);
@@ -464,10 +472,7 @@ __device__ __forceinline__ bool select_top_from_candidates(const BlockCandidates
   if (threadIdx.x == 0) sh.count = 0;  // warp_append's fill count
   __syncthreads();
   const SurvivorKeys compact{survivors, static_cast<int>(passed)};
-  const int shift = radix_shift(range.lo, range.hi);
-  compact.for_each_valid([&](int, uint32_t key) { count_key(key, range.lo, shift, sh); });
-  __syncthreads();
-  const Threshold th = radix_select(compact, p, range, sh);  // leaves sh.hist zero
+  const Threshold th = radix_select_compacted(compact, p, range, sh);  // leaves sh.hist zero
   if (th.need != th.tied) {
     __syncthreads();  // every thread has read sh's threshold
     return false;
