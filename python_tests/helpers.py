@@ -434,9 +434,9 @@ def random_partition(vocab: int, cluster_size: int, seed: int = 0) -> Tensor:
     return torch.cat([order, order.new_full((clusters * cluster_size - vocab,), -1)]).view(clusters, cluster_size)
 
 
-def check_counters(gen, mode: str, k: int, max_new: int) -> None:
+def check_counters(gen, mode: str, k: int, max_new: int, gpu_phases: bool = False) -> None:
     """Invariants every speculative generation (eager driver or fast path) must satisfy, whatever the
-    draft proposed."""
+    draft proposed. ``gpu_phases``: the fast path ran on a GPU, which times its phases by CUDA events."""
     s = gen.stats
     assert s.new_tokens == len(gen.tokens) <= max_new
     # Each token is emitted once: the first by the prefill, every other one by exactly one round.
@@ -463,7 +463,12 @@ def check_counters(gen, mode: str, k: int, max_new: int) -> None:
         assert s.append_calls == s.rounds
     if s.phase_s and s.rounds:  # the fast path's phases tile the rounds
         assert set(s.phase_s) <= {"propose", "verify", "finalize"}
-        assert sum(s.phase_s.values()) == pytest.approx(s.decode_s, rel=0.2, abs=2e-3)
+        # From the first mark to the last, within the decode's wall time. On a GPU the marks are
+        # events, which may also wait for other processes' work on the same GPU (the test workers
+        # share one), so only the host clock's marks must fill that time.
+        assert sum(s.phase_s.values()) <= s.decode_s + 1e-6
+        if not gpu_phases:
+            assert sum(s.phase_s.values()) == pytest.approx(s.decode_s, rel=0.2, abs=2e-3)
 
 
 def check_no_backward(op: str, call, args: dict, grad_input: str, output: int = 0) -> None:
