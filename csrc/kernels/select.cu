@@ -38,9 +38,15 @@ __device__ __forceinline__ void claim_clusters(const uint64_t* list, int probes,
 
 // kFromCandidates: batch 1 with the scoring blocks' kept candidates, from the row where they fall
 // short; an instance of its own. `kept` is a parameter of its own too: as a field of SelectArgs it
-// changed the code of every instance.
-template <int kCached, bool kStable, bool kFromCandidates>
-__global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a, BlockCandidates kept) {
+// changed the code of every instance. kIdsOnly: an unranked list of which only the ids are read
+// (the greedy decodes', but by claimed cluster), each stored to out.cluster_ids as it is found: no
+// list in shared memory, no barrier and no copy after it (B = 1 at p = 32-1024 0.3-0.5 us sooner
+// where the decode waits for this kernel's end, docs/benchmarks.md, session 59). Its launch bounds
+// say one block an SM: unsaid, ptxas fitted some of its instances to 32 registers and spilled the
+// row's keys (batches 2-32 were then 2-3 us slower); said for every instance, it changes their code.
+template <int kCached, bool kStable, bool kFromCandidates, bool kIdsOnly>
+__global__ void __launch_bounds__(kSelectThreads, kIdsOnly ? 1 : 0) select_kernel(SelectArgs a, BlockCandidates kept) {
+  static_assert(!(kStable && kIdsOnly), "a stable list is read back");
   // [survivor_capacity pairs: compacted keys, then the sort's scratch][list_len pairs: the list,
   // when not spilled]
   extern __shared__ uint64_t smem[];
@@ -55,29 +61,33 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a, Bl
   RowKeys<kCached> keys;
   if constexpr (!kFromCandidates) keys.load(a.keys + row * a.num_clusters, a.num_clusters);
   uint64_t* survivors = smem;
-  uint64_t* list = a.list_spill ? a.list_spill + row * a.list_len : smem + a.survivor_capacity;
-  if constexpr (kFromCandidates) {
-    if (!select_top_from_candidates<kStable>(kept, a.probes, list, survivors, a.survivor_capacity, sh)) {
+  const auto select_into = [&](auto list) {
+    if constexpr (kFromCandidates) {
+      if (select_top_from_candidates<kStable>(kept, a.probes, list, survivors, a.survivor_capacity, sh)) return;
       keys.load(a.keys + row * a.num_clusters, a.num_clusters);
-      select_top<kStable>(keys, a.probes, list, survivors, a.survivor_capacity, sh);
     }
-  } else {
     select_top<kStable>(keys, a.probes, list, survivors, a.survivor_capacity, sh);
-  }
-  if (a.order == SelectOrder::kRanked) {
-    for (int i = a.probes + threadIdx.x; i < a.list_len; i += blockDim.x) list[i] = kNoneRanked;
-    __syncthreads();
-    sort_descending(list, a.list_len, survivors);
-  }
+  };
   const SelectOutputs& out = a.out;
-  if (out.cluster_ids || out.selected_scores) {
-    for (int k = threadIdx.x; k < a.probes; k += blockDim.x) {
-      const int32_t id = packed_id(list[k]);
-      if (out.cluster_ids) store_relaxed(out.cluster_ids + row * a.probes + k, id);  // each once, final
-      if (out.selected_scores) out.selected_scores[row * a.probes + k] = out.scores[row * a.num_clusters + id];
+  if constexpr (kIdsOnly) {
+    select_into(ChosenIds{out.cluster_ids + row * a.probes});
+  } else {
+    uint64_t* list = a.list_spill ? a.list_spill + row * a.list_len : smem + a.survivor_capacity;
+    select_into(list);
+    if (a.order == SelectOrder::kRanked) {
+      for (int i = a.probes + threadIdx.x; i < a.list_len; i += blockDim.x) list[i] = kNoneRanked;
+      __syncthreads();
+      sort_descending(list, a.list_len, survivors);
     }
+    if (out.cluster_ids || out.selected_scores) {
+      for (int k = threadIdx.x; k < a.probes; k += blockDim.x) {
+        const int32_t id = packed_id(list[k]);
+        if (out.cluster_ids) store_relaxed(out.cluster_ids + row * a.probes + k, id);  // each once, final
+        if (out.selected_scores) out.selected_scores[row * a.probes + k] = out.scores[row * a.num_clusters + id];
+      }
+    }
+    if (out.claims) claim_clusters(list, a.probes, static_cast<int>(row), out);
   }
-  if (out.claims) claim_clusters(list, a.probes, static_cast<int>(row), out);
   if (out.row_tickets && threadIdx.x == 0) out.row_tickets[row] = RowTicket{};
   if (out.extra_repeats)
     for (int j = threadIdx.x; j < a.num_extra; j += blockDim.x) out.extra_repeats[row * a.num_extra + j] = 0;
@@ -86,17 +96,17 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a, Bl
 // Launches the instance that caches the fewest keys a thread, from kCached up, that hold a row of
 // `rounds` rounds (kSelectCached for longer rows). A register slot past the row's end still costs
 // instructions in every pass: Qwen3-0.6B's 10 rounds took up to 3% longer on the 12-key instance.
-template <int kCached, bool kStable, bool kFromCandidates, typename Launch>
+template <int kCached, bool kStable, bool kFromCandidates, bool kIdsOnly, typename Launch>
 cudaError_t launch_fitted(int rounds, Launch&& launch) {
   if constexpr (kCached < kSelectCached) {
-    if (rounds > kCached) return launch_fitted<kCached + 1, kStable, kFromCandidates>(rounds, launch);
+    if (rounds > kCached) return launch_fitted<kCached + 1, kStable, kFromCandidates, kIdsOnly>(rounds, launch);
   }
-  return launch(select_kernel<kCached, kStable, kFromCandidates>);
+  return launch(select_kernel<kCached, kStable, kFromCandidates, kIdsOnly>);
 }
-template <bool kStable, typename Launch>
+template <bool kStable, bool kIdsOnly, typename Launch>
 cudaError_t launch_fitted(int rounds, bool from_candidates, Launch&& launch) {
-  return from_candidates ? launch_fitted<kMinSelectCached, kStable, true>(rounds, launch)
-                         : launch_fitted<kMinSelectCached, kStable, false>(rounds, launch);
+  return from_candidates ? launch_fitted<kMinSelectCached, kStable, true, kIdsOnly>(rounds, launch)
+                         : launch_fitted<kMinSelectCached, kStable, false, kIdsOnly>(rounds, launch);
 }
 
 int list_length(int probes, SelectOrder order) {
@@ -153,8 +163,10 @@ cudaError_t detail::launch_select_keeping(const float* keys, const HeadShape& sh
   };
   // A stable list is its own instance: its prefix sums would cost the other orders registers.
   const bool from_candidates = kept.per_block > 0;
-  return order == SelectOrder::kStable ? detail::launch_fitted<true>(rounds, from_candidates, launch)
-                                       : detail::launch_fitted<false>(rounds, from_candidates, launch);
+  if (order == SelectOrder::kStable) return detail::launch_fitted<true, false>(rounds, from_candidates, launch);
+  const bool ids_only = order == SelectOrder::kAny && out.cluster_ids && !out.selected_scores && !out.claims;
+  return ids_only ? detail::launch_fitted<false, true>(rounds, from_candidates, launch)
+                  : detail::launch_fitted<false, false>(rounds, from_candidates, launch);
 }
 
 }  // namespace flashhead

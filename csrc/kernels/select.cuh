@@ -16,7 +16,8 @@
 //     pass costs about as much whatever its bin count (four bins a thread), so the wide bins
 //     mostly leave no pass at all: at p = 256 the boundary bin usually holds the p-th key alone.
 //     A last pass collects the winners as packed (key, id) pairs: by shared atomics, or, where the
-//     list's order must be the same on every run, by a block-wide prefix sum. If the survivors
+//     list's order must be the same on every run, by a block-wide prefix sum; where only their ids
+//     are read, it stores those straight to the output (ChosenIds). If the survivors
 //     overflow shared memory, steps 3-4 read the register keys instead.
 //  4. Only an exact tie at the boundary needs id order (ties go to the smaller cluster id):
 //     a block-wide prefix count over the register keys, in id order, picks the smallest ids.
@@ -54,9 +55,20 @@ struct SelectShared {
   uint32_t count;
 };
 
+// Where an unranked selection goes: a list of packed (key, id) pairs, or (ChosenIds) the ids alone,
+// stored straight to the op's output where nothing else reads the list.
+struct ChosenIds {
+  int32_t* ids;
+};
+__device__ __forceinline__ void put(uint64_t* list, uint32_t at, uint64_t pair) { list[at] = pair; }
+__device__ __forceinline__ void put(const ChosenIds& out, uint32_t at, uint64_t pair) {
+  store_relaxed(out.ids + at, packed_id(pair));  // each once, final: polled by the early decode
+}
+
 // Appends `value` for each lane with `take` to list[*count ...], one shared atomic per warp (the
 // warps' order varies from run to run).
-__device__ __forceinline__ void warp_append(bool take, uint64_t value, uint64_t* list, uint32_t* count) {
+template <typename List>
+__device__ __forceinline__ void warp_append(bool take, uint64_t value, List list, uint32_t* count) {
   const unsigned ballot = __ballot_sync(kFullMask, take);
   if (ballot == 0) return;
   const int lane = threadIdx.x % kWarpSize, leader = __ffs(ballot) - 1;
@@ -64,7 +76,7 @@ __device__ __forceinline__ void warp_append(bool take, uint64_t value, uint64_t*
   if (lane == leader) base = atomicAdd(count, static_cast<uint32_t>(__popc(ballot)));
   base = __shfl_sync(kFullMask, base, leader);
   const uint32_t at = base + __popc(ballot & ((1u << lane) - 1));
-  if (take) list[at] = value;
+  if (take) put(list, at, value);
 }
 
 // The keys of one row as seen by one thread: ids threadIdx.x + i * kSelectThreads, the first
@@ -332,8 +344,8 @@ __device__ __forceinline__ uint32_t block_append(bool take, uint64_t value, uint
 // Appends the selected keys above the boundary (and the boundary keys too when all of them are
 // needed) to list[0 ...]: kStable in a stable order (block_append), returning how many; otherwise
 // in any order (warp_append, counting in sh.count, which must be 0), returning 0.
-template <bool kStable, typename Keys>
-__device__ __forceinline__ uint32_t collect_above(const Keys& keys, const Threshold& th, uint64_t* list,
+template <bool kStable, typename Keys, typename List>
+__device__ __forceinline__ uint32_t collect_above(const Keys& keys, const Threshold& th, List list,
                                                   SelectShared& sh) {
   // hi + 1 does not wrap: no key exceeds order_key(+inf) < 2^32 - 1.
   const uint32_t least = th.need == th.tied ? th.lo : th.hi + 1;
@@ -351,8 +363,8 @@ __device__ __forceinline__ uint32_t collect_above(const Keys& keys, const Thresh
 // More keys equal the boundary key than are needed: the smallest ids win, found by counting
 // tied keys in id order, a round of kSelectThreads ids at a time; they follow the collect_above
 // list (kStable: at list[count ...] in id order).
-template <bool kStable, typename Keys>
-__device__ __forceinline__ void collect_ties(const Keys& keys, const Threshold& th, uint64_t* list, uint32_t count,
+template <bool kStable, typename Keys, typename List>
+__device__ __forceinline__ void collect_ties(const Keys& keys, const Threshold& th, List list, uint32_t count,
                                              SelectShared& sh) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   uint32_t taken = 0;
@@ -384,8 +396,8 @@ __device__ __forceinline__ void clear_histogram(SelectShared& sh) {
 // Writes the p best (key, id) pairs of the row, packed, to list[0, p), unranked: in an order set
 // by the keys alone (kStable), else in any order. `survivors` is shared scratch for up to
 // `capacity` pairs; sh.hist is zero on entry (clear_histogram).
-template <bool kStable, typename Keys>
-__device__ __forceinline__ void select_top(Keys& keys, int p, uint64_t* list, uint64_t* survivors,
+template <bool kStable, typename Keys, typename List>
+__device__ __forceinline__ void select_top(Keys& keys, int p, List list, uint64_t* survivors,
                                            uint32_t capacity, SelectShared& sh) {
   const KeyRange range = selection_range(keys, p, sh);
   keys.floor = max(range.lo, 1u);
@@ -423,7 +435,7 @@ __device__ __forceinline__ void select_top(Keys& keys, int p, uint64_t* list, ui
     count = collect_above<kStable>(keys, th, list, sh);
   }
   if (th.need != th.tied) collect_ties<kStable>(keys, th, list, count, sh);
-  __syncthreads();
+  if constexpr (!std::is_same_v<List, ChosenIds>) __syncthreads();  // the list's readers
 }
 
 static_assert(kBlockCandidateBlocksMax <= kSelectThreads, "a thread reads a block's cutoff");
@@ -433,8 +445,8 @@ static_assert(kBlockCandidatesMax <= kBlockCandidatesPerThread * kSelectThreads,
 // the keys above the largest cutoff are all candidates, and where p of them pass it they hold the
 // row's p best. Returns false, with nothing written and sh as on entry, where fewer pass or where
 // the p-th key ties keys the cutoff left out (ids order ties, so that takes the whole row).
-template <bool kStable>
-__device__ __forceinline__ bool select_top_from_candidates(const BlockCandidates& kept, int p, uint64_t* list,
+template <bool kStable, typename List>
+__device__ __forceinline__ bool select_top_from_candidates(const BlockCandidates& kept, int p, List list,
                                                            uint64_t* survivors, uint32_t capacity, SelectShared& sh) {
   const int count = kept.blocks * kept.per_block;
   uint64_t pair[kBlockCandidatesPerThread];
@@ -478,7 +490,7 @@ __device__ __forceinline__ bool select_top_from_candidates(const BlockCandidates
     return false;
   }
   collect_above<kStable>(compact, th, list, sh);
-  __syncthreads();
+  if constexpr (!std::is_same_v<List, ChosenIds>) __syncthreads();  // the list's readers
   return true;
 }
 
