@@ -65,6 +65,13 @@ __device__ __forceinline__ void put(const ChosenIds& out, uint32_t at, uint64_t 
   store_relaxed(out.ids + at, packed_id(pair));  // each once, final: polled by the early decode
 }
 
+// The barrier after a list's last append, before any thread reads it: none for ChosenIds, which
+// no thread of the block reads.
+template <typename List>
+__device__ __forceinline__ void barrier_for_list_readers() {
+  if constexpr (!std::is_same_v<List, ChosenIds>) __syncthreads();
+}
+
 // Appends `value` for each lane with `take` to list[*count ...], one shared atomic per warp (the
 // warps' order varies from run to run).
 template <typename List>
@@ -435,7 +442,7 @@ __device__ __forceinline__ void select_top(Keys& keys, int p, List list, uint64_
     count = collect_above<kStable>(keys, th, list, sh);
   }
   if (th.need != th.tied) collect_ties<kStable>(keys, th, list, count, sh);
-  if constexpr (!std::is_same_v<List, ChosenIds>) __syncthreads();  // the list's readers
+  barrier_for_list_readers<List>();
 }
 
 static_assert(kBlockCandidateBlocksMax <= kSelectThreads, "a thread reads a block's cutoff");
@@ -490,7 +497,7 @@ __device__ __forceinline__ bool select_top_from_candidates(const BlockCandidates
     return false;
   }
   collect_above<kStable>(compact, th, list, sh);
-  if constexpr (!std::is_same_v<List, ChosenIds>) __syncthreads();  // the list's readers
+  barrier_for_list_readers<List>();
   return true;
 }
 
