@@ -452,6 +452,10 @@ static_assert(kBlockCandidatesMax <= kBlockCandidatesPerThread * kSelectThreads,
 // the keys above the largest cutoff are all candidates, and where p of them pass it they hold the
 // row's p best. Returns false, with nothing written and sh as on entry, where fewer pass or where
 // the p-th key ties keys the cutoff left out (ids order ties, so that takes the whole row).
+// The few candidates a thread are compacted before they are ranked: counted straight from registers,
+// the list came sooner yet the early-cluster decode (p = 256) took 0.25 us longer, its entries now
+// ahead of the early clusters' bests; and a team of fewer threads was slower, as each step's chain
+// of latencies, not the warps' issue, sets its time (docs/benchmarks.md, session 60).
 template <bool kStable, typename List>
 __device__ __forceinline__ bool select_top_from_candidates(const BlockCandidates& kept, int p, List list,
                                                            uint64_t* survivors, uint32_t capacity, SelectShared& sh) {
