@@ -92,10 +92,12 @@ struct SlotToken {
   uint64_t known;
 };
 
-// The slot tokens of for_each_slot_group come from a policy: slot(row, slot) for slot < N, and
-// warm_l2(), which a block may run before its inputs are ready.
+// The slot tokens of for_each_slot_group come from a policy: slot(row, slot) for slot < N,
+// warm_l2(), which a block may run before its inputs are ready, and kKnownBests, whether a slot
+// may come with a known best.
 // ListedTokens: a written list of candidates [B, N].
 struct ListedTokens {
+  static constexpr bool kKnownBests = false;
   const int32_t* candidates;
   int num_candidates;
   __device__ __forceinline__ SlotToken slot(int64_t row, int slot) const {
@@ -108,6 +110,7 @@ struct ListedTokens {
 // selection's chosen ids are always in range), then the extra ids as given: the fused decode
 // deals with repeated extras itself (decode.cuh).
 struct ClusterTokens {
+  static constexpr bool kKnownBests = false;
   const int32_t* cluster_ids;     // [B, p]
   const int32_t* cluster_tokens;  // [C, b]
   const int32_t* extra_ids;       // [E]
@@ -161,7 +164,9 @@ struct WarpSlots {
 };
 
 // The tokens of the kCandRowsPerWarp slots from `first` of `row` (-1 past the row's end), and
-// where asked their known bests.
+// where asked their known bests, as lane 0 read them: another block may store a best while the
+// warp reads it, and the lanes must agree on which slots they sum (group_logits' shuffles take the
+// whole warp). The whole warp calls it.
 template <typename T, typename Tokens>
 __device__ __forceinline__ void fetch_slot_tokens(const CandidateRows<T>& a, const Tokens& tokens, int64_t row,
                                                   int first, int32_t (&token)[kCandRowsPerWarp],
@@ -170,7 +175,9 @@ __device__ __forceinline__ void fetch_slot_tokens(const CandidateRows<T>& a, con
   for (int r = 0; r < kCandRowsPerWarp; ++r) {
     const SlotToken id = first + r < a.num_candidates ? tokens.slot(row, first + r) : SlotToken{-1, 0};
     token[r] = id.token;
-    if (known) (*known)[r] = id.known;
+    if (known)
+      (*known)[r] = Tokens::kKnownBests ? __shfl_sync(kFullMask, static_cast<unsigned long long>(id.known), 0)
+                                        : id.known;
   }
 }
 
@@ -374,7 +381,7 @@ __device__ __forceinline__ void for_each_slot_group(const CandidateRows<T>& a, c
     int32_t next[kCandRowsPerWarp];
     uint64_t next_known[kCandRowsPerWarp];
     fetch_slot_tokens(a, tokens, row, first + stride, next, &next_known);
-    WarpSlots s = slots_of(a, token, known);  // alike in every lane: each read the same ids and bests
+    WarpSlots s = slots_of(a, token, known);  // alike in every lane: the same ids, and lane 0's bests
     float acc[kCandRowsPerWarp][1];
     group_logits(a, hidden_row, token, s.valid, acc);
 #pragma unroll

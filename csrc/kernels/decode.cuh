@@ -113,6 +113,7 @@ struct EarlyClusters {
 };
 constexpr uint64_t kNoBlockBest = 1;  // below every packed best (their keys are > 0)
 struct EarlyClusterTokens : ClusterTokens {
+  static constexpr bool kKnownBests = true;
   EarlyClusters early;
   // Another block may store a best while this one reads it from L2: 0 or the whole best.
   __device__ __forceinline__ SlotToken slot(int64_t row, int slot) const {
