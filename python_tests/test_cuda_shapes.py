@@ -246,11 +246,20 @@ def test_decode_greedy_early_clusters(shape, dtype, early):
     # (a list entry not preset would read as cluster 0); the GPU sleeps first so that the calls queue.
     for fill in (0xFF, 0x00):
         for states in (other, problem.hidden):
-            torch.cuda.empty_cache()
-            junk = [torch.full((1 << 20,), fill, dtype=torch.uint8, device="cuda") for _ in range(2)]
-            del junk  # one whole 2 MiB segment of the small-block pool, free and filled
+            leave_stale_bytes(fill)
             torch.cuda._sleep(1_000_000)
             check_decode_greedy(ops.decode_greedy(states, *problem.args()[1:]), problem.with_(hidden=states), exact=True)
+
+
+def leave_stale_bytes(fill=None):
+    """Leaves one whole 2 MiB segment of the caching allocator's small-block pool free and filled with
+    byte ``fill`` (random bytes where None), so that an op's next small buffers (its workspace) start
+    out holding them."""
+    torch.cuda.empty_cache()
+    shape = (1 << 20,)
+    junk = [torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda") if fill is None
+            else torch.full(shape, fill, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    del junk
 
 
 # Batch 1 selects from the scoring blocks' kept candidates where they pay (block_candidates.cuh; on
@@ -316,6 +325,68 @@ def test_batch1_selection_from_kept_candidates(shape, dtype, kept_select, kept_g
             if names:
                 assert kept_instances_ran(names) == kept, names
     check_sync_free_and_replayed(lambda: ops.decode_greedy(*problem.args()), tokens)
+
+
+# Batch 1 on the kept-candidate and early-cluster paths with what a head may meet there, on a workspace
+# of random stale bytes: scores NaN, +-inf and -0 among repeated values ("special": each score is its
+# centroid's first value, exact in the dtype), table entries outside the vocabulary (negative, V and
+# past it) in a tenth of the slots, NaN rows in a twentieth of the embedding, extra ids out of range,
+# and p up to C. On a 132-SM GPU the decode takes: kept candidates and early clusters (the Qwen3-0.6B
+# head; 4 centroid rows a warp at 9,505 clusters), kept candidates only (4 rows a warp, rows without
+# 16-byte vectors), early clusters only (clusters of one at p = C - 1 and p = C), neither (p = C - 1).
+# (shape, dtype, kept by decode_greedy, early clusters)
+EDGES = [
+    (Shape(B=1, D=1024, C=9496, b=16, p=256, pad=11, extras=True), torch.bfloat16, True, True),
+    (Shape(B=1, D=576, C=9505, b=16, p=226, pad=5, extras=True), torch.float16, True, True),
+    (Shape(B=1, D=77, C=10007, b=16, p=333), torch.float32, True, False),
+    (Shape(B=1, D=128, C=2000, b=1, p=1999), torch.bfloat16, False, True),
+    (Shape(B=1, D=1024, C=700, b=1, p=700, extras=True), torch.bfloat16, False, True),
+    (Shape(B=1, D=576, C=3001, b=8, p=3000, pad=3, extras=True), torch.float16, False, False),
+]
+
+
+def with_edge_values(problem, shape, dtype, special_scores, g):
+    """``problem`` with the masked table slots, NaN embedding rows and out-of-range extra ids above,
+    and with ``special_scores`` the scores too."""
+    draw = lambda n, values: torch.tensor(values, device="cuda")[torch.randint(0, len(values), (n,), generator=g,
+                                                                               device="cuda")]
+    if special_scores:
+        scores = torch.randn(shape.C, generator=g, device="cuda").to(dtype).float()
+        scores[:shape.C // 8] = scores[shape.C // 8:shape.C // 8 * 2]
+        specials = torch.randint(0, shape.C, (shape.C // 8,), generator=g, device="cuda")
+        scores[specials] = draw(specials.numel(), [float("nan"), float("inf"), -float("inf"), -0.0])
+        problem = first_score_rows(problem, scores)
+    table = problem.cluster_tokens.clone()
+    masked = torch.rand(table.shape, generator=g, device="cuda") < 0.1
+    table[masked] = draw(int(masked.sum()), [-5, shape.V, shape.V + 7, 1 << 30]).to(table.dtype)
+    embedding = problem.embedding.clone()
+    embedding[torch.randint(0, shape.V, (shape.V // 20 + 1,), generator=g, device="cuda")] = float("nan")
+    extra = problem.extra_ids
+    if extra is not None:
+        extra = torch.cat([extra, torch.tensor([-2, shape.V + 1], dtype=extra.dtype, device="cuda")])
+    return problem.with_(cluster_tokens=table, embedding=embedding, extra_ids=extra)
+
+
+@pytest.mark.parametrize("scores", ["integers", "special"])
+@pytest.mark.parametrize("shape,dtype,kept,early", EDGES, ids=[f"{s}-{d}" for s, d, _, _ in EDGES])
+def test_batch1_kept_and_early_paths_at_edge_values(shape, dtype, kept, early, scores):
+    problem = make_problem(shape, dtype, "cuda", integer=True, build_on_device=True)
+    g = torch.Generator("cuda").manual_seed(shape.C + shape.p)
+    problem = with_edge_values(problem, shape, dtype, scores == "special", g)
+    for _ in range(3):
+        leave_stale_bytes()
+        check_decode_greedy(ops.decode_greedy(*problem.args()), problem, exact=True)
+        leave_stale_bytes()
+        ids, values = ops.select_clusters(problem.hidden, problem.centroids, problem.probes)
+        ref_scores = ref.scores(problem.hidden, problem.centroids)
+        check_ranked_selection(ids, ref_scores, problem.probes, problem.score_tol(), exact=True)
+        assert_values_close(values, ref_scores.gather(1, ids.long()), 0.0, "scores")
+    props = torch.cuda.get_device_properties(0)
+    if (props.major, props.minor) == (9, 0) and props.multi_processor_count == 132:
+        names = kernels_run(lambda: ops.decode_greedy(*problem.args()))
+        if names:
+            assert kept_instances_ran(names) == kept, names
+            assert early_instance_ran(names) == early, names
 
 
 @pytest.mark.parametrize("shape,dtype", [c[:2] for c in CLAIMED[:2]], ids=[f"{s}-{d}" for s, d, _ in CLAIMED[:2]])

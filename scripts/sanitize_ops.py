@@ -70,14 +70,16 @@ def head_ops() -> int:
         # variants, with clusters whose b is no multiple of 4 (the gather's slot-by-slot path). Batches
         # 17 and 64 (its largest): the greedy decode by claimed cluster, with clusters that more rows
         # chose than one of its groups holds. Batch 1 at 150 probes: the greedy decode's clusters
-        # scored while the selection runs (76 candidate blocks). Batch 1 of 13001 and 9001 clusters:
-        # the selection from the scoring blocks' kept candidates (5 and 3 centroid rows a warp).
+        # scored while the selection runs (76 candidate blocks). Batch 1 of 13001, 9001, 4099 and
+        # 9505 clusters: the selection from the scoring blocks' kept candidates (3, 3, 2 and 4
+        # centroid rows a warp).
         for batch, dim, clusters, size, probes in ((3, 77, 37, 4, 5), (2, 576, 257, 16, 257), (0, 64, 37, 8, 3),
                                                    (5, 1024, 989, 16, 61), (9, 64, 17, 8, 3), (65, 1008, 37, 4, 5),
                                                    (4, 64, 9001, 3, 40), (4, 77, 9001, 3, 40),
                                                    (2, 64, 9001, 3, 40), (1, 32, 13001, 1, 7),
                                                    (17, 64, 37, 8, 29), (64, 64, 37, 4, 9), (1, 64, 1501, 8, 150),
-                                                   (1, 64, 9001, 3, 200)):
+                                                   (1, 64, 9001, 3, 200), (1, 64, 4099, 2, 100),
+                                                   (1, 64, 9505, 2, 226)):
             cpu, gpu = case(dtype, batch, dim, clusters, size, probes, seed=batch * 1000 + dim, fp8=fp8)
             got, want = run(gpu, probes), run(cpu, probes)
             torch.cuda.synchronize()
