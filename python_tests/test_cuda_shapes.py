@@ -281,7 +281,8 @@ KEPT = [
 
 
 def kept_instances_ran(names) -> bool:
-    keeps = any(re.search(r"centroid_scores_kernel<[^>]*,\s*(?:true|\(bool\)1),\s*(?:true|\(bool\)1)>", n) for n in names)
+    # centroid_scores_kernel<T, TC, RB, ROWS, kVec, kKeep>
+    keeps = any(re.search(r"centroid_scores_kernel<[^>]*,\s*(?:true|\(bool\)1)>", n) for n in names)
     # select_kernel<kCached, kStable, kFromCandidates, kIdsOnly>
     selects = any(re.search(r"select_kernel<[^,>]*,[^,>]*,\s*(?:true|\(bool\)1)\s*,", n) for n in names)
     assert keeps == selects, names

@@ -164,9 +164,7 @@ struct WarpSlots {
 };
 
 // The tokens of the kCandRowsPerWarp slots from `first` of `row` (-1 past the row's end), and
-// where asked their known bests, as lane 0 read them: another block may store a best while the
-// warp reads it, and the lanes must agree on which slots they sum (group_logits' shuffles take the
-// whole warp). The whole warp calls it.
+// where asked their known bests.
 template <typename T, typename Tokens>
 __device__ __forceinline__ void fetch_slot_tokens(const CandidateRows<T>& a, const Tokens& tokens, int64_t row,
                                                   int first, int32_t (&token)[kCandRowsPerWarp],
@@ -175,9 +173,7 @@ __device__ __forceinline__ void fetch_slot_tokens(const CandidateRows<T>& a, con
   for (int r = 0; r < kCandRowsPerWarp; ++r) {
     const SlotToken id = first + r < a.num_candidates ? tokens.slot(row, first + r) : SlotToken{-1, 0};
     token[r] = id.token;
-    if (known)
-      (*known)[r] = Tokens::kKnownBests ? __shfl_sync(kFullMask, static_cast<unsigned long long>(id.known), 0)
-                                        : id.known;
+    if (known) (*known)[r] = id.known;
   }
 }
 
@@ -381,6 +377,13 @@ __device__ __forceinline__ void for_each_slot_group(const CandidateRows<T>& a, c
     int32_t next[kCandRowsPerWarp];
     uint64_t next_known[kCandRowsPerWarp];
     fetch_slot_tokens(a, tokens, row, first + stride, next, &next_known);
+    // Lane 0's bests for the whole warp, taken here, not as they are fetched (the fetch is the next
+    // group's, in flight while this one is summed): another block may store a best while the warp
+    // reads it, and the lanes must agree on which rows they sum (group_logits' shuffles).
+    if constexpr (Tokens::kKnownBests)
+#pragma unroll
+      for (int r = 0; r < kCandRowsPerWarp; ++r)
+        known[r] = __shfl_sync(kFullMask, static_cast<unsigned long long>(known[r]), 0);
     WarpSlots s = slots_of(a, token, known);  // alike in every lane: the same ids, and lane 0's bests
     float acc[kCandRowsPerWarp][1];
     group_logits(a, hidden_row, token, s.valid, acc);
