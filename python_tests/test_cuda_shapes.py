@@ -251,13 +251,13 @@ def test_decode_greedy_early_clusters(shape, dtype, early):
             check_decode_greedy(ops.decode_greedy(states, *problem.args()[1:]), problem.with_(hidden=states), exact=True)
 
 
-def leave_stale_bytes(fill=None):
+def leave_stale_bytes(fill=None, generator=None):
     """Leaves one whole 2 MiB segment of the caching allocator's small-block pool free and filled with
-    byte ``fill`` (random bytes where None), so that an op's next small buffers (its workspace) start
-    out holding them."""
+    byte ``fill``, or where None with random bytes drawn from ``generator``, so that an op's next small
+    buffers (its workspace) start out holding them."""
     torch.cuda.empty_cache()
     shape = (1 << 20,)
-    junk = [torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda") if fill is None
+    junk = [torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=generator) if fill is None
             else torch.full(shape, fill, dtype=torch.uint8, device="cuda") for _ in range(2)]
     del junk
 
@@ -375,9 +375,9 @@ def test_batch1_kept_and_early_paths_at_edge_values(shape, dtype, kept, early, s
     g = torch.Generator("cuda").manual_seed(shape.C + shape.p)
     problem = with_edge_values(problem, shape, dtype, scores == "special", g)
     for _ in range(3):
-        leave_stale_bytes()
+        leave_stale_bytes(generator=g)
         check_decode_greedy(ops.decode_greedy(*problem.args()), problem, exact=True)
-        leave_stale_bytes()
+        leave_stale_bytes(generator=g)
         ids, values = ops.select_clusters(problem.hidden, problem.centroids, problem.probes)
         ref_scores = ref.scores(problem.hidden, problem.centroids)
         check_ranked_selection(ids, ref_scores, problem.probes, problem.score_tol(), exact=True)
