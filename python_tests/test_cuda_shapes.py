@@ -374,12 +374,12 @@ def test_batch1_kept_and_early_paths_at_edge_values(shape, dtype, kept, early, s
     problem = make_problem(shape, dtype, "cuda", integer=True, build_on_device=True)
     g = torch.Generator("cuda").manual_seed(shape.C + shape.p)
     problem = with_edge_values(problem, shape, dtype, scores == "special", g)
+    ref_scores = ref.scores(problem.hidden, problem.centroids)
     for _ in range(3):
         leave_stale_bytes(generator=g)
         check_decode_greedy(ops.decode_greedy(*problem.args()), problem, exact=True)
         leave_stale_bytes(generator=g)
         ids, values = ops.select_clusters(problem.hidden, problem.centroids, problem.probes)
-        ref_scores = ref.scores(problem.hidden, problem.centroids)
         check_ranked_selection(ids, ref_scores, problem.probes, problem.score_tol(), exact=True)
         assert_values_close(values, ref_scores.gather(1, ids.long()), 0.0, "scores")
     props = torch.cuda.get_device_properties(0)
