@@ -582,6 +582,42 @@ def _decoder_step_fake(x, qkv_weight, o_weight, gate_up_weight, down_weight, att
     return x.new_empty(x.shape)  # [1, D]; the caches are written in place
 
 
+# Backward. The ops are for inference: a backward through any float result raises "derivative for
+# flashhead::<op> is not implemented". The C++ autograd kernel that raises it (torch_bindings.cpp)
+# raises while torch.compile traces the joint forward and backward, so a compiled forward on
+# inputs that require grad failed where an eager one ran. The head ops with float results therefore
+# take this Python autograd kernel instead: its backward calls _no_derivative, which raises when it
+# runs (a backward in eager mode, or the compiled backward) and has a fake kernel for tracing.
+@torch.library.custom_op("flashhead_ext::no_derivative", mutates_args=())
+def _no_derivative(op: str, grad: Tensor, like: Tensor) -> Tensor:
+    """Raises "derivative for flashhead::<op> is not implemented" when it runs. ``grad``, the
+    incoming gradient, keeps it in the backward: without it the compiler may move it to the forward."""
+    raise RuntimeError(f"derivative for flashhead::{op} is not implemented")
+
+
+@_no_derivative.register_fake
+def _no_derivative_fake(op, grad, like):
+    return torch.empty_like(like)
+
+
+def _register_no_derivative(op: str) -> None:
+    def setup_context(ctx, inputs, output):
+        ctx.inputs = [(x.shape, x.dtype, x.device) if isinstance(x, Tensor) else None for x in inputs]
+
+    def backward(ctx, *grads):
+        grad = next(g for g in grads if g is not None)
+        return tuple(_no_derivative(op, grad, torch.empty(x[0], dtype=x[1], device=x[2])) if x is not None and needed
+                     else None for x, needed in zip(ctx.inputs, ctx.needs_input_grad))
+
+    torch.library.register_autograd(f"flashhead::{op}", backward, setup_context=setup_context)
+
+
+# The ops torch_bindings.cpp leaves to this kernel (kPythonAutogradOps) are those without one there.
+for _name in torch._C._dispatch_get_all_op_names():
+    if _name.startswith("flashhead::") and not torch._C._dispatch_has_kernel_for_dispatch_key(_name, "Autograd"):
+        _register_no_derivative(_name.removeprefix("flashhead::"))
+
+
 __all__ = [
     "select_clusters", "sample_clusters", "gather_candidates", "candidate_logits",
     "decode_greedy", "decode_sample", "make_seed", "quantize_centroids", "validate_cluster_table", "TEMPERATURE_RANGE", "ATTENTION_SCALE_MAX",

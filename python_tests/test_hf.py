@@ -462,6 +462,24 @@ def test_attached_model_compiles_without_graph_breaks():
     _same_logits(compiled, expected)
 
 
+def test_attached_model_compiles_on_weights_that_require_grad():
+    # Outside no_grad the weights require grad, so torch.compile traces the backward too (inductor:
+    # its partitioner may move backward work into the forward). The forward runs as in eager mode
+    # and a backward raises, as eager's does.
+    model = _tiny_llama(tied=False)
+    attach(model, _tiny_assets(model))
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    expected = model(ids).logits
+    try:
+        compiled = torch.compile(model, fullgraph=True)(ids).logits
+    except torch._dynamo.exc.Unsupported as error:
+        pytest.skip(f"this torch and transformers cannot compile the model itself in one graph: {error}")
+    assert compiled.requires_grad
+    _same_logits(compiled.detach(), expected.detach())
+    with pytest.raises(RuntimeError, match="derivative for flashhead::candidate_logits is not implemented"):
+        compiled.logsumexp(-1).sum().backward()
+
+
 def test_compiled_attached_model_follows_a_new_or_cast_weight():
     model = _tiny_llama(tied=False)
     attach(model, _tiny_assets(model))

@@ -51,14 +51,17 @@ def test_every_op_has_the_autograd_kernel_that_refuses_a_backward():
 
 
 # The ops with float results (the selections' scores, the candidates' logits, sampling's log-probs).
+# Compiled: their autograd kernel (flashhead_ext/ops.py) lets torch.compile trace a forward on
+# inputs that require grad, and the compiled backward raises as the eager one does.
 @device_params
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("op,output", [("select_clusters", 1), ("sample_clusters", 1), ("candidate_logits", 0),
                                        ("decode_sample", 1)])
-def test_backward_through_an_op_raises(op, output, device):
+def test_backward_through_an_op_raises(op, output, compiled, device):
     problem = make_problem(INPUTS[1][0], torch.float32, device)
     overload = getattr(OPS, op).default
     args = dict(zip((a.name for a in overload._schema.arguments), op_arguments(op, problem)))
-    check_no_backward(op, overload, args, grad_input="hidden", output=output)
+    check_no_backward(op, overload, args, grad_input="hidden", output=output, compiled=compiled)
 
 
 @device_params
