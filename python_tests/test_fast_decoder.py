@@ -307,6 +307,8 @@ def test_decoder_bad_arguments_name_the_argument():
                 decoder.forward(bad)
         with pytest.raises(ValueError, match="ids must be on the model's device cpu, got meta"):
             decoder.forward(torch.tensor([1], device="meta"))
+        with pytest.raises(ValueError, match="ids holds 9 tokens, more than the cache's max_len 8"):
+            decoder.forward(torch.arange(9))
     assert int(decoder.length) == 0
     with pytest.raises(TypeError, match="model must be a transformers causal LM"):
         Decoder.from_hf(torch.nn.Linear(2, 2), max_len=8)

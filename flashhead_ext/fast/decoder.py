@@ -516,7 +516,8 @@ class Decoder:
         positions are not checked: callers keep ``start + n <= max_len`` (``reset`` checks its
         host int; ``FastSpeculativeDecoder.generate`` checks the room up front). Past ``max_len``
         the eager and compiled bodies fail to index their rotary tables (an IndexError on the CPU,
-        a device-side assert on CUDA, after which the CUDA context is unusable). The fused and
+        a device-side assert on CUDA, after which the CUDA context is unusable); more than
+        ``max_len`` ids, which no start fits, raise a ValueError. The fused and
         persistent bodies write nothing for a position outside ``[0, max_len)`` and give NaN
         hidden states there, which ``argmax`` reads as token 0; the persistent body's one-token
         step then costs only a launch, which lets a captured graph skip a step on the device.
@@ -531,6 +532,8 @@ class Decoder:
             raise ValueError(f"ids must be on the model's device {self.device}, got {ids.device}")
         c = self.config
         n = ids.shape[0]
+        if n > self.max_len:
+            raise ValueError(f"ids holds {n} tokens, more than the cache's max_len {self.max_len}")
         short = n <= STEP_MAX_TOKENS
         start = self.length if start is None else start
         x = self.embed.index_select(0, ids)
