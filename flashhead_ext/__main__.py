@@ -22,8 +22,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, cli_prompts, cluster_count, device_arg, kmeans_seed,
-                   output_file, positive_int, positive_int_list, write_output)
+from ._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count, device_arg,
+                   kmeans_seed, output_file, positive_int, positive_int_list, write_output)
 from .prompts import DEFAULT_PROMPTS
 
 def next_tokens(head, hidden: Tensor, rows_per_call: int = 16) -> Tensor:
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .speculative import cli as spec_cli
 
     spec = commands.add_parser("spec", help="speculative decoding on Spec-Bench prompts, dense vs FlashHead drafts",
-                               description=spec_cli.DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                               description=spec_cli.DESCRIPTION, formatter_class=DefaultsHelpFormatter)
     spec_cli.add_arguments(spec)
     spec.set_defaults(spec_parser=spec)  # its errors then name "... spec"
     return parser

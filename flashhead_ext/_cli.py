@@ -17,6 +17,14 @@ def doc_summary(doc: str) -> str:
     return doc.split("\n\n")[0].replace("``", "")
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, but for a default of None, whose help says what it
+    stands for ("(default: None)" after "default: 8, or all the file holds" read as a contradiction)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def device_arg(text: str) -> str:
     """argparse ``type`` of a device flag: a device torch can name and this machine has, so a bad one
     is a usage error before any model is built."""

@@ -577,7 +577,11 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
     assert "spec: error: --fast: body 'fused' runs the Llama / Qwen layer; this model's GELU" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         entry(["--help"])
-    assert "seed of the FlashHead k-means clustering and, with --synthetic-acceptance, of the acceptance draws" in " ".join(capsys.readouterr().out.split())
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "seed of the FlashHead k-means clustering and, with --synthetic-acceptance, of the acceptance draws" in help_text
+    assert "--kmeans-iters KMEANS_ITERS, --iters KMEANS_ITERS" in help_text  # the other CLIs' name too
+    # A default of None is not printed: its help says what it stands for ("default: 8, or all the file holds").
+    assert "(default: None)" not in help_text and "(default: 0)" in help_text
 
 
 def test_more_prompts_than_the_file_holds_is_a_usage_error(tmp_path, capsys):
@@ -632,6 +636,9 @@ def test_reading_names_the_best_config_and_the_flashhead_change():
     fast = [row("baseline", None, 1.0), row("deferred", "dense", 2.92, 0.44, 1.05), row("deferred", "flashhead", 2.99, 0.44, 0.91)]
     assert reading(fast).splitlines() == ["best: deferred/flashhead, 2.99x the baseline's decode tok/s",
                                           "deferred: FlashHead draft 0.91 s against dense 1.05 s"]
+    # A short run's draft times, under a second, in milliseconds.
+    short = [row("baseline", None, 1.0), row("ordinary", "dense", 1.2, 0.44, 0.00612), row("ordinary", "flashhead", 1.3, 0.44, 0.0042)]
+    assert reading(short).splitlines()[1] == "ordinary: FlashHead draft 4.2 ms against dense 6.12 ms"
     # Slower with a high acceptance (a slow draft, not a weak one): acceptance is not blamed.
     slow_but_accepted = [row("baseline", None, 1.0), row("ordinary", "dense", 0.9, 0.8, 5.0)]
     assert "accepted" not in reading(slow_but_accepted)

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .._cli import choices_list, device_arg, doc_summary, output_file, positive_int, write_output
+from .._cli import DefaultsHelpFormatter, choices_list, device_arg, doc_summary, output_file, positive_int, write_output
 from ..clustering import build_clusters
 from .timing import format_table, run_metadata
 
@@ -28,7 +28,7 @@ def correlated_embedding(vocab: int, dim: int, gen: torch.Generator, device: str
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench clusters", description=doc_summary(__doc__),
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-0.6b,smollm2", help=f"comma list of {sorted(SHAPES)}")
     parser.add_argument("--iters", type=positive_int, default=15, help="k-means iterations (build_clusters' iters)")
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from .._cli import choices_list, device_arg, doc_summary, output_file, positive_int, positive_int_list, write_output
+from .._cli import DefaultsHelpFormatter, choices_list, device_arg, doc_summary, output_file, positive_int, positive_int_list, write_output
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
@@ -157,7 +157,7 @@ def plan(args) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench head", description=doc_summary(__doc__),
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-0.6b,llama3,gemma3-1b",
                         help=f"comma list of {sorted(SHAPES)}; the first gets the probes and batch sweeps")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="the head's weights and hidden states")
@@ -267,6 +267,6 @@ def summary(rows: list[dict], main_shape: str, batch_probes: int = 256) -> str:
     if batch_rows:
         lines.append(f"  dense wins from batch: {wins[0] if wins else 'never up to ' + str(batch_rows[-1])}")
     if not greedy and not batch_rows:
-        lines.append(f"  nothing to compare with the goals: no graph-replayed {main_shape} point at B=1, p=256 "
-                     "and no dense batch sweep")
+        lines.append(f"  nothing to compare with the goals, which are for graph replay (CUDA): no graph-replayed "
+                     f"{main_shape} point at B=1, p=256 and no graph-replayed batch sweep")
     return "\n".join(lines)

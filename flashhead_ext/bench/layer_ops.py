@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..fast.decoder import Decoder, _fused_layer, _layer
 from ..graphs import capture_graph
-from .._cli import choices_list, output_file, positive_int, positive_int_list
+from .._cli import DefaultsHelpFormatter, choices_list, output_file, positive_int, positive_int_list
 from .spec import SHAPES, _write, cache_read_bytes
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
@@ -103,7 +103,7 @@ def _layer_rows(name: str, tokens: int, args, bandwidth: float) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench layer-ops",
                                      description="Decoder-layer ops (fused_linear, a whole fused layer) vs torch, bf16, graph-replayed.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-0.6b,gemma3-270m-llama,smollm2-early-exit-8,qwen3-32b",
                         help=f"comma list of {sorted(SHAPES)}")
     parser.add_argument("--tokens", type=positive_int_list, default="1,8", help="comma list of tokens per call (M)")

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from .._cli import choices_list, device_arg, output_file, positive_int, write_output
+from .._cli import DefaultsHelpFormatter, choices_list, device_arg, output_file, positive_int, write_output
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
@@ -177,7 +177,7 @@ def _random_decoder(parser: argparse.ArgumentParser, flag: str, name: str, confi
 def draft_step_main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench draft-step",
                                      description="One draft decode step, graph-replayed: dense vs FlashHead head.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-0.6b,gemma3-270m-llama,smollm2-early-exit-8", help=f"comma list of {sorted(SHAPES)}")
     parser.add_argument("--context", type=positive_int, default=1024, help="cache length attended over (max_len)")
     parser.add_argument("--samples", type=positive_int, default=30, help="timed samples (the median is reported)")
@@ -272,7 +272,7 @@ def _write(path, payload: dict) -> None:
 def spec_main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench spec",
                                      description="End-to-end speculative decoding on the fast path, random weights.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--target", default="qwen3-32b", help=f"target shape, one of {sorted(SHAPES)}")
     parser.add_argument("--draft", default="qwen3-0.6b", help="draft shape (same vocabulary)")
     parser.add_argument("--target-layers", type=int, default=None,

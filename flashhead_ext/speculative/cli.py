@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from ..bench.timing import run_metadata
-from .._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, cli_prompts, cluster_count, counted, device_arg,
-                    output_file)
+from .._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count, counted,
+                    device_arg, output_file)
 from ..fast.decoder import BODIES
 from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS
@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     parser.add_argument("--probes", type=int, default=None, help="FlashHead clusters per step (None: C/16)")
     parser.add_argument("--cluster-size", type=int, default=16, help="tokens per FlashHead cluster, when a clustering is built")
-    parser.add_argument("--kmeans-iters", type=int, default=15, help="k-means iterations, when a clustering is built")
+    parser.add_argument("--kmeans-iters", "--iters", type=int, default=15,
+                        help="k-means iterations, when a clustering is built (--iters, as compare-heads and eval call it)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the FlashHead k-means clustering and, with --synthetic-acceptance, of the acceptance draws")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="models' dtype")
@@ -149,7 +150,7 @@ def _decoder(args, target, draft, head, eos):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext spec", description=DESCRIPTION,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv), parser)
 

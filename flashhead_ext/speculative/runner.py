@@ -185,11 +185,19 @@ def reading(rows: list) -> str:
         dense = by_label.get(f"{row['mode']}/dense")
         if row["head"] != "flashhead" or dense is None or not dense["draft_s"] or not row["draft_s"]:
             continue
-        change = f"{row['mode']}: FlashHead draft {row['draft_s']:.2f} s against dense {dense['draft_s']:.2f} s"
+        change = f"{row['mode']}: FlashHead draft {_durations(row['draft_s'], dense['draft_s'])}"
         if row["head_share"] is not None and dense["head_share"] is not None:
             change += f"; the head's share of the draft {dense['head_share']:.1%} -> {row['head_share']:.1%}"
         lines.append(change)
     return "\n".join(lines)
+
+
+def _durations(flash_s: float, dense_s: float) -> str:
+    """The two draft times in one unit: seconds, or milliseconds where both are under one (a short
+    run's 0.004 s would print as 0.00 s)."""
+    if max(flash_s, dense_s) >= 1:
+        return f"{flash_s:.2f} s against dense {dense_s:.2f} s"
+    return f"{flash_s * 1e3:.3g} ms against dense {dense_s * 1e3:.3g} ms"
 
 
 def write_json(path, meta: dict, rows: list, records: list) -> Path:
