@@ -64,6 +64,30 @@ def test_backward_through_an_op_raises(op, output, compiled, device):
     check_no_backward(op, overload, args, grad_input="hidden", output=output, compiled=compiled)
 
 
+# The Python entry points skip that kernel (its host time) where no input requires grad.
+@device_params
+@pytest.mark.parametrize("op", ["select_clusters", "sample_clusters", "candidate_logits", "decode_sample"])
+def test_entry_points_record_autograd_only_where_an_input_requires_grad(op, device):
+    from flashhead_ext import ops
+    problem = make_problem(INPUTS[1][0], torch.float32, device)
+    h, c, t, e, p, x = problem.args()
+    candidates = ref.gather_candidates(ref.select_clusters(h, c, p)[0], t, x)
+    call = {
+        "select_clusters": lambda hidden: ops.select_clusters(hidden, c, p)[1],
+        "sample_clusters": lambda hidden: ops.sample_clusters(hidden, c, p, 0.7, seed=5)[1],
+        "candidate_logits": lambda hidden: ops.candidate_logits(hidden, e, candidates),
+        "decode_sample": lambda hidden: ops.decode_sample(hidden, c, t, e, p, 0.7, x, seed=5)[1],
+    }[op]
+    plain = call(h)
+    tracked = call(h.detach().requires_grad_())
+    with torch.no_grad():
+        untracked = call(h.detach().requires_grad_())
+    assert not plain.requires_grad and tracked.requires_grad and not untracked.requires_grad
+    assert torch.equal(plain, tracked.detach()) and torch.equal(plain, untracked)
+    with pytest.raises(RuntimeError, match=f"derivative for flashhead::{op} is not implemented"):
+        tracked.sum().backward()
+
+
 @device_params
 def test_opcheck_out_into_strided_view(device):
     problem = make_problem(INPUTS[1][0], INPUTS[1][1], device)
