@@ -10,8 +10,6 @@
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
-#include <string_view>
-
 TORCH_LIBRARY(flashhead, m) {
   m.def(
       "select_clusters(Tensor hidden, Tensor centroids, int probes, Tensor? centroid_scale=None)"
@@ -61,15 +59,6 @@ namespace {
 constexpr const char* kOps[] = {"select_clusters",  "sample_clusters", "gather_candidates", "candidate_logits",
                                 "decode_greedy",    "decode_greedy_out", "decode_sample",   "fused_linear",
                                 "rotary_cache_write", "decode_attention", "decoder_step"};
-// The head ops with float results take their autograd kernel from flashhead_ext/ops.py, whose
-// backward raises only when it runs, so that torch.compile can trace them on inputs that require grad.
-constexpr std::string_view kPythonAutogradOps[] = {"select_clusters", "sample_clusters", "candidate_logits",
-                                                   "decode_sample"};
-bool has_python_autograd(std::string_view op) {
-  for (std::string_view python_op : kPythonAutogradOps)
-    if (op == python_op) return true;
-  return false;
-}
 
 // The ops run with autocast off. Autocast's default for a custom op (fall through) casts none of its
 // inputs, but leaves autocast on for the ATen calls inside it: the CPU references' float32 matmuls
@@ -86,8 +75,7 @@ void without_autocast(const c10::OperatorHandle& op, c10::DispatchKeySet keys, t
 // fallback differentiated the CPU references through their ATen calls but gave CUDA inputs no
 // gradient (a warning at most); this kernel makes a backward through any op raise, on every device.
 TORCH_LIBRARY_IMPL(flashhead, Autograd, m) {
-  for (const char* op : kOps)
-    if (!has_python_autograd(op)) m.impl(op, torch::autograd::autogradNotImplementedFallback());
+  for (const char* op : kOps) m.impl(op, torch::autograd::autogradNotImplementedFallback());
 }
 TORCH_LIBRARY_IMPL(flashhead, AutocastCPU, m) {
   for (const char* op : kOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&without_autocast>());

@@ -166,15 +166,9 @@ def quantize_centroids(centroids: Tensor) -> tuple[Tensor, Tensor]:
     return (centroids.detach().float() / scale).to(torch.float8_e4m3fn), scale
 
 
-def _untracked_unless_grad(op, *args):
-    """``op(*args)``, past its autograd kernel where no input requires grad with grad mode on: the
-    head ops with float results have a Python one (below), which costs an eager call 7-13 us of
-    host time even where it records nothing. torch.compile traces the plain call."""
-    if (torch.compiler.is_compiling()
-            or (torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args))):
-        return op(*args)
-    with torch._C._AutoDispatchBelowAutograd():
-        return op(*args)
+def _traced(op: str):
+    """The op ``flashhead::<op>``, or under torch.compile its twin ``flashhead_ext::<op>`` (below)."""
+    return getattr(torch.ops.flashhead_ext if torch.compiler.is_compiling() else _ops, op)
 
 
 def select_clusters(
@@ -188,7 +182,7 @@ def select_clusters(
     _require_tensor("hidden", hidden)
     _require_tensor("centroids", centroids)
     _require_optional_tensor("centroid_scale", centroid_scale)
-    return _untracked_unless_grad(_ops.select_clusters, hidden, centroids, _require_int("probes", probes), centroid_scale)
+    return _traced("select_clusters")(hidden, centroids, _require_int("probes", probes), centroid_scale)
 
 
 def sample_clusters(
@@ -210,8 +204,7 @@ def sample_clusters(
     _require_tensor("centroids", centroids)
     _require_optional_tensor("centroid_scale", centroid_scale)
     seed_t = make_seed(hidden.device, seed, generator)
-    return _untracked_unless_grad(
-        _ops.sample_clusters,
+    return _traced("sample_clusters")(
         hidden, centroids, _require_int("probes", probes), _require_float("temperature", temperature), seed_t,
         centroid_scale,
     )
@@ -236,7 +229,7 @@ def candidate_logits(hidden: Tensor, embedding: Tensor, candidate_ids: Tensor) -
     _require_tensor("hidden", hidden)
     _require_tensor("embedding", embedding)
     _require_tensor("candidate_ids", candidate_ids)
-    return _untracked_unless_grad(_ops.candidate_logits, hidden, embedding, candidate_ids)
+    return _traced("candidate_logits")(hidden, embedding, candidate_ids)
 
 
 def decode_greedy(
@@ -294,8 +287,7 @@ def decode_sample(
     _require_optional_tensor("extra_ids", extra_ids)
     _require_optional_tensor("centroid_scale", centroid_scale)
     seed_t = make_seed(hidden.device, seed, generator)
-    return _untracked_unless_grad(
-        _ops.decode_sample,
+    return _traced("decode_sample")(
         hidden, centroids, cluster_tokens, embedding, _require_int("probes", probes),
         _require_float("temperature", temperature), seed_t, extra_ids, centroid_scale,
     )
@@ -595,40 +587,55 @@ def _decoder_step_fake(x, qkv_weight, o_weight, gate_up_weight, down_weight, att
     return x.new_empty(x.shape)  # [1, D]; the caches are written in place
 
 
-# Backward. The ops are for inference: a backward through any float result raises "derivative for
-# flashhead::<op> is not implemented". The C++ autograd kernel that raises it (torch_bindings.cpp)
-# raises while torch.compile traces the joint forward and backward, so a compiled forward on
-# inputs that require grad failed where an eager one ran. The head ops with float results therefore
-# take this Python autograd kernel instead: its backward calls _no_derivative, which raises when it
-# runs (a backward in eager mode, or the compiled backward) and has a fake kernel for tracing.
+# torch.compile on inputs that require grad. The ops are for inference: their C++ autograd kernel
+# (torch_bindings.cpp) makes a backward through any float result raise "derivative for
+# flashhead::<op> is not implemented", and forward-mode AD too. AOTAutograd, which torch.compile
+# runs where an input requires grad, runs the backward while it traces, so that kernel failed
+# compiled forwards that eager mode ran. Under torch.compile the entry points of the head ops with
+# float results therefore call a twin, flashhead_ext::<op>: the same schema and kernels, and a
+# Python autograd kernel whose backward calls _no_derivative, which raises when it runs and has a
+# fake kernel for tracing. The compiled forward runs; the compiled backward raises.
 @torch.library.custom_op("flashhead_ext::no_derivative", mutates_args=())
 def _no_derivative(op: str, grad: Tensor, like: Tensor) -> Tensor:
     """Raises "derivative for flashhead::<op> is not implemented" when it runs. ``grad``, the
-    incoming gradient, keeps it in the backward: without it the compiler may move it to the forward."""
+    incoming gradient of the op's float result, ties it to the backward, so that the compiler
+    cannot move it into the forward; ``like`` has the input's shape (a stride-0 view of one element)."""
     raise RuntimeError(f"derivative for flashhead::{op} is not implemented")
 
 
 @_no_derivative.register_fake
 def _no_derivative_fake(op, grad, like):
-    return torch.empty_like(like)
+    return torch.empty_like(like, memory_format=torch.contiguous_format)
 
 
-def _register_no_derivative(op: str) -> None:
+_twins = torch.library.Library("flashhead_ext", "FRAGMENT")
+
+
+def _define_twin(op: str) -> None:
+    target = getattr(_ops, op).default
+    _twins.define(str(target._schema).split("::", 1)[1])
+
+    def call_target(*args, **kwargs):
+        # Below the twin's autograd kernel grad is off, so the op's own records nothing; under fake
+        # tensors (the twin's fake kernel) the op runs its fake kernel.
+        return target(*args, **kwargs)
+
+    _twins.impl(op, call_target, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"flashhead_ext::{op}")(call_target)
+
     def setup_context(ctx, inputs, output):
         ctx.inputs = [(x.shape, x.dtype, x.device) if isinstance(x, Tensor) else None for x in inputs]
 
     def backward(ctx, *grads):
-        grad = next(g for g in grads if g is not None)
-        return tuple(_no_derivative(op, grad, torch.empty(x[0], dtype=x[1], device=x[2])) if x is not None and needed
-                     else None for x, needed in zip(ctx.inputs, ctx.needs_input_grad))
+        grad = next(g for g in grads if g is not None and g.is_floating_point())
+        return tuple(_no_derivative(op, grad, torch.zeros((), dtype=x[1], device=x[2]).expand(x[0]))
+                     if x is not None and needed else None for x, needed in zip(ctx.inputs, ctx.needs_input_grad))
 
-    torch.library.register_autograd(f"flashhead::{op}", backward, setup_context=setup_context)
+    torch.library.register_autograd(f"flashhead_ext::{op}", backward, setup_context=setup_context)
 
 
-# The ops torch_bindings.cpp leaves to this kernel (kPythonAutogradOps) are those without one there.
-for _name in torch._C._dispatch_get_all_op_names():
-    if _name.startswith("flashhead::") and not torch._C._dispatch_has_kernel_for_dispatch_key(_name, "Autograd"):
-        _register_no_derivative(_name.removeprefix("flashhead::"))
+for _op in ("select_clusters", "sample_clusters", "candidate_logits", "decode_sample"):
+    _define_twin(_op)
 
 
 __all__ = [

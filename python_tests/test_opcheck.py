@@ -51,41 +51,51 @@ def test_every_op_has_the_autograd_kernel_that_refuses_a_backward():
 
 
 # The ops with float results (the selections' scores, the candidates' logits, sampling's log-probs).
-# Compiled: their autograd kernel (flashhead_ext/ops.py) lets torch.compile trace a forward on
-# inputs that require grad, and the compiled backward raises as the eager one does.
-@device_params
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("op,output", [("select_clusters", 1), ("sample_clusters", 1), ("candidate_logits", 0),
-                                       ("decode_sample", 1)])
-def test_backward_through_an_op_raises(op, output, compiled, device):
-    problem = make_problem(INPUTS[1][0], torch.float32, device)
-    overload = getattr(OPS, op).default
-    args = dict(zip((a.name for a in overload._schema.arguments), op_arguments(op, problem)))
-    check_no_backward(op, overload, args, grad_input="hidden", output=output, compiled=compiled)
+FLOAT_RESULTS = [("select_clusters", 1), ("sample_clusters", 1), ("candidate_logits", 0), ("decode_sample", 1)]
 
 
-# The Python entry points skip that kernel (its host time) where no input requires grad.
-@device_params
-@pytest.mark.parametrize("op", ["select_clusters", "sample_clusters", "candidate_logits", "decode_sample"])
-def test_entry_points_record_autograd_only_where_an_input_requires_grad(op, device):
+def entry_point(op, problem):
+    """``op``'s Python entry point (flashhead_ext.ops) as a function of hidden, giving its float result."""
     from flashhead_ext import ops
-    problem = make_problem(INPUTS[1][0], torch.float32, device)
     h, c, t, e, p, x = problem.args()
     candidates = ref.gather_candidates(ref.select_clusters(h, c, p)[0], t, x)
-    call = {
+    return {
         "select_clusters": lambda hidden: ops.select_clusters(hidden, c, p)[1],
         "sample_clusters": lambda hidden: ops.sample_clusters(hidden, c, p, 0.7, seed=5)[1],
         "candidate_logits": lambda hidden: ops.candidate_logits(hidden, e, candidates),
         "decode_sample": lambda hidden: ops.decode_sample(hidden, c, t, e, p, 0.7, x, seed=5)[1],
     }[op]
-    plain = call(h)
-    tracked = call(h.detach().requires_grad_())
-    with torch.no_grad():
-        untracked = call(h.detach().requires_grad_())
-    assert not plain.requires_grad and tracked.requires_grad and not untracked.requires_grad
-    assert torch.equal(plain, tracked.detach()) and torch.equal(plain, untracked)
-    with pytest.raises(RuntimeError, match=f"derivative for flashhead::{op} is not implemented"):
-        tracked.sum().backward()
+
+
+# Compiled: torch.compile traces the entry points' twins (flashhead_ext/ops.py), whose backward
+# raises only when it runs, so the compiled forward on inputs that require grad runs as eager does.
+@device_params
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("op,output", FLOAT_RESULTS)
+def test_backward_through_an_op_raises(op, output, compiled, device):
+    problem = make_problem(INPUTS[1][0], torch.float32, device)
+    if compiled:
+        check_no_backward(op, entry_point(op, problem), {"hidden": problem.hidden}, grad_input="hidden", compiled=True)
+        return
+    overload = getattr(OPS, op).default
+    args = dict(zip((a.name for a in overload._schema.arguments), op_arguments(op, problem)))
+    check_no_backward(op, overload, args, grad_input="hidden", output=output)
+
+
+@device_params
+@pytest.mark.parametrize("op", [op for op, _ in FLOAT_RESULTS])
+def test_forward_mode_ad_through_an_op_raises(op, device):
+    problem = make_problem(INPUTS[1][0], torch.float32, device)
+    hidden = problem.hidden
+    with pytest.raises(NotImplementedError, match=f"forward AD with flashhead::{op} that does not support it"):
+        torch.func.jvp(entry_point(op, problem), (hidden,), (torch.ones_like(hidden),))
+
+
+@device_params
+@pytest.mark.parametrize("op", [op for op, _ in FLOAT_RESULTS])
+def test_compiled_twins_pass_opcheck(op, device):
+    problem = make_problem(INPUTS[1][0], INPUTS[1][1], device)
+    torch.library.opcheck(getattr(torch.ops.flashhead_ext, op).default, op_arguments(op, problem))
 
 
 @device_params

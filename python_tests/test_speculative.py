@@ -638,7 +638,7 @@ def test_reading_names_the_best_config_and_the_flashhead_change():
                                           "deferred: FlashHead draft 0.91 s against dense 1.05 s"]
     # A short run's draft times, under a second, in milliseconds.
     short = [row("baseline", None, 1.0), row("ordinary", "dense", 1.2, 0.44, 0.00612), row("ordinary", "flashhead", 1.3, 0.44, 0.0042)]
-    assert reading(short).splitlines()[1] == "ordinary: FlashHead draft 4.2 ms against dense 6.12 ms"
+    assert reading(short).splitlines()[1] == "ordinary: FlashHead draft 4.2 ms against dense 6.1 ms"
     # Slower with a high acceptance (a slow draft, not a weak one): acceptance is not blamed.
     slow_but_accepted = [row("baseline", None, 1.0), row("ordinary", "dense", 0.9, 0.8, 5.0)]
     assert "accepted" not in reading(slow_but_accepted)

@@ -268,5 +268,5 @@ def summary(rows: list[dict], main_shape: str, batch_probes: int = 256) -> str:
         lines.append(f"  dense wins from batch: {wins[0] if wins else 'never up to ' + str(batch_rows[-1])}")
     if not greedy and not batch_rows:
         lines.append(f"  nothing to compare with the goals, which are for graph replay (CUDA): no graph-replayed "
-                     f"{main_shape} point at B=1, p=256 and no graph-replayed batch sweep")
+                     f"{main_shape} point at B=1, p=256 and no graph-replayed dense batch sweep")
     return "\n".join(lines)

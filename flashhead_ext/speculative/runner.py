@@ -197,7 +197,7 @@ def _durations(flash_s: float, dense_s: float) -> str:
     run's 0.004 s would print as 0.00 s)."""
     if max(flash_s, dense_s) >= 1:
         return f"{flash_s:.2f} s against dense {dense_s:.2f} s"
-    return f"{flash_s * 1e3:.3g} ms against dense {dense_s * 1e3:.3g} ms"
+    return f"{flash_s * 1e3:.1f} ms against dense {dense_s * 1e3:.1f} ms"
 
 
 def write_json(path, meta: dict, rows: list, records: list) -> Path:
