@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from .._cli import DefaultsHelpFormatter, choices_list, device_arg, doc_summary, output_file, positive_int, positive_int_list, write_output
+from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, doc_summary, output_file, positive_int,
+                    positive_int_list, write_output)
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
