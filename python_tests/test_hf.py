@@ -447,16 +447,23 @@ def _same_logits(compiled: torch.Tensor, eager: torch.Tensor, rtol: float = 1e-5
     torch.testing.assert_close(compiled, eager, rtol=rtol, atol=atol)
 
 
-def test_attached_model_compiles_without_graph_breaks():
+def _attached_tiny_llama_compilable(ids):
+    """A tiny attached Llama, or a skip where this torch and transformers cannot compile the bare model in
+    one graph (so a graph break of flashhead's own fails the test instead)."""
     model = _tiny_llama(tied=False)
+    try:
+        torch.compile(model, backend="eager", fullgraph=True)(ids)
+    except torch._dynamo.exc.Unsupported as error:
+        pytest.skip(f"this torch and transformers cannot compile the model itself in one graph: {error}")
+    torch._dynamo.reset()
+    attach(model, _tiny_assets(model))
+    return model
+
+
+def test_attached_model_compiles_without_graph_breaks():
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.no_grad():
-        try:
-            torch.compile(model, backend="eager", fullgraph=True)(ids)
-        except torch._dynamo.exc.Unsupported as error:
-            pytest.skip(f"this torch and transformers cannot compile the model itself in one graph: {error}")
-        torch._dynamo.reset()
-        attach(model, _tiny_assets(model))
+        model = _attached_tiny_llama_compilable(ids)
         expected = model(ids).logits
         compiled = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
     _same_logits(compiled, expected)
@@ -466,14 +473,8 @@ def test_attached_model_compiles_on_weights_that_require_grad():
     # Outside no_grad the weights require grad, so torch.compile traces the backward too (inductor:
     # its partitioner may move backward work into the forward). The forward runs as in eager mode
     # and a backward raises, as eager's does.
-    model = _tiny_llama(tied=False)
     ids = torch.tensor([[3, 1, 4, 1, 5]])
-    try:
-        torch.compile(model, backend="eager", fullgraph=True)(ids)
-    except torch._dynamo.exc.Unsupported as error:
-        pytest.skip(f"this torch and transformers cannot compile the model itself in one graph: {error}")
-    torch._dynamo.reset()
-    attach(model, _tiny_assets(model))
+    model = _attached_tiny_llama_compilable(ids)
     expected = model(ids).logits
     compiled = torch.compile(model, fullgraph=True)(ids).logits
     assert compiled.requires_grad
