@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one script for a lent GPU (device tool): build for sm_90 with every core, run the tests,
 # compute-sanitizer (memcheck, racecheck, initcheck) on the ops, the head benchmark and cpp_bench;
-# logs and JSON under $OUT; a short table printed last. Usage: FLASHHEAD_COMMIT=<sha> bash scripts/device_run.sh [MODE]
+# logs and JSON under $OUT; a short table printed last.
+# Usage: FLASHHEAD_COMMIT=<sha> bash scripts/device_run.sh [MODE] (the sha given literally: the
+# device's copy of the tree may carry an older git HEAD, which bench head would record instead).
 #   full (default): the GPU tests, the sanitizers, the head benchmark and cpp_bench;
 #   suite: the whole suite alone, CPU and GPU cases (the CPU ones under the device's torch, which
 #     CI's does not cover: session 52 found a torch.compile break there);
