@@ -7,8 +7,12 @@
 // Centroids are of hidden's dtype or float8_e4m3fn; the ops that score them take an optional
 // centroid_scale (float32, one element on their device) that multiplies every centroid score.
 #include <Python.h>
-#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
+
+#include <string>
+#include <vector>
 
 TORCH_LIBRARY(flashhead, m) {
   m.def(
@@ -53,6 +57,13 @@ TORCH_LIBRARY(flashhead, m) {
       " Tensor cos, Tensor sin, Tensor length, int num_heads, float eps, float scale, Tensor? qkv_bias=None,"
       " Tensor? post_attn_norm=None, Tensor? post_mlp_norm=None, str activation=\"silu\", int sliding_window=0,"
       " int[] sliding_layers=[], Tensor? sliding_cos=None, Tensor? sliding_sin=None, float input_scale=1.0) -> Tensor");
+
+  // What a backward through an op's float result calls: it raises "derivative for flashhead::<op> is
+  // not implemented" when it runs. Its fake kernel (flashhead_ext/ops.py) returns a tensor like
+  // `like` (the input's gradient), so that torch.compile can trace the backward of a forward on
+  // inputs that require grad; `grad`, the result's incoming gradient, keeps the compiler from
+  // moving it into the forward.
+  m.def("no_derivative(str op, Tensor grad, Tensor like) -> Tensor");
 }
 
 namespace {
@@ -69,13 +80,92 @@ void without_autocast(const c10::OperatorHandle& op, c10::DispatchKeySet keys, t
   // AutocastCPU is the lowest autocast key (torch 2.6-2.14): the keys after it are past autocast.
   op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::AutocastCPU), stack);
 }
-}  // namespace
+
+// The op's kernels; the ATen calls inside them (the CPU references') skip autograd too.
+void call_below_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+}
+
+at::Tensor no_derivative(c10::string_view op, const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "derivative for flashhead::", op, " is not implemented");
+}
+
+// An op run on inputs that require grad: its float results get this node, whose backward calls
+// no_derivative. A backward that runs raises; one that is only traced (AOTAutograd under
+// torch.compile) traces, so a compiled forward runs as an eager one does.
+struct WithoutDerivative : public torch::autograd::Function<WithoutDerivative> {
+  // `inputs` are the op's tensor arguments, for autograd to record; `stack` holds all its arguments.
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
+                                                const c10::OperatorHandle* op, c10::DispatchKeySet keys,
+                                                torch::jit::Stack* stack) {
+    call_below_autograd(*op, keys, stack);
+    const size_t returns = op->schema().returns().size();
+    torch::autograd::variable_list outputs, not_differentiable;
+    for (const c10::IValue& value : torch::jit::last(*stack, returns)) {
+      outputs.push_back(value.toTensor());
+      if (!outputs.back().is_floating_point()) not_differentiable.push_back(outputs.back());
+    }
+    torch::jit::drop(*stack, returns);
+    ctx->mark_non_differentiable(not_differentiable);
+    std::vector<int64_t> tracked;
+    torch::autograd::variable_list tracked_inputs;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!inputs[i].requires_grad()) continue;
+      tracked.push_back(static_cast<int64_t>(i));
+      tracked_inputs.push_back(inputs[i]);
+    }
+    ctx->saved_data["op"] = op->schema().name().substr(std::string("flashhead::").size());
+    ctx->saved_data["tracked"] = tracked;
+    ctx->saved_data["arguments"] = static_cast<int64_t>(inputs.size()) + 3;  // the tensors, op, keys, stack
+    ctx->save_for_backward(tracked_inputs);
+    return outputs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    at::Tensor grad;
+    for (const at::Tensor& g : grads)
+      if (g.defined() && g.is_floating_point()) grad = g;
+    static const auto raise = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("flashhead::no_derivative", "")
+                                  .typed<at::Tensor(c10::string_view, const at::Tensor&, const at::Tensor&)>();
+    const std::string op = ctx->saved_data["op"].toStringRef();
+    const std::vector<int64_t> tracked = ctx->saved_data["tracked"].toIntVector();
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    torch::autograd::variable_list input_grads(ctx->saved_data["arguments"].toInt());
+    for (size_t i = 0; i < tracked.size(); ++i) input_grads[tracked[i]] = raise.call(op, grad, saved[i]);
+    return input_grads;
+  }
+};
 
 // The ops are for inference and have no derivatives. Without an autograd kernel torch's default
 // fallback differentiated the CPU references through their ATen calls but gave CUDA inputs no
-// gradient (a warning at most); this kernel makes a backward through any op raise, on every device.
+// gradient (a warning at most); with this kernel a backward through any op raises, on every device.
+void autograd_without_derivative(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const size_t arguments = op.schema().arguments().size();
+  std::vector<at::Tensor> inputs;
+  bool requires_grad = false;
+  for (const c10::IValue& value : torch::jit::last(*stack, arguments)) {
+    if (!value.isTensor()) continue;
+    const at::Tensor& tensor = value.toTensor();
+    TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(tensor), "Trying to use forward AD with ",
+                                op.schema().name(), " that does not support it");
+    requires_grad |= tensor.requires_grad();
+    inputs.push_back(tensor);
+  }
+  if (!requires_grad || !at::GradMode::is_enabled() || op.schema().returns().empty()) {
+    call_below_autograd(op, keys, stack);
+    return;
+  }
+  const torch::autograd::variable_list outputs = WithoutDerivative::apply(at::TensorList(inputs), &op, keys, stack);
+  for (const at::Tensor& output : outputs) stack->emplace_back(output);
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashhead, CompositeExplicitAutograd, m) { m.impl("no_derivative", &no_derivative); }
 TORCH_LIBRARY_IMPL(flashhead, Autograd, m) {
-  for (const char* op : kOps) m.impl(op, torch::autograd::autogradNotImplementedFallback());
+  for (const char* op : kOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&autograd_without_derivative>());
 }
 TORCH_LIBRARY_IMPL(flashhead, AutocastCPU, m) {
   for (const char* op : kOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&without_autocast>());

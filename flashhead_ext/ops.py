@@ -166,11 +166,6 @@ def quantize_centroids(centroids: Tensor) -> tuple[Tensor, Tensor]:
     return (centroids.detach().float() / scale).to(torch.float8_e4m3fn), scale
 
 
-def _traced(op: str):
-    """The op ``flashhead::<op>``, or under torch.compile its twin ``flashhead_ext::<op>`` (below)."""
-    return getattr(torch.ops.flashhead_ext if torch.compiler.is_compiling() else _ops, op)
-
-
 def select_clusters(
     hidden: Tensor, centroids: Tensor, probes: int, *, centroid_scale: Optional[Tensor] = None
 ) -> tuple[Tensor, Tensor]:
@@ -182,7 +177,7 @@ def select_clusters(
     _require_tensor("hidden", hidden)
     _require_tensor("centroids", centroids)
     _require_optional_tensor("centroid_scale", centroid_scale)
-    return _traced("select_clusters")(hidden, centroids, _require_int("probes", probes), centroid_scale)
+    return _ops.select_clusters(hidden, centroids, _require_int("probes", probes), centroid_scale)
 
 
 def sample_clusters(
@@ -204,7 +199,7 @@ def sample_clusters(
     _require_tensor("centroids", centroids)
     _require_optional_tensor("centroid_scale", centroid_scale)
     seed_t = make_seed(hidden.device, seed, generator)
-    return _traced("sample_clusters")(
+    return _ops.sample_clusters(
         hidden, centroids, _require_int("probes", probes), _require_float("temperature", temperature), seed_t,
         centroid_scale,
     )
@@ -229,7 +224,7 @@ def candidate_logits(hidden: Tensor, embedding: Tensor, candidate_ids: Tensor) -
     _require_tensor("hidden", hidden)
     _require_tensor("embedding", embedding)
     _require_tensor("candidate_ids", candidate_ids)
-    return _traced("candidate_logits")(hidden, embedding, candidate_ids)
+    return _ops.candidate_logits(hidden, embedding, candidate_ids)
 
 
 def decode_greedy(
@@ -287,7 +282,7 @@ def decode_sample(
     _require_optional_tensor("extra_ids", extra_ids)
     _require_optional_tensor("centroid_scale", centroid_scale)
     seed_t = make_seed(hidden.device, seed, generator)
-    return _traced("decode_sample")(
+    return _ops.decode_sample(
         hidden, centroids, cluster_tokens, embedding, _require_int("probes", probes),
         _require_float("temperature", temperature), seed_t, extra_ids, centroid_scale,
     )
@@ -587,55 +582,11 @@ def _decoder_step_fake(x, qkv_weight, o_weight, gate_up_weight, down_weight, att
     return x.new_empty(x.shape)  # [1, D]; the caches are written in place
 
 
-# torch.compile on inputs that require grad. The ops are for inference: their C++ autograd kernel
-# (torch_bindings.cpp) makes a backward through any float result raise "derivative for
-# flashhead::<op> is not implemented", and forward-mode AD too. AOTAutograd, which torch.compile
-# runs where an input requires grad, runs the backward while it traces, so that kernel failed
-# compiled forwards that eager mode ran. Under torch.compile the entry points of the head ops with
-# float results therefore call a twin, flashhead_ext::<op>: the same schema and kernels, and a
-# Python autograd kernel whose backward calls _no_derivative, which raises when it runs and has a
-# fake kernel for tracing. The compiled forward runs; the compiled backward raises.
-@torch.library.custom_op("flashhead_ext::no_derivative", mutates_args=())
-def _no_derivative(op: str, grad: Tensor, like: Tensor) -> Tensor:
-    """Raises "derivative for flashhead::<op> is not implemented" when it runs. ``grad``, the
-    incoming gradient of the op's float result, ties it to the backward, so that the compiler
-    cannot move it into the forward; ``like`` has the input's shape (a stride-0 view of one element)."""
-    raise RuntimeError(f"derivative for flashhead::{op} is not implemented")
-
-
-@_no_derivative.register_fake
+@_register_fake("no_derivative")
 def _no_derivative_fake(op, grad, like):
+    # A backward through an op traces to this (torch_bindings.cpp), so torch.compile can compile a
+    # forward on inputs that require grad; the real kernel raises when a backward runs.
     return torch.empty_like(like, memory_format=torch.contiguous_format)
-
-
-_twins = torch.library.Library("flashhead_ext", "FRAGMENT")
-
-
-def _define_twin(op: str) -> None:
-    target = getattr(_ops, op).default
-    _twins.define(str(target._schema).split("::", 1)[1])
-
-    def call_target(*args, **kwargs):
-        # Below the twin's autograd kernel grad is off, so the op's own records nothing; under fake
-        # tensors (the twin's fake kernel) the op runs its fake kernel.
-        return target(*args, **kwargs)
-
-    _twins.impl(op, call_target, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"flashhead_ext::{op}")(call_target)
-
-    def setup_context(ctx, inputs, output):
-        ctx.inputs = [(x.shape, x.dtype, x.device) if isinstance(x, Tensor) else None for x in inputs]
-
-    def backward(ctx, *grads):
-        grad = next(g for g in grads if g is not None and g.is_floating_point())
-        return tuple(_no_derivative(op, grad, torch.zeros((), dtype=x[1], device=x[2]).expand(x[0]))
-                     if x is not None and needed else None for x, needed in zip(ctx.inputs, ctx.needs_input_grad))
-
-    torch.library.register_autograd(f"flashhead_ext::{op}", backward, setup_context=setup_context)
-
-
-for _op in ("select_clusters", "sample_clusters", "candidate_logits", "decode_sample"):
-    _define_twin(_op)
 
 
 __all__ = [

@@ -471,10 +471,10 @@ def check_counters(gen, mode: str, k: int, max_new: int, gpu_phases: bool = Fals
             assert sum(s.phase_s.values()) == pytest.approx(s.decode_s, rel=0.2, abs=2e-3)
 
 
-def check_no_backward(op: str, call, args: dict, grad_input: str, output: int = 0, compiled: bool = False) -> None:
+def check_no_backward(op: str, call, args: dict, grad_input: str, output: int = 0, under_compile: bool = False) -> None:
     """``call(**args)`` with ``args[grad_input]`` requiring grad gives the values it gives without
     grad, and a backward through its ``output``-th float result raises naming ``flashhead::op`` (the
-    ops are for inference; none is differentiated on any device). ``compiled``: the call with grad
+    ops are for inference; none is differentiated on any device). ``under_compile``: the call with grad
     runs through ``torch.compile(fullgraph=True)`` (inductor, whose partitioner may move what the
     backward computes from its inputs alone into the forward)."""
     pick = lambda result: result[output] if isinstance(result, (tuple, list)) else result
@@ -483,7 +483,7 @@ def check_no_backward(op: str, call, args: dict, grad_input: str, output: int = 
         expected = pick(call(**fresh()))
     tracked = fresh()
     tracked[grad_input] = tracked[grad_input].detach().requires_grad_()
-    got = pick((torch.compile(lambda **kw: call(**kw), fullgraph=True) if compiled else call)(**tracked))
+    got = pick((compiled(lambda **kw: call(**kw)) if under_compile else call)(**tracked))
     assert got.requires_grad and torch.equal(got.detach(), expected), op
     with pytest.raises(RuntimeError, match=f"derivative for flashhead::{op} is not implemented"):
         got.float().sum().backward()

@@ -571,11 +571,12 @@ def test_opcheck(case, device):
 
 
 @device_params
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("case,grad_input", [("fused_linear-norm+residual", "x"), ("rotary_cache_write-qk-norm", "qkv"),
                                              ("decode_attention", "q")])
-def test_backward_through_an_op_raises(case, grad_input, device):
+def test_backward_through_an_op_raises(case, grad_input, compiled, device):
     op, make = OPCHECK_CASES[case]
-    check_no_backward(op, getattr(torch.ops.flashhead, op).default, on(make(), device), grad_input)
+    check_no_backward(op, getattr(torch.ops.flashhead, op).default, on(make(), device), grad_input, under_compile=compiled)
 
 
 # ---- GPU: the CUDA ops against the CPU references ----------------------------------------------
