@@ -305,7 +305,8 @@ def fused_linear(
     ``norm_weight [K]`` applies RMSNorm to ``x`` first (float32, rounded once to x's dtype, like
     ``F.rms_norm``); ``gated`` uses ``F.silu(gate) * up`` instead (not both). The product is
     accumulated in float32, ``bias [N]`` added, and rounded to x's dtype once (as ``F.linear``),
-    then ``residual [M, N]`` is added in that dtype. Host-sync free, capturable in CUDA graphs.
+    then ``residual [M, N]`` is added in that dtype. ``M = 0`` gives ``[0, N]``, as ``F.linear``.
+    Host-sync free, capturable in CUDA graphs.
 
     ``static_weight=True`` promises that ``weight`` was not written by the kernel that runs just
     before this call on the stream (true of model weights, written once at load): on the GPU the

@@ -194,6 +194,16 @@ def test_fused_linear_static_weight_same_result(device):
     assert torch.equal(ops.fused_linear(**{**args, "weight": strided}, static_weight=True), out)
 
 
+@device_params
+@pytest.mark.parametrize("option", LINEAR_OPTIONS)
+def test_fused_linear_without_tokens(option, device):
+    # As F.linear: x [0, K] gives [0, N].
+    args = on(linear_args(3, 97, 64, option, torch.bfloat16), device)
+    args = {name: value[:0] if name in ("x", "residual") and value is not None else value for name, value in args.items()}
+    out = ops.fused_linear(**args)
+    assert out.shape == (0, 64) and out.dtype == torch.bfloat16 and out.device == args["x"].device
+
+
 def test_fused_linear_options_matter():
     # Each option changes the result by far more than the tolerance (the test above can fail).
     base = linear_args(7, 97, 64, "norm+bias+residual", torch.float32)
@@ -371,7 +381,7 @@ def test_wrong_rank(op, name, device):
 SHAPE_CASES = [
     ("fused_linear", lambda a: dict(x=a["x"][:, :-1]), f"x must have in_features = {K_} columns"),
     ("fused_linear", lambda a: dict(weight=a["weight"][:, :-1]), f"for weight of shape [{N_}, {K_ - 1}]"),
-    ("fused_linear", lambda a: dict(x=a["x"][:0]), "x and weight must be non-empty"),
+    ("fused_linear", lambda a: dict(weight=a["weight"][:0]), f"weight must be non-empty, got shape [0, {K_}]"),
     ("fused_linear", lambda a: dict(norm_weight=a["norm_weight"][:-1]), f"norm_weight must have shape [{K_}]"),
     ("fused_linear", lambda a: dict(residual=a["residual"][:, :-1]), f"residual must have shape [x.size(0), weight.size(0)] = [{M_}, {N_}]"),
     ("fused_linear", lambda a: dict(bias=a["bias"][None]), f"bias must have shape [weight.size(0)] = [{N_}]"),

@@ -266,6 +266,7 @@ at::Tensor fused_linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in
   check_fits_int(op, x.size(1), "in_features");
   check_fits_int(op, weight.size(0), "out_features");
   auto out = at::empty({x.size(0), weight.size(0)}, x.options());
+  if (x.size(0) == 0) return out;
   dispatch_float(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     C10_CUDA_CHECK(launch_fused_linear<T>(data_as<T>(x), data_as<T>(weight), optional_data<T>(norm_weight), gated,

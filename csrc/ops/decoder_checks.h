@@ -93,8 +93,8 @@ inline void check_fused_linear(const char* op, const at::Tensor& x, const at::Te
   check_float_tensor(op, x, "x");
   check_rank(op, weight, "weight", 2, "[out_features, in_features]");
   check_like(op, weight, "weight", x, "x");
-  FH_CHECK_VALUE(op, x.size(0) > 0 && weight.size(0) > 0 && weight.size(1) > 0,
-                 "x and weight must be non-empty, got shapes ", shape_str(x.sizes()), " and ",
+  // No tokens (x [0, K]) gives [0, N], as F.linear does.
+  FH_CHECK_VALUE(op, weight.size(0) > 0 && weight.size(1) > 0, "weight must be non-empty, got shape ",
                  shape_str(weight.sizes()));
   const int64_t in_features = weight.size(1);
   FH_CHECK_VALUE(op, x.size(1) == (gated ? 2 : 1) * in_features, "x must have ",
