@@ -7,11 +7,14 @@
 // Centroids are of hidden's dtype or float8_e4m3fn; the ops that score them take an optional
 // centroid_scale (float32, one element on their device) that multiplies every centroid score.
 #include <Python.h>
-#include <torch/autograd.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
+#include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 TORCH_LIBRARY(flashhead, m) {
@@ -91,75 +94,80 @@ at::Tensor no_derivative(c10::string_view op, const at::Tensor&, const at::Tenso
   TORCH_CHECK(false, "derivative for flashhead::", op, " is not implemented");
 }
 
-// An op run on inputs that require grad: its float results get this node, whose backward calls
-// no_derivative. A backward that runs raises; one that is only traced (AOTAutograd under
-// torch.compile) traces, so a compiled forward runs as an eager one does.
-struct WithoutDerivative : public torch::autograd::Function<WithoutDerivative> {
-  // `inputs` are the op's tensor arguments, for autograd to record; `stack` holds all its arguments.
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
-                                                const c10::OperatorHandle* op, c10::DispatchKeySet keys,
-                                                torch::jit::Stack* stack) {
-    call_below_autograd(*op, keys, stack);
-    const size_t returns = op->schema().returns().size();
-    torch::autograd::variable_list outputs, not_differentiable;
-    for (const c10::IValue& value : torch::jit::last(*stack, returns)) {
-      outputs.push_back(value.toTensor());
-      if (!outputs.back().is_floating_point()) not_differentiable.push_back(outputs.back());
-    }
-    torch::jit::drop(*stack, returns);
-    ctx->mark_non_differentiable(not_differentiable);
-    std::vector<int64_t> tracked;
-    torch::autograd::variable_list tracked_inputs;
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      if (!inputs[i].requires_grad()) continue;
-      tracked.push_back(static_cast<int64_t>(i));
-      tracked_inputs.push_back(inputs[i]);
-    }
-    ctx->saved_data["op"] = op->schema().name().substr(std::string("flashhead::").size());
-    ctx->saved_data["tracked"] = tracked;
-    ctx->saved_data["arguments"] = static_cast<int64_t>(inputs.size()) + 3;  // the tensors, op, keys, stack
-    ctx->save_for_backward(tracked_inputs);
-    return outputs;
-  }
+// torch holds autograd nodes by std::shared_ptr up to 2.12 and by c10::intrusive_ptr from 2.13.
+using NodePtr = decltype(torch::autograd::Edge::function);
+template <typename NodeType, typename... Args>
+NodePtr make_node(Args&&... args) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>)
+    return std::make_shared<NodeType>(std::forward<Args>(args)...);
+  else
+    return c10::make_intrusive<NodeType>(std::forward<Args>(args)...);
+}
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    at::Tensor grad;
-    for (const at::Tensor& g : grads)
-      if (g.defined() && g.is_floating_point()) grad = g;
+// The grad_fn of an op's float results where an input requires grad. Its backward calls
+// no_derivative once per such input, with a stride-0 tensor of that input's shape: a backward that
+// runs raises, and one that is only traced (AOTAutograd under torch.compile) traces, so a compiled
+// forward runs as an eager one does. It keeps no input alive.
+struct NoDerivative : public torch::autograd::Node {
+  explicit NoDerivative(std::string op_name) : op(std::move(op_name)) {}
+  std::string name() const override { return "NoDerivative(flashhead::" + op + ")"; }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     static const auto raise = c10::Dispatcher::singleton()
                                   .findSchemaOrThrow("flashhead::no_derivative", "")
                                   .typed<at::Tensor(c10::string_view, const at::Tensor&, const at::Tensor&)>();
-    const std::string op = ctx->saved_data["op"].toStringRef();
-    const std::vector<int64_t> tracked = ctx->saved_data["tracked"].toIntVector();
-    const torch::autograd::variable_list saved = ctx->get_saved_variables();
-    torch::autograd::variable_list input_grads(ctx->saved_data["arguments"].toInt());
-    for (size_t i = 0; i < tracked.size(); ++i) input_grads[tracked[i]] = raise.call(op, grad, saved[i]);
+    at::Tensor grad;
+    for (const at::Tensor& g : grads)
+      if (g.defined()) grad = g;
+    torch::autograd::variable_list input_grads;
+    for (const auto& [sizes, options] : inputs)
+      input_grads.push_back(raise.call(op, grad, at::zeros({}, options).expand_symint(sizes)));
     return input_grads;
   }
+  // Compiled autograd asks each node for these first (const from torch 2.7): raise the same error.
+  void compiled_args(torch::autograd::CompiledNodeArgs&) const { no_derivative(op, {}, {}); }
+  void compiled_args(torch::autograd::CompiledNodeArgs&) { no_derivative(op, {}, {}); }
+
+  std::string op;
+  std::vector<std::pair<std::vector<c10::SymInt>, at::TensorOptions>> inputs;  // those that require grad
 };
 
 // The ops are for inference and have no derivatives. Without an autograd kernel torch's default
 // fallback differentiated the CPU references through their ATen calls but gave CUDA inputs no
 // gradient (a warning at most); with this kernel a backward through any op raises, on every device.
+// Like torch's in-place ops, it refuses to write into a leaf that requires grad and bumps the
+// version of what it writes, so a backward that needs the old values raises.
 void autograd_without_derivative(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  const size_t arguments = op.schema().arguments().size();
-  std::vector<at::Tensor> inputs;
-  bool requires_grad = false;
-  for (const c10::IValue& value : torch::jit::last(*stack, arguments)) {
-    if (!value.isTensor()) continue;
-    const at::Tensor& tensor = value.toTensor();
+  const c10::FunctionSchema& schema = op.schema();
+  const size_t arguments = schema.arguments().size();
+  const auto argument = [&](size_t i) -> const c10::IValue& { return (*stack)[stack->size() - arguments + i]; };
+  std::vector<at::Tensor> tracked;
+  for (size_t i = 0; i < arguments; ++i) {
+    if (!argument(i).isTensor()) continue;
+    const at::Tensor& tensor = argument(i).toTensor();
     TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(tensor), "Trying to use forward AD with ",
-                                op.schema().name(), " that does not support it");
-    requires_grad |= tensor.requires_grad();
-    inputs.push_back(tensor);
+                                schema.name(), " that does not support it.");
+    if (tensor.requires_grad()) tracked.push_back(tensor);
   }
-  if (!requires_grad || !at::GradMode::is_enabled() || op.schema().returns().empty()) {
-    call_below_autograd(op, keys, stack);
-    return;
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < arguments; ++i)
+    if (argument(i).isTensor() && schema.is_mutable({c10::SchemaArgType::input, i})) {
+      torch::autograd::check_inplace(argument(i).toTensor(), !tracked.empty());
+      written.push_back(argument(i).toTensor());
+    }
+  NodePtr node;
+  if (!tracked.empty() && at::GradMode::is_enabled() && !schema.returns().empty()) {
+    auto no_derivative_node = make_node<NoDerivative>(schema.name().substr(std::string("flashhead::").size()));
+    for (const at::Tensor& input : tracked)
+      static_cast<NoDerivative&>(*no_derivative_node).inputs.emplace_back(input.sym_sizes().vec(), input.options());
+    no_derivative_node->set_next_edges(torch::autograd::collect_next_edges(tracked));
+    node = std::move(no_derivative_node);
   }
-  const torch::autograd::variable_list outputs = WithoutDerivative::apply(at::TensorList(inputs), &op, keys, stack);
-  for (const at::Tensor& output : outputs) stack->emplace_back(output);
+  call_below_autograd(op, keys, stack);
+  for (const at::Tensor& tensor : written)
+    if (!tensor.is_inference()) torch::autograd::increment_version(tensor);
+  if (!node) return;
+  for (size_t i = stack->size() - schema.returns().size(); i < stack->size(); ++i)
+    if ((*stack)[i].toTensor().is_floating_point()) torch::autograd::set_history((*stack)[i].toTensor(), node);
 }
 }  // namespace
 

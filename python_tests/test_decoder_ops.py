@@ -204,6 +204,24 @@ def test_fused_linear_without_tokens(option, device):
     assert out.shape == (0, 64) and out.dtype == torch.bfloat16 and out.device == args["x"].device
 
 
+@device_params
+def test_cache_writes_act_like_in_place_ops(device):
+    # Like torch's in-place ops: a write into a leaf that requires grad raises, and a written cache's
+    # version goes up, so a backward that saved its old values raises instead of using the new ones.
+    args = on(rotary_args(2, 6, 1, 8, 10, 3, False, torch.float32), device)
+    leaf = args["k_cache"].clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place operation"):
+        ops.rotary_cache_write(**{**args, "k_cache": leaf, "qkv": args["qkv"].clone().requires_grad_()})
+    weight = torch.ones((), device=device, requires_grad=True)
+    k_cache = args["k_cache"] * weight
+    loss = (k_cache * k_cache).sum()  # saves k_cache for its backward
+    versions = k_cache._version, args["v_cache"]._version
+    ops.rotary_cache_write(**{**args, "k_cache": k_cache})
+    assert (k_cache._version, args["v_cache"]._version) == (versions[0] + 1, versions[1] + 1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_fused_linear_options_matter():
     # Each option changes the result by far more than the tolerance (the test above can fail).
     base = linear_args(7, 97, 64, "norm+bias+residual", torch.float32)

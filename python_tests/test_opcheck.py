@@ -94,6 +94,34 @@ def test_forward_mode_ad_through_an_op_raises(op, device):
 
 
 @device_params
+def test_func_transforms_through_the_ops(device):
+    # torch.func differentiates through an op's int results (greedy ids indexing a differentiable
+    # tensor) as through any index; through a float result it raises, as backward does.
+    problem = make_problem(INPUTS[1][0], torch.float32, device)
+    h, c, t, e, p, x = problem.args()
+    logit_of_token = lambda hidden: (hidden * e[torch.ops.flashhead.decode_greedy(hidden, c, t, e, p, x)]).sum()
+    tracked = h.clone().requires_grad_()
+    logit_of_token(tracked).backward()
+    assert torch.equal(torch.func.grad(logit_of_token)(h), tracked.grad)
+    for op in [op for op, _ in FLOAT_RESULTS]:
+        call = entry_point(op, problem)
+        with pytest.raises(RuntimeError, match=f"derivative for flashhead::{op} is not implemented"):
+            torch.func.grad(lambda hidden: call(hidden).float().sum())(h)
+
+
+@device_params
+def test_backward_raises_after_an_input_changed_in_place(device):
+    # The backward raises for want of a derivative, not for a saved input's version: none is saved.
+    problem = make_problem(INPUTS[1][0], torch.float32, device)
+    hidden = problem.hidden.clone().requires_grad_()
+    scores = torch.ops.flashhead.select_clusters(hidden, problem.centroids, problem.probes)[1]
+    with torch.no_grad():
+        hidden.add_(1)
+    with pytest.raises(RuntimeError, match="derivative for flashhead::select_clusters is not implemented"):
+        scores.sum().backward()
+
+
+@device_params
 def test_opcheck_out_into_strided_view(device):
     problem = make_problem(INPUTS[1][0], INPUTS[1][1], device)
     buffer = torch.zeros(problem.hidden.shape[0], 4, dtype=torch.int64, device=device)
