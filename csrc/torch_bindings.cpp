@@ -131,11 +131,21 @@ struct NoDerivative : public torch::autograd::Node {
   std::vector<std::pair<std::vector<c10::SymInt>, at::TensorOptions>> inputs;  // those that require grad
 };
 
+// A NoDerivative node of op over `inputs` (its edges to their present history).
+NodePtr no_derivative_node(const c10::FunctionSchema& schema, const std::vector<at::Tensor>& inputs) {
+  NodePtr node = make_node<NoDerivative>(schema.name().substr(std::string("flashhead::").size()));
+  for (const at::Tensor& input : inputs)
+    static_cast<NoDerivative&>(*node).inputs.emplace_back(input.sym_sizes().vec(), input.options());
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  return node;
+}
+
 // The ops are for inference and have no derivatives. Without an autograd kernel torch's default
 // fallback differentiated the CPU references through their ATen calls but gave CUDA inputs no
 // gradient (a warning at most); with this kernel a backward through any op raises, on every device.
-// Like torch's in-place ops, it refuses to write into a leaf that requires grad and bumps the
-// version of what it writes, so a backward that needs the old values raises.
+// What an op writes (the caches, decode_greedy_out's out) is treated as torch's in-place ops treat
+// theirs: a leaf that requires grad is refused, the version goes up (a backward that saved the old
+// values raises), and a tensor that requires grad gets a history whose backward raises.
 void autograd_without_derivative(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const c10::FunctionSchema& schema = op.schema();
   const size_t arguments = schema.arguments().size();
@@ -154,17 +164,18 @@ void autograd_without_derivative(const c10::OperatorHandle& op, c10::DispatchKey
       torch::autograd::check_inplace(argument(i).toTensor(), !tracked.empty());
       written.push_back(argument(i).toTensor());
     }
-  NodePtr node;
-  if (!tracked.empty() && at::GradMode::is_enabled() && !schema.returns().empty()) {
-    auto no_derivative_node = make_node<NoDerivative>(schema.name().substr(std::string("flashhead::").size()));
-    for (const at::Tensor& input : tracked)
-      static_cast<NoDerivative&>(*no_derivative_node).inputs.emplace_back(input.sym_sizes().vec(), input.options());
-    no_derivative_node->set_next_edges(torch::autograd::collect_next_edges(tracked));
-    node = std::move(no_derivative_node);
-  }
+  const bool record = !tracked.empty() && at::GradMode::is_enabled();
+  const NodePtr node = record && !schema.returns().empty() ? no_derivative_node(schema, tracked) : NodePtr();
   call_below_autograd(op, keys, stack);
-  for (const at::Tensor& tensor : written)
+  for (const at::Tensor& tensor : written) {
     if (!tensor.is_inference()) torch::autograd::increment_version(tensor);
+    if (!record || !tensor.requires_grad()) continue;
+    // Its old values first: a view's CopySlices takes edge 0 for them.
+    std::vector<at::Tensor> inputs{tensor};
+    for (const at::Tensor& input : tracked)
+      if (!input.is_same(tensor)) inputs.push_back(input);
+    torch::autograd::rebase_history(tensor, no_derivative_node(schema, inputs));
+  }
   if (!node) return;
   for (size_t i = stack->size() - schema.returns().size(); i < stack->size(); ++i)
     if ((*stack)[i].toTensor().is_floating_point()) torch::autograd::set_history((*stack)[i].toTensor(), node);

@@ -7,6 +7,17 @@ build has no CUDA kernels (a CPU-only build, e.g. FLASHHEAD_SKIP_CUDA_BUILD=1 or
 """
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
+# torch.compile's caches (inductor's and AOTAutograd's) key graphs without this extension's build,
+# so a warm cache would hand the compile tests graphs traced with another build's kernels; each
+# test process compiles into a fresh directory instead.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashhead-tests-inductor-")
+atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+
 import pytest
 import torch
 

@@ -206,12 +206,12 @@ def test_fused_linear_without_tokens(option, device):
 
 @device_params
 def test_cache_writes_act_like_in_place_ops(device):
-    # Like torch's in-place ops: a write into a leaf that requires grad raises, and a written cache's
-    # version goes up, so a backward that saved its old values raises instead of using the new ones.
+    # Like torch's in-place ops: a write into a leaf that requires grad raises; a written cache's
+    # version goes up, so a backward that saved its old values raises instead of using the new ones;
+    # and a written cache (or its view) that requires grad takes the op's history, whose backward raises.
     args = on(rotary_args(2, 6, 1, 8, 10, 3, False, torch.float32), device)
-    leaf = args["k_cache"].clone().requires_grad_()
     with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place operation"):
-        ops.rotary_cache_write(**{**args, "k_cache": leaf, "qkv": args["qkv"].clone().requires_grad_()})
+        ops.rotary_cache_write(**{**args, "k_cache": args["k_cache"].clone().requires_grad_()})
     weight = torch.ones((), device=device, requires_grad=True)
     k_cache = args["k_cache"] * weight
     loss = (k_cache * k_cache).sum()  # saves k_cache for its backward
@@ -220,6 +220,11 @@ def test_cache_writes_act_like_in_place_ops(device):
     assert (k_cache._version, args["v_cache"]._version) == (versions[0] + 1, versions[1] + 1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+    for written in (lambda cache: cache, lambda cache: cache.unsqueeze(0)[0]):  # the cache, or a view of it
+        k_cache = args["k_cache"] * weight
+        ops.rotary_cache_write(**{**args, "k_cache": written(k_cache)})
+        with pytest.raises(RuntimeError, match="derivative for flashhead::rotary_cache_write is not implemented"):
+            k_cache.sum().backward()
 
 
 def test_fused_linear_options_matter():
