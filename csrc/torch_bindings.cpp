@@ -94,7 +94,7 @@ at::Tensor no_derivative(c10::string_view op, const at::Tensor&, const at::Tenso
   TORCH_CHECK(false, "derivative for flashhead::", op, " is not implemented");
 }
 
-// torch holds autograd nodes by std::shared_ptr up to 2.12 and by c10::intrusive_ptr from 2.13.
+// torch holds autograd nodes by std::shared_ptr (2.6-2.11 here) or by c10::intrusive_ptr (2.13-2.14).
 using NodePtr = decltype(torch::autograd::Edge::function);
 template <typename NodeType, typename... Args>
 NodePtr make_node(Args&&... args) {
@@ -123,7 +123,7 @@ struct NoDerivative : public torch::autograd::Node {
       input_grads.push_back(raise.call(op, grad, at::zeros({}, options).expand_symint(sizes)));
     return input_grads;
   }
-  // Compiled autograd asks each node for these first (const from torch 2.7): raise the same error.
+  // Compiled autograd asks each node for these first (const in newer torch): raise the same error.
   void compiled_args(torch::autograd::CompiledNodeArgs&) const { no_derivative(op, {}, {}); }
   void compiled_args(torch::autograd::CompiledNodeArgs&) { no_derivative(op, {}, {}); }
 
