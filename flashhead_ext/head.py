@@ -11,6 +11,7 @@ vocabulary, then argmax or a Gumbel-max draw, in plain torch.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence, Union
 
 import torch
@@ -94,6 +95,41 @@ def centroid_dtype_option(centroid_dtype, embedding_dtype: torch.dtype) -> Optio
 class _HeadBase(nn.Module):
     embedding: Tensor
 
+    def _keep_embedding(self, embedding: Tensor) -> None:
+        # Not persistent: it is the model's own weight, shared, never a copy. A weight given as an
+        # nn.Parameter (a module's) is also kept as given, so that the buffer can follow it.
+        self.register_buffer("embedding", embedding.detach(), persistent=False)
+        self.__dict__["_weight"] = embedding if isinstance(embedding, nn.Parameter) else None  # not registered
+        self.__dict__["_embedding_unset"] = None
+
+    def _follow_weight(self) -> None:
+        """Shares the weight again where the buffer became a tensor of its own of the weight's shape,
+        dtype and device: ``copy.deepcopy`` and pickling copy them apart, and a ``to()`` / ``half()``
+        of a module holding both converts them apart. Where they differ (a head moved or cast alone,
+        or a weight replaced by a new Parameter, as a move to or from the meta device does), the
+        buffer is the head's own from then on."""
+        weight, buffer = self.__dict__.get("_weight"), self._buffers["embedding"]
+        if weight is None:
+            return
+        if (buffer.shape, buffer.dtype, buffer.device) != (weight.shape, weight.dtype, weight.device) or buffer.is_meta:
+            self.__dict__["_weight"] = None
+        elif buffer.data_ptr() != weight.data_ptr():
+            self._buffers["embedding"] = weight.detach()
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._follow_weight()
+
+    def _apply(self, fn, recurse=True):
+        was_meta = self._buffers["embedding"].is_meta
+        super()._apply(fn, recurse)
+        self._follow_weight()
+        # Only to_empty() takes a tensor off the meta device, and it leaves no values in it: nothing
+        # refills the buffer (it is in no state dict), so the head refuses to run on it.
+        if was_meta and not self._buffers["embedding"].is_meta:
+            self.__dict__["_embedding_unset"] = self._buffers["embedding"].data_ptr()  # until it is replaced
+        return self
+
     @property
     def vocab_size(self) -> int:
         return self.embedding.shape[0]
@@ -104,6 +140,11 @@ class _HeadBase(nn.Module):
 
     def _rows(self, hidden: Tensor) -> Tensor:
         """hidden ``[..., D]`` as ``[B, D]``, after checks that name what was expected."""
+        unset = self.__dict__.get("_embedding_unset")
+        if unset is not None and unset == self.embedding.data_ptr():
+            raise ValueError("the head's embedding was taken off the meta device by to_empty(), which leaves it without "
+                             "values, and no state dict holds it: give the head the materialised weight "
+                             "(head.embedding = model_weight.detach()) or build it again")
         if not isinstance(hidden, Tensor):
             raise TypeError(f"hidden must be a torch.Tensor [..., {self.hidden_dim}], got {type(hidden).__name__}")
         if hidden.dim() == 0 or hidden.shape[-1] != self.hidden_dim:
@@ -136,8 +177,7 @@ class DenseHead(_HeadBase):
     def __init__(self, embedding: Tensor):
         super().__init__()
         _check_embedding(embedding)
-        # Not persistent: it is the model's own weight, shared, never a copy.
-        self.register_buffer("embedding", embedding.detach(), persistent=False)
+        self._keep_embedding(embedding)
 
     def next_token(self, hidden: Tensor) -> Tensor:
         """int64 ``hidden.shape[:-1]``: each row's argmax over the whole vocabulary."""
@@ -169,10 +209,16 @@ class FlashHead(_HeadBase):
     """Retrieval head: score C centroids, keep the best ``probes`` clusters, exact logits on their tokens.
 
     Args:
-        embedding: the output embedding ``[V, D]`` (kept by reference, not copied). It is a
-            non-persistent buffer, so ``head.to(...)``, or a ``to()`` of a module that holds the
-            head, moves or casts it into a new tensor apart from the model's weight; ``attach``
-            keeps the head outside the model and rebuilds it over the moved weight instead.
+        embedding: the output embedding ``[V, D]``, contiguous (kept by reference, not copied;
+            a non-persistent buffer, so neither in the state dict nor loaded by it). Given as the
+            model's ``nn.Parameter`` (``model.lm_head.weight``), the head follows it through
+            ``copy.deepcopy`` and ``torch.save`` / ``torch.load`` of a module holding both, and
+            through that module's ``to()`` / ``half()`` where the weight is converted before the
+            head (registered first); otherwise, and after ``head.to(...)`` alone, the buffer is a
+            tensor of the head's own. ``load_state_dict(assign=True)`` and ``to_empty()`` give the
+            model a new weight: give the head it (``head.embedding = weight.detach()``; after
+            ``to_empty()`` the head refuses to run until then) or build it again. ``attach``
+            keeps the head outside the model and rebuilds it over a moved weight.
         centroids: ``[C, D]`` float cluster centroids used to rank clusters for greedy decoding
             (copied to the embedding's device, in its dtype or quantized: ``centroid_dtype``).
         cluster_tokens: ``[C, b]`` token ids of each cluster; -1 pads clusters when V is not a
@@ -223,7 +269,10 @@ class FlashHead(_HeadBase):
         _check_embedding(embedding)
         quantized = centroid_dtype_option(centroid_dtype, embedding.dtype) == FP8_CENTROIDS
         vocab, dim = embedding.shape
-        self.register_buffer("embedding", embedding.detach(), persistent=False)
+        if not embedding.is_contiguous():  # the ops take contiguous rows
+            warnings.warn(f"FlashHead: embedding (shape {tuple(embedding.shape)}, strides {embedding.stride()}) is not "
+                          "contiguous, so every call copies it whole; pass embedding.contiguous()", stacklevel=2)
+        self._keep_embedding(embedding)
         sampling = centroids if sampling_centroids is None else sampling_centroids
         for name, given in (("centroids", centroids), ("sampling_centroids", sampling)):
             # Quantized from float32, so the values are rounded once.
@@ -274,8 +323,10 @@ class FlashHead(_HeadBase):
         def incoming(name):
             return state_dict.get(prefix + name)
 
-        if local_metadata.get("version", 1) < 2 and prefix + "extra_ids" not in state_dict:
-            state_dict[prefix + "extra_ids"] = torch.empty(0, dtype=torch.int32)  # saved without special tokens
+        # Saved by a version-1 head without special tokens. A dict without the metadata (rebuilt or
+        # filtered, or read from safetensors) says no version: a missing extra_ids is then missing.
+        if local_metadata.get("version", 2) < 2 and prefix + "extra_ids" not in state_dict:
+            state_dict[prefix + "extra_ids"] = torch.empty(0, dtype=torch.int32)
         for name in ("centroids", "sampling_centroids"):
             if isinstance(incoming(name), Tensor):
                 # A copy between the two kinds would cast fp8 values without their scale, or drop one.
@@ -302,6 +353,11 @@ class FlashHead(_HeadBase):
             # buffer is kept when it fits, so what holds it (a captured graph) sees the new ids.
             if ids.shape != self.extra_ids.shape:
                 self.extra_ids = torch.empty_like(ids)
+        for name, buffer in self._buffers.items():
+            # In the dtype and on the device the head keeps them (checked above): with
+            # load_state_dict(assign=True) they would keep the state's, which the ops refuse.
+            if buffer is not None and name not in self._non_persistent_buffers_set and isinstance(incoming(name), Tensor):
+                state_dict[prefix + name] = incoming(name).to(buffer.device, buffer.dtype)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def __setstate__(self, state):
@@ -331,7 +387,9 @@ class FlashHead(_HeadBase):
             self._buffers.update(kept)
             raise
         for name, tensor in kept.items():
-            self._buffers[name] = tensor.to(fn(torch.empty(0, device=tensor.device)).device)
+            device = fn(torch.empty(0, device=tensor.device)).device
+            # A meta tensor has no values to move: to_empty() gives it storage, which load_state_dict fills.
+            self._buffers[name] = torch.empty_like(tensor, device=device) if tensor.is_meta else tensor.to(device)
         return self
 
     @property

@@ -1,4 +1,6 @@
 """FlashHead and DenseHead: agreement with each other and with the ops, shapes, out=, sampling."""
+import copy
+import io
 import pickle
 import re
 
@@ -252,6 +254,99 @@ def test_state_dicts_from_before_extra_ids_was_always_saved_still_load():
         assert restored.centroid_scale is None and "centroid_scale" not in restored._buffers
         assert torch.equal(restored.next_token(problem.hidden), head.next_token(problem.hidden))
         plain = restored
+
+
+def test_a_state_dict_without_metadata_and_extra_ids_misses_them():
+    # Only a state saved as version 1 (its metadata says so) may leave out extra_ids; a dict rebuilt
+    # without the metadata (filtered, or read from safetensors) misses them instead of dropping EOS.
+    problem = make_problem(SHAPE, seed=7)
+    head = flash_head(problem)
+    state = {key: tensor for key, tensor in head.state_dict().items() if key != "extra_ids"}
+    with pytest.raises(RuntimeError, match='Missing key\\(s\\) in state_dict: "extra_ids"'):
+        head.load_state_dict(state)
+    assert head.load_state_dict(state, strict=False).missing_keys == ["extra_ids"]
+    assert torch.equal(head.extra_ids, problem.extra_ids.to(torch.int32).unique())
+
+
+def test_load_state_dict_with_assign_keeps_the_heads_dtypes():
+    problem = make_problem(SHAPE, seed=9)
+    head = flash_head(problem.with_(embedding=problem.embedding.bfloat16()))
+    state = {**flash_head(problem).state_dict()}  # float32 centroids
+    state["cluster_tokens"] = state["cluster_tokens"].long()
+    head.load_state_dict(state, assign=True)
+    assert head.centroids.dtype == head.sampling_centroids.dtype == torch.bfloat16
+    assert head.cluster_tokens.dtype == torch.int32
+    assert torch.equal(head.next_token(problem.hidden.bfloat16()), flash_head(problem.with_(
+        embedding=problem.embedding.bfloat16(), centroids=problem.centroids.bfloat16())).next_token(problem.hidden.bfloat16()))
+
+
+def test_a_non_contiguous_embedding_warns():
+    # The ops read contiguous rows, so each call would copy the whole embedding.
+    problem = make_problem(SHAPE, seed=14)
+    strided = problem.embedding.t().contiguous().t()
+    with pytest.warns(UserWarning, match="is not contiguous, so every call copies it whole"):
+        head = FlashHead(strided, problem.centroids, problem.cluster_tokens, problem.probes)
+    assert torch.equal(head.next_token(problem.hidden), flash_head(problem.with_(extra_ids=None)).next_token(problem.hidden))
+
+
+class _WithHead(torch.nn.Module):
+    """A model's output layer and a head built over its weight (an nn.Parameter)."""
+
+    def __init__(self, problem, kind, **kw):
+        super().__init__()
+        self.lm_head = torch.nn.Linear(SHAPE.D, SHAPE.V, bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(problem.embedding)
+        self.head = (DenseHead(self.lm_head.weight) if kind == "dense" else
+                     FlashHead(self.lm_head.weight, problem.centroids, problem.cluster_tokens, SHAPE.C, **kw))
+
+
+def _saved_and_loaded(module):
+    # torch.save, not pickle.dumps: plain pickle cannot hold float8 tensors (torch 2.14).
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _shares_weight(model) -> bool:
+    return model.head.embedding.data_ptr() == model.lm_head.weight.data_ptr()
+
+
+@pytest.mark.parametrize("kind", ["dense", "flash", "flash-fp8"])
+def test_a_head_follows_its_models_weight_through_copies_and_conversions(kind):
+    # Built over an nn.Parameter, the head uses that weight after copy.deepcopy and torch.save /
+    # torch.load of the model (which copy the two apart) and after its half() (which converts them apart).
+    fp8 = {"centroid_dtype": torch.float8_e4m3fn} if kind == "flash-fp8" else {}
+    problem, other = make_problem(SHAPE, seed=10), make_problem(SHAPE, seed=11)
+    model, source = _WithHead(problem, kind[:5], **fp8), _WithHead(other, kind[:5], **fp8)
+    want = source.head.next_token(problem.hidden)
+    for copied in (copy.deepcopy(model), _saved_and_loaded(model)):
+        assert _shares_weight(copied)
+        copied.load_state_dict(source.state_dict())
+        assert torch.equal(copied.head.next_token(problem.hidden), want)
+    model.half()
+    assert torch.equal(model.head.next_token(problem.hidden.half()), _WithHead(problem, kind[:5], **fp8).half().head
+                       .next_token(problem.hidden.half())) and _shares_weight(model)
+
+
+
+@pytest.mark.parametrize("kind", ["dense", "flash", "flash-fp8"])
+@pytest.mark.parametrize("alone", [False, True], ids=["in-model", "alone"])
+def test_a_head_refuses_to_run_on_the_empty_embedding_of_to_empty(kind, alone):
+    # A move to the meta device replaces a module's weight by a new Parameter, and to_empty() leaves
+    # the buffer without values, which no state dict refills (it is not persistent): the head
+    # raises until it is given the weight again.
+    fp8 = {"centroid_dtype": torch.float8_e4m3fn} if kind == "flash-fp8" else {}
+    problem, other = make_problem(SHAPE, seed=12), make_problem(SHAPE, seed=13)
+    model, source = _WithHead(problem, kind[:5], **fp8), _WithHead(other, kind[:5], **fp8)
+    target = model.head if alone else model
+    target.to("meta").to_empty(device="cpu")
+    model.load_state_dict(source.state_dict())
+    with pytest.raises(ValueError, match="taken off the meta device by to_empty"):
+        model.head.next_token(problem.hidden)
+    model.head.embedding = model.lm_head.weight.detach()
+    assert torch.equal(model.head.next_token(problem.hidden), source.head.next_token(problem.hidden))
 
 
 def test_loading_special_tokens_keeps_the_buffer_when_it_fits_and_drops_repeats():
