@@ -252,7 +252,7 @@ def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> Flas
         raise ValueError(f"cluster_assignments in {path} must hold integer cluster ids, got {assignments.dtype}")
     dim, count = centroids.shape
     used = int(assignments.max()) + 1 if assignments.numel() else 0
-    if used != count and used == dim:  # the ids fit the first dimension, not the second: [clusters, hidden]
+    if used > count and used == dim:  # the ids fit the first dimension, not the second: [clusters, hidden]
         raise ValueError(f"centroids in {path} have shape {tuple(centroids.shape)} but cluster_assignments use "
                          f"{used} cluster ids: the centroids look transposed; expected [hidden, clusters]")
     if embedding is not None:

@@ -100,34 +100,66 @@ class _HeadBase(nn.Module):
         # nn.Parameter (a module's) is also kept as given, so that the buffer can follow it.
         self.register_buffer("embedding", embedding.detach(), persistent=False)
         self.__dict__["_weight"] = embedding if isinstance(embedding, nn.Parameter) else None  # not registered
-        self.__dict__["_embedding_unset"] = None
+        self.__dict__["_embedding_unset"] = False
+        self._share_weight()
 
-    def _follow_weight(self) -> None:
-        """Shares the weight again where the buffer became a tensor of its own of the weight's shape,
-        dtype and device: ``copy.deepcopy`` and pickling copy them apart, and a ``to()`` / ``half()``
-        of a module holding both converts them apart. Where they differ (a head moved or cast alone,
-        or a weight replaced by a new Parameter, as a move to or from the meta device does), the
-        buffer is the head's own from then on."""
-        weight, buffer = self.__dict__.get("_weight"), self._buffers["embedding"]
-        if weight is None:
-            return
-        if (buffer.shape, buffer.dtype, buffer.device) != (weight.shape, weight.dtype, weight.device) or buffer.is_meta:
-            self.__dict__["_weight"] = None
-        elif buffer.data_ptr() != weight.data_ptr():
+    def _share_weight(self) -> None:
+        """Points the buffer at the kept weight and notes where, so that a conversion can tell that
+        the buffer was the weight before it (a module converts its weight before or after the head)."""
+        weight = self.__dict__.get("_weight")
+        if weight is not None:
             self._buffers["embedding"] = weight.detach()
+        self.__dict__["_shared_at"] = None if weight is None else self._buffers["embedding"].data_ptr()
+
+    def _tied(self) -> bool:
+        """Whether the buffer is still the kept weight's memory."""
+        weight, buffer = self.__dict__.get("_weight"), self._buffers["embedding"]
+        return (weight is not None and not buffer.is_meta and type(buffer) is Tensor  # not a tracing subclass
+                and (buffer.shape, buffer.dtype, buffer.device) == (weight.shape, weight.dtype, weight.device)
+                and buffer.data_ptr() == weight.data_ptr())
+
+    def __setattr__(self, name, value):
+        if name == "embedding":  # given another weight: it is the head's from now on
+            self.__dict__.update(_weight=None, _shared_at=None, _embedding_unset=False)
+        super().__setattr__(name, value)
+
+    def __getstate__(self):
+        # copy.deepcopy and pickling copy the weight and the buffer apart: while they are one, the
+        # buffer is left out and made again from the (copied) weight.
+        state = super().__getstate__()
+        if self._tied():
+            state["_buffers"] = {**state["_buffers"], "embedding": None}
+        else:
+            state.update(_weight=None, _shared_at=None)
+        return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self._follow_weight()
+        if self._buffers.get("embedding") is None and self.__dict__.get("_weight") is not None:
+            self._share_weight()
 
     def _apply(self, fn, recurse=True):
-        was_meta = self._buffers["embedding"].is_meta
+        # A module's conversion (model.half(), .to()) converts its weight and the head's buffer
+        # apart; where the weight is converted first (registered before the head) the buffer is
+        # pointed at it again. Otherwise, and where torch replaces a module's parameters on
+        # conversion (overwrite_module_params_on_conversion, moves to or from the meta device), the
+        # buffer is the head's own from then on.
+        buffer = self._buffers["embedding"]
+        tied = (self.__dict__.get("_weight") is not None and type(buffer) is Tensor and not buffer.is_meta
+                and buffer.data_ptr() == self.__dict__.get("_shared_at")
+                and not torch.__future__.get_overwrite_module_params_on_conversion())
+        was_meta = buffer.is_meta
         super()._apply(fn, recurse)
-        self._follow_weight()
+        weight, buffer = self.__dict__.get("_weight"), self._buffers["embedding"]
+        if tied and (buffer.shape, buffer.dtype, buffer.device) == (weight.shape, weight.dtype, weight.device):
+            self._share_weight()
+            buffer = self._buffers["embedding"]
+        else:
+            self.__dict__.update(_weight=None, _shared_at=None)
         # Only to_empty() takes a tensor off the meta device, and it leaves no values in it: nothing
-        # refills the buffer (it is in no state dict), so the head refuses to run on it.
-        if was_meta and not self._buffers["embedding"].is_meta:
-            self.__dict__["_embedding_unset"] = self._buffers["embedding"].data_ptr()  # until it is replaced
+        # refills the buffer (it is in no state dict), so the head refuses to run until given one.
+        if was_meta and not buffer.is_meta:
+            self.__dict__["_embedding_unset"] = True
         return self
 
     @property
@@ -140,8 +172,7 @@ class _HeadBase(nn.Module):
 
     def _rows(self, hidden: Tensor) -> Tensor:
         """hidden ``[..., D]`` as ``[B, D]``, after checks that name what was expected."""
-        unset = self.__dict__.get("_embedding_unset")
-        if unset is not None and unset == self.embedding.data_ptr():
+        if self.__dict__.get("_embedding_unset"):
             raise ValueError("the head's embedding was taken off the meta device by to_empty(), which leaves it without "
                              "values, and no state dict holds it: give the head the materialised weight "
                              "(head.embedding = model_weight.detach()) or build it again")
@@ -214,8 +245,9 @@ class FlashHead(_HeadBase):
             model's ``nn.Parameter`` (``model.lm_head.weight``), the head follows it through
             ``copy.deepcopy`` and ``torch.save`` / ``torch.load`` of a module holding both, and
             through that module's ``to()`` / ``half()`` where the weight is converted before the
-            head (registered first); otherwise, and after ``head.to(...)`` alone, the buffer is a
-            tensor of the head's own. ``load_state_dict(assign=True)`` and ``to_empty()`` give the
+            head (registered first); otherwise (also where torch is set to replace parameters on
+            conversion), and after ``head.to(...)`` alone, the buffer is a tensor of the head's
+            own. ``load_state_dict(assign=True)`` and ``to_empty()`` give the
             model a new weight: give the head it (``head.embedding = weight.detach()``; after
             ``to_empty()`` the head refuses to run until then) or build it again. ``attach``
             keeps the head outside the model and rebuilds it over a moved weight.
@@ -357,7 +389,7 @@ class FlashHead(_HeadBase):
             # In the dtype and on the device the head keeps them (checked above): with
             # load_state_dict(assign=True) they would keep the state's, which the ops refuse.
             if buffer is not None and name not in self._non_persistent_buffers_set and isinstance(incoming(name), Tensor):
-                state_dict[prefix + name] = incoming(name).to(buffer.device, buffer.dtype)
+                state_dict[prefix + name] = incoming(name).to(None if buffer.is_meta else buffer.device, buffer.dtype)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def __setstate__(self, state):

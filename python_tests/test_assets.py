@@ -191,8 +191,10 @@ def _write_bad(directory, *, centroids=None, assignments=None, config=None, drop
     ({"config": {"flash_head_greedy_scoring": "unit"}}, r"flash_head_greedy_scoring must be one of \('normalized', 'raw'\)"),
     ({"config": {"flash_head_special_token_ids": [VOCAB]}}, r"flash_head_special_token_ids must be a list of token ids in \[0, 96\)"),
     ({"centroids": torch.randn(DIM + 1, 12)}, "centroids of hidden size 13 but the embedding has hidden size 12"),
-    ({"centroids": torch.randn(8, DIM), "assignments": torch.arange(VOCAB) % 8},
-     r"have shape \(8, 12\) but cluster_assignments use 8 cluster ids: the centroids look transposed"),
+    ({"centroids": torch.randn(16, DIM), "assignments": torch.arange(VOCAB) % 16},
+     r"have shape \(16, 12\) but cluster_assignments use 16 cluster ids: the centroids look transposed"),
+    ({"centroids": torch.randn(DIM, 24), "assignments": torch.arange(VOCAB) % 12,
+      "config": {"enforce_equal_cluster_sizes": False}}, "cluster 12 has no tokens"),  # not transposed
     ({"assignments": torch.arange(VOCAB + 12) % 12}, "assign 108 tokens .* but the embedding has vocab size 96"),
 ])
 def test_malformed_assets_raise_clear_errors(tmp_path, embedding, bad, match):

@@ -328,6 +328,11 @@ def test_a_head_follows_its_models_weight_through_copies_and_conversions(kind):
     model.half()
     assert torch.equal(model.head.next_token(problem.hidden.half()), _WithHead(problem, kind[:5], **fp8).half().head
                        .next_token(problem.hidden.half())) and _shares_weight(model)
+    # load_state_dict(assign=True) gives the model a new weight: the head runs on what it is given.
+    model.float().load_state_dict(source.state_dict(), assign=True)
+    model.head.embedding = model.lm_head.weight.detach()
+    for converted in (model.float(), copy.deepcopy(model)):
+        assert torch.equal(converted.head.next_token(problem.hidden), want)
 
 
 
@@ -346,7 +351,12 @@ def test_a_head_refuses_to_run_on_the_empty_embedding_of_to_empty(kind, alone):
     with pytest.raises(ValueError, match="taken off the meta device by to_empty"):
         model.head.next_token(problem.hidden)
     model.head.embedding = model.lm_head.weight.detach()
-    assert torch.equal(model.head.next_token(problem.hidden), source.head.next_token(problem.hidden))
+    want = source.head.next_token(problem.hidden)
+    assert torch.equal(model.head.next_token(problem.hidden), want)
+    # What it was given stays: no conversion or copy takes the head back to a weight it had before.
+    model.float()
+    assert torch.equal(model.head.next_token(problem.hidden), want)
+    assert torch.equal(copy.deepcopy(model).head.next_token(problem.hidden), want)
 
 
 def test_loading_special_tokens_keeps_the_buffer_when_it_fits_and_drops_repeats():
