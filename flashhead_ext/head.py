@@ -111,12 +111,21 @@ class _HeadBase(nn.Module):
             self._buffers["embedding"] = weight.detach()
         self.__dict__["_shared_at"] = None if weight is None else self._buffers["embedding"].data_ptr()
 
+    def _buffer_at(self, address) -> bool:
+        """Whether a weight is kept and the buffer is real memory at ``address``."""
+        buffer = self._buffers["embedding"]
+        return (self.__dict__.get("_weight") is not None and type(buffer) is Tensor  # not a tracing subclass
+                and not buffer.is_meta and buffer.data_ptr() == address)
+
+    def _fits_weight(self) -> bool:
+        """Whether the buffer has the kept weight's shape, dtype and device."""
+        weight, buffer = self._weight, self._buffers["embedding"]
+        return (buffer.shape, buffer.dtype, buffer.device) == (weight.shape, weight.dtype, weight.device)
+
     def _tied(self) -> bool:
         """Whether the buffer is still the kept weight's memory."""
-        weight, buffer = self.__dict__.get("_weight"), self._buffers["embedding"]
-        return (weight is not None and not buffer.is_meta and type(buffer) is Tensor  # not a tracing subclass
-                and (buffer.shape, buffer.dtype, buffer.device) == (weight.shape, weight.dtype, weight.device)
-                and buffer.data_ptr() == weight.data_ptr())
+        weight = self.__dict__.get("_weight")
+        return weight is not None and self._buffer_at(weight.data_ptr()) and self._fits_weight()
 
     def __setattr__(self, name, value):
         if name == "embedding":  # given another weight: it is the head's from now on
@@ -144,21 +153,17 @@ class _HeadBase(nn.Module):
         # pointed at it again. Otherwise, and where torch replaces a module's parameters on
         # conversion (overwrite_module_params_on_conversion, moves to or from the meta device), the
         # buffer is the head's own from then on.
-        buffer = self._buffers["embedding"]
-        tied = (self.__dict__.get("_weight") is not None and type(buffer) is Tensor and not buffer.is_meta
-                and buffer.data_ptr() == self.__dict__.get("_shared_at")
+        tied = (self._buffer_at(self.__dict__.get("_shared_at"))
                 and not torch.__future__.get_overwrite_module_params_on_conversion())
-        was_meta = buffer.is_meta
+        was_meta = self._buffers["embedding"].is_meta
         super()._apply(fn, recurse)
-        weight, buffer = self.__dict__.get("_weight"), self._buffers["embedding"]
-        if tied and (buffer.shape, buffer.dtype, buffer.device) == (weight.shape, weight.dtype, weight.device):
+        if tied and self._fits_weight():
             self._share_weight()
-            buffer = self._buffers["embedding"]
         else:
             self.__dict__.update(_weight=None, _shared_at=None)
         # Only to_empty() takes a tensor off the meta device, and it leaves no values in it: nothing
         # refills the buffer (it is in no state dict), so the head refuses to run until given one.
-        if was_meta and not buffer.is_meta:
+        if was_meta and not self._buffers["embedding"].is_meta:
             self.__dict__["_embedding_unset"] = True
         return self
 
