@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flashhead_ext.bench.__main__ import main
-from flashhead_ext.bench.head import SHAPES, HeadState, add_ratios, summary
+from flashhead_ext.bench.head import SHAPES, HeadState, add_ratios, call_bytes, summary
 
 
 def test_head_bench_cli_with_special_tokens(tmp_path, capsys):
@@ -26,6 +26,14 @@ def test_head_bench_cli_with_special_tokens(tmp_path, capsys):
     assert greedy["floor_bytes"] == shape.num_clusters * shape.dim * 4 + rows_read * (shape.dim * 4 + 4) + shape.dim * 4
     # fp8 centroids: one byte an element instead of four
     assert greedy["floor_bytes"] - fp8["floor_bytes"] == shape.num_clusters * shape.dim * 3
+    # Kept besides the embedding: centroids (fp8: a byte an element and a float32 scale), the int32
+    # table and the special ids; nothing for dense. The CPU keeps no allocator statistics.
+    table_and_extras = shape.num_clusters * shape.cluster_size * 4 + 5 * 4
+    kept = {r["impl"]: r["kept_bytes"] for r in rows}
+    assert kept["dense"] == 0
+    assert kept["flash_greedy"] == kept["torch_flash"] == shape.num_clusters * shape.dim * 4 + table_and_extras
+    assert kept["flash_sample_fp8"] == shape.num_clusters * shape.dim + 4 + table_and_extras
+    assert all(r["call_bytes"] is None for r in rows)
 
 
 def test_plain_torch_baseline_decodes_like_ours_with_special_tokens():
@@ -77,6 +85,33 @@ def test_summary_finds_where_dense_wins_at_the_batch_sweeps_probes():
     assert "dense wins from batch: 1" in summary(rows, "qwen3-0.6b", batch_probes=1024)
     faster_at_4 = [dict(r, us=80.0) if (r["batch"], r["impl"]) == (4, "flash_greedy") else r for r in rows]
     assert "dense wins from batch: never up to 4" in summary(faster_at_4, "qwen3-0.6b")
+
+
+@pytest.mark.gpu
+def test_call_bytes_counts_what_each_head_allocates():
+    # One eager call's peak allocation: dense holds [B, V] logits, plain-torch the [B, p*b, D]
+    # gathered rows, ours a workspace and its output.
+    shape, batch, probes = SHAPES["qwen3-0.6b"], 3, 37
+    state = HeadState(shape, torch.bfloat16, "cuda", max_batch=batch, copies=1)
+    allocated = {impl: call_bytes(state.head_call(impl, batch, probes, 0), "cuda")
+                 for impl in ("dense", "torch_flash", "flash_greedy")}
+    assert allocated["dense"] >= batch * shape.vocab * 2
+    assert allocated["torch_flash"] >= batch * probes * shape.cluster_size * shape.dim * 2
+    # Ours: per-row scores over C = V / 16 clusters and small lists, no row of the vocabulary.
+    assert 0 < allocated["flash_greedy"] < min(allocated["dense"], allocated["torch_flash"] / 4)
+    assert call_bytes(lambda: None, "cpu") is None
+
+
+def test_summary_gives_the_memory_of_each_path():
+    point = dict(shape="qwen3-0.6b", batch=1, probes=256, mode="graph")
+    rows = [dict(point, impl="dense", us=84.0, kept_bytes=0, call_bytes=311_000),
+            dict(point, impl="flash_greedy", us=14.0, kept_bytes=20_050_000, call_bytes=65_536),
+            dict(point, impl="flash_greedy_fp8", us=13.0, kept_bytes=10_330_004, call_bytes=None)]
+    add_ratios(rows)
+    text = summary(rows, "qwen3-0.6b")
+    assert ("memory, qwen3-0.6b B=1 p=256: flash_greedy keeps 20.1 MB besides the embedding (10.3 MB with fp8 "
+            "centroids); one eager call allocates: dense 0.311 MB, flash_greedy 0.066 MB") in text
+    assert "allocates" not in summary([dict(r, call_bytes=None) for r in rows], "qwen3-0.6b")
 
 
 def test_head_bench_times_a_capped_probes_value_once(tmp_path):

@@ -4,7 +4,10 @@ Compares, on the same device and in the same process: the torch dense head (matm
 a plain-torch FlashHead (matmul, topk, index gather, einsum, argmax) and our fused ops (greedy
 and sampling; ``*_fp8``: with float8_e4m3fn centroids and their scale, as
 ``FlashHead(centroid_dtype=torch.float8_e4m3fn)`` keeps them), eager and CUDA-graph
-replayed. Weights are random (timing does not depend on trained values; never zeros). Each
+replayed. Each row also gives the memory an implementation costs besides the embedding it shares
+with the dense head: the bytes it keeps (centroids, cluster table, special ids) and, on CUDA, the
+peak bytes one eager call allocates (workspace, intermediates, output). Weights are random (timing
+does not depend on trained values; never zeros). Each
 timed sample runs ``--calls`` head calls that rotate over
 several copies of the centroids and cluster table and over fresh hidden states, so, as in a
 real decode step where the model body flushes L2 between head calls, the head reads its bytes
@@ -93,6 +96,15 @@ class HeadState:
             return lambda: ops.decode_sample(h, cents, table, emb, probes, 1.0, extra, seed=self.seed, centroid_scale=scale)
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
+    def kept_bytes(self, impl: str) -> int:
+        """Bytes ``impl`` reads besides the embedding and hidden states and must keep between calls:
+        one copy's centroids (with their scale in fp8), cluster table and special ids; 0 for dense."""
+        if impl == "dense":
+            return 0
+        centroids = self.fp8_centroids[0] if impl.endswith("_fp8") else (self.centroids[0],)
+        kept = [*centroids, self.tables[0]] + ([self.extra_ids] if self.extra_ids is not None else [])
+        return sum(t.numel() * t.element_size() for t in kept)
+
 
 def torch_flash_greedy(hidden, centroids, cluster_tokens, embedding, probes, extra_ids=None):
     """FlashHead in plain torch ops, the path our kernels replace (as in the 2026 thesis)."""
@@ -129,6 +141,23 @@ def measure(state: HeadState, impl: str, batch: int, probes: int, mode: str, cal
         graph = capture_graph(run_all)
         return time_calls(graph.replay, calls_per_sample=calls, samples=samples, device=device)
     return time_calls(run_all, calls_per_sample=calls, samples=samples, device=device)
+
+
+def call_bytes(fn, device: str):
+    """Peak bytes one eager call of ``fn`` allocates on top of what was allocated before it (its
+    workspace, intermediates and output), as the CUDA caching allocator counts them (in blocks of
+    512 bytes); None on the CPU, which keeps no such statistics. A first call runs before, so that
+    what a library keeps after its first use (cuBLAS's workspace) counts as allocated before."""
+    if not str(device).startswith("cuda"):
+        return None
+    fn()
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    del out
+    return torch.cuda.max_memory_allocated(device) - before
 
 
 def capped_probes(probes: int, shape: VocabShape) -> int:
@@ -205,18 +234,20 @@ def main(argv=None) -> int:
         state = HeadState(shape, dtype, args.device, max_batch, copies, special_tokens=args.special_tokens)
         for pt in points:
             for impl in impls:
+                memory = dict(kept_bytes=state.kept_bytes(impl),
+                              call_bytes=call_bytes(state.head_call(impl, pt["batch"], pt["probes"], 0), args.device))
                 for mode in modes:
                     us = measure(state, impl, pt["batch"], pt["probes"], mode, args.calls, args.samples, args.device)
                     nbytes = floor_bytes(impl, shape, pt["batch"], pt["probes"], dtype, args.special_tokens)
                     floor_us = nbytes / (bandwidth * 1e9) * 1e6 if bandwidth else None
                     rows.append(dict(pt, special_tokens=args.special_tokens, impl=impl, mode=mode, us=us,
-                                     floor_bytes=nbytes, floor_us=floor_us,
+                                     floor_bytes=nbytes, floor_us=floor_us, **memory,
                                      pct_of_floor=100.0 * floor_us / us if floor_us else None))
         del state
     add_ratios(rows)
     if args.special_tokens:
         print(f"{args.special_tokens} special tokens scored at every step")
-    print(format_table(rows, COLUMNS))
+    print(format_table([dict(r, **megabytes(r)) for r in rows], COLUMNS))
     print(summary(rows, args.shapes[0], capped_probes(args.batch_probes, SHAPES[args.shapes[0]])))
     out = write_output(args.json, json.dumps({"meta": meta, "args": {k: v for k, v in vars(args).items()}, "rows": rows},
                                              indent=1))
@@ -226,7 +257,13 @@ def main(argv=None) -> int:
 
 COLUMNS = [("shape", "shape", ""), ("batch", "B", "d"), ("probes", "p", "d"), ("impl", "impl", ""),
            ("mode", "mode", ""), ("us", "us", ".1f"), ("floor_us", "floor_us", ".1f"),
-           ("pct_of_floor", "%floor", ".0f"), ("x_vs_dense", "x dense", ".2f"), ("x_vs_torch_flash", "x torch_flash", ".2f")]
+           ("pct_of_floor", "%floor", ".0f"), ("x_vs_dense", "x dense", ".2f"), ("x_vs_torch_flash", "x torch_flash", ".2f"),
+           ("kept_mb", "kept MB", ".2f"), ("call_mb", "call MB", ".3f")]
+
+
+def megabytes(row: dict) -> dict:
+    """The row's memory columns in MB (10^6 bytes) for the table; the JSON keeps bytes."""
+    return {f"{key}_mb": row[f"{key}_bytes"] / 1e6 for key in ("kept", "call") if row.get(f"{key}_bytes") is not None}
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -260,6 +297,16 @@ def summary(rows: list[dict], main_shape: str, batch_probes: int = 256) -> str:
     if fp8:
         ratio = f", {fp8['x_vs_dense']:.2f}x dense" if "x_vs_dense" in fp8 else ""
         lines.append(f"  fp8 centroids, B=1 p=256 graph: flash_greedy_fp8 {fp8['us']:.1f} us{ratio}")
+    # Rows that lack the memory columns print no memory line.
+    memory = {impl: pick(shape=main_shape, batch=1, probes=256, impl=impl) for impl in IMPLS}
+    if memory["flash_greedy"] and "kept_bytes" in memory["flash_greedy"]:
+        kept = f"flash_greedy keeps {memory['flash_greedy']['kept_bytes'] / 1e6:.1f} MB besides the embedding"
+        if memory["flash_greedy_fp8"]:
+            kept += f" ({memory['flash_greedy_fp8']['kept_bytes'] / 1e6:.1f} MB with fp8 centroids)"
+        calls = [f"{impl} {row['call_bytes'] / 1e6:.3f} MB" for impl, row in memory.items()
+                 if row and row.get("call_bytes") is not None]
+        lines.append(f"  memory, {main_shape} B=1 p=256: {kept}"
+                     + (f"; one eager call allocates: {', '.join(calls)}" if calls else ""))
     sweep = dict(shape=main_shape, probes=batch_probes, mode="graph")
     batch_rows = sorted({r["batch"] for r in rows if r["impl"] == "dense" and all(r.get(k) == v for k, v in sweep.items())})
     wins = [b for b in batch_rows
