@@ -215,10 +215,20 @@ class DenseHead(_HeadBase):
         _check_embedding(embedding)
         self._keep_embedding(embedding)
 
-    def next_token(self, hidden: Tensor) -> Tensor:
-        """int64 ``hidden.shape[:-1]``: each row's argmax over the whole vocabulary."""
+    def next_token(self, hidden: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
+        """int64 ``hidden.shape[:-1]``: each row's argmax over the whole vocabulary. ``out``, as
+        FlashHead's: an int64 ``[B]`` with ``B`` the rows of ``hidden`` (its leading dimensions
+        flattened), on hidden's device, is written and returned instead (no copy kernel after)."""
         rows = self._rows(hidden)
-        return (rows @ self.embedding.t()).argmax(dim=-1).reshape(hidden.shape[:-1])
+        logits = rows @ self.embedding.t()
+        if out is None:
+            return logits.argmax(dim=-1).reshape(hidden.shape[:-1])
+        if not isinstance(out, Tensor):
+            raise TypeError(f"out must be a torch.Tensor (int64 [{rows.shape[0]}]), got {type(out).__name__}")
+        if out.dtype != torch.int64 or tuple(out.shape) != (rows.shape[0],) or out.device != rows.device:
+            raise ValueError(f"out must be int64 [{rows.shape[0]}] on {rows.device} (one token a row of hidden), "
+                             f"got {out.dtype} {list(out.shape)} on {out.device}")
+        return torch.argmax(logits, dim=-1, out=out)
 
     def sample(self, hidden: Tensor, temperature: float = 1.0, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
         """A draw from softmax(logits / temperature) over the whole vocabulary: tokens int64 and

@@ -106,9 +106,10 @@ def test_leading_batch_dims_preserved(device):
 
 
 @device_params
-def test_next_token_out_writes_into_a_strided_view(device):
+@pytest.mark.parametrize("make_head", [flash_head, lambda p: DenseHead(p.embedding)], ids=["flash", "dense"])
+def test_next_token_out_writes_into_a_strided_view(device, make_head):
     problem = make_problem(SHAPE, torch.float32, device)
-    head = flash_head(problem)
+    head = make_head(problem)
     buffer = torch.full((SHAPE.B, 5), -7, dtype=torch.int64, device=device)
     column = buffer[:, 2]
     assert not column.is_contiguous()
@@ -121,6 +122,20 @@ def test_next_token_out_writes_into_a_strided_view(device):
     head.next_token(problem.hidden[:6].reshape(2, 3, SHAPE.D), out=buffer6[:, 1])
     assert torch.equal(buffer6[:, 1], head.next_token(problem.hidden[:6]))
     assert (buffer6[:, [0, 2, 3]] == -7).all()
+
+
+def test_dense_next_token_refuses_a_bad_out():
+    problem = make_problem(SHAPE, torch.float32, "cpu")
+    head = DenseHead(problem.embedding)
+    with pytest.raises(TypeError, match=r"out must be a torch.Tensor \(int64 \[17\]\), got list"):
+        head.next_token(problem.hidden, out=[0] * SHAPE.B)
+    for bad, got in ((torch.zeros(SHAPE.B, dtype=torch.int32), "torch.int32 [17]"),
+                     (torch.zeros(SHAPE.B + 1, dtype=torch.int64), "torch.int64 [18]"),
+                     (torch.zeros(SHAPE.B, 1, dtype=torch.int64), "torch.int64 [17, 1]"),
+                     (torch.zeros(SHAPE.B, dtype=torch.int64, device="meta"), "torch.int64 [17] on meta")):
+        with pytest.raises(ValueError, match=re.escape(f"out must be int64 [17] on cpu (one token a row of hidden), got {got}")):
+            head.next_token(problem.hidden, out=bad)
+        assert bad.device.type == "meta" or not bad.bool().any()  # nothing written
 
 
 @device_params

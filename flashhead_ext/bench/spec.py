@@ -215,11 +215,7 @@ def draft_step_main(argv=None) -> int:
             for kind, head in heads.items():
 
                 def step(head=head):
-                    hidden = model.forward(ids)
-                    if isinstance(head, FlashHead):
-                        head.next_token(hidden, out=token)
-                    else:
-                        token.copy_(head.next_token(hidden))
+                    head.next_token(model.forward(ids), out=token)
 
                 step_us = _time(step, args, cuda)
                 head_bytes = model.lm_head.numel() * model.lm_head.element_size() if kind == "dense" else None

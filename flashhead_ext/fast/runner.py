@@ -289,10 +289,7 @@ class FastSpeculativeDecoder:
             hidden = d.forward(ids)[-1:].to(head.embedding.dtype)
             d.length += ids.shape[0]
             slot = self.proposals[i:i + 1]
-            if isinstance(head, FlashHead):
-                head.next_token(hidden, out=slot)
-            else:
-                slot.copy_(head.next_token(hidden))
+            head.next_token(hidden, out=slot)
             ids = slot
 
     def _propose_either(self) -> None:
