@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from flashhead_ext.bench.__main__ import main
-from flashhead_ext.bench.head import SHAPES, HeadState, add_ratios, call_bytes, summary
+from flashhead_ext import ops
+from flashhead_ext.bench.head import (SHAPES, CandidatesRead, HeadState, add_ratios, call_bytes, candidates_read,
+                                      copies_needed, floor_bytes, summary)
 
 
 def test_head_bench_cli_with_special_tokens(tmp_path, capsys):
@@ -22,8 +24,15 @@ def test_head_bench_cli_with_special_tokens(tmp_path, capsys):
     assert len(rows) == 6 * len(points)  # every impl at every point (eager only on a CPU)
     greedy, fp8 = (next(r for r in rows if r["impl"] == impl and r["batch"] == 1 and r["probes"] == 7)
                    for impl in ("flash_greedy", "flash_greedy_fp8"))
-    rows_read = 1 * 7 * shape.cluster_size + 5
-    assert greedy["floor_bytes"] == shape.num_clusters * shape.dim * 4 + rows_read * (shape.dim * 4 + 4) + shape.dim * 4
+    # The floor reads each chosen cluster's table entries and its tokens' rows (with the special
+    # ids') once: here from the ops on the run's own data (the same seed, one copy on a CPU).
+    state = HeadState(shape, torch.float32, "cpu", max_batch=3, copies=1, special_tokens=5)
+    cluster_ids, _ = ops.select_clusters(state.hidden[0][:1], state.centroids[0], 7)
+    candidates = ops.gather_candidates(cluster_ids, state.tables[0], state.extra_ids)
+    rows_read = candidates[candidates >= 0].unique().numel()
+    assert greedy["clusters_read"] == 7 and greedy["copies"] == 1
+    assert greedy["floor_bytes"] == (shape.num_clusters * shape.dim * 4 + 7 * shape.cluster_size * 4
+                                     + rows_read * shape.dim * 4 + shape.dim * 4)
     # fp8 centroids: one byte an element instead of four
     assert greedy["floor_bytes"] - fp8["floor_bytes"] == shape.num_clusters * shape.dim * 3
     # Kept besides the embedding: centroids (fp8: a byte an element and a float32 scale), the int32
@@ -34,6 +43,28 @@ def test_head_bench_cli_with_special_tokens(tmp_path, capsys):
     assert kept["flash_greedy"] == kept["torch_flash"] == shape.num_clusters * shape.dim * 4 + table_and_extras
     assert kept["flash_sample_fp8"] == shape.num_clusters * shape.dim + 4 + table_and_extras
     assert all(r["call_bytes"] is None for r in rows)
+
+
+def test_floor_reads_a_cluster_chosen_by_several_rows_once():
+    shape = SHAPES["tiny"]
+    state = HeadState(shape, torch.float32, "cpu", max_batch=3, copies=2)
+    every = candidates_read(state, 3, shape.num_clusters)  # each row chooses every cluster
+    assert every == CandidatesRead(shape.num_clusters, shape.vocab)
+    some = candidates_read(state, 3, 40)
+    assert 40 < some.clusters < 3 * 40 and some.rows == some.clusters * shape.cluster_size  # no padded slots here
+    assert (floor_bytes("flash_greedy", shape, 3, torch.float32, every)
+            == shape.num_clusters * shape.dim * 4 + shape.num_clusters * shape.cluster_size * 4 + (shape.vocab + 3) * shape.dim * 4)
+    assert floor_bytes("dense", shape, 3, torch.float32, every) == (shape.vocab + 3) * shape.dim * 4
+
+
+def test_copies_rotate_three_l2s_past_the_smallest_reader():
+    shape, l2 = SHAPES["qwen3-0.6b"], 60 << 20
+    bf16_copy = shape.num_clusters * (shape.dim * 2 + 16 * 4) + shape.dim * 2
+    fp8_copy = shape.num_clusters * (shape.dim + 16 * 4) + shape.dim * 2
+    assert copies_needed(shape, torch.bfloat16, ["dense", "flash_greedy"], 1, 64, l2) == -(-3 * l2 // bf16_copy) + 1
+    assert copies_needed(shape, torch.bfloat16, ["flash_greedy_fp8"], 1, 64, l2) == -(-3 * l2 // fp8_copy) + 1
+    assert copies_needed(shape, torch.bfloat16, ["flash_greedy_fp8"], 1, 16, l2) == 16  # no more than a sample's calls
+    assert copies_needed(shape, torch.bfloat16, ["dense"], 1, 16, 0) == 1  # no L2 (a CPU)
 
 
 def test_plain_torch_baseline_decodes_like_ours_with_special_tokens():

@@ -118,16 +118,38 @@ def torch_flash_greedy(hidden, centroids, cluster_tokens, embedding, probes, ext
     return candidates.gather(1, logits.argmax(dim=1, keepdim=True)).squeeze(1)
 
 
-def floor_bytes(impl: str, shape: VocabShape, batch: int, probes: int, dtype: torch.dtype,
-                special_tokens: int = 0) -> int:
-    """Fewest bytes a call must read: the whole embedding for dense; centroids (one byte an element
-    in fp8) + candidate rows otherwise."""
+@dataclass(frozen=True)
+class CandidatesRead:
+    clusters: float  # distinct clusters the batch chose, mean over the copies
+    rows: float      # distinct vocabulary rows among their tokens and the special ids, the same
+
+
+def floor_bytes(impl: str, shape: VocabShape, batch: int, dtype: torch.dtype, read: CandidatesRead) -> int:
+    """Fewest bytes a call must read: the whole embedding for dense; otherwise the centroids (one
+    byte an element in fp8), the table entries of the chosen clusters and the embedding rows of
+    their tokens and the special ids, each once however many rows chose it."""
     es = torch.finfo(dtype).bits // 8
     if impl == "dense":
         return shape.vocab * shape.dim * es + batch * shape.dim * es
-    rows = min(shape.vocab, batch * probes * shape.cluster_size + special_tokens)
     centroid_bytes = 1 if impl.endswith("_fp8") else es
-    return shape.num_clusters * shape.dim * centroid_bytes + rows * (shape.dim * es + 4) + batch * shape.dim * es
+    return (shape.num_clusters * shape.dim * centroid_bytes + round(read.clusters * shape.cluster_size * 4
+            + read.rows * shape.dim * es) + batch * shape.dim * es)
+
+
+def candidates_read(state: HeadState, batch: int, probes: int) -> CandidatesRead:
+    """What the batch's rows choose at one point, from their exact top-p clusters (the greedy
+    path's; fp8 centroids may swap a boundary cluster, which leaves the counts about the same).
+    Rows of a batch often choose the same clusters, which a call need read only once."""
+    clusters, rows = [], []
+    for i in range(state.copies):
+        scores = state.hidden[i][:batch].float() @ state.centroids[i].float().t()
+        chosen = scores.topk(probes, dim=-1).indices.unique()
+        tokens = state.tables[i][chosen].flatten()
+        if state.extra_ids is not None:
+            tokens = torch.cat([tokens, state.extra_ids])
+        clusters.append(chosen.numel())
+        rows.append(tokens[tokens >= 0].unique().numel())
+    return CandidatesRead(sum(clusters) / len(clusters), sum(rows) / len(rows))
 
 
 def measure(state: HeadState, impl: str, batch: int, probes: int, mode: str, calls: int, samples: int, device: str) -> float:
@@ -141,6 +163,16 @@ def measure(state: HeadState, impl: str, batch: int, probes: int, mode: str, cal
         graph = capture_graph(run_all)
         return time_calls(graph.replay, calls_per_sample=calls, samples=samples, device=device)
     return time_calls(run_all, calls_per_sample=calls, samples=samples, device=device)
+
+
+def copies_needed(shape: VocabShape, dtype: torch.dtype, impls: list, max_batch: int, calls: int, l2: int) -> int:
+    """Copies of the per-call bytes (centroids, table, hidden rows) to rotate over, so that at least
+    three L2s' worth of them pass between two uses of one copy by the implementation reading the
+    fewest (fp8 centroids where timed); more than the calls a sample makes would go unused."""
+    centroid_bytes = 1 if any(impl.endswith("_fp8") for impl in impls) else torch.finfo(dtype).bits // 8
+    per_copy = (shape.num_clusters * (shape.dim * centroid_bytes + shape.cluster_size * 4)
+                + max_batch * shape.dim * torch.finfo(dtype).bits // 8)
+    return max(1, min(calls, math.ceil(3 * l2 / per_copy) + 1)) if l2 else 1
 
 
 def call_bytes(fn, device: str):
@@ -229,19 +261,19 @@ def main(argv=None) -> int:
         shape = SHAPES[name]
         points = [pt for pt in plan(args) if pt["shape"] == name]
         max_batch = max(pt["batch"] for pt in points)
-        per_copy = shape.num_clusters * shape.dim * 2 + max_batch * shape.dim * 2
-        copies = max(1, min(8, math.ceil(3 * l2 / per_copy))) if l2 else 1
+        copies = copies_needed(shape, dtype, impls, max_batch, args.calls, l2)
         state = HeadState(shape, dtype, args.device, max_batch, copies, special_tokens=args.special_tokens)
         for pt in points:
+            read = candidates_read(state, pt["batch"], pt["probes"])
             for impl in impls:
                 memory = dict(kept_bytes=state.kept_bytes(impl),
                               call_bytes=call_bytes(state.head_call(impl, pt["batch"], pt["probes"], 0), args.device))
                 for mode in modes:
                     us = measure(state, impl, pt["batch"], pt["probes"], mode, args.calls, args.samples, args.device)
-                    nbytes = floor_bytes(impl, shape, pt["batch"], pt["probes"], dtype, args.special_tokens)
+                    nbytes = floor_bytes(impl, shape, pt["batch"], dtype, read)
                     floor_us = nbytes / (bandwidth * 1e9) * 1e6 if bandwidth else None
-                    rows.append(dict(pt, special_tokens=args.special_tokens, impl=impl, mode=mode, us=us,
-                                     floor_bytes=nbytes, floor_us=floor_us, **memory,
+                    rows.append(dict(pt, special_tokens=args.special_tokens, impl=impl, mode=mode, us=us, copies=copies,
+                                     clusters_read=read.clusters, floor_bytes=nbytes, floor_us=floor_us, **memory,
                                      pct_of_floor=100.0 * floor_us / us if floor_us else None))
         del state
     add_ratios(rows)

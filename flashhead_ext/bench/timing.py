@@ -35,7 +35,7 @@ def run_metadata() -> dict:
     """Device, versions, date and commit, recorded with every result file."""
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": source_commit(),
+        "commit": source_commit(mark_dirty=True),  # a run of uncommitted code says so
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
