@@ -34,8 +34,10 @@ static void time_decode(benchmark::State& state, const Head<__nv_bfloat16>& head
   FHB_CHECK(cudaMemset(seed.get(), 0, sizeof(int64_t)));
   const flashhead::Sampling smp{1.0f, seed.get()};
   DeviceArray<char> workspace(flashhead::decode_workspace_bytes(shape, sampling));
+  // As bench head's floor at batch 1 (a batch's rows may share clusters, which this leaves uncounted):
+  // the centroids, the chosen clusters' table entries and rows, and the hidden rows.
   const double rows = std::min<double>(double(batch) * probes * d.cluster_size, d.vocab);
-  const double bytes = d.hidden_dim * (double(sizeof(TC)) * d.num_clusters + 2.0 * rows);
+  const double bytes = d.hidden_dim * (double(sizeof(TC)) * d.num_clusters + 2.0 * rows + 2.0 * batch) + 4.0 * rows;
   run_timed(state, bytes, [&](cudaStream_t s) {
     FHB_CHECK(flashhead::launch_decode(t, shape, sampling ? &smp : nullptr, tokens.get(), 1, logprobs.get(),
                                        workspace.get(), s, options));

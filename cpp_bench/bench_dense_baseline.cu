@@ -17,22 +17,51 @@ using namespace fhbench;
     }                                                                               \
   } while (0)
 
-constexpr int kArgmaxThreads = 1024;
+constexpr int kArgmaxThreads = 256;
+constexpr int kArgmaxChunk = 4096;  // logits a block ranks: many blocks a row, as torch's argmax spreads it
 
-// One block per batch row; the same packed (key, id) max as the FlashHead kernels, so ties go to
-// the smaller token id like torch.argmax.
-__global__ void __launch_bounds__(kArgmaxThreads) argmax_columns(const float* logits, int vocab, int64_t* tokens) {
+// The block's largest packed value, in every thread; `warp_best` is free again on return.
+__device__ uint64_t block_max(uint64_t best, uint64_t* warp_best) {
   using namespace flashhead::detail;
-  __shared__ uint64_t warp_best[kArgmaxThreads / kWarpSize];
-  const float* col = logits + int64_t{blockIdx.x} * vocab;
-  uint64_t best = kNoneRanked;
-  for (int i = threadIdx.x; i < vocab; i += blockDim.x) best = max(best, pack_ranked(order_key(col[i]), i));
   for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) best = max(best, __shfl_xor_sync(kFullMask, best, offset));
   if (threadIdx.x % kWarpSize == 0) warp_best[threadIdx.x / kWarpSize] = best;
   __syncthreads();
+  for (int w = 0; w < kArgmaxThreads / kWarpSize; ++w) best = max(best, warp_best[w]);
+  __syncthreads();
+  return best;
+}
+
+// Each row's argmax over blocks of kArgmaxChunk logits (grid: chunks x rows). A block posts its
+// best packed (key, id), the same packing as the FlashHead kernels', so ties go to the smaller id
+// like torch.argmax; the row's last block to arrive folds the posts and resets the row's ticket
+// for the next replay.
+__global__ void __launch_bounds__(kArgmaxThreads) argmax_rows(const float* logits, int vocab, uint64_t* posts,
+                                                              unsigned* tickets, int64_t* tokens) {
+  using namespace flashhead::detail;
+  __shared__ uint64_t warp_best[kArgmaxThreads / kWarpSize];
+  __shared__ bool last;
+  const int row = blockIdx.y;
+  const float* logits_row = logits + int64_t{row} * vocab;
+  uint64_t* row_posts = posts + int64_t{row} * gridDim.x;
+  const int end = min(vocab, static_cast<int>(blockIdx.x + 1) * kArgmaxChunk);
+  uint64_t best = kNoneRanked;
+  for (int i = blockIdx.x * kArgmaxChunk + threadIdx.x; i < end; i += kArgmaxThreads)
+    best = max(best, pack_ranked(order_key(logits_row[i]), i));
+  best = block_max(best, warp_best);
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kArgmaxThreads / kWarpSize; ++w) best = max(best, warp_best[w]);
-    tokens[blockIdx.x] = packed_id(best);
+    row_posts[blockIdx.x] = best;
+    __threadfence();  // the post before the arrival
+    last = atomicAdd(tickets + row, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // every arrival, so every post, before the reads
+  best = kNoneRanked;
+  for (int b = threadIdx.x; b < static_cast<int>(gridDim.x); b += kArgmaxThreads) best = max(best, __ldcg(row_posts + b));
+  best = block_max(best, warp_best);
+  if (threadIdx.x == 0) {
+    tokens[row] = packed_id(best);
+    tickets[row] = 0;
   }
 }
 
@@ -43,6 +72,10 @@ static void BM_dense_baseline(benchmark::State& state) {
   auto hidden = random_array<__nv_bfloat16>(size_t(batch) * d.hidden_dim, 3, 1.0f);
   DeviceArray<float> logits(size_t(d.vocab) * batch);
   DeviceArray<int64_t> tokens(batch);
+  const dim3 argmax_grid((d.vocab + kArgmaxChunk - 1) / kArgmaxChunk, batch);
+  DeviceArray<uint64_t> posts(size_t(argmax_grid.x) * batch);
+  DeviceArray<unsigned> tickets(batch);
+  FHB_CHECK(cudaMemset(tickets.get(), 0, sizeof(unsigned) * batch));
   cublasHandle_t handle;
   FHB_CUBLAS(cublasCreate(&handle));
   const float one = 1.0f, zero = 0.0f;
@@ -53,7 +86,7 @@ static void BM_dense_baseline(benchmark::State& state) {
     FHB_CUBLAS(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, d.vocab, batch, d.hidden_dim, &one, embedding.get(),
                             CUDA_R_16BF, d.hidden_dim, hidden.get(), CUDA_R_16BF, d.hidden_dim, &zero, logits.get(),
                             CUDA_R_32F, d.vocab, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    argmax_columns<<<batch, kArgmaxThreads, 0, s>>>(logits.get(), d.vocab, tokens.get());
+    argmax_rows<<<argmax_grid, kArgmaxThreads, 0, s>>>(logits.get(), d.vocab, posts.get(), tickets.get(), tokens.get());
     FHB_CHECK(cudaGetLastError());
   });
   FHB_CUBLAS(cublasDestroy(handle));
