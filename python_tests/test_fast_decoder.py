@@ -770,7 +770,12 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
     assert {r["label"]: r["exact"] for r in result["summary"]} == {
         "baseline": "1/1", "ordinary/dense": "synthetic", "deferred/dense": "synthetic",
         "ordinary/flashhead": "synthetic", "deferred/flashhead": "synthetic"}
-    assert "SYNTHETIC ACCEPTANCE R=0.77" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "SYNTHETIC ACCEPTANCE R=0.77" in printed
+    # FlashHead against dense in each speculative mode, with the draft-step prediction (CPU times: noise).
+    assert set(result["meta"]["draft_step_us"]) == {"dense", "flashhead"}
+    assert [g["mode"] for g in result["meta"]["head_gains"]] == ["ordinary", "deferred"]
+    assert all("predicted" in g and g["reading"] in printed for g in result["meta"]["head_gains"])
     for bad, message in ((["--synthetic-acceptance", "2"], "--synthetic-acceptance must be in [0, 1], got 2.0"),
                          (["--draft", "tiny-gemma3", "--target", "tiny-gemma3", "--body", "fused"],
                           "--body 'fused' runs the Llama / Qwen layer; this model's GELU, post-norms, sliding-window layers"),
@@ -783,6 +788,29 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["spec", "--device", "cpu", *bad])
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
+
+
+def test_spec_reads_flashheads_gain_against_the_draft_steps_and_the_break_even_acceptance():
+    from flashhead_ext.bench.spec import break_even_acceptance, expected_emitted, head_gains
+
+    assert expected_emitted(0.0, 6) == 1.0 and expected_emitted(1.0, 6) == 7.0
+    assert expected_emitted(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert break_even_acceptance(0.77, 6, 1.0) == pytest.approx(0.77)
+    lower = break_even_acceptance(0.77, 6, 0.97)
+    assert lower < 0.77 and expected_emitted(lower, 6) == pytest.approx(0.97 * expected_emitted(0.77, 6))
+    row = lambda mode, head, decode_s: dict(label=f"{mode}/{head}", mode=mode, head=head, decode_s=decode_s, rounds=100)
+    rows = [dict(label="baseline", mode="baseline", head=None, decode_s=9.0, rounds=300),
+            row("deferred", "dense", 2.0), row("deferred", "flashhead", 1.95), row("ordinary", "dense", 3.0)]
+    # 100 rounds of 6 steps, each 80 us shorter: 48 ms of the dense run's 2 s.
+    (gain,) = head_gains(rows, 6, 0.77, {"dense": 600.0, "flashhead": 520.0})
+    assert gain["mode"] == "deferred" and gain["measured"] == pytest.approx(2.0 / 1.95 - 1)
+    assert gain["predicted"] == pytest.approx(2.0 / (2.0 - 0.048) - 1)
+    assert gain["of_predicted"] == pytest.approx(gain["measured"] / gain["predicted"])
+    assert gain["break_even_acceptance"] == pytest.approx(break_even_acceptance(0.77, 6, 1.95 / 2.0))
+    assert gain["reading"].startswith("deferred: FlashHead draft +2.56% decode speed over dense at equal (synthetic) acceptance")
+    assert "predict +2.46% (104% of it measured)" in gain["reading"] and ">= 0.76" in gain["reading"]
+    (slower,) = head_gains([row("deferred", "dense", 2.0), row("deferred", "flashhead", 2.1)], 6, 0.77, {})
+    assert "predicted" not in slower and "break_even_acceptance" not in slower
 
 
 def test_bench_gemma3_shapes_read_transformers_configs_and_share_one_vocabulary():

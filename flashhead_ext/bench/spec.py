@@ -202,7 +202,6 @@ def draft_step_main(argv=None) -> int:
         # persistent read the cache up to the length, so this is their most expensive step.
         model.reset(args.context - 1)
         ids = torch.zeros(1, dtype=torch.int64, device=args.device)
-        token = torch.zeros(1, dtype=torch.int64, device=args.device)
         body_bytes = step_read_bytes(model, keys=args.context)
         heads = {kind: make_head(kind, model.lm_head, args) for kind in ("dense", "flashhead")}
         first_body_step = {}
@@ -213,11 +212,7 @@ def draft_step_main(argv=None) -> int:
             model.body = body
             body_us = _time(lambda: model.forward(ids), args, cuda)
             for kind, head in heads.items():
-
-                def step(head=head):
-                    head.next_token(model.forward(ids), out=token)
-
-                step_us = _time(step, args, cuda)
+                step_us = _time_draft_step(model, head, args, cuda)
                 head_bytes = model.lm_head.numel() * model.lm_head.element_size() if kind == "dense" else None
                 first_body_step.setdefault(kind, step_us)
                 rows.append(dict(shape=name, body=body, head=kind, layers=SHAPES[name].num_layers, step_us=step_us,
@@ -246,6 +241,7 @@ STEP_COLUMNS = [("shape", "shape", "s"), ("layers", "layers", "d"), ("body", "bo
 
 
 def _time(fn, args, cuda: bool) -> float:
+    """µs a call of ``fn``: graph-replayed ``args.calls`` times a sample on CUDA, eager on the CPU."""
     if not cuda:
         return time_calls(fn, calls_per_sample=1, samples=args.samples, warmup=2, device="cpu")
     graph = capture_graph(fn)
@@ -255,6 +251,14 @@ def _time(fn, args, cuda: bool) -> float:
             graph.replay()
 
     return time_calls(replays, calls_per_sample=args.calls, samples=args.samples, warmup=2)
+
+
+def _time_draft_step(model: Decoder, head, args, cuda: bool) -> float:
+    """µs of one draft decode step at the model's current length: a token through the body, then
+    the head's token written in place (as the fast path's proposals are)."""
+    ids = torch.zeros(1, dtype=torch.int64, device=model.lm_head.device)
+    token = torch.zeros(1, dtype=torch.int64, device=model.lm_head.device)
+    return _time(lambda: head.next_token(model.forward(ids), out=token), args, cuda)
 
 
 def _write(path, payload: dict) -> None:
@@ -341,15 +345,73 @@ def spec_main(argv=None) -> int:
                for i in range(args.num_prompts)]
     records = run_interleaved(decoders, configs, prompts, args.max_new_tokens, warmup_tokens=args.warmup_tokens)
     rows = summarize(records, configs)
+    step_us = {}
+    if draft_device == args.device:  # a draft on its own GPU overlaps the target: no sum of parts to predict from
+        # The draft step of each head at the draft's mean length while generating, timed as draft-step times it.
+        draft.reset(args.prompt_tokens + args.max_new_tokens // 2)
+        timing = argparse.Namespace(calls=20, samples=10)
+        step_us = {kind: _time_draft_step(draft, decoders[kind].head, timing, torch.device(args.device).type == "cuda")
+                   for kind in decoders if kind is not None}
+    gains = head_gains(rows, args.k, args.synthetic_acceptance, step_us)
     flash = decoders.get("flashhead")
     meta = dict(run_metadata(), args=vars(args), synthetic_acceptance=args.synthetic_acceptance, clusters=CLUSTERS, max_len=max_len,
                 target_gb=target.nbytes / 1e9, draft_gb=draft.nbytes / 1e9,
                 probes_used=flash.head.probes if flash else None, num_clusters=flash.head.num_clusters if flash else None,
-                graphs=decoders[None].graphs)
+                graphs=decoders[None].graphs, draft_step_us=step_us, head_gains=gains)
     print(f"target {args.target}" + (f" ({args.target_layers} layers)" if args.target_layers else "") +
           f" {meta['target_gb']:.1f} GB, draft {args.draft} on {draft_device}, K={args.k}, {args.dtype}, "
           f"draft body {args.body}, target body {args.target_body}, attention {args.attention}, FlashHead {CLUSTERS}, graphs={meta['graphs']}")
     print(format_summary(rows))
     print(reading(rows))
+    for gain in gains:
+        print(gain["reading"])
     print(f"wrote {write_json(args.json, meta, rows, records)}")
     return 0
+
+
+def expected_emitted(acceptance: float, k: int) -> float:
+    """Tokens a round emits on average when each of its k proposals is accepted with probability
+    ``acceptance``, independently, up to the first rejection: the accepted ones and the target's next."""
+    return float(k + 1) if acceptance >= 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+def break_even_acceptance(acceptance: float, k: int, time_ratio: float) -> float:
+    """The acceptance at which a draft whose rounds take ``time_ratio`` of another's time emits as
+    many tokens a second as the other at ``acceptance`` (rounds of fixed work, as deferred's)."""
+    wanted = expected_emitted(acceptance, k) * time_ratio
+    low, high = 0.0, 1.0
+    for _ in range(60):  # expected_emitted rises with acceptance
+        middle = (low + high) / 2
+        low, high = (middle, high) if expected_emitted(middle, k) < wanted else (low, middle)
+    return high
+
+
+def head_gains(rows: list, k: int, acceptance: float, step_us: dict) -> list:
+    """FlashHead's draft against the dense one in each mode where both ran: the decode-time gain
+    measured end to end; the gain the draft-step microbenchmark predicts (its step-time difference
+    over k steps a round, the rounds the run made); and, for deferred, the acceptance FlashHead's
+    draft may drop to before the gain is gone. Both drafts drew the same synthetic acceptances, so
+    the measured gain is at equal acceptance: FlashHead's approximate top-1 costs nothing here."""
+    by_label = {row["label"]: row for row in rows}
+    gains = []
+    for mode in dict.fromkeys(row["mode"] for row in rows):
+        dense, flash = by_label.get(f"{mode}/dense"), by_label.get(f"{mode}/flashhead")
+        if not dense or not flash or not dense["decode_s"] or not flash["decode_s"]:
+            continue
+        gain = dict(mode=mode, measured=dense["decode_s"] / flash["decode_s"] - 1)
+        text = f"{mode}: FlashHead draft {gain['measured']:+.2%} decode speed over dense at equal (synthetic) acceptance"
+        if step_us.get("dense") and step_us.get("flashhead"):
+            saved_s = flash["rounds"] * k * (step_us["dense"] - step_us["flashhead"]) * 1e-6
+            gain["predicted"] = dense["decode_s"] / (dense["decode_s"] - saved_s) - 1
+            gain["of_predicted"] = gain["measured"] / gain["predicted"] if gain["predicted"] else None
+            text += (f"; the draft steps ({step_us['dense']:.1f} against {step_us['flashhead']:.1f} us, {k} a round, "
+                     f"{flash['rounds']} rounds) predict {gain['predicted']:+.2%}")
+            if gain["of_predicted"] is not None:
+                text += f" ({gain['of_predicted']:.0%} of it measured)"
+        if mode == "deferred" and gain["measured"] > 0:
+            gain["break_even_acceptance"] = break_even_acceptance(acceptance, k, flash["decode_s"] / dense["decode_s"])
+            text += (f"; it lasts while FlashHead's drafts are accepted at >= {gain['break_even_acceptance']:.3f} "
+                     f"against dense's {acceptance}")
+        gain["reading"] = text
+        gains.append(gain)
+    return gains

@@ -112,7 +112,7 @@ def summarize(records: list, configs: list) -> list:
         loop_s = None if overlapped else total["decode_s"] - total["draft_s"] - total["target_s"]
         rows.append(dict(
             label=config.label, mode=config.mode, head=config.head, samples=len(runs),
-            new_tokens=total["new_tokens"],
+            new_tokens=total["new_tokens"], rounds=total["rounds"],
             decode_tok_s=decode_tokens / total["decode_s"] if total["decode_s"] else None,
             ttft_ms=1000 * total["ttft_s"] / len(runs),
             decode_s=total["decode_s"],
