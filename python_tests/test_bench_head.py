@@ -105,6 +105,10 @@ def test_summary_names_a_baseline_that_was_not_run():
     assert "3.00x torch_flash (goal >= 4)" in summary(rows, "qwen3-0.6b")
     assert "flash_greedy_fp8 16.8 us, 5.00x dense" in summary(rows, "qwen3-0.6b")
     assert "nothing to compare" in summary([dict(r, mode="eager") for r in rows], "qwen3-0.6b")
+    # A batch sweep at other probes, without the goals' point, says that point is missing.
+    elsewhere = [dict(r, probes=593) for r in rows]
+    assert "the goals' point, qwen3-0.6b B=1 p=256 graph-replayed, was not run" in summary(elsewhere, "qwen3-0.6b", 593)
+    assert "was not run" not in summary(rows, "qwen3-0.6b")
 
 
 def test_summary_finds_where_dense_wins_at_the_batch_sweeps_probes():

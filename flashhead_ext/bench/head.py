@@ -349,4 +349,6 @@ def summary(rows: list[dict], main_shape: str, batch_probes: int = 256) -> str:
     if not greedy and not batch_rows:
         lines.append(f"  nothing to compare with the goals, which are for graph replay (CUDA): no graph-replayed "
                      f"{main_shape} point at B=1, p=256 and no graph-replayed dense batch sweep")
+    elif not greedy:  # a sweep without the goals' point (--probes and --batch-probes without 256)
+        lines.append(f"  the goals' point, {main_shape} B=1 p=256 graph-replayed, was not run (add 256 to --probes)")
     return "\n".join(lines)
