@@ -65,11 +65,19 @@ def test_scores_match_flashhead_itself(method, vocab, size):
     categories = ["a" if i % 3 else "b" for i in range(61)]
     top = quality.dense_top(emb, hidden)
     assert torch.equal(top[:, 0], (hidden @ emb.T).argmax(1))
-    rows = quality.score_assets(assets, hidden, top, categories, [1, 2, 5, assets.num_clusters + 1], always)
+    prompt_index = torch.arange(61) // 5 + 100  # 13 prompts of 5 tokens (the last of 1)
+    rows = quality.score_assets(assets, hidden, top, categories, prompt_index, [1, 2, 5, assets.num_clusters + 1], always)
     assert [r["probes"] for r in rows] == [1, 2, 5]  # probes above C are skipped
     for row in rows:
         agree, recall = _brute_force(assets, emb, hidden, row["probes"])
         assert row["top1_agreement"] == pytest.approx(agree, abs=1e-6)
+        head = assets.head(emb, row["probes"])
+        agreed = head.next_token(hidden) == DenseHead(emb).next_token(hidden)
+        assert row["prompts_without_miss"] == pytest.approx(
+            sum(bool(agreed[prompt_index == i].all()) for i in range(100, 113)) / 13)
+        low, high = row["top1_interval"]
+        assert 0 <= low <= row["top1_agreement"] <= high <= 1
+        assert (low < high) == (row["prompts_without_miss"] < 1)  # only misses make resamples differ
         assert row["top5_recall"] == pytest.approx(recall, abs=1e-6)
         assert row["candidates"] == row["probes"] * size + 2
         assert row["fraction_scored"] == pytest.approx((assets.num_clusters + row["candidates"]) / vocab)
@@ -79,13 +87,25 @@ def test_scores_match_flashhead_itself(method, vocab, size):
         assert weighted == pytest.approx(row["top1_agreement"], abs=1e-6)
         assert row["worst_category"]["top1_agreement"] == min(v["top1_agreement"] for v in row["per_category"].values())
     # Ranked by fp8 centroids: the agreement of FlashHead(centroid_dtype=torch.float8_e4m3fn) itself.
-    fp8_rows = quality.score_assets(assets, hidden, top, categories, [1, 2, 5], always,
+    fp8_rows = quality.score_assets(assets, hidden, top, categories, prompt_index, [1, 2, 5], always,
                                     quality.fp8_centroids(assets.centroids))
     for row in fp8_rows:
         head = FlashHead(emb, assets.centroids, assets.cluster_tokens, row["probes"], special_token_ids=always,
                          centroid_dtype=torch.float8_e4m3fn)
         agree = float((head.next_token(hidden) == DenseHead(emb).next_token(hidden)).float().mean())
         assert row["top1_agreement"] == pytest.approx(agree, abs=1e-6)
+
+
+def test_prompt_level_agreement_counts_prompts_and_resamples_them():
+    # Prompt 7: 3 of 4 agree; prompt 2: 2 of 2; prompt 5: 0 of 1.
+    hit = torch.tensor([True, True, False, True, True, True, False])
+    prompts = torch.tensor([7, 7, 7, 7, 2, 2, 5])
+    without_miss, (low, high) = quality.prompt_level(hit, prompts)
+    assert without_miss == pytest.approx(1 / 3)
+    # Resampled prompts give agreements between that of the worst prompt alone (0) and the best (1).
+    assert 0 <= low < 5 / 7 < high <= 1
+    assert quality.prompt_level(hit, prompts) == (without_miss, [low, high])  # seeded
+    assert quality.prompt_level(torch.ones(7, dtype=torch.bool), prompts) == (1.0, [1.0, 1.0])
 
 
 def test_cluster_ranks_break_ties_to_the_smaller_cluster_id():

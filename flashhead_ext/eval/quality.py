@@ -93,11 +93,26 @@ def fp8_centroids(centroids: Tensor) -> Tensor:
     return quantized.float() * scale
 
 
-def score_assets(assets: FlashHeadAssets, hidden: Tensor, top: Tensor, categories: Sequence[str],
+def prompt_level(hit: Tensor, prompt_index: Tensor, resamples: int = 2000, seed: int = 0) -> tuple[float, list]:
+    """From each token's top-1 hit and its prompt: the share of prompts without a miss (one miss
+    changes all a greedy decode emits after it), and a 95% interval of the token agreement by a
+    bootstrap over prompts (a prompt's tokens are not independent draws), seeded."""
+    _, prompt = torch.unique(prompt_index, return_inverse=True)
+    count = int(prompt.max()) + 1
+    tokens = torch.bincount(prompt, minlength=count).double()
+    hits = torch.bincount(prompt, weights=hit.double(), minlength=count)
+    picks = torch.randint(0, count, (resamples, count), generator=torch.Generator().manual_seed(seed))
+    agreement = hits[picks].sum(1) / tokens[picks].sum(1)
+    interval = torch.quantile(agreement, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return float((hits == tokens).double().mean()), interval
+
+
+def score_assets(assets: FlashHeadAssets, hidden: Tensor, top: Tensor, categories: Sequence[str], prompt_index: Tensor,
                  probes: Sequence[int], always: Sequence[int] = (), centroids: Optional[Tensor] = None) -> list:
-    """One result row per probes value (those above C skipped): top-1 agreement and top-k recall,
-    overall and per category, for ``assets`` with ``always`` scored at every step, its clusters
-    ranked by ``centroids`` (default the assets' own)."""
+    """One result row per probes value (those above C skipped): top-1 agreement (with a bootstrap
+    interval over prompts, and the share of prompts without a miss) and top-k recall, overall and
+    per category, for ``assets`` with ``always`` scored at every step, its clusters ranked by
+    ``centroids`` (default the assets' own); ``prompt_index`` names each state's prompt."""
     vocab = assets.cluster_assignments.numel()
     ranks = cluster_ranks(hidden, assets.centroids if centroids is None else centroids, assets.cluster_assignments[top])
     scored_always = torch.zeros(vocab, dtype=torch.bool)
@@ -117,11 +132,14 @@ def score_assets(assets: FlashHeadAssets, hidden: Tensor, top: Tensor, categorie
             per_category[name] = {"tokens": int(mine.shape[0]), "top1_agreement": float(mine[:, 0].float().mean()),
                                   "top5_recall": float(mine.float().mean())}
         worst = min(per_category, key=lambda name: per_category[name]["top1_agreement"])
+        without_miss, interval = prompt_level(hit[:, 0], prompt_index)
         rows.append({
             "probes": p,
             "candidates": candidates,
             "fraction_scored": (assets.num_clusters + candidates) / vocab,
             "top1_agreement": float(hit[:, 0].float().mean()),
+            "top1_interval": interval,
+            "prompts_without_miss": without_miss,
             "top5_recall": float(hit.float().mean()),
             "worst_category": {"name": worst, **per_category[worst]},
             "per_category": per_category,
@@ -197,7 +215,8 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
             rankings = [("", None)] + ([("+fp8", fp8_centroids(assets.centroids))] if args.fp8_centroids else [])
             for suffix, centroids in rankings:
                 for name, extra in variants:
-                    for row in score_assets(assets, states["hidden"], top, categories, args.probes, extra, centroids):
+                    for row in score_assets(assets, states["hidden"], top, categories, states["prompt_index"],
+                                            args.probes, extra, centroids):
                         results.append({"method": name + suffix, "cluster_size": assets.cluster_tokens.shape[1],
                                         "num_clusters": assets.num_clusters, "always_scored": len(extra), **row})
     return {
@@ -231,14 +250,19 @@ def format_table(result: dict) -> str:
         f"odd-id Spec-Bench prompts" + ("" if result["calibration"] is None else
                                         f"; calibration: {result['calibration']['tokens']} tokens from "
                                         f"{result['calibration']['prompts']} even-id prompts"),
-        f"{'method':<22} {'C':>5} {'b':>3} {'probes':>6} {'cand.':>6} {'scored':>7} {'top-1':>7} {'top-5 rec.':>10}  worst category",
+        f"{'method':<22} {'C':>5} {'b':>3} {'probes':>6} {'cand.':>6} {'scored':>7} {'top-1':>7} {'95% interval':>13} "
+        f"{'no miss':>7} {'top-5 rec.':>10}  worst category",
     ]
     for row in result["results"]:
         worst = row["worst_category"]
+        low, high = row["top1_interval"]
         lines.append(
             f"{row['method']:<22} {row['num_clusters']:>5} {row['cluster_size']:>3} {row['probes']:>6} {row['candidates']:>6} "
-            f"{100 * row['fraction_scored']:>6.2f}% {100 * row['top1_agreement']:>6.2f}% {100 * row['top5_recall']:>9.2f}%  "
+            f"{100 * row['fraction_scored']:>6.2f}% {100 * row['top1_agreement']:>6.2f}% {f'{100 * low:.2f}-{100 * high:.2f}%':>13} "
+            f"{100 * row['prompts_without_miss']:>6.1f}% {100 * row['top5_recall']:>9.2f}%  "
             f"{worst['name']} {100 * worst['top1_agreement']:.1f}%")
+    lines.append("top-1: per token on the dense head's own greedy continuation; 95% interval: a bootstrap over "
+                 "prompts; no miss: prompts whose every token agreed")
     return "\n".join(lines)
 
 
