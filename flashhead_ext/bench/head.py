@@ -137,17 +137,14 @@ def floor_bytes(impl: str, shape: VocabShape, batch: int, dtype: torch.dtype, re
 
 
 def candidates_read(state: HeadState, batch: int, probes: int) -> CandidatesRead:
-    """What the batch's rows choose at one point, from their exact top-p clusters (the greedy
-    path's; fp8 centroids may swap a boundary cluster, which leaves the counts about the same).
+    """What the batch's rows choose at one point: the greedy path's own selection and candidates
+    (the ops; fp8 centroids may swap a boundary cluster, which leaves the counts about the same).
     Rows of a batch often choose the same clusters, which a call need read only once."""
     clusters, rows = [], []
     for i in range(state.copies):
-        scores = state.hidden[i][:batch].float() @ state.centroids[i].float().t()
-        chosen = scores.topk(probes, dim=-1).indices.unique()
-        tokens = state.tables[i][chosen].flatten()
-        if state.extra_ids is not None:
-            tokens = torch.cat([tokens, state.extra_ids])
-        clusters.append(chosen.numel())
+        cluster_ids, _ = ops.select_clusters(state.hidden[i][:batch], state.centroids[i], probes)
+        tokens = ops.gather_candidates(cluster_ids, state.tables[i], state.extra_ids)
+        clusters.append(cluster_ids.unique().numel())
         rows.append(tokens[tokens >= 0].unique().numel())
     return CandidatesRead(sum(clusters) / len(clusters), sum(rows) / len(rows))
 
