@@ -22,6 +22,9 @@ def flash_head(problem, probes=None, **kw):
                      special_token_ids=None if problem.extra_ids is None else problem.extra_ids.tolist(), **kw)
 
 
+either_head = pytest.mark.parametrize("make_head", [flash_head, lambda p: DenseHead(p.embedding)], ids=["flash", "dense"])
+
+
 @device_params
 @pytest.mark.parametrize("integer", [False, True], ids=["random", "integer-ties"])
 def test_all_probes_equals_dense_argmax(device, integer):
@@ -106,7 +109,7 @@ def test_leading_batch_dims_preserved(device):
 
 
 @device_params
-@pytest.mark.parametrize("make_head", [flash_head, lambda p: DenseHead(p.embedding)], ids=["flash", "dense"])
+@either_head
 def test_next_token_out_writes_into_a_strided_view(device, make_head):
     problem = make_problem(SHAPE, torch.float32, device)
     head = make_head(problem)
@@ -139,7 +142,7 @@ def test_dense_next_token_refuses_a_bad_out():
 
 
 @device_params
-@pytest.mark.parametrize("make_head", [flash_head, lambda p: DenseHead(p.embedding)], ids=["flash", "dense"])
+@either_head
 def test_sample_reproducible_with_generator(device, make_head):
     problem = make_problem(SHAPE, torch.float32, device)
     head = make_head(problem)
@@ -348,7 +351,6 @@ def test_a_head_follows_its_models_weight_through_copies_and_conversions(kind):
     model.head.embedding = model.lm_head.weight.detach()
     for converted in (model.float(), copy.deepcopy(model)):
         assert torch.equal(converted.head.next_token(problem.hidden), want)
-
 
 
 @pytest.mark.parametrize("kind", ["dense", "flash", "flash-fp8"])
