@@ -1,8 +1,9 @@
 // Shared harness of the cpp_bench binaries: device buffers with random contents, a synthetic head
 // (Qwen3-0.6B shapes by default), CUDA-graph replay timed with CUDA events (Google Benchmark's
-// manual time), an L2 flush before each timed replay, and bytes/s and % of a peak bandwidth as
-// counters. JSON comes from Google Benchmark's own flags (--benchmark_format=json,
-// --benchmark_out=FILE). Extra flags of ours, read before Google Benchmark's:
+// manual time), an L2 flush before each timed replay, and bytes/s, % of a peak bandwidth and the
+// samples' median (median_us; Google Benchmark's own time is their mean) as counters. JSON comes
+// from Google Benchmark's own flags (--benchmark_format=json, --benchmark_out=FILE). Extra flags
+// of ours, read before Google Benchmark's:
 //   --peak_gbps=N   peak memory bandwidth for the pct_of_peak counter (env FLASHHEAD_PEAK_GBPS)
 //   --warm_l2       skip the L2 flush (the head then partly lives in L2 across iterations)
 #pragma once
@@ -10,6 +11,7 @@
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -180,6 +182,7 @@ inline void run_timed(benchmark::State& state, double bytes, const std::function
   FHB_CHECK(cudaEventCreate(&start));
   FHB_CHECK(cudaEventCreate(&stop));
   double seconds = 0.0;
+  std::vector<double> sample_us;  // for the median, which bench head reports (Google Benchmark's time is the mean)
   for (auto _ : state) {
     if (flush.size()) {
       read_through<<<1024, 256, 0, stream>>>(flush.get(), flush.size(), flush_sink.get());
@@ -193,12 +196,18 @@ inline void run_timed(benchmark::State& state, double bytes, const std::function
     FHB_CHECK(cudaEventElapsedTime(&ms, start, stop));
     state.SetIterationTime(ms * 1e-3);
     seconds += ms * 1e-3;
+    sample_us.push_back(ms * 1e3);
   }
   FHB_CHECK(cudaGetLastError());
   state.counters["bytes_per_second"] = benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate);
   if (flags().peak_gbps > 0 && seconds > 0)
     state.counters["pct_of_peak"] = 100.0 * bytes * state.iterations() / seconds / (flags().peak_gbps * 1e9);
   state.counters["floor_bytes"] = bytes;
+  if (!sample_us.empty()) {
+    auto middle = sample_us.begin() + sample_us.size() / 2;
+    std::nth_element(sample_us.begin(), middle, sample_us.end());
+    state.counters["median_us"] = *middle;
+  }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaGraphExecDestroy(exec);
