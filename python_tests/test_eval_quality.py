@@ -63,14 +63,17 @@ def test_scores_match_flashhead_itself(method, vocab, size):
     always = [3, 50]
     assets = FlashHeadAssets.from_clustering(clustering, special_token_ids=always)
     categories = ["a" if i % 3 else "b" for i in range(61)]
-    top = quality.dense_top(emb, hidden)
+    dense = quality.dense_reference(emb, hidden)
+    top = dense[0]
     assert torch.equal(top[:, 0], (hidden @ emb.T).argmax(1))
     prompt_index = torch.arange(61) // 5 + 100  # 13 prompts of 5 tokens (the last of 1)
-    rows = quality.score_assets(assets, hidden, top, categories, prompt_index, [1, 2, 5, assets.num_clusters + 1], always)
+    rows = quality.score_assets([assets], hidden, dense, categories, prompt_index, [1, 2, 5, assets.num_clusters + 1], always)
     assert [r["probes"] for r in rows] == [1, 2, 5]  # probes above C are skipped
     for row in rows:
         agree, recall = _brute_force(assets, emb, hidden, row["probes"])
         assert row["top1_agreement"] == pytest.approx(agree, abs=1e-6)
+        assert row["top1_per_seed"] == [row["top1_agreement"]] == [row["top1_min"]] == [row["top1_max"]]
+        assert row["top1_ties_max"] == row["top1_agreement"]  # float32 logits of random rows do not tie
         head = assets.head(emb, row["probes"])
         agreed = head.next_token(hidden) == DenseHead(emb).next_token(hidden)
         assert row["prompts_without_miss"] == pytest.approx(
@@ -87,13 +90,79 @@ def test_scores_match_flashhead_itself(method, vocab, size):
         assert weighted == pytest.approx(row["top1_agreement"], abs=1e-6)
         assert row["worst_category"]["top1_agreement"] == min(v["top1_agreement"] for v in row["per_category"].values())
     # Ranked by fp8 centroids: the agreement of FlashHead(centroid_dtype=torch.float8_e4m3fn) itself.
-    fp8_rows = quality.score_assets(assets, hidden, top, categories, prompt_index, [1, 2, 5], always,
-                                    quality.fp8_centroids(assets.centroids))
+    fp8_rows = quality.score_assets([assets], hidden, dense, categories, prompt_index, [1, 2, 5], always, fp8=True)
     for row in fp8_rows:
         head = FlashHead(emb, assets.centroids, assets.cluster_tokens, row["probes"], special_token_ids=always,
                          centroid_dtype=torch.float8_e4m3fn)
         agree = float((head.next_token(hidden) == DenseHead(emb).next_token(hidden)).float().mean())
         assert row["top1_agreement"] == pytest.approx(agree, abs=1e-6)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_bfloat16_scores_are_flashheads_own_tokens_against_the_bfloat16_dense_head(fp8):
+    g = torch.Generator().manual_seed(11)
+    emb = torch.randn(99, 12, generator=g).bfloat16()
+    hidden = (4 * torch.randn(300, 12, generator=g)).bfloat16()  # logits of ~10: bf16 steps of 1/16, so ties
+    clustering = calibrate_clusters(emb.float(), torch.randn(60, 12, generator=g), 7, iters=3, progress=False)
+    assets = FlashHeadAssets.from_clustering(clustering)
+    always, probes = [3, 50], [1, 2, 5, 14]  # 14: every cluster
+    dense = quality.dense_reference(emb, hidden)
+    dense_head = DenseHead(emb)
+    logits = hidden @ emb.T  # as DenseHead computes them: bfloat16
+    assert torch.equal(dense[0][:, 0], dense_head.next_token(hidden))
+    best = logits.max(1, keepdim=True).values
+    assert all(set(row[row >= 0].tolist()) == set((line == top).nonzero().flatten().tolist())
+               for row, line, top in zip(dense[1], logits, best))
+    categories = ["a" if i % 4 else "b" for i in range(300)]
+    prompt_index = torch.arange(300) // 10
+    rows = quality.score_assets([assets], hidden, dense, categories, prompt_index, probes, always, fp8=fp8, embedding=emb)
+    hits = quality.candidate_hits(assets, hidden, dense, probes, always, fp8=fp8, embedding=emb)
+    for row in rows:
+        head = FlashHead(emb, assets.centroids, assets.cluster_tokens, row["probes"], special_token_ids=always,
+                         centroid_dtype=torch.float8_e4m3fn if fp8 else None)
+        token = head.next_token(hidden)
+        assert row["top1_agreement"] == pytest.approx(float((token == dense_head.next_token(hidden)).float().mean()))
+        assert row["top1_ties_max"] == pytest.approx(float((logits.gather(1, token[:, None]) == best).float().mean()))
+        candidates = head.candidate_logits(hidden)[0].long()
+        in_candidates = torch.stack([torch.isin(top, c) for top, c in zip(dense[0], candidates)])
+        assert row["top5_recall"] == pytest.approx(float(in_candidates.float().mean()))
+    # What the float32 shortcut would get wrong here: FlashHead's float32 candidate logits pick
+    # another token of the rounded maximum, or one just above it, while the dense token is a candidate.
+    assert any(not torch.equal(h["agree"], h["member"][:, 0]) for h in hits.values())
+    assert any(not torch.equal(h["agree"], h["ties"]) for h in hits.values())
+    assert hits[14]["member"][:, 0].all() and not hits[14]["agree"].all()
+
+
+def test_seeds_and_held_out_categories_combine_their_clusterings_rows():
+    g = torch.Generator().manual_seed(5)
+    emb = torch.randn(96, 12, generator=g)
+    hidden = torch.randn(90, 12, generator=g)
+    by_seed = [FlashHeadAssets.from_clustering(build_clusters(emb, 8, iters=2, seed=seed, progress=False)) for seed in (0, 1, 2)]
+    categories = ["a" if i % 3 else "b" for i in range(90)]
+    prompt_index = torch.arange(90) // 6
+    dense = quality.dense_reference(emb, hidden)
+    alone = [quality.score_assets([a], hidden, dense, categories, prompt_index, [2, 4]) for a in by_seed]
+    together = quality.score_assets(by_seed, hidden, dense, categories, prompt_index, [2, 4])
+    for i, row in enumerate(together):
+        per_seed = [rows[i]["top1_agreement"] for rows in alone]
+        assert row["top1_per_seed"] == per_seed and len(set(per_seed)) > 1  # the seeds' clusterings differ
+        assert row["top1_agreement"] == pytest.approx(sum(per_seed) / 3)
+        assert (row["top1_min"], row["top1_max"]) == (min(per_seed), max(per_seed))
+        for key in ("top5_recall", "top1_ties_max", "prompts_without_miss"):
+            assert row[key] == pytest.approx(sum(rows[i][key] for rows in alone) / 3)
+        low, high = row["top1_interval"]
+        assert low <= row["top1_agreement"] <= high
+
+    # Held out: category a's rows scored by one clustering, b's by another, weighted by their tokens.
+    held = quality.score_held_out({"a": by_seed[1], "b": by_seed[2]}, hidden, dense, categories, prompt_index, [2, 4])
+    for i, row in enumerate(held):
+        for name, assets in (("a", by_seed[1]), ("b", by_seed[2])):
+            mine = torch.tensor([c == name for c in categories])
+            alone_row = quality.score_assets([assets], hidden[mine], (dense[0][mine], dense[1][mine]),
+                                             [name] * int(mine.sum()), prompt_index[mine], [2, 4])[i]
+            assert row["per_category"][name] == alone_row["per_category"][name]
+        assert row["top1_agreement"] == pytest.approx(
+            sum(row["per_category"][c]["top1_agreement"] * row["per_category"][c]["tokens"] for c in "ab") / 90)
 
 
 def test_prompt_level_agreement_counts_prompts_and_resamples_them():
@@ -115,10 +184,16 @@ def test_cluster_ranks_break_ties_to_the_smaller_cluster_id():
     assert ranks.tolist() == [[1, 2, 3, 0]]  # scores 1, 1, 0.5, 2: cluster 0 before its equal, cluster 1
 
 
-def test_dense_top_breaks_ties_to_the_smaller_token_id():
+def test_dense_reference_breaks_ties_to_the_smaller_token_id_and_lists_them():
     emb = torch.tensor([[0.0, 1.0], [1.0, 0.0], [1.0, 0.0], [0.5, 0.0], [0.1, 0.0], [0.2, 0.0]])
-    top = quality.dense_top(emb, torch.tensor([[1.0, 0.0]]))
+    top, tied = quality.dense_reference(emb, torch.tensor([[1.0, 0.0], [0.0, 1.0]]), rows_per_chunk=1)
     assert top[0, 0] == 1 and set(top[0].tolist()) == {1, 2, 3, 4, 5}
+    assert tied.tolist() == [[1, 2], [0, -1]]  # chunks of one tie and of none, padded to one width
+    # 1 + 2**-9 and 1 are one bfloat16 value (8 bits of mantissa): in bfloat16 tokens 0 and 1 tie.
+    close = torch.tensor([[1.0, 0.0], [1.0 + 2 ** -9, 0.0], [0.0, 1.0]])
+    assert quality.dense_reference(close, torch.tensor([[1.0, 0.0]]), k=2)[1].tolist() == [[1]]
+    top, tied = quality.dense_reference(close, torch.tensor([[1.0, 0.0]]).bfloat16(), k=2)
+    assert top[0, 0] == 0 and tied.tolist() == [[0, 1]]
 
 
 def _record_spy(monkeypatch):
@@ -184,6 +259,52 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir):
         main(argv[:6] + ["7"] + argv[7:])
 
 
+@pytest.mark.filterwarnings("ignore:calibrate_clusters")
+def test_cli_seeds_held_out_categories_and_bfloat16_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    prompts = _questions(tmp_path / "questions.jsonl")
+    built = []
+    real_build = quality.build_method
+
+    def spy(method, embedding, size, calibration, **options):
+        built.append((method, size, options["seed"], None if calibration is None else calibration.clone()))
+        return real_build(method, embedding, size, calibration, **options)
+
+    monkeypatch.setattr(quality, "build_method", spy)
+    out = tmp_path / "out" / "quality.json"
+    argv = _argv(tmp_path, tiny_model_dir, prompts, "--methods", "kmeans,calibrated", "--cluster-sizes", "4")
+    assert main(argv + ["--seeds", "0,3", "--holdout-categories"]) == 0
+    result = json.loads(out.read_text())
+    assert result["seeds"] == [0, 3] and result["dtype"] == "float32"
+    assert {r["method"] for r in result["results"]} == {"kmeans", "calibrated", "calibrated+holdout"}
+    full = next(states for method, _, _, states in built if method == "calibrated")
+    held = [(seed, states) for method, _, seed, states in built if method == "calibrated" and len(states) < len(full)]
+    assert [seed for seed, _ in held] == [0, 0, 0]  # one clustering per category, for the first seed
+    # Each leaves out a part of the calibration states; the three parts are the whole, without overlap.
+    rows = {tuple(r.tolist()): i for i, r in enumerate(full)}
+    left_out = [set(range(len(full))) - {rows[tuple(r.tolist())] for r in states} for _, states in held]
+    assert all(left_out) and sum(map(len, left_out)) == len(full) and set().union(*left_out) == set(range(len(full)))
+    for row in result["results"]:
+        assert len(row["top1_per_seed"]) == (1 if row["method"].endswith("+holdout") else 2)
+        same = next(r for r in result["results"] if r["method"] == "calibrated" and r["probes"] == row["probes"])
+        assert {c: v["tokens"] for c, v in row["per_category"].items()} == {c: v["tokens"] for c, v in same["per_category"].items()}
+    # Each seed's column is that seed's run alone (here from the cache).
+    two_seeds = {(r["method"], r["probes"]): r["top1_per_seed"] for r in result["results"]}
+    assert main(argv + ["--seed", "3"]) == 0
+    for row in json.loads(out.read_text())["results"]:
+        assert row["top1_per_seed"] == [two_seeds[row["method"], row["probes"]][1]]
+
+    # bfloat16: a model of its own (its own recordings and clusterings), FlashHead run on its states.
+    calls = _record_spy(monkeypatch)
+    assert main(argv + ["--dtype", "bfloat16"]) == 0
+    result = json.loads(out.read_text())
+    assert len(calls) == 2 and result["dtype"] == "bfloat16"
+    assert result["evaluation"]["dense_matches_generate"] > 0.9
+    assert 0.5 < result["evaluation"]["dense_matches_float32_logits"] <= 1
+    for row in result["results"]:
+        assert row["top1_agreement"] <= row["top1_ties_max"]
+
+
 def test_sizes_past_the_vocabulary_or_its_clusters_are_usage_errors_before_recording(tmp_path, monkeypatch, capsys, tiny_model_dir):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     calls = _record_spy(monkeypatch)
@@ -197,6 +318,12 @@ def test_sizes_past_the_vocabulary_or_its_clusters_are_usage_errors_before_recor
             main(_argv(tmp_path, tiny_model_dir, prompts, *extra))
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+    one_category = tmp_path / "one.jsonl"
+    one_category.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"q{i}"]}) + "\n" for i in range(1, 7)))
+    with pytest.raises(SystemExit) as exit_info:
+        main(_argv(tmp_path, tiny_model_dir, one_category, "--methods", "calibrated", "--holdout-categories"))
+    assert exit_info.value.code == 2
+    assert "quality: error: --holdout-categories needs calibration prompts of two categories or more, got ['qa']" in capsys.readouterr().err
     assert calls == []  # refused once the model loaded, before any state was recorded
     assert not (tmp_path / "out").exists()
 
@@ -225,10 +352,20 @@ def test_bad_input(tmp_path, capsys):
         (["quality", "--plot", str(tmp_path)], f"quality: error: argument --plot: '{tmp_path}' is a directory"),
         (["quality", "--per-category", "0"], "expected a positive integer"),
         (["quality", "--seed", str(2**64)], "argument --seed: seed must be in -2**63..2**64 - 1"),
+        (["quality", "--seeds", f"0,{2**64}"], "argument --seeds: expected comma-separated k-means seeds, got '0,18446744073709551616' "
+                                               "(seed must be in -2**63..2**64 - 1"),
+        (["quality", "--seeds", "0,1,0"], "argument --seeds: expected comma-separated distinct k-means seeds, got '0,1,0'"),
+        (["quality", "--seeds", ","], "argument --seeds: expected comma-separated distinct k-means seeds, got ','"),
+        (["quality", "--seeds", "0,1", "--seed", "2"], "argument --seed: not allowed with argument --seeds"),
+        (["quality", "--dtype", "float16"], "argument --dtype: invalid choice: 'float16' (choose from 'float32', 'bfloat16')"),
+        (["quality", "--holdout-categories", "--methods", "kmeans"],
+         "quality: error: --holdout-categories needs a data-aware method in --methods (kmeans-fit or calibrated)"),
     ]:
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert message in capsys.readouterr().err
+    assert parse_args(["quality"]).seeds == [0] and parse_args(["quality", "--seed", "7"]).seeds == [7]
+    assert parse_args(["quality", "--seeds", "2,0,5"]).seeds == [2, 0, 5] and not hasattr(parse_args(["quality"]), "seed")
     with pytest.raises(ValueError, match="per_category must be a positive int or None, got 0"):
         prompts_per_category(prompts, 0)
     with pytest.raises(ValueError, match="parity must be 'odd'"):

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 from .._cli import (ArgumentValueError, doc_summary, kmeans_seed, non_negative_int, output_file, positive_int,
                     positive_int_list, write_output)
 from ..prompts import DEFAULT_PROMPTS
-from .quality import METHODS, format_table, model_problem, plot, run_quality
+from .quality import DTYPES, METHODS, format_table, model_problem, plot, run_quality
 
 
 DEFAULT_PLOT = "results/quality.png"
@@ -26,6 +26,16 @@ def _methods_list(text: str) -> list:
     unknown = [v for v in values if v not in METHODS]
     if not values or unknown:
         raise argparse.ArgumentTypeError(f"expected comma-separated methods from {', '.join(METHODS)}, got {text!r}")
+    return values
+
+
+def _seeds_list(text: str) -> list:
+    try:
+        values = [kmeans_seed(v) for v in text.split(",") if v.strip()]
+    except (ValueError, argparse.ArgumentTypeError) as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated k-means seeds, got {text!r} ({error})") from None
+    if not values or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated distinct k-means seeds, got {text!r}")
     return values
 
 
@@ -53,7 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also score each method with its centroids in float8_e4m3fn (rows '<method>+fp8'), as "
                               "FlashHead(centroid_dtype=torch.float8_e4m3fn) ranks clusters")
     quality.add_argument("--iters", type=positive_int, default=15, help="k-means iterations (default: %(default)s)")
-    quality.add_argument("--seed", type=kmeans_seed, default=0, help="k-means seed (default: %(default)s)")
+    seeds = quality.add_mutually_exclusive_group()
+    seeds.add_argument("--seeds", type=_seeds_list, default=None,
+                       help="comma-separated k-means seeds: each row reports the mean, min and max over them (default: 0)")
+    seeds.add_argument("--seed", type=kmeans_seed, default=None, help="one k-means seed (as --seeds with one value)")
+    quality.add_argument("--holdout-categories", action="store_true",
+                         help="also score each data-aware method (kmeans-fit, calibrated) calibrated leave-one-category-out: "
+                              "each category by a clustering of the other categories' even ids (rows '<method>+holdout', "
+                              "the first seed only: one clustering a category; without --frequent-tokens or --fp8-centroids)")
+    quality.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                         help="the model generates and both heads run in this dtype (default: %(default)s)")
     quality.add_argument("--batch-size", type=positive_int, default=8, help="prompts generated at once while recording (default: %(default)s)")
     quality.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
     quality.add_argument("--no-cache", action="store_true", help="record states and build clusterings again, overwriting the cache")
@@ -72,6 +91,12 @@ def _parse(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, argparse.
     problem = model_problem(args.model)
     if problem:
         command_parser.error(problem)
+    if args.holdout_categories and args.methods == ["kmeans"]:
+        command_parser.error("--holdout-categories needs a data-aware method in --methods (kmeans-fit or calibrated): "
+                             "plain k-means uses no calibration")
+    seed = args.__dict__.pop("seed")
+    if args.seeds is None:
+        args.seeds = [0 if seed is None else seed]
     return args, command_parser
 
 

