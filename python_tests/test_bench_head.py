@@ -8,6 +8,7 @@ from flashhead_ext.bench.__main__ import main
 from flashhead_ext import ops
 from flashhead_ext.bench.head import (SHAPES, CandidatesRead, HeadState, add_ratios, call_bytes, candidates_read,
                                       copies_needed, floor_bytes, summary)
+from flashhead_ext.bench.timing import run_metadata
 
 
 def test_head_bench_cli_with_special_tokens(tmp_path, capsys):
@@ -209,3 +210,13 @@ def test_spec_bench_weights_past_the_device_are_a_usage_error(error, monkeypatch
     monkeypatch.setattr(spec.Decoder, "random", lambda config, **kwargs: (_ for _ in ()).throw(RuntimeError("other")))
     with pytest.raises(RuntimeError, match="other"):  # any other failure is not a usage error
         main(["spec", "--device", "cpu", "--head", "dense", "--mode", "baseline"])
+
+
+def test_run_metadata_describes_the_device_the_run_uses():
+    # A CPU run on a machine with a GPU is a CPU run: no GPU name, and no L2 to size the copies by
+    # (a GPU's L2 once made `bench head --device cpu` rotate over copies there).
+    meta = run_metadata("cpu")
+    assert meta["device"] == "cpu" and "l2_bytes" not in meta and "sms" not in meta
+    if torch.cuda.is_available():
+        meta = run_metadata("cuda:0")
+        assert meta["device"] == torch.cuda.get_device_name(0) and meta["l2_bytes"] > 0 and meta["sms"] > 0

@@ -249,7 +249,7 @@ def main(argv=None) -> int:
         print("graph mode skipped: CUDA graphs need a CUDA device")
     dtype = DTYPES[args.dtype]
 
-    meta = run_metadata()
+    meta = run_metadata(args.device)
     bandwidth = copy_bandwidth_gbs() if args.device == "cuda" else None
     meta["copy_bandwidth_gbs"] = bandwidth
     l2 = meta.get("l2_bytes") or 0

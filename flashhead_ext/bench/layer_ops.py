@@ -122,5 +122,5 @@ def main(argv=None) -> int:
     print(f"decoder-layer ops, bf16, CUDA graph replay, weights rotated past L2, context {args.context}, "
           f"copy bandwidth {bandwidth:.0f} GB/s")
     print(format_table(rows, COLUMNS))
-    _write(args.json, dict(meta=dict(run_metadata(), copy_bandwidth_gbs=bandwidth, args=vars(args)), rows=rows))
+    _write(args.json, dict(meta=dict(run_metadata("cuda"), copy_bandwidth_gbs=bandwidth, args=vars(args)), rows=rows))
     return 0

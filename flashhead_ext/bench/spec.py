@@ -191,7 +191,7 @@ def draft_step_main(argv=None) -> int:
     check_probes(parser, args, shapes)
     cuda = args.device != "cpu"
     dtype = DTYPES[args.dtype]
-    meta = dict(run_metadata(), clusters=CLUSTERS, args=vars(args))
+    meta = dict(run_metadata(args.device), clusters=CLUSTERS, args=vars(args))
     bandwidth = copy_bandwidth_gbs() if cuda else None
     meta["copy_bandwidth_gbs"] = bandwidth
     rows = []
@@ -354,7 +354,7 @@ def spec_main(argv=None) -> int:
                    for kind in decoders if kind is not None}
     gains = head_gains(rows, args.k, args.synthetic_acceptance, step_us)
     flash = decoders.get("flashhead")
-    meta = dict(run_metadata(), args=vars(args), synthetic_acceptance=args.synthetic_acceptance, clusters=CLUSTERS, max_len=max_len,
+    meta = dict(run_metadata(args.device), args=vars(args), synthetic_acceptance=args.synthetic_acceptance, clusters=CLUSTERS, max_len=max_len,
                 target_gb=target.nbytes / 1e9, draft_gb=draft.nbytes / 1e9,
                 probes_used=flash.head.probes if flash else None, num_clusters=flash.head.num_clusters if flash else None,
                 graphs=decoders[None].graphs, draft_step_us=step_us, head_gains=gains)

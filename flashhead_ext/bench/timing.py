@@ -31,17 +31,18 @@ def source_commit(mark_dirty: bool = False) -> str:
         return "unknown"
 
 
-def run_metadata() -> dict:
-    """Device, versions, date and commit, recorded with every result file."""
+def run_metadata(device: str) -> dict:
+    """The run's device (``device``, as the CLIs' --device: a CPU run on a machine with a GPU is
+    a CPU run), versions, date and commit, recorded with every result file."""
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": source_commit(mark_dirty=True),  # a run of uncommitted code says so
         "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": "cpu",
     }
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        meta.update(sms=props.multi_processor_count, l2_bytes=getattr(props, "L2_cache_size", None),
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(torch.device(device))
+        meta.update(device=props.name, sms=props.multi_processor_count, l2_bytes=getattr(props, "L2_cache_size", None),
                     memory_bytes=props.total_memory)
     return meta
 

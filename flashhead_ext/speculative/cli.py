@@ -209,7 +209,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     rows = summarize(records, configs)
     flash = decoders.get("flashhead")
     # The arguments first: run_metadata's device (the GPU's name) must not give way to --device's "cuda".
-    meta = dict(vars(args), **run_metadata(),
+    meta = dict(vars(args), **run_metadata(args.device),
                 probes_used=flash.head.probes if flash else None,
                 num_clusters=flash.head.num_clusters if flash else None)
     count = torch.get_num_threads()
