@@ -143,8 +143,10 @@ def candidate_hits(assets: FlashHeadAssets, hidden: Tensor, dense: tuple[Tensor,
     float32 logits need not pick the token the rounded dense logits do."""
     top, tied = dense
     k = top.shape[1]
+    from_ranks = hidden.dtype == torch.float32
     ranking = fp8_centroids(assets.centroids) if fp8 else assets.centroids.to(hidden.dtype)
-    wanted = torch.cat([top, tied.clamp(min=0)], dim=1)
+    # The tied tokens' ranks only where the ranks give ``ties``; FlashHead's own token does elsewhere.
+    wanted = torch.cat([top, tied.clamp(min=0)], dim=1) if from_ranks else top
     ranks = cluster_ranks(hidden, ranking, assets.cluster_assignments[wanted])
     scored_always = torch.zeros(assets.cluster_assignments.numel(), dtype=torch.bool)
     scored_always[torch.as_tensor(list(always), dtype=torch.int64)] = True
@@ -153,8 +155,8 @@ def candidate_hits(assets: FlashHeadAssets, hidden: Tensor, dense: tuple[Tensor,
     for p in sorted(set(probes)):
         if p > assets.num_clusters:
             continue
-        candidate = (ranks < p) | scored_always  # [N, k + T]: is each dense top-k / tied token a candidate
-        if hidden.dtype == torch.float32:
+        candidate = (ranks < p) | scored_always  # [N, k (+ T)]: is each dense top-k (and tied) token a candidate
+        if from_ranks:
             agree = candidate[:, 0]
             ties = (candidate[:, k:] & (tied >= 0)).any(dim=1)  # FlashHead's token ties iff a tied token is a candidate
         else:
