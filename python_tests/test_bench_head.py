@@ -8,7 +8,8 @@ from flashhead_ext.bench.__main__ import main
 from flashhead_ext import ops
 from flashhead_ext.bench.head import (SHAPES, CandidatesRead, HeadState, add_ratios, call_bytes, candidates_read,
                                       copies_needed, floor_bytes, summary)
-from flashhead_ext.bench.timing import run_metadata
+from flashhead_ext.bench.timing import on_device, run_metadata
+from helpers import TWO_GPUS
 
 
 def test_head_bench_cli_with_special_tokens(tmp_path, capsys):
@@ -220,3 +221,32 @@ def test_run_metadata_describes_the_device_the_run_uses():
     if torch.cuda.is_available():
         meta = run_metadata("cuda:0")
         assert meta["device"] == torch.cuda.get_device_name(0) and meta["l2_bytes"] > 0 and meta["sms"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cuda:0", pytest.param("cuda:1", marks=TWO_GPUS)])
+@pytest.mark.parametrize("bench", ["head", "draft-step"])
+def test_benches_run_on_the_cuda_device_named(device, bench, tmp_path):
+    # A device with an index is a CUDA run: its copy bandwidth and floors are measured (`bench head`
+    # once did so only for "cuda"), and its graphs are captured and timed on that device's streams
+    # (cuda:1's work captured through cuda:0's stream fails the capture).
+    out = tmp_path / "run.json"
+    argv = (["head", "--probes", "7", "--batches", "1", "--impls", "dense,flash_greedy", "--calls", "2"]
+            if bench == "head" else ["draft-step", "--bodies", "eager", "--calls", "2"])
+    assert main([*argv, "--shapes", "tiny", "--device", device, "--samples", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["copy_bandwidth_gbs"] > 0
+    assert result["meta"]["device"] == torch.cuda.get_device_name(torch.device(device))
+    floor = "floor_us" if bench == "head" else "body_floor_us"
+    assert result["rows"] and all(r[floor] > 0 and r["step_us" if bench == "draft-step" else "us"] > 0
+                                  for r in result["rows"])
+    assert torch.cuda.current_device() == 0  # the device is current only for the run
+
+
+def test_on_device_makes_a_cuda_device_current_for_its_block():
+    with on_device("cpu"):
+        pass  # no CUDA call: a CPU run on a machine without a GPU
+    if torch.cuda.device_count() >= 2:
+        with on_device("cuda:1"):
+            assert torch.cuda.current_device() == 1
+        assert torch.cuda.current_device() == 0

@@ -27,7 +27,7 @@ from .. import ops
 from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, doc_summary, output_file, positive_int,
                     positive_int_list, write_output)
 from ..graphs import capture_graph
-from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
+from .timing import copy_bandwidth_gbs, format_table, on_device, run_metadata, time_calls
 
 
 @dataclass(frozen=True)
@@ -247,10 +247,15 @@ def main(argv=None) -> int:
             parser.error("--modes graph needs a CUDA device (CUDA graphs); on the CPU use --modes eager")
         modes = [m for m in modes if m != "graph"]
         print("graph mode skipped: CUDA graphs need a CUDA device")
-    dtype = DTYPES[args.dtype]
+    with on_device(args.device):
+        return run(args, impls, modes)
 
+
+def run(args, impls: list, modes: list) -> int:
+    """Times every point of ``plan(args)``, prints the table and summary, writes the JSON."""
+    dtype = DTYPES[args.dtype]
     meta = run_metadata(args.device)
-    bandwidth = copy_bandwidth_gbs() if args.device == "cuda" else None
+    bandwidth = copy_bandwidth_gbs() if torch.device(args.device).type == "cuda" else None
     meta["copy_bandwidth_gbs"] = bandwidth
     l2 = meta.get("l2_bytes") or 0
     rows = []

@@ -31,7 +31,7 @@ from ..head import DenseHead, FlashHead
 from ..speculative.driver import check_draft_vocab
 from ..speculative.runner import format_summary, plan_configs, reading, run_interleaved, summarize, write_json
 from ..graphs import capture_graph
-from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
+from .timing import copy_bandwidth_gbs, format_table, on_device, run_metadata, time_calls
 
 
 def gemma3_shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
@@ -189,6 +189,11 @@ def draft_step_main(argv=None) -> int:
     shapes = choices_list(parser, args.shapes, SHAPES, "shape")
     bodies = choices_list(parser, args.bodies, BODIES, "body")
     check_probes(parser, args, shapes)
+    with on_device(args.device):
+        return _run_draft_step(parser, args, shapes, bodies)
+
+
+def _run_draft_step(parser: argparse.ArgumentParser, args, shapes: list, bodies: list) -> int:
     cuda = args.device != "cpu"
     dtype = DTYPES[args.dtype]
     meta = dict(run_metadata(args.device), clusters=CLUSTERS, args=vars(args))
@@ -321,6 +326,12 @@ def spec_main(argv=None) -> int:
         except ValueError as error:
             parser.error(f"--target-layers: {error}")
 
+    with on_device(args.device):
+        return _run_spec(parser, args, configs, target_shape, draft_shape)
+
+
+def _run_spec(parser: argparse.ArgumentParser, args, configs: list, target_shape: DecoderConfig,
+              draft_shape: DecoderConfig) -> int:
     dtype = DTYPES[args.dtype]
     for flag, shape, body in (("--target-body", target_shape, args.target_body), ("--body", draft_shape, args.body)):
         limit = shape.body_limit(body, dtype)

@@ -1,6 +1,7 @@
 """Timing helpers shared by the benchmarks: CUDA events, warm-up, medians, graph replay, run metadata."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import statistics
@@ -45,6 +46,14 @@ def run_metadata(device: str) -> dict:
         meta.update(device=props.name, sms=props.multi_processor_count, l2_bytes=getattr(props, "L2_cache_size", None),
                     memory_bytes=props.total_memory)
     return meta
+
+
+def on_device(device: str):
+    """A context in which ``device``, where it is a CUDA device, is the current one: the events,
+    graphs, streams and copies that name no device then land on it, as on the tensors the run
+    made there (``cuda:1`` otherwise times and captures ``cuda:0``'s stream). No-op on the CPU."""
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def median_us(samples_ms: list[float]) -> float:
