@@ -163,6 +163,13 @@ def test_seeds_and_held_out_categories_combine_their_clusterings_rows():
             assert row["per_category"][name] == alone_row["per_category"][name]
         assert row["top1_agreement"] == pytest.approx(
             sum(row["per_category"][c]["top1_agreement"] * row["per_category"][c]["tokens"] for c in "ab") / 90)
+    # One dict a seed: each seed's column is that seed's held-out rows alone.
+    swapped = quality.score_held_out({"a": by_seed[2], "b": by_seed[0]}, hidden, dense, categories, prompt_index, [2, 4])
+    both = quality.score_held_out([{"a": by_seed[1], "b": by_seed[2]}, {"a": by_seed[2], "b": by_seed[0]}], hidden, dense,
+                                  categories, prompt_index, [2, 4])
+    for one, other, row in zip(held, swapped, both):
+        assert row["top1_per_seed"] == [one["top1_agreement"], other["top1_agreement"]]
+        assert row["top1_agreement"] == pytest.approx((one["top1_agreement"] + other["top1_agreement"]) / 2)
 
 
 def test_prompt_level_agreement_counts_prompts_and_resamples_them():
@@ -279,18 +286,20 @@ def test_cli_seeds_held_out_categories_and_bfloat16_on_a_tiny_model(tmp_path, mo
     assert {r["method"] for r in result["results"]} == {"kmeans", "calibrated", "calibrated+holdout"}
     full = next(states for method, _, _, states in built if method == "calibrated")
     held = [(seed, states) for method, _, seed, states in built if method == "calibrated" and len(states) < len(full)]
-    assert [seed for seed, _ in held] == [0, 0, 0]  # one clustering per category, for the first seed
+    assert [seed for seed, _ in held] == [0, 0, 0, 3, 3, 3]  # one clustering per category, for each seed
     # Each leaves out a part of the calibration states; the three parts are the whole, without overlap.
     rows = {tuple(r.tolist()): i for i, r in enumerate(full)}
-    left_out = [set(range(len(full))) - {rows[tuple(r.tolist())] for r in states} for _, states in held]
+    left_out = [set(range(len(full))) - {rows[tuple(r.tolist())] for r in states} for _, states in held[:3]]
     assert all(left_out) and sum(map(len, left_out)) == len(full) and set().union(*left_out) == set(range(len(full)))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(held[:3], held[3:]))  # both seeds leave out the same states
+    assert result["holdout"]["seeds"] == [0, 3]
     for row in result["results"]:
-        assert len(row["top1_per_seed"]) == (1 if row["method"].endswith("+holdout") else 2)
+        assert len(row["top1_per_seed"]) == 2
         same = next(r for r in result["results"] if r["method"] == "calibrated" and r["probes"] == row["probes"])
         assert {c: v["tokens"] for c, v in row["per_category"].items()} == {c: v["tokens"] for c, v in same["per_category"].items()}
     # Each seed's column is that seed's run alone (here from the cache).
     two_seeds = {(r["method"], r["probes"]): r["top1_per_seed"] for r in result["results"]}
-    assert main(argv + ["--seed", "3"]) == 0
+    assert main(argv + ["--seed", "3", "--holdout-categories"]) == 0
     for row in json.loads(out.read_text())["results"]:
         assert row["top1_per_seed"] == [two_seeds[row["method"], row["probes"]][1]]
 

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--holdout-categories", action="store_true",
                          help="also score each data-aware method (kmeans-fit, calibrated) calibrated leave-one-category-out: "
                               "each category by a clustering of the other categories' even ids (rows '<method>+holdout', "
-                              "the first seed only: one clustering a category; without --frequent-tokens or --fp8-centroids)")
+                              "one clustering a category for each seed; without --frequent-tokens or --fp8-centroids)")
     quality.add_argument("--dtype", choices=list(DTYPES), default="float32",
                          help="the model generates and both heads run in this dtype (default: %(default)s)")
     quality.add_argument("--batch-size", type=positive_int, default=8, help="prompts generated at once while recording (default: %(default)s)")

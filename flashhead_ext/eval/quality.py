@@ -223,20 +223,25 @@ def score_assets(assets: Sequence[FlashHeadAssets], hidden: Tensor, dense: tuple
     return score_rows(assets[0], hits, categories, prompt_index, len(always))
 
 
-def score_held_out(assets_without: dict, hidden: Tensor, dense: tuple[Tensor, Tensor], categories: Sequence[str],
-                   prompt_index: Tensor, probes: Sequence[int], **options) -> list:
+def score_held_out(assets_without: dict | Sequence[dict], hidden: Tensor, dense: tuple[Tensor, Tensor],
+                   categories: Sequence[str], prompt_index: Tensor, probes: Sequence[int], **options) -> list:
     """As :func:`score_assets` for one clustering a category, ``assets_without[c]`` calibrated
     without category c: each category's rows are scored by its own, so the overall numbers are
-    the token-weighted mean of the held-out categories."""
-    hits = {}
-    for name, assets in assets_without.items():
-        rows = torch.tensor([c == name for c in categories]).nonzero().squeeze(1)
-        for p, part in candidate_hits(assets, hidden[rows], (dense[0][rows], dense[1][rows]), probes, **options).items():
-            whole = hits.setdefault(p, {key: torch.zeros((hidden.shape[0], *value.shape[1:]), dtype=torch.bool)
-                                        for key, value in part.items()})
-            for key, value in part.items():
-                whole[key][rows] = value
-    return score_rows(next(iter(assets_without.values())), [hits], categories, prompt_index)
+    the token-weighted mean of the held-out categories. A sequence of such dicts, one a k-means
+    seed, gives :func:`summarize`'s numbers over the seeds."""
+    by_seed = [assets_without] if isinstance(assets_without, dict) else list(assets_without)
+    seed_hits = []
+    for without in by_seed:
+        hits = {}
+        for name, assets in without.items():
+            rows = torch.tensor([c == name for c in categories]).nonzero().squeeze(1)
+            for p, part in candidate_hits(assets, hidden[rows], (dense[0][rows], dense[1][rows]), probes, **options).items():
+                whole = hits.setdefault(p, {key: torch.zeros((hidden.shape[0], *value.shape[1:]), dtype=torch.bool)
+                                            for key, value in part.items()})
+                for key, value in part.items():
+                    whole[key][rows] = value
+        seed_hits.append(hits)
+    return score_rows(next(iter(by_seed[0].values())), seed_hits, categories, prompt_index)
 
 
 def model_problem(name: str) -> Optional[str]:
@@ -333,10 +338,10 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
                     add(name + suffix, by_seed[0], score_assets(by_seed, hidden, dense, categories, states["prompt_index"],
                                                                 args.probes, extra, fp8=fp8, **options), len(extra))
             if method in held_out:
-                # One clustering a category (13 in Spec-Bench), so for the first seed only.
-                seed = args.seeds[0]
-                without = {name: build(method, size, seed, calibration["hidden"][calibration_category != names.index(name)],
-                                       f"{method}-b{size}-s{seed}-without-{name}") for name in sorted(set(categories))}
+                # One clustering a category (13 in Spec-Bench) for each seed.
+                without = [{name: build(method, size, seed, calibration["hidden"][calibration_category != names.index(name)],
+                                        f"{method}-b{size}-s{seed}-without-{name}") for name in sorted(set(categories))}
+                           for seed in args.seeds]
                 add(f"{method}+holdout", by_seed[0], score_held_out(without, hidden, dense, categories,
                                                                     states["prompt_index"], args.probes, **options))
     return {
@@ -362,7 +367,7 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
         "iters": args.iters,
         "seeds": args.seeds,
         "holdout": None if not held_out else {
-            "methods": held_out, "seed": args.seeds[0],
+            "methods": held_out, "seeds": args.seeds,
             "what": "each category scored by a clustering calibrated on the even ids of the other categories only"},
         "build_seconds": build_seconds,
         "results": results,
@@ -396,7 +401,7 @@ def format_table(result: dict) -> str:
                  "their min and max); 95% interval: a bootstrap over prompts; no miss: prompts whose every token agreed; "
                  "ties max: FlashHead's token has the dense maximum logit")
     if result["holdout"]:
-        lines.append(f"+holdout: {result['holdout']['what']} (seed {result['holdout']['seed']})")
+        lines.append(f"+holdout: {result['holdout']['what']} (k-means seeds {','.join(map(str, result['holdout']['seeds']))})")
     return "\n".join(lines)
 
 
