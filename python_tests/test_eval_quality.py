@@ -154,7 +154,7 @@ def test_seeds_and_held_out_categories_combine_their_clusterings_rows():
         assert low <= row["top1_agreement"] <= high
 
     # Held out: category a's rows scored by one clustering, b's by another, weighted by their tokens.
-    held = quality.score_held_out({"a": by_seed[1], "b": by_seed[2]}, hidden, dense, categories, prompt_index, [2, 4])
+    held = quality.score_held_out([{"a": by_seed[1], "b": by_seed[2]}], hidden, dense, categories, prompt_index, [2, 4])
     for i, row in enumerate(held):
         for name, assets in (("a", by_seed[1]), ("b", by_seed[2])):
             mine = torch.tensor([c == name for c in categories])
@@ -164,7 +164,7 @@ def test_seeds_and_held_out_categories_combine_their_clusterings_rows():
         assert row["top1_agreement"] == pytest.approx(
             sum(row["per_category"][c]["top1_agreement"] * row["per_category"][c]["tokens"] for c in "ab") / 90)
     # One dict a seed: each seed's column is that seed's held-out rows alone.
-    swapped = quality.score_held_out({"a": by_seed[2], "b": by_seed[0]}, hidden, dense, categories, prompt_index, [2, 4])
+    swapped = quality.score_held_out([{"a": by_seed[2], "b": by_seed[0]}], hidden, dense, categories, prompt_index, [2, 4])
     both = quality.score_held_out([{"a": by_seed[1], "b": by_seed[2]}, {"a": by_seed[2], "b": by_seed[0]}], hidden, dense,
                                   categories, prompt_index, [2, 4])
     for one, other, row in zip(held, swapped, both):

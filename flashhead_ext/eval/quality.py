@@ -223,18 +223,18 @@ def score_assets(assets: Sequence[FlashHeadAssets], hidden: Tensor, dense: tuple
     return score_rows(assets[0], hits, categories, prompt_index, len(always))
 
 
-def score_held_out(assets_without: dict | Sequence[dict], hidden: Tensor, dense: tuple[Tensor, Tensor],
-                   categories: Sequence[str], prompt_index: Tensor, probes: Sequence[int], **options) -> list:
-    """As :func:`score_assets` for one clustering a category, ``assets_without[c]`` calibrated
-    without category c: each category's rows are scored by its own, so the overall numbers are
-    the token-weighted mean of the held-out categories. A sequence of such dicts, one a k-means
-    seed, gives :func:`summarize`'s numbers over the seeds."""
-    by_seed = [assets_without] if isinstance(assets_without, dict) else list(assets_without)
+def score_held_out(by_seed: Sequence[dict], hidden: Tensor, dense: tuple[Tensor, Tensor], categories: Sequence[str],
+                   prompt_index: Tensor, probes: Sequence[int], **options) -> list:
+    """As :func:`score_assets` for one clustering a category under each k-means seed: ``by_seed``
+    holds one dict a seed, its ``[c]`` calibrated without category c. Each category's rows are
+    scored by its own clustering, so each seed's numbers are the token-weighted mean of the held-out
+    categories, and :func:`summarize` takes them over the seeds."""
+    category_rows = {name: torch.tensor([c == name for c in categories]).nonzero().squeeze(1) for name in by_seed[0]}
     seed_hits = []
     for without in by_seed:
         hits = {}
         for name, assets in without.items():
-            rows = torch.tensor([c == name for c in categories]).nonzero().squeeze(1)
+            rows = category_rows[name]
             for p, part in candidate_hits(assets, hidden[rows], (dense[0][rows], dense[1][rows]), probes, **options).items():
                 whole = hits.setdefault(p, {key: torch.zeros((hidden.shape[0], *value.shape[1:]), dtype=torch.bool)
                                             for key, value in part.items()})
