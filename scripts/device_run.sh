@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one script for a lent GPU (device tool): build for sm_90 with every core, run the tests,
-# compute-sanitizer (memcheck, racecheck, initcheck) on the ops, the head benchmark and cpp_bench;
+# compute-sanitizer (memcheck, racecheck, initcheck) on the ops and memcheck on random head-op
+# configurations, the head benchmark and cpp_bench;
 # logs and JSON under $OUT; a short table printed last.
 # Usage: FLASHHEAD_COMMIT=<sha> bash scripts/device_run.sh [MODE] (the sha given literally: the
 # device's copy of the tree may carry an older git HEAD, which bench head would record instead).
@@ -54,6 +55,12 @@ if [ "$mode" = full ]; then
     summary+=("sanitizer $tool: exit $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)")
     tail -3 "$OUT/sanitizer_$tool.log"
   done
+  # memcheck on 12 seeded random configurations of the head ops (test_random_shapes.py; 10 took
+  # 23 s on one H200, session 67), beyond sanitize_ops.py's fixed shapes.
+  FLASHHEAD_RANDOM_DRAWS=12 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 60 compute-sanitizer --tool memcheck \
+    --print-limit 20 python3 -m pytest python_tests/test_random_shapes.py -q -m gpu -p no:cacheprovider \
+    > "$OUT/sanitizer_memcheck_random.log" 2>&1
+  summary+=("sanitizer memcheck, random shapes: exit $?, $(grep -E 'passed|failed' "$OUT/sanitizer_memcheck_random.log" | tail -1), $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_memcheck_random.log" | tail -1)")
 fi
 
 if [ "$mode" != suite ]; then  # the suite takes the rest of the call
