@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The one script for a lent GPU (device tool): build for sm_90 with every core, run the tests,
-# compute-sanitizer (memcheck, racecheck, initcheck) on the ops and memcheck on random head-op
-# configurations, the head benchmark and cpp_bench;
+# compute-sanitizer (memcheck, racecheck, initcheck) on the ops, the head benchmark and cpp_bench;
 # logs and JSON under $OUT; a short table printed last.
 # Usage: FLASHHEAD_COMMIT=<sha> bash scripts/device_run.sh [MODE] (the sha given literally: the
 # device's copy of the tree may carry an older git HEAD, which bench head would record instead).
 #   full (default): the GPU tests, the sanitizers, the head benchmark and cpp_bench;
+#   sanitize: the sanitizers alone, and memcheck, racecheck and initcheck over random head-op
+#     configurations too (with them full ran past 600 s in session 67);
 #   suite: the whole suite alone, CPU and GPU cases (the CPU ones under the device's torch, which
 #     CI's does not cover: session 52 found a torch.compile break there);
 #   quick: the GPU tests and the head benchmark.
@@ -18,7 +19,7 @@ OUT=${OUT:-results/device}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=$(nproc)
 mode=${1:-full}
-case "$mode" in full | suite | quick) ;; *) echo "usage: $0 [full|suite|quick], got '$mode'" >&2; exit 2 ;; esac
+case "$mode" in full | suite | quick | sanitize) ;; *) echo "usage: $0 [full|suite|quick|sanitize], got '$mode'" >&2; exit 2 ;; esac
 step() { echo; echo "=== $* ($(date +%T))"; }
 summary=()
 
@@ -35,7 +36,9 @@ else
 fi
 
 # xdist workers: a crashing test fails alone instead of ending the run.
-if [ "$mode" = suite ]; then
+if [ "$mode" = sanitize ]; then
+  :
+elif [ "$mode" = suite ]; then
   step "tests (CPU and GPU cases)"
   timeout 460 python3 -m pytest python_tests -q -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
 else
@@ -43,9 +46,9 @@ else
   # 269 s on one H200 (session 55; the build took 139 s, the sanitizers and benchmarks the rest).
   timeout 300 python3 -m pytest python_tests -q -m gpu -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
 fi
-summary+=("tests: $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1)")
+[ "$mode" = sanitize ] || summary+=("tests: $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1)")
 
-if [ "$mode" = full ]; then
+if [ "$mode" = full ] || [ "$mode" = sanitize ]; then
   step "compute-sanitizer"
   # The whole full mode took 470 s on one H200 (session 62); initcheck alone 13 s.
   for tool in memcheck racecheck initcheck; do
@@ -55,15 +58,20 @@ if [ "$mode" = full ]; then
     summary+=("sanitizer $tool: exit $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)")
     tail -3 "$OUT/sanitizer_$tool.log"
   done
-  # memcheck on 12 seeded random configurations of the head ops (test_random_shapes.py; 10 took
-  # 23 s on one H200, session 67), beyond sanitize_ops.py's fixed shapes.
-  FLASHHEAD_RANDOM_DRAWS=12 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 60 compute-sanitizer --tool memcheck \
-    --print-limit 20 python3 -m pytest python_tests/test_random_shapes.py -q -m gpu -p no:cacheprovider \
-    > "$OUT/sanitizer_memcheck_random.log" 2>&1
-  summary+=("sanitizer memcheck, random shapes: exit $?, $(grep -E 'passed|failed' "$OUT/sanitizer_memcheck_random.log" | tail -1), $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_memcheck_random.log" | tail -1)")
+  # The head ops on 12 seeded random configurations (test_random_shapes.py), beyond
+  # sanitize_ops.py's fixed shapes; memcheck took 23 s for 10 on one H200 (session 67).
+  if [ "$mode" = sanitize ]; then
+    for tool in memcheck racecheck initcheck; do
+      FLASHHEAD_RANDOM_DRAWS=12 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 100 compute-sanitizer --tool "$tool" \
+        --print-limit 20 python3 -m pytest python_tests/test_random_shapes.py -q -m gpu -p no:cacheprovider \
+        > "$OUT/sanitizer_random_$tool.log" 2>&1
+      summary+=("sanitizer $tool, random shapes: exit $?, $(grep -E 'passed|failed' "$OUT/sanitizer_random_$tool.log" | tail -1), $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_random_$tool.log" | tail -1)")
+      tail -2 "$OUT/sanitizer_random_$tool.log"
+    done
+  fi
 fi
 
-if [ "$mode" != suite ]; then  # the suite takes the rest of the call
+if [ "$mode" = full ] || [ "$mode" = quick ]; then  # the suite takes the rest of the call
   step "head benchmark"
   timeout 300 python3 -m flashhead_ext.bench head --json "$OUT/bench_head.json" 2>&1 | tee "$OUT/bench_head.log"
 fi
@@ -88,4 +96,4 @@ fi
 step "summary"
 printf '%s\n' "${summary[@]}"
 # This run's benchmark only: $OUT may hold an earlier run's log.
-if [ "$mode" != suite ]; then sed -n '/^summary:/,$p' "$OUT/bench_head.log"; fi
+if [ "$mode" = full ] || [ "$mode" = quick ]; then sed -n '/^summary:/,$p' "$OUT/bench_head.log"; fi
