@@ -1,6 +1,6 @@
 """Runs every flashhead CUDA op once per dtype on small odd shapes, for compute-sanitizer.
 
-Includes fp8 (e4m3) centroids with their scale, the masking paths (out-of-range cluster and token ids, padding, duplicated extras), a
+Includes fp8 (e4m3) centroids with their scale, the masking paths (out-of-range cluster and token ids, padding, duplicated extras and extras outside the vocabulary), a
 batch of 0 and sizes that are not multiples of the vector width, the fused decodes with and
 without extra ids (sampling with extras flags repeated ids and sets the extras aside for the
 row's last block), then compares with the CPU op.
@@ -28,7 +28,7 @@ def case(dtype, batch, dim, clusters, size, probes, seed, fp8=False):
         centroids=torch.randn(clusters, dim, generator=gen).to(dtype),
         embedding=torch.randn(vocab, dim, generator=gen).to(dtype),
         table=table,
-        extra=torch.tensor([0, 5, 5, vocab - 1], dtype=torch.int32),
+        extra=torch.tensor([0, 5, 5, vocab - 1, -1, vocab], dtype=torch.int32),  # the last two write no partial
         bad_ids=torch.tensor([[0, clusters, -4]] * batch, dtype=torch.int32).view(batch, 3),
         bad_cands=torch.tensor([[1, -1, vocab, 2**30]] * batch, dtype=torch.int32).view(batch, 4),
         seed=torch.tensor(seed, dtype=torch.int64),

@@ -338,20 +338,20 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
     }
     return;
   }
-  // Sampling: merge the row's partials and the extras no block marked as repeats (an extra id
-  // outside the vocabulary wrote no partial).
+  // Sampling: merge the row's partials and the extras no block marked as repeats. An extra id
+  // outside the vocabulary wrote no partial, so its word is never read (initcheck found the
+  // unwritten reads on random configurations, session 67).
   p = empty_partial();
   const int blocks = gridDim.x, extras = kExtrasAside ? a.extras.count : 0;
   for (int i = threadIdx.x; i < blocks + extras; i += blockDim.x) {
     const int64_t extra = row * extras + i - blocks;
     const bool is_block = i < blocks;
-    const RowPartial q = load_partial(is_block ? &a.partials[row * blocks + i] : &a.extras.partials[extra]);
     bool take = is_block;
     if (!is_block) {
       const int32_t id = a.slot_tokens.extra_ids[i - blocks];
       take = in_vocab(id, a.rows.vocab) && !__ldcg(&a.extras.repeated[extra]);
     }
-    if (take) p = merge<kSample>(p, q);
+    if (take) p = merge<kSample>(p, load_partial(is_block ? &a.partials[row * blocks + i] : &a.extras.partials[extra]));
   }
   p = warp_merge<kSample>(p, kWarpSize);
   if (lane == 0) warp_partials[warp] = p;
