@@ -312,6 +312,21 @@ def test_decode_attention_reads_exactly_the_visible_keys(dtype, device):
 
 
 @device_params
+@dtype_params
+@pytest.mark.parametrize("stale", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_decode_attention_ignores_non_finite_entries_past_the_visible_keys(stale, dtype, device):
+    # Not even NaN or inf (memory from torch.empty, a rejected draft's NaN) may reach a row from a
+    # position it does not see; a weight of 0 does not cancel them (0 * inf and 0 * NaN are NaN).
+    # Positions 9..23 share the CUDA kernel's split of 32 keys with the visible ones.
+    M, length, max_len = 3, 6, 24
+    args = on(attention_args(M, 4, 2, 16, max_len, length, dtype), device)
+    expected = ops.decode_attention(**args)
+    for name in ("k_cache", "v_cache"):
+        args[name][:, length + M:] = stale
+    torch.testing.assert_close(ops.decode_attention(**args), expected, rtol=0, atol=0)
+
+
+@device_params
 @pytest.mark.parametrize("length", [2**63 - 1, 2**62, 2**31])
 def test_decode_attention_far_past_the_cache_sees_it_all(length, device):
     # Token i's last visible key is min(length + i, max_len - 1); length + i must not overflow.
