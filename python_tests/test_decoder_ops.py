@@ -424,6 +424,8 @@ SHAPE_CASES = [
     ("fused_linear", lambda a: dict(residual=a["residual"][:, :-1]), f"residual must have shape [x.size(0), weight.size(0)] = [{M_}, {N_}]"),
     ("fused_linear", lambda a: dict(bias=a["bias"][None]), f"bias must have shape [weight.size(0)] = [{N_}]"),
     ("rotary_cache_write", lambda a: dict(qkv=a["qkv"][:, :-HD_]), "qkv must have (num_heads + 2 * num_kv_heads)"),
+    # No tokens: an error here and in decode_attention (fused_linear gives [0, N], as F.linear).
+    ("rotary_cache_write", lambda a: dict(qkv=a["qkv"][:0]), "columns and at least one row, got shape [0, "),
     ("rotary_cache_write", lambda a: dict(cos=a["cos"][:-1]), f"cos must have shape [{MAX_LEN_}, {HD_}]"),
     ("rotary_cache_write", lambda a: dict(sin=a["sin"][:, :-1]), f"sin must have shape [{MAX_LEN_}, {HD_}]"),
     ("rotary_cache_write", lambda a: dict(q_norm=a["q_norm"][:-1]), f"q_norm must have shape [{HD_}]"),
@@ -434,6 +436,7 @@ SHAPE_CASES = [
      "k_cache must be non-empty"),
     ("decode_attention", lambda a: dict(q=a["q"][:, :, :-1]), f"head_dim {HD_}], got shape [{M_}, {H_}, {HD_ - 1}]"),
     ("decode_attention", lambda a: dict(q=a["q"][:, :-1]), f"q must be [tokens >= 1, a multiple of num_kv_heads ({KV_})"),
+    ("decode_attention", lambda a: dict(q=a["q"][:0]), f"q must be [tokens >= 1, a multiple of num_kv_heads ({KV_})"),
     ("decode_attention", lambda a: dict(v_cache=a["v_cache"][:-1]), "k_cache and v_cache must have one shape"),
 ]
 
