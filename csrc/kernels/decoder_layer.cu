@@ -470,11 +470,15 @@ __global__ void __launch_bounds__(kWarpSize) decode_attention_kernel(AttentionPa
   // Lane owns dimensions lane, lane + 32, ...: conflict-free reads of the staged values.
   constexpr int kDimsPerLane = kMaxHeadDim / kWarpSize;
   for (int r = 0; r < rows; ++r) {
+    // The row's visible keys only: an invisible key weighs 0, but 0 times a NaN or an infinite
+    // value left in the cache past them is NaN (found in session 67; test_decoder_ops.py checks it).
+    const int64_t last_key = last_visible_key(length, (row0 + r) / group, p.max_len);
+    const int visible_keys = last_key < key0 ? 0 : static_cast<int>(min(int64_t{kKeysPerSplit}, last_key - key0 + 1));
     float o[kDimsPerLane];
 #pragma unroll
     for (int i = 0; i < kDimsPerLane; ++i) o[i] = 0.0f;
 #pragma unroll 8
-    for (int j = 0; j < kKeysPerSplit; ++j) {
+    for (int j = 0; j < visible_keys; ++j) {
       const float wj = weights[r * kWarpSize + j];
       const T* value_row = values + j * hd;
 #pragma unroll
