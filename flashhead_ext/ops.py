@@ -89,7 +89,9 @@ def _is_number(value) -> bool:
 
 
 def _require_float(name: str, value) -> float:
-    if not _is_number(value):
+    # numpy.float64 is a float subclass, but torch.compile traces it as an array like other numpy
+    # scalars (see _require_int).
+    if not _is_number(value) or type(value).__module__ == "numpy":
         raise TypeError(f"{name} must be a Python float or int, got {_type_name(value)} (convert it with float())")
     return float(value)
 

@@ -188,6 +188,9 @@ def test_numpy_scalars_are_refused_by_name(op):
            dict(args, probes=np.int64(args["probes"])))
     expect(TypeError, "temperature must be a Python float or int, got numpy.float32 (convert it with float())", op,
            dict(args, temperature=np.float32(args["temperature"])))
+    # numpy.float64 too, though it is a float subclass: compiled, it is an array all the same.
+    expect(TypeError, "temperature must be a Python float or int, got numpy.float64 (convert it with float())", op,
+           dict(args, temperature=np.float64(args["temperature"])))
 
 
 @pytest.mark.parametrize("op", [op for op in CALLS if "probes" in USES[op]])
