@@ -93,7 +93,10 @@ def _require_float(name: str, value) -> float:
     # scalars (see _require_int).
     if not _is_number(value) or type(value).__module__ == "numpy":
         raise TypeError(f"{name} must be a Python float or int, got {_type_name(value)} (convert it with float())")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past float64's range: float() names no argument
+        raise ValueError(f"{name} must fit in a float64, got an int of {value.bit_length()} bits") from None
 
 
 def _require_probes(value, num_clusters: Optional[int] = None) -> int:

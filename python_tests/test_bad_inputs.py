@@ -193,6 +193,14 @@ def test_numpy_scalars_are_refused_by_name(op):
            dict(args, temperature=np.float64(args["temperature"])))
 
 
+@pytest.mark.parametrize("op", [op for op in CALLS if "temperature" in USES[op]])
+@pytest.mark.parametrize("temperature", [10**400, -10**400], ids=["huge", "-huge"])
+def test_temperature_beyond_float64(op, temperature):
+    # An int that float() cannot convert: its OverflowError named no argument.
+    args = dict(valid_args("cpu"), temperature=temperature)
+    expect(ValueError, "temperature must fit in a float64, got an int of 1329 bits", op, args)
+
+
 @pytest.mark.parametrize("op", [op for op in CALLS if "probes" in USES[op]])
 def test_probes_beyond_int64(op):
     args = valid_args("cpu")
