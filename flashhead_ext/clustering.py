@@ -220,8 +220,7 @@ def _check_matrix(name: str, value, shape: str, finite: bool = True) -> None:
     if value.dim() != 2 or value.numel() == 0 or not value.is_floating_point():
         raise ValueError(f"{name} must be a non-empty 2-D float tensor {shape}, got shape "
                          f"{tuple(value.shape)} and dtype {value.dtype}")
-    if value.is_meta:
-        raise ValueError(f"{name} is on the meta device, which holds no values; clustering needs them: materialise it first")
+    ops._require_values(name, value, "; clustering needs them: materialise it first")
     if finite and not torch.isfinite(value).all():
         raise ValueError(f"{name} holds NaN or infinite values; clustering needs finite rows")
 

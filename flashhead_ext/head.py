@@ -64,10 +64,8 @@ def _own_copy(tensor: Tensor, device, dtype) -> Tensor:
 
 
 def _require_values(name: str, centroids: Tensor) -> None:
-    if centroids.is_meta:
-        raise ValueError(f"{name} is on the meta device, which holds no values (centroids are kept on the embedding's "
-                         "device, so a meta embedding puts them there too); FlashHead ranks clusters by them: "
-                         "materialise the weights first")
+    ops._require_values(name, centroids, " (centroids are kept on the embedding's device, so a meta embedding puts "
+                                         "them there too); FlashHead ranks clusters by them: materialise the weights first")
 
 
 def _check_finite(name: str, centroids: Tensor) -> None:

@@ -62,6 +62,13 @@ def _require_optional_tensor(name: str, value) -> None:
         _require_tensor(name, value)
 
 
+def _require_values(name: str, value: Tensor, detail: str = ": materialise it first") -> None:
+    """For the helpers that read a tensor on the host: a meta tensor has nothing to read, and
+    torch's own error for it names no argument."""
+    if value.is_meta:
+        raise ValueError(f"{name} is on the meta device, which holds no values{detail}")
+
+
 def _require_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -486,6 +493,7 @@ def validate_cluster_table(cluster_tokens: Tensor, vocab_size: int) -> None:
         raise ValueError(f"cluster_tokens must be a non-empty 2-D tensor [num_clusters, cluster_size], got shape {tuple(cluster_tokens.shape)}")
     if cluster_tokens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"cluster_tokens must hold integer token ids (int32 or int64), got {cluster_tokens.dtype}")
+    _require_values("cluster_tokens", cluster_tokens)
     table = cluster_tokens.detach().to("cpu", torch.int64)
     bad = (table < -1) | (table >= vocab_size)
     if bad.any():

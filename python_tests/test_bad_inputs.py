@@ -387,7 +387,9 @@ def test_raw_ops_check_too(device):
     (lambda t, V: t.flatten(), ValueError, "must be a non-empty 2-D tensor"),
     (lambda t, V: t[:0], ValueError, "must be a non-empty 2-D tensor"),
     (lambda t, V: t.float(), TypeError, "cluster_tokens must hold integer token ids"),
-], ids=["id-too-large", "id-below-padding", "duplicate", "all-padding", "rank", "empty", "float"])
+    # Not torch's "Cannot copy out of meta tensor", which names nothing (a table left on meta by lazy loading).
+    (lambda t, V: t.to("meta"), ValueError, "cluster_tokens is on the meta device, which holds no values"),
+], ids=["id-too-large", "id-below-padding", "duplicate", "all-padding", "rank", "empty", "float", "meta"])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
 def test_validate_cluster_table(mutate, error, fragment, dtype):
     problem = make_problem(SHAPE)
@@ -450,6 +452,7 @@ def head_args(device="cpu"):
     (dict(embedding=lambda a: a["embedding"].to("meta")), ValueError, "centroids is on the meta device, which holds no values (centroids are kept on the embedding's device, so a meta embedding puts them there too)"),
     (dict(centroids=lambda a: a["centroids"].to("meta")), ValueError, "centroids is on the meta device, which holds no values"),
     (dict(sampling_centroids=lambda a: a["centroids"].to("meta")), ValueError, "sampling_centroids is on the meta device"),
+    (dict(cluster_tokens=lambda a: a["cluster_tokens"].to("meta")), ValueError, "cluster_tokens is on the meta device"),
 ], ids=lambda v: None)
 def test_flashhead_constructor_errors(change, error, fragment):
     args = head_args()
