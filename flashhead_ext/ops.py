@@ -168,6 +168,7 @@ def quantize_centroids(centroids: Tensor) -> tuple[Tensor, Tensor]:
         raise TypeError(f"centroids must be a float16, bfloat16 or float32 tensor, got {centroids.dtype}")
     if centroids.numel() == 0:
         raise ValueError(f"centroids must not be empty, got shape {tuple(centroids.shape)}")
+    _require_values("centroids", centroids, ": quantizing reads them, so materialise them first")
     peak = centroids.detach().abs().amax().float()
     if not torch.isfinite(peak) or peak == 0:
         raise ValueError(f"centroids must be finite and not all zero to be quantized, got a largest magnitude of {float(peak)}")

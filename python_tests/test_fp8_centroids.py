@@ -62,6 +62,9 @@ def test_quantize_centroids_refuses_what_it_cannot_quantize():
         ops.quantize_centroids(torch.zeros(3, 4))
     with pytest.raises(ValueError, match="finite and not all zero"):
         ops.quantize_centroids(torch.tensor([[1.0, float("nan")]]))
+    # Not torch's "Tensor.item() cannot be called on meta tensors", which names nothing.
+    with pytest.raises(ValueError, match="centroids is on the meta device, which holds no values"):
+        ops.quantize_centroids(torch.ones(3, 4, device="meta"))
 
 
 @device_params
