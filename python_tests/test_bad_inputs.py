@@ -477,6 +477,9 @@ def test_head_call_errors(make_head):
             call(hidden.half())
         with pytest.raises(TypeError, match="hidden must be a torch.Tensor"):
             call(hidden.tolist())
+    # One element for every row's token: DenseHead's argmax wrote them all there, the last one winning.
+    with pytest.raises(ValueError, match=re.escape("out must not have elements that share memory")):
+        head.next_token(hidden, out=torch.empty(1, dtype=torch.int64).expand(SHAPE.B))
     for temperature in (0.0, -1.0, float("inf"), float("nan"), 1e-40, 1e300):
         with pytest.raises(ValueError, match=re.escape("temperature must be in [1e-06, 1e+06]")):
             head.sample(hidden, temperature)
