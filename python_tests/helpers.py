@@ -36,6 +36,19 @@ GUMBEL_ATOL = 1e-5
 P_VALUE = 1e-3
 
 
+def raw_call(op: str, args: dict, **changes):
+    """``torch.ops.flashhead.<op>`` itself (no Python wrapper), its arguments taken from ``args`` by
+    their schema names (those absent keep their defaults), then ``changes``."""
+    schema = getattr(torch.ops.flashhead, op).default._schema
+    kwargs = {a.name: args[a.name] for a in schema.arguments if a.name in args}
+    return getattr(torch.ops.flashhead, op)(**{**kwargs, **changes})
+
+
+def required_tensor_arguments(op: str) -> list:
+    """The arguments of ``torch.ops.flashhead.<op>`` typed ``Tensor`` (not ``Tensor?``)."""
+    return [a.name for a in getattr(torch.ops.flashhead, op).default._schema.arguments if str(a.type) == "Tensor"]
+
+
 def is_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 

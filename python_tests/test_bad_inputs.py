@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashhead_ext import DenseHead, FlashHead, ops
-from helpers import DEVICES, Shape, make_problem, seed_tensor
+from helpers import DEVICES, Shape, make_problem, raw_call, required_tensor_arguments, seed_tensor
 
 SHAPE = Shape(B=3, D=16, C=7, b=4, p=2, pad=1, extras=True)
 
@@ -372,6 +372,15 @@ def test_raw_ops_check_too(device):
         raw.decode_sample(a["hidden"], a["centroids"], a["cluster_tokens"], a["embedding"], 2, 0.0, a["seed"], None)
     with pytest.raises(ValueError, match=re.escape("seed must hold exactly one value")):
         raw.sample_clusters(a["hidden"], a["centroids"], 2, 1.0, a["seed"].expand(2))
+
+
+@device_params
+@pytest.mark.parametrize("op,name", [(op, name) for op in CALLS for name in required_tensor_arguments(op)])
+def test_raw_op_with_none_for_a_tensor(op, name, device):
+    # torch.ops passes None for a Tensor argument as an undefined tensor, which the checks reported
+    # as shape [0] or failed on with "tensor does not have a device" or "Unimplemented scalar type".
+    with pytest.raises(TypeError, match=re.escape(f"{name} must be a tensor, got None")):
+        raw_call(op, valid_args(device), **{name: None})
 
 
 # ------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from flashhead_ext import ops
 from flashhead_ext.graphs import capture_graph
-from helpers import DEVICES, DTYPES, check_no_backward, generator
+from helpers import DEVICES, DTYPES, check_no_backward, generator, raw_call, required_tensor_arguments
 
 device_params = pytest.mark.parametrize("device", DEVICES)
 dtype_params = pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -594,6 +594,14 @@ def test_raw_ops_check_too(device):
                                None, 1e-6)
     with pytest.raises(ValueError, match=re.escape("scale must be in (0, 1e+06]")):
         raw.decode_attention(a["q"], a["k_cache"], a["v_cache"], a["length"], 0.0)
+
+
+@device_params
+@pytest.mark.parametrize("op,name", [(op, name) for op in USES for name in required_tensor_arguments(op)])
+def test_raw_op_with_none_for_a_tensor(op, name, device):
+    # torch.ops passes None as an undefined tensor: named here, not "Unimplemented scalar type".
+    with pytest.raises(TypeError, match=re.escape(f"{name} must be a tensor, got None")):
+        raw_call(op, valid_args(device), **{name: None})
 
 
 def test_default_scale_is_inverse_sqrt_head_dim():

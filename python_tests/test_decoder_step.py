@@ -16,7 +16,7 @@ import torch
 
 from flashhead_ext import ops
 from flashhead_ext.graphs import capture_graph
-from helpers import DEVICES, DTYPES, check_no_backward, generator
+from helpers import DEVICES, DTYPES, check_no_backward, generator, raw_call, required_tensor_arguments
 from test_decoder_ops import (BAD_LENGTHS, TOL, bad_num_heads_cases, decode_attention64, fused_linear64, randn, rms_norm64,
                               rotary_cache_write64, rotary_tables)
 
@@ -507,6 +507,16 @@ def test_raw_op_checks_too(device):
         raw(qkv_bias=w["qkv_bias"][:1])
     with pytest.raises(ValueError, match=re.escape("input_scale must be a number that is finite in float32")):
         raw(input_scale=float("inf"))
+
+
+@device_params
+@pytest.mark.parametrize("name", required_tensor_arguments("decoder_step"))
+def test_raw_op_with_none_for_a_tensor(name, device):
+    # torch.ops passes None as an undefined tensor: named here, not "Unimplemented scalar type".
+    a = valid_args(device)
+    args = {**{WEIGHT_ARG[key]: weight for key, weight in a.pop("weights").items()}, **a}
+    with pytest.raises(TypeError, match=re.escape(f"{name} must be a tensor, got None")):
+        raw_call("decoder_step", args, **{name: None})
 
 
 @pytest.mark.gpu

@@ -43,18 +43,28 @@ inline std::string shape_str(at::IntArrayRef sizes) {
 #define FH_CHECK_TYPE(op, cond, ...) TORCH_CHECK_TYPE(cond, "flashhead.", op, ": ", __VA_ARGS__)
 #define FH_CHECK_VALUE(op, cond, ...) TORCH_CHECK_VALUE(cond, "flashhead.", op, ": ", __VA_ARGS__)
 
+// torch.ops passes None for a Tensor argument as an undefined tensor: the checks below would report
+// its sizes as [0], or fail on its dtype or device with a message that names nothing. Every check
+// that a required tensor meets first starts with this one.
+inline void check_defined(const char* op, const at::Tensor& t, const char* name) {
+  FH_CHECK_TYPE(op, t.defined(), name, " must be a tensor, got None");
+}
+
 inline bool is_float_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
 
 inline void check_rank(const char* op, const at::Tensor& t, const char* name, int64_t rank,
                        const char* layout) {
+  check_defined(op, t, name);
   FH_CHECK_VALUE(op, t.dim() == rank, name, " must be a ", num_str(rank), "-D tensor ", layout, ", got shape ",
                  shape_str(t.sizes()));
 }
 
 inline void check_same_device(const char* op, const at::Tensor& t, const char* name,
                               const at::Tensor& ref, const char* ref_name) {
+  check_defined(op, ref, ref_name);
+  check_defined(op, t, name);
   FH_CHECK_VALUE(op, t.device() == ref.device(), name, " must be on the same device as ", ref_name,
                  " (", ref.device(), "), got ", t.device());
 }
@@ -124,6 +134,7 @@ inline void check_no_internal_overlap(const char* op, const at::Tensor& t, const
 
 // The seed lives on the device so a captured graph reads a fresh value at every replay.
 inline void check_seed(const char* op, const at::Tensor& seed, const at::Tensor& hidden) {
+  check_defined(op, seed, "seed");
   FH_CHECK_TYPE(op, seed.scalar_type() == at::kLong, "seed must be an int64 tensor, got ",
                 dtype_str(seed.scalar_type()));
   FH_CHECK_VALUE(op, seed.numel() == 1, "seed must hold exactly one value, got shape ", shape_str(seed.sizes()));
@@ -229,8 +240,10 @@ inline void check_decode_out(const char* op, const at::Tensor& out, const at::Te
 }
 
 // decode_greedy's functional form allocates what decode_greedy_out writes: int64 [B]. A hidden
-// of the wrong rank gets an empty buffer here and is rejected by decode_greedy_out's checks.
+// of the wrong rank gets an empty buffer here and a missing one none, both rejected by
+// decode_greedy_out's checks.
 inline at::Tensor token_buffer(const at::Tensor& hidden) {
+  if (!hidden.defined()) return {};
   return at::empty({hidden.dim() > 0 ? hidden.size(0) : 0}, hidden.options().dtype(at::kLong));
 }
 

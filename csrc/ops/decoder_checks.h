@@ -18,6 +18,7 @@ inline void check_float_tensor(const char* op, const at::Tensor& t, const char* 
 
 inline void check_like(const char* op, const at::Tensor& t, const char* name, const at::Tensor& ref,
                        const char* ref_name) {
+  check_defined(op, t, name);
   FH_CHECK_TYPE(op, t.scalar_type() == ref.scalar_type(), name, " must have the dtype of ", ref_name, " (",
                 dtype_str(ref.scalar_type()), "), got ", dtype_str(t.scalar_type()));
   check_same_device(op, t, name, ref, ref_name);
@@ -37,6 +38,7 @@ inline void check_shape(const char* op, const at::Tensor& t, const char* name, c
 
 // The cache length: one int64 on the device of the cache (read by the kernels, never by the host).
 inline void check_length(const char* op, const at::Tensor& length, const at::Tensor& ref, const char* ref_name) {
+  check_defined(op, length, "length");
   FH_CHECK_TYPE(op, length.scalar_type() == at::kLong, "length must be an int64 tensor, got ",
                 dtype_str(length.scalar_type()));
   FH_CHECK_VALUE(op, length.numel() == 1, "length must hold exactly one value, got shape ",
