@@ -493,6 +493,18 @@ def test_caches_written_in_place_must_not_share_memory(overlap, device):
 
 
 @device_params
+@pytest.mark.parametrize("name,cache", [("qkv", "k_cache"), ("cos", "v_cache"), ("q_norm", "k_cache")])
+def test_inputs_must_not_share_memory_with_the_caches_written(name, cache, device):
+    # The same values, held in the cache's last elements: on CUDA a block's cache write could land
+    # where another block still reads them (qkv here fills the whole cache).
+    args = valid_args(device)
+    value = args[name]
+    args[name] = args[cache].flatten()[-value.numel():].copy_(value.flatten()).view(value.shape)
+    expect(ValueError, f"{name} must not share memory with {cache}", "rotary_cache_write", args)
+    call("decode_attention", args)  # an op that only reads the caches takes them
+
+
+@device_params
 def test_decoder_op_with_one_tensor_on_meta(device):
     args = valid_args(device)
     args["k_cache"] = args["k_cache"].to("meta")

@@ -465,6 +465,18 @@ def test_caches_must_not_share_memory(device):
 
 
 @device_params
+@pytest.mark.parametrize("name,cache", [("x", "k_cache"), ("attn_norm", "v_cache"), ("cos", "k_cache")])
+def test_inputs_must_not_share_memory_with_the_caches(name, cache, device):
+    # The same values, held in the cache's last elements: on CUDA a block's cache write could land
+    # where another block still reads them.
+    args = valid_args(device)
+    holder = args["weights"] if name in WEIGHT_ARG else args
+    value = holder[name]
+    holder[name] = args[cache].flatten()[-value.numel():].copy_(value.flatten()).view(value.shape)
+    expect(ValueError, f"{name} must not share memory with {cache}", args)
+
+
+@device_params
 @pytest.mark.parametrize("name,value,error,fragment", [
     *[("eps", v, ValueError, "eps must be a finite number >= 0") for v in (float("nan"), float("inf"), -1e-6)],
     *[("scale", v, ValueError, "scale must be in (0, 1e+06]") for v in (float("nan"), float("inf"), 0.0, -0.5, 1.01e6, 1e300)],

@@ -5,6 +5,8 @@
 
 #include <c10/util/string_view.h>
 
+#include <initializer_list>
+#include <utility>
 #include <vector>
 
 #include "ops/checks.h"
@@ -66,6 +68,20 @@ inline void check_written_kv_cache(const char* op, const at::Tensor& k_cache, co
   FH_CHECK_VALUE(op, !share_bytes(k_cache, v_cache),
                  "k_cache and v_cache must not share memory (the values would overwrite the keys)");
 }
+
+// What the op reads while it writes the caches: apart from both, as decode_greedy_out's out is
+// from its inputs, since on CUDA one block's cache write may land where another block still reads.
+inline void check_apart_from_caches(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                    std::initializer_list<std::pair<const at::Tensor*, const char*>> inputs) {
+  for (const auto& [input, name] : inputs) {
+    if (input == nullptr) continue;
+    for (const auto& [cache, cache_name] : {std::pair{&k_cache, "k_cache"}, std::pair{&v_cache, "v_cache"}})
+      FH_CHECK_VALUE(op, !share_bytes(*input, *cache), name, " must not share memory with ", cache_name,
+                     " (it is read while the caches are written)");
+  }
+}
+
+inline const at::Tensor* optional_ptr(const c10::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; }
 
 // Far above any model's head count; it keeps the shape products the checks compare (for example
 // (num_heads + 2 * num_kv_heads) * head_dim) from overflowing int64.
@@ -148,6 +164,9 @@ inline void check_rotary_cache_write(const char* op, const at::Tensor& qkv, cons
     check_shape(op, *k_norm, "k_norm", {hd});
     FH_CHECK_VALUE(op, std::isfinite(eps) && eps >= 0.0, "eps must be a finite number >= 0, got ", num_str(eps));
   }
+  check_apart_from_caches(op, k_cache, v_cache,
+                          {{&qkv, "qkv"}, {&cos, "cos"}, {&sin, "sin"}, {&length, "length"},
+                           {optional_ptr(q_norm), "q_norm"}, {optional_ptr(k_norm), "k_norm"}});
 }
 
 // q [M, H, hd] against one layer's cache; H a multiple of num_kv_heads.
@@ -294,6 +313,14 @@ inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Te
   check_attention_scale(op, scale);
   FH_CHECK_VALUE(op, std::isfinite(static_cast<float>(options.input_scale)),
                  "input_scale must be a number that is finite in float32, got ", num_str(options.input_scale));
+  check_apart_from_caches(
+      op, k_cache, v_cache,
+      {{&x, "x"}, {&qkv_weight, "qkv_weight"}, {&o_weight, "o_weight"}, {&gate_up_weight, "gate_up_weight"},
+       {&down_weight, "down_weight"}, {&attn_norm, "attn_norm"}, {&mlp_norm, "mlp_norm"},
+       {optional_ptr(q_norm), "q_norm"}, {optional_ptr(k_norm), "k_norm"}, {&cos, "cos"}, {&sin, "sin"},
+       {&length, "length"}, {optional_ptr(qkv_bias), "qkv_bias"},
+       {optional_ptr(options.post_attn_norm), "post_attn_norm"}, {optional_ptr(options.post_mlp_norm), "post_mlp_norm"},
+       {optional_ptr(options.sliding_cos), "sliding_cos"}, {optional_ptr(options.sliding_sin), "sliding_sin"}});
 }
 
 }  // namespace flashhead
