@@ -36,6 +36,13 @@ GUMBEL_ATOL = 1e-5
 P_VALUE = 1e-3
 
 
+def at_odd_offset(t: Tensor) -> Tensor:
+    """Same values as ``t``, contiguous, starting one element past an aligned address."""
+    out = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+    assert out.is_contiguous() and out.data_ptr() % 16 != 0
+    return out
+
+
 def raw_call(op: str, args: dict, **changes):
     """``torch.ops.flashhead.<op>`` itself (no Python wrapper), its arguments taken from ``args`` by
     their schema names (those absent keep their defaults), then ``changes``."""

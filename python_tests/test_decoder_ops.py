@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from flashhead_ext import ops
 from flashhead_ext.graphs import capture_graph
-from helpers import DEVICES, DTYPES, check_no_backward, generator, raw_call, required_tensor_arguments
+from helpers import DEVICES, DTYPES, at_odd_offset, check_no_backward, generator, raw_call, required_tensor_arguments
 
 device_params = pytest.mark.parametrize("device", DEVICES)
 dtype_params = pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -225,6 +225,19 @@ def test_cache_writes_act_like_in_place_ops(device):
         ops.rotary_cache_write(**{**args, "k_cache": written(k_cache)})
         with pytest.raises(RuntimeError, match="derivative for flashhead::rotary_cache_write is not implemented"):
             k_cache.sum().backward()
+
+
+def test_layout_does_not_change_the_bits():
+    # The CPU references: a qkv laid out column-major (q_norm's sums ran over strided heads) and
+    # a one-token product with an operand at an odd element offset (BLAS took another path) gave
+    # other last bits than their contiguous copies.
+    rotary = rotary_args(3, 4, 2, 8, 12, 2, True, torch.float32)
+    want = ops.rotary_cache_write(**clone(rotary))
+    assert torch.equal(ops.rotary_cache_write(**dict(clone(rotary), qkv=rotary["qkv"].t().contiguous().t())), want)
+    linear = linear_args(1, 16, 24, "norm", torch.float32)
+    want = ops.fused_linear(**linear)
+    for name in ("x", "weight"):
+        assert torch.equal(ops.fused_linear(**dict(linear, **{name: at_odd_offset(linear[name])})), want), name
 
 
 def test_fused_linear_options_matter():

@@ -16,7 +16,7 @@ import torch
 
 from flashhead_ext import ops
 from flashhead_ext.graphs import capture_graph
-from helpers import DEVICES, DTYPES, check_no_backward, generator, raw_call, required_tensor_arguments
+from helpers import DEVICES, DTYPES, at_odd_offset, check_no_backward, generator, raw_call, required_tensor_arguments
 from test_decoder_ops import (BAD_LENGTHS, TOL, bad_num_heads_cases, decode_attention64, fused_linear64, randn, rms_norm64,
                               rotary_cache_write64, rotary_tables)
 
@@ -201,6 +201,17 @@ def test_decoder_step_with_qkv_bias(name, L, D, I, H, KV, hd, max_len, qk_norm, 
 @pytest.mark.parametrize("name,L,D,I,H,KV,hd,max_len,qk_norm,eps,scale", CPU_CASES, ids=[c[0] for c in CPU_CASES])
 def test_decoder_step_with_gemma3_options(name, L, D, I, H, KV, hd, max_len, qk_norm, eps, scale, length_name, dtype):
     check_against_float64(name, (L, D, I, H, KV, hd, max_len), qk_norm, eps, scale, length_name, dtype, gemma=True)
+
+
+def test_weights_at_an_odd_offset_give_the_same_bits():
+    # The CPU reference's one-token products used a contiguous float32 weight in place, and BLAS
+    # took another path for one starting off a 16-byte boundary: other last bits.
+    args = valid_args("cpu")
+    want = ops.decoder_step(**clone(args))
+    for key in ("qkv", "o", "gate_up", "down"):
+        moved = clone(args)
+        moved["weights"][key] = at_odd_offset(moved["weights"][key])
+        assert torch.equal(ops.decoder_step(**moved), want), key
 
 
 def test_decoder_step_gemma3_options_matter():

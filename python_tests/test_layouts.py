@@ -4,7 +4,7 @@ import torch
 
 import reference as ref
 from flashhead_ext import ops
-from helpers import DEVICES, Shape, make_problem, seed_tensor
+from helpers import DEVICES, Shape, at_odd_offset, make_problem, seed_tensor
 
 SHAPE = Shape(B=6, D=24, C=37, b=4, p=5, pad=3, extras=True)
 
@@ -54,6 +54,23 @@ def test_noncontiguous_inputs(which, style, dtype, device):
             inputs[name] = noncontiguous(inputs[name], style)
     got = run_all(*[inputs[k] for k in ("hidden", "centroids", "cluster_tokens", "embedding")], p,
                   inputs["extra_ids"], inputs["seed"], inputs["cluster_ids"], inputs["candidate_ids"])
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("which", ["hidden", "centroids", "embedding"])
+def test_views_at_an_odd_offset(which):
+    # Contiguous float32 views off the 16-byte alignment: the CPU references used them in place and
+    # BLAS took another path (select_clusters' scores changed in their last bits). CPU only: the
+    # CUDA kernels read such rows with an instance of their own.
+    problem = make_problem(SHAPE, torch.float32)
+    h, c, t, e, p, x = problem.args()
+    cluster_ids = ref.select_clusters(h, c, p)[0]
+    rest = (p, x, seed_tensor(9, "cpu"), cluster_ids, ref.gather_candidates(cluster_ids, t, x))
+    expected = run_all(h, c, t, e, *rest)
+    inputs = dict(hidden=h, centroids=c, embedding=e)
+    inputs[which] = at_odd_offset(inputs[which])
+    got = run_all(inputs["hidden"], inputs["centroids"], t, inputs["embedding"], *rest)
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
 

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "cpu/float_rows.h"
 #include "ops/decoder_checks.h"
 
 namespace flashhead {
@@ -20,7 +21,7 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 // input's dtype (torch.nn.functional.rms_norm's fused kernels do the same; older composite ones
 // rounded before the scale, hence no call to at::rms_norm here).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  auto xf = x.to(at::kFloat);
+  auto xf = float_rows(x);  // a strided x (a head of qkv) was summed in another order
   auto inv_rms = at::rsqrt(xf.square().mean(-1, /*keepdim=*/true) + eps);
   return (xf * inv_rms * weight.to(at::kFloat)).to(x.scalar_type());
 }
@@ -37,7 +38,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   }
   // Products of the stored values summed in float32, the bias added, rounded once (contiguous
   // float32 copies, so the summation order does not depend on the caller's layout).
-  auto y = at::matmul(h.to(at::kFloat).contiguous(), weight.to(at::kFloat).contiguous().t());
+  auto y = at::matmul(float_rows(h), float_rows(weight).t());
   if (bias.has_value()) y = y + bias->to(at::kFloat);
   y = y.to(x.scalar_type());
   return residual.has_value() ? (*residual + y).contiguous() : y;

@@ -5,6 +5,7 @@
 
 #include <limits>
 
+#include "cpu/float_rows.h"
 #include "kernels/philox.cuh"
 #include "ops/checks.h"
 
@@ -17,7 +18,7 @@ constexpr int32_t kNoToken = std::numeric_limits<int32_t>::max();
 // Contiguous float32 copies first (as the CUDA ops do): the matmul's summation order, hence the
 // last bits of every score, must not depend on the caller's memory layout.
 at::Tensor row_scores(const at::Tensor& hidden, const at::Tensor& rows) {
-  return at::matmul(hidden.to(at::kFloat).contiguous(), rows.to(at::kFloat).contiguous().t());
+  return at::matmul(float_rows(hidden), float_rows(rows).t());
 }
 
 // Centroid scores [B, C], times the centroids' scale when one is given (float32, as the kernels).
@@ -133,7 +134,7 @@ at::Tensor candidate_logits_cpu(const at::Tensor& hidden, const at::Tensor& embe
   auto rows = embedding.index_select(0, candidate_ids.to(at::kLong).clamp(0, vocab - 1).flatten())
                   .view({candidate_ids.size(0), candidate_ids.size(1), embedding.size(1)})
                   .to(at::kFloat);
-  auto logits = at::matmul(rows, hidden.to(at::kFloat).contiguous().unsqueeze(2)).squeeze(2);
+  auto logits = at::matmul(rows, float_rows(hidden).unsqueeze(2)).squeeze(2);
   return logits.masked_fill(~valid, kNegInf);
 }
 
