@@ -147,21 +147,29 @@ def test_random_fused_linear(device, index):
 # ---- rotary_cache_write -----------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class RotaryDraw:
+class CacheDraw:
+    """M tokens of H query heads over KV heads of hd against one layer's cache of max_len at length."""
     M: int
     H: int
     KV: int
     hd: int
     max_len: int
     length: int
+
+    def cache_str(self) -> str:
+        return f"M{self.M}-H{self.H}-KV{self.KV}-hd{self.hd}-max_len{self.max_len}-length{self.length}"
+
+
+@dataclass(frozen=True)
+class RotaryDraw(CacheDraw):
     qk_norm: bool
     eps: float
     layout: str  # of the read inputs; the caches, written in place, stay contiguous ("offset": theirs too)
     dtype: torch.dtype
 
     def __str__(self) -> str:
-        return (f"M{self.M}-H{self.H}-KV{self.KV}-hd{self.hd}-max_len{self.max_len}-length{self.length}"
-                f"{'-qk-norm' if self.qk_norm else ''}-eps{self.eps}-{self.layout}-{dtype_name(self.dtype)}")
+        return (f"{self.cache_str()}{'-qk-norm' if self.qk_norm else ''}-eps{self.eps}-{self.layout}"
+                f"-{dtype_name(self.dtype)}")
 
 
 def draw_heads(rng: random.Random, groups: list) -> tuple:
@@ -206,13 +214,7 @@ def test_random_rotary_cache_write(device, index):
 # ---- decode_attention -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class AttentionDraw:
-    M: int
-    H: int
-    KV: int
-    hd: int
-    max_len: int
-    length: int
+class AttentionDraw(CacheDraw):
     scale: float  # None: the wrapper's default, 1 / sqrt(hd)
     stale: str    # what the caches hold past every token's last visible key: "random", "nan" or "inf"
     layout: str
@@ -220,8 +222,7 @@ class AttentionDraw:
 
     def __str__(self) -> str:
         scale = "default" if self.scale is None else f"{self.scale:.4g}"
-        return (f"M{self.M}-H{self.H}-KV{self.KV}-hd{self.hd}-max_len{self.max_len}-length{self.length}-scale{scale}"
-                f"-stale-{self.stale}-{self.layout}-{dtype_name(self.dtype)}")
+        return f"{self.cache_str()}-scale{scale}-stale-{self.stale}-{self.layout}-{dtype_name(self.dtype)}"
 
 
 def draw_attention(index: int, device: str) -> AttentionDraw:
