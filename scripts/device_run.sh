@@ -5,7 +5,7 @@
 # Usage: FLASHHEAD_COMMIT=<sha> bash scripts/device_run.sh [MODE] (the sha given literally: the
 # device's copy of the tree may carry an older git HEAD, which bench head would record instead).
 #   full (default): the GPU tests, the sanitizers, the head benchmark and cpp_bench;
-#   sanitize: the sanitizers alone, and memcheck and initcheck over random head-op configurations
+#   sanitize: the sanitizers alone, and memcheck and initcheck over random configurations of the ops
 #     too (with them full ran past 600 s in session 67; racecheck did not finish 12 of them in 100 s);
 #   suite: the whole suite alone, CPU and GPU cases (the CPU ones under the device's torch, which
 #     CI's does not cover: session 52 found a torch.compile break there);
@@ -58,15 +58,17 @@ if [ "$mode" = full ] || [ "$mode" = sanitize ]; then
     summary+=("sanitizer $tool: exit $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)")
     tail -3 "$OUT/sanitizer_$tool.log"
   done
-  # The head ops on 12 seeded random configurations (test_random_shapes.py), beyond
-  # sanitize_ops.py's fixed shapes: 16 s for memcheck, 14 s for initcheck on one H200 (session 67,
-  # where initcheck found the sampling decode reading unwritten partials).
+  # The ops on 12 seeded random configurations each (the head ops: test_random_shapes.py, 16 s for
+  # memcheck and 14 s for initcheck on one H200, session 67, where initcheck found the sampling
+  # decode reading unwritten partials; the decoder-layer ops: test_random_decoder_ops.py, not yet
+  # run there), beyond sanitize_ops.py's fixed shapes.
   if [ "$mode" = sanitize ]; then
     for tool in memcheck initcheck; do
-      FLASHHEAD_RANDOM_DRAWS=12 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 100 compute-sanitizer --tool "$tool" \
-        --print-limit 20 python3 -m pytest python_tests/test_random_shapes.py -q -m gpu -p no:cacheprovider \
+      FLASHHEAD_RANDOM_DRAWS=12 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool "$tool" \
+        --print-limit 20 python3 -m pytest python_tests/test_random_shapes.py python_tests/test_random_decoder_ops.py \
+        -q -m gpu -p no:cacheprovider \
         > "$OUT/sanitizer_random_$tool.log" 2>&1
-      summary+=("sanitizer $tool, random shapes: exit $?, $(grep -E 'passed|failed' "$OUT/sanitizer_random_$tool.log" | tail -1), $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_random_$tool.log" | tail -1)")
+      summary+=("sanitizer $tool, random configurations: exit $?, $(grep -E 'passed|failed' "$OUT/sanitizer_random_$tool.log" | tail -1), $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_random_$tool.log" | tail -1)")
       tail -2 "$OUT/sanitizer_random_$tool.log"
     done
   fi
