@@ -16,7 +16,7 @@ import torch
 
 from flashhead_ext import ops
 from flashhead_ext.graphs import capture_graph
-from helpers import DEVICES, DTYPES, at_odd_offset, check_no_backward, generator, raw_call, required_tensor_arguments
+from helpers import DEVICES, DTYPES, at_odd_offset, check_no_backward, generator, required_tensor_arguments
 from test_decoder_ops import (BAD_LENGTHS, TOL, bad_num_heads_cases, decode_attention64, fused_linear64, randn, rms_norm64,
                               rotary_cache_write64, rotary_tables)
 
@@ -507,15 +507,10 @@ def test_bad_scalars(name, value, error, fragment, device):
 @device_params
 def test_raw_op_checks_too(device):
     # The C++ checks guard torch.ops.flashhead callers that bypass the Python wrapper.
-    a = valid_args(device)
-    w = a["weights"]
+    a = raw_kwargs(valid_args(device))
 
     def raw(**changes):
-        kw = dict(x=a["x"], qkv_weight=w["qkv"], o_weight=w["o"], gate_up_weight=w["gate_up"], down_weight=w["down"],
-                  attn_norm=w["attn_norm"], mlp_norm=w["mlp_norm"], q_norm=w["q_norm"], k_norm=w["k_norm"],
-                  k_cache=a["k_cache"], v_cache=a["v_cache"], cos=a["cos"], sin=a["sin"], length=a["length"],
-                  num_heads=H_, eps=1e-6, scale=0.5)
-        return torch.ops.flashhead.decoder_step(**{**kw, **changes})
+        return torch.ops.flashhead.decoder_step(**{**a, **changes})
 
     raw()
     with pytest.raises(TypeError, match=re.escape("length must be an int64 tensor")):
@@ -525,9 +520,9 @@ def test_raw_op_checks_too(device):
     with pytest.raises(ValueError, match=re.escape("q_norm and k_norm must be given together")):
         raw(k_norm=None)
     with pytest.raises(ValueError, match=re.escape("o_weight must have shape")):
-        raw(o_weight=w["o"][:, :-1])
+        raw(o_weight=a["o_weight"][:, :-1])
     with pytest.raises(ValueError, match=re.escape("qkv_bias must have shape")):
-        raw(qkv_bias=w["qkv_bias"][:1])
+        raw(qkv_bias=a["qkv_bias"][:1])
     with pytest.raises(ValueError, match=re.escape("input_scale must be a number that is finite in float32")):
         raw(input_scale=float("inf"))
 
@@ -536,10 +531,8 @@ def test_raw_op_checks_too(device):
 @pytest.mark.parametrize("name", required_tensor_arguments("decoder_step"))
 def test_raw_op_with_none_for_a_tensor(name, device):
     # torch.ops passes None as an undefined tensor: named here, not "Unimplemented scalar type".
-    a = valid_args(device)
-    args = {**{WEIGHT_ARG[key]: weight for key, weight in a.pop("weights").items()}, **a}
     with pytest.raises(TypeError, match=re.escape(f"{name} must be a tensor, got None")):
-        raw_call("decoder_step", args, **{name: None})
+        torch.ops.flashhead.decoder_step(**{**raw_kwargs(valid_args(device)), name: None})
 
 
 @pytest.mark.gpu
