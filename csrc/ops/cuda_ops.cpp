@@ -316,7 +316,7 @@ at::Tensor decode_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cac
   const at::Tensor q = q_in.contiguous(), k_cache = k_cache_in.contiguous(), v_cache = v_cache_in.contiguous();
   const int64_t tokens = q.size(0), heads = q.size(1);
   check_fits_int(op, tokens * heads, "tokens * num_heads");
-  // The merge keeps two floats per split of 32 positions in shared memory (at most 48 KB).
+  // The merge keeps two floats per split of 32 positions in shared memory (48 KB at this limit).
   FH_CHECK_VALUE(op, max_len <= 32 * 6144, "max_len (k_cache.size(1)) must be at most 196608 for the CUDA kernel, got ",
                  num_str(max_len));
   auto out = at::empty({tokens, heads * hd}, q.options());
