@@ -720,13 +720,19 @@ def test_cuda_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
-# (id, dtype, L, D, I, H, KV, hd): consistent shapes the CPU op accepts but the CUDA op does not:
-# D, H * hd and I must be multiples of 8 (16-bit dtypes) or 4 (float32), head_dim at most 256.
+# (id, dtype, L, D, I, H, KV, hd, message): consistent shapes the CPU op accepts but the CUDA op
+# does not: D, H * hd and I must be multiples of 8 (16-bit dtypes) or 4 (float32), head_dim at
+# most 256, weight rows at most 32 KB (gate_up's two rows of D together).
+WHOLE_VECTORS = "hidden_size, head_dim and intermediate_size to be multiples of"
+ROW_BYTES = "a weight row of at most 32768 bytes"
 CUDA_LIMIT_CASES = [
-    ("D60-bf16", torch.bfloat16, 1, 60, 64, 2, 1, 16),
-    ("I68-fp16", torch.float16, 1, 64, 68, 2, 1, 16),
-    ("D62-fp32", torch.float32, 1, 62, 64, 2, 1, 16),
-    ("hd264-bf16", torch.bfloat16, 1, 64, 64, 1, 1, 264),
+    ("D60-bf16", torch.bfloat16, 1, 60, 64, 2, 1, 16, WHOLE_VECTORS),
+    ("I68-fp16", torch.float16, 1, 64, 68, 2, 1, 16, WHOLE_VECTORS),
+    ("D62-fp32", torch.float32, 1, 62, 64, 2, 1, 16, WHOLE_VECTORS),
+    ("hd264-bf16", torch.bfloat16, 1, 64, 64, 1, 1, 264, "head_dim must be at most 256"),
+    ("H40xhd256-fp32", torch.float32, 1, 64, 64, 40, 8, 256, ROW_BYTES),
+    ("I8200-fp32", torch.float32, 1, 64, 8200, 2, 1, 16, ROW_BYTES),
+    ("D4100-fp32", torch.float32, 1, 4100, 64, 2, 1, 16, ROW_BYTES),
 ]
 
 
@@ -741,9 +747,10 @@ def test_cuda_sliding_layers_limit():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,L,D,I,H,KV,hd", [c[1:] for c in CUDA_LIMIT_CASES], ids=[c[0] for c in CUDA_LIMIT_CASES])
-def test_cuda_size_limits(dtype, L, D, I, H, KV, hd):
+@pytest.mark.parametrize("dtype,L,D,I,H,KV,hd,message", [c[1:] for c in CUDA_LIMIT_CASES],
+                         ids=[c[0] for c in CUDA_LIMIT_CASES])
+def test_cuda_size_limits(dtype, L, D, I, H, KV, hd, message):
     args = step_args(L, D, I, H, KV, hd, 8, 2, False, dtype)
     ops.decoder_step(**clone(args))  # valid for the CPU op
-    with pytest.raises(ValueError, match="decoder_step"):
+    with pytest.raises(ValueError, match=re.escape(message)):
         ops.decoder_step(**to(args, "cuda"))

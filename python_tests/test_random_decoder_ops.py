@@ -17,7 +17,7 @@ float16 and bfloat16.
 
 CPU: the op against the float64 references of test_decoder_ops / test_decoder_step within their
 tolerances (TOL); GPU: the CUDA op against the CPU op on the same inputs, as those files' GPU tests
-compare (TOL, GPU_TOL for decoder_step). Their argument builders are reused, so every output stays
+compare (TOL), but decoder_step against the float64 reference (GPU_TOL; see the test). Their argument builders are reused, so every output stays
 O(1) at any size (weights scaled by fan_in^-0.5, norms around 1, rotary tables bounded, softmax
 scores O(10)): the float32 sums' error grows like sqrt(K) 2^-24, far inside TOL's few ulps of the
 dtype even at K = 25600, while a wrong option, head or cache position is off by O(1). Draws are
@@ -320,12 +320,14 @@ def draw_step(index: int, device: str) -> StepDraw:
     dtype = rng.choice(DTYPES)
     if cuda:
         # The CUDA kernel's limits (docs/kernels.md): D, hd and I whole 16-byte vectors, hd <= 256,
-        # at most 8 query heads per KV head; rows far below 32 KB.
-        unit = 16 // torch.empty((), dtype=dtype).element_size()
+        # at most 8 query heads per KV head, weight rows of at most 32 KB: D and I stay far below
+        # it, while H * hd may not (64 heads of 256 in float32: 64 KB), so hd is cut to fit.
+        element = torch.empty((), dtype=dtype).element_size()
+        unit = 16 // element
         size = lambda high: unit * log_uniform(rng, 1, high // unit)
         L = rng.choice([1, 2, 2, 3])
         H, KV = draw_heads(rng, [1, 2, 3, 4, 5, 7, 8])
-        hd = rng.choice([size(256), 64, 128, 256])
+        hd = min(rng.choice([size(256), 64, 128, 256]), 32768 // (H * element) // unit * unit)
         D, I = rng.choice([size(1024), 576, 640, 1024]), rng.choice([size(3072), 1536, 2048, 3072])
         max_len = rng.choice([log_uniform(rng, 1, 1024), 1024, 3000])
     else:
@@ -372,10 +374,11 @@ def test_random_decoder_step(device, index):
     context = f"draw {index}: {d}"
     args = step_draw_args(d, index)
     before = (args["k_cache"].clone(), args["v_cache"].clone())
-    if is_cuda(device):
-        expected = run_step(clone(args))
-    else:
-        expected = decoder_step64(**{**clone(args), "scale": d.hd ** -0.5 if d.scale is None else d.scale})
+    # On CUDA too against float64, not against the CPU op: the two round differently, so their
+    # errors add. Over 171 draws on an H200 (session 68) the CUDA op's largest distance from float64
+    # was 1.67 TOL in float16 and 3.12 in bfloat16, the CPU op's 1.62 and 1.72, while the two ops
+    # stood 2.09 TOL apart in float16 (draw 1), past GPU_TOL's 2.
+    expected = decoder_step64(**{**clone(args), "scale": d.hd ** -0.5 if d.scale is None else d.scale})
     laid = to(args, device)
     read = ("x", "cos", "sin", "sliding_cos", "sliding_sin")
     laid = {**lay_out(laid, d.layout, read), "weights": lay_out(laid["weights"], d.layout, laid["weights"])}
