@@ -1,7 +1,9 @@
 // The torch-free launchers' own limits, for C++ callers that skip the ATen wrappers' checks, each
 // returning cudaErrorInvalidValue before anything asks the device (so this runs without a GPU too):
 // decoder_step_limit names the limit a shape breaks, and the plan refuses it, never a launch that
-// divides by zero; launch_decode refuses probes outside [1, C], whose list entries would stay unset.
+// divides by zero; launch_decode refuses probes outside [1, C], whose list entries would stay unset;
+// the decoder-layer launchers refuse grids past CUDA's 65,535 blocks in y or z (tokens of
+// fused_linear, heads of rotary_cache_write, KV heads and query-row tiles of decode_attention).
 #include <cstdio>
 
 #include "kernels/api.h"
@@ -78,6 +80,51 @@ int main() {
     if (got != cudaErrorInvalidValue) {
       std::printf("FAIL launch_decode with %d probes of 37 clusters: %s (expected cudaErrorInvalidValue)\n", probes,
                   cudaGetErrorName(got));
+      ++failures;
+    }
+  }
+  // decode_attention's tiles of a KV head's query rows: one row a tile up to 16 rows, then as few
+  // rows as keep 16 tiles, at most 32 and as many as fit beside the split's values (7 of 256 floats).
+  struct Tiles {
+    int tokens, heads, kv_heads, head_dim, element_bytes;
+    int64_t expected;
+  };
+  const Tiles tiles[] = {{1, 16, 1, 128, 2, 16},       {1, 17, 1, 128, 2, 9},        {3, 32, 4, 64, 2, 12},
+                         {8, 64, 1, 256, 4, 74},       {1, 2097120, 1, 1, 4, 65535}, {1, 2097121, 1, 1, 4, 65536}};
+  for (const Tiles& t : tiles) {
+    const int64_t got = flashhead::decode_attention_tiles(t.tokens, t.heads, t.kv_heads, t.head_dim, t.element_bytes);
+    ++cases;
+    if (got != t.expected) {
+      std::printf("FAIL decode_attention_tiles(%d, %d, %d, %d, %d): %lld (expected %lld)\n", t.tokens, t.heads,
+                  t.kv_heads, t.head_dim, t.element_bytes, static_cast<long long>(got),
+                  static_cast<long long>(t.expected));
+      ++failures;
+    }
+  }
+  // Past the grid's limits the decoder-layer launchers refuse before any pointer is used.
+  using bf16 = __nv_bfloat16;
+  const int past_tokens = static_cast<int>(flashhead::kFusedLinearMaxTokens) + 1;
+  const struct {
+    const char* what;
+    cudaError_t got;
+  } grids[] = {
+      {"fused_linear, 524,281 tokens",
+       flashhead::launch_fused_linear<bf16>(nullptr, nullptr, nullptr, false, 1e-6f, nullptr, nullptr, nullptr,
+                                            past_tokens, 64, 64, nullptr)},
+      {"rotary_cache_write, 65,535 + 1 heads",
+       flashhead::launch_rotary_cache_write<bf16>(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 1e-6f, nullptr,
+                                                  nullptr, nullptr, 1, 65535, 1, 2, 8, nullptr)},
+      {"decode_attention, 65,536 KV heads",
+       flashhead::launch_decode_attention<bf16>(nullptr, nullptr, nullptr, nullptr, 1.0f, nullptr, 1, 65536, 65536, 8,
+                                                8, nullptr, nullptr)},
+      {"decode_attention, 65,536 tiles of 32 query rows",
+       flashhead::launch_decode_attention<bf16>(nullptr, nullptr, nullptr, nullptr, 1.0f, nullptr, 1, 2097121, 1, 8,
+                                                8, nullptr, nullptr)},
+  };
+  for (const auto& g : grids) {
+    ++cases;
+    if (g.got != cudaErrorInvalidValue) {
+      std::printf("FAIL %s: %s (expected cudaErrorInvalidValue)\n", g.what, cudaGetErrorName(g.got));
       ++failures;
     }
   }

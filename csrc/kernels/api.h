@@ -150,6 +150,10 @@ cudaError_t launch_decode(const HeadTensors<T, TC>& tensors, const HeadShape& sh
 // With dependent launch the kernel waits for the previous kernel before reading any input, except,
 // with weight_before_wait, the weight: for a caller that knows that kernel did not write it (model
 // weights), the first weight loads then overlap its drain.
+// Tokens go to the grid's y in blocks of up to 8, and y takes at most 65,535 blocks: the launcher
+// returns cudaErrorInvalidValue past them, as do the two below past theirs.
+constexpr int kFusedLinearTokensPerBlock = 8;
+constexpr int64_t kFusedLinearMaxTokens = int64_t{65535} * kFusedLinearTokensPerBlock;
 template <typename T>
 cudaError_t launch_fused_linear(const T* x, const T* weight, const T* norm_weight, bool gated, float eps,
                                 const T* residual, const T* bias, T* out, int tokens, int out_features,
@@ -159,7 +163,8 @@ cudaError_t launch_fused_linear(const T* x, const T* weight, const T* norm_weigh
 // Rotary embedding (after the optional q/k RMSNorms) of the query and key heads of qkv
 // [M, (H + 2 KV) hd] at positions *length + i; keys and values go to the caches [KV, max_len, hd],
 // the rotated queries to q_out [M, H, hd]. A position outside the cache writes nothing and
-// gives NaN queries.
+// gives NaN queries. The heads (H + KV) are the grid's y: at most 65,535.
+constexpr int64_t kRotaryMaxHeads = 65535;
 template <typename T>
 cudaError_t launch_rotary_cache_write(const T* qkv, const T* cos, const T* sin, const int64_t* length, const T* q_norm,
                                       const T* k_norm, float eps, T* k_cache, T* v_cache, T* q_out, int tokens,
@@ -170,6 +175,10 @@ cudaError_t launch_rotary_cache_write(const T* qkv, const T* cos, const T* sin, 
 // head_dim <= 256.
 constexpr int kDecodeAttentionMaxHeadDim = 256;
 size_t decode_attention_workspace_bytes(int tokens, int num_heads, int head_dim, int max_len);
+// The KV heads are the grid's y and the tiles of a KV head's query rows (num_heads / num_kv_heads
+// * tokens rows, up to 32 a tile) its z: at most 65,535 each.
+constexpr int64_t kDecodeAttentionMaxGridYZ = 65535;
+int64_t decode_attention_tiles(int tokens, int num_heads, int num_kv_heads, int head_dim, int element_bytes);
 template <typename T>
 cudaError_t launch_decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* length, float scale,
                                     T* out, int tokens, int num_heads, int num_kv_heads, int head_dim, int max_len,

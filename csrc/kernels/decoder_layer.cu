@@ -22,7 +22,7 @@ namespace {
 
 constexpr int kLinearThreads = 256;
 constexpr int kLinearWarps = kLinearThreads / kWarpSize;
-constexpr int kLinearMaxTokens = 8;            // tokens per block; more tokens use more blocks in y
+constexpr int kLinearMaxTokens = kFusedLinearTokensPerBlock;  // more tokens use more blocks in y
 constexpr int kLinearSmemBytes = 40 * 1024;    // the staged input: under the 48 KB a block gets without opt-in
 
 enum Prologue : int { kPlain = 0, kRmsNorm = 1, kSiluGate = 2 };
@@ -346,6 +346,27 @@ constexpr int kMaxHeadDim = kDecodeAttentionMaxHeadDim;
 constexpr int kAttentionSmemBytes = 40 * 1024;
 constexpr int kKeyPieceBytes = 256;       // key bytes a lane holds in registers at a time
 
+// How a KV head's query rows (its query heads times the tokens) are tiled. A warp scores its
+// tile's rows one after another, so tiles hold as few rows as keep their number to kTilesPerSplit
+// (each tile reads the split's keys and values again, from L2), at most kMaxRowsPerTile and as
+// many as fit in shared memory beside the split's values.
+struct AttentionTiles {
+  int group_rows, q_stride, rows_per_tile;  // q_stride: head_dim rounded up to whole key pieces
+  size_t values_bytes, row_bytes;
+  AttentionTiles(int tokens, int num_heads, int num_kv_heads, int head_dim, int element_bytes)
+      : group_rows(num_heads / num_kv_heads * tokens),
+        q_stride(ceil_div(head_dim, kKeyPieceBytes / element_bytes) * (kKeyPieceBytes / element_bytes)),
+        rows_per_tile(0),
+        values_bytes(size_t{kKeysPerSplit} * head_dim * element_bytes),
+        row_bytes(kWarpSize * sizeof(float) + size_t{static_cast<unsigned>(q_stride)} * element_bytes) {
+    const size_t fits = (kAttentionSmemBytes - values_bytes) / row_bytes;
+    rows_per_tile = static_cast<int>(
+        std::min<size_t>({kMaxRowsPerTile, fits, static_cast<size_t>(ceil_div(group_rows, kTilesPerSplit))}));
+  }
+  int count() const { return ceil_div(group_rows, rows_per_tile); }
+  size_t smem_bytes() const { return values_bytes + rows_per_tile * row_bytes; }
+};
+
 template <typename T>
 struct AttentionParams {
   const T* q;
@@ -570,6 +591,7 @@ cudaError_t launch_fused_linear(const T* x, const T* weight, const T* norm_weigh
                                 int in_features, cudaStream_t stream, const LaunchOptions& options,
                                 bool weight_before_wait) {
   using namespace detail;
+  if (tokens > kFusedLinearMaxTokens) return cudaErrorInvalidValue;
   LinearParams<T> p{x, weight, norm_weight, residual, bias, out, tokens, out_features, in_features,
                     gated ? kSiluGate : (norm_weight ? kRmsNorm : kPlain), eps, 0, weight_before_wait};
   int tokens_per_block = 1;
@@ -588,11 +610,16 @@ cudaError_t launch_rotary_cache_write(const T* qkv, const T* cos, const T* sin, 
                                       int num_heads, int num_kv_heads, int head_dim, int max_len, cudaStream_t stream,
                                       const LaunchOptions& options) {
   using namespace detail;
+  if (int64_t{num_heads} + num_kv_heads > kRotaryMaxHeads) return cudaErrorInvalidValue;
   const RotaryParams<T> p{qkv, cos, sin, length, q_norm, k_norm, k_cache, v_cache, q_out,
                           num_heads, num_kv_heads, head_dim, max_len, eps};
   const dim3 grid(tokens, num_heads + num_kv_heads);
   const dim3 block(ceil_div(head_dim / 2, kWarpSize) * kWarpSize);
   return launch_kernel(rotary_cache_write_kernel<T>, grid, block, 0, stream, options.dependent_launch, p);
+}
+
+int64_t decode_attention_tiles(int tokens, int num_heads, int num_kv_heads, int head_dim, int element_bytes) {
+  return detail::AttentionTiles(tokens, num_heads, num_kv_heads, head_dim, element_bytes).count();
 }
 
 size_t decode_attention_workspace_bytes(int tokens, int num_heads, int head_dim, int max_len) {
@@ -610,7 +637,9 @@ cudaError_t launch_decode_attention(const T* q, const T* k_cache, const T* v_cac
                                     T* out, int tokens, int num_heads, int num_kv_heads, int head_dim, int max_len,
                                     void* workspace, cudaStream_t stream, const LaunchOptions& options) {
   using namespace detail;
-  if (head_dim > kMaxHeadDim) return cudaErrorInvalidValue;
+  if (head_dim > kMaxHeadDim || num_kv_heads > kDecodeAttentionMaxGridYZ) return cudaErrorInvalidValue;
+  const AttentionTiles tiles(tokens, num_heads, num_kv_heads, head_dim, static_cast<int>(sizeof(T)));
+  if (tiles.count() > kDecodeAttentionMaxGridYZ) return cudaErrorInvalidValue;
   const size_t rows = size_t{static_cast<unsigned>(tokens)} * num_heads;
   const int splits = ceil_div(max_len, kKeysPerSplit);
   WorkspaceCarver carver(workspace);
@@ -619,18 +648,10 @@ cudaError_t launch_decode_attention(const T* q, const T* k_cache, const T* v_cac
   float* partial_sum = carver.take<float>(splits * rows);
   AttentionParams<T> p{q, k_cache, v_cache, length, partial_out, partial_max, partial_sum, out,
                        tokens, num_heads, num_kv_heads, head_dim, max_len, scale, 0, 0};
-  constexpr int piece_dims = kKeyPieceBytes / sizeof(T);
-  p.q_stride = ceil_div(head_dim, piece_dims) * piece_dims;
-  const size_t values_bytes = size_t{kKeysPerSplit} * head_dim * sizeof(T);
-  const size_t row_bytes = kWarpSize * sizeof(float) + size_t{static_cast<unsigned>(p.q_stride)} * sizeof(T);
-  // A warp scores its tile's rows one after another, so tiles hold as few rows as keep their number
-  // to kTilesPerSplit: each tile reads the split's keys and values again (from L2).
-  const int group_rows = num_heads / num_kv_heads * tokens;
-  const size_t fits = (kAttentionSmemBytes - values_bytes) / row_bytes;
-  p.rows_per_tile = static_cast<int>(
-      std::min<size_t>({kMaxRowsPerTile, fits, static_cast<size_t>(ceil_div(group_rows, kTilesPerSplit))}));
-  const dim3 grid(splits, num_kv_heads, ceil_div(group_rows, p.rows_per_tile));
-  const size_t smem = values_bytes + p.rows_per_tile * row_bytes;
+  p.q_stride = tiles.q_stride;
+  p.rows_per_tile = tiles.rows_per_tile;
+  const dim3 grid(splits, num_kv_heads, tiles.count());
+  const size_t smem = tiles.smem_bytes();
   const bool vec = rows_vectorizable<T>(k_cache, head_dim) && rows_vectorizable<T>(v_cache, head_dim) &&
                    rows_vectorizable<T>(q, head_dim);
   cudaError_t err = vec ? launch_kernel(decode_attention_kernel<T, kVecWidth<T>>, grid, dim3(kWarpSize), smem, stream,
