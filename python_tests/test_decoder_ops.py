@@ -761,6 +761,35 @@ def test_cuda_graph_replay_at_another_length(dtype):
         assert torch.equal(replayed[1], rotary["k_cache"]) and torch.equal(replayed[2], rotary["v_cache"])
 
 
+# CUDA's grid takes at most 65,535 blocks in y and z: fused_linear's blocks of 8 tokens,
+# rotary_cache_write's heads, decode_attention's KV heads and its tiles of up to 32 query rows a KV
+# head. (id, the op's outputs as a tuple, its arguments for a size, the largest size it runs, the
+# message one past it.)
+GRID_LIMIT_CASES = [
+    ("fused_linear-tokens", lambda args: (ops.fused_linear(**args),),
+     lambda M: linear_args(M, 8, 8, "residual", torch.bfloat16), 524280,
+     "the CUDA kernel takes at most 524280 tokens (x.size(0)), got 524281"),
+    ("rotary-heads", run_rotary, lambda H: rotary_args(1, H, 1, 2, 4, 1, False, torch.bfloat16), 65534,
+     "the CUDA kernel takes at most 65535 heads (num_heads + num_kv_heads), got 65535 + 1"),
+    ("attention-kv-heads", lambda args: (ops.decode_attention(**args),),
+     lambda KV: attention_args(1, KV, KV, 8, 4, 2, torch.bfloat16), 65535,
+     "the CUDA kernel takes at most 65535 KV heads (k_cache.size(0)), got 65536"),
+    ("attention-tiles", lambda args: (ops.decode_attention(**args),),
+     lambda H: attention_args(1, H, 1, 8, 4, 2, torch.bfloat16), 65535 * 32,
+     "the CUDA kernel takes at most 65535 tiles of a KV head's query rows, got 65536"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,outputs,build,limit,message", GRID_LIMIT_CASES, ids=[c[0] for c in GRID_LIMIT_CASES])
+def test_cuda_grid_limits(name, outputs, build, limit, message):
+    args = build(limit)
+    for got, expected in zip(outputs(on(args, "cuda")), outputs(clone(args))):
+        assert_close(got, expected, torch.bfloat16, f"{name} at the limit")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        outputs(on(build(limit + 1), "cuda"))
+
+
 @pytest.mark.gpu
 def test_cuda_no_host_sync():
     rotary, weights, x, norm_weight = smollm2_step_args(torch.bfloat16)

@@ -265,6 +265,8 @@ at::Tensor fused_linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in
   check_fits_int(op, x.size(0), "the number of tokens");
   check_fits_int(op, x.size(1), "in_features");
   check_fits_int(op, weight.size(0), "out_features");
+  FH_CHECK_VALUE(op, x.size(0) <= kFusedLinearMaxTokens, "the CUDA kernel takes at most ",
+                 num_str(kFusedLinearMaxTokens), " tokens (x.size(0)), got ", num_str(x.size(0)));
   auto out = at::empty({x.size(0), weight.size(0)}, x.options());
   if (x.size(0) == 0) return out;
   dispatch_float(x.scalar_type(), [&](auto* tag) {
@@ -289,7 +291,8 @@ at::Tensor rotary_cache_write_cuda(const at::Tensor& qkv_in, const at::Tensor& c
   const auto q_norm = contiguous(q_norm_in), k_norm = contiguous(k_norm_in);
   const int64_t kv = k_cache.size(0), max_len = k_cache.size(1), hd = k_cache.size(2);
   check_fits_int(op, qkv.size(0), "the number of tokens");
-  check_fits_int(op, num_heads + kv, "num_heads + num_kv_heads");
+  FH_CHECK_VALUE(op, num_heads + kv <= kRotaryMaxHeads, "the CUDA kernel takes at most ", num_str(kRotaryMaxHeads),
+                 " heads (num_heads + num_kv_heads), got ", num_str(num_heads), " + ", num_str(kv));
   check_fits_int(op, max_len, "max_len");
   FH_CHECK_VALUE(op, hd <= 2048, "head_dim must be at most 2048 for the CUDA kernel, got ", num_str(hd));
   auto q = at::empty({qkv.size(0), num_heads, hd}, qkv.options());
@@ -316,6 +319,13 @@ at::Tensor decode_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cac
   const at::Tensor q = q_in.contiguous(), k_cache = k_cache_in.contiguous(), v_cache = v_cache_in.contiguous();
   const int64_t tokens = q.size(0), heads = q.size(1);
   check_fits_int(op, tokens * heads, "tokens * num_heads");
+  FH_CHECK_VALUE(op, kv <= kDecodeAttentionMaxGridYZ, "the CUDA kernel takes at most ",
+                 num_str(kDecodeAttentionMaxGridYZ), " KV heads (k_cache.size(0)), got ", num_str(kv));
+  const int64_t tiles = decode_attention_tiles(static_cast<int>(tokens), static_cast<int>(heads), static_cast<int>(kv),
+                                               static_cast<int>(hd), static_cast<int>(q.element_size()));
+  FH_CHECK_VALUE(op, tiles <= kDecodeAttentionMaxGridYZ, "the CUDA kernel takes at most ",
+                 num_str(kDecodeAttentionMaxGridYZ), " tiles of a KV head's query rows, got ", num_str(tiles),
+                 " (tokens ", num_str(tokens), " x ", num_str(heads / kv), " query heads per KV head)");
   // The merge keeps two floats per split of 32 positions in shared memory (48 KB at this limit).
   FH_CHECK_VALUE(op, max_len <= 32 * 6144, "max_len (k_cache.size(1)) must be at most 196608 for the CUDA kernel, got ",
                  num_str(max_len));
