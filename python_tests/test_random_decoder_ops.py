@@ -17,11 +17,12 @@ float16 and bfloat16.
 
 CPU: the op against the float64 references of test_decoder_ops / test_decoder_step within their
 tolerances (TOL); GPU: the CUDA op against the CPU op on the same inputs, as those files' GPU tests
-compare (TOL), but decoder_step against the float64 reference (GPU_TOL; see the test). Their argument builders are reused, so every output stays
-O(1) at any size (weights scaled by fan_in^-0.5, norms around 1, rotary tables bounded, softmax
-scores O(10)): the float32 sums' error grows like sqrt(K) 2^-24, far inside TOL's few ulps of the
-dtype even at K = 25600, while a wrong option, head or cache position is off by O(1). Draws are
-seeded by their index and device, so a failure names a reproducible configuration.
+compare (TOL), but decoder_step against the float64 reference (GPU_TOL; see its test). Their
+argument builders are reused, so every output stays O(1) at any size (weights scaled by
+fan_in^-0.5, norms around 1, rotary tables bounded, softmax scores O(10)): the float32 sums' error
+grows like sqrt(K) 2^-24, far inside TOL's few ulps of the dtype even at K = 25600, while a wrong
+option, head or cache position is off by O(1). Draws are seeded by their index and device, so a
+failure names a reproducible configuration.
 ``FLASHHEAD_RANDOM_DRAWS`` sets how many are drawn for each op (default 32, as test_random_shapes.py).
 """
 import math
