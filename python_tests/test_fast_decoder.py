@@ -444,12 +444,18 @@ def padded_target_and_short_draft(device: str, dtype: torch.dtype):
     model = copy.deepcopy(hf_model("llama-aligned"))  # sizes the CUDA persistent body takes
     with torch.no_grad():
         model.lm_head.weight[-3:] *= 1.4
-    state = {name: w[:VOCAB - 3] if name in ("model.embed_tokens.weight", "lm_head.weight") else w
-             for name, w in model.state_dict().items()}
-    config = transformers.LlamaConfig(**{**model.config.to_dict(), "vocab_size": VOCAB - 3})
     target = Decoder.from_hf(model, max_len=48, dtype=dtype, device=device)
-    draft = Decoder.from_state_dict(config, state, max_len=48, dtype=dtype, device=device)
+    draft = first_rows_decoder(model, VOCAB - 3, max_len=48, dtype=dtype, device=device)
     return target, draft, greedy_tokens(model, prompt(5), NEW)
+
+
+def first_rows_decoder(model, rows: int, **kwargs) -> Decoder:
+    """A Decoder of ``model`` with its first ``rows`` vocabulary rows only (a draft without the
+    target's padding rows); ``kwargs`` go to ``Decoder.from_state_dict``."""
+    state = {name: w[:rows] if name in ("model.embed_tokens.weight", "lm_head.weight") else w
+             for name, w in model.state_dict().items()}
+    config = type(model.config)(**{**model.config.to_dict(), "vocab_size": rows})
+    return Decoder.from_state_dict(config, state, **kwargs)
 
 
 @pytest.mark.parametrize("device", DEVICES)

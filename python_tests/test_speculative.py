@@ -48,8 +48,10 @@ def _config(arch: str):
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_model(arch: str, seed: int = 0):
+def tiny_model(arch: str, seed: int = 0, rows: int = VOCAB):
+    """``rows`` below VOCAB: a draft without the target's last vocabulary rows (its padding)."""
     cls, config = _config(arch)
+    config.vocab_size = rows
     torch.manual_seed(seed)
     return cls(config).to(torch.float64).eval()
 
