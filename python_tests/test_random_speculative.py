@@ -409,6 +409,18 @@ def test_random_fast_path(index):
                 pytest.fail(f"{context}, {mode}: a max_len short of the room was not refused")
         gen = runner.generate(ids, mode="baseline", max_new_tokens=d.max_new)  # needs no room for proposals
         assert gen.tokens == expected, f"{context}, baseline: tokens {gen.tokens}, expected {expected}"
+        # Baseline writes the entries of every token but the last: max_len >= prompt + n - 1 (docs).
+        least = d.prompt_len + d.max_new - 1
+        for max_len in range(max(1, least - 1), least + 1):
+            baseline = FastSpeculativeDecoder(Decoder.from_hf(f.model(), max_len=max_len), eos_token_id=list(d.eos))
+            if max_len == least:
+                gen = baseline.generate(ids, mode="baseline", max_new_tokens=d.max_new)
+                assert gen.tokens == expected, f"{context}, baseline at max_len {max_len}: {gen.tokens}, expected {expected}"
+                continue
+            with pytest.raises(ValueError, match=rf"max_new_tokens={d.max_new} with a {d.prompt_len}-token prompt in baseline "
+                                                 rf"mode needs max_len >= {least}, the target's is {max_len}"):
+                baseline.generate(ids, mode="baseline", max_new_tokens=d.max_new)
+                pytest.fail(f"{context}: baseline at max_len {max_len} was not refused")
         return
     gens = run_every_mode(d, runner, ids, expected, context, synthetic=f.synthetic)
     if f.draft_dtype == torch.float64:
@@ -435,9 +447,11 @@ def test_random_fast_path(index):
     if f.synthetic == 1.0:
         check_all_accepted(d, gens, context)
     if not d.eos:
-        # The acceptances depend on the seed and the prompt only: a dense head draws the same.
+        # The acceptances depend on the seed and the prompt's ids only: a dense head, given them in
+        # the other dtype, draws the same.
         other = FastSpeculativeDecoder(target, draft, "dense", k=d.k, eos_token_id=[], synthetic_acceptance=f.synthetic,
                                        seed=f.seed)
-        again = other.generate(ids, mode="deferred", max_new_tokens=d.max_new).stats
+        same_prompt = ids.view(-1).to(torch.int64 if d.int32 else torch.int32)
+        again = other.generate(same_prompt, mode="deferred", max_new_tokens=d.max_new).stats
         assert (again.accepted_per_round, again.emitted_per_round) == (s.accepted_per_round, s.emitted_per_round), \
             f"{context}: with a dense head {again.accepted_per_round}, with {d.head} {s.accepted_per_round}"
