@@ -1,31 +1,37 @@
 """Speculative decoding (the driver and the fast path) on seeded random configurations (docs/speculative.md).
 
 test_speculative.py and test_fast_decoder.py pin chosen configurations; these draw them over what
-the docs support: the tiny float64 models of those files (driver: Llama, tied Qwen3, Gemma-3 with a
-window of 5; fast path: Llama, Qwen2 with biases, with and without sliding windows, Qwen3, Gemma-3),
-prompts of 1 to 40 tokens given as ``[T]`` or ``[1, T]``, int32 or int64, K from 1 to 8 (set at
-construction or changed later), budgets of 0 (refused), 1, a few, and around a round's end when
-every proposal is accepted (1 + m(K+1) tokens, one before and one after), drafts that are the
-target itself, its early exit of 1..L layers, unrelated weights, or unrelated weights without the
-target's last vocabulary rows, dense heads and FlashHeads over random clusterings (any cluster
-size, 1 to all probes, special tokens, fp8 centroids), and EOS ids that occur in the run, that do
-not, several of both, as an int, a list or a tensor, or the model's own. The fast path also draws
-its draft's dtype and body (eager; fused and persistent in float32: the CPU ops), the attention of
-both models, ``max_len`` at its documented least (``prompt + n + K + 1``), above it and one short
-of it (refused, naming the model), and synthetic acceptance.
+the docs support, on the tiny float64 models of those files (driver: Llama, tied Qwen3, Gemma-3
+and Qwen2 with biases, the last two with windows of 5; fast path: Llama and Qwen3, also with
+scaled RoPE, Qwen2 with and without sliding windows, Gemma-3): prompts of 1 to 40 tokens as
+``[T]`` or ``[1, T]``, int32 or int64; K from 1 to 8, given or set later; budgets of 0 (refused),
+1, a few, and around the end of a round that accepts all K (1 + m(K+1) tokens, one before, one
+after: the tail step); drafts that are the target itself, its early exit of 1..L layers, unrelated
+weights, or unrelated weights without the target's last vocabulary rows; dense heads and
+FlashHeads over random clusterings (any cluster size, 1 to all probes, special tokens such as the
+EOS ids, fp8 centroids); EOS ids that occur in the run, that do not, several of both, as an int,
+a list or a tensor, or the model's own. The fast path also draws the draft's dtype and body
+(eager; fused and persistent run flashhead's float32 CPU ops), both models' attention, ``max_len``
+at its documented least (``prompt + n + K + 1``; baseline ``prompt + n - 1``), above it and one
+short of it (refused, naming the model), and synthetic acceptance with any int64 seed.
 
-Every draw runs every mode and checks: the emitted tokens are the target's greedy tokens (the
-reference recomputes the whole sequence at each step) cut at the first EOS or the budget; the
-counters add up (helpers.check_counters); ordinary and deferred mode go through the same rounds,
-since the draft alone decides how many tokens a round emits; a draft with the target's own
-weights and a dense head has every emitted proposal accepted (and ordinary skips no verify).
-Synthetic acceptance instead: the modes still agree, the target's token ends every round that was
-not cut, R = 0 accepts nothing, R = 1 everything, and the acceptances depend on the seed and the
-prompt only (a second head draws the same). Draws are seeded by their index, so a failure names a
-reproducible configuration. ``FLASHHEAD_RANDOM_DRAWS`` sets how many are drawn (default 32).
+Every draw runs every mode and checks: the tokens are the target's greedy tokens (recomputed over
+the whole sequence at each step) cut at the first EOS or the budget; the counters add up
+(helpers.check_counters); ordinary and deferred go through the same rounds, as the draft alone
+decides how many tokens a round emits; each round's proposals are the draft's own greedy tokens
+after the tokens emitted so far, recomputed without a cache (a stale draft cache costs acceptance
+only, which the output never shows; fast path: float64 drafts, where no rounding can differ), so
+a round accepts exactly their longest prefix that the target's tokens match; a draft with the
+target's weights and a dense head has every emitted proposal accepted. Synthetic acceptance: the
+modes agree, a round emits the draft's proposals and then the target's token, R = 0 accepts
+nothing and R = 1 all, and the acceptances depend on the seed and the prompt's ids only (a dense
+head, given the prompt in the other dtype, draws the same). Draws are seeded by their index, so a
+failure names a reproducible configuration. ``FLASHHEAD_RANDOM_DRAWS`` sets how many are drawn for
+each driver (default 32, as test_random_shapes.py).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import random
 import traceback
@@ -268,15 +274,37 @@ def refuses_no_budget(decoder, ids, context: str) -> None:
 
 # ---- the driver ---------------------------------------------------------------------------------
 
+# test_speculative's models, and test_fast_decoder's Qwen2 with biases and sliding windows (whose
+# vocabulary has 97 tokens).
+DRIVER_ARCHS = (*driver_tests.ARCHS, "qwen2-sliding")
+
+
+def driver_tests_of(arch: str):
+    """The test module whose models and prompts ``arch`` takes."""
+    return fast_tests if arch == "qwen2-sliding" else driver_tests
+
+
+@functools.lru_cache(maxsize=None)
+def driver_model(arch: str, seed: int = 0, rows: Optional[int] = None):
+    """``rows``: without the last vocabulary rows (a draft without the target's padding)."""
+    if arch != "qwen2-sliding":
+        return driver_tests.tiny_model(arch, seed, rows or driver_tests.VOCAB)
+    model = fast_tests.hf_model(arch, seed)
+    if rows is not None:
+        model = copy.deepcopy(model)  # hf_model is cached
+        model.resize_token_embeddings(rows)
+    return model
+
+
 def draw_driver(index: int) -> tuple:
     """(Common, target seed, draft seed): the target's and an unrelated draft's weights."""
     rng = random.Random(stable_seed("random-speculative-driver", index))
-    arch = rng.choice(driver_tests.ARCHS)
+    arch = rng.choice(DRIVER_ARCHS)
     target_seed = rng.randrange(3)
-    model_eos = driver_tests.tiny_model(arch, target_seed).generation_config.eos_token_id  # Llama's and Gemma-3's set one
+    model_eos = driver_model(arch, target_seed).generation_config.eos_token_id  # Llama's and Gemma-3's set one
     model_eos = () if model_eos is None else (model_eos,) if isinstance(model_eos, int) else tuple(model_eos)
-    d = draw_common(rng, arch, driver_tests.VOCAB, driver_tests.tiny_model, dict(seed=target_seed), driver_tests.prompt,
-                    model_eos)
+    tests = driver_tests_of(arch)
+    d = draw_common(rng, arch, tests.VOCAB, driver_model, dict(seed=target_seed), tests.prompt, model_eos)
     return d, target_seed, target_seed + 1 + rng.randrange(3)
 
 
@@ -285,25 +313,25 @@ def driver_draft(d: Common, target, draft_seed: int):
         return target  # the very same model object: the driver keeps a cache per role
     if d.draft.startswith("early:"):
         return early_exit_draft(target, int(d.draft[6:]))
-    rows = driver_tests.VOCAB - (int(d.draft[6:]) if d.draft.startswith("short:") else 0)
-    return driver_tests.tiny_model(d.arch, draft_seed, rows)
+    rows = driver_tests_of(d.arch).VOCAB - int(d.draft[6:]) if d.draft.startswith("short:") else None
+    return driver_model(d.arch, draft_seed, rows)
 
 
 @pytest.mark.parametrize("index", range(DRAWS))
 def test_random_driver(index):
     d, target_seed, draft_seed = draw_driver(index)
     context = f"draw {index}: target seed {target_seed}, draft seed {draft_seed}, {d}"
-    target = driver_tests.tiny_model(d.arch, target_seed)
+    target = driver_model(d.arch, target_seed)
     draft = driver_draft(d, target, draft_seed)
     head = d.head.build(draft.get_output_embeddings().weight.detach(), seed=index)
     decoder = SpeculativeDecoder(target, draft, head, k=d.k_first or d.k, eos_token_id=d.eos_argument())
     decoder.k = d.k
-    ids = d.ids(driver_tests.prompt)
+    tests = driver_tests_of(d.arch)
+    ids = d.ids(tests.prompt)
     if d.max_new == 0:
         refuses_no_budget(decoder, ids, context)
         return
-    run = reference(driver_tests.tiny_model, driver_tests.prompt, d.arch, d.prompt_seed, d.prompt_len, d.max_new,
-                    seed=target_seed)
+    run = reference(driver_model, tests.prompt, d.arch, d.prompt_seed, d.prompt_len, d.max_new, seed=target_seed)
     gens = run_every_mode(d, decoder, ids, cut(run, d.eos), context)
     check_modes_agree(gens, context)
     if d.perfect_draft:
