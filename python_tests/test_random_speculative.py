@@ -255,11 +255,11 @@ def check_dense_proposals(d: Common, prompt: list, gen, logits_of, context: str,
         for i in range(min(accepted + exact, d.k, len(after))):
             logits = logits_of(prompt + gen.tokens[:emitted_before + i])
             token = after[i]
-            others = torch.cat([logits[:token], logits[token + 1:]])
             where = f"{context}: round after {emitted_before} tokens, its token {i}: {token}, draft logits {logits.tolist()}"
             if i < accepted:
                 assert logits[token] >= logits.max() - TIE_TOL, f"{where}: not the draft's proposal"
-            else:
+            elif token < logits.numel():  # a target token past the draft's rows cannot be proposed
+                others = torch.cat([logits[:token], logits[token + 1:]])
                 assert logits[token] <= others.max() + TIE_TOL, f"{where}: the draft's proposal, but rejected"
         emitted_before += emitted
 
