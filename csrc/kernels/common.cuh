@@ -367,10 +367,14 @@ cudaError_t resident_blocks(void (*kernel)(Params...), int threads, size_t smem,
   return resident_blocks(reinterpret_cast<const void*>(kernel), threads, smem, blocks);
 }
 
-// Launch with an optional programmatic-dependency on the previous kernel in the stream.
+// Launch with an optional programmatic-dependency on the previous kernel in the stream. The kernel's
+// dynamic shared memory limit is raised to `smem` first: past 48 KB less its static shared memory
+// a launch fails unless the kernel opted in (session 68's merge did not, and failed to launch).
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                           bool dependent, Args&&... args) {
+  if (smem > 0)
+    if (cudaError_t err = allow_dynamic_smem(kernel, smem); err != cudaSuccess) return err;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;

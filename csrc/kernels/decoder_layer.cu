@@ -659,11 +659,7 @@ cudaError_t launch_decode_attention(const T* q, const T* k_cache, const T* v_cac
                         : launch_kernel(decode_attention_kernel<T, 1>, grid, dim3(kWarpSize), smem, stream,
                                         options.dependent_launch, p);
   if (err != cudaSuccess) return err;
-  // At the longest caches the merge's arrays fill the 48 KB a block gets without opting in, and its
-  // static scratch goes past them (session 68: every max_len past 195,584 failed to launch).
   const size_t merge_smem = 2 * merge_array_floats(max_len) * sizeof(float);
-  err = allow_dynamic_smem(merge_attention_kernel<T>, merge_smem);
-  if (err != cudaSuccess) return err;
   return launch_kernel(merge_attention_kernel<T>, dim3(static_cast<unsigned>(rows)), dim3(kMergeThreads), merge_smem,
                        stream, options.dependent_launch, p);
 }

@@ -155,7 +155,6 @@ cudaError_t detail::launch_select_keeping(const float* keys, const HeadShape& sh
     const uint32_t capacity = static_cast<uint32_t>(std::min<size_t>(slots, detail::kMaxSurvivors));
     if (capacity < 2 * detail::kSelectThreads) return cudaErrorInvalidConfiguration;
     const size_t smem = list_bytes + sizeof(uint64_t) * capacity;
-    if (cudaError_t err = detail::allow_dynamic_smem(kernel, smem); err != cudaSuccess) return err;
     const detail::SelectArgs args{keys, shape.num_clusters, shape.probes, order, len, spill, capacity, out,
                                   shape.num_extra};
     return detail::launch_kernel(kernel, dim3(shape.batch), dim3(detail::kSelectThreads), smem, stream,
