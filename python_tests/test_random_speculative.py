@@ -76,7 +76,8 @@ class HeadDraw:
             return "dense"
         if self.kind == "DenseHead":
             return make_draft_head("dense", embedding)
-        clustering = driver_tests.random_clustering(embedding.float(), self.cluster_size, seed)
+        # Drawn on the CPU (random_partition's table is a CPU tensor); FlashHead copies it to the embedding's device.
+        clustering = driver_tests.random_clustering(embedding.float().cpu(), self.cluster_size, seed)
         return make_draft_head("flashhead", embedding, clustering=clustering, probes=self.probes,
                                special_token_ids=list(self.special), centroid_dtype=FP8 if self.fp8 else None)
 
@@ -244,11 +245,12 @@ def check_proposals(d: Common, prompt: list, gen, next_token, context: str, synt
         emitted_before += emitted
 
 
-def check_dense_proposals(d: Common, prompt: list, gen, logits_of, context: str, exact: bool) -> None:
+def check_dense_proposals(d: Common, prompt: list, gen, logits_of, context: str, exact: bool,
+                          tie_tol=lambda logits: TIE_TOL) -> None:
     """check_proposals for a float32 draft with a dense head (the fused and persistent bodies), where
-    a near-tie may go either way: an accepted proposal must be within TIE_TOL of the best of the
-    draft's float64 ``logits_of(ids)``, and (exact acceptance) the target's token that rejected
-    the next one must not beat all others by more."""
+    a near-tie may go either way: an accepted proposal must be within ``tie_tol(logits)`` (TIE_TOL)
+    of the best of the draft's float64 ``logits_of(ids)``, and (exact acceptance) the target's token
+    that rejected the next one must not beat all others by more."""
     emitted_before = 1
     for accepted, emitted in zip(gen.stats.accepted_per_round, proposing_rounds(d, gen.stats)):
         after = gen.tokens[emitted_before:]
@@ -256,11 +258,12 @@ def check_dense_proposals(d: Common, prompt: list, gen, logits_of, context: str,
             logits = logits_of(prompt + gen.tokens[:emitted_before + i])
             token = after[i]
             where = f"{context}: round after {emitted_before} tokens, its token {i}: {token}, draft logits {logits.tolist()}"
+            tol = tie_tol(logits)
             if i < accepted:
-                assert logits[token] >= logits.max() - TIE_TOL, f"{where}: not the draft's proposal"
+                assert logits[token] >= logits.max() - tol, f"{where}: not the draft's proposal"
             elif token < logits.numel():  # a target token past the draft's rows cannot be proposed
                 others = torch.cat([logits[:token], logits[token + 1:]])
-                assert logits[token] <= others.max() + TIE_TOL, f"{where}: the draft's proposal, but rejected"
+                assert logits[token] <= others.max() + tol, f"{where}: the draft's proposal, but rejected"
         emitted_before += emitted
 
 
@@ -274,16 +277,27 @@ def draft_next_token(forward, head, draft_rows: int):
     return next_token
 
 
-def run_every_mode(d: Common, decoder, ids, expected: list, context: str, synthetic: Optional[float] = None) -> dict:
+def check_tokens(expected, gen, where: str) -> None:
+    """``expected``: the tokens, or a function ``(gen, where)`` that checks them."""
+    if callable(expected):
+        expected(gen, where)
+    else:
+        assert gen.tokens == expected, f"{where}: tokens {gen.tokens}, expected {expected}"
+
+
+def run_every_mode(d: Common, decoder, ids, expected, context: str, synthetic: Optional[float] = None,
+                   gpu_phases: bool = False) -> dict:
+    """Every mode's generation, its tokens checked against ``expected`` (check_tokens; synthetic:
+    baseline's only) and its counters (``gpu_phases``: check_counters')."""
     gens = {}
     for mode in MODES:
         gen = decoder.generate(ids, mode=mode, max_new_tokens=d.max_new)
         where = f"{context}, {mode}"
         if synthetic is None or mode == "baseline":
-            assert gen.tokens == expected, f"{where}: tokens {gen.tokens}, expected {expected}"
+            check_tokens(expected, gen, where)
         k = 0 if mode == "baseline" else d.k
         assert (gen.stats.mode, gen.stats.k, gen.stats.prompt_tokens) == (mode, k, d.prompt_len), where
-        checked(f"{where}: stats {gen.stats}", check_counters, gen, mode, k, d.max_new)
+        checked(f"{where}: stats {gen.stats}", check_counters, gen, mode, k, d.max_new, gpu_phases)
         gens[mode] = gen
     return gens
 
@@ -366,6 +380,9 @@ def test_random_driver(index):
 
 # ---- the fast path ------------------------------------------------------------------------------
 
+FAST_ARCHS = ("llama", "qwen2", "qwen2-sliding", "qwen3", "gemma3")
+
+
 @dataclass(frozen=True)
 class FastDraw:
     common: Common
@@ -386,18 +403,23 @@ class FastDraw:
                 f"attention {self.attention}, max_len slack {self.slack}{synthetic}")
 
 
-def draw_fast(index: int) -> FastDraw:
-    rng = random.Random(stable_seed("random-speculative-fast", index))
-    arch = rng.choice(["llama", "qwen2", "qwen2-sliding", "qwen3", "gemma3"])
-    rope = rng.choice(["default", *sorted(fast_tests.ROPE_SCALINGS)]) if arch in ("llama", "qwen3") else "default"
-    d = draw_common(rng, arch, fast_tests.VOCAB, fast_tests.hf_model, dict(rope=rope), fast_tests.prompt, model_eos=None)
-    # The fused and persistent bodies run flashhead's float32 CPU ops; the compiled one compiles
-    # for every token count, too slow here.
+def cpu_draft(rng: random.Random, arch: str) -> tuple:
+    """The draft's body and dtype on the CPU: the fused and persistent bodies run flashhead's float32
+    CPU ops; the compiled one compiles for every token count, too slow here."""
     bodies = ["eager"] if rng.random() < 0.4 else ["fused", "persistent", "persistent"]
     if arch in ("qwen2-sliding", "gemma3") and "fused" in bodies:
         bodies.remove("fused")  # the fused ops run the plain Llama / Qwen layer only (test_fast_decoder)
     body = rng.choice(bodies)
-    dtype = torch.float64 if body == "eager" and rng.random() < 0.8 else torch.float32
+    return body, torch.float64 if body == "eager" and rng.random() < 0.8 else torch.float32
+
+
+def draw_fast(index: int, archs: tuple = FAST_ARCHS, draw_draft=cpu_draft, key: tuple = ()) -> FastDraw:
+    """``draw_draft(rng, arch)``: the draft's body and dtype; ``key`` seeds the draws apart from the CPU's."""
+    rng = random.Random(stable_seed("random-speculative-fast", index, *key))
+    arch = rng.choice(archs)
+    rope = rng.choice(["default", *sorted(fast_tests.ROPE_SCALINGS)]) if arch.startswith(("llama", "qwen3")) else "default"
+    d = draw_common(rng, arch, fast_tests.VOCAB, fast_tests.hf_model, dict(rope=rope), fast_tests.prompt, model_eos=None)
+    body, dtype = draw_draft(rng, arch)
     slack = tuple(rng.choice([-1, 0, 1, rng.randint(2, 8)]) if rng.random() < 0.15 else rng.choice([0, 1, 5])
                   for _ in range(2))
     synthetic = rng.choice([0.0, 0.5, 0.77, 1.0]) if rng.random() < 0.3 else None
@@ -405,27 +427,128 @@ def draw_fast(index: int) -> FastDraw:
     return FastDraw(d, rope, dtype, body, attention, slack, synthetic, rng.randrange(-2**63, 2**63))
 
 
-def fast_draft(f: FastDraw, max_len: int) -> Decoder:
+def fast_draft(f: FastDraw, max_len: int, device: str = "cpu") -> Decoder:
     d = f.common
     if d.draft.startswith("short:"):
-        return fast_tests.first_rows_decoder(f.model(1, f.draft_dtype), fast_tests.VOCAB - int(d.draft[6:]), max_len=max_len)
+        return fast_tests.first_rows_decoder(f.model(1, f.draft_dtype), fast_tests.VOCAB - int(d.draft[6:]), max_len=max_len,
+                                             device=device)
     model = f.model(1 if d.draft == "other" else 0, f.draft_dtype)
-    return Decoder.from_hf(model, max_len=max_len, num_layers=int(d.draft[6:]) if d.draft.startswith("early:") else None)
+    return Decoder.from_hf(model, max_len=max_len, num_layers=int(d.draft[6:]) if d.draft.startswith("early:") else None,
+                           device=device)
 
 
-def target_tokens_end_rounds(f: FastDraw, gen, context: str) -> None:
-    """Synthetic acceptance: the prefill's token and the last token of every round that was not cut
-    (it emitted more than it accepted) are the target's greedy tokens after what precedes them."""
+def build_fast_models(f: FastDraw, max_lens, device: str = "cpu", target_dtype: torch.dtype = torch.float64) -> tuple:
+    """The draw's target and draft Decoders with these max_lens, its attention and the draft's body."""
+    d = f.common
+    target = Decoder.from_hf(f.model(0, target_dtype), max_len=max_lens[0], device=device)
+    draft = fast_draft(f, max_lens[1], device)
+    target.attention, draft.attention = f.attention
+    draft.body = f.draft_body
+    if d.eos_as == "model":  # the runner's default: the target's own setting (from_hf: the generation config's)
+        target.eos_token_id = list(d.eos)
+    return target, draft
+
+
+def fast_runner(f: FastDraw, target: Decoder, draft: Decoder, head, **kwargs) -> FastSpeculativeDecoder:
+    """The draw's runner, built with its first K and then set to K (``kwargs``: graphs)."""
+    d = f.common
+    runner = FastSpeculativeDecoder(target, draft, head, k=d.k_first or d.k, eos_token_id=d.eos_argument(),
+                                    synthetic_acceptance=f.synthetic, seed=f.seed, **kwargs)
+    runner.k = d.k
+    return runner
+
+
+def check_short_room(f: FastDraw, runner, ids, need: int, expected, baseline_runner, context: str) -> None:
+    """A max_len short of a speculative generation's room, ``need``: ordinary and deferred refuse it,
+    naming the first model short of it; baseline runs (it writes no proposals), and needs the
+    entries of every token but the last (docs): ``baseline_runner(max_len)``, a baseline runner over
+    a target of that max_len, runs at prompt + n - 1 and refuses one less. ``expected``: check_tokens'."""
+    d = f.common
+    role, max_len = next((role, model.max_len) for role, model in (("target", runner.target), ("draft", runner.draft))
+                         if model.max_len < need)  # the target's is checked first
+    for mode in ("ordinary", "deferred"):
+        with pytest.raises(ValueError, match=rf"max_new_tokens={d.max_new} with a {d.prompt_len}-token prompt and "
+                                             rf"k={d.k} needs max_len >= {need}, the {role}'s is {max_len}"):
+            runner.generate(ids, mode=mode, max_new_tokens=d.max_new)
+            pytest.fail(f"{context}, {mode}: a max_len short of the room was not refused")
+    check_tokens(expected, runner.generate(ids, mode="baseline", max_new_tokens=d.max_new), f"{context}, baseline")
+    least = d.prompt_len + d.max_new - 1
+    for max_len in range(max(1, least - 1), least + 1):
+        baseline = baseline_runner(max_len)
+        if max_len == least:
+            gen = baseline.generate(ids, mode="baseline", max_new_tokens=d.max_new)
+            check_tokens(expected, gen, f"{context}, baseline at max_len {max_len}")
+            continue
+        with pytest.raises(ValueError, match=rf"max_new_tokens={d.max_new} with a {d.prompt_len}-token prompt in baseline "
+                                             rf"mode needs max_len >= {least}, the target's is {max_len}"):
+            baseline.generate(ids, mode="baseline", max_new_tokens=d.max_new)
+            pytest.fail(f"{context}: baseline at max_len {max_len} was not refused")
+
+
+def exact_draft_logits(f: FastDraw, max_len: int):
+    """``logits_of(ids)`` for check_dense_proposals: the draft's weights in float64 (hf_model draws
+    them in float32), whose logits are a float32 draft's within rounding, recomputed without a cache."""
+    exact_draft = fast_draft(replace(f, draft_dtype=torch.float64), max_len)
+
+    def logits_of(ids: list) -> torch.Tensor:
+        exact_draft.reset(0)
+        ids = torch.tensor(ids).clamp(max=exact_draft.config.vocab_size - 1)
+        return exact_draft.logits(exact_draft.forward(ids)[-1])
+    return logits_of
+
+
+def check_target_tokens(f: FastDraw, gen, context: str, every: bool = False, tie_tol=None) -> None:
+    """The prefill's token and the last token of every round that was not cut (it emitted more than
+    it accepted), or ``every`` token, are the float64 target's greedy tokens after what precedes
+    them: their logit is its best there, or within ``tie_tol(logits)`` of it."""
     d = f.common
     ids = torch.cat([fast_tests.prompt(d.prompt_seed, d.prompt_len), torch.tensor(gen.tokens, dtype=torch.int64)])
     with torch.no_grad():
-        greedy = f.model()(input_ids=ids.view(1, -1)).logits[0, d.prompt_len - 1:-1].argmax(-1).tolist()
+        logits = f.model()(input_ids=ids.view(1, -1)).logits[0, d.prompt_len - 1:-1]
     ends, position = [0], 0
     for accepted, emitted in zip(gen.stats.accepted_per_round, gen.stats.emitted_per_round):
         position += emitted
         if emitted > accepted:
             ends.append(position)
-    assert all(gen.tokens[i] == greedy[i] for i in ends), f"{context}: tokens {gen.tokens}, target's at {ends}: {greedy}"
+    for i in range(len(gen.tokens)) if every else ends:
+        row, token = logits[i], gen.tokens[i]
+        tol = 0.0 if tie_tol is None else tie_tol(row)
+        assert row[token] >= row.max() - tol, (
+            f"{context}: tokens {gen.tokens}: token {i}, {token} (logit {float(row[token])}), is not within {tol} of the "
+            f"target's best, {int(row.argmax())} (logit {float(row.max())})")
+
+
+def check_stops(d: Common, tokens: list, context: str) -> None:
+    """The tokens are cut at the first EOS or the budget, as in exact runs."""
+    assert tokens == cut(tokens, d.eos), f"{context}: tokens {tokens} go on past an EOS"
+    assert len(tokens) == d.max_new or tokens[-1] in d.eos, f"{context}: {tokens} stop early"
+
+
+def check_synthetic(f: FastDraw, gens: dict, runner, ids, context: str, tie_tol=None, **runner_kwargs) -> None:
+    """Synthetic acceptance: a round emits the draft's proposals and then the target's token
+    (check_target_tokens with ``tie_tol``), cut at the first EOS or the budget; R = 0 accepts
+    nothing and R = 1 all; the acceptances depend on the seed and the prompt's ids only
+    (``runner_kwargs``: those of the runner that shows it)."""
+    d = f.common
+    deferred = gens["deferred"]
+    s = deferred.stats
+    assert s.synthetic_acceptance == gens["ordinary"].stats.synthetic_acceptance == f.synthetic, context
+    # A perfect draft proposes the target's greedy tokens (a 16-bit one only within its rounding),
+    # so that every token is one.
+    check_target_tokens(f, deferred, context, d.perfect_draft and f.draft_dtype in (torch.float32, torch.float64), tie_tol)
+    check_stops(d, deferred.tokens, context)
+    if f.synthetic == 0.0:
+        assert s.accepted == 0, f"{context}: accepted {s.accepted_per_round}"
+    if f.synthetic == 1.0:
+        check_all_accepted(d, gens, context)
+    if not d.eos:
+        # A dense head, given the prompt's ids in the other dtype, draws the same.
+        other = FastSpeculativeDecoder(runner.target, runner.draft, "dense", k=d.k, eos_token_id=[],
+                                       synthetic_acceptance=f.synthetic, seed=f.seed, **runner_kwargs)
+        same_prompt = ids.view(-1).to(torch.int64 if d.int32 else torch.int32)
+        again = other.generate(same_prompt, mode="deferred", max_new_tokens=d.max_new).stats
+        assert (again.accepted_per_round, again.emitted_per_round) == (s.accepted_per_round, s.emitted_per_round), \
+            f"{context}: with a dense head {again.accepted_per_round}, with {d.head} {s.accepted_per_round}"
 
 
 @pytest.mark.parametrize("index", range(DRAWS))
@@ -434,44 +557,18 @@ def test_random_fast_path(index):
     d = f.common
     context = f"draw {index}: {f}"
     need = d.prompt_len + d.max_new + d.k + 1
-    target = Decoder.from_hf(f.model(), max_len=max(1, need + f.slack[0]))
-    draft = fast_draft(f, max(1, need + f.slack[1]))
-    target.attention, draft.attention = f.attention
-    draft.body = f.draft_body
-    if d.eos_as == "model":  # the runner's default: the target's own setting (from_hf: the generation config's)
-        target.eos_token_id = list(d.eos)
-    head = d.head.build(draft.lm_head, seed=index)
-    runner = FastSpeculativeDecoder(target, draft, head, k=d.k_first or d.k, eos_token_id=d.eos_argument(),
-                                    synthetic_acceptance=f.synthetic, seed=f.seed)
-    runner.k = d.k
+    target, draft = build_fast_models(f, [max(1, need + slack) for slack in f.slack])
+    runner = fast_runner(f, target, draft, d.head.build(draft.lm_head, seed=index))
     ids = d.ids(fast_tests.prompt)
     if d.max_new == 0:
         refuses_no_budget(runner, ids, context)
         return
     run = reference(fast_tests.hf_model, fast_tests.prompt, d.arch, d.prompt_seed, d.prompt_len, d.max_new, rope=f.rope)
     expected = cut(run, d.eos)
-    short = [(role, model.max_len) for role, model in (("target", target), ("draft", draft)) if model.max_len < need]
-    if short:
-        role, max_len = short[0]  # the target's is checked first
-        for mode in ("ordinary", "deferred"):
-            with pytest.raises(ValueError, match=rf"max_new_tokens={d.max_new} with a {d.prompt_len}-token prompt and "
-                                                 rf"k={d.k} needs max_len >= {need}, the {role}'s is {max_len}"):
-                runner.generate(ids, mode=mode, max_new_tokens=d.max_new)
-                pytest.fail(f"{context}, {mode}: a max_len short of the room was not refused")
-        gen = runner.generate(ids, mode="baseline", max_new_tokens=d.max_new)  # needs no room for proposals
-        assert gen.tokens == expected, f"{context}, baseline: tokens {gen.tokens}, expected {expected}"
-        # Baseline writes the entries of every token but the last: max_len >= prompt + n - 1 (docs).
-        least = d.prompt_len + d.max_new - 1
-        for max_len in range(max(1, least - 1), least + 1):
-            baseline = FastSpeculativeDecoder(Decoder.from_hf(f.model(), max_len=max_len), eos_token_id=list(d.eos))
-            if max_len == least:
-                gen = baseline.generate(ids, mode="baseline", max_new_tokens=d.max_new)
-                assert gen.tokens == expected, f"{context}, baseline at max_len {max_len}: {gen.tokens}, expected {expected}"
-                continue
-            with pytest.raises(ValueError, match=rf"max_new_tokens={d.max_new} with a {d.prompt_len}-token prompt in baseline "
-                                                 rf"mode needs max_len >= {least}, the target's is {max_len}"):
-                baseline.generate(ids, mode="baseline", max_new_tokens=d.max_new)
-                pytest.fail(f"{context}: baseline at max_len {max_len} was not refused")
+    if min(target.max_len, draft.max_len) < need:
+        baseline_runner = lambda max_len: FastSpeculativeDecoder(Decoder.from_hf(f.model(), max_len=max_len),
+                                                                 eos_token_id=list(d.eos))
+        check_short_room(f, runner, ids, need, expected, baseline_runner, context)
         return
     gens = run_every_mode(d, runner, ids, expected, context, synthetic=f.synthetic)
     if f.draft_dtype == torch.float64:
@@ -480,39 +577,11 @@ def test_random_fast_path(index):
         next_token = draft_next_token(forward, runner.head, runner.head.vocab_size)
         check_proposals(d, ids.view(-1).tolist(), gens["deferred"], next_token, context, synthetic=f.synthetic is not None)
     elif d.head.kind != "flashhead":
-        # The same weights in float64 (hf_model draws them in float32), whose logits are the
-        # float32 draft's within rounding.
-        exact_draft = fast_draft(replace(f, draft_dtype=torch.float64), draft.max_len)
-
-        def logits_of(ids: list) -> torch.Tensor:
-            exact_draft.reset(0)
-            ids = torch.tensor(ids).clamp(max=exact_draft.config.vocab_size - 1)
-            return exact_draft.logits(exact_draft.forward(ids)[-1])
-        check_dense_proposals(d, ids.view(-1).tolist(), gens["deferred"], logits_of, context, f.synthetic is None)
+        check_dense_proposals(d, ids.view(-1).tolist(), gens["deferred"], exact_draft_logits(f, draft.max_len), context,
+                              f.synthetic is None)
     check_modes_agree(gens, context)
     if f.synthetic is None:
         if d.perfect_draft:
             check_all_accepted(d, gens, context)
         return
-    deferred = gens["deferred"]
-    s = deferred.stats
-    assert s.synthetic_acceptance == gens["ordinary"].stats.synthetic_acceptance == f.synthetic, context
-    target_tokens_end_rounds(f, deferred, context)
-    # Emitted tokens cut at the first EOS or the budget, as in exact runs.
-    assert deferred.tokens == cut(deferred.tokens, d.eos), f"{context}: tokens {deferred.tokens} go on past an EOS"
-    assert len(deferred.tokens) == d.max_new or deferred.tokens[-1] in d.eos, f"{context}: {deferred.tokens} stop early"
-    if d.perfect_draft:
-        assert deferred.tokens == expected, f"{context}: tokens {deferred.tokens}, expected {expected}"
-    if f.synthetic == 0.0:
-        assert s.accepted == 0, f"{context}: accepted {s.accepted_per_round}"
-    if f.synthetic == 1.0:
-        check_all_accepted(d, gens, context)
-    if not d.eos:
-        # The acceptances depend on the seed and the prompt's ids only: a dense head, given them in
-        # the other dtype, draws the same.
-        other = FastSpeculativeDecoder(target, draft, "dense", k=d.k, eos_token_id=[], synthetic_acceptance=f.synthetic,
-                                       seed=f.seed)
-        same_prompt = ids.view(-1).to(torch.int64 if d.int32 else torch.int32)
-        again = other.generate(same_prompt, mode="deferred", max_new_tokens=d.max_new).stats
-        assert (again.accepted_per_round, again.emitted_per_round) == (s.accepted_per_round, s.emitted_per_round), \
-            f"{context}: with a dense head {again.accepted_per_round}, with {d.head} {s.accepted_per_round}"
+    check_synthetic(f, gens, runner, ids, context)
