@@ -27,7 +27,8 @@ modes agree, a round emits the draft's proposals and then the target's token, R 
 nothing and R = 1 all, and the acceptances depend on the seed and the prompt's ids only (a dense
 head, given the prompt in the other dtype, draws the same). Draws are seeded by their index, so a
 failure names a reproducible configuration. ``FLASHHEAD_RANDOM_DRAWS`` sets how many are drawn for
-each driver (default 32, as test_random_shapes.py).
+each driver (default 32, as test_random_shapes.py). test_random_speculative_gpu.py draws the fast
+path on CUDA with this file's drawing code and checks.
 """
 from __future__ import annotations
 
