@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import subprocess
 import sys
 import warnings
@@ -1009,6 +1010,29 @@ def test_decoder_body_is_checked():
         with pytest.raises(ValueError, match=f"body '{body}' takes an attention_scale up to 1e\\+06 .*, this model's is 1.5e\\+06"):
             decoder.body = body
     decoder.forward(torch.tensor([1, 2]))
+
+
+@pytest.mark.gpu
+def test_persistent_body_asks_the_cuda_kernel_limits():
+    """decoder_step's CUDA limits (docs/kernels.md) are asked as the body is set: bodies lists what
+    runs, and a model the kernel refuses fails there, not at its first draft step."""
+    odd = Decoder.from_hf(hf_model("llama", dtype=torch.float32), max_len=8, device="cuda")
+    c = odd.config
+    assert "persistent" not in odd.bodies and "fused" in odd.bodies
+    with pytest.raises(ValueError, match=re.escape(
+            f"body 'persistent' cannot run this model on {odd.device}: flashhead.decoder_step: the CUDA kernel needs "
+            f"hidden_size, head_dim and intermediate_size to be multiples of 4 for {torch.float32}, got {c.hidden_size}, "
+            f"{c.head_dim} and {c.intermediate_size}")):
+        odd.body = "persistent"
+    assert odd.body == "eager"
+    longest = Decoder.from_hf(hf_model("llama-aligned", dtype=torch.float32), max_len=262145, device="cuda")
+    with pytest.raises(ValueError, match=r"max_len \(k_cache.size\(2\)\) must be at most 262144 for the CUDA kernel"):
+        longest.body = "persistent"
+    aligned = Decoder.from_hf(hf_model("llama-aligned", dtype=torch.float32), max_len=8, device="cuda")
+    aligned.body = "persistent"
+    assert "persistent" in aligned.bodies
+    # The step that asked wrote nothing: the caches and the length are as built.
+    assert not aligned.k_cache.any() and not aligned.v_cache.any() and int(aligned.length) == 0
 
 
 @pytest.mark.gpu

@@ -365,6 +365,7 @@ class Decoder:
             raise ValueError(f"the model's dtype (its weights') must be one of {MODEL_DTYPES}, got {self.dtype}")
         self.max_len = max_len
         self.attention = "sdpa"
+        self._persistent_refusal = None  # _cuda_step_limit's answer, once asked
         self.body = "eager"
         c = config
         shape = (c.num_layers, c.num_kv_heads, max_len, c.head_dim)
@@ -595,7 +596,7 @@ class Decoder:
     def body(self, value: str) -> None:
         if value not in BODIES:
             raise ValueError(f"body must be one of {BODIES}, got {value!r}")
-        limit = self.config.body_limit(value, self.dtype)
+        limit = self._body_limit(value)
         if limit:
             raise ValueError(f"body {value!r} {limit}")
         self._body = value
@@ -603,7 +604,28 @@ class Decoder:
     @property
     def bodies(self) -> tuple:
         """The bodies this model can run (of ``BODIES``)."""
-        return tuple(body for body in BODIES if not self.config.body_limit(body, self.dtype))
+        return tuple(body for body in BODIES if not self._body_limit(body))
+
+    def _body_limit(self, body: str) -> Optional[str]:
+        """config.body_limit, and on a GPU the persistent body's kernel limits (_cuda_step_limit)."""
+        limit = self.config.body_limit(body, self.dtype)
+        if limit or body != "persistent" or self.device.type != "cuda":
+            return limit
+        return self._cuda_step_limit()
+
+    def _cuda_step_limit(self) -> Optional[str]:
+        """Why the CUDA ``decoder_step`` kernel cannot run this model, or None: its limits (sizes of
+        whole 16-byte vectors, head_dim, heads per KV head, row bytes, max_len; docs/kernels.md) are
+        the op's own checks, asked once by a step at a position past the cache, which writes nothing
+        and costs a launch. Found before any generation instead of at its first draft step."""
+        if self._persistent_refusal is None:
+            try:
+                self._persistent_step(torch.zeros(1, self.config.hidden_size, dtype=self.dtype, device=self.device),
+                                      torch.tensor(self.max_len, device=self.device))
+                self._persistent_refusal = ""
+            except ValueError as error:
+                self._persistent_refusal = f"cannot run this model on {self.device}: {error}"
+        return self._persistent_refusal or None
 
     @property
     def attention(self) -> str:
