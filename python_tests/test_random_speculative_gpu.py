@@ -10,7 +10,7 @@ in float32 on the eager, fused or persistent body (where the kernels take its la
 draft in float32, bfloat16 or float16 on the eager, fused (the Llama / Qwen layer) or persistent
 body; the steps run as captured CUDA graphs (the product), eagerly, or both. Refused, with the
 documented message: the persistent body over sizes that are not whole 16-byte vectors
-(decoder_step's limit), a max_len below graph capture's 3 (K + 2), one short of a generation's room
+(decoder_step's limit, refused as the body is set), a max_len below graph capture's 3 (K + 2), one short of a generation's room
 (prompt + n + K + 1; baseline: prompt + n - 1), no budget.
 
 CUDA computes in float32 at best, so the target's tokens are checked against its float64 logits,
@@ -154,8 +154,12 @@ def test_random_fast_path_on_cuda(index):
     if graphs:  # capture warms up with room for K proposals on both sides (the runner's docstring), at both Ks
         max_lens = [max(max_len, 3 * (max(d.k, d.k_first or 0) + 2)) for max_len in max_lens]
     refusal = persistent_refusal(d.arch, f.draft_dtype) if f.draft_body == "persistent" else None
-    if refusal:  # room for a generation of one token or more, which meets it with eager steps
-        max_lens = [max(max_len, need + 1) for max_len in max_lens]
+    if refusal:  # setting the body asks the kernel's limits, before any step
+        with pytest.raises(ValueError, match=re.escape(f"body 'persistent' cannot run this model on {DEVICE}") + ".*"
+                                             + re.escape(refusal)):
+            build_fast_models(f, max_lens, DEVICE, torch.float32)
+            pytest.fail(f"{context}: the persistent body over these sizes was not refused")
+        return
     floor = 3 * ((d.k_first or d.k) + 2)  # the runner captures its steps for the first K
     if c.below_floor is not None:
         max_lens[c.below_floor] = floor - 1
@@ -168,12 +172,6 @@ def test_random_fast_path_on_cuda(index):
                                              rf"got {floor - 1}"):
             fast_runner(f, target, draft, head, graphs=True)
             pytest.fail(f"{context}: a max_len below capture's floor was not refused")
-        return
-    if refusal:
-        with pytest.raises(ValueError, match=re.escape(refusal)):
-            # Capture runs the draft's steps; eager steps, the generation's first draft step.
-            fast_runner(f, target, draft, head, graphs=graphs).generate(ids, mode="deferred", max_new_tokens=max(1, d.max_new))
-            pytest.fail(f"{context}: the persistent body over these sizes was not refused")
         return
     runner = fast_runner(f, target, draft, head, graphs=graphs)
     if d.max_new == 0:
