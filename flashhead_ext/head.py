@@ -218,9 +218,10 @@ class DenseHead(_HeadBase):
         FlashHead's: an int64 ``[B]`` with ``B`` the rows of ``hidden`` (its leading dimensions
         flattened), on hidden's device, is written and returned instead (no copy kernel after)."""
         rows = self._rows(hidden)
-        logits = rows @ self.embedding.t()
         if out is None:
-            return logits.argmax(dim=-1).reshape(hidden.shape[:-1])
+            return (rows @ self.embedding.t()).argmax(dim=-1).reshape(hidden.shape[:-1])
+        # out is checked before the logits are computed: for a hidden of another batch they could be
+        # far too large to allocate.
         if not isinstance(out, Tensor):
             raise TypeError(f"out must be a torch.Tensor (int64 [{rows.shape[0]}]), got {type(out).__name__}")
         if out.dtype != torch.int64 or tuple(out.shape) != (rows.shape[0],) or out.device != rows.device:
@@ -229,7 +230,7 @@ class DenseHead(_HeadBase):
         if out.shape[0] > 1 and out.stride(0) == 0:  # torch.argmax would write every row's token to one element
             raise ValueError("out must not have elements that share memory (e.g. an expanded tensor), got strides "
                              f"{list(out.stride())}")
-        return torch.argmax(logits, dim=-1, out=out)
+        return torch.argmax(rows @ self.embedding.t(), dim=-1, out=out)
 
     def sample(self, hidden: Tensor, temperature: float = 1.0, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
         """A draw from softmax(logits / temperature) over the whole vocabulary: tokens int64 and

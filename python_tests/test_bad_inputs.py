@@ -526,3 +526,13 @@ def test_head_hidden_on_another_device():
     head = FlashHead(**head_args("cuda"))
     with pytest.raises(ValueError, match="hidden must be on the head's device"):
         head.next_token(make_problem(SHAPE).hidden)
+
+
+def test_dense_head_checks_out_before_the_logits():
+    # A hidden of another batch than out is refused by name before its logits (here [2^40, V]:
+    # a stride-0 hidden costs nothing) are computed.
+    head = DenseHead(head_args()["embedding"])
+    hidden = make_problem(SHAPE).hidden[:1].expand(2**40, SHAPE.D)
+    with pytest.raises(ValueError, match=re.escape(f"out must be int64 [{2**40}]")):
+        head.next_token(hidden, out=torch.empty(SHAPE.B, dtype=torch.int64))
+
