@@ -238,6 +238,7 @@ class DenseHead(_HeadBase):
         temperature = ops._check_temperature(temperature)
         ops._require_optional_generator(generator)
         rows = self._rows(hidden)
+        ops._require_generator_for(rows.device, generator)
         scaled = (rows @ self.embedding.t()).float() / temperature
         # Gumbel-max: argmax(logits/T + G) is a draw from softmax(logits/T), with no host sync.
         uniform = torch.rand(scaled.shape, device=scaled.device, generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)

@@ -121,6 +121,12 @@ def _require_optional_generator(generator) -> None:
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
 
+def _require_generator_for(device, generator: Optional[torch.Generator]) -> None:
+    """A generator draws on its own device type: torch's error for another names no argument."""
+    if generator is not None and torch.device(generator.device).type != torch.device(device).type:
+        raise ValueError(f"generator must be a {torch.device(device).type} generator like hidden, got one on {generator.device}")
+
+
 def _check_temperature(temperature) -> float:
     """The check the sampling ops make in C++, for samplers written in torch (DenseHead)."""
     value = _require_float("temperature", temperature)
@@ -144,8 +150,7 @@ def make_seed(device: torch.device, seed: SeedLike = None, generator: Optional[t
         return seed
     if seed is not None:
         return torch.full((), _require_int("seed", seed), dtype=torch.int64, device=device)
-    if generator is not None and torch.device(generator.device).type != torch.device(device).type:
-        raise ValueError(f"generator must be a {torch.device(device).type} generator like hidden, got one on {generator.device}")
+    _require_generator_for(device, generator)
     return torch.randint(0, 2**62, (), dtype=torch.int64, device=device, generator=generator)
 
 

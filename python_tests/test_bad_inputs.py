@@ -536,3 +536,13 @@ def test_dense_head_checks_out_before_the_logits():
     with pytest.raises(ValueError, match=re.escape(f"out must be int64 [{2**40}]")):
         head.next_token(hidden, out=torch.empty(SHAPE.B, dtype=torch.int64))
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make_head", [lambda a: FlashHead(**a), lambda a: DenseHead(a["embedding"])],
+                         ids=["FlashHead", "DenseHead"])
+@pytest.mark.parametrize("device,other", [("cpu", "cuda"), ("cuda", "cpu")])
+def test_head_sample_generator_on_another_device(make_head, device, other):
+    # DenseHead passed it to torch.rand, whose RuntimeError named no argument.
+    head = make_head(head_args(device))
+    with pytest.raises(ValueError, match=f"generator must be a {device} generator like hidden, got one on {other}"):
+        head.sample(make_problem(SHAPE, device=device).hidden, generator=torch.Generator(other))
