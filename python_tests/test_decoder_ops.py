@@ -431,6 +431,9 @@ def test_wrong_rank(op, name, device):
 # (op, changed arguments from the valid ones, message fragment)
 SHAPE_CASES = [
     ("fused_linear", lambda a: dict(x=a["x"][:, :-1]), f"x must have in_features = {K_} columns"),
+    # The message names gated, which is what a caller may have set by mistake.
+    ("fused_linear", lambda a: dict(gated=True, norm_weight=None),
+     f"x must have 2 * in_features (gated: gate then up) = {2 * K_} columns for weight of shape [{N_}, {K_}]"),
     ("fused_linear", lambda a: dict(weight=a["weight"][:, :-1]), f"for weight of shape [{N_}, {K_ - 1}]"),
     ("fused_linear", lambda a: dict(weight=a["weight"][:0]), f"weight must be non-empty, got shape [0, {K_}]"),
     ("fused_linear", lambda a: dict(norm_weight=a["norm_weight"][:-1]), f"norm_weight must have shape [{K_}]"),

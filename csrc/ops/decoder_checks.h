@@ -116,7 +116,7 @@ inline void check_fused_linear(const char* op, const at::Tensor& x, const at::Te
                  shape_str(weight.sizes()));
   const int64_t in_features = weight.size(1);
   FH_CHECK_VALUE(op, x.size(1) == (gated ? 2 : 1) * in_features, "x must have ",
-                 gated ? "2 * in_features (gate then up) = " : "in_features = ",
+                 gated ? "2 * in_features (gated: gate then up) = " : "in_features = ",
                  num_str((gated ? 2 : 1) * in_features), " columns for weight of shape ", shape_str(weight.sizes()),
                  ", got shape ", shape_str(x.sizes()));
   FH_CHECK_VALUE(op, !(gated && norm_weight.has_value()), "norm_weight and gated cannot be combined");
