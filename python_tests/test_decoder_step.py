@@ -353,7 +353,8 @@ def weights_change(**changes):
 SHAPE_CASES = [
     ("qkv-rows", weights_change(qkv=lambda w: w[:, :-HD_]),
      f"{QKV_LAYOUT} = [{L_}, {QKV_ROWS}, {D_}], got shape [{L_}, {QKV_ROWS - HD_}, {D_}]"),
-    ("qkv-columns", weights_change(qkv=lambda w: w[:, :, :-1]), f"{QKV_LAYOUT} = [{L_}, {QKV_ROWS}, {D_}]"),
+    ("qkv-columns", weights_change(qkv=lambda w: w[:, :, :-1]),
+     f"qkv_weight and x must have one hidden_size (qkv_weight.size(2) and x.size(1)), got {D_ - 1} and {D_}"),
     ("qkv-layers", weights_change(qkv=lambda w: w[:1]), f"qkv_weight and k_cache must have one num_layers (their size(0)), got 1 and {L_}"),
     ("o", weights_change(o=lambda w: w[:, :, :-1]),
      f"o_weight must have shape [num_layers, hidden_size, num_heads * head_dim] = [{L_}, {D_}, {H_ * HD_}]"),
@@ -391,7 +392,9 @@ SHAPE_CASES = [
     ("x-two-rows", lambda a: dict(x=torch.cat([a["x"], a["x"]])),
      f"x must have shape [1, hidden_size >= 1] (one token), got shape [2, {D_}]"),
     ("x-no-columns", lambda a: dict(x=a["x"][:, :0]), "x must have shape [1, hidden_size >= 1] (one token)"),
-    ("x-columns", lambda a: dict(x=a["x"][:, :-1]), f"{QKV_LAYOUT} = [{L_}, {QKV_ROWS}, {D_ - 1}]"),
+    # Named apart from qkv_weight's shape, as num_layers: the message named qkv_weight alone.
+    ("x-columns", lambda a: dict(x=a["x"][:, :-1]),
+     f"qkv_weight and x must have one hidden_size (qkv_weight.size(2) and x.size(1)), got {D_} and {D_ - 1}"),
     ("post_attn_norm", weights_change(post_attn_norm=lambda w: w[:, :-1]),
      f"post_attn_norm must have shape [num_layers, hidden_size] = [{L_}, {D_}]"),
     ("post_mlp_norm", weights_change(post_mlp_norm=lambda w: w[:1]),

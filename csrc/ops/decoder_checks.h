@@ -254,6 +254,9 @@ inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Te
   FH_CHECK_VALUE(op, qkv_weight.dim() != 3 || qkv_weight.size(0) == L,
                  "qkv_weight and k_cache must have one num_layers (their size(0)), got ", num_str(qkv_weight.size(0)),
                  " and ", num_str(L));
+  FH_CHECK_VALUE(op, qkv_weight.dim() != 3 || qkv_weight.size(2) == D,
+                 "qkv_weight and x must have one hidden_size (qkv_weight.size(2) and x.size(1)), got ",
+                 num_str(qkv_weight.size(2)), " and ", num_str(D));
   check_num_heads(op, num_heads, kv, "k_cache.size(1)");
   FH_CHECK_VALUE(op, hd % 2 == 0, "head_dim (k_cache.size(3)) must be even for rotary embeddings, got ", num_str(hd));
   check_length(op, length, x, "x");
