@@ -546,3 +546,28 @@ def test_head_sample_generator_on_another_device(make_head, device, other):
     head = make_head(head_args(device))
     with pytest.raises(ValueError, match=f"generator must be a {device} generator like hidden, got one on {other}"):
         head.sample(make_problem(SHAPE, device=device).hidden, generator=torch.Generator(other))
+
+
+# (op, argument, a stride-0 value of a size past the CUDA kernels' int indices, the message)
+CUDA_LIMIT_CASES = [
+    ("select_clusters", "hidden", lambda t: t[:1].expand(2**40, -1), "the batch size (hidden.size(0)) is 1099511627776"),
+    ("decode_sample", "cluster_tokens", lambda t: t[:, :1].expand(-1, 2**40), "cluster_size (cluster_tokens.size(1)) is"),
+    ("decode_greedy", "extra_ids", lambda t: t[:1].expand(2**40), "the number of extra ids (extra_ids.size(0)) is"),
+    ("gather_candidates", "cluster_tokens", lambda t: t[:1].expand(2**32 + 1, -1),
+     "the number of clusters (cluster_tokens.size(0)) is 4294967297"),
+    ("gather_candidates", "cluster_ids", lambda t: t[:, :1].expand(-1, 2**30),
+     "the number of candidates per row (cluster_ids.size(1) * cluster_tokens.size(1) + extra_ids.size(0)) is"),
+    ("candidate_logits", "candidate_ids", lambda t: t[:, :1].expand(-1, 2**40),
+     "the number of candidates per row (candidate_ids.size(1)) is"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,name,huge,fragment", CUDA_LIMIT_CASES, ids=[f"{c[0]}-{c[1]}" for c in CUDA_LIMIT_CASES])
+def test_cuda_limits_are_checked_before_inputs_are_copied(op, name, huge, fragment):
+    # Refused by name, as the CPU ops take them. The checks came after the inputs' contiguous
+    # copies, which allocated them whole (or failed to) first, and named no argument;
+    # gather_candidates did not check the cluster count at all, and took 2^32 + 1 clusters as 1.
+    args = valid_args("cuda")
+    args[name] = huge(args[name])
+    expect(ValueError, fragment, op, args)

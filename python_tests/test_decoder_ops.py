@@ -794,6 +794,23 @@ def test_cuda_grid_limits(name, outputs, build, limit, message):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op,change,fragment", [
+    ("fused_linear", lambda a: dict(x=a["x"][:1].expand(2**40, -1), residual=None),
+     "the number of tokens (x.size(0)) is 1099511627776"),
+    ("rotary_cache_write", lambda a: dict(qkv=a["qkv"][:1].expand(2**40, -1)),
+     "the number of tokens (qkv.size(0)) is 1099511627776"),
+    ("decode_attention", lambda a: dict(q=a["q"][:1].expand(2**40, -1, -1)), "tokens * num_heads (q.size(0) * q.size(1)) is"),
+], ids=["fused_linear", "rotary_cache_write", "decode_attention"])
+def test_cuda_limits_are_checked_before_inputs_are_copied(op, change, fragment):
+    # A stride-0 input of a size past the kernels' int indices is refused by name, as the CPU ops
+    # take it. The checks came after the inputs' contiguous copies, which allocated it whole (or
+    # failed to) first, and named no argument.
+    args = valid_args("cuda")
+    args.update(change(args))
+    expect(ValueError, fragment, op, args)
+
+
+@pytest.mark.gpu
 def test_cuda_no_host_sync():
     rotary, weights, x, norm_weight = smollm2_step_args(torch.bfloat16)
     gate_up = randn(generator("gate_up"), x.shape[0], 2 * 576, dtype=torch.bfloat16).cuda()

@@ -53,7 +53,10 @@ const int32_t* optional_ids(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->numel() > 0 ? t->data_ptr<int32_t>() : nullptr;
 }
 
-// The kernels index with int; shapes beyond that are refused rather than silently wrapped.
+// The kernels index with int; shapes beyond that are refused rather than silently wrapped. Every
+// such check reads sizes only and comes before the inputs' contiguous copies: a stride-0 input of a
+// huge size would otherwise be copied whole (or fail to allocate) before it is refused. `what`
+// names the arguments the size comes from.
 void check_fits_int(const char* op, int64_t value, const char* what) {
   FH_CHECK_VALUE(op, value <= std::numeric_limits<int32_t>::max(), what, " is ", num_str(value),
                  ", above the CUDA kernels' limit of 2^31 - 1");
@@ -64,9 +67,9 @@ at::Tensor workspace(size_t bytes, const at::Tensor& like) {
 }
 
 HeadShape head_shape(const char* op, const at::Tensor& hidden, const at::Tensor& centroids, int64_t probes) {
-  check_fits_int(op, hidden.size(0), "the batch size");
-  check_fits_int(op, hidden.size(1), "hidden_dim");
-  check_fits_int(op, centroids.size(0), "the number of clusters");
+  check_fits_int(op, hidden.size(0), "the batch size (hidden.size(0))");
+  check_fits_int(op, hidden.size(1), "hidden_dim (hidden.size(1))");
+  check_fits_int(op, centroids.size(0), "the number of clusters (centroids.size(0))");
   HeadShape s;
   s.batch = static_cast<int>(hidden.size(0));
   s.hidden_dim = static_cast<int>(hidden.size(1));
@@ -77,9 +80,10 @@ HeadShape head_shape(const char* op, const at::Tensor& hidden, const at::Tensor&
 
 void add_candidates(const char* op, HeadShape& s, const at::Tensor& cluster_tokens, const at::Tensor& embedding,
                     const c10::optional<at::Tensor>& extra_ids) {
-  check_fits_int(op, cluster_tokens.size(1), "cluster_size");
-  check_fits_int(op, num_extra(extra_ids), "the number of extra ids");
-  check_fits_int(op, s.probes * cluster_tokens.size(1) + num_extra(extra_ids), "the number of candidates per row");
+  check_fits_int(op, cluster_tokens.size(1), "cluster_size (cluster_tokens.size(1))");
+  check_fits_int(op, num_extra(extra_ids), "the number of extra ids (extra_ids.size(0))");
+  check_fits_int(op, s.probes * cluster_tokens.size(1) + num_extra(extra_ids),
+                 "the number of candidates per row (probes * cluster_tokens.size(1) + extra_ids.size(0))");
   s.cluster_size = static_cast<int>(cluster_tokens.size(1));
   s.vocab = static_cast<int>(embedding.size(0));
   s.num_extra = static_cast<int>(num_extra(extra_ids));
@@ -97,9 +101,9 @@ std::tuple<at::Tensor, at::Tensor> cluster_select(const char* op, const at::Tens
                                                   const at::Tensor& centroids_in, int64_t probes,
                                                   const c10::optional<at::Tensor>& centroid_scale,
                                                   const Sampling* sampling) {
+  const HeadShape shape = head_shape(op, hidden_in, centroids_in, probes);
   const c10::cuda::CUDAGuard guard(hidden_in.device());
   const at::Tensor hidden = hidden_in.contiguous(), centroids = centroids_in.contiguous();
-  const HeadShape shape = head_shape(op, hidden, centroids, probes);
   auto cluster_ids = at::empty({shape.batch, probes}, hidden.options().dtype(at::kInt));
   auto scores = at::empty({shape.batch, probes}, hidden.options().dtype(at::kFloat));
   auto ws = workspace(cluster_select_workspace_bytes(shape, sampling != nullptr), hidden);
@@ -143,13 +147,15 @@ at::Tensor gather_candidates_cuda(const at::Tensor& cluster_ids_in, const at::Te
   check_cluster_table(op, cluster_tokens_in, cluster_ids_in, "cluster_ids");
   check_cluster_ids(op, cluster_ids_in, cluster_tokens_in);
   check_extra_ids(op, extra_ids_in, cluster_ids_in, "cluster_ids");
+  const int64_t batch = cluster_ids_in.size(0), probes = cluster_ids_in.size(1), extra = num_extra(extra_ids_in);
+  check_fits_int(op, batch, "the batch size (cluster_ids.size(0))");
+  check_fits_int(op, cluster_tokens_in.size(0), "the number of clusters (cluster_tokens.size(0))");
+  check_fits_int(op, cluster_tokens_in.size(1), "cluster_size (cluster_tokens.size(1))");
+  check_fits_int(op, probes * cluster_tokens_in.size(1) + extra,
+                 "the number of candidates per row (cluster_ids.size(1) * cluster_tokens.size(1) + extra_ids.size(0))");
   const c10::cuda::CUDAGuard guard(cluster_ids_in.device());
   const at::Tensor cluster_ids = cluster_ids_in.contiguous(), cluster_tokens = cluster_tokens_in.contiguous();
   const auto extra_ids = contiguous(extra_ids_in);
-  const int64_t batch = cluster_ids.size(0), probes = cluster_ids.size(1), extra = num_extra(extra_ids);
-  check_fits_int(op, batch, "the batch size");
-  check_fits_int(op, cluster_tokens.size(1), "cluster_size");
-  check_fits_int(op, probes * cluster_tokens.size(1) + extra, "the number of candidates per row");
   auto out = at::empty({batch, probes * cluster_tokens.size(1) + extra}, cluster_ids.options());
   C10_CUDA_CHECK(launch_gather_candidates(cluster_ids.data_ptr<int32_t>(), static_cast<int>(batch),
                                           static_cast<int>(probes), cluster_tokens.data_ptr<int32_t>(),
@@ -165,12 +171,12 @@ at::Tensor candidate_logits_cuda(const at::Tensor& hidden_in, const at::Tensor& 
   constexpr const char* op = "candidate_logits";
   check_hidden_and_rows(op, hidden_in, embedding_in, "embedding");
   check_candidates(op, candidate_ids_in, hidden_in);
+  check_fits_int(op, hidden_in.size(0), "the batch size (hidden.size(0))");
+  check_fits_int(op, hidden_in.size(1), "hidden_dim (hidden.size(1))");
+  check_fits_int(op, candidate_ids_in.size(1), "the number of candidates per row (candidate_ids.size(1))");
   const c10::cuda::CUDAGuard guard(hidden_in.device());
   const at::Tensor hidden = hidden_in.contiguous(), embedding = embedding_in.contiguous();
   const at::Tensor candidate_ids = candidate_ids_in.contiguous();
-  check_fits_int(op, hidden.size(0), "the batch size");
-  check_fits_int(op, hidden.size(1), "hidden_dim");
-  check_fits_int(op, candidate_ids.size(1), "the number of candidates per row");
   auto logits = at::empty(candidate_ids.sizes(), hidden.options().dtype(at::kFloat));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_float(hidden.scalar_type(), [&](auto* tag) {
@@ -188,12 +194,12 @@ void decode(const char* op, const at::Tensor& hidden_in, const at::Tensor& centr
             const at::Tensor& cluster_tokens_in, const at::Tensor& embedding_in, int64_t probes,
             const c10::optional<at::Tensor>& extra_ids_in, const c10::optional<at::Tensor>& centroid_scale,
             const Sampling* sampling, at::Tensor& tokens, float* token_logprobs) {
+  HeadShape shape = head_shape(op, hidden_in, centroids_in, probes);
+  add_candidates(op, shape, cluster_tokens_in, embedding_in, extra_ids_in);
   const c10::cuda::CUDAGuard guard(hidden_in.device());
   const at::Tensor hidden = hidden_in.contiguous(), centroids = centroids_in.contiguous();
   const at::Tensor cluster_tokens = cluster_tokens_in.contiguous(), embedding = embedding_in.contiguous();
   const auto extra_ids = contiguous(extra_ids_in);
-  HeadShape shape = head_shape(op, hidden, centroids, probes);
-  add_candidates(op, shape, cluster_tokens, embedding, extra_ids);
   auto ws = workspace(decode_workspace_bytes(shape, sampling != nullptr), hidden);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_float(hidden.scalar_type(), [&](auto* tag) {
@@ -257,16 +263,16 @@ at::Tensor fused_linear_cuda(const at::Tensor& x_in, const at::Tensor& weight_in
                              bool static_weight) {
   constexpr const char* op = "fused_linear";
   check_fused_linear(op, x_in, weight_in, norm_weight_in, eps, gated, residual_in, bias_in);
+  check_fits_int(op, x_in.size(0), "the number of tokens (x.size(0))");
+  check_fits_int(op, x_in.size(1), "x.size(1)");
+  check_fits_int(op, weight_in.size(0), "out_features (weight.size(0))");
+  FH_CHECK_VALUE(op, x_in.size(0) <= kFusedLinearMaxTokens, "the CUDA kernel takes at most ",
+                 num_str(kFusedLinearMaxTokens), " tokens (x.size(0)), got ", num_str(x_in.size(0)));
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
   const auto norm_weight = contiguous(norm_weight_in), residual = contiguous(residual_in), bias = contiguous(bias_in);
   // A weight that was not contiguous was just copied by the kernel before the GEMV's.
   const bool weight_before_wait = static_weight && weight_in.is_contiguous();
-  check_fits_int(op, x.size(0), "the number of tokens");
-  check_fits_int(op, x.size(1), "in_features");
-  check_fits_int(op, weight.size(0), "out_features");
-  FH_CHECK_VALUE(op, x.size(0) <= kFusedLinearMaxTokens, "the CUDA kernel takes at most ",
-                 num_str(kFusedLinearMaxTokens), " tokens (x.size(0)), got ", num_str(x.size(0)));
   auto out = at::empty({x.size(0), weight.size(0)}, x.options());
   if (x.size(0) == 0) return out;
   dispatch_float(x.scalar_type(), [&](auto* tag) {
@@ -286,15 +292,16 @@ at::Tensor rotary_cache_write_cuda(const at::Tensor& qkv_in, const at::Tensor& c
                                    const c10::optional<at::Tensor>& k_norm_in, double eps) {
   constexpr const char* op = "rotary_cache_write";
   check_rotary_cache_write(op, qkv_in, cos_in, sin_in, length, k_cache, v_cache, num_heads, q_norm_in, k_norm_in, eps);
+  const int64_t kv = k_cache.size(0), max_len = k_cache.size(1), hd = k_cache.size(2);
+  check_fits_int(op, qkv_in.size(0), "the number of tokens (qkv.size(0))");
+  FH_CHECK_VALUE(op, num_heads + kv <= kRotaryMaxHeads, "the CUDA kernel takes at most ", num_str(kRotaryMaxHeads),
+                 " heads (num_heads + num_kv_heads), got ", num_str(num_heads), " + ", num_str(kv));
+  check_fits_int(op, max_len, "max_len (k_cache.size(1))");
+  FH_CHECK_VALUE(op, hd <= 2048, "head_dim (k_cache.size(2)) must be at most 2048 for the CUDA kernel, got ",
+                 num_str(hd));
   const c10::cuda::CUDAGuard guard(qkv_in.device());
   const at::Tensor qkv = qkv_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const auto q_norm = contiguous(q_norm_in), k_norm = contiguous(k_norm_in);
-  const int64_t kv = k_cache.size(0), max_len = k_cache.size(1), hd = k_cache.size(2);
-  check_fits_int(op, qkv.size(0), "the number of tokens");
-  FH_CHECK_VALUE(op, num_heads + kv <= kRotaryMaxHeads, "the CUDA kernel takes at most ", num_str(kRotaryMaxHeads),
-                 " heads (num_heads + num_kv_heads), got ", num_str(num_heads), " + ", num_str(kv));
-  check_fits_int(op, max_len, "max_len");
-  FH_CHECK_VALUE(op, hd <= 2048, "head_dim must be at most 2048 for the CUDA kernel, got ", num_str(hd));
   auto q = at::empty({qkv.size(0), num_heads, hd}, qkv.options());
   dispatch_float(qkv.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -313,22 +320,22 @@ at::Tensor decode_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cac
   constexpr const char* op = "decode_attention";
   check_decode_attention(op, q_in, k_cache_in, v_cache_in, length, scale);
   const int64_t kv = k_cache_in.size(0), max_len = k_cache_in.size(1), hd = k_cache_in.size(2);
-  FH_CHECK_VALUE(op, hd <= kDecodeAttentionMaxHeadDim, "head_dim must be at most ",
+  FH_CHECK_VALUE(op, hd <= kDecodeAttentionMaxHeadDim, "head_dim (k_cache.size(2)) must be at most ",
                  num_str(kDecodeAttentionMaxHeadDim), " for the CUDA kernel, got ", num_str(hd));
-  const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = q_in.contiguous(), k_cache = k_cache_in.contiguous(), v_cache = v_cache_in.contiguous();
-  const int64_t tokens = q.size(0), heads = q.size(1);
-  check_fits_int(op, tokens * heads, "tokens * num_heads");
+  const int64_t tokens = q_in.size(0), heads = q_in.size(1);
+  check_fits_int(op, tokens * heads, "tokens * num_heads (q.size(0) * q.size(1))");
   FH_CHECK_VALUE(op, kv <= kDecodeAttentionMaxGridYZ, "the CUDA kernel takes at most ",
                  num_str(kDecodeAttentionMaxGridYZ), " KV heads (k_cache.size(0)), got ", num_str(kv));
   const int64_t tiles = decode_attention_tiles(static_cast<int>(tokens), static_cast<int>(heads), static_cast<int>(kv),
-                                               static_cast<int>(hd), static_cast<int>(q.element_size()));
+                                               static_cast<int>(hd), static_cast<int>(q_in.element_size()));
   FH_CHECK_VALUE(op, tiles <= kDecodeAttentionMaxGridYZ, "the CUDA kernel takes at most ",
                  num_str(kDecodeAttentionMaxGridYZ), " tiles of a KV head's query rows, got ", num_str(tiles),
-                 " (tokens ", num_str(tokens), " x ", num_str(heads / kv), " query heads per KV head)");
+                 " (q.size(0) = ", num_str(tokens), " tokens x ", num_str(heads / kv), " query heads per KV head)");
   // The merge keeps two floats per split of 32 positions in shared memory (48 KB at this limit).
   FH_CHECK_VALUE(op, max_len <= 32 * 6144, "max_len (k_cache.size(1)) must be at most 196608 for the CUDA kernel, got ",
                  num_str(max_len));
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = q_in.contiguous(), k_cache = k_cache_in.contiguous(), v_cache = v_cache_in.contiguous();
   auto out = at::empty({tokens, heads * hd}, q.options());
   auto ws = workspace(decode_attention_workspace_bytes(static_cast<int>(tokens), static_cast<int>(heads),
                                                        static_cast<int>(hd), static_cast<int>(max_len)),
@@ -389,8 +396,8 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
                  num_str(vector), " for ", dtype_str(x_in.scalar_type()), ", got ", num_str(hidden), ", ", num_str(hd), " and ",
                  num_str(intermediate));
   FH_CHECK_VALUE(op, limit != DecoderStepLimit::kGroup, "the CUDA kernel takes at most ",
-                 num_str(kDecoderStepMaxGroup), " query heads per KV head, got ", num_str(num_heads), " and ",
-                 num_str(kv));
+                 num_str(kDecoderStepMaxGroup), " query heads per KV head, got num_heads ", num_str(num_heads), " and ",
+                 num_str(kv), " KV heads (k_cache.size(1))");
   FH_CHECK_VALUE(op, limit != DecoderStepLimit::kMaxLen, "max_len (k_cache.size(2)) must be at most ",
                  num_str(kDecoderStepMaxLen), " for the CUDA kernel, got ", num_str(max_len));
   FH_CHECK_VALUE(op, limit != DecoderStepLimit::kRowBytes, "the CUDA kernel needs a weight row of at most ",
@@ -398,7 +405,7 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
                  ", num_heads * head_dim ", num_str(attn_cols), " and intermediate_size ", num_str(intermediate), " in ",
                  dtype_str(x_in.scalar_type()));
   TORCH_INTERNAL_ASSERT(limit == DecoderStepLimit::kNone, "check_decoder_step passed a shape the kernel rejects");
-  check_fits_int(op, layers * kv * max_len * hd, "the KV cache's elements");
+  check_fits_int(op, layers * kv * max_len * hd, "the number of elements of k_cache");
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), qkv_weight = qkv_weight_in.contiguous(), o_weight = o_weight_in.contiguous(),
                    gate_up_weight = gate_up_weight_in.contiguous(), down_weight = down_weight_in.contiguous(),
