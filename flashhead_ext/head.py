@@ -26,6 +26,7 @@ HEAD_DTYPES = ops.FLOAT_DTYPES  # what the heads and the ops take
 def _check_embedding(embedding) -> None:
     if not isinstance(embedding, Tensor):
         raise TypeError(f"embedding must be a torch.Tensor [vocab_size, hidden_dim], got {type(embedding).__name__}")
+    ops._require_dense("embedding", embedding)
     if embedding.dim() != 2 or embedding.numel() == 0:
         raise ValueError(f"embedding must be a non-empty 2-D tensor [vocab_size, hidden_dim], got shape {tuple(embedding.shape)}")
     if embedding.dtype not in HEAD_DTYPES:
@@ -181,6 +182,7 @@ class _HeadBase(nn.Module):
                              "(head.embedding = model_weight.detach()) or build it again")
         if not isinstance(hidden, Tensor):
             raise TypeError(f"hidden must be a torch.Tensor [..., {self.hidden_dim}], got {type(hidden).__name__}")
+        ops._require_dense("hidden", hidden)
         if hidden.dim() == 0 or hidden.shape[-1] != self.hidden_dim:
             raise ValueError(f"hidden must have last dimension {self.hidden_dim} (the head's hidden_dim), got shape {tuple(hidden.shape)}")
         if hidden.dtype != self.embedding.dtype:
@@ -224,6 +226,7 @@ class DenseHead(_HeadBase):
         # far too large to allocate.
         if not isinstance(out, Tensor):
             raise TypeError(f"out must be a torch.Tensor (int64 [{rows.shape[0]}]), got {type(out).__name__}")
+        ops._require_dense("out", out)
         if out.dtype != torch.int64 or tuple(out.shape) != (rows.shape[0],) or out.device != rows.device:
             raise ValueError(f"out must be int64 [{rows.shape[0]}] on {rows.device} (one token a row of hidden), "
                              f"got {out.dtype} {list(out.shape)} on {out.device}")
@@ -347,6 +350,7 @@ class FlashHead(_HeadBase):
     def _as_centroids(name: str, centroids, embedding: Tensor, dtype: torch.dtype) -> Tensor:
         if not isinstance(centroids, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor [num_clusters, hidden_dim], got {type(centroids).__name__}")
+        ops._require_dense(name, centroids)
         if centroids.dim() != 2 or centroids.shape[1] != embedding.shape[1] or centroids.shape[0] == 0:
             raise ValueError(f"{name} must have shape [num_clusters, {embedding.shape[1]}], got {tuple(centroids.shape)}")
         if centroids.dtype not in HEAD_DTYPES + (torch.float64,):

@@ -55,6 +55,15 @@ ATTENTION_SCALE_MAX = 1e6
 def _require_tensor(name: str, value) -> None:
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    _require_dense(name, value)
+
+
+def _require_dense(name: str, value: Tensor) -> None:
+    """The ops have kernels for dense tensors only: for a sparse, quantized or nested one the
+    dispatcher's NotImplementedError (and a head's reshape) named no argument."""
+    if value.layout != torch.strided or value.is_quantized or value.is_nested:
+        kind = "quantized" if value.is_quantized else "nested" if value.is_nested else str(value.layout)
+        raise TypeError(f"{name} must be a dense tensor (layout torch.strided), got a {kind} tensor")
 
 
 def _require_optional_tensor(name: str, value) -> None:
@@ -147,6 +156,7 @@ def make_seed(device: torch.device, seed: SeedLike = None, generator: Optional[t
     if seed is not None and generator is not None:
         raise ValueError("give seed or generator, not both: a seed fixes the draw, so the generator would be ignored")
     if isinstance(seed, Tensor):
+        _require_dense("seed", seed)
         return seed
     if seed is not None:
         return torch.full((), _require_int("seed", seed), dtype=torch.int64, device=device)

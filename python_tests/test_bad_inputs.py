@@ -571,3 +571,25 @@ def test_cuda_limits_are_checked_before_inputs_are_copied(op, name, huge, fragme
     args = valid_args("cuda")
     args[name] = huge(args[name])
     expect(ValueError, fragment, op, args)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # sparse CSR "in beta", quantization deprecated, nested prototype
+@pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr", "quantized", "nested"])
+def test_tensors_must_be_dense(kind):
+    # The ops have kernels for dense tensors only: the dispatcher's NotImplementedError ("Could not
+    # run 'flashhead::decode_sample' with arguments from the 'SparseCPU' backend") and the heads'
+    # reshape named no argument.
+    args = valid_args("cpu")
+    hidden = args["hidden"]
+    other = {"sparse_coo": hidden.to_sparse, "sparse_csr": hidden.to_sparse_csr,
+             "quantized": lambda: torch.quantize_per_tensor(hidden, 0.1, 0, torch.qint8),
+             "nested": lambda: torch.nested.nested_tensor(list(hidden))}[kind]()
+    fragment = "hidden must be a dense tensor (layout torch.strided), got a "
+    expect(TypeError, fragment, "decode_sample", dict(args, hidden=other))
+    for head in (FlashHead(**head_args()), DenseHead(head_args()["embedding"])):
+        with pytest.raises(TypeError, match=re.escape(fragment)):
+            head.next_token(other)
+    if kind == "sparse_coo":  # a seed tensor is passed on without _require_tensor
+        expect(TypeError, "seed must be a dense tensor", "sample_clusters", dict(args, seed=args["seed"].to_sparse()))
+        with pytest.raises(TypeError, match=re.escape("embedding must be a dense tensor")):
+            DenseHead(head_args()["embedding"].to_sparse())
