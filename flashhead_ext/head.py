@@ -233,7 +233,10 @@ class DenseHead(_HeadBase):
         if out.shape[0] > 1 and out.stride(0) == 0:  # torch.argmax would write every row's token to one element
             raise ValueError("out must not have elements that share memory (e.g. an expanded tensor), got strides "
                              f"{list(out.stride())}")
-        return torch.argmax(rows @ self.embedding.t(), dim=-1, out=out)
+        # An out made in inference mode is written in inference mode, where torch allows it: the
+        # ops write one anywhere (docs/kernels.md, "Limits and notes").
+        with torch.inference_mode(out.is_inference()):
+            return torch.argmax(rows @ self.embedding.t(), dim=-1, out=out)
 
     def sample(self, hidden: Tensor, temperature: float = 1.0, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
         """A draw from softmax(logits / temperature) over the whole vocabulary: tokens int64 and

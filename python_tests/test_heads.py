@@ -127,6 +127,19 @@ def test_next_token_out_writes_into_a_strided_view(device, make_head):
     assert (buffer6[:, [0, 2, 3]] == -7).all()
 
 
+@device_params
+@either_head
+def test_next_token_writes_an_out_made_in_inference_mode(device, make_head):
+    # As the ops write one; DenseHead's torch.argmax refused to ("Inplace update to inference tensor
+    # outside InferenceMode is not allowed").
+    problem = make_problem(SHAPE, torch.float32, device)
+    head = make_head(problem)
+    with torch.inference_mode():
+        out = torch.full((SHAPE.B,), -7, dtype=torch.int64, device=device)
+    assert head.next_token(problem.hidden, out=out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, head.next_token(problem.hidden))
+
+
 def test_dense_next_token_refuses_a_bad_out():
     problem = make_problem(SHAPE, torch.float32, "cpu")
     head = DenseHead(problem.embedding)
