@@ -364,10 +364,13 @@ SHAPE_CASES = [
      f">= 2), hidden_size = {D_}], got shape [{L_}, {2 * I_ - 1}, {D_}]"),
     ("gate_up-no-rows", weights_change(gate_up=lambda w: w[:, :0]), "gate_up_weight must have shape"),
     ("gate_up-columns", weights_change(gate_up=lambda w: w[:, :, :-1]), "gate_up_weight must have shape"),
+    # Named apart from down_weight's shape: the message named down_weight alone, where gate_up_weight
+    # may be the wrong one.
     ("gate_up-rows-vs-down", weights_change(gate_up=lambda w: w[:, :-2]),  # I_ - 1 from gate_up, I_ in down
-     f"down_weight must have shape [num_layers, hidden_size, intermediate_size] = [{L_}, {D_}, {I_ - 1}]"),
-    ("down", weights_change(down=lambda w: w[:, :, :-1]),
-     f"down_weight must have shape [num_layers, hidden_size, intermediate_size] = [{L_}, {D_}, {I_}]"),
+     "gate_up_weight and down_weight must have one intermediate_size (gate_up_weight.size(1) / 2 and "
+     f"down_weight.size(2)), got {I_ - 1} and {I_}"),
+    ("down", weights_change(down=lambda w: w[:, :, :-1]), f"must have one intermediate_size (gate_up_weight.size(1) / 2 "
+     f"and down_weight.size(2)), got {I_} and {I_ - 1}"),
     ("down-rows", weights_change(down=lambda w: w[:, 1:]), "down_weight must have shape"),
     ("attn_norm", weights_change(attn_norm=lambda w: w[:, :-1]),
      f"attn_norm must have shape [num_layers, hidden_size] = [{L_}, {D_}]"),

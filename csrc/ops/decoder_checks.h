@@ -275,6 +275,10 @@ inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Te
                  "then up rows; even and >= 2), hidden_size = ", num_str(D), "], got shape ",
                  shape_str(gate_up_weight.sizes()));
   const int64_t I = gate_up_weight.size(1) / 2;
+  // Named apart from down_weight's shape, as num_layers and hidden_size above: either may be wrong.
+  FH_CHECK_VALUE(op, down_weight.dim() != 3 || down_weight.size(2) == I,
+                 "gate_up_weight and down_weight must have one intermediate_size (gate_up_weight.size(1) / 2 and ",
+                 "down_weight.size(2)), got ", num_str(I), " and ", num_str(down_weight.size(2)));
   check_stacked(op, down_weight, "down_weight", "[num_layers, hidden_size, intermediate_size]", {L, D, I}, x);
   check_stacked(op, attn_norm, "attn_norm", "[num_layers, hidden_size]", {L, D}, x);
   check_stacked(op, mlp_norm, "mlp_norm", "[num_layers, hidden_size]", {L, D}, x);
