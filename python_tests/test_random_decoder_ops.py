@@ -60,15 +60,17 @@ def draw_length(rng: random.Random, tokens: int, max_len: int) -> int:
 
 def laid_out(t, layout: str):
     """``t``'s values in another memory layout on its device: "strided", every other element of a
-    buffer whose gaps hold NaN (an op that ignored the strides would read them); "offset", a
-    contiguous view one element into its buffer (not 16-byte aligned: the CUDA kernels' scalar paths)."""
+    buffer whose gaps hold NaN (an op that ignored the strides would read them; for an integer
+    tensor its dtype's largest value); "offset", a contiguous view one element into its buffer (not
+    16-byte aligned: the CUDA kernels' scalar paths)."""
     if t is None or layout == "contiguous":
         return t
+    gap = float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).max
     if layout == "strided":
-        buffer = torch.full((*t.shape, 2), float("nan"), dtype=t.dtype, device=t.device)
+        buffer = torch.full((*t.shape, 2), gap, dtype=t.dtype, device=t.device)
         buffer[..., 0] = t
         return buffer[..., 0]
-    buffer = torch.full((t.numel() + 1,), float("nan"), dtype=t.dtype, device=t.device)
+    buffer = torch.full((t.numel() + 1,), gap, dtype=t.dtype, device=t.device)
     buffer[1:] = t.flatten()
     return buffer[1:].view(t.shape)
 
