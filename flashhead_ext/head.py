@@ -11,6 +11,7 @@ vocabulary, then argmax or a Gumbel-max draw, in plain torch.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Optional, Sequence, Union
 
@@ -234,8 +235,10 @@ class DenseHead(_HeadBase):
             raise ValueError("out must not have elements that share memory (e.g. an expanded tensor), got strides "
                              f"{list(out.stride())}")
         # An out made in inference mode is written in inference mode, where torch allows it: the
-        # ops write one anywhere (docs/kernels.md, "Limits and notes").
-        with torch.inference_mode(out.is_inference()):
+        # ops write one anywhere (docs/kernels.md, "Limits and notes"). torch.compile cannot trace
+        # is_inference(), and leaves the write to the compiled graph.
+        in_inference = not torch.compiler.is_compiling() and out.is_inference()
+        with torch.inference_mode() if in_inference else contextlib.nullcontext():
             return torch.argmax(rows @ self.embedding.t(), dim=-1, out=out)
 
     def sample(self, hidden: Tensor, temperature: float = 1.0, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:

@@ -6,7 +6,7 @@ The inductor backend is used on both devices (about 5 s per compile on 2 CPU cor
 import pytest
 import torch
 
-from flashhead_ext import FlashHead, ops
+from flashhead_ext import DenseHead, FlashHead, ops
 from helpers import DEVICES, Shape, capture, compiled, generator, make_problem, random_partition, seed_tensor
 
 device_params = pytest.mark.parametrize("device", DEVICES)
@@ -46,6 +46,18 @@ def test_compile_next_token_out(device):
     expected = torch.full((SHAPE.B, 4), -7, dtype=torch.int64, device=device)
     expected[:, 2] = head.next_token(problem.hidden)
     assert torch.equal(result, expected) and torch.equal(buffer, expected)
+
+
+@pytest.mark.slow
+@device_params
+def test_compile_dense_next_token_out(device):
+    # Its check for an out made in inference mode (is_inference(), which dynamo cannot trace) must
+    # not break the graph.
+    problem = make_problem(SHAPE, torch.float32, device)
+    head = DenseHead(problem.embedding)
+    out = torch.full((SHAPE.B,), -7, dtype=torch.int64, device=device)
+    assert compiled(lambda hidden: head.next_token(hidden, out=out))(problem.hidden) is out
+    assert torch.equal(out, head.next_token(problem.hidden))
 
 
 @pytest.mark.slow
