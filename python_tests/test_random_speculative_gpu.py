@@ -39,7 +39,7 @@ import torch
 
 import test_fast_decoder as fast_tests
 from flashhead_ext import FlashHead
-from flashhead_ext.fast import Decoder, DecoderConfig, FastSpeculativeDecoder
+from flashhead_ext.fast import Decoder, FastSpeculativeDecoder
 from flashhead_ext.speculative import MODES
 from helpers import one_thread  # noqa: F401  (an autouse fixture)
 from helpers import stable_seed
@@ -69,25 +69,8 @@ def near_tie(logits: torch.Tensor) -> float:
     return NEAR_TIE_RTOL * max(1.0, float(logits.abs().max()))
 
 
-@functools.lru_cache(maxsize=None)
-def fast_config(arch: str) -> DecoderConfig:
-    return DecoderConfig.from_hf(fast_tests.hf_model(arch).config)
-
-
-def persistent_refusal(arch: str, dtype: torch.dtype) -> Optional[str]:
-    """decoder_step's error for ``arch`` in ``dtype`` on CUDA, or None: its kernel streams rows of
-    whole 16-byte vectors (docs/kernels.md, decoder_step's limits; the tiny models meet the others)."""
-    c = fast_config(arch)
-    vector = 16 // torch.empty((), dtype=dtype).element_size()
-    sizes = (c.hidden_size, c.head_dim, c.intermediate_size)
-    if all(size % vector == 0 for size in sizes):
-        return None
-    return (f"flashhead.decoder_step: the CUDA kernel needs hidden_size, head_dim and intermediate_size to be multiples "
-            f"of {vector} for {dtype}, got {sizes[0]}, {sizes[1]} and {sizes[2]}")
-
-
 def fuses(arch: str) -> bool:
-    return fast_config(arch).body_limit("fused", torch.float32) is None
+    return fast_tests.fast_config(arch).body_limit("fused", torch.float32) is None
 
 
 def cuda_draft(rng: random.Random, arch: str) -> tuple:
@@ -119,7 +102,7 @@ def draw_cuda(index: int) -> tuple:
     rng = random.Random(stable_seed("random-speculative-fast", index, DEVICE, "runner"))
     arch = f.common.arch
     bodies = ["eager", "eager", *(["fused"] if fuses(arch) else []),
-              *(["persistent"] if persistent_refusal(arch, torch.float32) is None else [])]
+              *(["persistent"] if fast_tests.persistent_refusal(arch, torch.float32) is None else [])]
     steps = rng.choice(["graphs", "graphs", "both", "eager"])
     below_floor = rng.randrange(2) if steps != "eager" and rng.random() < 0.1 else None
     return f, CudaDraw(rng.choice(bodies), steps, below_floor, rng.choice(["cpu", DEVICE]))
@@ -153,7 +136,7 @@ def test_random_fast_path_on_cuda(index):
     graphs = c.steps != "eager"
     if graphs:  # capture warms up with room for K proposals on both sides (the runner's docstring), at both Ks
         max_lens = [max(max_len, 3 * (max(d.k, d.k_first or 0) + 2)) for max_len in max_lens]
-    refusal = persistent_refusal(d.arch, f.draft_dtype) if f.draft_body == "persistent" else None
+    refusal = fast_tests.persistent_refusal(d.arch, f.draft_dtype) if f.draft_body == "persistent" else None
     if refusal:  # setting the body asks the kernel's limits, before any step
         with pytest.raises(ValueError, match=re.escape(f"body 'persistent' cannot run this model on {DEVICE}") + ".*"
                                              + re.escape(refusal)):
