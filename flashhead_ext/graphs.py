@@ -1,9 +1,26 @@
 """CUDA-graph capture shared by the fast path (flashhead_ext.fast) and the benchmarks."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+import gc
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import torch
+
+
+@contextmanager
+def _no_automatic_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector paused (as the caller had it after): torch.cuda.graph no
+    longer collects before a capture (torch 2.9 and later), and a collection during one that
+    destroys a dead CUDA graph, held by a reference cycle in anyone's code, fails the capture
+    (cudaErrorStreamCaptureInvalidated: destroying a graph is not permitted while a stream captures)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def capture_graph(fn: Callable[[], object], *, device: Optional[torch.device] = None,
@@ -27,6 +44,6 @@ def capture_graph(fn: Callable[[], object], *, device: Optional[torch.device] = 
         torch.cuda.current_stream().wait_stream(side)
         prepare()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=torch.cuda.Stream(device)):
+        with _no_automatic_collection(), torch.cuda.graph(graph, stream=torch.cuda.Stream(device)):
             fn()
     return graph

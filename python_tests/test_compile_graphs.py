@@ -3,10 +3,13 @@
 Compiled and captured results must equal eager ones exactly (same kernels, same inputs).
 The inductor backend is used on both devices (about 5 s per compile on 2 CPU cores).
 """
+import gc
+
 import pytest
 import torch
 
 from flashhead_ext import DenseHead, FlashHead, ops
+from flashhead_ext.graphs import capture_graph
 from helpers import DEVICES, Shape, capture, compiled, generator, make_problem, random_partition, seed_tensor
 
 device_params = pytest.mark.parametrize("device", DEVICES)
@@ -237,3 +240,33 @@ def test_ops_read_what_the_kernel_before_them_wrote(producer, batch):
         static_x.copy_(x)
         graph.replay()
         check(outputs, want)
+
+
+class _Cycle:
+    def __init__(self, payload):
+        self.payload, self.itself = payload, self
+
+
+@pytest.mark.gpu
+def test_capture_is_not_failed_by_collecting_a_dead_graph():
+    """A captured graph that only a reference cycle holds, dropped during another capture while
+    Python objects are allocated: an automatic collection there would destroy the graph, which
+    CUDA does not permit while a stream captures, and the capture would fail. torch.cuda.graph no
+    longer collects before a capture (torch 2.9+), so capture_graph pauses the collector."""
+    x = torch.randn(37, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    doomed = [capture_graph(lambda: x.mul(2))]
+    results = []
+
+    def fn():
+        if torch.cuda.is_current_stream_capturing():
+            _Cycle(doomed.pop())  # unreachable at once, freed only by a collection
+            garbage = [[i] for i in range(5 * gc.get_threshold()[0])]  # past the youngest generation's threshold
+            del garbage
+        results.append(x * 3 + 1)
+
+    graph = capture_graph(fn)
+    assert not doomed
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(results[-1], x * 3 + 1)
+    gc.collect()  # the dead graph is destroyed now, outside any capture
