@@ -11,12 +11,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import gc
 import json
 import math
 import re
 import subprocess
 import sys
 import warnings
+import weakref
 from typing import Optional
 
 import pytest
@@ -878,6 +880,25 @@ def test_graph_replay_equals_eager(mode, head, attention):
             runner.k = 15  # a capture that fails leaves the steps as they were
         assert runner.k == 5 and all(step.graph is not None for step in runner.steps.values())
         assert tuple(runner.generate(prompt(6), mode=mode, max_new_tokens=NEW).tokens) == reference("qwen3", 6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_dropped_runner_is_freed_without_a_garbage_collection(device):
+    """No reference cycle keeps a dropped runner (its steps, graphs and buffers) alive until a
+    collection, which could come during another graph's capture and fail it (graphs.py)."""
+    target, draft = _cuda_models("qwen3") if device == "cuda" else (fast_models("qwen3")[0], fast_models("qwen3")[1]["early"])
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        runner = FastSpeculativeDecoder(target, draft, head_for(draft, "flashhead"), k=3)
+        assert runner.generate(prompt(6), mode="deferred", max_new_tokens=NEW).tokens
+        runner.k = 4  # the steps are rebuilt
+        dropped = weakref.ref(runner)
+        del runner
+        assert dropped() is None
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _check_short_step_body(target: Decoder, draft: Decoder, body: str, mode: str, arch: str) -> None:

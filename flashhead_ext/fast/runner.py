@@ -24,6 +24,7 @@ round's last token runs on the target GPU while the draft GPU already proposes t
 from __future__ import annotations
 
 import time
+import weakref
 import zlib
 from contextlib import nullcontext
 from typing import Optional, Sequence, Union
@@ -46,19 +47,27 @@ def on_device(device: torch.device):
 
 
 class _Step:
-    """``fn`` run eagerly, or captured once as a CUDA graph on ``device`` and replayed."""
+    """``method(*args)`` run eagerly, or captured once as a CUDA graph on ``device`` and replayed.
 
-    def __init__(self, fn, device: torch.device):
-        self.fn, self.device, self.graph = fn, device, None
+    The method's runner is held weakly: the runner holds its steps, and a cycle back to it would
+    keep a dropped runner, its models and its graphs alive until a garbage collection, which may
+    come during another graph's capture, where destroying a graph fails that capture.
+    """
+
+    def __init__(self, method, device: torch.device, *args):
+        self.method, self.args, self.device, self.graph = weakref.WeakMethod(method), args, device, None
+
+    def run(self) -> None:
+        self.method()(*self.args)
 
     def capture(self, prepare) -> None:
         """``prepare`` puts the state where a run is in bounds (the warm-ups really execute and move
         cache lengths)."""
-        self.graph = capture_graph(self.fn, device=self.device, prepare=prepare, warmups=2)
+        self.graph = capture_graph(self.run, device=self.device, prepare=prepare, warmups=2)
 
     def __call__(self) -> None:
         if self.graph is None:
-            self.fn()
+            self.run()
         else:
             with on_device(self.device):
                 self.graph.replay()
@@ -231,14 +240,14 @@ class FastSpeculativeDecoder:
                 self._outside = torch.full((), -1, dtype=torch.int64, device=d.device)
                 self.steps["propose"] = _Step(self._propose_either, d.device)
             else:
-                self.steps.update(propose=_Step(lambda: self._propose(pair=False), d.device),
-                                  propose_pair=_Step(lambda: self._propose(pair=True), d.device))
+                self.steps.update(propose=_Step(self._propose, d.device, False),
+                                  propose_pair=_Step(self._propose, d.device, True))
             self.steps.update(
                 rewind=_Step(self._rewind, d.device),
-                verify_deferred=_Step(lambda: self._verify(self.vin), dev),
-                verify_ordinary=_Step(lambda: self._verify(self.vin[1:]), dev),
-                finalize_deferred=_Step(lambda: self._finalize(1), dev),
-                finalize_ordinary=_Step(lambda: self._finalize(0), dev),
+                verify_deferred=_Step(self._verify, dev, self.vin),
+                verify_ordinary=_Step(self._verify, dev, self.vin[1:]),
+                finalize_deferred=_Step(self._finalize, dev, 1),
+                finalize_ordinary=_Step(self._finalize, dev, 0),
             )
         if self.graphs:
             for step in self.steps.values():
