@@ -348,8 +348,6 @@ struct KernelSmem {
   size_t max_dynamic;  // the device's opt-in limit less the kernel's static shared memory
 };
 cudaError_t kernel_smem(const void* kernel, KernelSmem* smem);
-// Raises the kernel's dynamic shared memory limit to at least `bytes`.
-cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes);
 // Blocks of `threads` threads and `smem` dynamic bytes that fit on one SM at once; the limit is
 // raised to `smem` first, as a launch with that size needs.
 cudaError_t resident_blocks(const void* kernel, int threads, size_t smem, int* blocks);
@@ -359,29 +357,39 @@ cudaError_t kernel_smem(void (*kernel)(Params...), KernelSmem* smem) {
   return kernel_smem(reinterpret_cast<const void*>(kernel), smem);
 }
 template <typename... Params>
-cudaError_t allow_dynamic_smem(void (*kernel)(Params...), size_t bytes) {
-  return allow_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes);
-}
-template <typename... Params>
 cudaError_t resident_blocks(void (*kernel)(Params...), int threads, size_t smem, int* blocks) {
   return resident_blocks(reinterpret_cast<const void*>(kernel), threads, smem, blocks);
 }
 
-// Launch with an optional programmatic-dependency on the previous kernel in the stream. The kernel's
-// dynamic shared memory limit is raised to `smem` first: past 48 KB less its static shared memory
-// a launch fails unless the kernel opted in (session 68's merge did not, and failed to launch).
+// What a launch of `kernel` with `smem` dynamic bytes needs, from one look-up: its dynamic shared
+// memory limit raised to `smem` (past 48 KB less its static shared memory a launch fails unless
+// the kernel opted in: session 68's merge did not), and `*programmatic`, whether a `dependent`
+// launch may wait on the previous kernel programmatically (dependent_launch_compiled).
+cudaError_t prepare_launch(const void* kernel, size_t smem, bool dependent, bool* programmatic);
+// Raises the kernel's dynamic shared memory limit to at least `bytes` (a launch that sets its own
+// attributes: decoder_step's cooperative one).
+template <typename... Params>
+cudaError_t allow_dynamic_smem(void (*kernel)(Params...), size_t bytes) {
+  bool programmatic = false;
+  return prepare_launch(reinterpret_cast<const void*>(kernel), bytes, false, &programmatic);
+}
+
+// Launch with an optional programmatic-dependency on the previous kernel in the stream, the
+// kernel's dynamic shared memory limit raised to `smem` first (prepare_launch).
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                           bool dependent, Args&&... args) {
-  if (smem > 0)
-    if (cudaError_t err = allow_dynamic_smem(kernel, smem); err != cudaSuccess) return err;
+  bool programmatic = false;
+  if (cudaError_t err = prepare_launch(reinterpret_cast<const void*>(kernel), smem, dependent, &programmatic);
+      err != cudaSuccess)
+    return err;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
-  if (dependent && dependent_launch_compiled(reinterpret_cast<const void*>(kernel))) {
+  if (programmatic) {
     attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute[0].val.programmaticStreamSerializationAllowed = 1;
     config.attrs = attribute;

@@ -27,9 +27,15 @@ cudaError_t current_device_attribute(cudaDeviceAttr attribute, int* value) {
 cudaError_t multiprocessor_count(int* count) { return current_device_attribute(cudaDevAttrMultiProcessorCount, count); }
 cudaError_t l2_cache_bytes(int* bytes) { return current_device_attribute(cudaDevAttrL2CacheSize, bytes); }
 
+namespace {
+bool programmatic_launch_allowed(const KernelSmem& smem) {
+  return smem.ptx_version >= 90 && dependent_launch_supported();
+}
+}  // namespace
+
 bool dependent_launch_compiled(const void* kernel) {
   KernelSmem smem{};
-  return dependent_launch_supported() && kernel_smem(kernel, &smem) == cudaSuccess && smem.ptx_version >= 90;
+  return kernel_smem(kernel, &smem) == cudaSuccess && programmatic_launch_allowed(smem);
 }
 
 namespace {
@@ -96,11 +102,15 @@ cudaError_t kernel_smem(const void* kernel, KernelSmem* smem) {
   return cudaSuccess;
 }
 
-cudaError_t allow_dynamic_smem(const void* kernel, size_t bytes) {
+cudaError_t prepare_launch(const void* kernel, size_t smem, bool dependent, bool* programmatic) {
+  *programmatic = false;
+  if (smem == 0 && !dependent) return cudaSuccess;
   const std::lock_guard<std::mutex> lock(registry().mutex);
   KernelOnDevice* entry = nullptr;
   if (cudaError_t err = kernel_on_device(kernel, &entry); err != cudaSuccess) return err;
-  return raise_dynamic_limit(kernel, entry, bytes);
+  if (cudaError_t err = raise_dynamic_limit(kernel, entry, smem); err != cudaSuccess) return err;
+  *programmatic = dependent && programmatic_launch_allowed(entry->smem);
+  return cudaSuccess;
 }
 
 cudaError_t resident_blocks(const void* kernel, int threads, size_t smem, int* blocks) {
