@@ -219,7 +219,8 @@ class DenseHead(_HeadBase):
     def next_token(self, hidden: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
         """int64 ``hidden.shape[:-1]``: each row's argmax over the whole vocabulary. ``out``, as
         FlashHead's: an int64 ``[B]`` with ``B`` the rows of ``hidden`` (its leading dimensions
-        flattened), on hidden's device, is written and returned instead (no copy kernel after)."""
+        flattened), on hidden's device, is written and returned instead (no copy kernel after one
+        that is contiguous)."""
         rows = self._rows(hidden)
         if out is None:
             return (rows @ self.embedding.t()).argmax(dim=-1).reshape(hidden.shape[:-1])
@@ -239,7 +240,11 @@ class DenseHead(_HeadBase):
         # is_inference(), and leaves the write to the compiled graph.
         in_inference = not torch.compiler.is_compiling() and out.is_inference()
         with torch.inference_mode() if in_inference else contextlib.nullcontext():
-            return torch.argmax(rows @ self.embedding.t(), dim=-1, out=out)
+            logits = rows @ self.embedding.t()
+            if out.is_contiguous():
+                return torch.argmax(logits, dim=-1, out=out)
+            # torch.compile cannot trace out= into a strided tensor; eager argmax copies into one too.
+            return out.copy_(logits.argmax(dim=-1))
 
     def sample(self, hidden: Tensor, temperature: float = 1.0, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
         """A draw from softmax(logits / temperature) over the whole vocabulary: tokens int64 and

@@ -61,6 +61,12 @@ def test_compile_dense_next_token_out(device):
     out = torch.full((SHAPE.B,), -7, dtype=torch.int64, device=device)
     assert compiled(lambda hidden: head.next_token(hidden, out=out))(problem.hidden) is out
     assert torch.equal(out, head.next_token(problem.hidden))
+    # And a strided out, a column of a buffer, as FlashHead's test writes.
+    buffer = torch.full((SHAPE.B, 3), -7, dtype=torch.int64, device=device)
+    assert compiled(lambda hidden: head.next_token(hidden, out=buffer[:, 1]))(problem.hidden).data_ptr() == buffer[:, 1].data_ptr()
+    expected = torch.full((SHAPE.B, 3), -7, dtype=torch.int64, device=device)
+    expected[:, 1] = head.next_token(problem.hidden)
+    assert torch.equal(buffer, expected)
 
 
 @pytest.mark.slow
