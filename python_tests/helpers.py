@@ -14,6 +14,7 @@ from torch import Tensor
 
 import reference as ref
 from flashhead_ext import ops
+from flashhead_ext.graphs import capture_graph
 
 # "cuda" entries are marked gpu here; conftest also marks any test whose parameters name a CUDA
 # device, and skips them when there is no GPU or no CUDA build.
@@ -404,16 +405,12 @@ def compiled(fn):
 
 
 def capture(fn):
-    """Warm up on a side stream, then capture ``fn`` in a CUDA graph; returns (graph, outputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    return graph, outputs
+    """``fn`` captured in a CUDA graph by the library's capture_graph (one warm-up; the garbage
+    collector paused, so a dead graph of an earlier test cannot fail it); returns (graph, the
+    captured run's outputs)."""
+    outputs = []
+    graph = capture_graph(lambda: outputs.append(fn()), warmups=1)
+    return graph, outputs[-1]
 
 
 def seed_tensor(value: int, device) -> Tensor:
