@@ -320,8 +320,8 @@ def flash_head_for(
     k-means. It is cached under :func:`user_cache_dir` in the published layout, keyed by the
     method, the embedding's (and states') values and the settings; ``cache=False`` rebuilds and
     overwrites it. ``centroid_dtype`` is the head's (:class:`FlashHead`); the cache keeps float
-    centroids either way. Returns the head and its assets (``assets.head(embedding, probes)``
-    makes more heads cheaply).
+    centroids either way. Returns the head and its assets, whose ``n_probes`` and special tokens
+    are this head's (``assets.head(embedding)`` makes more such heads cheaply).
     """
     _check_embedding(embedding)  # the head's checks, before minutes of clustering
     # Before the digests, which read their values. Finiteness is left to the clustering on a miss: a
@@ -347,7 +347,9 @@ def flash_head_for(
         assets = FlashHeadAssets.from_clustering(clustering)
         save_assets(directory, assets)
     assets.special_token_ids = special_token_ids
-    return assets.head(embedding, probes, centroid_dtype=centroid_dtype), assets
+    head = assets.head(embedding, probes, centroid_dtype=centroid_dtype)
+    assets.n_probes = head.probes  # so that save_assets(dir, assets) keeps this head's settings
+    return head, assets
 
 
 __all__ = [

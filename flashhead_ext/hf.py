@@ -326,7 +326,7 @@ class FlashHeadAttachment:
 
     With ``enabled`` (the default) the head returns float32 logits ``[..., V]`` that are exact on
     FlashHead's candidates and ``-inf`` elsewhere; with ``enabled = False`` it is the dense head
-    again, unchanged. ``probes`` may be changed at any time.
+    again, unchanged. ``probes`` may be changed at any time; ``assets`` carries it as ``n_probes``.
 
     How it composes with ``generate()``: greedy decoding takes the argmax of those logits, which
     is exactly ``FlashHead.next_token`` (ties to the smaller token id). Sampling draws from
@@ -362,6 +362,10 @@ class FlashHeadAttachment:
     @probes.setter
     def probes(self, value: int) -> None:
         self._probes = ops._require_probes(value, self.assets.num_clusters)  # when set, not inside generate()
+        if self.assets.n_probes != self._probes:
+            # On a copy (the caller's assets keep their own): save_assets(dir, attachment.assets)
+            # then writes the probes this head runs, which attaching the saved model restores.
+            self.assets = dataclasses.replace(self.assets, n_probes=self._probes)
 
     def head(self) -> FlashHead:
         weight, cached = self.linear.weight, self._head

@@ -175,6 +175,19 @@ def test_attach_finds_assets_in_a_checkpoint_directory(tmp_path, monkeypatch):
     assert not (tmp_path / "cache").exists()
 
 
+def test_probes_set_on_an_attachment_survive_save_and_attach_again(tmp_path):
+    model = _tiny_llama(tied=True)
+    assets = _tiny_assets(model, probes=2)
+    attachment = attach(model, assets, probes=5)
+    assert attachment.assets.n_probes == 5 and assets.n_probes == 2  # the caller's assets keep their own
+    attachment.probes = 7
+    assert attachment.assets.n_probes == 7
+    model.save_pretrained(tmp_path)
+    save_assets(tmp_path, model.flash_head.assets)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    assert attach(loaded, build_if_missing=False).probes == 7
+
+
 def test_attach_builds_or_refuses_when_no_assets(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
     model = _tiny_llama(tied=True)
