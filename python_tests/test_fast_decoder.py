@@ -819,6 +819,7 @@ def test_spec_reads_flashheads_gain_against_the_draft_steps_and_the_break_even_a
     assert gain["break_even_acceptance"] == pytest.approx(break_even_acceptance(0.77, 6, 1.95 / 2.0))
     assert gain["reading"].startswith("deferred: FlashHead draft +2.56% decode speed over dense at equal (synthetic) acceptance")
     assert "predict +2.46% (104% of it measured)" in gain["reading"] and ">= 0.76" in gain["reading"]
+    assert "(dense 600.0, FlashHead 520.0 us, 6 a round" in gain["reading"]  # which step is which
     (slower,) = head_gains([row("deferred", "dense", 2.0), row("deferred", "flashhead", 2.1)], 6, 0.77, {})
     assert "predicted" not in slower and "break_even_acceptance" not in slower
 

@@ -415,7 +415,7 @@ def head_gains(rows: list, k: int, acceptance: float, step_us: dict) -> list:
             saved_s = flash["rounds"] * k * (step_us["dense"] - step_us["flashhead"]) * 1e-6
             gain["predicted"] = dense["decode_s"] / (dense["decode_s"] - saved_s) - 1
             gain["of_predicted"] = gain["measured"] / gain["predicted"] if gain["predicted"] else None
-            text += (f"; the draft steps ({step_us['dense']:.1f} against {step_us['flashhead']:.1f} us, {k} a round, "
+            text += (f"; the draft steps (dense {step_us['dense']:.1f}, FlashHead {step_us['flashhead']:.1f} us, {k} a round, "
                      f"{flash['rounds']} rounds) predict {gain['predicted']:+.2%}")
             if gain["of_predicted"] is not None:
                 text += f" ({gain['of_predicted']:.0%} of it measured)"
