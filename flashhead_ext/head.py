@@ -230,8 +230,9 @@ class DenseHead(_HeadBase):
             raise TypeError(f"out must be a torch.Tensor (int64 [{rows.shape[0]}]), got {type(out).__name__}")
         ops._require_dense("out", out)
         if out.dtype != torch.int64 or tuple(out.shape) != (rows.shape[0],) or out.device != rows.device:
-            raise ValueError(f"out must be int64 [{rows.shape[0]}] on {rows.device} (one token a row of hidden), "
-                             f"got {out.dtype} {list(out.shape)} on {out.device}")
+            error = TypeError if out.dtype != torch.int64 else ValueError  # as FlashHead's ops raise them
+            raise error(f"out must be int64 [{rows.shape[0]}] on {rows.device} (one token a row of hidden), "
+                        f"got {out.dtype} {list(out.shape)} on {out.device}")
         if out.shape[0] > 1 and out.stride(0) == 0:  # torch.argmax would write every row's token to one element
             raise ValueError("out must not have elements that share memory (e.g. an expanded tensor), got strides "
                              f"{list(out.stride())}")

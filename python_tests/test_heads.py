@@ -145,11 +145,12 @@ def test_dense_next_token_refuses_a_bad_out():
     head = DenseHead(problem.embedding)
     with pytest.raises(TypeError, match=r"out must be a torch.Tensor \(int64 \[17\]\), got list"):
         head.next_token(problem.hidden, out=[0] * SHAPE.B)
-    for bad, got in ((torch.zeros(SHAPE.B, dtype=torch.int32), "torch.int32 [17]"),
-                     (torch.zeros(SHAPE.B + 1, dtype=torch.int64), "torch.int64 [18]"),
-                     (torch.zeros(SHAPE.B, 1, dtype=torch.int64), "torch.int64 [17, 1]"),
-                     (torch.zeros(SHAPE.B, dtype=torch.int64, device="meta"), "torch.int64 [17] on meta")):
-        with pytest.raises(ValueError, match=re.escape(f"out must be int64 [17] on cpu (one token a row of hidden), got {got}")):
+    # A wrong dtype is a TypeError, as FlashHead's ops raise it, so one except clause serves both heads.
+    for bad, got, error in ((torch.zeros(SHAPE.B, dtype=torch.int32), "torch.int32 [17]", TypeError),
+                            (torch.zeros(SHAPE.B + 1, dtype=torch.int64), "torch.int64 [18]", ValueError),
+                            (torch.zeros(SHAPE.B, 1, dtype=torch.int64), "torch.int64 [17, 1]", ValueError),
+                            (torch.zeros(SHAPE.B, dtype=torch.int64, device="meta"), "torch.int64 [17] on meta", ValueError)):
+        with pytest.raises(error, match=re.escape(f"out must be int64 [17] on cpu (one token a row of hidden), got {got}")):
             head.next_token(problem.hidden, out=bad)
         assert bad.device.type == "meta" or not bad.bool().any()  # nothing written
 
