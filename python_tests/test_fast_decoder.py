@@ -381,6 +381,25 @@ def test_decoder_bad_arguments_name_the_argument():
         state = dict(model.state_dict())
         del state["model.layers.0.mlp.down_proj.weight"]
         Decoder.from_state_dict(model.config, state, max_len=8)
+    # More layers than the config's is another model's config, unless num_layers asks for an early exit.
+    shorter = transformers.LlamaConfig(**{**model.config.to_dict(), "num_hidden_layers": 2})
+    with pytest.raises(ValueError, match=r"state_dict holds layer 2 but the config has 2 layers .*pass num_layers=2"):
+        Decoder.from_state_dict(shorter, model.state_dict(), max_len=8)
+    assert Decoder.from_state_dict(shorter, model.state_dict(), max_len=8, num_layers=2).config.num_layers == 2
+    # Weights of other sizes than the config's (which the kernels index by) are refused by name.
+    wider = transformers.LlamaConfig(**{**model.config.to_dict(), "intermediate_size": model.config.intermediate_size + 2})
+    with pytest.raises(ValueError, match=re.escape(f"weights layers['gate_up'] must be {decoder.dtype} [3, {2 * wider.intermediate_size}, 48]")):
+        Decoder.from_state_dict(wider, model.state_dict(), max_len=8)
+    for name, bad, error in (("final_norm", decoder.final_norm[:-1], ValueError), ("lm_head", decoder.lm_head.float(), ValueError),
+                             ("embed", decoder.embed[:, :-1], ValueError), ("lm_head", decoder.lm_head.to("meta"), ValueError),
+                             ("final_norm", [1.0] * 48, TypeError)):
+        with pytest.raises(error, match=rf"weights {name} must be"):
+            Decoder(decoder.config, {**weights, name: bad}, max_len=8)
+    for name in ("qkv", "down", "attn_norm"):
+        expected = list(decoder.stacked[name].shape)
+        narrower = torch.ones(*expected[:-1], expected[-1] - 1, dtype=decoder.dtype)
+        with pytest.raises(ValueError, match=re.escape(f"weights layers[{name!r}] must be {decoder.dtype} {expected}")):
+            Decoder(decoder.config, {**weights, "layers": {**decoder.stacked, name: narrower}}, max_len=8)
     # Rows that disagree with config.vocab_size (which the runner's vocabulary checks read).
     for key in ("model.embed_tokens.weight", "lm_head.weight"):
         state = dict(model.state_dict(), **{key: model.state_dict()[key][:90]})

@@ -224,6 +224,37 @@ def _default_inv_freq(theta: float, head_dim: int) -> Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
+def _layer_shapes(c: DecoderConfig) -> dict:
+    """Each stacked layer weight's shape ``[num_layers, ...]`` in the fused layout, for this config."""
+    n, d, hd = c.num_layers, c.hidden_size, c.head_dim
+    qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * hd
+    shapes = dict(qkv=(n, qkv_rows, d), o=(n, d, c.num_heads * hd), gate_up=(n, 2 * c.intermediate_size, d),
+                  down=(n, d, c.intermediate_size), attn_norm=(n, d), mlp_norm=(n, d))
+    if c.qk_norm:
+        shapes.update(q_norm=(n, hd), k_norm=(n, hd))
+    if c.qkv_bias:
+        shapes.update(qkv_bias=(n, qkv_rows))
+    if c.post_norms:
+        shapes.update(post_attn_norm=(n, d), post_mlp_norm=(n, d))
+    return shapes
+
+
+def _check_weight_shapes(c: DecoderConfig, weights: Mapping[str, object]) -> None:
+    """ValueError naming the first weight whose shape, dtype or device is not the config's and the
+    embedding's: the fused kernels index them by the config's sizes, and a mismatch would read out
+    of bounds or give a silently wrong model."""
+    embed = weights["embed"]
+    expected = dict(embed=(c.vocab_size, c.hidden_size), lm_head=(c.vocab_size, c.hidden_size), final_norm=(c.hidden_size,))
+    named = [(name, weights[name], shape) for name, shape in expected.items()]
+    named += [(f"layers[{name!r}]", weights["layers"][name], shape) for name, shape in _layer_shapes(c).items()]
+    for name, weight, shape in named:
+        if not isinstance(weight, Tensor):
+            raise TypeError(f"weights {name} must be a torch.Tensor {list(shape)}, got {type(weight).__name__}")
+        if tuple(weight.shape) != shape or weight.dtype != embed.dtype or weight.device != embed.device:
+            raise ValueError(f"weights {name} must be {embed.dtype} {list(shape)} on {embed.device} (the config's sizes, "
+                             f"the embedding's dtype and device), got {weight.dtype} {list(weight.shape)} on {weight.device}")
+
+
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # One fused kernel that normalises in float32 (transformers also scales in float32, then
     # rounds once more: a last-bit difference in bf16, none in float32).
@@ -352,13 +383,11 @@ class Decoder:
         self.lm_head = weights["lm_head"]
         self.final_norm = weights["final_norm"]
         self.stacked = dict(weights["layers"])
-        expected = {"qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm"}
-        expected |= {"q_norm", "k_norm"} if config.qk_norm else set()
-        expected |= {"qkv_bias"} if config.qkv_bias else set()
-        expected |= {"post_attn_norm", "post_mlp_norm"} if config.post_norms else set()
-        if set(self.stacked) != expected:  # the layer applies the biases and norms it finds, so the two must agree
+        expected = _layer_shapes(config)
+        if set(self.stacked) != set(expected):  # the layer applies the biases and norms it finds, so the two must agree
             raise ValueError(f"weights['layers'] must hold {sorted(expected)} for this config (qk_norm={config.qk_norm}, "
                              f"qkv_bias={config.qkv_bias}, post_norms={config.post_norms}), got {sorted(self.stacked)}")
+        _check_weight_shapes(config, weights)
         self.layers = [{name: w[i] for name, w in self.stacked.items()} for i in range(config.num_layers)]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         if self.dtype not in MODEL_DTYPES:
@@ -422,6 +451,10 @@ class Decoder:
         embed_key = f"{prefix}embed_tokens.weight"
         if embed_key not in state_dict:
             raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers Llama/Qwen2/Qwen3/Gemma-3 causal LM")
+        if num_layers is None and any(key.startswith(f"{prefix}layers.{c.num_layers}.") for key in state_dict):
+            # Building the config's layers only would silently drop the rest: another model's config?
+            raise ValueError(f"state_dict holds layer {c.num_layers} but the config has {c.num_layers} layers "
+                             f"(num_hidden_layers); pass num_layers={c.num_layers} to keep only its first layers (an early exit)")
         if dtype is not None:
             _require_dtype(dtype)
         dtype = dtype or state_dict[embed_key].dtype
@@ -485,7 +518,7 @@ class Decoder:
                              "(torch.cuda.is_available() is False); pass device='cpu'")
         gen = torch.Generator(device=device).manual_seed(seed)
         c = config
-        hd, d = c.head_dim, c.hidden_size
+        d = c.hidden_size
 
         def normal(*shape):
             return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
@@ -493,16 +526,7 @@ class Decoder:
         def ones(*shape):
             return torch.ones(shape, dtype=dtype, device=device)
 
-        n = c.num_layers
-        layers = dict(qkv=normal(n, (c.num_heads + 2 * c.num_kv_heads) * hd, d), o=normal(n, d, c.num_heads * hd),
-                      gate_up=normal(n, 2 * c.intermediate_size, d), down=normal(n, d, c.intermediate_size),
-                      attn_norm=ones(n, d), mlp_norm=ones(n, d))
-        if c.qk_norm:
-            layers.update(q_norm=ones(n, hd), k_norm=ones(n, hd))
-        if c.qkv_bias:
-            layers.update(qkv_bias=normal(n, (c.num_heads + 2 * c.num_kv_heads) * hd))
-        if c.post_norms:
-            layers.update(post_attn_norm=ones(n, d), post_mlp_norm=ones(n, d))
+        layers = {name: (ones if "norm" in name else normal)(*shape) for name, shape in _layer_shapes(c).items()}
         embed = normal(c.vocab_size, d)
         lm_head = embed if c.tie_word_embeddings else normal(c.vocab_size, d)
         return cls(c, dict(embed=embed, lm_head=lm_head, final_norm=ones(d), layers=layers), max_len=max_len)
