@@ -135,6 +135,13 @@ def output_embedding(model: nn.Module) -> Tensor:
     return weight.detach()
 
 
+def check_output_head_bias_free(model: nn.Module, role: str = "the model") -> None:
+    """ValueError when ``model``'s output head adds a bias: FlashHead and DenseHead score
+    ``hidden . embedding`` only, so their tokens would not be the model's own."""
+    if getattr(model.get_output_embeddings(), "bias", None) is not None:
+        raise ValueError(f"{role}'s output head has a bias; FlashHead and DenseHead score bias-free heads only")
+
+
 # What a generation_config can set that generate() applies to greedy decoding's logits, with each
 # setting's neutral value. The drivers decode the plain argmax: of the config they read only the EOS.
 GREEDY_LOGIT_SETTINGS = dict(repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
@@ -547,8 +554,7 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"model must be a transformers causal LM with an nn.Linear output head, got {type(model).__name__} "
                          f"whose get_output_embeddings() is {type(linear).__name__}")
-    if linear.bias is not None:
-        raise ValueError("the model's output head has a bias; FlashHead scores bias-free heads only")
+    check_output_head_bias_free(model)
     if hasattr(model, "flash_head"):
         raise ValueError("a FlashHead is already attached to this model; call detach(model) first")
     _check_head_dtype(linear.weight)  # before clustering, which would name its own argument

@@ -434,6 +434,33 @@ def test_bad_inputs_name_the_argument():
             SpeculativeDecoder(bad)
     with pytest.raises(ValueError, match="draft: model must be a transformers causal LM .*, got DenseHead"):
         SpeculativeDecoder(target, head)  # the head passed as the draft
+    # Devices (meta stands in for another GPU): named when built, not by torch mid-generation.
+    with pytest.raises(ValueError, match=r"draft_head must be on the draft's device cpu, got meta"):
+        SpeculativeDecoder(target, target, DenseHead(target.lm_head.weight.detach().float().to("meta")))
+    with pytest.raises(ValueError, match=r"draft must be on the target's device cpu, got meta .*takes a draft_device"):
+        SpeculativeDecoder(target, copy.deepcopy(target).to("meta"))
+
+
+def test_drafts_the_heads_cannot_serve_are_refused():
+    # An output-head bias: the heads score hidden . embedding only, so their tokens would not be the
+    # draft's own (a model drafting for itself would accept nothing).
+    torch.manual_seed(0)
+    biased = transformers.PhiForCausalLM(transformers.PhiConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)).eval()
+    assert biased.lm_head.bias is not None
+    for make in (lambda: SpeculativeDecoder(biased, biased), lambda: SpeculativeDecoder(biased, early_exit_draft(biased, 1)),
+                 lambda: make_draft_head("dense", biased)):
+        with pytest.raises(ValueError, match="draft's output head has a bias; FlashHead and DenseHead score bias-free heads only"):
+            make()
+    SpeculativeDecoder(biased).generate(prompt(0), mode="baseline", max_new_tokens=3)  # a biased target alone is fine
+    # A recurrent state cannot be cut back to the accepted tokens: named, not an IndexError mid-generation.
+    recurrent = transformers.MambaForCausalLM(transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=1)).eval()
+    target = tiny_model("llama")
+    for pair, role in (((recurrent, recurrent), "target"), ((target, recurrent), "draft")):
+        with pytest.raises(ValueError, match=f"{role} MambaForCausalLM keeps a recurrent state, which speculative decoding"):
+            SpeculativeDecoder(*pair)
+    assert len(SpeculativeDecoder(recurrent).generate(prompt(0), mode="baseline", max_new_tokens=3).tokens) == 3
 
 
 class _ScriptedDecoder:

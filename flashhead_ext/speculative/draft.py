@@ -9,7 +9,7 @@ from torch import nn
 
 from ..assets import default_probes, flash_head_for
 from ..head import DenseHead, FlashHead, centroid_dtype_option
-from ..hf import output_embedding, uncompiled
+from ..hf import check_output_head_bias_free, output_embedding, uncompiled
 
 HEADS = ("dense", "flashhead")
 
@@ -67,7 +67,11 @@ def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clusterin
     """
     if kind not in HEADS:
         raise ValueError(f"kind must be one of {HEADS}, got {kind!r}")
-    embedding = draft.detach() if isinstance(draft, torch.Tensor) else output_embedding(draft)
+    if isinstance(draft, torch.Tensor):
+        embedding = draft.detach()
+    else:
+        embedding = output_embedding(draft)
+        check_output_head_bias_free(draft, "draft")
     if embedding.dtype == torch.float64:
         embedding = embedding.float()
     if kind == "dense":

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from ..head import DenseHead, FlashHead, _HeadBase
-from ..hf import greedy_logit_settings, output_embedding, uncompiled, warn_unapplied_generation_settings
+from ..hf import (check_output_head_bias_free, greedy_logit_settings, output_embedding, uncompiled,
+                  warn_unapplied_generation_settings)
 from .draft import make_draft_head
 
 MODES = ("baseline", "ordinary", "deferred")
@@ -329,7 +330,18 @@ class SpeculativeDecoder:
         self.head = None
         if draft is None:
             return
+        for model, role in ((target, "target"), (draft, "draft")):
+            if getattr(uncompiled(model), "_is_stateful", False):  # transformers' own flag, which its assisted generation refuses too
+                raise ValueError(f"{role} {type(uncompiled(model)).__name__} keeps a recurrent state, which speculative decoding "
+                                 "cannot cut back to the accepted tokens; decode it without a draft (draft=None, mode='baseline')")
         self.head = resolve_draft_head(draft_head, _output_embedding(draft, "draft"), vocab)
+        check_output_head_bias_free(draft, "draft")
+        draft_device = next(draft.parameters()).device
+        if draft_device != self.device:  # else torch's device error mid-generation
+            raise ValueError(f"draft must be on the target's device {self.device}, got {draft_device} (this driver runs "
+                             "both on one device; flashhead_ext.fast's runner takes a draft_device)")
+        if self.head.embedding.device != draft_device:
+            raise ValueError(f"draft_head must be on the draft's device {draft_device}, got {self.head.embedding.device}")
         self._draft_cache = cache_keyword(draft.base_model)
         self.draft_vocab = self.head.vocab_size
 
