@@ -407,6 +407,21 @@ def test_decoder_bad_arguments_name_the_argument():
             Decoder.from_state_dict(model.config, state, max_len=8)
 
 
+def test_from_hf_warns_that_an_attached_flashhead_is_not_carried(tmp_path, monkeypatch):
+    from flashhead_ext.hf import attach
+
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    model = copy.deepcopy(hf_model("llama")).float()
+    attachment = attach(model, probes=2, cluster_size=8, progress=False)
+    with pytest.warns(UserWarning, match="model has a FlashHead attached .* its tokens are the dense head's"):
+        decoder = Decoder.from_hf(model, max_len=8)
+    assert torch.equal(decoder.lm_head, model.lm_head.weight)  # the dense weight, as the warning says
+    attachment.enabled = False  # the dense head again: nothing to warn of
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Decoder.from_hf(model, max_len=8)
+
+
 # ---- the runner --------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)

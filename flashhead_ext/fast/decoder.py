@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
@@ -428,11 +429,19 @@ class Decoder:
         """From a transformers Llama / Qwen2 / Qwen3 / Gemma-3 text causal LM (its first ``num_layers`` layers when given:
         an early-exit draft). Weights are copied into the fused layout; ``eos_token_id`` is the
         model's ``generation_config.eos_token_id``, ``generation_settings`` the logits processors it
-        sets, which the runner does not apply (:func:`flashhead_ext.hf.greedy_logit_settings`)."""
+        sets, which the runner does not apply (:func:`flashhead_ext.hf.greedy_logit_settings`). A
+        FlashHead attached to ``model`` (:func:`flashhead_ext.hf.attach`) is not carried over (a
+        warning says so): the decoder keeps the dense output weight."""
         model = uncompiled(model)  # a compiled model's state dict names every weight "_orig_mod."...
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "state_dict"):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
+        attachment = getattr(model, "flash_head", None)
+        if attachment is not None and attachment.enabled:
+            # Else the two drivers would silently disagree: the eager one decodes through the attachment.
+            warnings.warn("model has a FlashHead attached (flashhead_ext.hf.attach), which the Decoder does not carry: it "
+                          "copies the dense output weight, so its tokens are the dense head's (a draft's head is the "
+                          "runner's draft_head)", stacklevel=2)
         decoder = cls.from_state_dict(config, model.state_dict(), max_len=max_len, num_layers=num_layers, dtype=dtype, device=device)
         generation = getattr(model, "generation_config", None)
         if generation is not None:  # what generate() stops at, which may differ from the config's
