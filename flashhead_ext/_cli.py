@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -100,6 +101,21 @@ def cluster_count(flag: str, vocab: int, cluster_size: int) -> int:
         raise ArgumentValueError(f"{flag}: {error}") from None
 
 
+def model_unavailable(subject: str, name: str) -> Optional[str]:
+    """Why the model ``name`` cannot be loaded on this installation, said of ``subject`` (the flag
+    naming it), or None: a usage error before the run, not an ImportError after it."""
+    if importlib.util.find_spec("transformers") is None:
+        return f"{subject} {name!r}: loading a model needs transformers (the [models] extra: pip install 'transformers>=5,<6')"
+    if name == "smollm2":
+        from .hf import smollm2_gguf_path
+
+        try:
+            smollm2_gguf_path()
+        except (ImportError, FileNotFoundError) as error:
+            return f"{subject} smollm2: {error}"
+    return None
+
+
 DEFAULT_NUM_PROMPTS = 8
 
 
@@ -134,7 +150,7 @@ def non_negative_int(text: str) -> int:
 
 
 def kmeans_seed(text: str) -> int:
-    """argparse ``type`` of a clustering's seed: one torch.Generator.manual_seed takes."""
+    """argparse ``type`` of a seed (a clustering's, a run's): one torch.Generator.manual_seed takes."""
     value = int(text)
     try:
         check_seed(value)
@@ -144,22 +160,24 @@ def kmeans_seed(text: str) -> int:
 
 
 def positive_int_list(text: str) -> list[int]:
-    """argparse ``type`` of a comma list of counts (probes values, cluster sizes, batch sizes)."""
+    """argparse ``type`` of a comma list of counts (probes values, cluster sizes, batch sizes); a
+    repeated value runs once, so no configuration is measured or counted twice."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive values, got {text!r}")
-    return values
+    return list(dict.fromkeys(values))
 
 
 def choices_list(parser: argparse.ArgumentParser, names: str, choices, what: str) -> list:
-    """The comma list ``names``, each one of ``choices`` (a parser error names the bad one)."""
+    """The comma list ``names``, each one of ``choices`` (a parser error names the bad one); a
+    repeated name runs once."""
     picked = [name for name in names.split(",") if name]
     if not picked:
         parser.error(f"no {what} given; choose from {sorted(choices)}")
     for name in picked:
         if name not in choices:
             parser.error(f"unknown {what} {name!r}; choose from {sorted(choices)}")
-    return picked
+    return list(dict.fromkeys(picked))

@@ -179,6 +179,9 @@ def test_head_bench_times_a_capped_probes_value_once(tmp_path):
     (["draft-step", "--context", "0"], "argument --context: expected a positive integer"),
     (["draft-step", "--shapes", "tiny", "--probes", "100000"], "--probes 100000 exceeds the 63 clusters of tiny"),
     (["spec", "--target", "tiny", "--draft", "tiny", "--cluster-size", "0"], "argument --cluster-size: expected a positive integer"),
+    (["spec", "--target", "tiny,tiny", "--draft", "tiny"], "argument --target: invalid choice: 'tiny,tiny'"),  # one shape
+    (["spec", "--draft", "tiny,"], "argument --draft: invalid choice: 'tiny,'"),
+    (["spec", "--seed", str(2**64)], "argument --seed: seed must be in -2**63..2**64 - 1"),
     (["layer-ops", "--tokens", "1,x"], "argument --tokens: expected comma-separated integers"),
     # Where the results could not be written: refused before the run, not after it.
     *[([name, "--json", "."], "argument --json: '.' is a directory")
@@ -190,6 +193,13 @@ def test_bench_refuses_bad_options(argv, message, capsys):
         main([*argv, "--device", "cpu"] if argv[0] in ("head", "draft-step", "spec", "clusters") else argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_value_named_twice_in_a_comma_list_runs_once():
+    from flashhead_ext._cli import choices_list, positive_int_list
+
+    assert positive_int_list("32,7,32,7,5") == [32, 7, 5]  # in the order given
+    assert choices_list(None, "tiny,qwen3-0.6b,tiny", SHAPES, "shape") == ["tiny", "qwen3-0.6b"]
 
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),

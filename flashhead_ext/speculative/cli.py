@@ -15,7 +15,7 @@ import torch
 
 from ..bench.timing import run_metadata
 from .._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count, counted,
-                    device_arg, output_file)
+                    device_arg, kmeans_seed, model_unavailable, output_file)
 from ..fast.decoder import BODIES
 from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster-size", type=int, default=16, help="tokens per FlashHead cluster, when a clustering is built")
     parser.add_argument("--kmeans-iters", "--iters", type=int, default=15,
                         help="k-means iterations, when a clustering is built (--iters, as compare-heads and eval call it)")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=kmeans_seed, default=0,
                         help="seed of the FlashHead k-means clustering and, with --synthetic-acceptance, of the acceptance draws")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="models' dtype")
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu", help="models' device")
@@ -80,7 +80,7 @@ def load_model(name: str, dtype: torch.dtype, device: str):
 
 def _load_model_or_exit(parser: argparse.ArgumentParser, flag: str, name: str, dtype: torch.dtype, device: str):
     """``load_model``, with a missing directory or model reported as a usage error naming ``flag``."""
-    if Path(name).is_dir() and not (Path(name) / "config.json").is_file():
+    if Path(name).is_file() or (Path(name).is_dir() and not (Path(name) / "config.json").is_file()):
         parser.error(f"{flag} {name!r}: not a transformers model directory (it has no config.json)")
     try:
         return load_model(name, dtype, device)
@@ -163,9 +163,14 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= {lowest}, got {getattr(args, name)}")
     try:
         configs = plan_configs(args.head, args.mode)
-        _early_exit_layers(args.draft)  # checked before any model is loaded
+        early_exit = _early_exit_layers(args.draft) is not None  # checked before any model is loaded
     except ValueError as error:
         parser.error(str(error))
+    loaded = [("--target", args.target)] + ([("--draft", args.draft)] if any(c.head for c in configs) and not early_exit else [])
+    for flag, name in loaded:
+        problem = model_unavailable(flag, name)
+        if problem:
+            parser.error(problem)
 
     if not args.fast and (args.draft_device is not None or args.synthetic_acceptance is not None or args.draft_body):
         parser.error("--draft-device, --draft-body and --synthetic-acceptance need --fast")
@@ -209,10 +214,10 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     rows = summarize(records, configs)
     flash = decoders.get("flashhead")
     # The arguments first: run_metadata's device (the GPU's name) must not give way to --device's "cuda".
-    meta = dict(vars(args), **run_metadata(args.device),
+    count = torch.get_num_threads()
+    meta = dict(vars(args), **run_metadata(args.device), torch_threads=count,  # --threads 0 leaves torch's count
                 probes_used=flash.head.probes if flash else None,
                 num_clusters=flash.head.num_clusters if flash else None)
-    count = torch.get_num_threads()
     threads = f", {counted(count, 'thread')}" if torch.device(args.device).type == "cpu" else ""
     flash_line = f", FlashHead {flash.head.probes} of {flash.head.num_clusters} clusters" if flash else ""
     workload = f"{counted(len(prompts), 'prompt')} x {counted(args.max_new_tokens, 'new token')}"

@@ -31,7 +31,9 @@ class RunConfig:
 
 
 def plan_configs(heads, modes) -> list:
-    """Baseline once (it has no draft head), then every speculative mode with every head."""
+    """Baseline once (it has no draft head), then every speculative mode with every head; a head or
+    mode named twice runs once (else its prompts would be counted twice)."""
+    heads, modes = list(dict.fromkeys(heads)), list(dict.fromkeys(modes))
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"modes must be drawn from {MODES}, got {mode!r}")
