@@ -114,6 +114,17 @@ def test_a_missing_model_package_is_a_usage_error(tmp_path, monkeypatch, capsys)
     assert not (tmp_path / "out.json").exists()
 
 
+def test_a_model_without_transformers_installed_is_named_as_a_usage_problem(monkeypatch):
+    import importlib.util
+
+    from flashhead_ext._cli import model_unavailable
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "transformers" else find_spec(name, *rest))
+    assert model_unavailable("--target", "models/tiny") == (
+        "--target 'models/tiny': loading a model needs transformers (the [models] extra: pip install 'transformers>=5,<6')")
+
+
 def test_prompts_past_the_file_or_unreadable_are_usage_errors_before_the_model_loads(tmp_path, monkeypatch, capsys):
     from flashhead_ext import hf
     from flashhead_ext.__main__ import main
