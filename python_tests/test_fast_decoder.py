@@ -705,6 +705,11 @@ def test_runner_bad_arguments_name_the_argument():
         FastSpeculativeDecoder(target, draft, head, k=0)
     with pytest.raises(ValueError, match="synthetic_acceptance must be a probability"):
         FastSpeculativeDecoder(target, draft, head, synthetic_acceptance=1.5)
+    # A draft's options without a draft would be silently ignored.
+    for given, names in (((None, head), "draft_head"), ((None, "dense"), "synthetic_acceptance"),
+                         ((None, head), "draft_head and synthetic_acceptance")):
+        with pytest.raises(ValueError, match=rf"^{names} apply to a draft, and no draft was given"):
+            FastSpeculativeDecoder(target, *given, synthetic_acceptance=None if names == "draft_head" else 0.5)
     with pytest.raises(TypeError, match="seed must be a Python int, got str"):
         FastSpeculativeDecoder(target, draft, head, seed="1")
     for seed in (2**63, -2**63 - 1):  # hashed as 8 signed bytes at each generate

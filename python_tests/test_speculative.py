@@ -428,6 +428,8 @@ def test_bad_inputs_name_the_argument():
         SpeculativeDecoder(target, eos_token_id=torch.tensor(3.0))
     with pytest.raises(ValueError, match="mode 'deferred' needs a draft model"):
         SpeculativeDecoder(target).generate(prompt(0), mode="deferred")
+    with pytest.raises(ValueError, match=r"draft_head apply to a draft, and no draft was given \(draft=None"):
+        SpeculativeDecoder(target, None, head)  # else silently ignored
     # A model name or a module that is no causal LM: named, not an AttributeError from its forward.
     for bad in ("HuggingFaceTB/SmolLM2-135M-Instruct", target.model):
         with pytest.raises(ValueError, match=f"target: model must be a transformers causal LM .*, got {type(bad).__name__}"):

@@ -37,7 +37,7 @@ from ..graphs import capture_graph
 from ..head import DenseHead, FlashHead, _HeadBase
 from ..hf import warn_unapplied_generation_settings
 from ..speculative.driver import (Clock, Emitter, Generation, GenerationStats, check_mode, check_prompt, draft_input,
-                                  eos_ids, require_positive_int, resolve_draft_head, sync)
+                                  eos_ids, require_no_draft_options, require_positive_int, resolve_draft_head, sync)
 from .decoder import Decoder
 
 
@@ -173,7 +173,9 @@ class FastSpeculativeDecoder:
         if self.graphs and target.device.type != "cuda":
             raise ValueError(f"graphs=True needs the models on a CUDA device, the target is on {target.device}")
         self.head = None
-        if draft is not None:
+        if draft is None:
+            require_no_draft_options(draft_head, synthetic_acceptance=synthetic_acceptance)
+        else:
             self.head = self._check_draft(draft, draft_head)
         self._build()
 

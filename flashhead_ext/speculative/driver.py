@@ -256,6 +256,16 @@ def resolve_draft_head(draft_head, embedding: Tensor, vocab: int) -> _HeadBase:
     return draft_head
 
 
+def require_no_draft_options(draft_head, **options) -> None:
+    """ValueError when a driver built without a draft is given a draft's options, which it would
+    silently ignore: a ``draft_head`` other than the default ``"dense"``, or one of ``options`` set."""
+    given = [name for name, value in options.items() if value is not None]
+    if not (isinstance(draft_head, str) and draft_head == "dense"):
+        given.insert(0, "draft_head")
+    if given:
+        raise ValueError(f"{' and '.join(given)} apply to a draft, and no draft was given (draft=None: baseline decoding only)")
+
+
 def draft_input(ids: Tensor, draft_vocab: int, vocab: int) -> Tensor:
     """``ids`` as the draft takes them: a target token past the draft's ``draft_vocab`` rows (a padding
     row of the target's ``vocab``) becomes the draft's last id. That can cost the round its acceptance,
@@ -329,6 +339,7 @@ class SpeculativeDecoder:
         self.draft = draft
         self.head = None
         if draft is None:
+            require_no_draft_options(draft_head)
             return
         for model, role in ((target, "target"), (draft, "draft")):
             if getattr(uncompiled(model), "_is_stateful", False):  # transformers' own flag, which its assisted generation refuses too
