@@ -37,7 +37,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_bytes, save_file
 from torch import Tensor
 
 from .clustering import (ALGORITHM_VERSION, GREEDY_SCORINGS, Clustering, build_clusters, calibrate_clusters,
@@ -197,6 +197,13 @@ def write_replacing(path: Path, write) -> None:
         partial.unlink(missing_ok=True)
 
 
+def read_tensors(path: Path) -> dict:
+    """A safetensors file's tensors, read into memory rather than memory-mapped: a file written
+    over in place later (a copy over it, a shared cache refreshed from another host) would
+    otherwise change them, or kill the process at their next read."""
+    return load_bytes(path.read_bytes())
+
+
 def read_config(directory: Path) -> dict:
     """FlashHead keys from our config file, else from a model's config.json; empty if neither has them."""
     for name in (CONFIG_NAME, "config.json"):
@@ -233,11 +240,13 @@ def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> Flas
         raise FileNotFoundError(f"FlashHead assets directory {directory} does not exist")
     config = read_config(directory)
     cache_dir = config.get("flash_head_cache_dir", DEFAULT_CACHE_DIR)
+    if not isinstance(cache_dir, str):
+        raise ValueError(f"flash_head_cache_dir must be a directory name (a string), got {cache_dir!r}")
     path = directory / cache_dir / TENSORS_NAME
     if not path.is_file():
         raise FileNotFoundError(f"expected FlashHead clustering tensors at {path} (flash_head_cache_dir={cache_dir!r})")
     try:
-        tensors = load_file(str(path))
+        tensors = read_tensors(path)
     except (SafetensorError, OSError) as error:
         raise ValueError(f"{path} is not a readable safetensors file: {error}") from error
     for name in ("centroids", "cluster_assignments"):
@@ -248,6 +257,8 @@ def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> Flas
     assignments = _squeeze_leading("cluster_assignments", tensors["cluster_assignments"], 1, "[vocab]")
     if not centroids.is_floating_point():
         raise ValueError(f"centroids in {path} must be floating point, got {centroids.dtype}")
+    if not torch.isfinite(centroids).all():
+        raise ValueError(f"centroids in {path} hold NaN or infinite values")
     if assignments.is_floating_point() or assignments.dtype == torch.bool:
         raise ValueError(f"cluster_assignments in {path} must hold integer cluster ids, got {assignments.dtype}")
     dim, count = centroids.shape
@@ -268,7 +279,9 @@ def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> Flas
     counts = torch.bincount(assignments, minlength=count)
     if (counts == 0).any():
         raise ValueError(f"cluster {int((counts == 0).nonzero()[0])} has no tokens in cluster_assignments; every cluster needs one")
-    enforce = bool(config.get("enforce_equal_cluster_sizes", True))
+    enforce = config.get("enforce_equal_cluster_sizes", True)
+    if not isinstance(enforce, bool):  # bool("false") would be True
+        raise ValueError(f"enforce_equal_cluster_sizes must be true or false, got {enforce!r}")
     if enforce and counts.min() != counts.max():
         raise ValueError(f"enforce_equal_cluster_sizes is set but cluster sizes range from {int(counts.min())} "
                          f"(cluster {int(counts.argmin())}) to {int(counts.max())} (cluster {int(counts.argmax())}); "

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, read_config, write_replacing, flash_head_for, load_assets,
+from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, read_config, read_tensors, write_replacing, flash_head_for, load_assets,
                      user_cache_dir)
 from . import ops
 from .clustering import MIN_STATES_PER_DIM
@@ -283,7 +283,7 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
     path = (user_cache_dir() / "hidden_states" /
             f"{digest[:16]}-p{prompt_key[:16]}{plain}-n{len(prompts)}-t{max_new_tokens}-v{RECORDING_VERSION}.safetensors")
     if cache and path.is_file():
-        return load_file(str(path))
+        return read_tensors(path)
     hidden, tokens, index = record_hidden_states(model, tokenizer, [p["text"] for p in prompts], max_new_tokens,
                                                  progress=progress, batch_size=batch_size)
     states = {"hidden": hidden.float().cpu().contiguous(), "tokens": tokens.cpu(), "prompt_index": index}

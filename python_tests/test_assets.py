@@ -1,4 +1,5 @@
 """FlashHead assets: published layout round trips in both directions, malformed assets, the cache."""
+import copy
 import json
 import re
 
@@ -196,11 +197,33 @@ def _write_bad(directory, *, centroids=None, assignments=None, config=None, drop
     ({"centroids": torch.randn(DIM, 24), "assignments": torch.arange(VOCAB) % 12,
       "config": {"enforce_equal_cluster_sizes": False}}, "cluster 12 has no tokens"),  # not transposed
     ({"assignments": torch.arange(VOCAB + 12) % 12}, "assign 108 tokens .* but the embedding has vocab size 96"),
+    ({"centroids": torch.randn(DIM, 12).index_fill_(1, torch.tensor([5]), float("nan"))},
+     r"centroids in .* hold NaN or infinite values"),
+    *[({"config": {"flash_head_cache_dir": bad}}, rf"flash_head_cache_dir must be a directory name \(a string\), got {re.escape(repr(bad))}")
+      for bad in (None, 3, ["flash_head_assets"])],
+    *[({"config": {"enforce_equal_cluster_sizes": bad}}, rf"enforce_equal_cluster_sizes must be true or false, got {re.escape(repr(bad))}")
+      for bad in (None, "false", 0)],
 ])
 def test_malformed_assets_raise_clear_errors(tmp_path, embedding, bad, match):
     _write_bad(tmp_path, **bad)
     with pytest.raises(ValueError, match=match):
         load_assets(tmp_path, embedding)
+
+
+def test_loaded_assets_do_not_follow_their_files_written_over_in_place(tmp_path, embedding, clustering):
+    # A copy over the files (rsync, a shared cache refreshed elsewhere) changes them in place: memory-
+    # mapped tensors would change with them, or kill the process once the file is truncated.
+    save_assets(tmp_path, clustering, n_probes=2)
+    loaded = load_assets(tmp_path, embedding)
+    saved = copy.deepcopy(loaded)
+    tensors = tmp_path / "flash_head_assets" / TENSORS_NAME
+    other = FlashHeadAssets.from_clustering(build_clusters(embedding.flip(0), SIZE, iters=2, progress=False))
+    save_assets(tmp_path / "other", other)
+    with open(tensors, "r+b") as f:  # the same size, other values, in place
+        f.write((tmp_path / "other" / "flash_head_assets" / TENSORS_NAME).read_bytes())
+    assert not torch.equal(load_assets(tmp_path, embedding).cluster_assignments, saved.cluster_assignments)  # the file changed
+    assert torch.equal(loaded.cluster_assignments, saved.cluster_assignments)  # what was loaded did not
+    assert torch.equal(loaded.raw_centroids, saved.raw_centroids)
 
 
 def test_unreadable_files_are_named(tmp_path, embedding):
