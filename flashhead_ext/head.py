@@ -129,8 +129,12 @@ class _HeadBase(nn.Module):
 
     def __setattr__(self, name, value):
         if name == "embedding":  # given another weight: it is the head's from now on
+            self._check_new_embedding(value)
             self.__dict__.update(_weight=None, _shared_at=None, _embedding_unset=False)
         super().__setattr__(name, value)
+
+    def _check_new_embedding(self, embedding) -> None:
+        _check_embedding(embedding)
 
     def __getstate__(self):
         # copy.deepcopy and pickling copy the weight and the buffer apart: while they are one, the
@@ -265,7 +269,8 @@ class DenseHead(_HeadBase):
         """Every token is a candidate: ids int32 ``[..., V]`` (0..V-1) and float32 logits ``[..., V]``."""
         rows = self._rows(hidden)
         logits = (rows @ self.embedding.t()).float()
-        ids = torch.arange(self.vocab_size, device=rows.device, dtype=torch.int32).expand(rows.shape[0], -1)
+        # A row each, as FlashHead's: an expanded arange would make a write to one row change every row.
+        ids = torch.arange(self.vocab_size, device=rows.device, dtype=torch.int32).repeat(rows.shape[0], 1)
         return self._unflatten(ids, hidden), self._unflatten(logits, hidden)
 
 
@@ -485,6 +490,13 @@ class FlashHead(_HeadBase):
             raise TypeError(f"the head's dtype is {self.embedding.dtype}; FlashHead runs in float16, bfloat16 or float32: "
                             "cast it back (e.g. head.float())")
         return super()._rows(hidden)
+
+    def _check_new_embedding(self, embedding) -> None:
+        super()._check_new_embedding(embedding)
+        expected = tuple(self._buffers["embedding"].shape)
+        if tuple(embedding.shape) != expected:  # the cluster tables index its rows
+            raise ValueError(f"embedding must have the head's shape {list(expected)} (its clusters index those rows), "
+                             f"got {list(embedding.shape)}")
 
     def next_token(self, hidden: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
         """int64 ``hidden.shape[:-1]``: each row's greedy token. ``out``, an int64 ``[B]`` with ``B``

@@ -63,6 +63,8 @@ def test_dense_candidate_logits(device):
     ids, logits = DenseHead(problem.embedding).candidate_logits(problem.hidden)
     assert ids.dtype == torch.int32 and (ids.cpu() == torch.arange(problem.vocab, dtype=torch.int32)).all()
     torch.testing.assert_close(logits, ref.dense_logits(problem.hidden, problem.embedding), rtol=1e-5, atol=1e-5)
+    ids[0, 0] = -1  # each row its own ids, as FlashHead's: a write to one row leaves the others
+    assert (ids[1:, 0] == 0).all()
 
 
 @device_params
@@ -388,6 +390,27 @@ def test_a_head_refuses_to_run_on_the_empty_embedding_of_to_empty(kind, alone):
     model.float()
     assert torch.equal(model.head.next_token(problem.hidden), want)
     assert torch.equal(copy.deepcopy(model).head.next_token(problem.hidden), want)
+
+
+@either_head
+def test_a_new_embedding_is_checked_when_given(make_head):
+    problem = make_problem(SHAPE, torch.float32, "cpu")
+    head = make_head(problem)
+    for bad, error, message in ((None, TypeError, "embedding must be a torch.Tensor"),
+                                (problem.embedding.double(), TypeError, "embedding must be float16, bfloat16 or float32"),
+                                (problem.embedding[:, :0], ValueError, "embedding must be a non-empty 2-D tensor")):
+        with pytest.raises(error, match=message):
+            head.embedding = bad
+    fewer_rows = problem.embedding[:-3].clone()
+    if isinstance(head, FlashHead):  # its cluster tables index the rows: fewer would silently never be chosen
+        with pytest.raises(ValueError, match=re.escape(f"embedding must have the head's shape [{SHAPE.V}, {SHAPE.D}] "
+                                                       f"(its clusters index those rows), got [{SHAPE.V - 3}, {SHAPE.D}]")):
+            head.embedding = fewer_rows
+    else:
+        head.embedding = fewer_rows
+        assert head.vocab_size == SHAPE.V - 3
+    head.embedding = problem.embedding.clone()  # a weight of the head's shape is taken
+    assert torch.equal(head.next_token(problem.hidden), make_head(problem).next_token(problem.hidden))
 
 
 def test_loading_special_tokens_keeps_the_buffer_when_it_fits_and_drops_repeats():
