@@ -5,6 +5,8 @@ opaque undefined-symbol error, or worse, loads and misbehaves. Say what to rebui
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 REBUILD_HINT = (
@@ -17,9 +19,12 @@ def build_info():
     try:
         from . import _build_info
     except ImportError as err:
+        # Run from a source checkout's root, Python imports the checkout, not the copy pip installed.
         raise ImportError(
-            "flashhead_ext has no compiled extension (flashhead_ext/_build_info.py is missing): "
-            f"it was not built. {REBUILD_HINT}"
+            f"flashhead_ext was imported from {Path(__file__).parent}, which holds no built extension "
+            "(no _build_info.py beside it). From a source checkout's root, Python imports the checkout "
+            "rather than an installed copy: run elsewhere, or install the checkout in place "
+            f"(pip install --no-build-isolation -e <path>). {REBUILD_HINT}"
         ) from err
     return _build_info
 

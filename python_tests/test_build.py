@@ -1,6 +1,7 @@
 """The build records what it was compiled against, and import refuses a different torch."""
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,5 +29,7 @@ def test_import_says_when_nothing_was_built(monkeypatch):
     # None in sys.modules makes `from . import _build_info` raise ImportError, as for a missing file.
     monkeypatch.setitem(sys.modules, "flashhead_ext._build_info", None)
     monkeypatch.delattr(flashhead_ext, "_build_info", raising=False)
-    with pytest.raises(ImportError, match="not built"):
+    with pytest.raises(ImportError, match="holds no built extension") as err:
         _loader.load_extension()
+    # Where it was imported from, and the way out when that is a checkout shadowing an installed copy.
+    assert str(Path(flashhead_ext.__file__).parent) in str(err.value) and "pip install --no-build-isolation -e" in str(err.value)

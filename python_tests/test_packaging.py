@@ -26,14 +26,21 @@ def test_sdist_carries_every_source_file(tmp_path):
     for name in files:  # a copy, so the sdist's egg-info and build info stay out of the checkout
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, tree / name)
+    build_info = tree / "flashhead_ext" / "_build_info.py"
+    env = {**os.environ, "FLASHHEAD_SKIP_CUDA_BUILD": "1"}
+    subprocess.run([sys.executable, "setup.py", "-q", "--version"], cwd=tree, check=True, capture_output=True, env=env)
+    assert not build_info.exists()  # only a build writes it, beside the extension it describes
+    build_info.write_text("WITH_CUDA = True  # this machine's build\n")
     subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--formats=gztar", "-d", str(tmp_path / "dist")],
-                   cwd=tree, check=True, capture_output=True, env={**os.environ, "FLASHHEAD_SKIP_CUDA_BUILD": "1"})
+                   cwd=tree, check=True, capture_output=True, env=env)
+    assert build_info.read_text() == "WITH_CUDA = True  # this machine's build\n"  # an sdist leaves it alone
     (archive,) = (tmp_path / "dist").glob("*.tar.gz")
     with tarfile.open(archive) as sdist:
         members = {Path(*Path(name).parts[1:]).as_posix() for name in sdist.getnames()}
     needed = [name for name in files if name.startswith("csrc/") or name.startswith("flashhead_ext/")
-              or name in ("setup.py", "pyproject.toml", "README.md")]
+              or name in ("setup.py", "pyproject.toml", "README.md", "LICENSE")]
     assert needed and not sorted(set(needed) - members)
+    assert "LICENSE" in needed and "flashhead_ext/_build_info.py" not in members
 
 
 def test_a_build_without_torch_stops_with_advice():
