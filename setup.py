@@ -30,7 +30,11 @@ def want_cuda() -> bool:
         return False
     if CUDA_HOME is None or torch.version.cuda is None:
         return False
-    if not (Path(CUDA_HOME) / "include" / "cuda_runtime.h").is_file():
+    # Where torch's build looks for the CUDA headers (and a conda toolkit keeps them).
+    header_dirs = [Path(CUDA_HOME) / "include", *Path(CUDA_HOME).glob("targets/*/include")]
+    if os.environ.get("CUDA_INC_PATH"):
+        header_dirs.append(Path(os.environ["CUDA_INC_PATH"]))
+    if not any((directory / "cuda_runtime.h").is_file() for directory in header_dirs):
         # torch guesses CUDA_HOME from the nvcc on the PATH: a wrapper script outside the toolkit
         # (/usr/local/bin/nvcc) gives a directory without headers, and the build failed minutes in.
         raise SystemExit(f"CUDA_HOME {CUDA_HOME} has no include/cuda_runtime.h: set CUDA_HOME to the CUDA toolkit "

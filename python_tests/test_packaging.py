@@ -49,3 +49,16 @@ def test_a_build_without_torch_stops_with_advice():
     result = subprocess.run([sys.executable, "-c", hide_torch, "--version"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode != 0
     assert "install torch first, then pip install --no-build-isolation ." in result.stderr
+
+
+def test_a_cuda_home_without_headers_is_refused_before_the_build(tmp_path):
+    # torch guesses CUDA_HOME from the nvcc on the PATH; a wrapper outside the toolkit gives a
+    # directory without headers, where the build failed minutes in.
+    import torch
+
+    if torch.version.cuda is None:
+        pytest.skip("a CPU build of torch compiles no CUDA sources")
+    env = {**os.environ, "CUDA_HOME": str(tmp_path), "FLASHHEAD_SKIP_CUDA_BUILD": "0"}
+    result = subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert result.returncode != 0
+    assert f"CUDA_HOME {tmp_path} has no include/cuda_runtime.h: set CUDA_HOME to the CUDA toolkit" in result.stderr
