@@ -195,6 +195,16 @@ def test_bench_refuses_bad_options(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_model_shapes_on_the_cpu_say_they_take_minutes(monkeypatch, capsys):
+    from flashhead_ext.bench import head as bench_head
+
+    monkeypatch.setattr(bench_head, "run", lambda *args: 0)  # the note, not minutes of CPU timing
+    assert main(["head", "--shapes", "tiny,qwen3-0.6b", "--device", "cpu"]) == 0
+    assert "on the CPU the model shapes (qwen3-0.6b) take minutes; --shapes tiny is quick" in capsys.readouterr().out
+    assert main(["head", "--shapes", "tiny", "--device", "cpu"]) == 0
+    assert "take minutes" not in capsys.readouterr().out
+
+
 def test_a_value_named_twice_in_a_comma_list_runs_once():
     from flashhead_ext._cli import choices_list, positive_int_list
 
