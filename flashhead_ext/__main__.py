@@ -146,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     # The console script `flashhead` (pyproject.toml) or `python -m flashhead_ext`, as the user typed it.
     prog = "flashhead" if Path(sys.argv[0]).name == "flashhead" else "python -m flashhead_ext"
     parser = argparse.ArgumentParser(prog=prog, description="FlashHead retrieval heads: tools.")
+    from . import BUILD_INFO, __version__
+
+    kernels = f"CUDA {BUILD_INFO.CUDA_VERSION} kernels for {BUILD_INFO.CUDA_ARCH_LIST}" if BUILD_INFO.WITH_CUDA else "CPU only"
+    # What a bug report needs: the package, and the torch and kernels it was built against.
+    parser.add_argument("--version", action="version",
+                        version=f"flashhead_ext {__version__} (built against torch {BUILD_INFO.TORCH_VERSION}; {kernels})")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     compare = commands.add_parser(
         "compare-heads", help="DenseHead vs FlashHead on SmolLM2-135M-Instruct's real hidden states",

@@ -75,6 +75,18 @@ def test_usage_names_the_command_as_typed(monkeypatch):
     assert build_parser().prog == "python -m flashhead_ext"
 
 
+def test_version_names_the_build(capsys):
+    import flashhead_ext
+    from flashhead_ext.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"flashhead_ext {flashhead_ext.__version__} (built against torch {flashhead_ext.BUILD_INFO.TORCH_VERSION}; ")
+    assert ("CUDA" in printed) == flashhead_ext.cuda_kernels_built()
+
+
 def test_a_cluster_size_past_the_vocabulary_is_a_usage_error_once_the_model_loads(tmp_path, monkeypatch, capsys):
     pytest.importorskip("transformers")
     from flashhead_ext import hf
