@@ -396,6 +396,7 @@ def test_bad_input(tmp_path, capsys):
             parse_args(argv)
         assert message in capsys.readouterr().err
     assert parse_args(["quality"]).seeds == [0] and parse_args(["quality", "--seed", "7"]).seeds == [7]
+    assert parse_args(["quality", "--dtype", "bf16"]).dtype == "bfloat16" and parse_args(["quality", "--dtype", "fp32"]).dtype == "float32"
     assert parse_args(["quality", "--seeds", "2,0,5"]).seeds == [2, 0, 5] and not hasattr(parse_args(["quality"]), "seed")
     with pytest.raises(ValueError, match="per_category must be a positive int or None, got 0"):
         prompts_per_category(prompts, 0)

@@ -17,6 +17,7 @@ from .._cli import (ArgumentValueError, doc_summary, kmeans_seed, non_negative_i
 from ..prompts import DEFAULT_PROMPTS
 from .quality import DTYPES, METHODS, format_table, model_problem, plot, run_quality
 
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}  # the spec and bench tools' names
 
 DEFAULT_PLOT = "results/quality.png"
 
@@ -71,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also score each data-aware method (kmeans-fit, calibrated) calibrated leave-one-category-out: "
                               "each category by a clustering of the other categories' even ids (rows '<method>+holdout', "
                               "one clustering a category for each seed; without --frequent-tokens or --fp8-centroids)")
-    quality.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                         help="the model generates and both heads run in this dtype (default: %(default)s)")
+    # The spec and bench tools' short names are taken too: one spelling works in every CLI.
+    quality.add_argument("--dtype", choices=list(DTYPES), default="float32", type=lambda name: DTYPE_ALIASES.get(name, name),
+                         help="the model generates and both heads run in this dtype; fp32 and bf16 as the other tools "
+                              "spell them are taken too (default: %(default)s)")
     quality.add_argument("--batch-size", type=positive_int, default=8, help="prompts generated at once while recording (default: %(default)s)")
     quality.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
     quality.add_argument("--no-cache", action="store_true", help="record states and build clusterings again, overwriting the cache")
