@@ -381,6 +381,10 @@ def test_decoder_bad_arguments_name_the_argument():
         state = dict(model.state_dict())
         del state["model.layers.0.mlp.down_proj.weight"]
         Decoder.from_state_dict(model.config, state, max_len=8)
+    # A transformers config where a DecoderConfig is taken: named, not an AttributeError from deep inside.
+    for build in (lambda: Decoder.random(model.config, max_len=8, device="cpu"), lambda: Decoder(model.config, weights, max_len=8)):
+        with pytest.raises(TypeError, match="config must be a flashhead_ext.fast.DecoderConfig .*, got LlamaConfig"):
+            build()
     # More layers than the config's is another model's config, unless num_layers asks for an early exit.
     shorter = transformers.LlamaConfig(**{**model.config.to_dict(), "num_hidden_layers": 2})
     with pytest.raises(ValueError, match=r"state_dict holds layer 2 but the config has 2 layers .*pass num_layers=2"):

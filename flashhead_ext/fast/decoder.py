@@ -225,6 +225,12 @@ def _default_inv_freq(theta: float, head_dim: int) -> Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
+def _require_config(config) -> None:
+    if not isinstance(config, DecoderConfig):  # else an AttributeError from deep inside
+        raise TypeError(f"config must be a flashhead_ext.fast.DecoderConfig (DecoderConfig.from_hf converts a transformers "
+                        f"config), got {type(config).__name__}")
+
+
 def _layer_shapes(c: DecoderConfig) -> dict:
     """Each stacked layer weight's shape ``[num_layers, ...]`` in the fused layout, for this config."""
     n, d, hd = c.num_layers, c.hidden_size, c.head_dim
@@ -373,6 +379,7 @@ class Decoder:
     """
 
     def __init__(self, config: DecoderConfig, weights: Mapping[str, object], *, max_len: int):
+        _require_config(config)
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
         self.config = config
@@ -519,6 +526,7 @@ class Decoder:
                seed: int = 0, std: float = 0.02) -> "Decoder":
         """Random weights allocated directly on ``device`` (default ``"cuda"``; a 32B-shaped model never
         passes through the host). For timing: the values are irrelevant, but never zeros, and norms are ones."""
+        _require_config(config)
         _require_dtype(dtype)
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
