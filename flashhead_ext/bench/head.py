@@ -247,9 +247,9 @@ def main(argv=None) -> int:
             parser.error("--modes graph needs a CUDA device (CUDA graphs); on the CPU use --modes eager")
         modes = [m for m in modes if m != "graph"]
         print("graph mode skipped: CUDA graphs need a CUDA device")
-    if args.device == "cpu" and set(args.shapes) - {"tiny"}:  # else minutes with nothing printed
-        print(f"on the CPU the model shapes ({', '.join(s for s in args.shapes if s != 'tiny')}) take minutes; "
-              "--shapes tiny is quick")
+    model_shapes = [name for name in args.shapes if name != "tiny"]
+    if args.device == "cpu" and model_shapes:  # else minutes with nothing printed
+        print(f"on the CPU the model shapes ({', '.join(model_shapes)}) take minutes; --shapes tiny is quick")
     with on_device(args.device):
         return run(args, impls, modes)
 

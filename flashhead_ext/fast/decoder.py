@@ -246,14 +246,19 @@ def _layer_shapes(c: DecoderConfig) -> dict:
     return shapes
 
 
-def _check_weight_shapes(c: DecoderConfig, weights: Mapping[str, object]) -> None:
-    """ValueError naming the first weight whose shape, dtype or device is not the config's and the
-    embedding's: the fused kernels index them by the config's sizes, and a mismatch would read out
-    of bounds or give a silently wrong model."""
+def _check_weights(c: DecoderConfig, weights: Mapping[str, object]) -> None:
+    """ValueError unless ``weights['layers']`` holds the kinds the config names (the layer applies
+    the biases and norms it finds, so the two must agree), then naming the first weight whose
+    shape, dtype or device is not the config's and the embedding's: the fused kernels index them by
+    the config's sizes, and a mismatch would read out of bounds or give a silently wrong model."""
+    layer_shapes = _layer_shapes(c)
+    if set(weights["layers"]) != set(layer_shapes):
+        raise ValueError(f"weights['layers'] must hold {sorted(layer_shapes)} for this config (qk_norm={c.qk_norm}, "
+                         f"qkv_bias={c.qkv_bias}, post_norms={c.post_norms}), got {sorted(weights['layers'])}")
     embed = weights["embed"]
     expected = dict(embed=(c.vocab_size, c.hidden_size), lm_head=(c.vocab_size, c.hidden_size), final_norm=(c.hidden_size,))
     named = [(name, weights[name], shape) for name, shape in expected.items()]
-    named += [(f"layers[{name!r}]", weights["layers"][name], shape) for name, shape in _layer_shapes(c).items()]
+    named += [(f"layers[{name!r}]", weights["layers"][name], shape) for name, shape in layer_shapes.items()]
     for name, weight, shape in named:
         if not isinstance(weight, Tensor):
             raise TypeError(f"weights {name} must be a torch.Tensor {list(shape)}, got {type(weight).__name__}")
@@ -391,11 +396,7 @@ class Decoder:
         self.lm_head = weights["lm_head"]
         self.final_norm = weights["final_norm"]
         self.stacked = dict(weights["layers"])
-        expected = _layer_shapes(config)
-        if set(self.stacked) != set(expected):  # the layer applies the biases and norms it finds, so the two must agree
-            raise ValueError(f"weights['layers'] must hold {sorted(expected)} for this config (qk_norm={config.qk_norm}, "
-                             f"qkv_bias={config.qkv_bias}, post_norms={config.post_norms}), got {sorted(self.stacked)}")
-        _check_weight_shapes(config, weights)
+        _check_weights(config, weights)
         self.layers = [{name: w[i] for name, w in self.stacked.items()} for i in range(config.num_layers)]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         if self.dtype not in MODEL_DTYPES:

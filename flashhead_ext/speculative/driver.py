@@ -341,9 +341,9 @@ class SpeculativeDecoder:
         if draft is None:
             require_no_draft_options(draft_head)
             return
-        for model, role in ((target, "target"), (draft, "draft")):
-            if getattr(uncompiled(model), "_is_stateful", False):  # transformers' own flag, which its assisted generation refuses too
-                raise ValueError(f"{role} {type(uncompiled(model)).__name__} keeps a recurrent state, which speculative decoding "
+        for model, role in ((uncompiled(target), "target"), (uncompiled(draft), "draft")):
+            if getattr(model, "_is_stateful", False):  # transformers' own flag, which its assisted generation refuses too
+                raise ValueError(f"{role} {type(model).__name__} keeps a recurrent state, which speculative decoding "
                                  "cannot cut back to the accepted tokens; decode it without a draft (draft=None, mode='baseline')")
         self.head = resolve_draft_head(draft_head, _output_embedding(draft, "draft"), vocab)
         check_output_head_bias_free(draft, "draft")
