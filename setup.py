@@ -23,6 +23,17 @@ except ImportError:
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = Path(__file__).parent.resolve()
+OLDEST_TORCH = (2, 6)
+
+
+def torch_requirement() -> str:
+    """The installed torch's release ("2.14.1" of "2.14.1+cu130"): the extension loads under no
+    other, so the package requires it and pip says so before another replaces it."""
+    release = torch.__version__.split("+")[0]
+    if tuple(int(part) for part in release.split(".")[:2]) < OLDEST_TORCH:
+        raise SystemExit(f"flashhead_ext needs torch>={OLDEST_TORCH[0]}.{OLDEST_TORCH[1]}, found {torch.__version__}: "
+                         "install a newer torch first")
+    return f"torch=={release}"
 
 
 def want_cuda() -> bool:
@@ -100,6 +111,7 @@ def extension():
 
 
 setup(
+    install_requires=[torch_requirement(), "numpy", "tqdm", "safetensors"],
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildWithInfo},
 )

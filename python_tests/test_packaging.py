@@ -43,6 +43,28 @@ def test_sdist_carries_every_source_file(tmp_path):
     assert "LICENSE" in needed and "flashhead_ext/_build_info.py" not in members
 
 
+def test_the_package_requires_the_torch_it_is_built_against(tmp_path):
+    """The extension loads under that release only, so pip must not see another as compatible."""
+    import torch
+
+    env = {**os.environ, "FLASHHEAD_SKIP_CUDA_BUILD": "1"}
+    subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)], cwd=ROOT, check=True,
+                   capture_output=True, env=env)
+    (requires,) = tmp_path.glob("*.egg-info/requires.txt")
+    runtime = requires.read_text().split("\n\n")[0].split()  # the extras' sections follow a blank line
+    assert f"torch=={torch.__version__.split('+')[0]}" in runtime
+    assert [name for name in runtime if name.startswith("torch")] == [runtime[0]]
+
+
+def test_a_torch_older_than_2_6_is_refused():
+    old_torch = "import runpy, torch; torch.__version__ = '2.5.1+cu124'; runpy.run_path('setup.py')"
+    env = {**os.environ, "FLASHHEAD_SKIP_CUDA_BUILD": "1"}
+    result = subprocess.run([sys.executable, "-c", old_torch, "--version"], cwd=ROOT, capture_output=True, text=True,
+                            env=env)
+    assert result.returncode != 0
+    assert "flashhead_ext needs torch>=2.6, found 2.5.1+cu124: install a newer torch first" in result.stderr
+
+
 def test_a_build_without_torch_stops_with_advice():
     """As in pip's isolated build environment, which pyproject.toml gives no torch."""
     hide_torch = "import runpy, sys; sys.modules['torch'] = None; runpy.run_path('setup.py')"
