@@ -216,10 +216,11 @@ def _record_spy(monkeypatch):
     return calls
 
 
-def _argv(tmp_path, model_dir, prompts, *extra):
+def _argv(tmp_path, model_dir, prompts, *extra, plot=True):
     return ["quality", "--model", str(model_dir), "--prompts", str(prompts), "--max-new-tokens", "6",
             "--probes", "1,2,3,40", "--cluster-sizes", "4,7", "--iters", "2", "--batch-size", "3", "--quiet",
-            "--json", str(tmp_path / "out" / "quality.json"), "--plot", str(tmp_path / "out" / "quality.png"), *extra]
+            "--json", str(tmp_path / "out" / "quality.json"),
+            *(["--plot", str(tmp_path / "out" / "quality.png")] if plot else []), *extra]
 
 
 # 6 prompts of 6 tokens calibrate the tiny model (hidden size 16) on 36 states, fewer than calibrate_clusters
@@ -364,12 +365,18 @@ def test_plain_kmeans_needs_no_calibration_and_no_matplotlib(tmp_path, monkeypat
     calls = _record_spy(monkeypatch)
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "matplotlib" else find_spec(name, *rest))
+    monkeypatch.chdir(tmp_path)  # where the default plot would go
     assert main(_argv(tmp_path, tiny_model_dir, _questions(tmp_path / "q.jsonl"), "--methods", "kmeans",
-                      "--per-category", "1")) == 0
+                      "--per-category", "1", plot=False)) == 0
     result = json.loads((tmp_path / "out" / "quality.json").read_text())
     assert len(calls) == 1 and result["calibration"] is None and result["evaluation"]["question_ids"] == [1, 3, 5]
-    assert not (tmp_path / "out" / "quality.png").exists()
+    assert not list(tmp_path.rglob("*.png"))
     assert "matplotlib is not installed: the table and" in capsys.readouterr().err
+    # A plot asked for by name is refused before anything runs.
+    with pytest.raises(SystemExit) as exit_info:
+        main(_argv(tmp_path, tiny_model_dir, _questions(tmp_path / "q.jsonl"), "--methods", "kmeans"))
+    assert exit_info.value.code == 2 and len(calls) == 1
+    assert f"quality: error: --plot {tmp_path / 'out' / 'quality.png'} needs matplotlib" in capsys.readouterr().err
 
 
 def test_bad_input(tmp_path, capsys):

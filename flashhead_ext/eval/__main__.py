@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--quiet", action="store_true", help="no progress bars")
     quality.add_argument("--json", type=output_file, default="results/quality.json", help="output JSON (default: %(default)s)")
     quality.add_argument("--plot", type=output_file, default=None,
-                         help=f"output PNG (default: {DEFAULT_PLOT}; none without matplotlib)")
+                         help=f"output PNG, which needs matplotlib (default: {DEFAULT_PLOT}; none without matplotlib)")
     quality.set_defaults(command_parser=quality)
     return parser
 
@@ -112,6 +112,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # The plot is the one output that needs matplotlib (the [models] extra): said before the run,
     # and its default place checked only where it will be written.
     plotting = importlib.util.find_spec("matplotlib") is not None
+    if not plotting and args.plot is not None:
+        command_parser.error(f"--plot {args.plot} needs matplotlib (pip install matplotlib, or the [models] extra)")
     if not plotting:
         print(f"matplotlib is not installed: the table and {args.json} only, no plot", file=sys.stderr)
     elif args.plot is None:
