@@ -31,6 +31,8 @@ import json
 import operator
 import os
 import tempfile
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -58,9 +60,29 @@ PathLike = Union[str, os.PathLike]
 def user_cache_dir() -> Path:
     """Where flashhead_ext caches what it builds: $FLASHHEAD_CACHE_DIR, else $XDG_CACHE_HOME/flashhead_ext, else ~/.cache/flashhead_ext."""
     if os.environ.get("FLASHHEAD_CACHE_DIR"):
-        return Path(os.environ["FLASHHEAD_CACHE_DIR"])
+        return Path(os.environ["FLASHHEAD_CACHE_DIR"]).expanduser()  # "~/x" quoted in a shell stays unexpanded
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "flashhead_ext"
+    return Path(base).expanduser() / "flashhead_ext"
+
+
+@contextmanager
+def uncached_on_failure(what: str):
+    """A cache write that fails (a read-only cache, a file in a directory's place) warns, and the
+    caller goes on with what it built: minutes of work are not lost to the cache."""
+    try:
+        yield
+    except OSError as error:
+        warnings.warn(f"{what} could not be cached under {user_cache_dir()} ({error}); going on without the cache. "
+                      "Set FLASHHEAD_CACHE_DIR to a writable directory to keep it.", RuntimeWarning, stacklevel=3)
+
+
+def default_file_mode(base: int) -> int:
+    """``base`` under the process's umask, as open() and mkdir() apply it; mkstemp's files and
+    mkdtemp's directories are their owner's alone, which would hide a shared cache or a model
+    directory's assets from other users."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return base & ~umask
 
 
 def default_probes(n_clusters: int) -> int:
@@ -192,6 +214,7 @@ def write_replacing(path: Path, write) -> None:
     partial = Path(name)
     try:
         write(partial)
+        partial.chmod(default_file_mode(0o666))
         partial.replace(path)
     finally:
         partial.unlink(missing_ok=True)
@@ -341,24 +364,30 @@ def flash_head_for(
     # cached entry was built, so checked, from the values its key digests.
     check_clustering_inputs(embedding, hidden, finite=False)
     # And the settings the key names, which a cache hit would otherwise take unchecked.
-    cluster_sizes(embedding.shape[0], cluster_size)
+    _, sizes = cluster_sizes(embedding.shape[0], cluster_size)
     check_kmeans_settings(iters, seed)
     special_token_ids = special_token_list(special_token_ids, embedding.shape[0])
     centroid_dtype = centroid_dtype_option(centroid_dtype, embedding.dtype)
     if probes is not None:
-        ops._require_probes(probes)  # its upper bound needs the clusters
+        ops._require_probes(probes, sizes.numel())
     # Plain k-means keeps the key it always had, so its cached entries stay valid; a calibrated
     # clustering is named by its states too, so neither method ever reads the other's entry.
     method = "" if hidden is None else f"-calibrated-{embedding_digest(hidden)[:16]}"
     key = f"{embedding_digest(embedding)[:16]}{method}-b{cluster_size}-i{iters}-s{seed}-v{ALGORITHM_VERSION}"
     directory = user_cache_dir() / "clusters" / key
+    assets = None
     if cache and (directory / CONFIG_NAME).is_file():
-        assets = load_assets(directory, embedding)
-    else:
+        try:
+            assets = load_assets(directory, embedding)
+        except (ValueError, OSError) as error:  # a damaged entry (a full disk, a copy cut short) is built again
+            warnings.warn(f"the cached clustering at {directory} is unreadable ({error}); building it again",
+                          RuntimeWarning, stacklevel=2)
+    if assets is None:
         clustering = (build_clusters(embedding, cluster_size, iters=iters, seed=seed, progress=progress) if hidden is None
                       else calibrate_clusters(embedding, hidden, cluster_size, iters=iters, seed=seed, progress=progress))
         assets = FlashHeadAssets.from_clustering(clustering)
-        save_assets(directory, assets)
+        with uncached_on_failure("the clustering"):
+            save_assets(directory, assets)
     assets.special_token_ids = special_token_ids
     head = assets.head(embedding, probes, centroid_dtype=centroid_dtype)
     assets.n_probes = head.probes  # so that save_assets(dir, assets) keeps this head's settings

@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, read_config, read_tensors, write_replacing, flash_head_for, load_assets,
-                     user_cache_dir)
+from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, default_file_mode, read_config, read_tensors,
+                     uncached_on_failure, write_replacing, flash_head_for, load_assets, user_cache_dir)
 from . import ops
 from .clustering import MIN_STATES_PER_DIM
 from .head import HEAD_DTYPES, FlashHead, centroid_dtype_option, special_token_list
@@ -74,29 +74,33 @@ def from_pretrained(source: Path, dtype: torch.dtype, **kwargs):
     return model.eval(), tokenizer
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantises the GGUF into a transformers directory at ``target`` (written atomically)."""
+def _convert_gguf(gguf: Path, target: Path):
+    """Dequantises the GGUF into a transformers directory at ``target`` (written atomically, or,
+    where it cannot be written, a warning); returns the float32 ``(model, tokenizer)``."""
     from safetensors.torch import save_model
 
     model, tokenizer = from_pretrained(gguf.parent, torch.float32, gguf_file=gguf.name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".partial-"))
-    try:
-        config = model.config.to_dict()
-        # The weights are dequantised now; a gguf quantization_config would make transformers
-        # look for the GGUF file again.
-        config.pop("quantization_config", None)
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        model.generation_config.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        save_model(model, str(staging / "model.safetensors"))  # stores tied weights once
+    with uncached_on_failure("the dequantised SmolLM2"):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".partial-"))
         try:
-            os.replace(staging, target)
-        except OSError:
-            if not target.is_dir():  # else another process converted it first: use theirs
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            config = model.config.to_dict()
+            # The weights are dequantised now; a gguf quantization_config would make transformers
+            # look for the GGUF file again.
+            config.pop("quantization_config", None)
+            (staging / "config.json").write_text(json.dumps(config, indent=2))
+            model.generation_config.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            save_model(model, str(staging / "model.safetensors"))  # stores tied weights once
+            staging.chmod(default_file_mode(0o777))
+            try:
+                os.replace(staging, target)
+            except OSError:
+                if not target.is_dir():  # else another process converted it first: use theirs
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return model, tokenizer
 
 
 def load_smollm2(dtype: torch.dtype = torch.float32, *, cache: bool = True):
@@ -113,7 +117,9 @@ def load_smollm2(dtype: torch.dtype = torch.float32, *, cache: bool = True):
         return from_pretrained(gguf.parent, dtype, gguf_file=gguf.name)
     directory = user_cache_dir() / "models" / f"smollm2-{_file_digest(gguf)[:16]}-tf{transformers.__version__}"
     if not directory.is_dir():
-        _convert_gguf(gguf, directory)
+        model, tokenizer = _convert_gguf(gguf, directory)
+        if not directory.is_dir():  # not cached
+            return model.to(dtype), tokenizer
     return from_pretrained(directory, dtype)
 
 
@@ -287,8 +293,9 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
     hidden, tokens, index = record_hidden_states(model, tokenizer, [p["text"] for p in prompts], max_new_tokens,
                                                  progress=progress, batch_size=batch_size)
     states = {"hidden": hidden.float().cpu().contiguous(), "tokens": tokens.cpu(), "prompt_index": index}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_replacing(path, lambda partial: save_file(states, str(partial)))  # a killed run leaves no truncated entry
+    with uncached_on_failure("the recorded hidden states"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_replacing(path, lambda partial: save_file(states, str(partial)))  # a killed run leaves no truncated entry
     return states
 
 

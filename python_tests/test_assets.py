@@ -1,7 +1,9 @@
 """FlashHead assets: published layout round trips in both directions, malformed assets, the cache."""
 import copy
 import json
+import os
 import re
+import stat
 
 import pytest
 import torch
@@ -330,8 +332,10 @@ def test_flash_head_for_checks_the_settings_its_key_names_on_a_cache_hit_too(tmp
         flash_head_for(embedding, progress=False, **asked)
 
 
-@pytest.mark.parametrize("probes,error,fragment", [(0, ValueError, "probes must be at least 1, got 0"),
-                                                    (2.0, TypeError, "probes must be a Python int")])
+@pytest.mark.parametrize("probes,error,fragment", [(0, ValueError, "probes must be in 1..12 \\(the number of clusters\\), got 0"),
+                                                    (2.0, TypeError, "probes must be a Python int"),
+                                                    (VOCAB // SIZE + 1, ValueError,
+                                                     f"probes must be in 1..{VOCAB // SIZE} \\(the number of clusters\\), got 13")])
 def test_flash_head_for_checks_probes_before_clustering(tmp_path, monkeypatch, embedding, probes, error, fragment):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
 
@@ -376,3 +380,47 @@ def test_flash_head_for_keeps_methods_apart_in_the_cache(tmp_path, monkeypatch, 
     # Other calibration states are another clustering.
     with pytest.raises(AssertionError, match="must not be rebuilt"):
         flash_head_for(embedding, SIZE, hidden=_hidden(37), iters=2, progress=False)
+
+
+def test_files_written_get_the_umask_s_mode_not_their_owner_s_alone(tmp_path, clustering):
+    # mkstemp's partial files are 0600: renamed as they were, a model directory's assets or a team's
+    # shared cache could not be read by other users.
+    old = os.umask(0o022)
+    try:
+        save_assets(tmp_path, clustering)
+        assert stat.S_IMODE((tmp_path / CONFIG_NAME).stat().st_mode) == 0o644
+        assert stat.S_IMODE((tmp_path / "flash_head_assets" / TENSORS_NAME).stat().st_mode) == 0o644
+        os.umask(0o077)
+        save_assets(tmp_path, clustering)
+        assert stat.S_IMODE((tmp_path / CONFIG_NAME).stat().st_mode) == 0o600
+    finally:
+        os.umask(old)
+
+
+def test_a_cache_that_cannot_be_written_warns_and_the_clustering_is_kept(tmp_path, monkeypatch, embedding):
+    blocked = tmp_path / "not_a_directory"
+    blocked.write_text("")
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(blocked))
+    with pytest.warns(RuntimeWarning, match=f"the clustering could not be cached under {re.escape(str(blocked))} .*FLASHHEAD_CACHE_DIR"):
+        head, assets = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    reference = FlashHeadAssets.from_clustering(build_clusters(embedding, SIZE, iters=2, progress=False))
+    assert torch.equal(assets.cluster_tokens, reference.cluster_tokens) and head.num_clusters == VOCAB // SIZE
+    assert blocked.read_text() == ""
+
+
+def test_a_damaged_cache_entry_is_built_again(tmp_path, monkeypatch, embedding):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    _, first = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    (entry,) = (tmp_path / "clusters").iterdir()
+    tensors = entry / "flash_head_assets" / TENSORS_NAME
+    tensors.write_bytes(tensors.read_bytes()[:50])  # a copy cut short
+    with pytest.warns(RuntimeWarning, match=f"the cached clustering at {re.escape(str(entry))} is unreadable"):
+        _, again = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    assert torch.equal(again.cluster_tokens, first.cluster_tokens)
+    assert torch.equal(load_assets(entry, embedding).raw_centroids, first.raw_centroids)  # the entry is whole again
+
+
+def test_a_cache_dir_given_with_a_tilde_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", "~/fh")
+    assert assets_mod.user_cache_dir() == tmp_path / "fh"

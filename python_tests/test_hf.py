@@ -120,6 +120,22 @@ def test_batched_recording_matches_one_prompt_at_a_time():
         record_hidden_states(model, tokenizer, prompts, 7, batch_size=0)
 
 
+def test_recorded_states_where_the_cache_cannot_be_written_warn_and_are_returned(tmp_path, monkeypatch):
+    blocked = tmp_path / "not_a_directory"
+    blocked.write_text("")
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(blocked))
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=None)
+    torch.manual_seed(5)
+    model, tokenizer = transformers.LlamaForCausalLM(config).eval(), char_tokenizer()
+    prompts = [{"question_id": 1, "text": "ab"}, {"question_id": 2, "text": "a longer one"}]
+    with pytest.warns(RuntimeWarning, match="the recorded hidden states could not be cached under .*not_a_directory"):
+        states = hf.recorded_states(model, tokenizer, prompts, 3, progress=False)
+    hidden = record_hidden_states(model, tokenizer, [p["text"] for p in prompts], 3, progress=False)[0]
+    torch.testing.assert_close(states["hidden"], hidden.float())
+    assert states["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1]
+
+
 def test_attach_with_every_cluster_probed_generates_like_dense():
     model = _tiny_llama(tied=True)
     prompt = torch.tensor([[5, 7, 11, 13]])
