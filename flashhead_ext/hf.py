@@ -349,17 +349,24 @@ class FlashHeadAttachment:
     ``attachment.head().sample(hidden, ...)`` directly, as the speculative driver does with any
     head. Classifier-free guidance (``generate(guidance_scale=...)``) subtracts two passes'
     log-probabilities; their candidate sets differ, so it needs every cluster probed (or the
-    dense head). Under ``torch.autocast`` the hidden states are cast to the head's dtype (a float32
+    dense head). Logits processors that mask or bias tokens (``prefix_allowed_tokens_fn``, grammar
+    constraints, ``sequence_bias``) act on these logits: a token they allow that is no candidate
+    stays ``-inf``, and a step with no allowed candidate leaves every logit ``-inf`` (greedy then
+    emits token 0); for constrained generation set ``enabled = False`` or probe every cluster.
+    Under ``torch.autocast`` the hidden states are cast to the head's dtype (a float32
     head of a bfloat16 body takes the body's states as float32). ``head()`` is the FlashHead over
     the model's current output weight, rebuilt when ``model.to()`` moved or cast that weight.
     Weights changed in place (``load_state_dict``, training) keep the clusters built for the old
-    ones: ``detach`` and ``attach`` again.
+    ones: ``detach`` and ``attach`` again. A compiled model sees a weight whose storage was replaced
+    (``weight.data = new``) only after an eager call (its graphs guard on the Parameter, not on
+    its storage); change the values in place instead (``weight.copy_(new)`` under ``no_grad``).
+    Setting ``assets`` (they then set ``probes``) or ``centroid_dtype`` builds the head anew at once.
     """
 
     def __init__(self, linear: nn.Linear, assets, probes: Optional[int], centroid_dtype: Optional[torch.dtype] = None):
         self.linear = linear
-        self.assets = assets
-        self.centroid_dtype = centroid_dtype
+        self._assets = assets
+        self._centroid_dtype = centroid_dtype
         self.probes = assets.n_probes if probes is None else probes
         self.enabled = True
         self._head: Optional[FlashHead] = None
@@ -375,11 +382,44 @@ class FlashHeadAttachment:
 
     @probes.setter
     def probes(self, value: int) -> None:
-        self._probes = ops._require_probes(value, self.assets.num_clusters)  # when set, not inside generate()
-        if self.assets.n_probes != self._probes:
+        self._probes = ops._require_probes(value, self._assets.num_clusters)  # when set, not inside generate()
+        if self._assets.n_probes != self._probes:
             # On a copy (the caller's assets keep their own): save_assets(dir, attachment.assets)
             # then writes the probes this head runs, which attaching the saved model restores.
-            self.assets = dataclasses.replace(self.assets, n_probes=self._probes)
+            self._assets = dataclasses.replace(self._assets, n_probes=self._probes)
+
+    @property
+    def assets(self) -> FlashHeadAssets:
+        return self._assets
+
+    @assets.setter
+    def assets(self, value: FlashHeadAssets) -> None:
+        """Other assets: the head is built over them at once, checked against the weight, and runs
+        their ``n_probes``."""
+        if not isinstance(value, FlashHeadAssets):
+            raise TypeError(f"assets must be FlashHeadAssets, got {type(value).__name__}")
+        self._rebuild_with(value, self._centroid_dtype)
+
+    @property
+    def centroid_dtype(self) -> Optional[torch.dtype]:
+        return self._centroid_dtype
+
+    @centroid_dtype.setter
+    def centroid_dtype(self, value: Optional[torch.dtype]) -> None:
+        self._rebuild_with(self._assets, centroid_dtype_option(value, self.linear.weight.dtype))
+
+    def _rebuild_with(self, assets: FlashHeadAssets, centroid_dtype: Optional[torch.dtype]) -> None:
+        """The head built now over ``assets`` and ``centroid_dtype``; where that fails, the
+        attachment keeps what it had. (Left for the next forward, a head still running the old
+        ones would have been saved as the new ones by ``save_assets(dir, attachment.assets)``.)"""
+        kept = self._assets, self._centroid_dtype, self._probes, self._head, self._built_for
+        try:
+            self._assets, self._centroid_dtype = assets, centroid_dtype
+            self.probes = assets.n_probes
+            self._rebuild()
+        except BaseException:
+            self._assets, self._centroid_dtype, self._probes, self._head, self._built_for = kept
+            raise
 
     def head(self) -> FlashHead:
         weight, cached = self.linear.weight, self._head
@@ -564,6 +604,11 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
     check_output_head_bias_free(model)
     if hasattr(model, "flash_head"):
         raise ValueError("a FlashHead is already attached to this model; call detach(model) first")
+    if isinstance(getattr(linear.__dict__.get("forward"), "__self__", None), FlashHeadAttachment):
+        # Attached again, the second attachment's forward would wrap the first's, and detaching in
+        # attach order left one model decoding dense and the other unable to detach.
+        raise ValueError("the model's output head already runs a FlashHead attached to another model that shares it "
+                         "(an early-exit draft shares its target's): detach that model first, or use its attachment")
     _check_head_dtype(linear.weight)  # before clustering, which would name its own argument
     # Before minutes of clustering; kept as None unless fp8, so a cast model's rebuilt head follows it.
     centroid_dtype = centroid_dtype_option(centroid_dtype, linear.weight.dtype)
@@ -577,7 +622,12 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
     elif assets is None:
         found = _published_assets_dir(model)
         if found is not None:
-            assets = load_assets(found, embedding)
+            try:
+                assets = load_assets(found, embedding)
+            except ValueError as error:
+                raise ValueError(f"the FlashHead assets found for this model in {found} do not fit it: {error}. Pass "
+                                 "assets= to use others: attach(model, flashhead_ext.flash_head_for(weight)[1]) builds a "
+                                 "clustering for its output weight") from error
         elif not build_if_missing:
             raise FileNotFoundError("no FlashHead assets for this model (its config names none) and build_if_missing=False")
         else:

@@ -204,6 +204,55 @@ def test_probes_set_on_an_attachment_survive_save_and_attach_again(tmp_path):
     assert attach(loaded, build_if_missing=False).probes == 7
 
 
+def test_setting_assets_or_centroid_dtype_rebuilds_the_head_at_once():
+    model = _tiny_llama(tied=False)
+    hidden = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
+    first, second = _tiny_assets(model, size=4, probes=2), _tiny_assets(model, size=8, probes=3)
+    attachment = attach(model, first)
+    attachment.head()
+    attachment.assets = second  # ran the old clusters until a cast rebuilt the head
+    assert attachment.probes == 3 and attachment.head().num_clusters == second.num_clusters == 9
+    expected = second.head(model.lm_head.weight.detach()).candidate_logits(hidden)[0]
+    assert torch.equal(attachment.head().candidate_logits(hidden)[0], expected)
+    attachment.centroid_dtype = torch.float8_e4m3fn
+    assert attachment.head().centroid_dtype == torch.float8_e4m3fn
+    other_vocab = FlashHeadAssets.from_clustering(build_clusters(torch.randn(40, 16), 4, iters=1, progress=False))
+    with pytest.raises(ValueError, match="assets assign 40 tokens .* but the embedding has vocab size 67"):
+        attachment.assets = other_vocab
+    with pytest.raises(TypeError, match="assets must be FlashHeadAssets, got str"):
+        attachment.assets = "dir"
+    with pytest.raises(TypeError, match="centroid_dtype must be None, the embedding's dtype torch.float32 or"):
+        attachment.centroid_dtype = torch.int8
+    # A refused setting leaves the attachment as it was.
+    assert attachment.assets is second and attachment.probes == 3
+    assert attachment.head().centroid_dtype == torch.float8_e4m3fn and attachment.head().num_clusters == 9
+
+
+def test_a_head_shared_by_two_models_is_attached_once():
+    target = _tiny_llama(tied=False)
+    draft = _tiny_llama(tied=False)
+    draft.lm_head = target.lm_head  # an early-exit draft reusing its target's head
+    attach(target, _tiny_assets(target))
+    with pytest.raises(ValueError, match="already runs a FlashHead attached to another model that shares it"):
+        attach(draft, _tiny_assets(target))
+    assert not hasattr(draft, "flash_head")
+    detach(target)
+    assert "forward" not in vars(target.lm_head)
+    attach(draft, _tiny_assets(target))
+    detach(draft)
+
+
+def test_found_assets_that_no_longer_fit_the_model_name_where_they_were_found(tmp_path):
+    model = _tiny_llama(tied=False)
+    model.save_pretrained(tmp_path)
+    save_assets(tmp_path, _tiny_assets(model))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    loaded.resize_token_embeddings(70)
+    with pytest.raises(ValueError, match=f"the FlashHead assets found for this model in {tmp_path} do not fit it: "
+                                         "assets assign 67 tokens .* vocab size 70. Pass assets= to use others"):
+        attach(loaded)
+
+
 def test_attach_builds_or_refuses_when_no_assets(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
     model = _tiny_llama(tied=True)
