@@ -182,7 +182,9 @@ def _check_settings(probes, specials, clusters: int, vocab: int) -> None:
 
 def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering], **settings) -> Path:
     """Writes ``assets`` (or a :class:`Clustering`, with ``settings`` as in
-    :meth:`FlashHeadAssets.from_clustering`) under ``directory``; returns the directory."""
+    :meth:`FlashHeadAssets.from_clustering`) under ``directory``; returns the directory. What
+    :func:`load_assets` would refuse is refused before anything is written, and the tensors are
+    stored in the published layout's dtypes (float32 centroids, int64 assignments)."""
     if not isinstance(assets, (FlashHeadAssets, Clustering)):
         raise TypeError(f"assets must be a FlashHeadAssets or a Clustering (save_assets(directory, assets)), "
                         f"got {type(assets).__name__}")
@@ -190,16 +192,20 @@ def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering],
         assets = FlashHeadAssets.from_clustering(assets, **settings)
     elif settings:
         raise TypeError(f"settings {sorted(settings)} apply only when saving a Clustering")
+    for name, shape in (("raw_centroids", "[clusters, hidden]"), ("cluster_assignments", "[vocab]")):
+        value = getattr(assets, name)
+        if not isinstance(value, Tensor) or value.dim() != len(shape.split(",")):
+            raise TypeError(f"assets.{name} must be a {len(shape.split(','))}-D torch.Tensor {shape}, got "
+                            f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
     stored = assets.config()
-    # What load_assets would refuse is refused before anything is written.
-    _check_settings(stored["n_probes"], stored["flash_head_special_token_ids"], assets.num_clusters,
-                    assets.cluster_assignments.numel())
+    checked = _checked_assets(assets.raw_centroids.detach().T.cpu(), assets.cluster_assignments.detach().cpu(), stored,
+                              "the assets")
     config = json.dumps(stored, indent=2) + "\n"  # first: a config that cannot be written leaves no files
     directory = Path(directory)
-    (directory / assets.cache_dir).mkdir(parents=True, exist_ok=True)
-    tensors = directory / assets.cache_dir / TENSORS_NAME
+    (directory / checked.cache_dir).mkdir(parents=True, exist_ok=True)
+    tensors = directory / checked.cache_dir / TENSORS_NAME
     write_replacing(tensors, lambda partial: save_file(
-        {"centroids": assets.raw_centroids.T.contiguous(), "cluster_assignments": assets.cluster_assignments.contiguous()},
+        {"centroids": checked.raw_centroids.T.contiguous(), "cluster_assignments": checked.cluster_assignments.contiguous()},
         str(partial)))
     write_replacing(directory / CONFIG_NAME, lambda partial: partial.write_text(config))
     return directory
@@ -244,12 +250,24 @@ def read_config(directory: Path) -> dict:
     return {}
 
 
-def _squeeze_leading(name: str, tensor: Tensor, rank: int, expected: str) -> Tensor:
+def _squeeze_leading(name: str, tensor: Tensor, rank: int, expected: str, where: str) -> Tensor:
     while tensor.dim() > rank and tensor.shape[0] == 1:
         tensor = tensor[0]
     if tensor.dim() != rank:
-        raise ValueError(f"{name} in {TENSORS_NAME} must have shape {expected}, got {tuple(tensor.shape)}")
+        raise ValueError(f"{name} in {where} must have shape {expected}, got {tuple(tensor.shape)}")
     return tensor
+
+
+def _cache_dir_setting(cache_dir) -> str:
+    """``flash_head_cache_dir``, a directory inside the assets directory: a path out of it would
+    write beside it (a copy of the directory then lacks its tensors) or read from anywhere."""
+    if not isinstance(cache_dir, str):
+        raise ValueError(f"flash_head_cache_dir must be a directory name (a string), got {cache_dir!r}")
+    parts = Path(cache_dir).parts
+    if not parts or Path(cache_dir).is_absolute() or ".." in parts:
+        raise ValueError(f"flash_head_cache_dir must be a directory inside the assets directory (a relative path "
+                         f"without '..'), got {cache_dir!r}")
+    return cache_dir
 
 
 def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> FlashHeadAssets:
@@ -260,11 +278,12 @@ def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> Flas
     """
     directory = Path(directory)
     if not directory.is_dir():
+        if directory.exists():
+            raise NotADirectoryError(f"FlashHead assets directory {directory} is a file; pass the directory holding "
+                                     f"{CONFIG_NAME} (or a model's config.json) and {DEFAULT_CACHE_DIR}/")
         raise FileNotFoundError(f"FlashHead assets directory {directory} does not exist")
     config = read_config(directory)
-    cache_dir = config.get("flash_head_cache_dir", DEFAULT_CACHE_DIR)
-    if not isinstance(cache_dir, str):
-        raise ValueError(f"flash_head_cache_dir must be a directory name (a string), got {cache_dir!r}")
+    cache_dir = _cache_dir_setting(config.get("flash_head_cache_dir", DEFAULT_CACHE_DIR))
     path = directory / cache_dir / TENSORS_NAME
     if not path.is_file():
         raise FileNotFoundError(f"expected FlashHead clustering tensors at {path} (flash_head_cache_dir={cache_dir!r})")
@@ -276,23 +295,34 @@ def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> Flas
         if name not in tensors:
             raise ValueError(f"{path} has no tensor {name!r} (found {sorted(tensors)}); "
                              "expected 'centroids' [hidden, clusters] and 'cluster_assignments' [vocab]")
-    centroids = _squeeze_leading("centroids", tensors["centroids"], 2, "[hidden, clusters]")
-    assignments = _squeeze_leading("cluster_assignments", tensors["cluster_assignments"], 1, "[vocab]")
+    return _checked_assets(tensors["centroids"], tensors["cluster_assignments"], config, str(path), embedding)
+
+
+def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where: str,
+                    embedding: Optional[Tensor] = None) -> FlashHeadAssets:
+    """Assets from stored-layout tensors (centroids ``[hidden, clusters]``) and config keys, after
+    the checks that both loading and saving make; ``where`` names their source in messages."""
+    cache_dir = _cache_dir_setting(config.get("flash_head_cache_dir", DEFAULT_CACHE_DIR))
+    centroids = _squeeze_leading("centroids", centroids, 2, "[hidden, clusters]", where)
+    assignments = _squeeze_leading("cluster_assignments", assignments, 1, "[vocab]", where)
     if not centroids.is_floating_point():
-        raise ValueError(f"centroids in {path} must be floating point, got {centroids.dtype}")
+        raise ValueError(f"centroids in {where} must be floating point, got {centroids.dtype}")
+    if 0 in centroids.shape or assignments.numel() == 0:
+        raise ValueError(f"{where} hold no clustering: centroids {tuple(centroids.shape)} [hidden, clusters], "
+                         f"cluster_assignments {tuple(assignments.shape)} [vocab]")
     if not torch.isfinite(centroids).all():
-        raise ValueError(f"centroids in {path} hold NaN or infinite values")
+        raise ValueError(f"centroids in {where} hold NaN or infinite values")
     if assignments.is_floating_point() or assignments.dtype == torch.bool:
-        raise ValueError(f"cluster_assignments in {path} must hold integer cluster ids, got {assignments.dtype}")
+        raise ValueError(f"cluster_assignments in {where} must hold integer cluster ids, got {assignments.dtype}")
     dim, count = centroids.shape
-    used = int(assignments.max()) + 1 if assignments.numel() else 0
+    used = int(assignments.max()) + 1
     if used > count and used == dim:  # the ids fit the first dimension, not the second: [clusters, hidden]
-        raise ValueError(f"centroids in {path} have shape {tuple(centroids.shape)} but cluster_assignments use "
+        raise ValueError(f"centroids in {where} have shape {tuple(centroids.shape)} but cluster_assignments use "
                          f"{used} cluster ids: the centroids look transposed; expected [hidden, clusters]")
     if embedding is not None:
         _check_against_embedding(dim, assignments.numel(), embedding)
     if "n_clusters" in config and config["n_clusters"] != count:
-        raise ValueError(f"config says n_clusters={config['n_clusters']} but centroids in {path} have {count} clusters "
+        raise ValueError(f"config says n_clusters={config['n_clusters']!r} but centroids in {where} have {count} clusters "
                          f"(shape {tuple(centroids.shape)}, expected [hidden, n_clusters])")
     assignments = assignments.long()
     bad = (assignments < 0) | (assignments >= count)
@@ -310,7 +340,8 @@ def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> Flas
                          f"(cluster {int(counts.argmin())}) to {int(counts.max())} (cluster {int(counts.argmax())}); "
                          "expected every cluster to hold the same number of tokens")
     probes = config.get("n_probes", default_probes(count))
-    specials = config.get("flash_head_special_token_ids") or []
+    specials = config.get("flash_head_special_token_ids")
+    specials = [] if specials is None else specials  # a published config's null; 0 or "" are refused
     _check_settings(probes, specials, count, assignments.numel())
     scoring = config.get("flash_head_greedy_scoring", "normalized")
     if scoring not in GREEDY_SCORINGS:

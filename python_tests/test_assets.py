@@ -1,5 +1,6 @@
 """FlashHead assets: published layout round trips in both directions, malformed assets, the cache."""
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -86,6 +87,42 @@ def test_save_refuses_settings_that_load_would_refuse(tmp_path, clustering):
     with pytest.raises(ValueError, match=f"flash_head_special_token_ids must be a list of token ids in \\[0, {VOCAB}\\)"):
         save_assets(tmp_path, assets)
     assert not any(tmp_path.iterdir())  # nothing written that load_assets would refuse
+
+
+def test_save_refuses_assets_that_load_would_refuse(tmp_path, embedding, clustering):
+    good = FlashHeadAssets.from_clustering(clustering)
+    padded = build_clusters(embedding[:VOCAB - 3], SIZE, iters=1, progress=False)
+    nan = good.raw_centroids.clone()
+    nan[2, 3] = float("nan")
+    for changes, error, match in (
+            # The dataclass's default enforces equal sizes, which a padded clustering does not have.
+            (dict(raw_centroids=padded.raw_centroids, cluster_assignments=padded.cluster_assignments),
+             ValueError, "enforce_equal_cluster_sizes is set but cluster sizes range from 7"),
+            (dict(raw_centroids=nan), ValueError, "centroids in the assets hold NaN or infinite values"),
+            (dict(greedy_scoring="unit"), ValueError, "flash_head_greedy_scoring must be one of"),
+            (dict(enforce_equal_cluster_sizes="false"), ValueError, "enforce_equal_cluster_sizes must be true or false"),
+            (dict(cluster_assignments=good.cluster_assignments % 5), ValueError, "cluster 5 has no tokens"),
+            (dict(raw_centroids=good.raw_centroids[:0]), ValueError, r"the assets hold no clustering: centroids \(12, 0\)"),
+            (dict(raw_centroids=good.raw_centroids.numpy()), TypeError,
+             r"assets.raw_centroids must be a 2-D torch.Tensor \[clusters, hidden\], got ndarray"),
+            (dict(cluster_assignments=good.cluster_assignments[None]), TypeError,
+             r"assets.cluster_assignments must be a 1-D torch.Tensor \[vocab\], got \(1, 96\)"),
+            (dict(cache_dir=".."), ValueError, "flash_head_cache_dir must be a directory inside the assets directory"),
+            (dict(cache_dir=str(tmp_path / "elsewhere")), ValueError, "a relative path without '..'"),
+            (dict(cache_dir=3), ValueError, r"flash_head_cache_dir must be a directory name \(a string\), got 3")):
+        with pytest.raises(error, match=match):
+            save_assets(tmp_path / "out", dataclasses.replace(good, **changes))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "elsewhere").exists()
+
+
+def test_save_stores_the_published_dtypes(tmp_path, embedding, clustering):
+    good = FlashHeadAssets.from_clustering(clustering, n_probes=2)
+    save_assets(tmp_path, dataclasses.replace(good, raw_centroids=good.raw_centroids.double(),
+                                              cluster_assignments=good.cluster_assignments.int()))
+    stored = load_file(str(tmp_path / "flash_head_assets" / TENSORS_NAME))
+    assert stored["centroids"].dtype == torch.float32 and stored["cluster_assignments"].dtype == torch.int64
+    loaded = load_assets(tmp_path, embedding)
+    assert torch.equal(loaded.raw_centroids, good.raw_centroids) and torch.equal(loaded.cluster_tokens, good.cluster_tokens)
 
 
 def test_save_refuses_arguments_in_the_wrong_order(tmp_path, clustering):
@@ -205,6 +242,12 @@ def _write_bad(directory, *, centroids=None, assignments=None, config=None, drop
       for bad in (None, 3, ["flash_head_assets"])],
     *[({"config": {"enforce_equal_cluster_sizes": bad}}, rf"enforce_equal_cluster_sizes must be true or false, got {re.escape(repr(bad))}")
       for bad in (None, "false", 0)],
+    *[({"config": {"flash_head_cache_dir": bad}}, "flash_head_cache_dir must be a directory inside the assets directory")
+      for bad in ("..", "../flash_head_assets", "/tmp", "")],
+    *[({"config": {"flash_head_special_token_ids": bad}}, "flash_head_special_token_ids must be a list of token ids")
+      for bad in (0, False, "", {})],  # read as no special tokens before
+    ({"config": {"n_clusters": "12"}}, "config says n_clusters='12' but centroids"),
+    ({"centroids": torch.randn(DIM, 0), "config": {"enforce_equal_cluster_sizes": False}}, r"hold no clustering: centroids \(12, 0\)"),
 ])
 def test_malformed_assets_raise_clear_errors(tmp_path, embedding, bad, match):
     _write_bad(tmp_path, **bad)
@@ -243,6 +286,9 @@ def test_unreadable_files_are_named(tmp_path, embedding):
 def test_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_assets(tmp_path / "nowhere")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(NotADirectoryError, match=f"FlashHead assets directory {re.escape(str(tmp_path / 'config.json'))} is a file"):
+        load_assets(tmp_path / "config.json")
     (tmp_path / CONFIG_NAME).write_text(json.dumps({"flash_head_cache_dir": "elsewhere"}))
     with pytest.raises(FileNotFoundError, match=r"elsewhere/clustering_cache.safetensors .*flash_head_cache_dir='elsewhere'"):
         load_assets(tmp_path)
