@@ -12,8 +12,11 @@ Config keys: ``flash_head_cache_dir`` (default ``"flash_head_assets"``), ``n_clu
 ``enforce_equal_cluster_sizes`` (default true), and one key of ours,
 ``flash_head_greedy_scoring``: ``"normalized"`` (the default, and what published checkpoints
 mean) or ``"raw"`` (calibrated clusterings, whose centroids are fitted max-logit estimators and
-lose their meaning when normalised). A model directory that carries these keys in its
-``config.json`` instead, as published checkpoints do, loads the same way.
+lose their meaning when normalised); and, where the clustering was built by
+:func:`flash_head_for` (as :func:`~flashhead_ext.hf.attach` builds one),
+``flash_head_embedding_fingerprint``: projections of a few rows of the output embedding it was
+built for, so that loading it for other weights warns. A model directory that carries these keys
+in its ``config.json`` instead, as published checkpoints do, loads the same way.
 
 The stored centroids are raw, unnormalised cluster centroids (k-means: the mean of the members'
 unit rows, see :mod:`flashhead_ext.clustering`). Greedy decoding ranks clusters with their
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import operator
 import os
 import tempfile
@@ -52,7 +56,10 @@ CONFIG_NAME = "flash_head_config.json"
 TENSORS_NAME = "clustering_cache.safetensors"
 DEFAULT_CACHE_DIR = "flash_head_assets"
 CONFIG_KEYS = ("flash_head_cache_dir", "n_clusters", "n_probes", "flash_head_special_token_ids", "enforce_equal_cluster_sizes",
-               "flash_head_greedy_scoring")
+               "flash_head_greedy_scoring", "flash_head_embedding_fingerprint")
+FINGERPRINT_ROWS, FINGERPRINT_DIRECTIONS = 64, 4
+# bf16 rounding moves a fingerprint by about 0.1% of its largest value; other weights by about 100%.
+FINGERPRINT_TOLERANCE = 0.02
 
 PathLike = Union[str, os.PathLike]
 
@@ -103,6 +110,8 @@ class FlashHeadAssets:
         enforce_equal_cluster_sizes: whether every cluster holds the same number of tokens.
         cache_dir: name of the sub-directory holding the tensors.
         greedy_scoring: ``"normalized"`` or ``"raw"``: which centroids greedy decoding ranks with.
+        embedding_fingerprint: :func:`embedding_fingerprint` of the output embedding the
+            clustering was built for, where known (None otherwise).
     """
 
     raw_centroids: Tensor
@@ -113,6 +122,7 @@ class FlashHeadAssets:
     enforce_equal_cluster_sizes: bool = True
     cache_dir: str = DEFAULT_CACHE_DIR
     greedy_scoring: str = "normalized"
+    embedding_fingerprint: Optional[list] = None
 
     @property
     def centroids(self) -> Tensor:
@@ -139,7 +149,7 @@ class FlashHeadAssets:
         )
 
     def config(self) -> dict:
-        return {
+        config = {
             "flash_head_cache_dir": self.cache_dir,
             "n_clusters": self.num_clusters,
             "n_probes": self.n_probes,
@@ -147,6 +157,9 @@ class FlashHeadAssets:
             "enforce_equal_cluster_sizes": self.enforce_equal_cluster_sizes,
             "flash_head_greedy_scoring": self.greedy_scoring,
         }
+        if self.embedding_fingerprint is not None:
+            config["flash_head_embedding_fingerprint"] = self.embedding_fingerprint
+        return config
 
     def head(self, embedding: Tensor, probes: Optional[int] = None, *,
              centroid_dtype: Optional[torch.dtype] = None) -> FlashHead:
@@ -346,6 +359,13 @@ def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where:
     scoring = config.get("flash_head_greedy_scoring", "normalized")
     if scoring not in GREEDY_SCORINGS:
         raise ValueError(f"flash_head_greedy_scoring must be one of {GREEDY_SCORINGS}, got {scoring!r}")
+    fingerprint = config.get("flash_head_embedding_fingerprint")
+    size = FINGERPRINT_ROWS * FINGERPRINT_DIRECTIONS
+    if fingerprint is not None and not (isinstance(fingerprint, list) and len(fingerprint) == size and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in fingerprint)):
+        raise ValueError(f"flash_head_embedding_fingerprint in {where} must be a list of {size} finite numbers")
+    if fingerprint is not None and embedding is not None:
+        _warn_if_built_for_other_weights(fingerprint, embedding, where)
     return FlashHeadAssets(
         raw_centroids=centroids.T.float().contiguous(),
         cluster_assignments=assignments,
@@ -355,7 +375,30 @@ def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where:
         enforce_equal_cluster_sizes=enforce,
         cache_dir=cache_dir,
         greedy_scoring=scoring,
+        embedding_fingerprint=fingerprint,
     )
+
+
+def embedding_fingerprint(embedding: Tensor) -> list:
+    """Projections of 64 seeded rows of ``embedding`` on 4 seeded directions: casts of one
+    weight (fp32, bf16, fp16) give nearly the same numbers, other weights far other ones. Read
+    from a few rows, it costs nothing at any vocabulary size (a digest reads all of it)."""
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randint(embedding.shape[0], (FINGERPRINT_ROWS,), generator=generator)
+    directions = torch.randn(embedding.shape[1], FINGERPRINT_DIRECTIONS, generator=generator)
+    sampled = embedding.detach()[rows.to(embedding.device)].to("cpu", torch.float32)
+    return [float(f"{x:.6g}") for x in (sampled @ directions).flatten().tolist()]
+
+
+def _warn_if_built_for_other_weights(stored: list, embedding: Tensor, where: str) -> None:
+    current = torch.tensor(embedding_fingerprint(embedding))
+    stored = torch.tensor(stored, dtype=torch.float32)
+    change = float((current - stored).abs().max() / stored.abs().max().clamp(min=1e-30))
+    if change > FINGERPRINT_TOLERANCE:
+        warnings.warn(f"the FlashHead clustering in {where} was built for other output weights than these (sampled rows "
+                      f"differ by {change:.0%} of their scale: fine-tuned, or another model's): its clusters do not fit "
+                      "them and FlashHead agrees less often with the dense head. Build one for these weights: "
+                      "flash_head_for(weight), or attach(model, flash_head_for(weight)[1])", UserWarning, stacklevel=4)
 
 
 def embedding_digest(embedding: Tensor) -> str:
@@ -406,6 +449,7 @@ def flash_head_for(
     method = "" if hidden is None else f"-calibrated-{embedding_digest(hidden)[:16]}"
     key = f"{embedding_digest(embedding)[:16]}{method}-b{cluster_size}-i{iters}-s{seed}-v{ALGORITHM_VERSION}"
     directory = user_cache_dir() / "clusters" / key
+    fingerprint = embedding_fingerprint(embedding)
     assets = None
     if cache and (directory / CONFIG_NAME).is_file():
         try:
@@ -417,9 +461,11 @@ def flash_head_for(
         clustering = (build_clusters(embedding, cluster_size, iters=iters, seed=seed, progress=progress) if hidden is None
                       else calibrate_clusters(embedding, hidden, cluster_size, iters=iters, seed=seed, progress=progress))
         assets = FlashHeadAssets.from_clustering(clustering)
+        assets.embedding_fingerprint = fingerprint
         with uncached_on_failure("the clustering"):
             save_assets(directory, assets)
     assets.special_token_ids = special_token_ids
+    assets.embedding_fingerprint = fingerprint  # entries cached before it had none
     head = assets.head(embedding, probes, centroid_dtype=centroid_dtype)
     assets.n_probes = head.probes  # so that save_assets(dir, assets) keeps this head's settings
     return head, assets
@@ -427,5 +473,5 @@ def flash_head_for(
 
 __all__ = [
     "FlashHeadAssets", "save_assets", "load_assets", "flash_head_for", "user_cache_dir", "default_probes",
-    "embedding_digest", "CONFIG_NAME", "TENSORS_NAME", "DEFAULT_CACHE_DIR",
+    "embedding_digest", "embedding_fingerprint", "CONFIG_NAME", "TENSORS_NAME", "DEFAULT_CACHE_DIR",
 ]

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import stat
+import warnings
 
 import pytest
 import torch
@@ -470,3 +471,27 @@ def test_a_cache_dir_given_with_a_tilde_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", "~/fh")
     assert assets_mod.user_cache_dir() == tmp_path / "fh"
+
+
+def test_loading_a_clustering_for_other_weights_warns(tmp_path, monkeypatch, embedding):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    _, assets = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    assert assets.embedding_fingerprint == assets_mod.embedding_fingerprint(embedding)
+    save_assets(tmp_path / "saved", assets)
+    config = json.loads((tmp_path / "saved" / CONFIG_NAME).read_text())
+    assert len(config["flash_head_embedding_fingerprint"]) == 256
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for cast in (embedding, embedding.bfloat16(), embedding.half()):  # the same weights in another dtype
+            assert load_assets(tmp_path / "saved", cast).embedding_fingerprint == config["flash_head_embedding_fingerprint"]
+        load_assets(tmp_path / "saved")  # nothing to compare with
+    noise = torch.randn(embedding.shape, generator=torch.Generator().manual_seed(9))
+    for other in (noise, embedding + 0.1 * noise):  # another model's weights, or fine-tuned ones
+        with pytest.warns(UserWarning, match=f"clustering in {re.escape(str(tmp_path / 'saved'))}.* was built for other "
+                                             "output weights than these"):
+            load_assets(tmp_path / "saved", other)
+    # Published checkpoints carry no fingerprint; a malformed one is named.
+    config["flash_head_embedding_fingerprint"] = [1.0, float("nan")]
+    (tmp_path / "saved" / CONFIG_NAME).write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="flash_head_embedding_fingerprint in .* must be a list of 256 finite numbers"):
+        load_assets(tmp_path / "saved", embedding)

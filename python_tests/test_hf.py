@@ -242,6 +242,25 @@ def test_a_head_shared_by_two_models_is_attached_once():
     detach(draft)
 
 
+def test_reattaching_a_saved_model_whose_weights_changed_warns_of_its_old_clustering(tmp_path, monkeypatch):
+    # README: save_assets(dir, model.flash_head.assets) beside the model; then the weights change.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    model = _tiny_llama(tied=False)
+    attach(model, cluster_size=4, iters=2, progress=False)
+    model.save_pretrained(tmp_path / "model")
+    save_assets(tmp_path / "model", model.flash_head.assets)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attach(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", local_files_only=True))
+    detach(model)
+    with torch.no_grad():
+        model.lm_head.weight.add_(torch.randn(model.lm_head.weight.shape))
+    model.save_pretrained(tmp_path / "model")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", local_files_only=True)
+    with pytest.warns(UserWarning, match="was built for other output weights than these"):
+        attach(reloaded)
+
+
 def test_found_assets_that_no_longer_fit_the_model_name_where_they_were_found(tmp_path):
     model = _tiny_llama(tied=False)
     model.save_pretrained(tmp_path)
