@@ -260,7 +260,9 @@ class DenseHead(_HeadBase):
         ops._require_generator_for(rows.device, generator)
         scaled = (rows @ self.embedding.t()).float() / temperature
         # Gumbel-max: argmax(logits/T + G) is a draw from softmax(logits/T), with no host sync.
-        uniform = torch.rand(scaled.shape, device=scaled.device, generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
+        # generator=None spelled out makes torch.compile and torch.export fail on a dynamic batch.
+        draw = {} if generator is None else {"generator": generator}
+        uniform = torch.rand(scaled.shape, device=scaled.device, **draw).clamp_(min=torch.finfo(torch.float32).tiny)
         tokens = (scaled - torch.log(-torch.log(uniform))).argmax(dim=-1)
         logprobs = scaled.log_softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
         return tokens.reshape(hidden.shape[:-1]), logprobs.reshape(hidden.shape[:-1])

@@ -89,6 +89,23 @@ def test_compile_decode_sample_and_candidate_logits(device):
     assert torch.equal(ids, eager_ids) and torch.equal(logits, eager_logits)
 
 
+@pytest.mark.slow
+@device_params
+def test_compile_dense_sample_on_a_dynamic_batch(device):
+    # Its draw passed generator=None to torch.rand, which fake tensors refuse on symbolic sizes: the
+    # recompile for a second batch size failed, as did torch.export with a dynamic batch.
+    problem = make_problem(SHAPE, torch.float32, device)
+    head = DenseHead(problem.embedding)
+    torch._dynamo.reset()
+    sample = torch.compile(lambda hidden: head.sample(hidden, 0.8), fullgraph=True, dynamic=True)
+    for rows in (1, 3, SHAPE.B):
+        hidden = problem.hidden[:rows]
+        tokens, logprobs = sample(hidden)
+        expected = ((hidden @ problem.embedding.T).float() / 0.8).log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+        assert tokens.shape == (rows,) and ((0 <= tokens) & (tokens < problem.embedding.shape[0])).all()
+        torch.testing.assert_close(logprobs, expected)
+
+
 @device_params
 @pytest.mark.parametrize("centroid_dtype", [None, torch.float8_e4m3fn], ids=str)
 def test_export_flash_head(centroid_dtype, device):
