@@ -365,7 +365,7 @@ def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where:
             isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in fingerprint)):
         raise ValueError(f"flash_head_embedding_fingerprint in {where} must be a list of {size} finite numbers")
     if fingerprint is not None and embedding is not None:
-        _warn_if_built_for_other_weights(fingerprint, embedding, where)
+        warn_if_built_for_other_weights(fingerprint, embedding, f"in {where}")
     return FlashHeadAssets(
         raw_centroids=centroids.T.float().contiguous(),
         cluster_assignments=assignments,
@@ -390,12 +390,14 @@ def embedding_fingerprint(embedding: Tensor) -> list:
     return [float(f"{x:.6g}") for x in (sampled @ directions).flatten().tolist()]
 
 
-def _warn_if_built_for_other_weights(stored: list, embedding: Tensor, where: str) -> None:
+def warn_if_built_for_other_weights(stored: list, embedding: Tensor, where: str) -> None:
+    """A UserWarning when ``embedding``'s fingerprint is not ``stored``'s up to rounding; ``where``
+    completes "the FlashHead clustering ..."."""
     current = torch.tensor(embedding_fingerprint(embedding))
     stored = torch.tensor(stored, dtype=torch.float32)
     change = float((current - stored).abs().max() / stored.abs().max().clamp(min=1e-30))
     if change > FINGERPRINT_TOLERANCE:
-        warnings.warn(f"the FlashHead clustering in {where} was built for other output weights than these (sampled rows "
+        warnings.warn(f"the FlashHead clustering {where} was built for other output weights than these (sampled rows "
                       f"differ by {change:.0%} of their scale: fine-tuned, or another model's): its clusters do not fit "
                       "them and FlashHead agrees less often with the dense head. Build one for these weights: "
                       "flash_head_for(weight), or attach(model, flash_head_for(weight)[1])", UserWarning, stacklevel=4)

@@ -28,7 +28,8 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, default_file_mode, read_config, read_tensors,
-                     uncached_on_failure, write_replacing, flash_head_for, load_assets, user_cache_dir)
+                     uncached_on_failure, warn_if_built_for_other_weights, write_replacing, flash_head_for, load_assets,
+                     user_cache_dir)
 from . import ops
 from .clustering import MIN_STATES_PER_DIM
 from .head import HEAD_DTYPES, FlashHead, centroid_dtype_option, special_token_list
@@ -357,7 +358,8 @@ class FlashHeadAttachment:
     head of a bfloat16 body takes the body's states as float32). ``head()`` is the FlashHead over
     the model's current output weight, rebuilt when ``model.to()`` moved or cast that weight.
     Weights changed in place (``load_state_dict``, training) keep the clusters built for the old
-    ones: ``detach`` and ``attach`` again. A compiled model sees a weight whose storage was replaced
+    ones: ``detach`` and ``attach`` again. (A new weight object, as ``load_state_dict(assign=True)``
+    sets, warns when its values are not those the clustering was built for, where it records them.) A compiled model sees a weight whose storage was replaced
     (``weight.data = new``) only after an eager call (its graphs guard on the Parameter, not on
     its storage); change the values in place instead (``weight.copy_(new)`` under ``no_grad``).
     Setting ``assets`` (they then set ``probes``) or ``centroid_dtype`` builds the head anew at once.
@@ -445,6 +447,9 @@ class FlashHeadAttachment:
                 if tuple(weight.shape) == self._attached_shape:
                     raise
                 raise ValueError(f"{error}; {HEAD_CHANGED}") from error
+        if self._assets.embedding_fingerprint is not None and weight is not self._built_for:
+            # A new weight object (load_state_dict(assign=True), a Parameter set): still the one clustered?
+            warn_if_built_for_other_weights(self._assets.embedding_fingerprint, weight, "attached to this model")
         self._head, self._built_for = head, weight
         return head
 

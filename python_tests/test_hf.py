@@ -261,6 +261,22 @@ def test_reattaching_a_saved_model_whose_weights_changed_warns_of_its_old_cluste
         attach(reloaded)
 
 
+def test_a_new_output_weight_for_the_attached_clustering_warns_unless_it_is_a_cast(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    model = _tiny_llama(tied=False)
+    attach(model, cluster_size=4, iters=2, progress=False)
+    prompt = torch.tensor([[3, 1, 4]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(prompt)
+        model.bfloat16()(prompt)  # a cast rebuilds the head over the same weights
+        model.float()
+    state = {"lm_head.weight": torch.randn(model.lm_head.weight.shape)}
+    model.load_state_dict(state, strict=False, assign=True)  # a new Parameter of the same shape
+    with pytest.warns(UserWarning, match="clustering attached to this model was built for other output weights"):
+        model(prompt)
+
+
 def test_found_assets_that_no_longer_fit_the_model_name_where_they_were_found(tmp_path):
     model = _tiny_llama(tied=False)
     model.save_pretrained(tmp_path)
