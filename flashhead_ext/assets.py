@@ -29,12 +29,14 @@ padded with -1 (what :mod:`flashhead_ext.clustering` produces when V is not a mu
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
 import operator
 import os
 import tempfile
+import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -57,6 +59,7 @@ TENSORS_NAME = "clustering_cache.safetensors"
 DEFAULT_CACHE_DIR = "flash_head_assets"
 CONFIG_KEYS = ("flash_head_cache_dir", "n_clusters", "n_probes", "flash_head_special_token_ids", "enforce_equal_cluster_sizes",
                "flash_head_greedy_scoring", "flash_head_embedding_fingerprint")
+STALE_PARTIAL_S = 3600  # a partial file older than this was left by a killed write
 FINGERPRINT_ROWS, FINGERPRINT_DIRECTIONS = 64, 4
 # bf16 rounding moves a fingerprint by about 0.1% of its largest value; other weights by about 100%.
 FINGERPRINT_TOLERANCE = 0.02
@@ -227,7 +230,14 @@ def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering],
 def write_replacing(path: Path, write) -> None:
     """``write(partial)``, then the partial file replaces ``path`` at once: a failed or killed
     write leaves the old file, never a truncated one. Each call writes a partial file of its own,
-    so processes filling one cache entry at once (every rank of a job) do not remove each other's."""
+    so processes filling one cache entry at once (every rank of a job) do not remove each other's;
+    those a killed write left, an hour old, are removed."""
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.partial"):
+        try:
+            if time.time() - stale.stat().st_mtime > STALE_PARTIAL_S:
+                stale.unlink()
+        except OSError:  # removed meanwhile by another writer, or not ours to remove
+            pass
     handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     os.close(handle)
     partial = Path(name)

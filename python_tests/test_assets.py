@@ -5,6 +5,7 @@ import json
 import os
 import re
 import stat
+import time
 import warnings
 
 import pytest
@@ -154,6 +155,20 @@ def test_concurrent_writes_of_one_file_each_land_whole(tmp_path):
 
     assets_mod.write_replacing(target, outer)
     assert target.read_text() == "outer" and [p.name for p in tmp_path.iterdir()] == ["entry.txt"]
+
+
+def test_partial_files_a_killed_write_left_are_removed_by_the_next_write(tmp_path):
+    target = tmp_path / "entry.txt"
+    stale, fresh = tmp_path / ".entry.txt.abc.partial", tmp_path / ".entry.txt.def.partial"
+    other = tmp_path / ".other.txt.abc.partial"
+    for path in (stale, fresh, other):
+        path.write_text("left")
+    hours_ago = time.time() - 2 * 3600
+    for path in (stale, other):
+        os.utime(path, (hours_ago, hours_ago))
+    assets_mod.write_replacing(target, lambda partial: partial.write_text("whole"))
+    # Another writer's fresh partial file and other entries' files stay.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["entry.txt", fresh.name, other.name])
 
 
 def test_padded_clustering_round_trip(tmp_path):
