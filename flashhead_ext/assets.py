@@ -35,7 +35,8 @@ import json
 import math
 import operator
 import os
-import tempfile
+import secrets
+import shutil
 import time
 import warnings
 from contextlib import contextmanager
@@ -84,15 +85,6 @@ def uncached_on_failure(what: str):
     except OSError as error:
         warnings.warn(f"{what} could not be cached under {user_cache_dir()} ({error}); going on without the cache. "
                       "Set FLASHHEAD_CACHE_DIR to a writable directory to keep it.", RuntimeWarning, stacklevel=3)
-
-
-def default_file_mode(base: int) -> int:
-    """``base`` under the process's umask, as open() and mkdir() apply it; mkstemp's files and
-    mkdtemp's directories are their owner's alone, which would hide a shared cache or a model
-    directory's assets from other users."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return base & ~umask
 
 
 def default_probes(n_clusters: int) -> int:
@@ -210,12 +202,13 @@ def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering],
         raise TypeError(f"settings {sorted(settings)} apply only when saving a Clustering")
     for name, shape in (("raw_centroids", "[clusters, hidden]"), ("cluster_assignments", "[vocab]")):
         value = getattr(assets, name)
-        if not isinstance(value, Tensor) or value.dim() != len(shape.split(",")):
-            raise TypeError(f"assets.{name} must be a {len(shape.split(','))}-D torch.Tensor {shape}, got "
-                            f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
+        if not isinstance(value, Tensor):
+            raise TypeError(f"assets.{name} must be a torch.Tensor {shape}, got {type(value).__name__}")
+        if value.dim() != len(shape.split(",")):
+            raise ValueError(f"assets.{name} must have shape {shape}, got {tuple(value.shape)}")
     stored = assets.config()
     checked = _checked_assets(assets.raw_centroids.detach().T.cpu(), assets.cluster_assignments.detach().cpu(), stored,
-                              "the assets")
+                              "the assets to save (assets.raw_centroids transposed)")
     config = json.dumps(stored, indent=2) + "\n"  # first: a config that cannot be written leaves no files
     directory = Path(directory)
     (directory / checked.cache_dir).mkdir(parents=True, exist_ok=True)
@@ -230,23 +223,39 @@ def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering],
 def write_replacing(path: Path, write) -> None:
     """``write(partial)``, then the partial file replaces ``path`` at once: a failed or killed
     write leaves the old file, never a truncated one. Each call writes a partial file of its own,
-    so processes filling one cache entry at once (every rank of a job) do not remove each other's;
-    those a killed write left, an hour old, are removed."""
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.partial"):
-        try:
-            if time.time() - stale.stat().st_mtime > STALE_PARTIAL_S:
-                stale.unlink()
-        except OSError:  # removed meanwhile by another writer, or not ours to remove
-            pass
-    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    os.close(handle)
-    partial = Path(name)
+    so processes filling one cache entry at once (every rank of a job) do not remove each other's."""
+    partial = new_partial(path.parent, f".{path.name}.")
     try:
+        mode = partial.stat().st_mode  # the umask's: safetensors writes a file of its own, private to its owner
         write(partial)
-        partial.chmod(default_file_mode(0o666))
+        partial.chmod(mode)
         partial.replace(path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def new_partial(directory: Path, prefix: str, *, is_dir: bool = False) -> Path:
+    """A new empty file (or directory) ``<directory>/<prefix><random>.partial`` for a writer to
+    fill and rename. Created as open() and mkdir() create, under the umask: mkstemp's and
+    mkdtemp's are their owner's alone, which would hide a shared cache or a model directory's files
+    from other users (and setting the umask to read it is not thread-safe). Those a killed writer
+    left, an hour old, are removed first."""
+    for stale in directory.glob(f"{glob.escape(prefix)}*.partial"):
+        try:
+            if time.time() - stale.stat().st_mtime > STALE_PARTIAL_S:
+                shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+        except OSError:  # removed meanwhile by another writer, or not ours to remove
+            pass
+    while True:
+        path = directory / f"{prefix}{secrets.token_hex(8)}.partial"
+        try:
+            if is_dir:
+                os.mkdir(path, 0o777)
+            else:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            return path
+        except FileExistsError:  # another writer's name: draw again
+            continue
 
 
 def read_tensors(path: Path) -> dict:
@@ -286,8 +295,7 @@ def _cache_dir_setting(cache_dir) -> str:
     write beside it (a copy of the directory then lacks its tensors) or read from anywhere."""
     if not isinstance(cache_dir, str):
         raise ValueError(f"flash_head_cache_dir must be a directory name (a string), got {cache_dir!r}")
-    parts = Path(cache_dir).parts
-    if not parts or Path(cache_dir).is_absolute() or ".." in parts:
+    if Path(cache_dir).is_absolute() or ".." in Path(cache_dir).parts:  # "" and "." name the directory itself
         raise ValueError(f"flash_head_cache_dir must be a directory inside the assets directory (a relative path "
                          f"without '..'), got {cache_dir!r}")
     return cache_dir
@@ -296,8 +304,10 @@ def _cache_dir_setting(cache_dir) -> str:
 def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> FlashHeadAssets:
     """Reads an assets directory (ours or a published FlashHead checkpoint's) and checks it.
 
-    With ``embedding`` the vocabulary size and hidden size are checked against it too.
-    Raises FileNotFoundError for a missing tensors file, ValueError for malformed contents.
+    With ``embedding`` the vocabulary size and hidden size are checked against it too, and a
+    recorded fingerprint of the weights the clustering was built for (UserWarning if they differ).
+    Raises FileNotFoundError for a missing directory or tensors file, NotADirectoryError for a
+    file given as the directory, ValueError for malformed contents.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -373,8 +383,8 @@ def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where:
     size = FINGERPRINT_ROWS * FINGERPRINT_DIRECTIONS
     if fingerprint is not None and not (isinstance(fingerprint, list) and len(fingerprint) == size and all(
             isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in fingerprint)):
-        raise ValueError(f"flash_head_embedding_fingerprint in {where} must be a list of {size} finite numbers")
-    if fingerprint is not None and embedding is not None:
+        raise ValueError(f"flash_head_embedding_fingerprint must be a list of {size} finite numbers")
+    if fingerprint is not None and embedding is not None and not embedding.is_meta:  # a meta tensor has no values
         warn_if_built_for_other_weights(fingerprint, embedding, f"in {where}")
     return FlashHeadAssets(
         raw_centroids=centroids.T.float().contiguous(),
@@ -390,12 +400,14 @@ def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where:
 
 
 def embedding_fingerprint(embedding: Tensor) -> list:
-    """Projections of 64 seeded rows of ``embedding`` on 4 seeded directions: casts of one
-    weight (fp32, bf16, fp16) give nearly the same numbers, other weights far other ones. Read
-    from a few rows, it costs nothing at any vocabulary size (a digest reads all of it)."""
-    generator = torch.Generator().manual_seed(0)
-    rows = torch.randint(embedding.shape[0], (FINGERPRINT_ROWS,), generator=generator)
-    directions = torch.randn(embedding.shape[1], FINGERPRINT_DIRECTIONS, generator=generator)
+    """Projections of 64 fixed rows of ``embedding`` on 4 fixed directions: casts of one weight
+    (fp32, bf16, fp16) give nearly the same numbers, other weights far other ones. Read from a few
+    rows, it costs nothing at any vocabulary size (a digest reads all of it). Rows and directions
+    come from arithmetic, not torch's random streams, which no release promises to keep."""
+    vocab, dim = embedding.shape
+    rows = torch.arange(FINGERPRINT_ROWS, dtype=torch.int64) * 2654435761 % vocab  # Knuth's multiplicative hash
+    phases = torch.arange(dim * FINGERPRINT_DIRECTIONS, dtype=torch.float64).reshape(dim, FINGERPRINT_DIRECTIONS)
+    directions = torch.frac(torch.sin(phases * 12.9898 + 1.0).abs() * 43758.5453).float() * 2 - 1  # spread in [-1, 1)
     sampled = embedding.detach()[rows.to(embedding.device)].to("cpu", torch.float32)
     return [float(f"{x:.6g}") for x in (sampled @ directions).flatten().tolist()]
 

@@ -17,7 +17,6 @@ import inspect
 import json
 import os
 import shutil
-import tempfile
 import warnings
 from itertools import groupby
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, default_file_mode, read_config, read_tensors,
+from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, new_partial, read_config, read_tensors,
                      uncached_on_failure, warn_if_built_for_other_weights, write_replacing, flash_head_for, load_assets,
                      user_cache_dir)
 from . import ops
@@ -83,7 +82,7 @@ def _convert_gguf(gguf: Path, target: Path):
     model, tokenizer = from_pretrained(gguf.parent, torch.float32, gguf_file=gguf.name)
     with uncached_on_failure("the dequantised SmolLM2"):
         target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".partial-"))
+        staging = new_partial(target.parent, f".{target.name}.", is_dir=True)
         try:
             config = model.config.to_dict()
             # The weights are dequantised now; a gguf quantization_config would make transformers
@@ -93,7 +92,8 @@ def _convert_gguf(gguf: Path, target: Path):
             model.generation_config.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             save_model(model, str(staging / "model.safetensors"))  # stores tied weights once
-            staging.chmod(default_file_mode(0o777))
+            for written in staging.iterdir():  # the umask's mode, as the directory has it (safetensors' is 0600)
+                written.chmod(staging.stat().st_mode & 0o666)
             try:
                 os.replace(staging, target)
             except OSError:
@@ -365,7 +365,8 @@ class FlashHeadAttachment:
     Setting ``assets`` (they then set ``probes``) or ``centroid_dtype`` builds the head anew at once.
     """
 
-    def __init__(self, linear: nn.Linear, assets, probes: Optional[int], centroid_dtype: Optional[torch.dtype] = None):
+    def __init__(self, linear: nn.Linear, assets, probes: Optional[int], centroid_dtype: Optional[torch.dtype] = None,
+                 *, fingerprint_checked: bool = False):
         self.linear = linear
         self._assets = assets
         self._centroid_dtype = centroid_dtype
@@ -373,6 +374,9 @@ class FlashHeadAttachment:
         self.enabled = True
         self._head: Optional[FlashHead] = None
         self._built_for: Optional[Tensor] = None  # the weight Parameter the head was built over
+        # The weight Parameter the assets' fingerprint was last compared with (attach's loading
+        # compares it already), so that each new weight object warns once.
+        self._fingerprint_checked_for: Optional[Tensor] = linear.weight if fingerprint_checked else None
         self._attached_shape = tuple(linear.weight.shape)
         # An instance forward already there (accelerate's device hook wraps one): detach restores it.
         self._replaced_forward = linear.__dict__.get("forward")
@@ -392,12 +396,12 @@ class FlashHeadAttachment:
 
     @property
     def assets(self) -> FlashHeadAssets:
+        """The clustering the head runs. Set to others, the head is built over them at once,
+        checked against the weight, and runs their ``n_probes`` and special tokens."""
         return self._assets
 
     @assets.setter
     def assets(self, value: FlashHeadAssets) -> None:
-        """Other assets: the head is built over them at once, checked against the weight, and runs
-        their ``n_probes``."""
         if not isinstance(value, FlashHeadAssets):
             raise TypeError(f"assets must be FlashHeadAssets, got {type(value).__name__}")
         self._rebuild_with(value, self._centroid_dtype)
@@ -414,13 +418,14 @@ class FlashHeadAttachment:
         """The head built now over ``assets`` and ``centroid_dtype``; where that fails, the
         attachment keeps what it had. (Left for the next forward, a head still running the old
         ones would have been saved as the new ones by ``save_assets(dir, attachment.assets)``.)"""
-        kept = self._assets, self._centroid_dtype, self._probes, self._head, self._built_for
+        kept = self._assets, self._centroid_dtype, self._probes, self._head, self._built_for, self._fingerprint_checked_for
         try:
-            self._assets, self._centroid_dtype = assets, centroid_dtype
+            self._assets, self._centroid_dtype, self._fingerprint_checked_for = assets, centroid_dtype, None
             self.probes = assets.n_probes
             self._rebuild()
         except BaseException:
-            self._assets, self._centroid_dtype, self._probes, self._head, self._built_for = kept
+            (self._assets, self._centroid_dtype, self._probes, self._head, self._built_for,
+             self._fingerprint_checked_for) = kept
             raise
 
     def head(self) -> FlashHead:
@@ -447,9 +452,10 @@ class FlashHeadAttachment:
                 if tuple(weight.shape) == self._attached_shape:
                     raise
                 raise ValueError(f"{error}; {HEAD_CHANGED}") from error
-        if self._assets.embedding_fingerprint is not None and weight is not self._built_for:
+        if self._assets.embedding_fingerprint is not None and weight is not self._fingerprint_checked_for:
             # A new weight object (load_state_dict(assign=True), a Parameter set): still the one clustered?
             warn_if_built_for_other_weights(self._assets.embedding_fingerprint, weight, "attached to this model")
+            self._fingerprint_checked_for = weight
         self._head, self._built_for = head, weight
         return head
 
@@ -609,9 +615,10 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
     check_output_head_bias_free(model)
     if hasattr(model, "flash_head"):
         raise ValueError("a FlashHead is already attached to this model; call detach(model) first")
-    if isinstance(getattr(linear.__dict__.get("forward"), "__self__", None), FlashHeadAttachment):
+    if isinstance(getattr(linear.__dict__.get("_apply"), "__self__", None), FlashHeadAttachment):
         # Attached again, the second attachment's forward would wrap the first's, and detaching in
-        # attach order left one model decoding dense and the other unable to detach.
+        # attach order left one model decoding dense and the other unable to detach. Its _apply,
+        # not its forward, tells: accelerate's hooks wrap the forward.
         raise ValueError("the model's output head already runs a FlashHead attached to another model that shares it "
                          "(an early-exit draft shares its target's): detach that model first, or use its attachment")
     _check_head_dtype(linear.weight)  # before clustering, which would name its own argument
@@ -622,6 +629,8 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
         raise ValueError("the model's output head weight is on the meta device (offloaded, e.g. by a device_map "
                          "with CPU or disk offload); FlashHead needs it resident: keep lm_head on a device")
     specials = special_token_list(build_options.pop("special_token_ids", None), embedding.shape[0])
+    # Assets loaded for this embedding had their fingerprint compared already; built ones fit it.
+    fingerprint_checked = assets is None or isinstance(assets, (str, os.PathLike))
     if isinstance(assets, (str, os.PathLike)):
         assets = load_assets(assets, embedding)
     elif assets is None:
@@ -630,7 +639,7 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
             try:
                 assets = load_assets(found, embedding)
             except ValueError as error:
-                raise ValueError(f"the FlashHead assets found for this model in {found} do not fit it: {error}. Pass "
+                raise ValueError(f"the FlashHead assets found for this model in {found} cannot be used: {error}. Pass "
                                  "assets= to use others: attach(model, flashhead_ext.flash_head_for(weight)[1]) builds a "
                                  "clustering for its output weight") from error
         elif not build_if_missing:
@@ -649,7 +658,7 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
         raise TypeError(f"{sorted(build_options)} apply only when attach builds a clustering, not to given or found assets")
     if specials:  # on a copy: the caller's assets keep their own
         assets = dataclasses.replace(assets, special_token_ids=sorted(set(assets.special_token_ids) | set(specials)))
-    attachment = FlashHeadAttachment(linear, assets, probes, centroid_dtype)
+    attachment = FlashHeadAttachment(linear, assets, probes, centroid_dtype, fingerprint_checked=fingerprint_checked)
     attachment.head()  # checks the assets against the embedding and the probes now, not mid-generate
     linear.forward = attachment.forward  # an instance attribute shadows nn.Linear.forward
     linear._apply = attachment._apply

@@ -100,15 +100,16 @@ def test_save_refuses_assets_that_load_would_refuse(tmp_path, embedding, cluster
             # The dataclass's default enforces equal sizes, which a padded clustering does not have.
             (dict(raw_centroids=padded.raw_centroids, cluster_assignments=padded.cluster_assignments),
              ValueError, "enforce_equal_cluster_sizes is set but cluster sizes range from 7"),
-            (dict(raw_centroids=nan), ValueError, "centroids in the assets hold NaN or infinite values"),
+            (dict(raw_centroids=nan), ValueError, "centroids in the assets to save .* hold NaN or infinite values"),
             (dict(greedy_scoring="unit"), ValueError, "flash_head_greedy_scoring must be one of"),
             (dict(enforce_equal_cluster_sizes="false"), ValueError, "enforce_equal_cluster_sizes must be true or false"),
             (dict(cluster_assignments=good.cluster_assignments % 5), ValueError, "cluster 5 has no tokens"),
-            (dict(raw_centroids=good.raw_centroids[:0]), ValueError, r"the assets hold no clustering: centroids \(12, 0\)"),
+            (dict(raw_centroids=good.raw_centroids[:0]), ValueError,
+             r"the assets to save \(assets.raw_centroids transposed\) hold no clustering: centroids \(12, 0\)"),
             (dict(raw_centroids=good.raw_centroids.numpy()), TypeError,
-             r"assets.raw_centroids must be a 2-D torch.Tensor \[clusters, hidden\], got ndarray"),
-            (dict(cluster_assignments=good.cluster_assignments[None]), TypeError,
-             r"assets.cluster_assignments must be a 1-D torch.Tensor \[vocab\], got \(1, 96\)"),
+             r"assets.raw_centroids must be a torch.Tensor \[clusters, hidden\], got ndarray"),
+            (dict(cluster_assignments=good.cluster_assignments[None]), ValueError,
+             r"assets.cluster_assignments must have shape \[vocab\], got \(1, 96\)"),
             (dict(cache_dir=".."), ValueError, "flash_head_cache_dir must be a directory inside the assets directory"),
             (dict(cache_dir=str(tmp_path / "elsewhere")), ValueError, "a relative path without '..'"),
             (dict(cache_dir=3), ValueError, r"flash_head_cache_dir must be a directory name \(a string\), got 3")):
@@ -163,8 +164,10 @@ def test_partial_files_a_killed_write_left_are_removed_by_the_next_write(tmp_pat
     other = tmp_path / ".other.txt.abc.partial"
     for path in (stale, fresh, other):
         path.write_text("left")
+    stale_dir = tmp_path / ".entry.txt.ghi.partial"  # as a killed SmolLM2 conversion leaves its staging directory
+    (stale_dir / "inner").mkdir(parents=True)
     hours_ago = time.time() - 2 * 3600
-    for path in (stale, other):
+    for path in (stale, other, stale_dir):
         os.utime(path, (hours_ago, hours_ago))
     assets_mod.write_replacing(target, lambda partial: partial.write_text("whole"))
     # Another writer's fresh partial file and other entries' files stay.
@@ -259,7 +262,7 @@ def _write_bad(directory, *, centroids=None, assignments=None, config=None, drop
     *[({"config": {"enforce_equal_cluster_sizes": bad}}, rf"enforce_equal_cluster_sizes must be true or false, got {re.escape(repr(bad))}")
       for bad in (None, "false", 0)],
     *[({"config": {"flash_head_cache_dir": bad}}, "flash_head_cache_dir must be a directory inside the assets directory")
-      for bad in ("..", "../flash_head_assets", "/tmp", "")],
+      for bad in ("..", "../flash_head_assets", "/tmp", "a/../..")],
     *[({"config": {"flash_head_special_token_ids": bad}}, "flash_head_special_token_ids must be a list of token ids")
       for bad in (0, False, "", {})],  # read as no special tokens before
     ({"config": {"n_clusters": "12"}}, "config says n_clusters='12' but centroids"),
@@ -449,6 +452,7 @@ def test_files_written_get_the_umask_s_mode_not_their_owner_s_alone(tmp_path, cl
     # shared cache could not be read by other users.
     old = os.umask(0o022)
     try:
+        assert stat.S_IMODE(assets_mod.new_partial(tmp_path, ".d.", is_dir=True).stat().st_mode) == 0o755
         save_assets(tmp_path, clustering)
         assert stat.S_IMODE((tmp_path / CONFIG_NAME).stat().st_mode) == 0o644
         assert stat.S_IMODE((tmp_path / "flash_head_assets" / TENSORS_NAME).stat().st_mode) == 0o644
@@ -508,5 +512,19 @@ def test_loading_a_clustering_for_other_weights_warns(tmp_path, monkeypatch, emb
     # Published checkpoints carry no fingerprint; a malformed one is named.
     config["flash_head_embedding_fingerprint"] = [1.0, float("nan")]
     (tmp_path / "saved" / CONFIG_NAME).write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="flash_head_embedding_fingerprint in .* must be a list of 256 finite numbers"):
+    with pytest.raises(ValueError, match="flash_head_embedding_fingerprint must be a list of 256 finite numbers"):
         load_assets(tmp_path / "saved", embedding)
+
+
+@pytest.mark.parametrize("cache_dir", ["", "."])
+def test_tensors_beside_the_config_load(tmp_path, embedding, clustering, cache_dir):
+    save_assets(tmp_path, clustering, cache_dir=cache_dir)
+    assert (tmp_path / TENSORS_NAME).is_file()
+    assert torch.equal(load_assets(tmp_path, embedding).cluster_tokens, clustering.cluster_tokens)
+
+
+def test_a_fingerprinted_clustering_loads_for_a_meta_embedding(tmp_path, monkeypatch, embedding):
+    # Shapes only, as before fingerprints: a meta tensor has no values to compare.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    save_assets(tmp_path / "saved", flash_head_for(embedding, SIZE, iters=2, progress=False)[1])
+    assert load_assets(tmp_path / "saved", embedding.to("meta")).num_clusters == VOCAB // SIZE

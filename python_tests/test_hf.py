@@ -2,6 +2,8 @@
 import gc
 import importlib.util
 import json
+import os
+import stat
 import warnings
 import weakref
 
@@ -136,6 +138,33 @@ def test_recorded_states_where_the_cache_cannot_be_written_warn_and_are_returned
     assert states["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1]
 
 
+def test_the_converted_smollm2_is_cached_readable_by_others_or_used_uncached(tmp_path, monkeypatch):
+    # The GGUF's load stubbed by a tiny model: what is under test is the cache around it.
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"not read")
+    tiny, tokenizer = _tiny_llama(tied=True), char_tokenizer()
+    monkeypatch.setattr(hf, "smollm2_gguf_path", lambda: gguf)
+    real_from_pretrained = hf.from_pretrained
+    monkeypatch.setattr(hf, "from_pretrained", lambda source, dtype, **kwargs: (
+        (tiny, tokenizer) if "gguf_file" in kwargs else real_from_pretrained(source, dtype, **kwargs)))
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    old = os.umask(0o022)
+    try:
+        model, _ = hf.load_smollm2(torch.bfloat16)
+    finally:
+        os.umask(old)
+    (converted,) = (tmp_path / "cache" / "models").iterdir()
+    assert stat.S_IMODE(converted.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(f.stat().st_mode) for f in converted.iterdir()} == {0o644}
+    assert model.dtype == torch.bfloat16 and torch.equal(model.lm_head.weight, tiny.lm_head.weight.bfloat16())
+    blocked = tmp_path / "not_a_directory"
+    blocked.write_text("")
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(blocked))
+    with pytest.warns(RuntimeWarning, match="the dequantised SmolLM2 could not be cached under .*not_a_directory"):
+        model, _ = hf.load_smollm2(torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and torch.equal(model.lm_head.weight, tiny.lm_head.weight.bfloat16())
+
+
 def test_attach_with_every_cluster_probed_generates_like_dense():
     model = _tiny_llama(tied=True)
     prompt = torch.tensor([[5, 7, 11, 13]])
@@ -236,6 +265,13 @@ def test_a_head_shared_by_two_models_is_attached_once():
     with pytest.raises(ValueError, match="already runs a FlashHead attached to another model that shares it"):
         attach(draft, _tiny_assets(target))
     assert not hasattr(draft, "flash_head")
+    if importlib.util.find_spec("accelerate") is not None:  # a hook added after attach wraps the forward
+        from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+        add_hook_to_module(target.lm_head, ModelHook())
+        with pytest.raises(ValueError, match="already runs a FlashHead attached to another model that shares it"):
+            attach(draft, _tiny_assets(target))
+        remove_hook_from_module(target.lm_head)
     detach(target)
     assert "forward" not in vars(target.lm_head)
     attach(draft, _tiny_assets(target))
@@ -257,8 +293,15 @@ def test_reattaching_a_saved_model_whose_weights_changed_warns_of_its_old_cluste
         model.lm_head.weight.add_(torch.randn(model.lm_head.weight.shape))
     model.save_pretrained(tmp_path / "model")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", local_files_only=True)
-    with pytest.warns(UserWarning, match="was built for other output weights than these"):
+    with pytest.warns(UserWarning, match="was built for other output weights than these") as caught:
         attach(reloaded)
+        reloaded(torch.tensor([[3, 1, 4]]))
+    assert len([w for w in caught if "other output weights" in str(w.message)]) == 1  # once, not again at the first build
+    detach(reloaded)
+    # Assets set on an attachment are compared with its weight too.
+    attachment = attach(reloaded, _tiny_assets(reloaded))
+    with pytest.warns(UserWarning, match="clustering attached to this model was built for other output weights"):
+        attachment.assets = hf.load_assets(tmp_path / "model")
 
 
 def test_a_new_output_weight_for_the_attached_clustering_warns_unless_it_is_a_cast(tmp_path, monkeypatch):
@@ -283,7 +326,7 @@ def test_found_assets_that_no_longer_fit_the_model_name_where_they_were_found(tm
     save_assets(tmp_path, _tiny_assets(model))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
     loaded.resize_token_embeddings(70)
-    with pytest.raises(ValueError, match=f"the FlashHead assets found for this model in {tmp_path} do not fit it: "
+    with pytest.raises(ValueError, match=f"the FlashHead assets found for this model in {tmp_path} cannot be used: "
                                          "assets assign 67 tokens .* vocab size 70. Pass assets= to use others"):
         attach(loaded)
 
