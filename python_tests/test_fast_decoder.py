@@ -366,6 +366,18 @@ def test_decoder_bad_arguments_name_the_argument():
     if not torch.cuda.is_available():  # the default device is "cuda": named, not a driver error from torch
         with pytest.raises(ValueError, match=r"device 'cuda' \(the default is 'cuda'\): no CUDA device here"):
             Decoder.random(decoder.config, max_len=8, dtype=torch.float32)
+        with pytest.raises(ValueError, match=r"device 'cuda': no CUDA device here"):
+            Decoder.from_hf(model, max_len=8, device="cuda")
+    for std in (0, -1.0, float("nan"), "0.02"):
+        with pytest.raises(ValueError, match=rf"std must be a finite number > 0 .*, got {re.escape(repr(std))}"):
+            Decoder.random(decoder.config, max_len=8, device="cpu", std=std)
+    with pytest.raises(TypeError, match="seed must be a Python int"):
+        Decoder.random(decoder.config, max_len=8, device="cpu", seed=1.5)
+    ids = torch.tensor([3, 1], device=decoder.device)
+    for start, got in ((3, "int"), (torch.tensor(3, dtype=torch.int32), "a 0-d torch.int32 tensor on cpu"),
+                       (torch.tensor([3]), "a 1-d torch.int64 tensor on cpu")):
+        with pytest.raises(TypeError, match=rf"start must be a 0-d int64 tensor on the model's device cpu, got {re.escape(got)}"):
+            decoder.forward(ids, start=start)
     with pytest.raises(ValueError, match=r"hidden_act must be one of \('silu', 'gelu_tanh'\), got 'gelu'"):
         DecoderConfig(10, 8, 8, 1, 4, 4, 2, hidden_act="gelu")
     for bad in ((2,), (0, 0), [0], (True,)):
@@ -409,6 +421,26 @@ def test_decoder_bad_arguments_name_the_argument():
         state = dict(model.state_dict(), **{key: model.state_dict()[key][:90]})
         with pytest.raises(ValueError, match=rf"state_dict's '{key}' has 90 rows, the config's vocab_size is {VOCAB}"):
             Decoder.from_state_dict(model.config, state, max_len=8)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_from_state_dict_refuses_weights_the_config_leaves_unread(arch):
+    # A Llama config of the same sizes over Qwen3's q/k norms or Qwen2's biases built a model that
+    # skipped them, and decoded other tokens than the real one, without a word.
+    model = hf_model(arch)
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "tie_word_embeddings", "max_position_embeddings")
+    llama = transformers.LlamaConfig(**{name: getattr(model.config, name) for name in fields
+                                        if getattr(model.config, name, None) is not None})
+    unread = "self_attn.q_norm.weight" if arch == "qwen3" else "self_attn.k_proj.bias"
+    with pytest.raises(ValueError, match=f"state_dict holds weights a llama config .* does not use, e.g. .*{re.escape(unread)}"):
+        Decoder.from_state_dict(llama, model.state_dict(), max_len=8)
+    assert Decoder.from_state_dict(model.config, model.state_dict(), max_len=8).config.num_layers == 3
+    # A tied config over an untied head: its lm_head.weight would have been ignored.
+    untied = dict(model.state_dict(), **{"lm_head.weight": torch.randn_like(model.lm_head.weight)})
+    if model.config.tie_word_embeddings:
+        with pytest.raises(ValueError, match="ties the head to the input embedding .* 'lm_head.weight' differs from it"):
+            Decoder.from_state_dict(model.config, untied, max_len=8)
 
 
 def test_from_hf_warns_that_an_attached_flashhead_is_not_carried(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import warnings
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional
@@ -359,6 +360,39 @@ def _compiled_graphs_allowed():
     return config.patch(**{name: COMPILED_GRAPHS})
 
 
+def _require_usable_device(device: torch.device, note: str = "") -> None:
+    if device.type == "cuda" and not torch.cuda.is_available():
+        # Else torch's own error, which may only speak of drivers, once weights are being copied.
+        raise ValueError(f"device {str(device)!r}{note}: no CUDA device here (torch.cuda.is_available() is False); "
+                         "pass device='cpu'")
+
+
+def _refuse_unread_weights(state_dict: Mapping[str, Tensor], read: set, prefix: str, config: DecoderConfig,
+                           model_type: str) -> None:
+    """ValueError for weights of the built layers, the final norm or the head that the config left
+    unread: another model's config (a Llama config over Qwen3's q/k norms or Qwen2's biases)
+    would otherwise build a wrong model without a word. Layers past an early exit may stay."""
+    layer = re.compile(rf"{re.escape(prefix)}layers\.(\d+)\.")
+    unread = []
+    for key in state_dict:
+        if key in read or key.endswith("rotary_emb.inv_freq"):  # a buffer older transformers saved
+            continue
+        built_layer = (match := layer.match(key)) is not None and int(match.group(1)) < config.num_layers
+        if built_layer or key.startswith((f"{prefix}norm.", "lm_head.")):
+            unread.append(key)
+    tied_head = state_dict.get("lm_head.weight")
+    if config.tie_word_embeddings and tied_head is not None and "lm_head.weight" in unread:
+        unread.remove("lm_head.weight")
+        embed = state_dict[f"{prefix}embed_tokens.weight"]
+        if tied_head.shape != embed.shape or not torch.equal(tied_head, embed.to(tied_head.device, tied_head.dtype)):
+            raise ValueError("the config ties the head to the input embedding (tie_word_embeddings=True) but state_dict's "
+                             "'lm_head.weight' differs from it: another model's config?")
+    if unread:
+        raise ValueError(f"state_dict holds weights a {model_type} config with these settings does not use, e.g. "
+                         f"{sorted(unread)[:4]}: another model's config? (Qwen3's q/k norms, Qwen2's biases and Gemma-3's "
+                         "norms each need their own config)")
+
+
 class Decoder:
     """Weights and a static KV cache of a Llama / Qwen2 / Qwen3 / Gemma-3 decoder, on one device, in one dtype.
 
@@ -476,14 +510,18 @@ class Decoder:
             _require_dtype(dtype)
         dtype = dtype or state_dict[embed_key].dtype
         device = torch.device(device) if device is not None else state_dict[embed_key].device
+        _require_usable_device(device)
         # Gemma's RMSNorms scale by 1 + weight: the sum, formed in float32 (float64 for a float64
         # model) as transformers forms it, is stored as the weight. In a 16-bit model it is rounded
         # once more than transformers rounds, an error the size of the output's own rounding.
         norm_offset = 1.0 if hf_config.model_type == "gemma3_text" else 0.0
 
+        read = set()
+
         def get(key: str) -> Tensor:
             if key not in state_dict:
                 raise ValueError(f"state_dict has no {key!r}")
+            read.add(key)
             w = state_dict[key].detach().to(device)
             if norm_offset and key.endswith("norm.weight"):
                 w = w.to(torch.float64 if w.dtype == torch.float64 else torch.float32) + norm_offset
@@ -518,7 +556,9 @@ class Decoder:
             raise ValueError("state_dict has no 'lm_head.weight', and the config says the head is untied "
                              "(tie_word_embeddings=False); pass the causal LM's full state dict, not its body's")
         lm_head = embed if c.tie_word_embeddings else get_vocab_rows("lm_head.weight")
-        decoder = cls(c, dict(embed=embed, lm_head=lm_head, final_norm=get(f"{prefix}norm.weight"), layers=layers), max_len=max_len)
+        final_norm = get(f"{prefix}norm.weight")
+        _refuse_unread_weights(state_dict, read, prefix, c, hf_config.model_type)
+        decoder = cls(c, dict(embed=embed, lm_head=lm_head, final_norm=final_norm, layers=layers), max_len=max_len)
         decoder.eos_token_id = getattr(hf_config, "eos_token_id", None)  # transformers' fallback without a generation config
         return decoder
 
@@ -530,10 +570,10 @@ class Decoder:
         _require_config(config)
         _require_dtype(dtype)
         device = torch.device(device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            # Else torch's own error, which may only speak of drivers (the default device is "cuda").
-            raise ValueError(f"device {str(device)!r} (the default is 'cuda'): no CUDA device here "
-                             "(torch.cuda.is_available() is False); pass device='cpu'")
+        _require_usable_device(device, " (the default is 'cuda')")
+        seed = ops._require_int("seed", seed)
+        if not ops._is_number(std) or not math.isfinite(std) or std <= 0:
+            raise ValueError(f"std must be a finite number > 0 (the weights are never zeros), got {std!r}")
         gen = torch.Generator(device=device).manual_seed(seed)
         c = config
         d = c.hidden_size
@@ -573,6 +613,12 @@ class Decoder:
                              f"of {ids.numel()} ids")
         if ids.device != self.device:
             raise ValueError(f"ids must be on the model's device {self.device}, got {ids.device}")
+        if start is not None and not (isinstance(start, Tensor) and start.dim() == 0 and start.dtype == torch.int64
+                                      and start.device == self.device):
+            got = (f"a {start.dim()}-d {start.dtype} tensor on {start.device}" if isinstance(start, Tensor)
+                   else type(start).__name__)
+            # Read on the device, so that a captured graph takes each replay's value; one body took an int.
+            raise TypeError(f"start must be a 0-d int64 tensor on the model's device {self.device}, got {got}")
         c = self.config
         n = ids.shape[0]
         if n > self.max_len:
