@@ -478,6 +478,7 @@ def flash_head_for(
     if cache and (directory / CONFIG_NAME).is_file():
         try:
             assets = load_assets(directory, embedding)
+            assets.embedding_fingerprint = fingerprint  # entries cached before it had none
         except (ValueError, OSError) as error:  # a damaged entry (a full disk, a copy cut short) is built again
             warnings.warn(f"the cached clustering at {directory} is unreadable ({error}); building it again",
                           RuntimeWarning, stacklevel=2)
@@ -489,7 +490,6 @@ def flash_head_for(
         with uncached_on_failure("the clustering"):
             save_assets(directory, assets)
     assets.special_token_ids = special_token_ids
-    assets.embedding_fingerprint = fingerprint  # entries cached before it had none
     head = assets.head(embedding, probes, centroid_dtype=centroid_dtype)
     assets.n_probes = head.probes  # so that save_assets(dir, assets) keeps this head's settings
     return head, assets

@@ -92,8 +92,9 @@ def _convert_gguf(gguf: Path, target: Path):
             model.generation_config.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             save_model(model, str(staging / "model.safetensors"))  # stores tied weights once
-            for written in staging.iterdir():  # the umask's mode, as the directory has it (safetensors' is 0600)
-                written.chmod(staging.stat().st_mode & 0o666)
+            file_mode = staging.stat().st_mode & 0o666  # the umask's, as the directory has it (safetensors' is 0600)
+            for written in staging.iterdir():
+                written.chmod(file_mode)
             try:
                 os.replace(staging, target)
             except OSError:
@@ -359,10 +360,11 @@ class FlashHeadAttachment:
     the model's current output weight, rebuilt when ``model.to()`` moved or cast that weight.
     Weights changed in place (``load_state_dict``, training) keep the clusters built for the old
     ones: ``detach`` and ``attach`` again. (A new weight object, as ``load_state_dict(assign=True)``
-    sets, warns when its values are not those the clustering was built for, where it records them.) A compiled model sees a weight whose storage was replaced
-    (``weight.data = new``) only after an eager call (its graphs guard on the Parameter, not on
-    its storage); change the values in place instead (``weight.copy_(new)`` under ``no_grad``).
-    Setting ``assets`` (they then set ``probes``) or ``centroid_dtype`` builds the head anew at once.
+    sets, warns when its values are not those the clustering was built for, where it records
+    them.) A compiled model sees a weight whose storage was replaced (``weight.data = new``) only
+    after an eager call (its graphs guard on the Parameter, not on its storage); change the values
+    in place instead (``weight.copy_(new)`` under ``no_grad``). Setting ``assets`` (they then set
+    ``probes``) or ``centroid_dtype`` builds the head anew at once.
     """
 
     def __init__(self, linear: nn.Linear, assets, probes: Optional[int], centroid_dtype: Optional[torch.dtype] = None,

@@ -381,7 +381,7 @@ def _refuse_unread_weights(state_dict: Mapping[str, Tensor], read: set, prefix: 
         if built_layer or key.startswith((f"{prefix}norm.", "lm_head.")):
             unread.append(key)
     tied_head = state_dict.get("lm_head.weight")
-    if config.tie_word_embeddings and tied_head is not None and "lm_head.weight" in unread:
+    if config.tie_word_embeddings and tied_head is not None:  # never read: the head is the embedding
         unread.remove("lm_head.weight")
         embed = state_dict[f"{prefix}embed_tokens.weight"]
         if tied_head.shape != embed.shape or not torch.equal(tied_head, embed.to(tied_head.device, tied_head.dtype)):
