@@ -91,7 +91,10 @@ void call_below_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys
 }
 
 at::Tensor no_derivative(c10::string_view op, const at::Tensor&, const at::Tensor&) {
-  TORCH_CHECK(false, "derivative for flashhead::", op, " is not implemented");
+  // Users meet this training a model with FlashHead attached: name the way out.
+  TORCH_CHECK(false, "derivative for flashhead::", op,
+              " is not implemented: the flashhead ops are for inference (run them under torch.no_grad()); "
+              "to train a model FlashHead is attached to, call flashhead_ext.detach(model) first");
 }
 
 // torch holds autograd nodes by std::shared_ptr (2.6-2.11 here) or by c10::intrusive_ptr (2.13-2.14).
