@@ -5,6 +5,7 @@ never gated on torch.cuda.is_available(): CI compiles every kernel on a machine 
 FLASHHEAD_SKIP_CUDA_BUILD=1 gives a CPU-only build. TORCH_CUDA_ARCH_LIST defaults to 8.0;9.0.
 """
 import glob
+import importlib.util
 import os
 import sysconfig
 from pathlib import Path
@@ -60,6 +61,15 @@ def wheel_cuda_includes() -> list[str]:
     return [str(p) for p in sorted(site.glob("nvidia/cu*/include")) if p.is_dir()]
 
 
+def built_commit():
+    """The commit being built, recorded for an installed copy to name its code in result files.
+    Loaded by path: the package cannot be imported before its extension is built."""
+    spec = importlib.util.spec_from_file_location("_provenance", ROOT / "flashhead_ext" / "_provenance.py")
+    provenance = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(provenance)
+    return provenance.source_commit(ROOT / "setup.py", mark_dirty=True)
+
+
 def write_build_info(directory: Path, with_cuda: bool) -> None:
     # Read on import to refuse a torch that differs from the one we were compiled against.
     info = (
@@ -68,6 +78,7 @@ def write_build_info(directory: Path, with_cuda: bool) -> None:
         f"CUDA_VERSION = {torch.version.cuda if with_cuda else None!r}\n"
         f"WITH_CUDA = {with_cuda!r}\n"
         f"CUDA_ARCH_LIST = {os.environ.get('TORCH_CUDA_ARCH_LIST') if with_cuda else None!r}\n"
+        f"SOURCE_COMMIT = {built_commit()!r}\n"
     )
     (directory / "_build_info.py").write_text(info)
 

@@ -1,4 +1,6 @@
 """The build records what it was compiled against, and import refuses a different torch."""
+import shutil
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -8,11 +10,47 @@ import torch
 
 import flashhead_ext
 from flashhead_ext import _loader
+from flashhead_ext import _provenance as provenance
+from flashhead_ext.bench.timing import run_metadata
 
 
 def test_build_info_names_the_running_torch():
     assert flashhead_ext.BUILD_INFO.TORCH_VERSION == torch.__version__
     assert flashhead_ext.cuda_kernels_built() == bool(flashhead_ext.BUILD_INFO.WITH_CUDA)
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_commit_recorded_is_that_of_the_checkout_tracking_the_code(tmp_path, monkeypatch):
+    # A copy installed inside another repository (a venv in the user's own project) once recorded
+    # that project's commit in every result file.
+    monkeypatch.delenv("FLASHHEAD_COMMIT", raising=False)
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "tracked.py").write_text("x = 1\n")
+    _git(tmp_path, "add", "tracked.py")
+    _git(tmp_path, "commit", "-qm", "one")
+    head = _git(tmp_path, "rev-parse", "--short", "HEAD")
+    installed = tmp_path / "venv" / "site-packages" / "pkg" / "__init__.py"
+    installed.parent.mkdir(parents=True)
+    installed.write_text("")
+    assert provenance.checkout_commit(installed, mark_dirty=True) is None
+    assert provenance.checkout_commit(tmp_path / "tracked.py", mark_dirty=False) == head
+    assert provenance.checkout_commit(tmp_path / "tracked.py", mark_dirty=True) == head + "+dirty"  # the venv
+    monkeypatch.setenv("FLASHHEAD_COMMIT", "abc1234")
+    assert provenance.source_commit(installed, mark_dirty=True) == "abc1234"
+
+
+def test_an_installed_copy_names_the_commit_it_was_built_from(monkeypatch):
+    monkeypatch.delenv("FLASHHEAD_COMMIT", raising=False)
+    monkeypatch.setattr(provenance, "checkout_commit", lambda tracked_file, mark_dirty: None)
+    monkeypatch.setattr(flashhead_ext.BUILD_INFO, "SOURCE_COMMIT", "0123abc", raising=False)
+    assert run_metadata("cpu")["commit"] == "0123abc" and run_metadata("cpu")["version"] == flashhead_ext.__version__
+    monkeypatch.setattr(flashhead_ext.BUILD_INFO, "SOURCE_COMMIT", None)  # built outside a checkout (an sdist)
+    assert run_metadata("cpu")["commit"] == "unknown"
 
 
 def test_import_refuses_a_different_torch(monkeypatch):

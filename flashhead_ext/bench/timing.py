@@ -3,33 +3,24 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from .. import BUILD_INFO, __version__
+from .. import _provenance as provenance
+
 
 def source_commit(mark_dirty: bool = False) -> str:
-    """Short commit of the checkout this package runs from ("unknown" outside one); the
-    FLASHHEAD_COMMIT variable overrides it (the device gets a copy without .git). With
-    ``mark_dirty``, "+dirty" is appended when the checkout has uncommitted changes."""
-    commit = os.environ.get("FLASHHEAD_COMMIT")
-    if commit:
-        return commit
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
-                              check=True).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        return commit + ("+dirty" if mark_dirty and git("status", "--porcelain") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    """Short commit of the code this package runs: the FLASHHEAD_COMMIT variable where set; else
+    the checkout that tracks this package's files (an editable or in-place build, "+dirty"
+    appended with ``mark_dirty`` when it has uncommitted changes); else the commit recorded when
+    the installed copy was built; else "unknown"."""
+    return (provenance.source_commit(Path(__file__).parents[1] / "__init__.py", mark_dirty)
+            or getattr(BUILD_INFO, "SOURCE_COMMIT", None) or "unknown")
 
 
 def run_metadata(device: str) -> dict:
@@ -38,6 +29,7 @@ def run_metadata(device: str) -> dict:
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": source_commit(mark_dirty=True),  # a run of uncommitted code says so
+        "version": __version__,
         "torch": torch.__version__,
         "device": "cpu",
     }
