@@ -465,6 +465,36 @@ def test_drafts_the_heads_cannot_serve_are_refused():
     assert len(SpeculativeDecoder(recurrent).generate(prompt(0), mode="baseline", max_new_tokens=3).tokens) == 3
 
 
+def _length_dependent_rope_target(rope_type: str):
+    """A tiny target whose RoPE frequencies change once a forward reaches 16 positions."""
+    torch.manual_seed(0)
+    if rope_type == "longrope":  # as Phi-3-mini-128k, Phi-3.5-mini and Phi-4-mini ship
+        config = transformers.Phi3Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, initializer_range=0.2, max_position_embeddings=64, original_max_position_embeddings=16,
+            pad_token_id=0, rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 4,
+                                                 long_factor=[1.0, 2.0, 4.0, 8.0]))
+        return transformers.Phi3ForCausalLM(config).to(torch.float64).eval()
+    config = transformers.LlamaConfig(**dict(_config("llama")[1].to_dict(), max_position_embeddings=16,
+                                             rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0)))
+    return transformers.LlamaForCausalLM(config).to(torch.float64).eval()
+
+
+@pytest.mark.parametrize("rope_type", ["longrope", "dynamic"])
+def test_a_target_whose_rope_changes_with_the_length_is_decoded_only_before_the_switch(rope_type):
+    # Past the switch a verify of K tokens and a cache kept across it gave other tokens than
+    # the target's greedy decoding, in every mode and without a word.
+    target = _length_dependent_rope_target(rope_type)
+    ids = random_prompt(3, VOCAB, 5)
+    decoder = SpeculativeDecoder(target, copy.deepcopy(target), k=3, eos_token_id=[])
+    for mode in MODES:
+        budget = 15 - 5 if mode == "baseline" else 15 - 5 - 3 - 1  # the most that stays under 16 positions
+        assert tuple(decoder.generate(ids, mode=mode, max_new_tokens=budget).tokens) == greedy_tokens(target, ids, budget)
+        with pytest.raises(ValueError, match=f"the target's {rope_type} RoPE changes its frequencies once a forward "
+                                             r"reaches 16 positions.* must stay under 16"):
+            decoder.generate(ids, mode=mode, max_new_tokens=budget + 1)
+
+
 class _ScriptedDecoder:
     """Stands in for a SpeculativeDecoder: logs its calls and returns fixed stats."""
 

@@ -298,6 +298,23 @@ def cache_keyword(module) -> str:
     raise TypeError("the installed transformers' causal LM forward takes neither cache= nor past_key_values=")
 
 
+def length_dependent_rope(config) -> Optional[tuple]:
+    """(rope_type, positions) where ``config``'s RoPE frequencies change once a forward reaches
+    ``positions`` (transformers picks them from the forward's largest position), else None. Past
+    that point a K-token verify and a cache kept across the switch no longer give the tokens that
+    one-token decoding with a fresh cache gives."""
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    per_layer_type = [rope] if "rope_type" in rope or "type" in rope else [v for v in rope.values() if isinstance(v, dict)]
+    for parameters in per_layer_type:
+        rope_type = parameters.get("rope_type", parameters.get("type"))
+        if rope_type == "longrope":
+            return rope_type, int(parameters.get("original_max_position_embeddings",
+                                                 getattr(config, "original_max_position_embeddings", 0)))
+        if rope_type == "dynamic":
+            return rope_type, int(config.max_position_embeddings)
+    return None
+
+
 class SpeculativeDecoder:
     """Greedy decoding of ``target``, optionally sped up by ``draft`` proposing ``k`` tokens a round.
 
@@ -336,6 +353,7 @@ class SpeculativeDecoder:
         self.device = next(target.parameters()).device
         self.eos = eos_ids(eos_token_id, getattr(getattr(target, "generation_config", None), "eos_token_id", None), vocab)
         warn_unapplied_generation_settings(greedy_logit_settings(target))
+        self._rope_switch = length_dependent_rope(getattr(target, "config", None))
         self.draft = draft
         self.head = None
         if draft is None:
@@ -403,6 +421,15 @@ class SpeculativeDecoder:
         check_mode(mode, self.draft is not None)
         max_new_tokens = require_positive_int("max_new_tokens", max_new_tokens)
         prompt = check_prompt(input_ids, self.device, self.vocab_size)
+        if self._rope_switch is not None:
+            rope_type, switch = self._rope_switch
+            past_budget = 0 if mode == "baseline" else self.k + 1  # a deferred verify reaches k + 1 past the budget
+            if prompt.shape[1] + max_new_tokens + past_budget >= switch:
+                rounds = "" if mode == "baseline" else f" + k ({self.k}) + 1"
+                raise ValueError(f"the target's {rope_type} RoPE changes its frequencies once a forward reaches {switch} "
+                                 "positions, which a cache kept across the switch (and verifying several tokens at "
+                                 f"once) does not reproduce: prompt ({prompt.shape[1]}) + max_new_tokens "
+                                 f"({max_new_tokens}){rounds} must stay under {switch}")
         stats = GenerationStats(mode=mode, prompt_tokens=prompt.shape[1], k=self.k if mode != "baseline" else 0)
         output = Emitter(stats, self.eos, max_new_tokens)
         emit = output.emit
