@@ -33,7 +33,7 @@ def next_tokens(head, hidden: Tensor, rows_per_call: int = 16) -> Tensor:
 
 def median_call_ms(fn: Callable[[Tensor], Tensor], rows: Tensor, repeats: int, warmup: int = 5) -> float:
     """Median wall time of ``fn`` on one row (batch 1), cycling through ``rows``."""
-    sync = torch.cuda.synchronize if rows.is_cuda else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(rows.device)) if rows.is_cuda else (lambda: None)
     for i in range(warmup):
         fn(rows[i % rows.shape[0]: i % rows.shape[0] + 1])
     times = []

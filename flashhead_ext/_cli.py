@@ -28,7 +28,8 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def device_arg(text: str) -> str:
     """argparse ``type`` of a device flag: a device torch can name and this machine has, so a bad one
-    is a usage error before any model is built."""
+    is a usage error before any model is built. The CPU is always "cpu" (the runs compare with
+    it: "cpu:0" once took their CUDA paths)."""
     try:
         device = torch.device(text)
     except RuntimeError as error:
@@ -41,7 +42,7 @@ def device_arg(text: str) -> str:
             raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device here (torch.cuda.is_available() is False)")
         if device.index is not None and device.index >= count:
             raise argparse.ArgumentTypeError(f"{text!r}: this machine has {counted(count, 'CUDA device')}")
-    return text
+    return "cpu" if device.type == "cpu" else text
 
 
 def counted(count: int, noun: str) -> str:

@@ -270,3 +270,34 @@ def test_on_device_makes_a_cuda_device_current_for_its_block():
         with on_device("cuda:1"):
             assert torch.cuda.current_device() == 1
         assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.parametrize("bench", ["head", "clusters"])
+def test_the_cpu_by_index_is_a_cpu_run(bench, tmp_path):
+    # "cpu:0" passed the device check, then took the CUDA paths: graph mode, CUDA events, GPU floors.
+    from flashhead_ext._cli import device_arg
+
+    assert device_arg("cpu:0") == device_arg("cpu") == "cpu"
+    out = tmp_path / "run.json"
+    argv = (["head", "--probes", "7", "--batches", "1", "--impls", "dense,flash_greedy", "--calls", "2", "--samples", "2"]
+            if bench == "head" else ["clusters", "--iters", "1"])
+    assert main([*argv, "--shapes", "tiny", "--device", "cpu:0", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["device"] == "cpu" and result["meta"].get("copy_bandwidth_gbs") is None
+    assert {row.get("mode", "eager") for row in result["rows"]} == {"eager"}
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+def test_the_drivers_clock_times_the_models_device_not_the_current_one():
+    # Its events were recorded on the current device's stream: a run on cuda:1 timed idle cuda:0.
+    from flashhead_ext.speculative.driver import Clock
+
+    clock = Clock(torch.device("cuda:1"))
+    a = torch.randn(8192, 8192, device="cuda:1")
+    with clock("matmuls"):
+        for _ in range(8):
+            a = a @ a / 8192
+    assert torch.cuda.current_device() == 0
+    torch.cuda.synchronize("cuda:1")
+    assert clock.resolve()["matmuls"] > 5e-4  # 8 float32 GEMMs of 8192: milliseconds, not an idle device's microseconds

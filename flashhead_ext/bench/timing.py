@@ -61,7 +61,7 @@ def time_calls(fn: Callable[[], object], *, calls_per_sample: int, samples: int 
     for _ in range(warmup):
         fn()
     times = []
-    if device == "cpu":
+    if torch.device(device).type == "cpu":
         for _ in range(samples):
             start = time.perf_counter()
             fn()

@@ -92,16 +92,19 @@ class Clock:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.device = device
         self.totals = defaultdict(float)
         self.events = []
 
     @contextmanager
     def __call__(self, phase: str):
         if self.cuda:
+            # On the models' device's stream, which need not be the current device's (cuda:1).
+            stream = torch.cuda.current_stream(self.device)
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             yield
-            stop.record()
+            stop.record(stream)
             self.events.append((phase, start, stop))
         else:
             start = time.perf_counter()
