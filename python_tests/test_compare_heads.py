@@ -154,3 +154,36 @@ def test_prompts_past_the_file_or_unreadable_are_usage_errors_before_the_model_l
         assert exit_info.value.code == 2
         assert f"compare-heads: error: {message}" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_the_json_names_the_code_and_the_settings_of_the_run(tmp_path, monkeypatch, capsys):
+    # It recorded neither commit, version, date nor its own arguments, unlike every benchmark's.
+    pytest.importorskip("transformers")
+    import torch
+
+    import flashhead_ext
+    from flashhead_ext import hf
+    from flashhead_ext.__main__ import main
+    from test_hf import _tiny_llama
+
+    class Tokenizer:
+        eos_token_id = 0
+
+    model = _tiny_llama(tied=True)
+    hidden = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+
+    def recorded(model, tokenizer, prompts, max_new_tokens):
+        return hidden, (hidden @ model.lm_head.weight.T).argmax(-1), torch.arange(9) % len(prompts)
+
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FLASHHEAD_COMMIT", "feed123")
+    monkeypatch.setattr(hf, "load_smollm2", lambda: (model, Tokenizer()))
+    monkeypatch.setattr(hf, "record_hidden_states", recorded)
+    out = tmp_path / "out.json"
+    assert main(["compare-heads", "--device", "cpu", "--num-prompts", "3", "--max-new-tokens", "5", "--probes", "2,5",
+                 "--cluster-size", "4", "--iters", "2", "--seed", "7", "--repeats", "3", "--json", str(out)]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["commit"] == "feed123" and meta["version"] == flashhead_ext.__version__ and meta["device"] == "cpu"
+    assert meta["args"] == dict(num_prompts=3, max_new_tokens=5, probes=[2, 5], cluster_size=4, iters=2, seed=7,
+                                no_cache=False, repeats=3, threads=None)
+    assert "UTC" in meta["date"]
