@@ -7,7 +7,7 @@ import torch
 from flashhead_ext.bench.__main__ import main
 from flashhead_ext import ops
 from flashhead_ext.bench.head import (SHAPES, CandidatesRead, HeadState, add_ratios, call_bytes, candidates_read,
-                                      copies_needed, floor_bytes, summary)
+                                      copies_needed, copy_bytes, floor_bytes, summary, warm_l2_warning)
 from flashhead_ext.bench.timing import on_device, run_metadata
 from helpers import TWO_GPUS
 
@@ -63,10 +63,18 @@ def test_copies_rotate_three_l2s_past_the_smallest_reader():
     shape, l2 = SHAPES["qwen3-0.6b"], 60 << 20
     bf16_copy = shape.num_clusters * (shape.dim * 2 + 16 * 4) + shape.dim * 2
     fp8_copy = shape.num_clusters * (shape.dim + 16 * 4) + shape.dim * 2
-    assert copies_needed(shape, torch.bfloat16, ["dense", "flash_greedy"], 1, 64, l2) == -(-3 * l2 // bf16_copy) + 1
-    assert copies_needed(shape, torch.bfloat16, ["flash_greedy_fp8"], 1, 64, l2) == -(-3 * l2 // fp8_copy) + 1
-    assert copies_needed(shape, torch.bfloat16, ["flash_greedy_fp8"], 1, 16, l2) == 16  # no more than a sample's calls
-    assert copies_needed(shape, torch.bfloat16, ["dense"], 1, 16, 0) == 1  # no L2 (a CPU)
+    assert copy_bytes(shape, torch.bfloat16, ["dense", "flash_greedy"], 1) == bf16_copy
+    assert copy_bytes(shape, torch.bfloat16, ["flash_greedy", "flash_greedy_fp8"], 1) == fp8_copy
+    assert copies_needed(bf16_copy, 64, l2) == -(-3 * l2 // bf16_copy) + 1
+    assert copies_needed(fp8_copy, 64, l2) == -(-3 * l2 // fp8_copy) + 1
+    assert copies_needed(fp8_copy, 16, l2) == 16  # no more than a sample's calls
+    assert copies_needed(bf16_copy, 16, 0) == 1  # no L2 (a CPU)
+    # Fewer calls than copies to pass two L2s between uses time a warm L2: said, with the calls that suffice.
+    assert warm_l2_warning("qwen3-0.6b", 16, fp8_copy, l2, 16) is None  # the default --calls
+    warning = warm_l2_warning("qwen3-0.6b", 3, bf16_copy, l2, 3)
+    assert warning.startswith("warning: --calls 3 rotates 3 copies (60 MB) at qwen3-0.6b, less than twice the 63 MB L2")
+    assert warning.endswith(f"use --calls {-(-2 * l2 // bf16_copy)} or more") and -(-2 * l2 // bf16_copy) == 7
+    assert warm_l2_warning("qwen3-0.6b", 1, bf16_copy, 0, 1) is None  # a CPU
 
 
 def test_plain_torch_baseline_decodes_like_ours_with_special_tokens():
@@ -285,6 +293,8 @@ def test_the_cpu_by_index_is_a_cpu_run(bench, tmp_path):
     result = json.loads(out.read_text())
     assert result["meta"]["device"] == "cpu" and result["meta"].get("copy_bandwidth_gbs") is None
     assert {row.get("mode", "eager") for row in result["rows"]} == {"eager"}
+    if bench == "head":  # what ran, as lists: graph mode dropped on the CPU (the flags' text said "eager,graph")
+        assert result["args"]["modes"] == ["eager"] and result["args"]["impls"] == ["dense", "flash_greedy"]
 
 
 @pytest.mark.gpu

@@ -162,14 +162,28 @@ def measure(state: HeadState, impl: str, batch: int, probes: int, mode: str, cal
     return time_calls(run_all, calls_per_sample=calls, samples=samples, device=device)
 
 
-def copies_needed(shape: VocabShape, dtype: torch.dtype, impls: list, max_batch: int, calls: int, l2: int) -> int:
-    """Copies of the per-call bytes (centroids, table, hidden rows) to rotate over, so that at least
-    three L2s' worth of them pass between two uses of one copy by the implementation reading the
-    fewest (fp8 centroids where timed); more than the calls a sample makes would go unused."""
+def copy_bytes(shape: VocabShape, dtype: torch.dtype, impls: list, max_batch: int) -> int:
+    """Bytes of one copy of the per-call data (centroids, table, hidden rows) as the implementation
+    reading the fewest of them (fp8 centroids where timed) reads it."""
     centroid_bytes = 1 if any(impl.endswith("_fp8") for impl in impls) else torch.finfo(dtype).bits // 8
-    per_copy = (shape.num_clusters * (shape.dim * centroid_bytes + shape.cluster_size * 4)
-                + max_batch * shape.dim * torch.finfo(dtype).bits // 8)
+    return (shape.num_clusters * (shape.dim * centroid_bytes + shape.cluster_size * 4)
+            + max_batch * shape.dim * torch.finfo(dtype).bits // 8)
+
+
+def copies_needed(per_copy: int, calls: int, l2: int) -> int:
+    """Copies to rotate over, so that at least three L2s' worth of them pass between two uses of
+    one copy; more than the calls a sample makes would go unused."""
     return max(1, min(calls, math.ceil(3 * l2 / per_copy) + 1)) if l2 else 1
+
+
+def warm_l2_warning(shape_name: str, copies: int, per_copy: int, l2: int, calls: int):
+    """The warning a run whose ``--calls`` leave too few copies to pass two L2s between uses gets:
+    its calls then read partly from L2, faster than in a decode step. None when the copies suffice."""
+    if not l2 or copies * per_copy >= 2 * l2:
+        return None
+    return (f"warning: --calls {calls} rotates {copies} copies ({copies * per_copy / 1e6:.0f} MB) at {shape_name}, "
+            f"less than twice the {l2 / 1e6:.0f} MB L2: its calls read partly from L2, so its times are below a decode "
+            f"step's; use --calls {math.ceil(2 * l2 / per_copy)} or more")
 
 
 def call_bytes(fn, device: str):
@@ -266,7 +280,11 @@ def run(args, impls: list, modes: list) -> int:
         shape = SHAPES[name]
         points = [pt for pt in plan(args) if pt["shape"] == name]
         max_batch = max(pt["batch"] for pt in points)
-        copies = copies_needed(shape, dtype, impls, max_batch, args.calls, l2)
+        per_copy = copy_bytes(shape, dtype, impls, max_batch)
+        copies = copies_needed(per_copy, args.calls, l2)
+        warning = warm_l2_warning(name, copies, per_copy, l2, args.calls)
+        if warning:
+            print(warning)
         state = HeadState(shape, dtype, args.device, max_batch, copies, special_tokens=args.special_tokens)
         for pt in points:
             read = candidates_read(state, pt["batch"], pt["probes"])
@@ -286,7 +304,8 @@ def run(args, impls: list, modes: list) -> int:
         print(f"{args.special_tokens} special tokens scored at every step")
     print(format_table([dict(r, **megabytes(r)) for r in rows], COLUMNS))
     print(summary(rows, args.shapes[0], capped_probes(args.batch_probes, SHAPES[args.shapes[0]])))
-    out = write_output(args.json, json.dumps({"meta": meta, "args": {k: v for k, v in vars(args).items()}, "rows": rows},
+    # The implementations and modes that ran (graph mode is dropped on a CPU), not the flags' text.
+    out = write_output(args.json, json.dumps({"meta": meta, "args": dict(vars(args), impls=impls, modes=modes), "rows": rows},
                                              indent=1))
     print(f"wrote {out}")
     return 0
