@@ -311,3 +311,23 @@ def test_the_drivers_clock_times_the_models_device_not_the_current_one():
     assert torch.cuda.current_device() == 0
     torch.cuda.synchronize("cuda:1")
     assert clock.resolve()["matmuls"] > 5e-4  # 8 float32 GEMMs of 8192: milliseconds, not an idle device's microseconds
+
+
+def test_layer_ops_rotates_copies_of_what_each_row_reads():
+    # Sized by the whole layer, a small matrix's copies had fit in an H200's L2 (o: 38 MB at Qwen3-0.6B).
+    from flashhead_ext.bench.layer_ops import L2_DEFEAT_BYTES, MAX_COPIES, _rotated
+
+    small, large = torch.randn(64, 96), torch.randn(1024, 1024)
+    copies = _rotated(dict(small=small, large=large), ["large"])
+    assert len(copies) == L2_DEFEAT_BYTES // large.nbytes and copies[0]["large"] is large
+    assert all(c["small"] is small for c in copies)  # what the row does not read is shared
+    assert len({c["large"].data_ptr() for c in copies}) == len(copies) and all(torch.equal(c["large"], large) for c in copies)
+    assert len(_rotated(dict(small=small, large=large), ["small"])) == MAX_COPIES
+
+
+@pytest.mark.gpu
+def test_layer_ops_runs_its_rows(tmp_path):
+    out = tmp_path / "layer_ops.json"
+    assert main(["layer-ops", "--shapes", "tiny", "--tokens", "1", "--samples", "2", "--calls", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 5 and all(r["ours_us"] > 0 and r["torch_us"] > 0 and r["floor_us"] > 0 for r in rows)

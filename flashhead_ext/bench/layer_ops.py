@@ -1,8 +1,9 @@
 """``python -m flashhead_ext.bench layer-ops``: the decoder-layer ops alone, against torch, at model shapes.
 
 Each op (and a whole layer) is captured ``--calls`` times in one CUDA graph and the replay is timed.
-The weights rotate over enough copies to exceed the L2 cache, so every call streams its weights
-from memory as it does inside a model. ``torch`` is the same computation with torch ops (the eager
+Each row rotates over enough copies of what its op reads (its weight; the whole layer's weights and
+KV cache) that 256 MB pass between two uses of one copy, so every call streams them from memory as it
+does inside a model. ``torch`` is the same computation with torch ops (the eager
 decoder's: ``F.rms_norm``, ``F.linear``, ``F.silu``, a residual add; the whole layer is
 :func:`flashhead_ext.fast.decoder._layer` with matmul attention over the whole cache). The floor
 is the bytes an op must read (weights, or the cache up to the length for attention) over the
@@ -27,21 +28,29 @@ COLUMNS = [("shape", "shape", "s"), ("tokens", "M", "d"), ("op", "op", "s"), ("o
            ("torch_us", "torch us", ".1f"), ("floor_us", "floor us", ".1f"), ("of_floor", "floor/ours", ".2f"),
            ("torch_over_ours", "torch/ours", ".2f")]
 L2_DEFEAT_BYTES = 256 << 20
+MAX_COPIES = 512  # SmolLM2's smallest matrix needs 388; the tiny CLI-check shape's then fit in L2
 
 
 def _timed_graph(calls, args) -> float:
-    """Median µs per call of the ``calls`` (a list of closures, one per weight copy, cycled)."""
+    """Median µs per call of the ``calls`` (a list of closures, one per copy, cycled). A replay runs
+    every copy at least once, so all the others pass between two uses of one."""
+    count = max(args.calls, len(calls))
 
     def body():
-        for i in range(args.calls):
+        for i in range(count):
             calls[i % len(calls)]()
 
     graph = capture_graph(body)
-    return time_calls(graph.replay, calls_per_sample=args.calls, samples=args.samples, warmup=2)
+    return time_calls(graph.replay, calls_per_sample=count, samples=args.samples, warmup=2)
 
 
-def _copies(nbytes: int) -> int:
-    return max(2, min(32, math.ceil(L2_DEFEAT_BYTES / max(nbytes, 1))))
+def _rotated(tensors: dict, keys) -> list[dict]:
+    """``tensors`` and copies of it, the tensors named ``keys`` cloned in each, enough that
+    L2_DEFEAT_BYTES of them pass between two uses of one copy. Sized by what the row's op reads:
+    sized by the whole layer, a small matrix's copies had fit in an H200's L2. At most MAX_COPIES."""
+    nbytes = sum(tensors[key].numel() * tensors[key].element_size() for key in keys)
+    return [tensors] + [{**tensors, **{key: tensors[key].clone() for key in keys}}
+                        for _ in range(min(MAX_COPIES, math.ceil(L2_DEFEAT_BYTES / nbytes)) - 1)]
 
 
 def _layer_rows(name: str, tokens: int, args, bandwidth: float) -> list[dict]:
@@ -50,8 +59,6 @@ def _layer_rows(name: str, tokens: int, args, bandwidth: float) -> list[dict]:
     model = Decoder.random(c, max_len=args.context, dtype=torch.bfloat16, device="cuda")
     w = model.layers[0]
     layer_bytes = sum(t.numel() * t.element_size() for t in w.values())
-    copies = _copies(layer_bytes)
-    weights = [w] + [{k: t.clone() for k, t in w.items()} for _ in range(copies - 1)]
     gen = torch.Generator("cuda").manual_seed(0)
 
     def rand(*shape):
@@ -79,21 +86,24 @@ def _layer_rows(name: str, tokens: int, args, bandwidth: float) -> list[dict]:
     rows = []
     for op, (ours, reference, key) in gemvs.items():
         floor = w[key].numel() * w[key].element_size() / (bandwidth * 1e3)
+        weights = _rotated(w, [key])
         rows.append(dict(op=op, floor_us=floor, ours_us=_timed_graph([lambda w=w: ours(w) for w in weights], args),
                          torch_us=_timed_graph([lambda w=w: reference(w) for w in weights], args)))
+        del weights
 
     # The whole layer at the last positions of the cache (the fused body's most expensive step).
     model.reset(args.context - tokens)
     pos, cos, sin, mask = model.step_inputs(tokens, model.length)
-    k_cache, v_cache = model.k_cache[0], model.v_cache[0]
     cache_bytes = cache_read_bytes(model, args.context)  # model has the one layer
+    # The cache rotates with the weights: one shared cache stayed in L2 while the floor counts it read.
+    layers = _rotated(dict(w, k_cache=model.k_cache[0], v_cache=model.v_cache[0]), [*w, "k_cache", "v_cache"])
     rows.append(dict(
         op="layer (fused ops vs eager torch)", floor_us=(layer_bytes + cache_bytes) / (bandwidth * 1e3),
-        ours_us=_timed_graph([lambda w=w: _fused_layer(x, w, k_cache, v_cache, model.length, model._cos, model._sin,
-                                                       c.num_heads, eps, c.softmax_scale) for w in weights], args),
-        torch_us=_timed_graph([lambda w=w: _layer(x, w, k_cache, v_cache, pos, cos, sin, mask, c.num_heads,
+        ours_us=_timed_graph([lambda w=w: _fused_layer(x, w, w["k_cache"], w["v_cache"], model.length, model._cos,
+                                                       model._sin, c.num_heads, eps, c.softmax_scale) for w in layers], args),
+        torch_us=_timed_graph([lambda w=w: _layer(x, w, w["k_cache"], w["v_cache"], pos, cos, sin, mask, c.num_heads,
                                                   c.num_kv_heads, c.head_dim, eps, c.softmax_scale, c.hidden_act,
-                                                  "matmul") for w in weights], args)))
+                                                  "matmul") for w in layers], args)))
     for row in rows:
         row.update(shape=name, tokens=tokens, of_floor=row["floor_us"] / row["ours_us"],
                    torch_over_ours=row["torch_us"] / row["ours_us"])
