@@ -203,6 +203,28 @@ def test_bench_refuses_bad_options(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["draft-step", "--shapes", "tiny,gemma3-270m", "--device", "cpu"],
+                                  ["spec", "--target", "gemma3-27b", "--draft", "tiny", "--device", "cpu"],
+                                  ["layer-ops", "--shapes", "gemma3-1b"]])
+def test_gemma3_shapes_without_transformers_are_a_usage_error(argv, monkeypatch, capsys):
+    # The benchmarks over Decoder.random need no transformers, but Gemma-3's own layer is read from
+    # its config: without it, a ModuleNotFoundError traceback.
+    from flashhead_ext.bench import spec
+
+    def no_transformers():
+        raise ModuleNotFoundError("No module named 'transformers'")
+
+    for name in ("gemma3-270m", "gemma3-1b", "gemma3-27b"):
+        monkeypatch.setitem(spec.SHAPES._entries, name, no_transformers)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    flag = "--shapes" if argv[0] != "spec" else "--target"
+    assert (f"error: {flag}: the gemma3-* shapes read Gemma-3's layer from transformers' config, and transformers is not "
+            "importable (No module named 'transformers'): pip install 'transformers>=5,<6', or use gemma3-270m-llama"
+            in capsys.readouterr().err)
+
+
 def test_model_shapes_on_the_cpu_say_they_take_minutes(monkeypatch, capsys):
     from flashhead_ext.bench import head as bench_head
 

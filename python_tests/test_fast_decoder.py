@@ -801,6 +801,17 @@ def test_draft_step_floor_counts_layer_weights_one_embedding_row_and_the_cache(q
     assert step_read_bytes(model, keys=29) == 2 * (weights + cache)
 
 
+def test_draft_step_floor_reads_a_sliding_layers_window_only():
+    # It counted every cached position in every layer: Gemma-3-270M's at context 4096 as 75.5 MB, not 20.4.
+    from flashhead_ext.bench.spec import cache_read_bytes
+
+    c = DecoderConfig(211, 24, 40, 3, 6, 2, 8, sliding_window=5, sliding_layers=(0, 2))
+    model = Decoder.random(c, max_len=37, dtype=torch.float16, device="cpu")
+    per_position = 2 * c.num_kv_heads * c.head_dim * 2
+    assert cache_read_bytes(model, 29) == (5 + 29 + 5) * per_position
+    assert cache_read_bytes(model, 3) == 3 * 3 * per_position  # inside the window a layer reads what there is
+
+
 def test_bench_help_describes_every_benchmark(capsys):
     from flashhead_ext.bench.__main__ import BENCHMARKS, main
 

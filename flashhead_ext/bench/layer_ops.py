@@ -21,7 +21,7 @@ from .. import ops
 from ..fast.decoder import Decoder, _fused_layer, _layer
 from ..graphs import capture_graph
 from .._cli import DefaultsHelpFormatter, choices_list, output_file, positive_int, positive_int_list
-from .spec import SHAPES, _write, cache_read_bytes
+from .spec import SHAPES, _write, cache_read_bytes, shape_configs
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
 COLUMNS = [("shape", "shape", "s"), ("tokens", "M", "d"), ("op", "op", "s"), ("ours_us", "ours us", ".1f"),
@@ -124,6 +124,7 @@ def main(argv=None) -> int:
                         help="where the result JSON is written")
     args = parser.parse_args(argv)
     shapes = choices_list(parser, args.shapes, SHAPES, "shape")
+    shape_configs(parser, "--shapes", shapes)
     tokens = args.tokens
     if not torch.cuda.is_available():
         parser.error("layer-ops times CUDA kernels and needs a GPU")

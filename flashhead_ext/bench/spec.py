@@ -64,6 +64,9 @@ class _Shapes(Mapping):
             entry = self._entries[name] = entry()
         return entry
 
+    def __contains__(self, name) -> bool:  # Mapping's would build the shape
+        return name in self._entries
+
     def __iter__(self):
         return iter(self._entries)
 
@@ -92,13 +95,27 @@ SHAPES = _Shapes({
                                  post_norms=True, embed_scale=8.0, sliding_window=8, sliding_layers=(0,)),
 })
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> list:
+    """``SHAPES[name]`` of each name, or a usage error where building one needs transformers
+    (Gemma-3's own layer), which the benchmarks over Decoder.random do not otherwise need."""
+    try:
+        return [SHAPES[name] for name in names]
+    except ImportError as error:
+        parser.error(f"{flag}: the gemma3-* shapes read Gemma-3's layer from transformers' config, and transformers "
+                     f"is not importable ({error}): pip install 'transformers>=5,<6', or use gemma3-270m-llama")
+
+
 CLUSTERS = "random equal-size clusters (timing only)"
 
 
 def cache_read_bytes(model: Decoder, keys: int) -> int:
-    """Bytes of the cached keys and values of ``keys`` positions in every layer of ``model``."""
+    """Bytes of the cached keys and values a query after ``keys`` positions reads in every layer of
+    ``model``: a sliding-window layer's window at most."""
     c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * keys * c.head_dim * model.k_cache.element_size()
+    positions = sum(min(keys, c.sliding_window) if layer in c.sliding_layers else keys for layer in range(c.num_layers))
+    return 2 * c.num_kv_heads * positions * c.head_dim * model.k_cache.element_size()
 
 
 def step_read_bytes(model: Decoder, keys: int) -> int:
@@ -187,6 +204,7 @@ def draft_step_main(argv=None) -> int:
     _common(parser, "results/bench_draft_step.json")
     args = parser.parse_args(argv)
     shapes = choices_list(parser, args.shapes, SHAPES, "shape")
+    shape_configs(parser, "--shapes", shapes)
     bodies = choices_list(parser, args.bodies, BODIES, "body")
     check_probes(parser, args, shapes)
     with on_device(args.device):
@@ -303,6 +321,7 @@ def spec_main(argv=None) -> int:
                         help="how the target runs its layers (None: compiled on a GPU, eager on the CPU)")
     _common(parser, "results/bench_spec.json")
     args = parser.parse_args(argv)
+    (target_shape,), (draft_shape,) = shape_configs(parser, "--target", [args.target]), shape_configs(parser, "--draft", [args.draft])
     check_probes(parser, args, [args.draft])
     if args.target_body is None:
         args.target_body = "compiled" if torch.device(args.device).type == "cuda" else "eager"
@@ -315,7 +334,6 @@ def spec_main(argv=None) -> int:
         configs = plan_configs([h for h in args.head.split(",") if h], [m for m in args.mode.split(",") if m])
     except ValueError as error:
         parser.error(str(error))
-    target_shape, draft_shape = SHAPES[args.target], SHAPES[args.draft]
     try:  # fewer rows are allowed: the target's padding (docs/speculative.md)
         check_draft_vocab(draft_shape.vocab_size, target_shape.vocab_size)
     except ValueError as error:
