@@ -271,6 +271,7 @@ def test_run_metadata_describes_the_device_the_run_uses():
     if torch.cuda.is_available():
         meta = run_metadata("cuda:0")
         assert meta["device"] == torch.cuda.get_device_name(0) and meta["l2_bytes"] > 0 and meta["sms"] > 0
+        assert meta["cuda_index"] == 0 == run_metadata("cuda")["cuda_index"]
 
 
 @pytest.mark.gpu
@@ -317,6 +318,8 @@ def test_the_cpu_by_index_is_a_cpu_run(bench, tmp_path):
     assert {row.get("mode", "eager") for row in result["rows"]} == {"eager"}
     if bench == "head":  # what ran, as lists: graph mode dropped on the CPU (the flags' text said "eager,graph")
         assert result["args"]["modes"] == ["eager"] and result["args"]["impls"] == ["dense", "flash_greedy"]
+    else:  # the iterations asked for, beside those k-means ran before it settled
+        assert result["meta"]["args"]["iters"] == 1
 
 
 @pytest.mark.gpu

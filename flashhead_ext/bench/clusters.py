@@ -60,6 +60,6 @@ def main(argv=None) -> int:
     print(format_table(rows, [("shape", "shape", ""), ("vocab", "V", "d"), ("dim", "D", "d"), ("clusters", "C", "d"),
                               ("iters", "iters run", "d"), ("device", "device", ""), ("threads", "threads", "d"),
                               ("seconds", "seconds", ".1f"), ("seconds_per_iter", "s/iter", ".2f"), ("equal_sizes", "equal", "")]))
-    out = write_output(args.json, json.dumps({"meta": run_metadata(args.device), "rows": rows}, indent=1))
+    out = write_output(args.json, json.dumps({"meta": dict(run_metadata(args.device), args=vars(args)), "rows": rows}, indent=1))
     print(f"wrote {out}")
     return 0

@@ -249,7 +249,8 @@ def _run_draft_step(parser: argparse.ArgumentParser, args, shapes: list, bodies:
             flash["dense_over_flash"] = dense["step_us"] / flash["step_us"]
     print(f"draft step, {'CUDA graph replay' if cuda else 'eager (CPU)'}, {args.dtype}, attention {args.attention} "
           f"(eager/compiled bodies), context {args.context}, FlashHead: {CLUSTERS}; "
-          f"x first body = the {bodies[0]} body's step time over this one's, same head")
+          "x first body = the step time of the shape's first body run (in --bodies order; a body a shape's layer "
+          "does not run is skipped) over this one's, same head")
     print(format_table(rows, STEP_COLUMNS))
     if any(row["head_us"] is None for row in rows):
         print("head us blank: the step timed no slower than the body alone (the head's time is within the timing noise)")
