@@ -203,6 +203,17 @@ def test_dense_reference_breaks_ties_to_the_smaller_token_id_and_lists_them():
     assert top[0, 0] == 0 and tied.tolist() == [[0, 1]]
 
 
+def test_dense_reference_top_k_are_the_k_best_logits_once_each_in_bfloat16():
+    # bfloat16 logits tie often: topk with argmax's token written over its first column listed
+    # that token twice in some rows and dropped a tied one (top-5 recall then counted it twice).
+    gen = torch.Generator().manual_seed(11)
+    emb, hidden = torch.randn(1001, 24, generator=gen).bfloat16(), torch.randn(600, 24, generator=gen).bfloat16()
+    top, _ = quality.dense_reference(emb, hidden, rows_per_chunk=97)
+    logits = (hidden @ emb.T).float()
+    for row, best in zip(logits.tolist(), top.tolist()):
+        assert best == sorted(range(len(row)), key=lambda token: (-row[token], token))[:5]
+
+
 def _record_spy(monkeypatch):
     """Wraps the recorder quality uses; returns the list of prompt-text lists it was called with."""
     calls = []

@@ -47,16 +47,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def dense_reference(embedding: Tensor, hidden: Tensor, k: int = 5, rows_per_chunk: int = 1024) -> tuple[Tensor, Tensor]:
     """The dense head on ``hidden`` as :class:`~flashhead_ext.DenseHead` computes it: ``hidden @
     embedding.T`` in hidden's dtype (bfloat16 logits are rounded to bfloat16). Returns ``top``,
-    int64 ``[N, k]``, its k best tokens per row, best first, column 0 its greedy choice (``argmax``,
-    ties to the smaller token id), and ``tied``, int64 ``[N, T]``: every token whose logit equals
+    int64 ``[N, k]``, its k best tokens per row, best first, equal logits in token order (so column
+    0 is its greedy choice, ``argmax``'s), and ``tied``, int64 ``[N, T]``: every token whose logit equals
     the row's maximum, ascending, padded with -1 (in bfloat16 several often do)."""
     weight = embedding.to(hidden.dtype)
     tops, tieds = [], []
     for rows in hidden.split(rows_per_chunk):
         logits = rows @ weight.T
-        top = torch.topk(logits, k, dim=1).indices
-        top[:, 0] = logits.argmax(dim=1)  # topk's order among equal logits is unspecified
-        tops.append(top)
+        # A stable sort, not topk, whose order among equal logits is unspecified: putting argmax's
+        # token first listed it twice where topk held it in another column, and dropped a tied one.
+        tops.append(torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :k])
         row, token = (logits == logits.max(dim=1, keepdim=True).values).nonzero(as_tuple=True)  # row-major
         counts = torch.bincount(row, minlength=rows.shape[0])
         tied = torch.full((rows.shape[0], int(counts.max())), -1, dtype=torch.int64)
