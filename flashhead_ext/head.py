@@ -299,7 +299,8 @@ class FlashHead(_HeadBase):
             probes: the tables the clustering builds list every token.
         probes: clusters kept per step, 1..C.
         special_token_ids: tokens scored at every step whatever the clusters (e.g. EOS).
-        sampling_centroids: centroids for sampling mode (default: ``centroids``). The published
+        sampling_centroids: centroids for sampling mode (default: a copy of ``centroids``; the
+            head keeps both sets, each as large as the greedy one). The published
             FlashHead ranks greedy with L2-normalised and samples with raw centroids: from a
             :class:`Clustering`, pass ``centroids`` and ``raw_centroids`` (as
             ``FlashHeadAssets.head`` does).
