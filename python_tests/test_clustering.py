@@ -209,6 +209,27 @@ def test_calibrated_is_deterministic_with_equal_clusters(vocab, size):
     assert torch.equal(torch.bincount(first.cluster_assignments), cluster_sizes(vocab, size)[1])
 
 
+def test_the_calibration_whitening_does_not_depend_on_the_thread_count():
+    # LAPACK's eigh moved in its last bits between 1 and 2 threads (a 576-wide moment here), which
+    # flipped near-tie k-means assignments: 24 of SmolLM2's 3,072 clusters.
+    from flashhead_ext.clustering import _eigh_independent_of_threads
+
+    states = torch.randn(1731, 576, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 3.0, 576)
+    moment = states.T @ states / states.shape[0]
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 1):
+            torch.set_num_threads(count)
+            results.append(_eigh_independent_of_threads(moment))
+            assert torch.get_num_threads() == count  # restored after it
+    finally:
+        torch.set_num_threads(threads)
+    for values, vectors in results[1:]:
+        assert torch.equal(values, results[0][0]) and torch.equal(vectors, results[0][1])
+    torch.testing.assert_close(results[0][1] @ torch.diag(results[0][0]) @ results[0][1].T, moment, rtol=1e-4, atol=1e-4)
+
+
 def test_fitted_centroids_solve_the_ridge_least_squares():
     emb, calibration, _ = _planted(48, states=50, seed=1)
     table = build_clusters(emb, 6, iters=2, progress=False).cluster_tokens
