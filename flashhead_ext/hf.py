@@ -281,8 +281,9 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
     cached on disk because recording is slow on a CPU.
 
     The cache entry is keyed by the model's digest (pass ``digest`` when it is already known:
-    hashing the weights takes a second), the prompts' ids and texts and ``max_new_tokens``;
-    ``cache=False`` records again and overwrites it. Returns ``hidden`` float32 ``[N, D]``,
+    hashing the weights takes a second), the prompts' ids and texts and ``max_new_tokens``, not by
+    ``batch_size``: batched and one-by-one recordings differ only where two logits nearly tie, and
+    either's states are those that chose its tokens. ``cache=False`` records again and overwrites it. Returns ``hidden`` float32 ``[N, D]``,
     ``tokens`` int64 ``[N]`` and ``prompt_index`` int64 ``[N]`` (into ``prompts``).
     """
     digest = digest or model_digest(model)

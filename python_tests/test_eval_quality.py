@@ -241,10 +241,13 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     prompts = _questions(tmp_path / "questions.jsonl")
     calls = _record_spy(monkeypatch)
-    argv = _argv(tmp_path, tiny_model_dir, prompts, "--methods", "kmeans,kmeans-fit,calibrated", "--frequent-tokens", "3",
+    argv = _argv(tmp_path, tiny_model_dir, prompts, "--methods", "kmeans,kmeans-fit,calibrated,kmeans", "--frequent-tokens", "3",
                  "--fp8-centroids")
     assert main(argv) == 0
     result = json.loads((tmp_path / "out" / "quality.json").read_text())
+    # What the run read and asked for; a method named twice ran once (it was scored twice).
+    assert (result["prompts_file"], result["batch_size"], result["probes_requested"]) == (str(prompts), 3, [1, 2, 3, 40])
+    assert len(result["results"]) == len({(r["method"], r["cluster_size"], r["probes"]) for r in result["results"]})
     assert (tmp_path / "out" / "quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Evaluation saw only odd ids, calibration only even ones, each recorded once.
@@ -388,6 +391,19 @@ def test_plain_kmeans_needs_no_calibration_and_no_matplotlib(tmp_path, monkeypat
         main(_argv(tmp_path, tiny_model_dir, _questions(tmp_path / "q.jsonl"), "--methods", "kmeans"))
     assert exit_info.value.code == 2 and len(calls) == 1
     assert f"quality: error: --plot {tmp_path / 'out' / 'quality.png'} needs matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["quality", "quality.txt"])
+def test_a_plot_matplotlib_cannot_write_is_refused_before_the_run(name, tmp_path, monkeypatch, capsys, tiny_model_dir):
+    # matplotlib picks the format by the suffix: none wrote quality.png while the CLI named "quality",
+    # and ".txt" failed once the run was over.
+    pytest.importorskip("matplotlib")
+    calls = _record_spy(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*_argv(tmp_path, tiny_model_dir, _questions(tmp_path / "q.jsonl"), plot=False), "--plot", str(tmp_path / name)])
+    assert exit_info.value.code == 2 and not calls
+    error = capsys.readouterr().err
+    assert f"quality: error: --plot {tmp_path / name}: name an image file, ending in one of " in error and ".png" in error
 
 
 def test_bad_input(tmp_path, capsys):

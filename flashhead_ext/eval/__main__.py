@@ -27,7 +27,7 @@ def _methods_list(text: str) -> list:
     unknown = [v for v in values if v not in METHODS]
     if not values or unknown:
         raise argparse.ArgumentTypeError(f"expected comma-separated methods from {', '.join(METHODS)}, got {text!r}")
-    return values
+    return list(dict.fromkeys(values))  # a repeated method runs once, as repeated probes do
 
 
 def _seeds_list(text: str) -> list:
@@ -114,6 +114,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plotting = importlib.util.find_spec("matplotlib") is not None
     if not plotting and args.plot is not None:
         command_parser.error(f"--plot {args.plot} needs matplotlib (pip install matplotlib, or the [models] extra)")
+    if plotting and args.plot is not None:
+        # matplotlib picks the format by the suffix: none wrote PATH.png, an unknown one failed after the run.
+        from matplotlib.figure import Figure
+
+        formats = sorted(Figure().canvas.get_supported_filetypes())
+        if Path(args.plot).suffix.lstrip(".").lower() not in formats:
+            command_parser.error(f"--plot {args.plot}: name an image file, ending in one of "
+                                 f"{', '.join('.' + name for name in formats)}")
     if not plotting:
         print(f"matplotlib is not installed: the table and {args.json} only, no plot", file=sys.stderr)
     elif args.plot is None:
