@@ -399,7 +399,12 @@ def calibrate_clusters(
     device = device or embedding.device
     rows = embedding.detach().to(device, torch.float32)
     states = hidden.detach().to(device, torch.float32)
-    values, vectors = _eigh_independent_of_threads(states.T @ states / states.shape[0])
+    moment = states.T @ states / states.shape[0]
+    if not torch.isfinite(moment).all():  # else LAPACK's "failed to converge"
+        raise ValueError("the second moment of hidden (its states' squares, summed) overflows float32: states this "
+                         f"large (up to {float(states.abs().max()):.3g}) are no final hidden states; pass the states the "
+                         "head receives")
+    values, vectors = _eigh_independent_of_threads(moment)
     root = (vectors * values.clamp(min=0).sqrt()) @ vectors.T
     clustering = build_clusters(rows @ root, cluster_size, n_clusters=n_clusters, iters=iters, seed=seed,
                                 device=device, strict=strict, progress=progress)

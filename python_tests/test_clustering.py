@@ -267,6 +267,8 @@ def test_calibration_with_few_states_per_hidden_dimension_warns():
     ({"hidden": torch.zeros(0, 3)}, ValueError, "hidden must be a non-empty 2-D float tensor"),
     ({"hidden": torch.full((5, 3), float("inf"))}, ValueError, "hidden holds NaN or infinite"),
     ({"hidden": torch.zeros(9, 3)}, ValueError, "hidden gives a singular fit .* the states are zero or too small"),
+    # LAPACK's "failed to converge" before: their squares overflow float32.
+    ({"hidden": torch.full((9, 3), 3e19)}, ValueError, r"the second moment of hidden .* overflows float32: .* \(up to 3e\+19\)"),
     ({"ridge": 0.0}, ValueError, "ridge must be a finite number > 0"),
     ({"ridge": float("inf")}, ValueError, "ridge must be a finite number > 0"),
     ({"ridge": 1e300}, ValueError, r"the fitted centroids are not finite: ridge \(1e\+300\)"),
