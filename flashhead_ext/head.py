@@ -157,6 +157,14 @@ class _HeadBase(nn.Module):
         # pointed at it again. Otherwise, and where torch replaces a module's parameters on
         # conversion (overwrite_module_params_on_conversion, moves to or from the meta device), the
         # buffer is the head's own from then on.
+        dtype = self._buffers["embedding"].dtype
+        cast_to = fn(torch.empty(0, dtype=dtype)).dtype
+        if cast_to != dtype and cast_to.is_floating_point and cast_to.itemsize < 2:
+            # Refused before anything converts: the call that followed advised a cast back, which
+            # ran on the rounded weight (and a plain head's centroids flushed to zero) without a word.
+            raise TypeError(f"{type(self).__name__}.to({cast_to}) would round the output weight to 8 bits, which no "
+                            "later cast restores; fp8 is for FlashHead's centroids only: build the head with "
+                            "centroid_dtype=torch.float8_e4m3fn")
         tied = (self._buffer_at(self.__dict__.get("_shared_at"))
                 and not torch.__future__.get_overwrite_module_params_on_conversion())
         was_meta = self._buffers["embedding"].is_meta
@@ -415,9 +423,11 @@ class FlashHead(_HeadBase):
                 _check_finite(f"{prefix}{name} in the state dict",
                               incoming(name).to(torch.float32 if fp8 else self.centroid_dtype))
             scale = incoming(self._SCALES[name])
+            if isinstance(scale, Tensor):
+                scale = scale.to(torch.float32)  # as the head keeps it: 1e-50 in float64 became 0 there
             if isinstance(scale, Tensor) and not bool((torch.isfinite(scale) & (scale > 0)).all()):
-                raise ValueError(f"{prefix}{self._SCALES[name]} in the state dict must be finite and positive, "
-                                 f"got {scale.tolist()}")
+                raise ValueError(f"{prefix}{self._SCALES[name]} in the state dict must be finite and positive "
+                                 f"in float32, as the head keeps it, got {incoming(self._SCALES[name]).tolist()}")
         if isinstance(incoming("cluster_tokens"), Tensor):
             ops.validate_cluster_table(incoming("cluster_tokens"), self.vocab_size)
         if isinstance(incoming("extra_ids"), Tensor):
@@ -461,9 +471,11 @@ class FlashHead(_HeadBase):
             self._buffers.update(kept)
             raise
         for name, tensor in kept.items():
-            device = fn(torch.empty(0, device=tensor.device)).device
-            # A meta tensor has no values to move: to_empty() gives it storage, which load_state_dict fills.
-            self._buffers[name] = torch.empty_like(tensor, device=device) if tensor.is_meta else tensor.to(device)
+            probe = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device))
+            if tensor.is_meta:  # no values to move: to_empty() gives it storage, which load_state_dict fills
+                self._buffers[name] = torch.empty_like(tensor, device=probe.device)
+            else:  # what keeps the dtype runs as it is (share_memory(), pin_memory()); a cast moves only
+                self._buffers[name] = fn(tensor) if probe.dtype == tensor.dtype else tensor.to(probe.device)
         return self
 
     @property

@@ -5,11 +5,13 @@ power-of-two scale, so the reference can score the dequantized float32 centroids
 every product and partial sum by a power of two is exact, and the ops must then match the plain
 reference as closely as they do for float centroids (exactly on the CPU).
 """
+import re
+
 import pytest
 import torch
 
 import reference as ref
-from flashhead_ext import FlashHead, ops
+from flashhead_ext import DenseHead, FlashHead, ops
 from helpers import (DEVICES, Shape, assert_same_ids, assert_values_close, capture, check_decode_greedy,
                      check_decode_sample, check_ranked_selection, compiled, exact_on, make_problem, seed_tensor)
 
@@ -239,6 +241,42 @@ def test_a_tiny_scale_survives_module_casts():
     tokens = head.next_token(problem.hidden)
     head.half().float()
     assert torch.equal(head.centroid_scale, scale) and torch.equal(head.next_token(problem.hidden), tokens)
+
+
+def test_a_scale_is_checked_as_the_head_will_hold_it():
+    # Checked before its cast to float32: 1e-50 and 1e39 in float64 passed, then held 0 and inf.
+    problem, _, head = fp8_head("cpu")
+    for value in (1e-50, 1e39):
+        state = dict(head.state_dict(), centroid_scale=torch.tensor([value], dtype=torch.float64))
+        with pytest.raises(ValueError, match=r"centroid_scale in the state dict must be finite and positive in float32, "
+                                             r"as the head keeps it, got " + re.escape(str([value]))):
+            head.load_state_dict(state)
+
+
+@pytest.mark.parametrize("fp8_centroids", [False, True])
+def test_a_cast_of_a_head_to_fp8_is_refused_before_it_rounds_anything(fp8_centroids):
+    # It was taken: the weight (and a plain head's centroids) rounded to 8 bits, and the next call
+    # advised a cast back, after which the head ran on the rounded values.
+    problem = make_problem(CASES[0], torch.float32, "cpu")
+    head = FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, 2,
+                     centroid_dtype=FP8 if fp8_centroids else None)
+    before = {name: tensor.clone() for name, tensor in head.named_buffers()}
+    for dtype in (FP8, torch.float8_e5m2):
+        with pytest.raises(TypeError, match=rf"FlashHead.to\({dtype}\) would round the output weight to 8 bits, .* "
+                                            "centroid_dtype=torch.float8_e4m3fn"):
+            head.to(dtype)
+    assert all(torch.equal(tensor, before[name]) and tensor.dtype == before[name].dtype
+               for name, tensor in head.named_buffers())
+    with pytest.raises(TypeError, match=r"DenseHead.to\(torch.float8_e4m3fn\) would round"):
+        DenseHead(problem.embedding).to(FP8)
+
+
+def test_fp8_buffers_follow_share_memory():
+    # They followed the device only, so share_memory() left them out.
+    _, _, head = fp8_head("cpu")
+    head.share_memory()
+    assert all(tensor.is_shared() for tensor in head.buffers())
+    assert head.centroid_dtype == FP8 and head.centroid_scale.dtype == torch.float32
 
 
 def test_state_dict_centroids_are_checked_as_the_head_will_hold_them():
