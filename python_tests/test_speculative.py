@@ -481,18 +481,44 @@ def _length_dependent_rope_target(rope_type: str):
 
 
 @pytest.mark.parametrize("rope_type", ["longrope", "dynamic"])
-def test_a_target_whose_rope_changes_with_the_length_is_decoded_only_before_the_switch(rope_type):
-    # Past the switch a verify of K tokens and a cache kept across it gave other tokens than
-    # the target's greedy decoding, in every mode and without a word.
+def test_a_target_whose_rope_changes_with_the_length_is_decoded_only_where_it_does_not_change(rope_type):
+    # Across the switch a cache kept from before it gave other tokens than the target's greedy
+    # decoding, in every mode and without a word.
     target = _length_dependent_rope_target(rope_type)
     ids = random_prompt(3, VOCAB, 5)
     decoder = SpeculativeDecoder(target, copy.deepcopy(target), k=3, eos_token_id=[])
     for mode in MODES:
-        budget = 15 - 5 if mode == "baseline" else 15 - 5 - 3 - 1  # the most that stays under 16 positions
+        budget = 16 - 5 + 1 - (0 if mode == "baseline" else 3)  # the longest forward is then 16
         assert tuple(decoder.generate(ids, mode=mode, max_new_tokens=budget).tokens) == greedy_tokens(target, ids, budget)
-        with pytest.raises(ValueError, match=f"the target's {rope_type} RoPE changes its frequencies once a forward "
-                                             r"reaches 16 positions.* must stay under 16"):
+        with pytest.raises(ValueError, match=f"the target's {rope_type} RoPE changes its frequencies once a forward's "
+                                             r"sequence passes 16 positions.* must be at most 16"):
             decoder.generate(ids, mode=mode, max_new_tokens=budget + 1)
+    # longrope picks one of two sets: a prompt already past the switch uses the long one in every forward.
+    long_prompt = random_prompt(4, VOCAB, 17)
+    for mode in MODES:
+        if rope_type == "longrope":
+            assert tuple(decoder.generate(long_prompt, mode=mode, max_new_tokens=20).tokens) == greedy_tokens(target, long_prompt, 20)
+        else:
+            with pytest.raises(ValueError, match="dynamic RoPE"):
+                decoder.generate(long_prompt, mode=mode, max_new_tokens=2)
+
+
+def test_the_cli_refuses_a_rope_switch_before_it_clusters(tmp_path, monkeypatch, capsys):
+    # The driver's refusal came as a traceback mid-run, after the models loaded and the clustering was built.
+    from flashhead_ext.speculative import cli
+
+    _save_tiny_model_with_tokenizer(tmp_path / "model")
+    _length_dependent_rope_target("dynamic").float().save_pretrained(tmp_path / "model")
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps(dict(question_id=1, category="a", turns=["w1 w7 w19 w3"])))
+    monkeypatch.setattr(cli, "make_draft_head", lambda *args, **kwargs: pytest.fail("refused before clustering"))
+    argv = ["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--k", "3", "--prompts", str(questions),
+            "--num-prompts", "1", "--mode", "baseline,deferred", "--device", "cpu", "--json", str(tmp_path / "spec.json")]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--max-new-tokens", "12"])  # baseline's longest forward is 4 + 12 - 1 = 15; deferred's 18
+    assert exit_info.value.code == 2
+    assert ("error: question 1, mode deferred: the target's dynamic RoPE changes its frequencies once a forward's sequence "
+            "passes 16 positions" in capsys.readouterr().err)
 
 
 class _ScriptedDecoder:

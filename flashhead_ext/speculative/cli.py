@@ -7,6 +7,7 @@ README demo: SmolLM2-135M-Instruct as target, its first 8 layers as an early-exi
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 from typing import Optional
@@ -20,7 +21,7 @@ from ..fast.decoder import BODIES
 from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS
 from .draft import early_exit_draft, make_draft_head
-from .driver import SpeculativeDecoder, check_draft_vocab, eos_ids
+from .driver import SpeculativeDecoder, check_draft_vocab, eos_ids, length_dependent_rope, rope_switch_problem
 from .runner import encode_prompt, plan_configs, run_interleaved, summarize, format_summary, reading, write_json
 
 DESCRIPTION = ("Speculative decoding of Spec-Bench prompts: baseline, ordinary and deferred, with dense and FlashHead "
@@ -189,6 +190,13 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     prompts = [dict(p, input_ids=encode_prompt(tokenizer, p["text"])) for p in questions]
     vocab = output_embedding(target).shape[0]
     eos = sorted(eos_ids(None, getattr(getattr(target, "generation_config", None), "eos_token_id", None), vocab))  # the target's own
+    if not args.fast:  # the fast decoder refuses such a target itself
+        rope_switch = length_dependent_rope(getattr(target, "config", None))
+        for config, prompt in itertools.product(configs, prompts):  # before minutes of clustering, not mid-run
+            problem = rope_switch_problem(rope_switch, len(prompt["input_ids"]), args.max_new_tokens,
+                                          args.k if config.head else 0)
+            if problem:
+                parser.error(f"question {prompt['question_id']}, mode {config.mode}: {problem}")
     draft = _load_draft(parser, args.draft, target, tokenizer, dtype, args.device) if any(c.head for c in configs) else None
     if any(c.head == "flashhead" for c in configs):
         # Before minutes of clustering the draft's rows: C = ceil(rows / --cluster-size).

@@ -302,10 +302,9 @@ def cache_keyword(module) -> str:
 
 
 def length_dependent_rope(config) -> Optional[tuple]:
-    """(rope_type, positions) where ``config``'s RoPE frequencies change once a forward reaches
-    ``positions`` (transformers picks them from the forward's largest position), else None. Past
-    that point a K-token verify and a cache kept across the switch no longer give the tokens that
-    one-token decoding with a fresh cache gives."""
+    """(rope_type, positions) where ``config``'s RoPE frequencies change once a forward's sequence
+    passes ``positions`` (transformers picks them from each forward's length), else None. A cache
+    kept across the change then holds keys rotated by other frequencies than the full sequence's."""
     rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     per_layer_type = [rope] if "rope_type" in rope or "type" in rope else [v for v in rope.values() if isinstance(v, dict)]
     for parameters in per_layer_type:
@@ -316,6 +315,25 @@ def length_dependent_rope(config) -> Optional[tuple]:
         if rope_type == "dynamic":
             return rope_type, int(config.max_position_embeddings)
     return None
+
+
+def rope_switch_problem(rope_switch: Optional[tuple], prompt_tokens: int, max_new_tokens: int, k: int) -> Optional[str]:
+    """Why a generation of ``max_new_tokens`` after ``prompt_tokens`` (``k`` proposals a round; 0
+    in baseline) would not give the target's greedy tokens under ``rope_switch``
+    (:func:`length_dependent_rope`), or None. Its forwards' sequences reach at most prompt +
+    max_new_tokens - 1 + k. ``longrope`` picks one of two sets: a prompt already past the switch
+    uses the long set in every forward. ``dynamic`` rescales at every length past it."""
+    if rope_switch is None:
+        return None
+    rope_type, switch = rope_switch
+    longest = prompt_tokens + max_new_tokens - 1 + k
+    if longest <= switch or (rope_type == "longrope" and prompt_tokens > switch):
+        return None
+    proposals = f" + k ({k})" if k else ""
+    past = " (or a prompt longer than that)" if rope_type == "longrope" else ""
+    return (f"the target's {rope_type} RoPE changes its frequencies once a forward's sequence passes {switch} positions, "
+            f"which a cache kept across the change does not reproduce: prompt ({prompt_tokens}) + max_new_tokens "
+            f"({max_new_tokens}) - 1{proposals} must be at most {switch}{past}")
 
 
 class SpeculativeDecoder:
@@ -424,15 +442,9 @@ class SpeculativeDecoder:
         check_mode(mode, self.draft is not None)
         max_new_tokens = require_positive_int("max_new_tokens", max_new_tokens)
         prompt = check_prompt(input_ids, self.device, self.vocab_size)
-        if self._rope_switch is not None:
-            rope_type, switch = self._rope_switch
-            past_budget = 0 if mode == "baseline" else self.k + 1  # a deferred verify reaches k + 1 past the budget
-            if prompt.shape[1] + max_new_tokens + past_budget >= switch:
-                rounds = "" if mode == "baseline" else f" + k ({self.k}) + 1"
-                raise ValueError(f"the target's {rope_type} RoPE changes its frequencies once a forward reaches {switch} "
-                                 "positions, which a cache kept across the switch (and verifying several tokens at "
-                                 f"once) does not reproduce: prompt ({prompt.shape[1]}) + max_new_tokens "
-                                 f"({max_new_tokens}){rounds} must stay under {switch}")
+        problem = rope_switch_problem(self._rope_switch, prompt.shape[1], max_new_tokens, 0 if mode == "baseline" else self.k)
+        if problem:
+            raise ValueError(problem)
         stats = GenerationStats(mode=mode, prompt_tokens=prompt.shape[1], k=self.k if mode != "baseline" else 0)
         output = Emitter(stats, self.eos, max_new_tokens)
         emit = output.emit
