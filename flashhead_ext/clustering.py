@@ -324,6 +324,22 @@ def _check_ridge(ridge) -> None:
         raise ValueError(f"ridge must be a finite number > 0, got {ridge!r}")
 
 
+def _on_one_cpu_thread(fn, *args):
+    """``fn(*args)`` with torch on one thread where ``args`` are CPU tensors: LAPACK's eigh and solve
+    move in their last bits with the thread count, which flipped near-tie k-means assignments (24
+    of SmolLM2's 3,072 clusters between 1 and 2 threads) and moved fitted centroids by hundreds of
+    ulps, while the cache keys a clustering by its inputs only. On D x D matrices: one thread took
+    0.02 s at D = 576 and 6 s at 4096 for eigh (2 cores), against k-means' minutes."""
+    if any(arg.device.type != "cpu" for arg in args):
+        return fn(*args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def best_member_logits(embedding: Tensor, hidden: Tensor, table: Tensor, rows_per_chunk: int = 256) -> Tensor:
     """float32 ``[N, C]``: for each state, each cluster's largest member logit ``max_t E_t . h``."""
     index, real = table.clamp(min=0).long(), table >= 0
@@ -345,7 +361,7 @@ def fit_max_logit_centroids(embedding: Tensor, hidden: Tensor, cluster_tokens: T
     gram = states.T @ states
     regularised = gram + ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], device=gram.device)
     try:
-        centroids = torch.linalg.solve(regularised, states.T @ targets).T.contiguous()
+        centroids = _on_one_cpu_thread(torch.linalg.solve, regularised, states.T @ targets).T.contiguous()
     except torch.linalg.LinAlgError as error:  # all-zero (or vanishingly small) states leave nothing to fit
         raise ValueError(f"hidden gives a singular fit (the mean diagonal of its Gram matrix is "
                          f"{float(gram.diagonal().mean()):.3g}): the states are zero or too small to calibrate on") from error
@@ -404,7 +420,7 @@ def calibrate_clusters(
         raise ValueError("the second moment of hidden (its states' squares, summed) overflows float32: states this "
                          f"large (up to {float(states.abs().max()):.3g}) are no final hidden states; pass the states the "
                          "head receives")
-    values, vectors = _eigh_independent_of_threads(moment)
+    values, vectors = _on_one_cpu_thread(torch.linalg.eigh, moment)
     root = (vectors * values.clamp(min=0).sqrt()) @ vectors.T
     clustering = build_clusters(rows @ root, cluster_size, n_clusters=n_clusters, iters=iters, seed=seed,
                                 device=device, strict=strict, progress=progress)
@@ -412,21 +428,6 @@ def calibrate_clusters(
     return Clustering(raw_centroids=centroids, cluster_tokens=clustering.cluster_tokens,
                       cluster_assignments=clustering.cluster_assignments, iterations=clustering.iterations,
                       method="calibrated", greedy_scoring="raw")
-
-
-def _eigh_independent_of_threads(moment: Tensor) -> tuple[Tensor, Tensor]:
-    """``torch.linalg.eigh``, on the CPU with one thread: LAPACK's result moved in its last bits with
-    the thread count, which flipped near-tie k-means assignments (24 of SmolLM2's 3,072 clusters
-    between 1 and 2 threads), while the cache keys a clustering by its inputs only. One D x D
-    matrix: one thread took 0.02 s at D = 576 and 6 s at 4096 (2 cores), against k-means' minutes."""
-    if moment.device.type != "cpu":
-        return torch.linalg.eigh(moment)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return torch.linalg.eigh(moment)
-    finally:
-        torch.set_num_threads(threads)
 
 
 __all__ = ["Clustering", "build_clusters", "calibrate_clusters", "cluster_sizes", "cluster_table", "greedy_centroids",

@@ -212,7 +212,7 @@ def test_calibrated_is_deterministic_with_equal_clusters(vocab, size):
 def test_the_calibration_whitening_does_not_depend_on_the_thread_count():
     # LAPACK's eigh moved in its last bits between 1 and 2 threads (a 576-wide moment here), which
     # flipped near-tie k-means assignments: 24 of SmolLM2's 3,072 clusters.
-    from flashhead_ext.clustering import _eigh_independent_of_threads
+    from flashhead_ext.clustering import _on_one_cpu_thread
 
     states = torch.randn(1731, 576, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 3.0, 576)
     moment = states.T @ states / states.shape[0]
@@ -221,13 +221,30 @@ def test_the_calibration_whitening_does_not_depend_on_the_thread_count():
     try:
         for count in (1, 2, 1):
             torch.set_num_threads(count)
-            results.append(_eigh_independent_of_threads(moment))
+            results.append(_on_one_cpu_thread(torch.linalg.eigh, moment))
             assert torch.get_num_threads() == count  # restored after it
     finally:
         torch.set_num_threads(threads)
     for values, vectors in results[1:]:
         assert torch.equal(values, results[0][0]) and torch.equal(vectors, results[0][1])
     torch.testing.assert_close(results[0][1] @ torch.diag(results[0][0]) @ results[0][1].T, moment, rtol=1e-4, atol=1e-4)
+
+
+def test_fitted_centroids_do_not_depend_on_the_thread_count():
+    # LAPACK's solve moved them by hundreds of ulps between 1 and 2 threads.
+    gen = torch.Generator().manual_seed(4)
+    states = torch.randn(1500, 576, generator=gen) * torch.linspace(0.1, 3.0, 576)
+    emb = torch.randn(3000, 576, generator=gen)
+    table = torch.randperm(3000, generator=gen).view(1500, 2)
+    threads = torch.get_num_threads()
+    try:
+        fits = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            fits.append(fit_max_logit_centroids(emb, states, table))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(fits[0], fits[1])
 
 
 def test_fitted_centroids_solve_the_ridge_least_squares():
