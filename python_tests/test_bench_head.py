@@ -191,6 +191,8 @@ def test_head_bench_times_a_capped_probes_value_once(tmp_path):
     (["spec", "--draft", "tiny,"], "argument --draft: invalid choice: 'tiny,'"),
     (["spec", "--seed", str(2**64)], "argument --seed: seed must be in -2**63..2**64 - 1"),
     (["layer-ops", "--tokens", "1,x"], "argument --tokens: expected comma-separated integers"),
+    (["layer-ops", "--shapes", "tiny-gemma3"], "--shapes tiny-gemma3: the fused body (these ops) runs the Llama / Qwen layer; this "
+                                               "model's GELU, post-norms, sliding-window layers run on"),
     # Where the results could not be written: refused before the run, not after it.
     *[([name, "--json", "."], "argument --json: '.' is a directory")
       for name in ("head", "clusters", "draft-step", "spec", "layer-ops")],
