@@ -393,7 +393,7 @@ def test_plain_kmeans_needs_no_calibration_and_no_matplotlib(tmp_path, monkeypat
     assert f"quality: error: --plot {tmp_path / 'out' / 'quality.png'} needs matplotlib" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["quality", "quality.txt"])
+@pytest.mark.parametrize("name", ["quality", "quality.txt", "quality.pgf"])
 def test_a_plot_matplotlib_cannot_write_is_refused_before_the_run(name, tmp_path, monkeypatch, capsys, tiny_model_dir):
     # matplotlib picks the format by the suffix: none wrote quality.png while the CLI named "quality",
     # and ".txt" failed once the run was over.

@@ -19,7 +19,8 @@ def source_commit(mark_dirty: bool = False) -> str:
     the checkout that tracks this package's files (an editable or in-place build, "+dirty"
     appended with ``mark_dirty`` when it has uncommitted changes); else the commit recorded when
     the installed copy was built; else "unknown"."""
-    return (provenance.source_commit(Path(__file__).parents[1] / "__init__.py", mark_dirty)
+    # Resolved: a strict editable install runs the package through links outside the checkout.
+    return (provenance.source_commit(Path(__file__).resolve().parents[1] / "__init__.py", mark_dirty)
             or getattr(BUILD_INFO, "SOURCE_COMMIT", None) or "unknown")
 
 

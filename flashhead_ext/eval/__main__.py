@@ -118,7 +118,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # matplotlib picks the format by the suffix: none wrote PATH.png, an unknown one failed after the run.
         from matplotlib.figure import Figure
 
-        formats = sorted(Figure().canvas.get_supported_filetypes())
+        formats = sorted(set(Figure().canvas.get_supported_filetypes()) - {"pgf"})  # pgf runs LaTeX, after the run
         if Path(args.plot).suffix.lstrip(".").lower() not in formats:
             command_parser.error(f"--plot {args.plot}: name an image file, ending in one of "
                                  f"{', '.join('.' + name for name in formats)}")
