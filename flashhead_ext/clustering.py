@@ -270,6 +270,9 @@ def build_clusters(
     of the cluster size pads the last clusters with -1 (module docstring), or raises ValueError
     with ``strict=True``. Runs on ``device`` (default: the embedding's) in float32; the same seed
     gives the same clustering on the same device. Returns a :class:`Clustering` on that device.
+    Thousands of identical rows (untrained padding rows) slow the capacity-constrained assignment,
+    which fills their few shared best clusters a round at a time: SmolLM2's embedding with 4,000
+    zero rows added took 8x as long an iteration on a CPU.
     """
     check_clustering_inputs(embedding)
     check_kmeans_settings(iters, seed)
