@@ -532,3 +532,15 @@ def test_staged_rows_launched_from_two_threads_at_once():
         results = dict(zip(problems, pool.map(launch_many, problems)))  # a failed launch raises here
     for dim, outputs in results.items():
         assert all(torch.equal(out, alone[dim]) for out in outputs), dim
+
+
+@pytest.mark.parametrize("op", ["select_clusters", "sample_clusters"])
+def test_the_selection_refuses_probes_past_2_to_the_29(op):
+    # Its ranked list rounds probes up to a power of two: past 2^29 the host's sizing loop and the
+    # kernel's sort wrapped an int (a hang). A stride-0 input: the check reads sizes only.
+    centroids = torch.ones(1, 1, device="cuda").expand(2**29 + 1, 1)
+    hidden = torch.ones(1, 1, device="cuda")
+    call = (lambda p: ops.select_clusters(hidden, centroids, p)) if op == "select_clusters" else (
+        lambda p: ops.sample_clusters(hidden, centroids, p, 1.0, seed=3))
+    with pytest.raises(ValueError, match=rf"flashhead.{op}: probes is 536870913, above the CUDA selection's limit of 2\^29"):
+        call(2**29 + 1)

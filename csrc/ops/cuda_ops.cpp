@@ -101,6 +101,10 @@ std::tuple<at::Tensor, at::Tensor> cluster_select(const char* op, const at::Tens
                                                   const at::Tensor& centroids_in, int64_t probes,
                                                   const c10::optional<at::Tensor>& centroid_scale,
                                                   const Sampling* sampling) {
+  // The ranked list rounds probes up to a power of two and sorts it with int strides: past 2^29
+  // both wrapped, and the host's sizing loop never ended.
+  FH_CHECK_VALUE(op, probes <= (int64_t{1} << 29), "probes is ", num_str(probes),
+                 ", above the CUDA selection's limit of 2^29");
   const HeadShape shape = head_shape(op, hidden_in, centroids_in, probes);
   const c10::cuda::CUDAGuard guard(hidden_in.device());
   const at::Tensor hidden = hidden_in.contiguous(), centroids = centroids_in.contiguous();
