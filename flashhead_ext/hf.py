@@ -623,7 +623,7 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
         # attach order left one model decoding dense and the other unable to detach. Its _apply,
         # not its forward, tells: accelerate's hooks wrap the forward.
         raise ValueError("the model's output head already runs a FlashHead attached to another model that shares it "
-                         "(an early-exit draft shares its target's): detach that model first, or use its attachment")
+                         "(a model assembled from another's modules): detach that model first, or use its attachment")
     _check_head_dtype(linear.weight)  # before clustering, which would name its own argument
     # Before minutes of clustering; kept as None unless fp8, so a cast model's rebuilt head follows it.
     centroid_dtype = centroid_dtype_option(centroid_dtype, linear.weight.dtype)

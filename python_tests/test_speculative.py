@@ -234,10 +234,30 @@ def test_accepted_counts_only_emitted_proposals(mode):
     check_counters(gen, mode, k, NEW)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # untied and tied
+def test_attaching_flashhead_to_an_early_exit_draft_leaves_the_targets_head_alone(arch, tmp_path, monkeypatch):
+    # The draft had the target's own lm_head module: attach(draft) replaced the target's forward
+    # too, so its greedy tokens changed, and detach(target) said nothing was attached.
+    from flashhead_ext import attach, detach
+
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    cls, config = _config(arch)
+    torch.manual_seed(0)
+    target = cls(config).eval()  # float32: attach takes no float64 head
+    expected = greedy_tokens(target, prompt(5), 8)
+    draft = early_exit_draft(target, 2)
+    assert draft.lm_head is not target.lm_head and draft.lm_head.weight is target.lm_head.weight
+    assert (draft.lm_head.weight is draft.base_model.embed_tokens.weight) == (arch == "qwen3")  # ties kept
+    attach(draft, cluster_size=8, iters=2, probes=1, progress=False)
+    assert greedy_tokens(target, prompt(5), 8) == expected and "forward" not in vars(target.lm_head)
+    assert greedy_tokens(draft, prompt(5), 8) != greedy_tokens(early_exit_draft(target, 2), prompt(5), 8)  # it took
+    detach(draft)
+
+
 def test_early_exit_draft_of_a_compiled_target_shares_its_modules():
     target = tiny_model("llama")
     draft = early_exit_draft(torch.compile(target), 2)
-    assert draft.base_model.layers[1] is target.base_model.layers[1] and draft.lm_head is target.lm_head
+    assert draft.base_model.layers[1] is target.base_model.layers[1] and draft.lm_head.weight is target.lm_head.weight
     ids = prompt(3).view(1, -1)
     with torch.no_grad():
         torch.testing.assert_close(draft(input_ids=ids).logits, early_exit_draft(target, 2)(input_ids=ids).logits)

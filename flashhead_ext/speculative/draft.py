@@ -19,8 +19,11 @@ def early_exit_draft(target, num_layers: int):
 
     Every module is the target's own (shared, not copied): only a model shell of the target's class
     with ``num_hidden_layers = num_layers`` is built, on the meta device, and its submodules are
-    replaced by the target's. Works for decoders whose body holds its layers in ``layers`` (Llama,
-    Qwen, Mistral, Gemma and most transformers decoders).
+    replaced by the target's. The output head, a plain ``nn.Linear``, is the one module of the
+    draft's own, over the target's weight (no copy): ``attach(draft)`` then changes the draft's head
+    only; with the target's module it changed the target's too, which ``attach`` could not see.
+    Works for decoders whose body holds its layers in ``layers`` (Llama, Qwen, Mistral, Gemma and
+    most transformers decoders).
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int):
         raise TypeError(f"num_layers must be an int, got {type(num_layers).__name__}")
@@ -39,14 +42,26 @@ def early_exit_draft(target, num_layers: int):
         draft = type(target)(config)
     for name, child in body.named_children():
         setattr(draft.base_model, name, nn.ModuleList(layers[:num_layers]) if name == "layers" else child)
+    head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
     for name, child in target.named_children():
         if child is not body:
-            setattr(draft, name, child)
+            setattr(draft, name, _own_linear(child) if child is head else child)
     leftover = [name for name, t in list(draft.named_parameters()) + list(draft.named_buffers()) if t.is_meta]
     if leftover:
         raise TypeError(f"target {type(target).__name__} keeps state outside its body's submodules, so the early-exit draft "
                         f"cannot share it: {leftover[:4]}")
     return draft.eval()
+
+
+def _own_linear(module: nn.Module) -> nn.Module:
+    """A new ``nn.Linear`` over ``module``'s parameters where ``module`` is a plain one, else
+    ``module``: a head that hooks (accelerate's offloading) manage stays the target's."""
+    if type(module) is not nn.Linear or hasattr(module, "_hf_hook"):
+        return module
+    with torch.device("meta"):
+        own = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+    own.weight, own.bias = module.weight, module.bias
+    return own
 
 
 def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clustering=None, cluster_size: int = 16,
