@@ -493,8 +493,14 @@ class FlashHeadAttachment:
     def check_head_unchanged(self, model: nn.Module, args) -> None:
         """The model's forward pre-hook: an untied head replaced by a new module (resize_token_embeddings,
         ``model.lm_head = ...``) no longer runs this forward, which would silently decode dense."""
-        if model.get_output_embeddings() is not self.linear:
-            raise ValueError(HEAD_CHANGED)
+        head = model.get_output_embeddings()
+        if head is self.linear:
+            return
+        if not isinstance(head, nn.Linear):  # attaching again would fail: say what can be done
+            raise ValueError(f"the output head was replaced since attach by a {type(head).__name__}, not an nn.Linear "
+                             "(transformers' universal assisted generation with sampling prunes a draft's head so), "
+                             "which FlashHead cannot run: detach(model) to decode it dense")
+        raise ValueError(HEAD_CHANGED)
 
 
 # What attach passes to flash_head_for when it builds a clustering (less attach's own arguments).

@@ -718,6 +718,23 @@ def test_a_replaced_untied_head_asks_to_attach_again(replace):
     assert torch.isinf(logits).any() and not torch.isnan(logits).any()
 
 
+def test_a_head_replaced_by_another_kind_of_module_asks_to_detach():
+    # transformers' universal assisted generation prunes a sampling draft's head into its own
+    # module: "attach it again" then failed, since attach takes an nn.Linear head only.
+    class PrunedHead(torch.nn.Module):
+        def forward(self, hidden):
+            return hidden[..., :5]
+
+    model = _tiny_llama(tied=False)
+    attach(model, _tiny_assets(model))
+    model.lm_head = PrunedHead()
+    with pytest.raises(ValueError, match=r"^the output head was replaced since attach by a PrunedHead, not an nn.Linear .* "
+                                         r"detach\(model\) to decode it dense$"):
+        model(torch.tensor([[1, 2]]))
+    detach(model)
+    assert model(torch.tensor([[1, 2]])).logits.shape == (1, 2, 5)
+
+
 def test_attached_head_names_a_hidden_state_it_cannot_take():
     model = _tiny_llama(tied=False)
     attach(model, _tiny_assets(model))
