@@ -129,7 +129,8 @@ def main(argv=None) -> int:
         # building its one-layer model, and its sliding window set a floor its attention does not keep.
         limit = config.body_limit("fused", torch.bfloat16)
         if limit:
-            parser.error(f"--shapes {name}: the fused body (these ops) {limit}; gemma3-270m-llama has Gemma-3-270M's sizes in a Llama layer")
+            parser.error(f"--shapes {name}: the fused body (these ops) {limit}; gemma3-270m-llama has "
+                         "Gemma-3-270M's sizes in a Llama layer")
     tokens = args.tokens
     if not torch.cuda.is_available():
         parser.error("layer-ops times CUDA kernels and needs a GPU")

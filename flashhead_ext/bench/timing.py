@@ -37,7 +37,8 @@ def run_metadata(device: str) -> dict:
     if torch.device(device).type == "cuda":
         props = torch.cuda.get_device_properties(torch.device(device))
         index = torch.device(device).index
-        meta.update(device=props.name, cuda_index=torch.cuda.current_device() if index is None else index, sms=props.multi_processor_count, l2_bytes=getattr(props, "L2_cache_size", None),
+        meta.update(device=props.name, cuda_index=torch.cuda.current_device() if index is None else index,
+                    sms=props.multi_processor_count, l2_bytes=getattr(props, "L2_cache_size", None),
                     memory_bytes=props.total_memory)
     return meta
 
