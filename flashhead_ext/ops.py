@@ -529,20 +529,31 @@ def validate_cluster_table(cluster_tokens: Tensor, vocab_size: int) -> None:
 # Fake kernels: output shapes and dtypes, for FakeTensor tracing (torch.compile, opcheck). They also
 # run when one argument is on the meta device and the rest are not (the dispatcher then picks the
 # Meta kernel), so they check what the C++ ops check first, that all tensors share a device:
-# otherwise a CPU call with a meta weight would return uninitialised memory.
-def _register_fake(op: str):
+# otherwise a CPU call with a meta weight would return uninitialised memory. They also check, in
+# the C++ checks' words, the ranks of the tensors whose sizes they read and the sign of the counts
+# that size their outputs: a compiled call never reaches the C++ checks when its tracing fails on
+# an IndexError or a negative size first.
+def _register_fake(op: str, ranks: dict[str, tuple[int, str]] | None = None, counts: tuple[str, ...] = ()):
     def register(fake):
         signature = inspect.signature(fake)
 
         @functools.wraps(fake)
         def checked(*args, **kwargs):
-            tensors = [(name, value) for name, value in signature.bind(*args, **kwargs).arguments.items()
-                       if isinstance(value, Tensor)]
+            arguments = signature.bind(*args, **kwargs).arguments
+            tensors = [(name, value) for name, value in arguments.items() if isinstance(value, Tensor)]
             first_name, first = tensors[0]
             for name, value in tensors[1:]:
                 if value.device != first.device:
                     raise ValueError(f"flashhead.{op}: {name} must be on the same device as {first_name} "
                                      f"({first.device}), got {value.device}")
+            for name, (rank, layout) in (ranks or {}).items():
+                value = arguments.get(name)
+                if isinstance(value, Tensor) and value.dim() != rank:
+                    raise ValueError(f"flashhead.{op}: {name} must be a {rank}-D tensor {layout}, "
+                                     f"got shape {list(value.shape)}")
+            for name in counts:
+                if arguments[name] < 1:
+                    raise ValueError(f"flashhead.{op}: {name} must be at least 1, got {arguments[name]}")
             return fake(*args, **kwargs)
 
         torch.library.register_fake(f"flashhead::{op}")(checked)
@@ -550,29 +561,34 @@ def _register_fake(op: str):
     return register
 
 
-@_register_fake("select_clusters")
+_HIDDEN_RANK = (2, "[batch, hidden_dim]")
+
+
+@_register_fake("select_clusters", ranks={"hidden": _HIDDEN_RANK}, counts=("probes",))
 def _select_clusters_fake(hidden, centroids, probes, centroid_scale=None):
     shape = (hidden.shape[0], probes)
     return hidden.new_empty(shape, dtype=torch.int32), hidden.new_empty(shape, dtype=torch.float32)
 
 
-@_register_fake("sample_clusters")
+@_register_fake("sample_clusters", ranks={"hidden": _HIDDEN_RANK}, counts=("probes",))
 def _sample_clusters_fake(hidden, centroids, probes, temperature, seed, centroid_scale=None):
     return _select_clusters_fake(hidden, centroids, probes)
 
 
-@_register_fake("gather_candidates")
+@_register_fake("gather_candidates", ranks={"cluster_ids": (2, "[batch, probes]"),
+                                          "cluster_tokens": (2, "[num_clusters, cluster_size]"),
+                                          "extra_ids": (1, "[num_extra]")})
 def _gather_candidates_fake(cluster_ids, cluster_tokens, extra_ids):
     width = cluster_ids.shape[1] * cluster_tokens.shape[1] + (0 if extra_ids is None else extra_ids.shape[0])
     return cluster_ids.new_empty((cluster_ids.shape[0], width), dtype=torch.int32)
 
 
-@_register_fake("candidate_logits")
+@_register_fake("candidate_logits", ranks={"candidate_ids": (2, "[batch, num_candidates]")})
 def _candidate_logits_fake(hidden, embedding, candidate_ids):
     return hidden.new_empty(candidate_ids.shape, dtype=torch.float32)
 
 
-@_register_fake("decode_greedy")
+@_register_fake("decode_greedy", ranks={"hidden": _HIDDEN_RANK})
 def _decode_greedy_fake(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale=None):
     return hidden.new_empty((hidden.shape[0],), dtype=torch.int64)
 
@@ -582,24 +598,27 @@ def _decode_greedy_out_fake(hidden, centroids, cluster_tokens, embedding, probes
     return None
 
 
-@_register_fake("decode_sample")
+@_register_fake("decode_sample", ranks={"hidden": _HIDDEN_RANK})
 def _decode_sample_fake(hidden, centroids, cluster_tokens, embedding, probes, temperature, seed, extra_ids,
                         centroid_scale=None):
     batch = (hidden.shape[0],)
     return hidden.new_empty(batch, dtype=torch.int64), hidden.new_empty(batch, dtype=torch.float32)
 
 
-@_register_fake("fused_linear")
+@_register_fake("fused_linear", ranks={"x": (2, "[tokens, in_features]"),
+                                     "weight": (2, "[out_features, in_features]")})
 def _fused_linear_fake(x, weight, norm_weight, eps, gated, residual, bias=None, static_weight=False):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-@_register_fake("rotary_cache_write")
+@_register_fake("rotary_cache_write", ranks={"qkv": (2, "[tokens, (num_heads + 2 * num_kv_heads) * head_dim]"),
+                                           "k_cache": (3, "[num_kv_heads, max_len, head_dim]")},
+                counts=("num_heads",))
 def _rotary_cache_write_fake(qkv, cos, sin, length, k_cache, v_cache, num_heads, q_norm, k_norm, eps):
     return qkv.new_empty((qkv.shape[0], num_heads, k_cache.shape[2]))  # the caches are written in place
 
 
-@_register_fake("decode_attention")
+@_register_fake("decode_attention", ranks={"q": (3, "[tokens, num_heads, head_dim]")})
 def _decode_attention_fake(q, k_cache, v_cache, length, scale):
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 

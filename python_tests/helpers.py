@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import zlib
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -402,6 +403,18 @@ def compiled(fn):
     """``fn`` under torch.compile(fullgraph=True) with inductor, after a dynamo reset."""
     torch._dynamo.reset()
     return torch.compile(fn, fullgraph=True, backend="inductor")
+
+
+def expect_compiled(fragment: str, call, args) -> None:
+    """``call(args)`` compiled must raise an error whose message holds ``fragment``.
+
+    Tracing runs the fake kernels, which read the sizes of some arguments: a bad one must be named
+    there as the op names it (dynamo wraps the error, keeping its message), not fail on an
+    IndexError or a negative size.
+    """
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=re.escape(fragment)):
+        torch.compile(call, backend="eager", fullgraph=True)(args)
 
 
 def capture(fn):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashhead_ext import DenseHead, FlashHead, ops
-from helpers import DEVICES, Shape, make_problem, raw_call, required_tensor_arguments, seed_tensor
+from helpers import DEVICES, Shape, expect_compiled, make_problem, raw_call, required_tensor_arguments, seed_tensor
 
 SHAPE = Shape(B=3, D=16, C=7, b=4, p=2, pad=1, extras=True)
 
@@ -115,6 +115,24 @@ def test_wrong_rank(op, name, device):
     value = args[name]
     args[name] = value.flatten() if value.dim() == 2 else value.unsqueeze(0)
     expect(ValueError, f"{name} must be a {value.dim()}-D tensor", op, args)
+
+
+@pytest.mark.parametrize("op,name", cases("hidden", "centroids", "embedding", "cluster_tokens", "cluster_ids",
+                                          "candidate_ids", "extra_ids", "out"))
+@pytest.mark.parametrize("fewer", [True, False], ids=["fewer-dims", "more-dims"])
+def test_wrong_rank_compiled(op, name, fewer):
+    args = valid_args("cpu")
+    value = args[name]
+    args[name] = value[0] if fewer else value.unsqueeze(0)
+    expect_compiled(f"{name} must be a {value.dim()}-D tensor", CALLS[op], args)
+
+
+@pytest.mark.parametrize("op", [op for op in CALLS if "probes" in USES[op]])
+@pytest.mark.parametrize("probes", [0, -1])
+def test_probes_below_one_compiled(op, probes):
+    args = valid_args("cpu")
+    args["probes"] = probes
+    expect_compiled("probes must be", CALLS[op], args)
 
 
 @device_params

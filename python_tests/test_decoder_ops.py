@@ -6,6 +6,7 @@ per class. opcheck on each device; the attention cases on each device too. GPU: 
 against the CPU ops on the same inputs at real models' shapes, CUDA-graph replay at another cache
 length, no host sync.
 """
+import functools
 import math
 import re
 
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 
 from flashhead_ext import ops
 from flashhead_ext.graphs import capture_graph
-from helpers import DEVICES, DTYPES, at_odd_offset, check_no_backward, generator, raw_call, required_tensor_arguments
+from helpers import (DEVICES, DTYPES, at_odd_offset, check_no_backward, expect_compiled, generator, raw_call,
+                     required_tensor_arguments)
 
 device_params = pytest.mark.parametrize("device", DEVICES)
 dtype_params = pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -426,6 +428,22 @@ def test_wrong_rank(op, name, device):
     value = args[name]
     args[name] = value.unsqueeze(0)
     expect(ValueError, f"{name} must be a {value.dim()}-D tensor", op, args)
+
+
+@pytest.mark.parametrize("op,name", cases("x", "weight", "qkv", "k_cache", "q"))
+@pytest.mark.parametrize("fewer", [True, False], ids=["fewer-dims", "more-dims"])
+def test_wrong_rank_compiled(op, name, fewer):
+    args = valid_args("cpu")
+    value = args[name]
+    args[name] = value[0] if fewer else value.unsqueeze(0)
+    expect_compiled(f"{name} must be a {value.dim()}-D tensor", functools.partial(call, op), args)
+
+
+@pytest.mark.parametrize("num_heads", [0, -2])
+def test_num_heads_below_one_compiled(num_heads):
+    args = valid_args("cpu")
+    args["num_heads"] = num_heads
+    expect_compiled("num_heads must be", functools.partial(call, "rotary_cache_write"), args)
 
 
 # (op, changed arguments from the valid ones, message fragment)
