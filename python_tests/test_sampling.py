@@ -5,6 +5,7 @@ seed, and reject at p < helpers.P_VALUE. Expected probabilities come from the re
 scores, in float64.
 """
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -179,6 +180,20 @@ def test_decode_sample_tokens_follow_softmax_over_all_tokens(device, temperature
     # Each drawn token's log-probability is log_softmax(logits / T) at that token.
     expected = torch.log_softmax(logits.double() / temperature, 0)[tokens.cpu()].float()
     torch.testing.assert_close(logprobs.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@device_params
+@pytest.mark.parametrize("temperature", [1e-6, 1e-4, 1e-2])
+def test_decode_sample_logprob_at_small_temperatures(device, temperature):
+    # Three tokens tie, so the drawn one has probability 1/3 at every temperature. At small T the
+    # scaled maximum (4e7 at 1e-6) absorbed log(sum) when added to it first: log-probability 0.
+    embedding = torch.tensor([[40.0], [40.0], [40.0], [20.0]], device=device)
+    table = torch.arange(4, dtype=torch.int32, device=device).unsqueeze(0)
+    hidden = torch.ones(5, 1, device=device)
+    tokens, logprobs = ops.decode_sample(hidden, torch.ones(1, 1, device=device), table, embedding, 1, temperature,
+                                         seed=17)
+    assert set(tokens.tolist()) <= {0, 1, 2}
+    torch.testing.assert_close(logprobs.cpu(), torch.full((5,), math.log(1 / 3)), rtol=0, atol=1e-6)
 
 
 def _two_stage_token_law(problem, temperature):

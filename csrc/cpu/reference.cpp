@@ -176,8 +176,8 @@ std::tuple<at::Tensor, at::Tensor> decode_sample_cpu(const at::Tensor& hidden, c
   auto valid = valid_candidates(candidates, embedding.size(0));
   auto keys = scaled + gumbel(seed.item<int64_t>(), kTokenStream, candidates);
   auto position = best_position(keys, candidates, valid);
-  auto log_norm = at::logsumexp(scaled, 1);
-  auto token_logprobs = scaled.gather(1, position.unsqueeze(1)).squeeze(1) - log_norm;
+  // log_softmax subtracts the row's max first: at small temperatures max + log(sum) rounds log(sum) away.
+  auto token_logprobs = at::log_softmax(scaled, 1).gather(1, position.unsqueeze(1)).squeeze(1);
   return {tokens_at(candidates, valid, position), token_logprobs};
 }
 

@@ -359,8 +359,12 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
   if (threadIdx.x != 0) return;
   for (int w = 1; w < kWarps; ++w) p = merge<kSample>(p, warp_partials[w]);
   a.tokens[row * a.token_stride] = p.best == kNoneRanked ? -1 : packed_id(p.best);
-  const float log_norm = isnan(p.sum) ? NAN : (p.max == -INFINITY ? -INFINITY : p.max + logf(p.sum));
-  a.token_logprobs[row] = p.best == kNoneRanked ? NAN : p.best_scaled - log_norm;
+  // (best - max) - log(sum), not best - (max + log(sum)): at small temperatures the scaled max is
+  // large enough to absorb log(sum) in float32 (a 1/3 token got log-probability 0 at T = 1e-6).
+  const float logprob = isnan(p.sum)             ? NAN
+                        : p.max == -INFINITY     ? p.best_scaled + INFINITY
+                                                 : (p.best_scaled - p.max) - logf(p.sum);
+  a.token_logprobs[row] = p.best == kNoneRanked ? NAN : logprob;
 }
 
 // The greedy decode by claimed cluster (decode_claimed.cu), for batches of up to
