@@ -33,7 +33,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   at::Tensor h = x;
   if (norm_weight.has_value()) h = rms_norm(x, *norm_weight, eps);
   if (gated) {
-    auto halves = x.chunk(2, 1);  // gate columns, then up columns
+    // Gate columns, then up columns, each made contiguous: the activation's vectorised and strided
+    // loops round differently, so a column-major x changed the last bits.
+    auto halves = x.chunk(2, 1);
+    for (auto& half : halves) half = half.contiguous();
     h = (gelu ? at::gelu(halves[0], "tanh") : at::silu(halves[0])) * halves[1];
   }
   // Products of the stored values summed in float32, the bias added, rounded once (contiguous
