@@ -10,7 +10,8 @@ import torch
 import reference as ref
 from flashhead_ext import ops
 from helpers import (DEVICES, DTYPES, TWO_GPUS, Problem, Shape, assert_same_ids, assert_values_close,
-                     check_decode_greedy, check_decode_sample, check_ranked_selection, exact_on, make_problem, seed_tensor)
+                     check_decode_greedy, check_decode_sample, check_ranked_selection, exact_on, generator, make_problem,
+                     seed_tensor)
 
 # B in 1, 3, 17; D in 64, 576 and odd 7 and 1; C not a power of two; p in 1, C//16, C; b in 1, 4, 16;
 # padded tables (V not a multiple of b); extra ids (one already a candidate, one repeated).
@@ -92,6 +93,17 @@ def test_candidate_logits(shape, dtype, device):
     expected = ref.candidate_logits(problem.hidden, problem.embedding, candidates)
     assert torch.equal(torch.isinf(got).cpu(), (candidates < 0).cpu()), "-inf exactly at the masked slots"
     assert_values_close(got, expected, problem.logit_tol(), "logits")
+
+
+def test_candidate_logits_in_row_blocks():
+    # The CPU op gathers about 64 MB of float32 embedding rows at a time (at once, a forward over a
+    # whole sequence took 7 MB a position): every block's rows are their own.
+    g = generator("candidate logits in row blocks")
+    V, D, width, B = 5003, 64, 4100, 130  # 63 rows a block: three blocks, the last of 4 rows
+    embedding, hidden = torch.randn(V, D, generator=g), torch.randn(B, D, generator=g)
+    candidates = torch.randint(-1, V, (B, width), generator=g, dtype=torch.int32)
+    got = ops.candidate_logits(hidden, embedding, candidates)
+    torch.testing.assert_close(got, ref.candidate_logits(hidden, embedding, candidates), rtol=1e-5, atol=1e-4)
 
 
 @device_params

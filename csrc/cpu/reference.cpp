@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 
 #include "cpu/float_rows.h"
@@ -129,12 +130,21 @@ at::Tensor candidate_logits_cpu(const at::Tensor& hidden, const at::Tensor& embe
   constexpr const char* op = "candidate_logits";
   check_hidden_and_rows(op, hidden, embedding, "embedding");
   check_candidates(op, candidate_ids, hidden);
-  const int64_t vocab = embedding.size(0);
+  const int64_t vocab = embedding.size(0), batch = candidate_ids.size(0), width = candidate_ids.size(1);
   auto valid = valid_candidates(candidate_ids, vocab);
-  auto rows = embedding.index_select(0, candidate_ids.to(at::kLong).clamp(0, vocab - 1).flatten())
-                  .view({candidate_ids.size(0), candidate_ids.size(1), embedding.size(1)})
-                  .to(at::kFloat);
-  auto logits = at::matmul(rows, float_rows(hidden).unsqueeze(2)).squeeze(2);
+  auto ids = candidate_ids.to(at::kLong).clamp(0, vocab - 1);
+  auto hidden_rows = float_rows(hidden);
+  // Rows in blocks of about 64 MB of gathered float32 embedding rows: at once, a forward over every
+  // position of a sequence (HF labels, perplexity) took 7 MB a position at SmolLM2's shapes.
+  const int64_t block = std::max<int64_t>(1, (int64_t{1} << 24) / std::max<int64_t>(1, width * embedding.size(1)));
+  auto logits = at::empty({batch, width}, hidden.options().dtype(at::kFloat));
+  for (int64_t start = 0; start < batch; start += block) {
+    const int64_t n = std::min(block, batch - start);
+    auto rows = embedding.index_select(0, ids.narrow(0, start, n).flatten())
+                    .view({n, width, embedding.size(1)})
+                    .to(at::kFloat);
+    logits.narrow(0, start, n).copy_(at::matmul(rows, hidden_rows.narrow(0, start, n).unsqueeze(2)).squeeze(2));
+  }
   return logits.masked_fill(~valid, kNegInf);
 }
 
