@@ -34,6 +34,19 @@ def _check_embedding(embedding) -> None:
         raise TypeError(f"embedding must be float16, bfloat16 or float32, got {embedding.dtype}")
 
 
+def _share_bytes(a: Tensor, b: Tensor) -> bool:
+    """Whether the bytes two strided tensors span overlap (ops' share_bytes, checks.h)."""
+    if a.device != b.device or a.is_meta or a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t: Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a_begin, a_end), (b_begin, b_end) = span(a), span(b)
+    return a_begin < b_end and b_begin < a_end
+
+
 def special_token_list(special_token_ids, vocab: int) -> list:
     """``special_token_ids`` (None, a sequence or set of ints or an integer tensor) as a list of ids in
     ``[0, vocab)``, or a TypeError / ValueError naming it (for a tokenizer without an EOS token,
@@ -153,7 +166,8 @@ class _HeadBase(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # A module's conversion (model.half(), .to()) converts its weight and the head's buffer
-        # apart; where the weight is converted first (registered before the head) the buffer is
+        # apart; where the weight is converted first (in a child registered before the head; a
+        # module's own parameters are converted after all its children) the buffer is
         # pointed at it again. Otherwise, and where torch replaces a module's parameters on
         # conversion (overwrite_module_params_on_conversion, moves to or from the meta device), the
         # buffer is the head's own from then on.
@@ -248,6 +262,12 @@ class DenseHead(_HeadBase):
         if out.shape[0] > 1 and out.stride(0) == 0:  # torch.argmax would write every row's token to one element
             raise ValueError("out must not have elements that share memory (e.g. an expanded tensor), got strides "
                              f"{list(out.stride())}")
+        # As FlashHead's ops refuse it: tokens written into the weight's bytes changed later calls.
+        # (torch.compile cannot trace data pointers; the compiled write is the caller's.)
+        if not torch.compiler.is_compiling():
+            for name, tensor in (("hidden", rows), ("embedding", self.embedding)):
+                if _share_bytes(out, tensor):
+                    raise ValueError(f"out must not share memory with {name}")
         # An out made in inference mode is written in inference mode, where torch allows it: the
         # ops write one anywhere (docs/kernels.md, "Limits and notes"). torch.compile cannot trace
         # is_inference(), and leaves the write to the compiled graph.
@@ -293,7 +313,9 @@ class FlashHead(_HeadBase):
             model's ``nn.Parameter`` (``model.lm_head.weight``), the head follows it through
             ``copy.deepcopy`` and ``torch.save`` / ``torch.load`` of a module holding both, and
             through that module's ``to()`` / ``half()`` where the weight is converted before the
-            head (registered first); otherwise (also where torch is set to replace parameters on
+            head: in a child module registered before it (an ``nn.Linear``, as ``lm_head`` is),
+            since torch converts a module's own parameters after its children. Otherwise (a
+            module's own ``nn.Parameter``; also where torch is set to replace parameters on
             conversion), and after ``head.to(...)`` alone, the buffer is a tensor of the head's
             own. ``load_state_dict(assign=True)`` and ``to_empty()`` give the
             model a new weight: give the head it (``head.embedding = weight.detach()``; after
@@ -508,10 +530,16 @@ class FlashHead(_HeadBase):
 
     def _check_new_embedding(self, embedding) -> None:
         super()._check_new_embedding(embedding)
-        expected = tuple(self._buffers["embedding"].shape)
-        if tuple(embedding.shape) != expected:  # the cluster tables index its rows
-            raise ValueError(f"embedding must have the head's shape {list(expected)} (its clusters index those rows), "
+        current = self._buffers["embedding"]
+        if tuple(embedding.shape) != tuple(current.shape):  # the cluster tables index its rows
+            raise ValueError(f"embedding must have the head's shape {list(current.shape)} (its clusters index those rows), "
                              f"got {list(embedding.shape)}")
+        # The centroids stay as they are: a weight of another dtype or device failed the next call
+        # with an error about centroids, which the caller never passed.
+        if (embedding.dtype, embedding.device) != (current.dtype, current.device):
+            raise TypeError(f"embedding must have the head's dtype and device ({current.dtype} on {current.device}), "
+                            f"got {embedding.dtype} on {embedding.device}: convert the head first "
+                            f"(head.to({embedding.dtype}) / head.to('{embedding.device}')), then give it the weight")
 
     def next_token(self, hidden: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
         """int64 ``hidden.shape[:-1]``: each row's greedy token. ``out``, an int64 ``[B]`` with ``B``

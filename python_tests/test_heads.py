@@ -155,6 +155,15 @@ def test_dense_next_token_refuses_a_bad_out():
         with pytest.raises(error, match=re.escape(f"out must be int64 [17] on cpu (one token a row of hidden), got {got}")):
             head.next_token(problem.hidden, out=bad)
         assert bad.device.type == "meta" or not bad.bool().any()  # nothing written
+    # As FlashHead's ops: tokens written into the weight's bytes would change every later call.
+    wide = torch.cat([problem.hidden, problem.hidden], 1)  # hidden, a view of it, and out in its other half
+    for bad, name, hidden in ((problem.embedding.view(torch.int64)[:SHAPE.B, 0], "embedding", problem.hidden),
+                              (problem.embedding.view(torch.int64)[-SHAPE.B:, -1], "embedding", problem.hidden),
+                              (wide.view(torch.int64)[:, -1], "hidden", wide[:, :SHAPE.D])):
+        before = problem.embedding.clone()
+        with pytest.raises(ValueError, match=f"out must not share memory with {name}"):
+            head.next_token(hidden, out=bad)
+        assert torch.equal(problem.embedding, before)
 
 
 @device_params
@@ -369,6 +378,32 @@ def test_a_head_follows_its_models_weight_through_copies_and_conversions(kind):
         assert torch.equal(converted.head.next_token(problem.hidden), want)
 
 
+class _OwnWeight(torch.nn.Module):
+    """A module whose own nn.Parameter is the output weight, registered before its head."""
+
+    def __init__(self, problem, kind):
+        super().__init__()
+        self.weight = torch.nn.Parameter(problem.embedding.clone())
+        self.head = (DenseHead(self.weight) if kind == "dense" else
+                     FlashHead(self.weight, problem.centroids, problem.cluster_tokens, SHAPE.C))
+
+
+@pytest.mark.parametrize("kind", ["dense", "flash"])
+def test_a_modules_own_weight_is_converted_after_its_head(kind):
+    # As the docs say: torch converts a module's children before its own parameters, so the head
+    # converts first and keeps a copy of its own, which in-place updates of the weight miss.
+    problem = make_problem(SHAPE, seed=14)
+    model = _OwnWeight(problem, kind)
+    assert model.head.embedding.data_ptr() == model.weight.data_ptr()
+    model.half()
+    assert model.head.embedding.data_ptr() != model.weight.data_ptr()
+    assert torch.equal(model.head.embedding, model.weight.detach())
+    want = model.head.next_token(problem.hidden.half())
+    with torch.no_grad():
+        model.weight.mul_(-1)
+    assert torch.equal(model.head.next_token(problem.hidden.half()), want)
+
+
 @pytest.mark.parametrize("kind", ["dense", "flash", "flash-fp8"])
 @pytest.mark.parametrize("alone", [False, True], ids=["in-model", "alone"])
 def test_a_head_refuses_to_run_on_the_empty_embedding_of_to_empty(kind, alone):
@@ -411,6 +446,17 @@ def test_a_new_embedding_is_checked_when_given(make_head):
         assert head.vocab_size == SHAPE.V - 3
     head.embedding = problem.embedding.clone()  # a weight of the head's shape is taken
     assert torch.equal(head.next_token(problem.hidden), make_head(problem).next_token(problem.hidden))
+    # FlashHead's centroids keep their dtype: a bfloat16 weight (load_state_dict(assign=True) from a
+    # bfloat16 checkpoint) failed its next call with an error about centroids.
+    bf16 = problem.embedding.bfloat16()
+    if isinstance(head, FlashHead):
+        with pytest.raises(TypeError, match=re.escape("embedding must have the head's dtype and device (torch.float32 "
+                                                      "on cpu), got torch.bfloat16 on cpu: convert the head first")):
+            head.embedding = bf16
+        head.to(torch.bfloat16)
+    head.embedding = bf16
+    assert torch.equal(head.next_token(problem.hidden.bfloat16()),
+                       make_head(problem).to(torch.bfloat16).next_token(problem.hidden.bfloat16()))
 
 
 def test_loading_special_tokens_keeps_the_buffer_when_it_fits_and_drops_repeats():
