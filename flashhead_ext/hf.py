@@ -343,7 +343,7 @@ class FlashHeadAttachment:
 
     With ``enabled`` (the default) the head returns float32 logits ``[..., V]`` that are exact on
     FlashHead's candidates and ``-inf`` elsewhere; with ``enabled = False`` it is the dense head
-    again, unchanged. ``probes`` may be changed at any time; ``assets`` carries it as ``n_probes``.
+    again, unchanged (also one that replaced it, as ``resize_token_embeddings`` does). ``probes`` may be changed at any time; ``assets`` carries it as ``n_probes``.
 
     How it composes with ``generate()``: greedy decoding takes the argmax of those logits, which
     is exactly ``FlashHead.next_token`` (ties to the smaller token id). Sampling draws from
@@ -384,6 +384,11 @@ class FlashHeadAttachment:
         # An instance forward already there (accelerate's device hook wraps one): detach restores it.
         self._replaced_forward = linear.__dict__.get("forward")
         self._model_hook = None  # attach's forward pre-hook on the model (check_head_unchanged); detach removes it
+
+    def __getstate__(self):
+        # Copies and pickles rebuild the head over their own weight on first use: pickled, it was a
+        # second copy of the weight, and plain pickle cannot restore its fp8 centroids.
+        return {**self.__dict__, "_head": None, "_built_for": None}
 
     @property
     def probes(self) -> int:
@@ -494,7 +499,7 @@ class FlashHeadAttachment:
         """The model's forward pre-hook: an untied head replaced by a new module (resize_token_embeddings,
         ``model.lm_head = ...``) no longer runs this forward, which would silently decode dense."""
         head = model.get_output_embeddings()
-        if head is self.linear:
+        if head is self.linear or not self.enabled:  # disabled: whatever head the model has runs dense
             return
         if not isinstance(head, nn.Linear):  # attaching again would fail: say what can be done
             raise ValueError(f"the output head was replaced since attach by a {type(head).__name__}, not an nn.Linear "

@@ -3,6 +3,7 @@ import gc
 import importlib.util
 import json
 import os
+import pickle
 import stat
 import warnings
 import weakref
@@ -688,6 +689,21 @@ def test_disabled_attachment_runs_the_forward_it_replaced():
     assert calls == [1]
 
 
+@pytest.mark.parametrize("centroid_dtype", [None, torch.float8_e4m3fn], ids=["plain", "fp8"])
+def test_an_attached_model_round_trips_through_pickle(centroid_dtype):
+    # multiprocessing moves models by pickle. The attachment's built head was pickled along: a second
+    # copy of the weight, and fp8 centroids, which plain pickle cannot restore (loads raised).
+    model = _tiny_llama(tied=False)
+    attach(model, _tiny_assets(model), centroid_dtype=centroid_dtype)
+    ids = torch.tensor([[1, 2, 3]])
+    want = model(ids).logits
+    copied = pickle.loads(pickle.dumps(model))
+    assert copied.flash_head.__dict__["_head"] is None, "built again over the copy's weight, not carried"
+    assert torch.equal(copied(ids).logits, want)
+    assert copied.flash_head.head().embedding.data_ptr() == copied.lm_head.weight.data_ptr()
+    assert model.flash_head.head().embedding.data_ptr() == model.lm_head.weight.data_ptr()  # the original's own
+
+
 def test_a_resized_tied_head_asks_to_attach_again():
     model = _tiny_llama(tied=True)
     attach(model, _tiny_assets(model))
@@ -707,10 +723,16 @@ def test_a_replaced_untied_head_asks_to_attach_again(replace):
         model.resize_token_embeddings(71, mean_resizing=False)
     else:
         model.lm_head = torch.nn.Linear(model.config.hidden_size, 67, bias=False)
-    for _ in range(2):  # refused at every forward, the disabled ones too
+    for _ in range(2):  # refused at every forward
         with pytest.raises(ValueError, match=r"^the output head changed since attach .* detach\(model\) and attach it again$"):
             model(torch.tensor([[1, 2]]))
-        model.flash_head.enabled = False
+    # Disabled, the model is dense, as documented: its new head runs (as a resized tied one does).
+    model.flash_head.enabled = False
+    hidden = model.model(torch.tensor([[1, 2]])).last_hidden_state
+    assert torch.equal(model(torch.tensor([[1, 2]])).logits, model.lm_head(hidden))
+    model.flash_head.enabled = True
+    with pytest.raises(ValueError, match="the output head changed since attach"):
+        model(torch.tensor([[1, 2]]))
     detach(model)
     model(torch.tensor([[1, 2]]))
     attach(model, _tiny_assets(model))
