@@ -220,6 +220,8 @@ def _check_matrix(name: str, value, shape: str, finite: bool = True) -> None:
     if value.dim() != 2 or value.numel() == 0 or not value.is_floating_point():
         raise ValueError(f"{name} must be a non-empty 2-D float tensor {shape}, got shape "
                          f"{tuple(value.shape)} and dtype {value.dtype}")
+    if value.element_size() < 2:  # torch.isfinite and the clustering's arithmetic have no fp8 kernels
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {value.dtype}")
     ops._require_values(name, value, "; clustering needs them: materialise it first")
     if finite and not torch.isfinite(value).all():
         raise ValueError(f"{name} holds NaN or infinite values; clustering needs finite rows")

@@ -145,6 +145,8 @@ def test_cluster_table_from_assignments():
     ({"embedding": [[1.0]]}, TypeError, "embedding must be a torch.Tensor"),
     ({"embedding": torch.zeros(4)}, ValueError, "2-D float tensor"),
     ({"embedding": torch.zeros(4, 2, dtype=torch.int64)}, ValueError, "2-D float tensor"),
+    ({"embedding": torch.ones(12, 3).to(torch.float8_e5m2)}, TypeError,
+     "embedding must be float16, bfloat16, float32 or float64, got torch.float8_e5m2"),
     ({"cluster_size": 2, "n_clusters": 2}, ValueError, "exactly one of cluster_size and n_clusters"),
     ({"cluster_size": 0}, ValueError, r"cluster_size must be in 1..12"),
     ({"n_clusters": 13}, ValueError, r"n_clusters must be in 1..12"),
@@ -282,6 +284,9 @@ def test_calibration_with_few_states_per_hidden_dimension_warns():
     ({"hidden": [[1.0]]}, TypeError, "hidden must be a torch.Tensor"),
     ({"hidden": torch.zeros(5, 4)}, ValueError, "hidden must have the embedding's hidden size 3"),
     ({"hidden": torch.zeros(0, 3)}, ValueError, "hidden must be a non-empty 2-D float tensor"),
+    # torch.isfinite's NotImplementedError for e4m3 named nothing.
+    ({"hidden": torch.ones(9, 3).to(torch.float8_e4m3fn)}, TypeError,
+     "hidden must be float16, bfloat16, float32 or float64, got torch.float8_e4m3fn"),
     ({"hidden": torch.full((5, 3), float("inf"))}, ValueError, "hidden holds NaN or infinite"),
     ({"hidden": torch.zeros(9, 3)}, ValueError, "hidden gives a singular fit .* the states are zero or too small"),
     # LAPACK's "failed to converge" before: their squares overflow float32.
