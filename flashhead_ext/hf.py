@@ -349,8 +349,8 @@ class FlashHeadAttachment:
     is exactly ``FlashHead.next_token`` (ties to the smaller token id). Sampling draws from
     softmax(logits / T) restricted to the candidates of the ``probes`` best clusters (after
     generate's own top-k/top-p), not FlashHead's cluster-sampling path: for that, call
-    ``attachment.head().sample(hidden, ...)`` directly, as the speculative driver does with any
-    head. Classifier-free guidance (``generate(guidance_scale=...)``) subtracts two passes'
+    ``attachment.head().sample(hidden, ...)`` directly (the speculative drivers decode greedily,
+    with ``next_token``). Classifier-free guidance (``generate(guidance_scale=...)``) subtracts two passes'
     log-probabilities; their candidate sets differ, so it needs every cluster probed (or the
     dense head). Logits processors that mask or bias tokens (``prefix_allowed_tokens_fn``, grammar
     constraints, ``sequence_bias``) act on these logits: a token they allow that is no candidate

@@ -254,6 +254,25 @@ def test_attaching_flashhead_to_an_early_exit_draft_leaves_the_targets_head_alon
     detach(draft)
 
 
+def test_a_drafts_attached_flashhead_is_the_default_draft_head(tmp_path, monkeypatch):
+    # It drafted dense without a word, so the draft head's time it reported was a dense head's.
+    from flashhead_ext import attach
+
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    cls, config = _config("llama")
+    torch.manual_seed(0)
+    target = cls(config).eval()
+    draft = early_exit_draft(target, 2)
+    attachment = attach(draft, cluster_size=8, iters=2, probes=1, progress=False)
+    decoder = SpeculativeDecoder(target, draft, k=3, eos_token_id=[])
+    assert decoder.head is attachment.head() and decoder.head.probes == 1
+    gen = decoder.generate(prompt(5), mode="deferred", max_new_tokens=8)
+    assert tuple(gen.tokens) == greedy_tokens(target, prompt(5), 8)
+    assert isinstance(SpeculativeDecoder(target, draft, "dense", k=3).head, DenseHead)  # asked for
+    attachment.enabled = False
+    assert isinstance(SpeculativeDecoder(target, draft, k=3).head, DenseHead)
+
+
 def test_early_exit_draft_of_a_compiled_target_shares_its_modules():
     target = tiny_model("llama")
     draft = early_exit_draft(torch.compile(target), 2)

@@ -263,7 +263,7 @@ def require_no_draft_options(draft_head, **options) -> None:
     """ValueError when a driver built without a draft is given a draft's options, which it would
     silently ignore: a ``draft_head`` other than the default ``"dense"``, or one of ``options`` set."""
     given = [name for name, value in options.items() if value is not None]
-    if not (isinstance(draft_head, str) and draft_head == "dense"):
+    if not (draft_head is None or (isinstance(draft_head, str) and draft_head == "dense")):
         given.insert(0, "draft_head")
     if given:
         raise ValueError(f"{' and '.join(given)} apply to a draft, and no draft was given (draft=None: baseline decoding only)")
@@ -345,8 +345,10 @@ class SpeculativeDecoder:
         draft: a transformers causal LM with the target's tokenizer, or None for baseline only (its
             vocabulary may lack padding rows the target has: see :func:`draft_input`). Its body
             (``draft.base_model``) gives the final hidden states; ``draft_head`` turns them into tokens.
-        draft_head: ``"dense"`` (a DenseHead over the draft's output embedding, a float32 copy of a
-            float64 one) or a DenseHead / FlashHead instance (see
+        draft_head: None (the default: the head of a FlashHead attached to the draft by
+            :func:`flashhead_ext.hf.attach` and enabled, as it is when constructed, else
+            ``"dense"``), ``"dense"`` (a DenseHead over the draft's output embedding, a float32
+            copy of a float64 one) or a DenseHead / FlashHead instance (see
             :func:`flashhead_ext.speculative.make_draft_head`). Hidden states are cast to the head's
             dtype, so a head may run in another dtype than the draft.
         k: proposals per round, >= 1.
@@ -363,7 +365,7 @@ class SpeculativeDecoder:
     def k(self, value: int) -> None:
         self._k = require_positive_int("k", value)
 
-    def __init__(self, target, draft=None, draft_head: Union[str, DenseHead, FlashHead] = "dense", *, k: int = 6,
+    def __init__(self, target, draft=None, draft_head: Union[str, DenseHead, FlashHead, None] = None, *, k: int = 6,
                  eos_token_id: Union[int, Sequence[int], None] = None):
         self.target = target
         # First: it names a target that is no causal LM (a model name, a tokenizer), which the
@@ -384,6 +386,9 @@ class SpeculativeDecoder:
             if getattr(model, "_is_stateful", False):  # transformers' own flag, which its assisted generation refuses too
                 raise ValueError(f"{role} {type(model).__name__} keeps a recurrent state, which speculative decoding "
                                  "cannot cut back to the accepted tokens; decode it without a draft (draft=None, mode='baseline')")
+        if draft_head is None:  # the draft's own FlashHead: drafting dense instead misreported its head's time
+            attachment = getattr(uncompiled(draft), "flash_head", None)
+            draft_head = attachment.head() if attachment is not None and attachment.enabled else "dense"
         self.head = resolve_draft_head(draft_head, _output_embedding(draft, "draft"), vocab)
         check_output_head_bias_free(draft, "draft")
         draft_device = next(draft.parameters()).device
