@@ -652,6 +652,14 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
         if found is not None:
             try:
                 assets = load_assets(found, embedding)
+            except FileNotFoundError as error:
+                # save_pretrained of a model loaded from a published checkpoint copies its config's
+                # FlashHead entries, not the clustering.
+                raise FileNotFoundError(f"{error}: {found}'s config names FlashHead assets that are not there (a model "
+                                        "saved by save_pretrained keeps a FlashHead checkpoint's config entries, not "
+                                        "its clustering: save that beside it with save_assets(dir, "
+                                        "model.flash_head.assets)); pass assets= to use others, e.g. "
+                                        "attach(model, flashhead_ext.flash_head_for(weight)[1])") from error
             except ValueError as error:
                 raise ValueError(f"the FlashHead assets found for this model in {found} cannot be used: {error}. Pass "
                                  "assets= to use others: attach(model, flashhead_ext.flash_head_for(weight)[1]) builds a "

@@ -517,6 +517,26 @@ def test_attach_finds_a_hub_models_assets_in_the_local_hub_cache(tmp_path, monke
         attach(model)
 
 
+def test_a_published_checkpoint_saved_again_without_its_clustering_says_how_to_save_it(tmp_path):
+    # save_pretrained copies the config's FlashHead entries, not the clustering they name.
+    model = _tiny_llama(tied=True)
+    published = tmp_path / "published"
+    model.save_pretrained(published)
+    save_assets(published, _tiny_assets(model, probes=3))
+    config = {**json.loads((published / "config.json").read_text()), **json.loads((published / CONFIG_NAME).read_text())}
+    (published / CONFIG_NAME).unlink()  # a published checkpoint: the keys in config.json
+    (published / "config.json").write_text(json.dumps(config))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(published, local_files_only=True)
+    attachment = attach(loaded, build_if_missing=False)
+    loaded.save_pretrained(tmp_path / "copy")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "copy", local_files_only=True)
+    with pytest.raises(FileNotFoundError, match=r"expected FlashHead clustering tensors at .*config names FlashHead "
+                                                r"assets that are not there .* save_assets\(dir, model.flash_head.assets\)"):
+        attach(again)
+    save_assets(tmp_path / "copy", attachment.assets)
+    assert attach(again).probes == 3
+
+
 def test_attach_warns_when_the_directory_a_model_came_from_no_longer_resolves(tmp_path, monkeypatch):
     huggingface_hub = pytest.importorskip("huggingface_hub")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
