@@ -751,6 +751,8 @@ def test_runner_bad_arguments_name_the_argument():
     for seed in (2**63, -2**63 - 1):  # hashed as 8 signed bytes at each generate
         with pytest.raises(ValueError, match=f"seed must fit in int64, got {seed}"):
             FastSpeculativeDecoder(target, draft, head, synthetic_acceptance=0.5, seed=seed)
+    with pytest.raises(ValueError, match=r"^seed seeds synthetic_acceptance's draws, and synthetic_acceptance is None"):
+        FastSpeculativeDecoder(target, draft, head, seed=3)  # it was ignored: runs meant to differ did not
     with pytest.raises(TypeError, match="target must be a flashhead_ext.fast.Decoder"):
         FastSpeculativeDecoder(hf_model("llama"))
     with pytest.raises(ValueError, match="draft_head must be 'dense' or a DenseHead"):

@@ -139,7 +139,8 @@ class FastSpeculativeDecoder:
             mode with a ``"persistent"`` draft body launch a round's proposals before the host has
             read the last round (timing runs).
         synthetic_acceptance: None for the exact greedy verifier; a probability R in [0, 1] makes the
-            verifier accept each proposal independently with probability R (seeded by ``seed``), for
+            verifier accept each proposal independently with probability R (seeded by ``seed``, an int,
+            default 0, which needs ``synthetic_acceptance``), for
             timing at real shapes with random weights; a generation's draws depend on ``seed`` and
             its prompt only. The round then emits the draft's proposals up
             to the first rejection plus the target's token at that position; the output is not the
@@ -155,7 +156,7 @@ class FastSpeculativeDecoder:
     def __init__(self, target: Decoder, draft: Optional[Decoder] = None,
                  draft_head: Union[str, DenseHead, FlashHead] = "dense", *, k: int = 6,
                  eos_token_id: Union[int, Sequence[int], None] = None, synthetic_acceptance: Optional[float] = None,
-                 seed: int = 0, graphs: Optional[bool] = None):
+                 seed: Optional[int] = None, graphs: Optional[bool] = None):
         if not isinstance(target, Decoder):
             raise TypeError(f"target must be a flashhead_ext.fast.Decoder, got {type(target).__name__}")
         if draft is not None and not isinstance(draft, Decoder):
@@ -168,7 +169,12 @@ class FastSpeculativeDecoder:
                 raise ValueError(f"synthetic_acceptance must be a probability in [0, 1] or None, got {synthetic_acceptance!r}")
             synthetic_acceptance = float(synthetic_acceptance)
         self.synthetic = synthetic_acceptance
-        self.seed = ops._require_int("seed", seed)  # an int64: it is hashed as 8 signed bytes
+        if seed is not None:
+            seed = ops._require_int("seed", seed)  # an int64: it is hashed as 8 signed bytes
+            if synthetic_acceptance is None:  # else a seed meant to vary the timing runs changed nothing
+                raise ValueError("seed seeds synthetic_acceptance's draws, and synthetic_acceptance is None (the exact "
+                                 "verifier draws nothing): leave seed out or give synthetic_acceptance")
+        self.seed = 0 if seed is None else seed
         self.graphs = target.device.type == "cuda" if graphs is None else bool(graphs)
         if self.graphs and target.device.type != "cuda":
             raise ValueError(f"graphs=True needs the models on a CUDA device, the target is on {target.device}")

@@ -145,8 +145,9 @@ def _decoder(args, target, draft, head, eos):
         return SpeculativeDecoder(target, draft, "dense" if head is None else head, k=args.k, eos_token_id=eos)
     from ..fast import FastSpeculativeDecoder
 
+    synthetic = None if draft is None else args.synthetic_acceptance
     return FastSpeculativeDecoder(target, draft, "dense" if head is None else head, k=args.k, eos_token_id=eos,
-                                  synthetic_acceptance=None if draft is None else args.synthetic_acceptance, seed=args.seed)
+                                  synthetic_acceptance=synthetic, seed=None if synthetic is None else args.seed)
 
 
 def main(argv=None) -> int:
