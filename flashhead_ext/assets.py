@@ -29,7 +29,6 @@ padded with -1 (what :mod:`flashhead_ext.clustering` produces when V is not a mu
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import math
@@ -234,18 +233,25 @@ def write_replacing(path: Path, write) -> None:
         partial.unlink(missing_ok=True)
 
 
+def sweep_stale_partials(directory: Path) -> None:
+    """Removes the partial files and staging directories (``.<name>.<random>.partial``) that killed
+    writers left in ``directory``, an hour old. The caches call it at every read of a directory
+    too: a finished entry is never written again, so a sweep at writes alone kept them for good."""
+    for stale in directory.glob(".*.partial"):
+        try:
+            if time.time() - stale.stat().st_mtime > STALE_PARTIAL_S:
+                shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+        except OSError:  # removed meanwhile by another writer, or not ours to remove
+            pass
+
+
 def new_partial(directory: Path, prefix: str, *, is_dir: bool = False) -> Path:
     """A new empty file (or directory) ``<directory>/<prefix><random>.partial`` for a writer to
     fill and rename. Created as open() and mkdir() create, under the umask: mkstemp's and
     mkdtemp's are their owner's alone, which would hide a shared cache or a model directory's files
     from other users (and setting the umask to read it is not thread-safe). Those a killed writer
     left, an hour old, are removed first."""
-    for stale in directory.glob(f"{glob.escape(prefix)}*.partial"):
-        try:
-            if time.time() - stale.stat().st_mtime > STALE_PARTIAL_S:
-                shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
-        except OSError:  # removed meanwhile by another writer, or not ours to remove
-            pass
+    sweep_stale_partials(directory)
     while True:
         path = directory / f"{prefix}{secrets.token_hex(8)}.partial"
         try:
@@ -473,6 +479,8 @@ def flash_head_for(
     method = "" if hidden is None else f"-calibrated-{embedding_digest(hidden)[:16]}"
     key = f"{embedding_digest(embedding)[:16]}{method}-b{cluster_size}-i{iters}-s{seed}-v{ALGORITHM_VERSION}"
     directory = user_cache_dir() / "clusters" / key
+    for written in (directory, directory / DEFAULT_CACHE_DIR):  # where save_assets writes
+        sweep_stale_partials(written)
     fingerprint = embedding_fingerprint(embedding)
     assets = None
     if cache and (directory / CONFIG_NAME).is_file():

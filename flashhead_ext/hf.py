@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, new_partial, read_config, read_tensors,
-                     uncached_on_failure, warn_if_built_for_other_weights, write_replacing, flash_head_for, load_assets,
-                     user_cache_dir)
+                     sweep_stale_partials, uncached_on_failure, warn_if_built_for_other_weights, write_replacing,
+                     flash_head_for, load_assets, user_cache_dir)
 from . import ops
 from .clustering import MIN_STATES_PER_DIM
 from .head import HEAD_DTYPES, FlashHead, centroid_dtype_option, special_token_list
@@ -117,11 +118,19 @@ def load_smollm2(dtype: torch.dtype = torch.float32, *, cache: bool = True):
     gguf = smollm2_gguf_path()
     if not cache:
         return from_pretrained(gguf.parent, dtype, gguf_file=gguf.name)
-    directory = user_cache_dir() / "models" / f"smollm2-{_file_digest(gguf)[:16]}-tf{transformers.__version__}"
-    if not directory.is_dir():
-        model, tokenizer = _convert_gguf(gguf, directory)
-        if not directory.is_dir():  # not cached
-            return model.to(dtype), tokenizer
+    models = user_cache_dir() / "models"
+    sweep_stale_partials(models)
+    directory = models / f"smollm2-{_file_digest(gguf)[:16]}-tf{transformers.__version__}"
+    if directory.is_dir():
+        try:
+            return from_pretrained(directory, dtype)
+        except (SafetensorError, OSError, ValueError) as error:  # a copy cut short, a full disk
+            warnings.warn(f"the cached SmolLM2 at {directory} is unreadable ({error}); converting it again",
+                          RuntimeWarning, stacklevel=2)
+            shutil.rmtree(directory, ignore_errors=True)
+    model, tokenizer = _convert_gguf(gguf, directory)
+    if not directory.is_dir():  # not cached
+        return model.to(dtype), tokenizer
     return from_pretrained(directory, dtype)
 
 
@@ -180,6 +189,14 @@ def warn_unapplied_generation_settings(settings: dict) -> None:
 def _uses_chat_template(tokenizer) -> bool:
     """Base models' tokenizers have no chat template: their prompts are fed as plain text."""
     return getattr(tokenizer, "chat_template", "") is not None
+
+
+def _prompt_ids(tokenizer, text: str) -> list:
+    """The token ids :func:`record_hidden_states` feeds the model for one prompt, unpadded."""
+    if _uses_chat_template(tokenizer):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  return_dict=True)["input_ids"])
+    return list(tokenizer(text)["input_ids"])
 
 
 def _check_tokenizer(tokenizer) -> None:
@@ -281,18 +298,29 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
     cached on disk because recording is slow on a CPU.
 
     The cache entry is keyed by the model's digest (pass ``digest`` when it is already known:
-    hashing the weights takes a second), the prompts' ids and texts and ``max_new_tokens``, not by
+    hashing the weights takes a second), the prompts' ids and token ids as the model takes them
+    (so a tokenizer's chat template counts) and ``max_new_tokens``, not by
     ``batch_size``: batched and one-by-one recordings differ only where two logits nearly tie, and
     either's states are those that chose its tokens. ``cache=False`` records again and overwrites it. Returns ``hidden`` float32 ``[N, D]``,
     ``tokens`` int64 ``[N]`` and ``prompt_index`` int64 ``[N]`` (into ``prompts``).
     """
+    _check_tokenizer(tokenizer)
     digest = digest or model_digest(model)
-    prompt_key = hashlib.sha256(json.dumps([[p["question_id"], p["text"]] for p in prompts]).encode()).hexdigest()
-    plain = "" if _uses_chat_template(tokenizer) else "-plain"  # other inputs to the model
+    # The token ids, not the texts: states recorded under one chat template were read for another.
+    prompt_ids = [[p["question_id"], _prompt_ids(tokenizer, p["text"])] for p in prompts]
+    prompt_key = hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()
     path = (user_cache_dir() / "hidden_states" /
-            f"{digest[:16]}-p{prompt_key[:16]}{plain}-n{len(prompts)}-t{max_new_tokens}-v{RECORDING_VERSION}.safetensors")
+            f"{digest[:16]}-p{prompt_key[:16]}-n{len(prompts)}-t{max_new_tokens}-v{RECORDING_VERSION}.safetensors")
+    sweep_stale_partials(path.parent)
     if cache and path.is_file():
-        return read_tensors(path)
+        try:
+            states = read_tensors(path)
+            if {"hidden", "tokens", "prompt_index"} <= set(states):
+                return states
+            raise ValueError(f"it holds {sorted(states)}")
+        except (SafetensorError, OSError, ValueError) as error:  # a copy cut short, a full disk
+            warnings.warn(f"the cached hidden states at {path} are unreadable ({error}); recording them again",
+                          RuntimeWarning, stacklevel=2)
     hidden, tokens, index = record_hidden_states(model, tokenizer, [p["text"] for p in prompts], max_new_tokens,
                                                  progress=progress, batch_size=batch_size)
     states = {"hidden": hidden.float().cpu().contiguous(), "tokens": tokens.cpu(), "prompt_index": index}

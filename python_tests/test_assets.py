@@ -161,8 +161,8 @@ def test_concurrent_writes_of_one_file_each_land_whole(tmp_path):
 def test_partial_files_a_killed_write_left_are_removed_by_the_next_write(tmp_path):
     target = tmp_path / "entry.txt"
     stale, fresh = tmp_path / ".entry.txt.abc.partial", tmp_path / ".entry.txt.def.partial"
-    other = tmp_path / ".other.txt.abc.partial"
-    for path in (stale, fresh, other):
+    other, other_fresh = tmp_path / ".other.txt.abc.partial", tmp_path / ".other.txt.def.partial"
+    for path in (stale, fresh, other, other_fresh):
         path.write_text("left")
     stale_dir = tmp_path / ".entry.txt.ghi.partial"  # as a killed SmolLM2 conversion leaves its staging directory
     (stale_dir / "inner").mkdir(parents=True)
@@ -170,8 +170,23 @@ def test_partial_files_a_killed_write_left_are_removed_by_the_next_write(tmp_pat
     for path in (stale, other, stale_dir):
         os.utime(path, (hours_ago, hours_ago))
     assets_mod.write_replacing(target, lambda partial: partial.write_text("whole"))
-    # Another writer's fresh partial file and other entries' files stay.
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["entry.txt", fresh.name, other.name])
+    # Other writers' fresh partial files stay, whatever entry they fill.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["entry.txt", fresh.name, other_fresh.name])
+
+
+def test_a_cached_clusterings_read_removes_what_a_killed_write_of_it_left(tmp_path, monkeypatch):
+    # A finished entry is only read again: sweeping at writes alone kept a killed write's files for good.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    emb = torch.randn(40, 6, generator=torch.Generator().manual_seed(9))
+    _, assets = flash_head_for(emb, 4, iters=1, progress=False)
+    entry = next((tmp_path / "clusters").iterdir())
+    left = [entry / ".config.json.abc.partial", entry / assets_mod.DEFAULT_CACHE_DIR / ".clusters.safetensors.abc.partial"]
+    hours_ago = time.time() - 2 * 3600
+    for path in left:
+        path.write_text("left")
+        os.utime(path, (hours_ago, hours_ago))
+    flash_head_for(emb, 4, iters=1, progress=False)
+    assert not any(path.exists() for path in left)
 
 
 def test_padded_clustering_round_trip(tmp_path):

@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import stat
+import time
 import warnings
 import weakref
 
@@ -139,6 +140,29 @@ def test_recorded_states_where_the_cache_cannot_be_written_warn_and_are_returned
     assert states["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1]
 
 
+def test_recorded_states_are_keyed_by_the_token_ids_and_recorded_again_when_damaged(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=None)
+    torch.manual_seed(6)
+    model, tokenizer = transformers.LlamaForCausalLM(config).eval(), char_tokenizer()
+    prompts = [{"question_id": 1, "text": "ab"}, {"question_id": 2, "text": "a longer one"}]
+    states = hf.recorded_states(model, tokenizer, prompts, 3, progress=False)
+    # Another chat template is another input: its states were read from the first template's entry.
+    briefly = char_tokenizer()
+    briefly.chat_template = "Answer briefly: {% for m in messages %}{{ m['content'] }}{% endfor %}"
+    other = hf.recorded_states(model, briefly, prompts, 3, progress=False)
+    assert not torch.equal(other["hidden"], states["hidden"])
+    entries = sorted((tmp_path / "hidden_states").glob("*.safetensors"))
+    assert len(entries) == 2
+    for entry in entries:  # cut short: it failed on a bare SafetensorError naming no file
+        entry.write_bytes(entry.read_bytes()[:50])
+    with pytest.warns(RuntimeWarning, match=r"the cached hidden states at .* are unreadable .*; recording them again"):
+        again = hf.recorded_states(model, tokenizer, prompts, 3, progress=False)
+    assert torch.equal(again["hidden"], states["hidden"]) and torch.equal(again["tokens"], states["tokens"])
+    assert torch.equal(hf.recorded_states(model, tokenizer, prompts, 3, progress=False)["hidden"], states["hidden"])
+
+
 def test_the_converted_smollm2_is_cached_readable_by_others_or_used_uncached(tmp_path, monkeypatch):
     # The GGUF's load stubbed by a tiny model: what is under test is the cache around it.
     gguf = tmp_path / "model.gguf"
@@ -158,6 +182,18 @@ def test_the_converted_smollm2_is_cached_readable_by_others_or_used_uncached(tmp
     assert stat.S_IMODE(converted.stat().st_mode) == 0o755
     assert {stat.S_IMODE(f.stat().st_mode) for f in converted.iterdir()} == {0o644}
     assert model.dtype == torch.bfloat16 and torch.equal(model.lm_head.weight, tiny.lm_head.weight.bfloat16())
+    # A cached copy cut short is converted again (it failed on a bare SafetensorError at every load),
+    # and a killed conversion's staging directory, an hour old, goes at the next load.
+    weights = converted / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    staging = tmp_path / "cache" / "models" / f".{converted.name}.abc.partial"
+    (staging / "inner").mkdir(parents=True)
+    hours_ago = time.time() - 2 * 3600
+    os.utime(staging, (hours_ago, hours_ago))
+    with pytest.warns(RuntimeWarning, match=r"the cached SmolLM2 at .* is unreadable .*; converting it again"):
+        model, _ = hf.load_smollm2(torch.bfloat16)
+    assert torch.equal(model.lm_head.weight, tiny.lm_head.weight.bfloat16()) and not staging.exists()
+    assert torch.equal(hf.load_smollm2()[0].lm_head.weight, tiny.lm_head.weight)  # read from the new copy
     blocked = tmp_path / "not_a_directory"
     blocked.write_text("")
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(blocked))
