@@ -1,10 +1,12 @@
 """python -m flashhead_ext.eval quality: rank-based scores against FlashHead itself, the CLI end to
 end on a tiny model, the odd/even split, the recording cache, bad input."""
 import importlib.util
+import itertools
 import json
 
 import pytest
 import torch
+from torch import Tensor
 
 from flashhead_ext import DenseHead, FlashHead, hf
 from flashhead_ext.assets import FlashHeadAssets
@@ -51,6 +53,39 @@ def _brute_force(assets, embedding, hidden, probes):
     top5 = torch.topk(hidden @ embedding.T, 5, dim=1).indices
     recall = torch.tensor([[int(t) in set(c.tolist()) for t in row] for row, c in zip(top5, candidates)]).float().mean()
     return float(agree), float(recall)
+
+
+def _exact_sampling_law(head: FlashHead, hidden: Tensor, temperature: float) -> Tensor:
+    """The law of head.sample's token for one state, by enumerating every ordered cluster draw
+    (Plackett-Luce on softmax(hidden . sampling centroid / T)), then softmax over its candidates."""
+    weights = torch.softmax((head.sampling_centroids.double() @ hidden.double()) / temperature, 0)
+    logits = (head.embedding.double() @ hidden.double()) / temperature
+    law = torch.zeros(head.vocab_size, dtype=torch.float64)
+    for order in itertools.permutations(range(head.num_clusters), head.probes):
+        probability, left = 1.0, 1.0
+        for cluster in order:
+            probability *= float(weights[cluster]) / left
+            left -= float(weights[cluster])
+        members = sorted(set(head.cluster_tokens[list(order)].flatten().tolist()) - {-1} | set(head.extra_ids.tolist()))
+        law[members] += probability * torch.softmax(logits[members], 0)
+    return law
+
+
+def test_sampling_distance_is_that_of_the_exact_law():
+    g = torch.Generator().manual_seed(21)
+    emb, hidden = torch.randn(23, 5, generator=g), torch.randn(3, 5, generator=g)  # 5 clusters of 5, padded
+    assets = FlashHeadAssets.from_clustering(build_clusters(emb, 5, iters=2, progress=False), special_token_ids=[7])
+    for probes, temperature in ((2, 0.7), (3, 1.3)):
+        head = assets.head(emb, probes)
+        dense = torch.softmax((hidden.double() @ emb.double().T) / temperature, 1)
+        exact = torch.stack([0.5 * (_exact_sampling_law(head, row, temperature) - law).abs().sum()
+                             for row, law in zip(hidden, dense)])
+        estimate = quality.sampling_distance(head, hidden, temperature, draws=10000)
+        assert exact.min() > 0.02  # far from dense: the comparison below can fail
+        torch.testing.assert_close(estimate, exact, rtol=0, atol=0.02)
+    # Every cluster drawn: each draw scores the whole vocabulary, so the law is the dense one.
+    everything = quality.sampling_distance(assets.head(emb, assets.num_clusters), hidden, 1.0, draws=3)
+    assert float(everything.max()) < 1e-6  # float32 logits summed in another order
 
 
 @pytest.mark.parametrize("method,vocab,size", [("kmeans", 99, 7), ("calibrated", 99, 7), ("kmeans", 96, 8)])
@@ -317,15 +352,26 @@ def test_cli_seeds_held_out_categories_and_bfloat16_on_a_tiny_model(tmp_path, mo
     for row in json.loads(out.read_text())["results"]:
         assert row["top1_per_seed"] == [two_seeds[row["method"], row["probes"]][1]]
 
-    # bfloat16: a model of its own (its own recordings and clusterings), FlashHead run on its states.
+    # bfloat16: a model of its own (its own recordings and clusterings), FlashHead run on its states;
+    # with sampling measured on 5 states (not for +holdout rows).
     calls = _record_spy(monkeypatch)
-    assert main(argv + ["--dtype", "bfloat16"]) == 0
+    assert main(argv + ["--dtype", "bfloat16", "--sampling-states", "5", "--sampling-draws", "32",
+                        "--sampling-temperature", "0.8", "--holdout-categories"]) == 0
     result = json.loads(out.read_text())
     assert len(calls) == 2 and result["dtype"] == "bfloat16"
     assert result["evaluation"]["dense_matches_generate"] > 0.9
     assert 0.5 < result["evaluation"]["dense_matches_float32_logits"] <= 1
+    assert {k: result["sampling"][k] for k in ("states", "temperature", "draws")} == {"states": 5, "temperature": 0.8,
+                                                                                     "draws": 32}
     for row in result["results"]:
         assert row["top1_agreement"] <= row["top1_ties_max"]
+        if row["method"].endswith("+holdout"):
+            assert "sampling_tv" not in row
+        else:
+            assert 0 < row["sampling_tv"] <= row["sampling_tv_max"] <= 1
+    # More probes, a candidate set nearer the vocabulary: nearer the dense law.
+    calibrated = {r["probes"]: r["sampling_tv"] for r in result["results"] if r["method"] == "calibrated"}
+    assert calibrated[3] < calibrated[1]
 
 
 def test_sizes_past_the_vocabulary_or_its_clusters_are_usage_errors_before_recording(tmp_path, monkeypatch, capsys, tiny_model_dir):
@@ -425,6 +471,12 @@ def test_bad_input(tmp_path, capsys):
         (["quality", "--dtype", "float16"], "argument --dtype: invalid choice: 'float16' (choose from 'float32', 'bfloat16')"),
         (["quality", "--holdout-categories", "--methods", "kmeans"],
          "quality: error: --holdout-categories needs a data-aware method in --methods (kmeans-fit or calibrated)"),
+        (["quality", "--sampling-temperature", "0"], "argument --sampling-temperature: expected a temperature in [1e-06, "
+                                                     "1e+06], got '0'"),
+        (["quality", "--sampling-temperature", "nan"], "expected a temperature in [1e-06, 1e+06], got 'nan'"),
+        (["quality", "--sampling-temperature", "warm"], "expected a temperature in [1e-06, 1e+06], got 'warm'"),
+        (["quality", "--sampling-states", "-1"], "argument --sampling-states: expected an integer >= 0"),
+        (["quality", "--sampling-draws", "0"], "argument --sampling-draws: expected a positive integer"),
     ]:
         with pytest.raises(SystemExit):
             parse_args(argv)

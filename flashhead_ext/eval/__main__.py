@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 from .._cli import (ArgumentValueError, doc_summary, kmeans_seed, non_negative_int, output_file, positive_int,
                     positive_int_list, write_output)
+from ..ops import TEMPERATURE_RANGE
 from ..prompts import DEFAULT_PROMPTS
 from .quality import DTYPES, METHODS, format_table, model_problem, plot, run_quality
 
@@ -28,6 +29,17 @@ def _methods_list(text: str) -> list:
     if not values or unknown:
         raise argparse.ArgumentTypeError(f"expected comma-separated methods from {', '.join(METHODS)}, got {text!r}")
     return list(dict.fromkeys(values))  # a repeated method runs once, as repeated probes do
+
+
+def _temperature(text: str) -> float:
+    low, high = TEMPERATURE_RANGE
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not low <= value <= high:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a temperature in [{low:g}, {high:g}], got {text!r}")
+    return value
 
 
 def _seeds_list(text: str) -> list:
@@ -63,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--fp8-centroids", action="store_true",
                          help="also score each method with its centroids in float8_e4m3fn (rows '<method>+fp8'), as "
                               "FlashHead(centroid_dtype=torch.float8_e4m3fn) ranks clusters")
+    quality.add_argument("--sampling-states", type=non_negative_int, default=0,
+                         help="also measure FlashHead.sample on this many evaluation states (a seeded choice): the total "
+                              "variation distance of its token's law from the dense softmax, columns 'sample TV' (mean) and "
+                              "'max'; not for +holdout rows (default: %(default)s, off)")
+    quality.add_argument("--sampling-temperature", type=_temperature, default=1.0,
+                         help="the temperature of --sampling-states (default: %(default)s)")
+    quality.add_argument("--sampling-draws", type=positive_int, default=256,
+                         help="cluster draws a state for --sampling-states, each weighted by the exact softmax over its "
+                              "candidates (default: %(default)s)")
     quality.add_argument("--iters", type=positive_int, default=15, help="k-means iterations (default: %(default)s)")
     seeds = quality.add_mutually_exclusive_group()
     seeds.add_argument("--seeds", type=_seeds_list, default=None,

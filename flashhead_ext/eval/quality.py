@@ -143,8 +143,30 @@ def flash_tokens(head: FlashHead, hidden: Tensor, rows_per_chunk: int = 4) -> Te
     return torch.cat([head.next_token(rows) for rows in hidden.split(rows_per_chunk)])
 
 
+def sampling_distance(head: FlashHead, hidden: Tensor, temperature: float, draws: int, seed: int = 0) -> Tensor:
+    """float64 ``[N]``: for each row of ``hidden``, the total variation distance between the law of
+    ``head.sample``'s token and the dense head's, ``softmax(hidden . embedding / T)`` (logits in
+    hidden's dtype, as :class:`~flashhead_ext.DenseHead` computes them). The law is estimated from
+    ``draws`` cluster draws a row (``sample_clusters``, the head's sampling centroids, ``seed``), each
+    weighted by the exact softmax over its candidates, so the only noise is the cluster draw's."""
+    distances = []
+    for row in hidden:
+        rows = row.unsqueeze(0).expand(draws, -1).contiguous()
+        clusters, _ = ops.sample_clusters(rows, head.sampling_centroids, head.probes, temperature, seed=seed,
+                                          centroid_scale=head.sampling_centroid_scale)
+        candidates = ops.gather_candidates(clusters, head.cluster_tokens, head._extra_ids)
+        within = torch.softmax(ops.candidate_logits(rows, head.embedding, candidates).double() / temperature, dim=1)
+        law = torch.zeros(head.vocab_size, dtype=torch.float64)
+        valid = candidates >= 0
+        law.index_add_(0, candidates[valid].long(), within[valid] / draws)
+        dense = torch.softmax((row @ head.embedding.T).double() / temperature, dim=0)
+        distances.append(0.5 * (law - dense).abs().sum())
+    return torch.stack(distances)
+
+
 def candidate_hits(assets: FlashHeadAssets, hidden: Tensor, dense: tuple[Tensor, Tensor], probes: Sequence[int],
-                   always: Sequence[int] = (), *, fp8: bool = False, embedding: Optional[Tensor] = None) -> dict:
+                   always: Sequence[int] = (), *, fp8: bool = False, embedding: Optional[Tensor] = None,
+                   sampling: Optional[tuple[Tensor, float, int]] = None) -> dict:
     """For each probes value up to C, per row of ``hidden``: ``agree`` [N], FlashHead's greedy
     token is the dense head's; ``ties`` [N], it ties the dense maximum; ``member`` [N, k], each
     dense top-k token is a candidate. ``dense`` is :func:`dense_reference`'s on ``hidden``; the
@@ -153,7 +175,11 @@ def candidate_hits(assets: FlashHeadAssets, hidden: Tensor, dense: tuple[Tensor,
 
     Float32 rows take ``agree`` and ``ties`` from cluster ranks (see the module's doc). Other
     dtypes run FlashHead itself on ``embedding`` (the model's, in hidden's dtype): its candidates'
-    float32 logits need not pick the token the rounded dense logits do."""
+    float32 logits need not pick the token the rounded dense logits do.
+
+    With ``sampling``, ``(rows, temperature, draws)``, also ``sampling_tv`` [len(rows)]: for those
+    rows of ``hidden``, :func:`sampling_distance` of the head sampling with ``assets.raw_centroids``
+    (as ``FlashHeadAssets.head`` builds it) from the dense head's law."""
     top, tied = dense
     k = top.shape[1]
     from_ranks = hidden.dtype == torch.float32
@@ -179,6 +205,11 @@ def candidate_hits(assets: FlashHeadAssets, hidden: Tensor, dense: tuple[Tensor,
             agree = token == top[:, 0]
             ties = (token.unsqueeze(1) == tied).any(dim=1)
         hits[p] = {"agree": agree, "ties": ties, "member": candidate[:, :k]}
+        if sampling is not None:
+            rows, temperature, draws = sampling
+            head = FlashHead(embedding, assets.centroids, assets.cluster_tokens, p, special_token_ids=list(always),
+                             sampling_centroids=assets.raw_centroids, centroid_dtype=torch.float8_e4m3fn if fp8 else None)
+            hits[p]["sampling_tv"] = sampling_distance(head, hidden[rows], temperature, draws)
     return hits
 
 
@@ -199,6 +230,10 @@ def summarize(hits: Sequence[dict], categories: Sequence[str], prompt_index: Ten
         per_category[name] = {"tokens": int(mine.sum()), "top1_agreement": float(agree[:, mine].mean()),
                               "top1_ties_max": float(ties[mine].mean()), "top5_recall": float(member[mine].mean())}
     worst = min(per_category, key=lambda name: per_category[name]["top1_agreement"])
+    sampling = {}
+    if "sampling_tv" in hits[0]:
+        distance = torch.stack([h["sampling_tv"] for h in hits]).mean(0)  # [rows]: mean over seeds
+        sampling = {"sampling_tv": float(distance.mean()), "sampling_tv_max": float(distance.max())}
     return {
         "top1_agreement": float(agree.mean()),
         "top1_min": min(per_seed),
@@ -210,6 +245,7 @@ def summarize(hits: Sequence[dict], categories: Sequence[str], prompt_index: Ten
         "top5_recall": float(member.mean()),
         "worst_category": {"name": worst, **per_category[worst]},
         "per_category": per_category,
+        **sampling,
     }
 
 
@@ -331,6 +367,10 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
     categories = [evaluation[i]["category"] for i in states["prompt_index"].tolist()]
     always = frequent_tokens(calibration["tokens"], args.frequent_tokens, vocab) if args.frequent_tokens else []
     options = dict(embedding=head_embedding)
+    sampling = None
+    if args.sampling_states:  # a seeded choice of states, the same for every row
+        chosen = torch.randperm(hidden.shape[0], generator=torch.Generator().manual_seed(0))[:args.sampling_states]
+        sampling = (chosen.sort().values, args.sampling_temperature, args.sampling_draws)
     if held_out:
         names = sorted(set(categories) | set(calibration_categories))
         calibration_category = torch.tensor([names.index(calibration_prompts[i]["category"])
@@ -355,7 +395,8 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
             for suffix, fp8 in [("", False)] + ([("+fp8", True)] if args.fp8_centroids else []):
                 for name, extra in variants:
                     add(name + suffix, by_seed[0], score_assets(by_seed, hidden, dense, categories, states["prompt_index"],
-                                                                args.probes, extra, fp8=fp8, **options), len(extra))
+                                                                args.probes, extra, fp8=fp8, sampling=sampling, **options),
+                        len(extra))
             if method in held_out:
                 # One clustering a category (13 in Spec-Bench) for each seed.
                 without = [{name: build(method, size, seed, calibration["hidden"][calibration_category != names.index(name)],
@@ -388,6 +429,11 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
             "question_ids": [p["question_id"] for p in calibration_prompts]},
         "iters": args.iters,
         "seeds": args.seeds,
+        "sampling": None if sampling is None else {
+            "states": int(sampling[0].numel()), "temperature": sampling[1], "draws": sampling[2],
+            "what": "total variation distance between the law of FlashHead.sample's token (sampling centroids: the raw "
+                    "ones) and the dense softmax at that temperature, per state; mean and max over the states, each "
+                    "the mean over k-means seeds"},
         "holdout": None if not held_out else {
             "methods": held_out,
             "what": "each category scored by a clustering calibrated on the even ids of the other categories only"},
@@ -395,6 +441,10 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
         "results": results,
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def _number(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def format_table(result: dict) -> str:
@@ -407,7 +457,8 @@ def format_table(result: dict) -> str:
                                         f"{result['calibration']['prompts']} even-id prompts")
         + f"; k-means seeds {','.join(map(str, seeds))}",
         f"{'method':<22} {'C':>5} {'b':>3} {'probes':>6} {'cand.':>6} {'scored':>7} {'top-1':>7} {'seed range':>13} "
-        f"{'95% interval':>13} {'no miss':>7} {'ties max':>8} {'top-5 rec.':>10}  worst category",
+        f"{'95% interval':>13} {'no miss':>7} {'ties max':>8} {'top-5 rec.':>10}"
+        + (f" {'sample TV':>9} {'max':>6}" if result.get("sampling") else "") + "  worst category",
     ]
     for row in result["results"]:
         worst = row["worst_category"]
@@ -417,13 +468,18 @@ def format_table(result: dict) -> str:
             f"{row['method']:<22} {row['num_clusters']:>5} {row['cluster_size']:>3} {row['probes']:>6} {row['candidates']:>6} "
             f"{100 * row['fraction_scored']:>6.2f}% {100 * row['top1_agreement']:>6.2f}% "
             f"{f'{100 * worst_seed:.2f}-{100 * best_seed:.2f}%':>13} {f'{100 * low:.2f}-{100 * high:.2f}%':>13} "
-            f"{100 * row['prompts_without_miss']:>6.1f}% {100 * row['top1_ties_max']:>7.2f}% {100 * row['top5_recall']:>9.2f}%  "
-            f"{worst['name']} {100 * worst['top1_agreement']:.1f}%")
+            f"{100 * row['prompts_without_miss']:>6.1f}% {100 * row['top1_ties_max']:>7.2f}% {100 * row['top5_recall']:>9.2f}%"
+            + (f" {_number(row.get('sampling_tv')):>9} {_number(row.get('sampling_tv_max')):>6}" if result.get("sampling") else "")
+            + f"  {worst['name']} {100 * worst['top1_agreement']:.1f}%")
     lines.append("top-1: per token on the dense head's own greedy continuation, mean over the k-means seeds (seed range: "
                  "their min and max); 95% interval: a bootstrap over prompts; no miss: prompts whose every token agreed; "
                  "ties max: FlashHead's token has the dense maximum logit")
     if result["holdout"]:
         lines.append(f"+holdout: {result['holdout']['what']}, for each k-means seed")
+    if result.get("sampling"):
+        sampling = result["sampling"]
+        lines.append(f"sample TV: {sampling['what']} ({sampling['states']} states, T = {sampling['temperature']:g}, "
+                     f"{sampling['draws']} cluster draws a state)")
     return "\n".join(lines)
 
 
