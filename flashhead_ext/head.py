@@ -36,6 +36,9 @@ def _check_embedding(embedding) -> None:
 
 def _share_bytes(a: Tensor, b: Tensor) -> bool:
     """Whether the bytes two strided tensors span overlap (ops' share_bytes, checks.h)."""
+    # Tensor subclasses may have no memory (FakeTensor's data_ptr is 0 for every tensor).
+    if type(a) not in (Tensor, nn.Parameter) or type(b) not in (Tensor, nn.Parameter):
+        return False
     if a.device != b.device or a.is_meta or a.numel() == 0 or b.numel() == 0:
         return False
 
@@ -534,11 +537,13 @@ class FlashHead(_HeadBase):
         if tuple(embedding.shape) != tuple(current.shape):  # the cluster tables index its rows
             raise ValueError(f"embedding must have the head's shape {list(current.shape)} (its clusters index those rows), "
                              f"got {list(embedding.shape)}")
-        # The centroids stay as they are: a weight of another dtype or device failed the next call
-        # with an error about centroids, which the caller never passed.
-        if (embedding.dtype, embedding.device) != (current.dtype, current.device):
-            raise TypeError(f"embedding must have the head's dtype and device ({current.dtype} on {current.device}), "
-                            f"got {embedding.dtype} on {embedding.device}: convert the head first "
+        # Checked against the centroids, which stay as they are (the buffer may still be on meta
+        # after load_state_dict(assign=True)): a weight of another dtype or device failed the next
+        # call with an error about centroids, which the caller never passed. fp8 centroids take any.
+        centroids = self._buffers["centroids"]
+        if embedding.device != centroids.device or (centroids.dtype != FP8_CENTROIDS and embedding.dtype != centroids.dtype):
+            raise TypeError(f"embedding must have the dtype and device of the head's centroids ({centroids.dtype} on "
+                            f"{centroids.device}), got {embedding.dtype} on {embedding.device}: convert the head first "
                             f"(head.to({embedding.dtype}) / head.to('{embedding.device}')), then give it the weight")
 
     def next_token(self, hidden: Tensor, *, out: Optional[Tensor] = None) -> Tensor:

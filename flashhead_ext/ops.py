@@ -529,10 +529,10 @@ def validate_cluster_table(cluster_tokens: Tensor, vocab_size: int) -> None:
 # Fake kernels: output shapes and dtypes, for FakeTensor tracing (torch.compile, opcheck). They also
 # run when one argument is on the meta device and the rest are not (the dispatcher then picks the
 # Meta kernel), so they check what the C++ ops check first, that all tensors share a device:
-# otherwise a CPU call with a meta weight would return uninitialised memory. They also check, in
-# the C++ checks' words, the ranks of the tensors whose sizes they read and the sign of the counts
-# that size their outputs: a compiled call never reaches the C++ checks when its tracing fails on
-# an IndexError or a negative size first.
+# otherwise a CPU call with a meta weight would return uninitialised memory. They also check the
+# ranks of the tensors whose sizes they read (in the C++ checks' words) and that the counts that
+# size their outputs are at least 1: a compiled call never reaches the C++ checks when its tracing
+# fails on an IndexError or a negative size first.
 def _register_fake(op: str, ranks: dict[str, tuple[int, str]] | None = None, counts: tuple[str, ...] = ()):
     def register(fake):
         signature = inspect.signature(fake)

@@ -343,10 +343,12 @@ def check_decode_sample(tokens: Tensor, logprobs: Tensor, problem: Problem, temp
         certain = torch.cat([(last[group[:p]] < p).repeat_interleave(b), torch.ones(len(extra), dtype=torch.bool)])
         valid = (candidates[row] >= 0) & (candidates[row] < problem.vocab) & certain
         best = float(token_keys[row][valid].max()) if valid.any() else float("-inf")
-        if boundary_safe:  # same candidate set: same normaliser
-            lse = torch.logsumexp(trace.scaled_logits[row].cpu(), 0)
-            if got >= 0:
-                assert_values_close(logprobs[row], scaled[row, got] - lse, logprob_tol[row], f"row {row} logprob")
+        if got >= 0 and boundary_safe:  # same candidate set: same normaliser
+            # (logit - max) - log(sum), as log_softmax: logit - logsumexp loses log(sum) at small T
+            row_logits = trace.scaled_logits[row].cpu()
+            top = row_logits.max()
+            expected = (scaled[row, got] - top) - torch.exp(row_logits - top).sum().log()
+            assert_values_close(logprobs[row], expected, logprob_tol[row], f"row {row} logprob")
         if got == want:
             continue
         assert got != -1 and 0 <= got < problem.vocab, f"row {row}: token {got}, reference {want}"

@@ -119,11 +119,11 @@ def test_wrong_rank(op, name, device):
 
 @pytest.mark.parametrize("op,name", cases("hidden", "centroids", "embedding", "cluster_tokens", "cluster_ids",
                                           "candidate_ids", "extra_ids", "out"))
-@pytest.mark.parametrize("fewer", [True, False], ids=["fewer-dims", "more-dims"])
-def test_wrong_rank_compiled(op, name, fewer):
+def test_wrong_rank_compiled(op, name):
+    # Fewer dimensions: the fake kernels index the sizes they read (more reach the C++ checks).
     args = valid_args("cpu")
     value = args[name]
-    args[name] = value[0] if fewer else value.unsqueeze(0)
+    args[name] = value[0]
     expect_compiled(f"{name} must be a {value.dim()}-D tensor", CALLS[op], args)
 
 

@@ -164,6 +164,12 @@ def test_dense_next_token_refuses_a_bad_out():
         with pytest.raises(ValueError, match=f"out must not share memory with {name}"):
             head.next_token(hidden, out=bad)
         assert torch.equal(problem.embedding, before)
+    # Fake tensors (a memory estimate under FakeTensorMode) have no memory to share: every data_ptr is 0.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = DenseHead(torch.randn(SHAPE.V, SHAPE.D))
+        assert fake.next_token(torch.randn(3, SHAPE.D), out=torch.empty(3, dtype=torch.int64)).shape == (3,)
 
 
 @device_params
@@ -450,13 +456,33 @@ def test_a_new_embedding_is_checked_when_given(make_head):
     # bfloat16 checkpoint) failed its next call with an error about centroids.
     bf16 = problem.embedding.bfloat16()
     if isinstance(head, FlashHead):
-        with pytest.raises(TypeError, match=re.escape("embedding must have the head's dtype and device (torch.float32 "
-                                                      "on cpu), got torch.bfloat16 on cpu: convert the head first")):
+        with pytest.raises(TypeError, match=re.escape("embedding must have the dtype and device of the head's centroids "
+                                                      "(torch.float32 on cpu), got torch.bfloat16 on cpu: convert the head "
+                                                      "first")):
             head.embedding = bf16
         head.to(torch.bfloat16)
     head.embedding = bf16
     assert torch.equal(head.next_token(problem.hidden.bfloat16()),
                        make_head(problem).to(torch.bfloat16).next_token(problem.hidden.bfloat16()))
+    if isinstance(head, FlashHead):  # fp8 centroids score hidden states of any float dtype
+        fp8 = FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, SHAPE.p,
+                        centroid_dtype=torch.float8_e4m3fn)
+        want = fp8.next_token(problem.hidden)
+        fp8.embedding = bf16
+        assert fp8.next_token(problem.hidden.bfloat16()).shape == want.shape
+
+
+@pytest.mark.parametrize("kind", ["flash", "flash-fp8"])
+def test_a_head_loaded_onto_a_meta_model_takes_the_materialised_weight(kind):
+    # load_state_dict(assign=True) materialises the centroids, not the (non-persistent) embedding
+    # buffer, which stays on meta: the weight given afterwards is checked against the centroids.
+    fp8 = {"centroid_dtype": torch.float8_e4m3fn} if kind == "flash-fp8" else {}
+    problem = make_problem(SHAPE, seed=15)
+    source = _WithHead(problem, "flash", **fp8)
+    model = _WithHead(problem, "flash", **fp8).to("meta")
+    model.load_state_dict(source.state_dict(), assign=True)
+    model.head.embedding = model.lm_head.weight.detach()
+    assert torch.equal(model.head.next_token(problem.hidden), source.head.next_token(problem.hidden))
 
 
 def test_loading_special_tokens_keeps_the_buffer_when_it_fits_and_drops_repeats():

@@ -268,6 +268,9 @@ def test_a_drafts_attached_flashhead_is_the_default_draft_head(tmp_path, monkeyp
     assert decoder.head is attachment.head() and decoder.head.probes == 1
     gen = decoder.generate(prompt(5), mode="deferred", max_new_tokens=8)
     assert tuple(gen.tokens) == greedy_tokens(target, prompt(5), 8)
+    attachment.probes = 2  # followed: the head is the attachment's at each call
+    assert decoder.head.probes == 2 and decoder.head is attachment.head()
+    assert tuple(decoder.generate(prompt(5), mode="ordinary", max_new_tokens=8).tokens) == greedy_tokens(target, prompt(5), 8)
     assert isinstance(SpeculativeDecoder(target, draft, "dense", k=3).head, DenseHead)  # asked for
     attachment.enabled = False
     assert isinstance(SpeculativeDecoder(target, draft, k=3).head, DenseHead)

@@ -361,9 +361,8 @@ __global__ void __launch_bounds__(kCandThreads, kCandBlocksPerSm) decode_candida
   a.tokens[row * a.token_stride] = p.best == kNoneRanked ? -1 : packed_id(p.best);
   // (best - max) - log(sum), not best - (max + log(sum)): at small temperatures the scaled max is
   // large enough to absorb log(sum) in float32 (a 1/3 token got log-probability 0 at T = 1e-6).
-  const float logprob = isnan(p.sum)             ? NAN
-                        : p.max == -INFINITY     ? p.best_scaled + INFINITY
-                                                 : (p.best_scaled - p.max) - logf(p.sum);
+  // Every valid logit -inf (the drawn one too) leaves no probability to normalise: NaN, as the CPU's log_softmax.
+  const float logprob = isnan(p.sum) || p.max == -INFINITY ? NAN : (p.best_scaled - p.max) - logf(p.sum);
   a.token_logprobs[row] = p.best == kNoneRanked ? NAN : logprob;
 }
 

@@ -139,8 +139,8 @@ class FastSpeculativeDecoder:
             mode with a ``"persistent"`` draft body launch a round's proposals before the host has
             read the last round (timing runs).
         synthetic_acceptance: None for the exact greedy verifier; a probability R in [0, 1] makes the
-            verifier accept each proposal independently with probability R (seeded by ``seed``, an int,
-            default 0, which needs ``synthetic_acceptance``), for
+            verifier accept each proposal independently with probability R (seeded by ``seed``, an int
+            given only with ``synthetic_acceptance``; 0 when not given), for
             timing at real shapes with random weights; a generation's draws depend on ``seed`` and
             its prompt only. The round then emits the draft's proposals up
             to the first rejection plus the target's token at that position; the output is not the

@@ -242,10 +242,12 @@ def check_draft_vocab(draft_rows: int, vocab: int) -> None:
 
 
 def resolve_draft_head(draft_head, embedding: Tensor, vocab: int) -> _HeadBase:
-    """The draft's head, after the checks both drivers make: ``"dense"`` builds a DenseHead over the
-    draft's output ``embedding [V, D]``; a DenseHead / FlashHead must cover the draft's V tokens and
+    """The draft's head, after the checks both drivers make: ``"dense"`` or None builds a DenseHead
+    over the draft's output ``embedding [V, D]``; a DenseHead / FlashHead must cover the draft's V tokens and
     take its hidden size D (:func:`check_draft_vocab`: V at most ``vocab``)."""
     check_draft_vocab(embedding.shape[0], vocab)
+    if draft_head is None:
+        draft_head = "dense"
     if isinstance(draft_head, str):
         if draft_head != "dense":
             raise ValueError(f"draft_head must be 'dense' or a DenseHead/FlashHead instance (build a FlashHead with make_draft_head), got {draft_head!r}")
@@ -346,8 +348,8 @@ class SpeculativeDecoder:
             vocabulary may lack padding rows the target has: see :func:`draft_input`). Its body
             (``draft.base_model``) gives the final hidden states; ``draft_head`` turns them into tokens.
         draft_head: None (the default: the head of a FlashHead attached to the draft by
-            :func:`flashhead_ext.hf.attach` and enabled, as it is when constructed, else
-            ``"dense"``), ``"dense"`` (a DenseHead over the draft's output embedding, a float32
+            :func:`flashhead_ext.hf.attach` and enabled when the driver is built, followed through
+            its ``probes`` and the draft's casts, else ``"dense"``), ``"dense"`` (a DenseHead over the draft's output embedding, a float32
             copy of a float64 one) or a DenseHead / FlashHead instance (see
             :func:`flashhead_ext.speculative.make_draft_head`). Hidden states are cast to the head's
             dtype, so a head may run in another dtype than the draft.
@@ -378,7 +380,7 @@ class SpeculativeDecoder:
         warn_unapplied_generation_settings(greedy_logit_settings(target))
         self._rope_switch = length_dependent_rope(getattr(target, "config", None))
         self.draft = draft
-        self.head = None
+        self._head = self._attachment = None
         if draft is None:
             require_no_draft_options(draft_head)
             return
@@ -388,8 +390,9 @@ class SpeculativeDecoder:
                                  "cannot cut back to the accepted tokens; decode it without a draft (draft=None, mode='baseline')")
         if draft_head is None:  # the draft's own FlashHead: drafting dense instead misreported its head's time
             attachment = getattr(uncompiled(draft), "flash_head", None)
-            draft_head = attachment.head() if attachment is not None and attachment.enabled else "dense"
-        self.head = resolve_draft_head(draft_head, _output_embedding(draft, "draft"), vocab)
+            if attachment is not None and attachment.enabled:
+                self._attachment, draft_head = attachment, attachment.head()
+        self._head = resolve_draft_head(draft_head, _output_embedding(draft, "draft"), vocab)
         check_output_head_bias_free(draft, "draft")
         draft_device = next(draft.parameters()).device
         if draft_device != self.device:  # else torch's device error mid-generation
@@ -399,6 +402,12 @@ class SpeculativeDecoder:
             raise ValueError(f"draft_head must be on the draft's device {draft_device}, got {self.head.embedding.device}")
         self._draft_cache = cache_keyword(draft.base_model)
         self.draft_vocab = self.head.vocab_size
+
+    @property
+    def head(self) -> Optional[_HeadBase]:
+        """The draft's head; a draft's attached FlashHead's as the attachment has it at each call (its
+        ``probes``, the draft's casts and moves)."""
+        return self._head if self._attachment is None else self._attachment.head()
 
     # ---- model calls -------------------------------------------------------------------------
 
@@ -415,7 +424,8 @@ class SpeculativeDecoder:
             hidden = self.draft.base_model(input_ids=ids.view(1, -1), **{self._draft_cache: cache},
                                            use_cache=True).last_hidden_state
         with clock("draft_head"):
-            return self.head.next_token(hidden[0, -1:].to(self.head.embedding.dtype))
+            head = self.head
+            return head.next_token(hidden[0, -1:].to(head.embedding.dtype))
 
     def _propose(self, pending: Tensor, cache, clock) -> Tensor:
         """K greedy proposals ``[K]``. The draft cache gains ``pending`` and the first K-1 proposals."""
