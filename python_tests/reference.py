@@ -4,7 +4,7 @@ Written from the documented conventions (flashhead_ext/ops.py, csrc/torch_bindin
 the C++: nothing here calls ``torch.ops.flashhead``.
 
 * scores and logits are float32: inputs are upcast, then a float32 matmul / einsum;
-* ranking: higher first, NaN below every number (as -inf), ties to the smaller id
+* ranking: higher first, NaN as -inf (below every finite number), ties to the smaller id
   (cluster id when selecting clusters, token id for the final argmax);
 * ids are int32; a masked candidate slot is -1 (out-of-range cluster, padding, an extra id already
   among the candidates or repeated) and any candidate id outside [0, V) has logit -inf;

@@ -2,7 +2,7 @@
 
 The ops never read out of bounds for ids they cannot trust (the cluster table is validated once by
 the heads, not per call): an out-of-range cluster id yields a row of -1, an out-of-range candidate id
-a -inf logit, and a row with no valid candidate the token -1. NaN ranks below every number.
+a -inf logit, and a row with no valid candidate the token -1. NaN ranks like -inf.
 Ids are compared exactly on every device where the arithmetic is exact or NaN/inf propagation
 does not depend on the summation order; elsewhere with the usual CUDA near-tie comparators.
 """

@@ -29,8 +29,8 @@ at::Tensor centroid_scores(const at::Tensor& hidden, const at::Tensor& centroids
   return centroid_scale.has_value() ? scores * centroid_scale->reshape({}) : scores;
 }
 
-// NaN ranks below every number: mapping it to -inf before a stable sort keeps it last, and
-// ties (including among -inf) stay in index order, i.e. the smaller id wins.
+// NaN ranks like -inf: mapped to -inf before a stable sort, ties (among -inf and NaN too)
+// stay in index order, i.e. the smaller id wins.
 at::Tensor nan_to_neg_inf(const at::Tensor& x) { return at::where(at::isnan(x), at::full({}, kNegInf), x); }
 
 at::Tensor top_indices(const at::Tensor& keys, int64_t k) {
