@@ -454,7 +454,7 @@ def fast_runner(f: FastDraw, target: Decoder, draft: Decoder, head, **kwargs) ->
     """The draw's runner, built with its first K and then set to K (``kwargs``: graphs)."""
     d = f.common
     runner = FastSpeculativeDecoder(target, draft, head, k=d.k_first or d.k, eos_token_id=d.eos_argument(),
-                                    synthetic_acceptance=f.synthetic, seed=f.seed, **kwargs)
+                                    synthetic_acceptance=f.synthetic, seed=f.seed if f.synthetic is not None else None, **kwargs)
     runner.k = d.k
     return runner
 
@@ -545,7 +545,8 @@ def check_synthetic(f: FastDraw, gens: dict, runner, ids, context: str, tie_tol=
     if not d.eos:
         # A dense head, given the prompt's ids in the other dtype, draws the same.
         other = FastSpeculativeDecoder(runner.target, runner.draft, "dense", k=d.k, eos_token_id=[],
-                                       synthetic_acceptance=f.synthetic, seed=f.seed, **runner_kwargs)
+                                       synthetic_acceptance=f.synthetic, seed=f.seed if f.synthetic is not None else None,
+                                       **runner_kwargs)
         same_prompt = ids.view(-1).to(torch.int64 if d.int32 else torch.int32)
         again = other.generate(same_prompt, mode="deferred", max_new_tokens=d.max_new).stats
         assert (again.accepted_per_round, again.emitted_per_round) == (s.accepted_per_round, s.emitted_per_round), \
