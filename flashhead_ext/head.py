@@ -17,6 +17,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from . import ops
 
@@ -36,8 +37,7 @@ def _check_embedding(embedding) -> None:
 
 def _share_bytes(a: Tensor, b: Tensor) -> bool:
     """Whether the bytes two strided tensors span overlap (ops' share_bytes, checks.h)."""
-    # Tensor subclasses may have no memory (FakeTensor's data_ptr is 0 for every tensor).
-    if type(a) not in (Tensor, nn.Parameter) or type(b) not in (Tensor, nn.Parameter):
+    if is_fake(a) or is_fake(b):  # no memory: every FakeTensor's data_ptr is 0
         return False
     if a.device != b.device or a.is_meta or a.numel() == 0 or b.numel() == 0:
         return False

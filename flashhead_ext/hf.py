@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
@@ -106,6 +106,17 @@ def _convert_gguf(gguf: Path, target: Path):
     return model, tokenizer
 
 
+def _unreadable(directory: Path) -> Optional[str]:
+    """Why a converted model directory cannot be read (its config or its weights' header), or None."""
+    try:
+        json.loads((directory / "config.json").read_text())
+        with safe_open(str(directory / "model.safetensors"), "pt") as weights:
+            weights.keys()
+    except (SafetensorError, OSError, ValueError) as error:
+        return str(error)
+    return None
+
+
 def load_smollm2(dtype: torch.dtype = torch.float32, *, cache: bool = True):
     """Loads SmolLM2-135M-Instruct (Llama, 30 layers, D=576, V=49152, tied head) offline.
 
@@ -115,19 +126,26 @@ def load_smollm2(dtype: torch.dtype = torch.float32, *, cache: bool = True):
     """
     import transformers
 
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # before the cache is looked at
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     gguf = smollm2_gguf_path()
     if not cache:
         return from_pretrained(gguf.parent, dtype, gguf_file=gguf.name)
     models = user_cache_dir() / "models"
     sweep_stale_partials(models)
     directory = models / f"smollm2-{_file_digest(gguf)[:16]}-tf{transformers.__version__}"
-    if directory.is_dir():
+    damage = _unreadable(directory) if directory.is_dir() else None
+    if directory.is_dir() and damage is None:
+        return from_pretrained(directory, dtype)
+    if damage is not None:  # a copy cut short, a full disk: moved aside first, so no reader sees half of it
+        warnings.warn(f"the cached SmolLM2 at {directory} is unreadable ({damage}); converting it again",
+                      RuntimeWarning, stacklevel=2)
+        aside = new_partial(models, f".{directory.name}.", is_dir=True)
         try:
-            return from_pretrained(directory, dtype)
-        except (SafetensorError, OSError, ValueError) as error:  # a copy cut short, a full disk
-            warnings.warn(f"the cached SmolLM2 at {directory} is unreadable ({error}); converting it again",
-                          RuntimeWarning, stacklevel=2)
-            shutil.rmtree(directory, ignore_errors=True)
+            os.replace(directory, aside / "damaged")
+        except OSError:
+            pass  # another process moved it first
+        shutil.rmtree(aside, ignore_errors=True)
     model, tokenizer = _convert_gguf(gguf, directory)
     if not directory.is_dir():  # not cached
         return model.to(dtype), tokenizer

@@ -194,6 +194,10 @@ def test_the_converted_smollm2_is_cached_readable_by_others_or_used_uncached(tmp
         model, _ = hf.load_smollm2(torch.bfloat16)
     assert torch.equal(model.lm_head.weight, tiny.lm_head.weight.bfloat16()) and not staging.exists()
     assert torch.equal(hf.load_smollm2()[0].lm_head.weight, tiny.lm_head.weight)  # read from the new copy
+    # A bad dtype is the caller's error, not damage: the good copy stays (it was deleted and converted again).
+    with pytest.raises(TypeError, match=r"dtype must be a floating-point torch.dtype, got torch.int8"):
+        hf.load_smollm2(torch.int8)
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [converted.name]
     blocked = tmp_path / "not_a_directory"
     blocked.write_text("")
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(blocked))

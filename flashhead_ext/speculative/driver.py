@@ -392,7 +392,8 @@ class SpeculativeDecoder:
             attachment = getattr(uncompiled(draft), "flash_head", None)
             if attachment is not None and attachment.enabled:
                 self._attachment, draft_head = attachment, attachment.head()
-        self._head = resolve_draft_head(draft_head, _output_embedding(draft, "draft"), vocab)
+        head = resolve_draft_head(draft_head, _output_embedding(draft, "draft"), vocab)
+        self._head = None if self._attachment is not None else head  # else it kept a cast-away weight alive
         check_output_head_bias_free(draft, "draft")
         draft_device = next(draft.parameters()).device
         if draft_device != self.device:  # else torch's device error mid-generation
@@ -406,7 +407,8 @@ class SpeculativeDecoder:
     @property
     def head(self) -> Optional[_HeadBase]:
         """The draft's head; a draft's attached FlashHead's as the attachment has it at each call (its
-        ``probes``, the draft's casts and moves)."""
+        ``probes``, the draft's casts and moves; whether it is enabled or attached is read once, when
+        the driver is built)."""
         return self._head if self._attachment is None else self._attachment.head()
 
     # ---- model calls -------------------------------------------------------------------------
