@@ -124,15 +124,20 @@ def test_batched_recording_matches_one_prompt_at_a_time():
         record_hidden_states(model, tokenizer, prompts, 7, batch_size=0)
 
 
+def _recording(seed):
+    """A tiny Llama that never stops early, a character tokenizer and two prompts to record."""
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=None)
+    torch.manual_seed(seed)
+    prompts = [{"question_id": 1, "text": "ab"}, {"question_id": 2, "text": "a longer one"}]
+    return transformers.LlamaForCausalLM(config).eval(), char_tokenizer(), prompts
+
+
 def test_recorded_states_where_the_cache_cannot_be_written_warn_and_are_returned(tmp_path, monkeypatch):
     blocked = tmp_path / "not_a_directory"
     blocked.write_text("")
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(blocked))
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=None)
-    torch.manual_seed(5)
-    model, tokenizer = transformers.LlamaForCausalLM(config).eval(), char_tokenizer()
-    prompts = [{"question_id": 1, "text": "ab"}, {"question_id": 2, "text": "a longer one"}]
+    model, tokenizer, prompts = _recording(5)
     with pytest.warns(RuntimeWarning, match="the recorded hidden states could not be cached under .*not_a_directory"):
         states = hf.recorded_states(model, tokenizer, prompts, 3, progress=False)
     hidden = record_hidden_states(model, tokenizer, [p["text"] for p in prompts], 3, progress=False)[0]
@@ -142,11 +147,7 @@ def test_recorded_states_where_the_cache_cannot_be_written_warn_and_are_returned
 
 def test_recorded_states_are_keyed_by_the_token_ids_and_recorded_again_when_damaged(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=None)
-    torch.manual_seed(6)
-    model, tokenizer = transformers.LlamaForCausalLM(config).eval(), char_tokenizer()
-    prompts = [{"question_id": 1, "text": "ab"}, {"question_id": 2, "text": "a longer one"}]
+    model, tokenizer, prompts = _recording(6)
     states = hf.recorded_states(model, tokenizer, prompts, 3, progress=False)
     # Another chat template is another input: its states were read from the first template's entry.
     briefly = char_tokenizer()
