@@ -199,20 +199,20 @@ def candidate_hits(assets: FlashHeadAssets, hidden: Tensor, dense: tuple[Tensor,
         if p > assets.num_clusters:
             continue
         candidate = (ranks < p) | scored_always  # [N, k (+ T)]: is each dense top-k (and tied) token a candidate
+        # FlashHead itself where ranks cannot stand in for it (other dtypes, sampling), as FlashHeadAssets.head builds it.
+        head = (FlashHead(embedding, assets.centroids, assets.cluster_tokens, p, special_token_ids=list(always),
+                          sampling_centroids=assets.raw_centroids, centroid_dtype=torch.float8_e4m3fn if fp8 else None)
+                if not from_ranks or sampling is not None else None)
         if from_ranks:
             agree = candidate[:, 0]
             ties = (candidate[:, k:] & (tied >= 0)).any(dim=1)  # FlashHead's token ties iff a tied token is a candidate
         else:
-            head = FlashHead(embedding, assets.centroids, assets.cluster_tokens, p, special_token_ids=list(always),
-                             centroid_dtype=torch.float8_e4m3fn if fp8 else None)
             token = flash_tokens(head, hidden)
             agree = token == top[:, 0]
             ties = (token.unsqueeze(1) == tied).any(dim=1)
         hits[p] = {"agree": agree, "ties": ties, "member": candidate[:, :k]}
         if sampling is not None:
             rows, temperature, draws = sampling
-            head = FlashHead(embedding, assets.centroids, assets.cluster_tokens, p, special_token_ids=list(always),
-                             sampling_centroids=assets.raw_centroids, centroid_dtype=torch.float8_e4m3fn if fp8 else None)
             hits[p]["sampling_tv"] = sampling_distance(head, hidden[rows], temperature, draws)
     return hits
 
