@@ -209,12 +209,13 @@ def _uses_chat_template(tokenizer) -> bool:
     return getattr(tokenizer, "chat_template", "") is not None
 
 
-def _prompt_ids(tokenizer, text: str) -> list:
-    """The token ids :func:`record_hidden_states` feeds the model for one prompt, unpadded."""
+def _encode_prompts(tokenizer, texts: Sequence[str], **options):
+    """The model's input for each prompt: one user turn in the tokenizer's chat template, the plain
+    text when it has none. What :func:`record_hidden_states` feeds the model and what keys its cache."""
     if _uses_chat_template(tokenizer):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  return_dict=True)["input_ids"])
-    return list(tokenizer(text)["input_ids"])
+        return tokenizer.apply_chat_template([[{"role": "user", "content": text}] for text in texts],
+                                             add_generation_prompt=True, return_dict=True, **options)
+    return tokenizer(list(texts), **options)
 
 
 def _check_tokenizer(tokenizer) -> None:
@@ -252,8 +253,6 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     if lacks_pad and getattr(tokenizer, "eos_token", None) is None:
         raise ValueError("tokenizer has neither a pad token nor an EOS token to pad batched prompts with: "
                          "set tokenizer.pad_token, or record with batch_size=1")
-    templated = _uses_chat_template(tokenizer)
-    conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
     lengths = [len(prompt) for prompt in prompts]
     order = sorted(range(len(prompts)), key=lengths.__getitem__) if batch_size > 1 else list(range(len(prompts)))
     batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
@@ -271,13 +270,7 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
         for batch in tqdm(batches, desc="dense greedy generation", disable=not progress):
             captured.clear()
             padding = {"padding": True} if batch_size > 1 else {}
-            if templated:
-                chosen = [conversations[i] for i in batch]
-                inputs = tokenizer.apply_chat_template(chosen if batch_size > 1 else chosen[0], add_generation_prompt=True,
-                                                       return_tensors="pt", return_dict=True, **padding)
-            else:
-                inputs = tokenizer([prompts[i] for i in batch], return_tensors="pt", **padding)
-            inputs = inputs.to(model.device)
+            inputs = _encode_prompts(tokenizer, [prompts[i] for i in batch], return_tensors="pt", **padding).to(model.device)
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
             new = out[:, inputs["input_ids"].shape[1]:]
             # One head call per generated token: prefill's last position, then one per step.
@@ -325,7 +318,8 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
     _check_tokenizer(tokenizer)
     digest = digest or model_digest(model)
     # The token ids, not the texts: states recorded under one chat template were read for another.
-    prompt_ids = [[p["question_id"], _prompt_ids(tokenizer, p["text"])] for p in prompts]
+    encoded = _encode_prompts(tokenizer, [p["text"] for p in prompts])["input_ids"]
+    prompt_ids = [[p["question_id"], list(ids)] for p, ids in zip(prompts, encoded)]
     prompt_key = hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()
     path = (user_cache_dir() / "hidden_states" /
             f"{digest[:16]}-p{prompt_key[:16]}-n{len(prompts)}-t{max_new_tokens}-v{RECORDING_VERSION}.safetensors")

@@ -67,8 +67,9 @@ class _Tokenizer:
     """Just enough of a tokenizer for record_hidden_states on the tiny model."""
     eos_token_id = 0
 
-    def apply_chat_template(self, messages, **kwargs):
+    def apply_chat_template(self, conversations, **kwargs):
         from transformers import BatchEncoding
+        (messages,) = conversations  # the recording feeds one conversation a batch here
         ids = torch.tensor([[1 + (ord(ch) % 60) for ch in messages[0]["content"]]])
         return BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
 
