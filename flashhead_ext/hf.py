@@ -170,11 +170,18 @@ def output_embedding(model: nn.Module) -> Tensor:
     return weight.detach()
 
 
-def check_output_head_bias_free(model: nn.Module, role: str = "the model") -> None:
-    """ValueError when ``model``'s output head adds a bias: FlashHead and DenseHead score
-    ``hidden . embedding`` only, so their tokens would not be the model's own."""
-    if getattr(model.get_output_embeddings(), "bias", None) is not None:
+def check_plain_output_head(model: nn.Module, role: str = "the model") -> None:
+    """ValueError when ``model``'s output head computes more than ``hidden . embedding``, all that
+    FlashHead and DenseHead score, so their tokens would not be the model's own: a bias (Phi), or an
+    nn.Linear subclass with a forward of its own (Dory's per-token logit scales, Idefics' extra
+    token columns)."""
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
         raise ValueError(f"{role}'s output head has a bias; FlashHead and DenseHead score bias-free heads only")
+    # The class's forward: an instance's own (accelerate's hooks) wraps the class's and is no sign.
+    if isinstance(head, nn.Linear) and type(head).forward is not nn.Linear.forward:
+        raise ValueError(f"{role}'s output head is a {type(head).__name__}, whose forward is its own, not nn.Linear's "
+                         "hidden . weight; FlashHead and DenseHead score plain linear heads only")
 
 
 # What a generation_config can set that generate() applies to greedy decoding's logits, with each
@@ -390,7 +397,8 @@ class FlashHeadAttachment:
     softmax(logits / T) restricted to the candidates of the ``probes`` best clusters (after
     generate's own top-k/top-p), not FlashHead's cluster-sampling path: for that, call
     ``attachment.head().sample(hidden, ...)`` directly (the speculative drivers decode greedily,
-    with ``next_token``). Classifier-free guidance (``generate(guidance_scale=...)``) subtracts two passes'
+    with ``next_token``); it samples the head's own logits, before any rescaling the model applies
+    after its head (Granite's ``logits_scaling``: pass ``T * logits_scaling`` to match ``generate``). Classifier-free guidance (``generate(guidance_scale=...)``) subtracts two passes'
     log-probabilities; their candidate sets differ, so it needs every cluster probed (or the
     dense head). Logits processors that mask or bias tokens (``prefix_allowed_tokens_fn``, grammar
     constraints, ``sequence_bias``) act on these logits: a token they allow that is no candidate
@@ -651,7 +659,9 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
     The output head's weights, state dict and tying are untouched; only its forward is replaced.
     Returns the :class:`FlashHeadAttachment`, also set as ``model.flash_head``; ``detach(model)``
     restores the dense head. Models that rescale logits after the head (Gemma-2's final logit
-    softcapping) turn the non-candidates' ``-inf`` into their lowest logit, not ``-inf``. For
+    softcapping) turn the non-candidates' ``-inf`` into their lowest logit, not ``-inf``; a
+    rescaling (Granite's ``logits_scaling``, Cohere's ``logit_scale``) is one the attachment's
+    ``head().sample`` does not apply, so its temperature is the head's, not ``generate``'s. For
     inference: a backward through FlashHead's logits raises (``detach(model)`` to train), and a loss
     over them is infinite where a label falls outside the candidates.
     """
@@ -666,7 +676,7 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"model must be a transformers causal LM with an nn.Linear output head, got {type(model).__name__} "
                          f"whose get_output_embeddings() is {type(linear).__name__}")
-    check_output_head_bias_free(model)
+    check_plain_output_head(model)
     if hasattr(model, "flash_head"):
         raise ValueError("a FlashHead is already attached to this model; call detach(model) first")
     if isinstance(getattr(linear.__dict__.get("_apply"), "__self__", None), FlashHeadAttachment):

@@ -397,6 +397,24 @@ def test_sizes_past_the_vocabulary_or_its_clusters_are_usage_errors_before_recor
     assert not (tmp_path / "out").exists()
 
 
+def test_a_model_whose_head_has_a_bias_is_a_usage_error_before_recording(tmp_path, monkeypatch, capsys):
+    # The heads score hidden . embedding: the model's own tokens, chosen with the bias, counted as
+    # their misses.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    calls = _record_spy(monkeypatch)
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    model = transformers.PhiForCausalLM(transformers.PhiConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    model.save_pretrained(tmp_path / "phi")
+    tokenizer.save_pretrained(tmp_path / "phi")
+    with pytest.raises(SystemExit) as exit_info:
+        main(_argv(tmp_path, tmp_path / "phi", _questions(tmp_path / "q.jsonl")))
+    assert exit_info.value.code == 2
+    assert f"quality: error: --model {tmp_path / 'phi'}'s output head has a bias" in capsys.readouterr().err
+    assert calls == []
+
+
 def test_unreadable_prompts_or_a_missing_model_package_are_usage_errors_before_the_model_loads(tmp_path, monkeypatch, capsys,
                                                                                               tiny_model_dir):
     monkeypatch.setattr(hf, "from_pretrained", lambda *args, **kwargs: pytest.fail("refused before the model loads"))

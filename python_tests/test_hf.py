@@ -499,6 +499,25 @@ def test_attach_bad_input(tmp_path):
         attach(model, _tiny_assets(model))
 
 
+class _ScaledHead(torch.nn.Linear):
+    """A head that scales each token's logit (as transformers' Dory does): not hidden . weight."""
+
+    def forward(self, hidden):
+        return super().forward(hidden) * torch.linspace(0.5, 2.0, self.out_features)
+
+
+def test_attach_refuses_a_linear_subclass_with_its_own_forward():
+    # Attached, its forward was replaced by hidden . weight, and detached-by-enabled=False too: the
+    # scales were dropped without a word.
+    model = _tiny_llama(tied=False)
+    scaled = _ScaledHead(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+    scaled.weight = model.lm_head.weight
+    model.lm_head = scaled
+    with pytest.raises(ValueError, match="output head is a _ScaledHead, whose forward is its own"):
+        attach(model, _tiny_assets(model))
+    assert not hasattr(model, "flash_head") and "forward" not in model.lm_head.__dict__
+
+
 def test_attach_adds_special_tokens_to_given_assets_and_refuses_options_it_would_drop(tmp_path):
     model = _tiny_llama(tied=False)
     assets = _tiny_assets(model)

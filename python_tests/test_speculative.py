@@ -485,6 +485,11 @@ def test_bad_inputs_name_the_argument():
         SpeculativeDecoder(target, copy.deepcopy(target).to("meta"))
 
 
+class _PerTokenScaledHead(torch.nn.Linear):
+    def forward(self, hidden):
+        return super().forward(hidden) * torch.linspace(0.5, 2.0, self.out_features)
+
+
 def test_drafts_the_heads_cannot_serve_are_refused():
     # An output-head bias: the heads score hidden . embedding only, so their tokens would not be the
     # draft's own (a model drafting for itself would accept nothing).
@@ -497,6 +502,12 @@ def test_drafts_the_heads_cannot_serve_are_refused():
         with pytest.raises(ValueError, match="draft's output head has a bias; FlashHead and DenseHead score bias-free heads only"):
             make()
     SpeculativeDecoder(biased).generate(prompt(0), mode="baseline", max_new_tokens=3)  # a biased target alone is fine
+    # A head whose class computes its own logits (per-token scales here) is not hidden . embedding either.
+    scaled = copy.deepcopy(biased)
+    scaled.lm_head = _PerTokenScaledHead(scaled.lm_head.in_features, VOCAB, bias=False)
+    for make in (lambda: SpeculativeDecoder(biased, scaled), lambda: make_draft_head("dense", scaled)):
+        with pytest.raises(ValueError, match="draft's output head is a _PerTokenScaledHead, whose forward is its own"):
+            make()
     # A recurrent state cannot be cut back to the accepted tokens: named, not an IndexError mid-generation.
     recurrent = transformers.MambaForCausalLM(transformers.MambaConfig(
         vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=1)).eval()

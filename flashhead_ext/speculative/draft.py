@@ -9,7 +9,7 @@ from torch import nn
 
 from ..assets import default_probes, flash_head_for
 from ..head import DenseHead, FlashHead, centroid_dtype_option
-from ..hf import check_output_head_bias_free, output_embedding, uncompiled
+from ..hf import check_plain_output_head, output_embedding, uncompiled
 
 HEADS = ("dense", "flashhead")
 
@@ -86,7 +86,7 @@ def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clusterin
         embedding = draft.detach()
     else:
         embedding = output_embedding(draft)
-        check_output_head_bias_free(draft, "draft")
+        check_plain_output_head(draft, "draft")
     if embedding.dtype == torch.float64:
         embedding = embedding.float()
     if kind == "dense":

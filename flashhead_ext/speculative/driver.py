@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..head import DenseHead, FlashHead, _HeadBase
-from ..hf import (check_output_head_bias_free, greedy_logit_settings, output_embedding, uncompiled,
+from ..hf import (check_plain_output_head, greedy_logit_settings, output_embedding, uncompiled,
                   warn_unapplied_generation_settings)
 from .draft import make_draft_head
 
@@ -394,7 +394,7 @@ class SpeculativeDecoder:
                 self._attachment, draft_head = attachment, attachment.head()
         head = resolve_draft_head(draft_head, _output_embedding(draft, "draft"), vocab)
         self._head = None if self._attachment is not None else head  # else it kept a cast-away weight alive
-        check_output_head_bias_free(draft, "draft")
+        check_plain_output_head(draft, "draft")
         draft_device = next(draft.parameters()).device
         if draft_device != self.device:  # else torch's device error mid-generation
             raise ValueError(f"draft must be on the target's device {self.device}, got {draft_device} (this driver runs "
