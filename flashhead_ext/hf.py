@@ -134,8 +134,9 @@ def load_smollm2(dtype: torch.dtype = torch.float32, *, cache: bool = True):
     models = user_cache_dir() / "models"
     sweep_stale_partials(models)
     directory = models / f"smollm2-{_file_digest(gguf)[:16]}-tf{transformers.__version__}"
-    damage = _unreadable(directory) if directory.is_dir() else None
-    if directory.is_dir() and damage is None:
+    cached = directory.is_dir()
+    damage = _unreadable(directory) if cached else None
+    if cached and damage is None:
         return from_pretrained(directory, dtype)
     if damage is not None:  # a copy cut short, a full disk: moved aside first, so no reader sees half of it
         warnings.warn(f"the cached SmolLM2 at {directory} is unreadable ({damage}); converting it again",

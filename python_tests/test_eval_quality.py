@@ -219,6 +219,16 @@ def test_prompt_level_agreement_counts_prompts_and_resamples_them():
     assert quality.prompt_level(torch.ones(7, dtype=torch.bool), prompts) == (1.0, [1.0, 1.0])
 
 
+def test_prompt_interval_resamples_prompts_not_states():
+    # Two prompts of 50 states each, one all 0.1, the other all 0.9: a bootstrap over states would
+    # stay near 0.5; over prompts, a resample of the first prompt twice (a quarter of them) gives 0.1.
+    distance = torch.cat([torch.full((50,), 0.1), torch.full((50,), 0.9)]).double()
+    prompts = torch.tensor([3] * 50 + [8] * 50)
+    low, high = quality.prompt_interval(distance, prompts)
+    assert low == pytest.approx(0.1) and high == pytest.approx(0.9)
+    assert quality.prompt_interval(torch.full((7,), 0.25), torch.tensor([1, 1, 2, 2, 2, 4, 4])) == pytest.approx([0.25, 0.25])
+
+
 def test_cluster_ranks_break_ties_to_the_smaller_cluster_id():
     centroids = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [2.0, 0.0]])
     hidden = torch.tensor([[1.0, 0.5]])
@@ -369,6 +379,8 @@ def test_cli_seeds_held_out_categories_and_bfloat16_on_a_tiny_model(tmp_path, mo
             assert "sampling_tv" not in row
         else:
             assert 0 < row["sampling_tv"] <= row["sampling_tv_max"] <= 1
+            low, high = row["sampling_tv_interval"]
+            assert 0 <= low <= row["sampling_tv"] <= high <= row["sampling_tv_max"]
     # More probes, a candidate set nearer the vocabulary: nearer the dense law.
     calibrated = {r["probes"]: r["sampling_tv"] for r in result["results"] if r["method"] == "calibrated"}
     assert calibrated[3] < calibrated[1]

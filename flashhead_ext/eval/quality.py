@@ -122,18 +122,28 @@ def fp8_centroids(centroids: Tensor) -> Tensor:
     return quantized.float() * scale
 
 
-def prompt_level(hit: Tensor, prompt_index: Tensor, resamples: int = 2000, seed: int = 0) -> tuple[float, list]:
-    """From each token's top-1 hit (or its mean over seeds) and its prompt: the share of prompts
-    without a miss (one miss changes all a greedy decode emits after it), and a 95% interval of the
-    token agreement by a bootstrap over prompts (a prompt's tokens are not independent draws), seeded."""
+def _per_prompt(value: Tensor, prompt_index: Tensor) -> tuple[Tensor, Tensor]:
+    """float64 sums of ``value`` and counts of its entries, one a prompt of ``prompt_index``."""
     _, prompt = torch.unique(prompt_index, return_inverse=True)
     count = int(prompt.max()) + 1
-    tokens = torch.bincount(prompt, minlength=count).double()
-    hits = torch.bincount(prompt, weights=hit.double(), minlength=count)
-    picks = torch.randint(0, count, (resamples, count), generator=torch.Generator().manual_seed(seed))
-    agreement = hits[picks].sum(1) / tokens[picks].sum(1)
-    interval = torch.quantile(agreement, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return float((hits == tokens).double().mean()), interval
+    return torch.bincount(prompt, weights=value.double(), minlength=count), torch.bincount(prompt, minlength=count).double()
+
+
+def prompt_interval(value: Tensor, prompt_index: Tensor, resamples: int = 2000, seed: int = 0) -> list:
+    """A 95% interval of ``value``'s mean by a bootstrap over its prompts (a prompt's tokens are not
+    independent draws), seeded."""
+    sums, counts = _per_prompt(value, prompt_index)
+    picks = torch.randint(0, counts.numel(), (resamples, counts.numel()), generator=torch.Generator().manual_seed(seed))
+    means = sums[picks].sum(1) / counts[picks].sum(1)
+    return torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+
+
+def prompt_level(hit: Tensor, prompt_index: Tensor, resamples: int = 2000, seed: int = 0) -> tuple[float, list]:
+    """From each token's top-1 hit (or its mean over seeds) and its prompt: the share of prompts
+    without a miss (one miss changes all a greedy decode emits after it), and
+    :func:`prompt_interval` of the token agreement."""
+    hits, tokens = _per_prompt(hit, prompt_index)
+    return float((hits == tokens).double().mean()), prompt_interval(hit, prompt_index, resamples, seed)
 
 
 def flash_tokens(head: FlashHead, hidden: Tensor, rows_per_chunk: int = 4) -> Tensor:
@@ -214,6 +224,7 @@ def candidate_hits(assets: FlashHeadAssets, hidden: Tensor, dense: tuple[Tensor,
         if sampling is not None:
             rows, temperature, draws = sampling
             hits[p]["sampling_tv"] = sampling_distance(head, hidden[rows], temperature, draws)
+            hits[p]["sampling_rows"] = rows
     return hits
 
 
@@ -237,7 +248,9 @@ def summarize(hits: Sequence[dict], categories: Sequence[str], prompt_index: Ten
     sampling = {}
     if "sampling_tv" in hits[0]:
         distance = torch.stack([h["sampling_tv"] for h in hits]).mean(0)  # [rows]: mean over seeds
-        sampling = {"sampling_tv": float(distance.mean()), "sampling_tv_max": float(distance.max())}
+        # Which states are drawn moves the mean far more than the cluster draws do (docs/quality.md).
+        sampling = {"sampling_tv": float(distance.mean()), "sampling_tv_max": float(distance.max()),
+                    "sampling_tv_interval": prompt_interval(distance, prompt_index[hits[0]["sampling_rows"]])}
     return {
         "top1_agreement": float(agree.mean()),
         "top1_min": min(per_seed),
@@ -442,7 +455,7 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
             "states": int(sampling[0].numel()), "temperature": sampling[1], "draws": sampling[2],
             "what": "total variation distance between the law of FlashHead.sample's token (sampling centroids: the raw "
                     "ones) and the dense softmax at that temperature, per state; mean and max over the states, each "
-                    "the mean over k-means seeds"},
+                    "the mean over k-means seeds, and a 95% interval of the mean by a bootstrap over the states' prompts"},
         "holdout": None if not held_out else {
             "methods": held_out,
             "what": "each category scored by a clustering calibrated on the even ids of the other categories only"},
@@ -456,6 +469,10 @@ def _number(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _interval(bounds: Optional[list]) -> str:
+    return "-" if bounds is None else f"{bounds[0]:.3f}-{bounds[1]:.3f}"
+
+
 def format_table(result: dict) -> str:
     """The result as a fixed-width text table, one row per method, cluster size and probes value."""
     seeds = result["seeds"]
@@ -467,7 +484,7 @@ def format_table(result: dict) -> str:
         + f"; k-means seeds {','.join(map(str, seeds))}",
         f"{'method':<22} {'C':>5} {'b':>3} {'probes':>6} {'cand.':>6} {'scored':>7} {'top-1':>7} {'seed range':>13} "
         f"{'95% interval':>13} {'no miss':>7} {'ties max':>8} {'top-5 rec.':>10}"
-        + (f" {'sample TV':>9} {'max':>6}" if result.get("sampling") else "") + "  worst category",
+        + (f" {'sample TV':>9} {'95% interval':>12} {'max':>6}" if result.get("sampling") else "") + "  worst category",
     ]
     for row in result["results"]:
         worst = row["worst_category"]
@@ -478,7 +495,8 @@ def format_table(result: dict) -> str:
             f"{100 * row['fraction_scored']:>6.2f}% {100 * row['top1_agreement']:>6.2f}% "
             f"{f'{100 * worst_seed:.2f}-{100 * best_seed:.2f}%':>13} {f'{100 * low:.2f}-{100 * high:.2f}%':>13} "
             f"{100 * row['prompts_without_miss']:>6.1f}% {100 * row['top1_ties_max']:>7.2f}% {100 * row['top5_recall']:>9.2f}%"
-            + (f" {_number(row.get('sampling_tv')):>9} {_number(row.get('sampling_tv_max')):>6}" if result.get("sampling") else "")
+            + (f" {_number(row.get('sampling_tv')):>9} {_interval(row.get('sampling_tv_interval')):>12} "
+               f"{_number(row.get('sampling_tv_max')):>6}" if result.get("sampling") else "")
             + f"  {worst['name']} {100 * worst['top1_agreement']:.1f}%")
     lines.append("top-1: per token on the dense head's own greedy continuation, mean over the k-means seeds (seed range: "
                  "their min and max); 95% interval: a bootstrap over prompts; no miss: prompts whose every token agreed; "
