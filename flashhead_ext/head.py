@@ -503,6 +503,14 @@ class FlashHead(_HeadBase):
                 self._buffers[name] = fn(tensor) if probe.dtype == tensor.dtype else tensor.to(probe.device)
         return self
 
+    def _over_embedding(self, embedding: Tensor) -> "FlashHead":
+        """A shallow copy of this head reading ``embedding`` (its shape, dtype and device), unchecked:
+        for tracing, where the embedding is a stand-in whose values cannot be read."""
+        head = object.__new__(type(self))
+        head.__dict__.update(self.__dict__, _buffers={**self._buffers, "embedding": embedding}, _weight=None,
+                             _shared_at=None)
+        return head
+
     @property
     def num_clusters(self) -> int:
         return self.centroids.shape[0]

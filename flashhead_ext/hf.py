@@ -10,6 +10,7 @@ Recorded hidden states (:func:`recorded_states`, :func:`calibration_states`) are
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -17,6 +18,7 @@ import inspect
 import json
 import os
 import shutil
+import threading
 import warnings
 from itertools import groupby
 from pathlib import Path
@@ -487,6 +489,15 @@ class FlashHeadAttachment:
 
     def head(self) -> FlashHead:
         weight, cached = self.linear.weight, self._head
+        if (cached is not None and torch.compiler.is_exporting() and weight is not self._built_for
+                and (cached.embedding.shape, cached.embedding.dtype, cached.embedding.device)
+                == (weight.shape, weight.dtype, weight.device)):
+            # torch.export's default (non-strict) tracing runs this code over stand-ins for the
+            # parameters, which the host checks of a rebuild cannot read: the clustering, checked
+            # when the head was built, is traced over the stand-in.
+            traced = cached._over_embedding(weight.detach())
+            traced.probes = self.probes
+            return traced
         # A new weight object, dtype or device: what torch.compile can test while tracing (it
         # guards on them); a data pointer it cannot, so that test is left to eager calls.
         if (cached is None or self._built_for is not weight or cached.embedding.dtype != weight.dtype
@@ -521,7 +532,16 @@ class FlashHeadAttachment:
         head built over the old weight is dropped with it, so its memory is freed now, not at the
         next forward."""
         self._head = self._built_for = None
-        return type(self.linear)._apply(self.linear, fn, *args, **kwargs)
+        converted = type(self.linear)._apply(self.linear, fn, *args, **kwargs)
+        # Rebuilt now, eagerly: left to the next forward, a torch.compile(fullgraph=True) of the
+        # converted model broke on the rebuild (host checks). Where the head cannot be built (a meta
+        # weight, a dtype it refuses), the next forward says why.
+        if not self.linear.weight.is_meta:
+            try:
+                self._rebuild()
+            except (TypeError, ValueError):
+                pass
+        return converted
 
     def forward(self, hidden: Tensor) -> Tensor:
         if not self.enabled:
@@ -678,14 +698,45 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
         raise ValueError(f"model must be a transformers causal LM with an nn.Linear output head, got {type(model).__name__} "
                          f"whose get_output_embeddings() is {type(linear).__name__}")
     check_plain_output_head(model)
-    if hasattr(model, "flash_head"):
-        raise ValueError("a FlashHead is already attached to this model; call detach(model) first")
-    if isinstance(getattr(linear.__dict__.get("_apply"), "__self__", None), FlashHeadAttachment):
-        # Attached again, the second attachment's forward would wrap the first's, and detaching in
-        # attach order left one model decoding dense and the other unable to detach. Its _apply,
-        # not its forward, tells: accelerate's hooks wrap the forward.
-        raise ValueError("the model's output head already runs a FlashHead attached to another model that shares it "
-                         "(a model assembled from another's modules): detach that model first, or use its attachment")
+    with _attaching(model, linear):
+        return _attach_to(model, linear, assets, probes, build_if_missing, tokenizer, centroid_dtype, build_options)
+
+
+# The models and output heads attach() is building for (minutes, clustering), in any thread: a
+# second attach of the same model saw no flash_head yet, and both attachments' forwards stacked.
+_ATTACHING: set = set()
+_ATTACHING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _attaching(model: nn.Module, linear: nn.Linear):
+    """Claims ``model`` and its output head for one attach; ValueError when they are attached
+    already or another thread is attaching them."""
+    keys = {id(model), id(linear)}
+    with _ATTACHING_LOCK:
+        if hasattr(model, "flash_head"):
+            raise ValueError("a FlashHead is already attached to this model; call detach(model) first")
+        if isinstance(getattr(linear.__dict__.get("_apply"), "__self__", None), FlashHeadAttachment):
+            # Attached again, the second attachment's forward would wrap the first's, and detaching in
+            # attach order left one model decoding dense and the other unable to detach. Its _apply,
+            # not its forward, tells: accelerate's hooks wrap the forward.
+            raise ValueError("the model's output head already runs a FlashHead attached to another model that shares "
+                             "it (a model assembled from another's modules): detach that model first, or use its "
+                             "attachment")
+        if keys & _ATTACHING:
+            raise ValueError("another thread is attaching a FlashHead to this model or its output head; one attach "
+                             "at a time")
+        _ATTACHING.update(keys)
+    try:
+        yield
+    finally:
+        with _ATTACHING_LOCK:
+            _ATTACHING.difference_update(keys)
+
+
+def _attach_to(model: nn.Module, linear: nn.Linear, assets, probes: Optional[int], build_if_missing: bool, tokenizer,
+               centroid_dtype: Optional[torch.dtype], build_options: dict) -> FlashHeadAttachment:
+    """:func:`attach`'s work once its arguments are checked and the model claimed."""
     _check_head_dtype(linear.weight)  # before clustering, which would name its own argument
     # Before minutes of clustering; kept as None unless fp8, so a cast model's rebuilt head follows it.
     centroid_dtype = centroid_dtype_option(centroid_dtype, linear.weight.dtype)

@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import stat
+import threading
 import time
 import warnings
 import weakref
@@ -506,6 +507,39 @@ class _ScaledHead(torch.nn.Linear):
         return super().forward(hidden) * torch.linspace(0.5, 2.0, self.out_features)
 
 
+def test_a_second_attach_while_another_thread_builds_the_clustering_is_refused(monkeypatch, tmp_path):
+    # The second attach saw no flash_head during the first one's clustering: both attached, and
+    # after detach the model still decoded through FlashHead, with no way to detach it.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    model = _tiny_llama(tied=False)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        dense = model(ids).logits
+    clustering, proceed = threading.Event(), threading.Event()
+    real = hf.flash_head_for
+
+    def slow_flash_head_for(*args, **kwargs):
+        clustering.set()
+        assert proceed.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "flash_head_for", slow_flash_head_for)
+    first = threading.Thread(target=attach, args=(model,), kwargs=dict(progress=False))
+    first.start()
+    try:
+        assert clustering.wait(60)
+        with pytest.raises(ValueError, match="another thread is attaching a FlashHead to this model"):
+            attach(model, progress=False)
+    finally:
+        proceed.set()
+        first.join(60)
+    assert model.flash_head.enabled
+    detach(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, dense, rtol=0, atol=0)
+    attach(model, progress=False).enabled = True  # the claim is released: attaching again works
+
+
 def test_attach_refuses_a_linear_subclass_with_its_own_forward():
     # Attached, its forward was replaced by hidden . weight, and detached-by-enabled=False too: the
     # scales were dropped without a word.
@@ -707,6 +741,39 @@ def test_attached_model_compiles_without_graph_breaks():
     _same_logits(compiled, expected)
 
 
+def test_attached_model_converted_after_attach_compiles_in_one_graph():
+    # The conversion dropped the head and the compiled call rebuilt it (host checks): fullgraph
+    # failed until one eager call had built it.
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        model = _attached_tiny_llama_compilable(ids).to(torch.bfloat16)
+        compiled = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
+        _same_logits(compiled, model(ids).logits)
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, use_cache=False).logits
+
+
+def test_attached_model_exports_in_default_non_strict_mode():
+    # Non-strict tracing hands the head stand-ins for the weight, whose values the rebuild's host
+    # checks read: every export failed on a data-dependent guard.
+    ids = torch.tensor([[3, 1, 4, 1, 5], [2, 7, 1, 8, 2]])
+    model = _tiny_llama(tied=False)
+    attach(model, _tiny_assets(model))
+    with torch.no_grad():
+        exported = torch.export.export(_Logits(model), (ids,), dynamic_shapes=({0: torch.export.Dim("batch", max=8)},))
+        other = torch.tensor([[9, 2, 6], [5, 3, 5], [8, 9, 7]])
+        for batch in (ids, other[:, :5].repeat(1, 2)[:, :5]):
+            _same_logits(exported.module()(batch), model(batch).logits)
+    assert model.flash_head._built_for is model.lm_head.weight  # the export left the attachment's own head
+
+
 def test_attached_model_compiles_on_weights_that_require_grad():
     # Outside no_grad the weights require grad, so torch.compile traces the backward too (inductor:
     # its partitioner may move backward work into the forward). The forward runs as in eager mode
@@ -733,7 +800,7 @@ def test_compiled_attached_model_follows_a_new_or_cast_weight():
         _same_logits(compiled(ids).logits, model(ids).logits)  # the head over the new weight, not the old
         model.to(torch.bfloat16)
         logits = compiled(ids).logits
-        assert model.flash_head._head.embedding.dtype == torch.bfloat16  # the compiled call rebuilt the head
+        assert model.flash_head._head.embedding.dtype == torch.bfloat16  # rebuilt over the cast weight
         _same_logits(logits, model(ids).logits, rtol=2e-2, atol=1e-2)  # a bf16 body
 
 
