@@ -11,6 +11,7 @@ Recorded hidden states (:func:`recorded_states`, :func:`calibration_states`) are
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import importlib.util
@@ -269,14 +270,21 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     found: dict[int, tuple[Tensor, Tensor]] = {}
     # generate() stops a sequence at the model's EOS ids, then pads it; a batch of one just stops.
     stops = torch.tensor(getattr(model.generation_config, "eos_token_id", None) or [], dtype=torch.int64).flatten()
-    padding_side = getattr(tokenizer, "padding_side", None)
-    captured: list[Tensor] = []
-    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: captured.append(args[0][:, -1]))
-    try:
-        if batch_size > 1:
-            tokenizer.padding_side = "left"  # generation appends on the right: the last column must be real
+    if batch_size > 1:
+        # A copy padded for the run: set on the caller's, its settings changed under other threads using it.
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.padding_side = "left"  # generation appends on the right: the last column must be real
         if lacks_pad:
             tokenizer.pad_token = tokenizer.eos_token
+    captured: list[Tensor] = []
+    recording = threading.get_ident()
+
+    def capture(_module, args):
+        if threading.get_ident() == recording:  # not the forwards another thread runs through the model
+            captured.append(args[0][:, -1])
+
+    hook = model.get_output_embeddings().register_forward_pre_hook(capture)
+    try:
         for batch in tqdm(batches, desc="dense greedy generation", disable=not progress):
             captured.clear()
             padding = {"padding": True} if batch_size > 1 else {}
@@ -291,10 +299,6 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
                 found[i] = states[row, :count], new[row, :count]
     finally:
         hook.remove()
-        if padding_side is not None:
-            tokenizer.padding_side = padding_side
-        if lacks_pad:
-            tokenizer.pad_token = None
     hidden = [found[i][0] for i in range(len(prompts))]
     tokens = [found[i][1] for i in range(len(prompts))]
     index = [torch.full((t.numel(),), i, dtype=torch.int64) for i, t in enumerate(tokens)]

@@ -109,6 +109,32 @@ def test_attach_routes_next_token_choice_through_flashhead():
     torch.testing.assert_close(model(torch.tensor([[3, 1, 4, 1, 5]])).logits, dense_logits)
 
 
+def test_recording_takes_neither_other_threads_forwards_nor_the_callers_tokenizer_settings():
+    # The recording's hook captured every forward through the model, another thread's serving too,
+    # and it padded with the caller's tokenizer set to left padding, under that thread's feet.
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=1, pad_token_id=1)
+    torch.manual_seed(2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    tokenizer = char_tokenizer()
+    prompts = ["a", "a much longer prompt", "mid size"]
+    alone = record_hidden_states(model, tokenizer, prompts, 5, progress=False, batch_size=2)
+    generate, seen = model.generate, []
+
+    def generate_beside_another_thread(*args, **kwargs):
+        seen.append(tokenizer.padding_side)
+        serving = threading.Thread(target=lambda: model(torch.tensor([[5, 6, 7, 8]])))
+        serving.start()
+        serving.join()
+        return generate(*args, **kwargs)
+
+    model.generate = generate_beside_another_thread
+    beside = record_hidden_states(model, tokenizer, prompts, 5, progress=False, batch_size=2)
+    assert seen == ["right", "right"]
+    for one, other in zip(alone, beside):
+        assert torch.equal(one, other)
+
+
 def test_batched_recording_matches_one_prompt_at_a_time():
     config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, eos_token_id=1, pad_token_id=1)
@@ -118,7 +144,7 @@ def test_batched_recording_matches_one_prompt_at_a_time():
     prompts = ["a", "a much longer prompt", "mid size", "x y z", "the last one"]
     single = record_hidden_states(model, tokenizer, prompts, 7, progress=False)
     batched = record_hidden_states(model, tokenizer, prompts, 7, progress=False, batch_size=3)
-    assert tokenizer.padding_side == "right"  # restored
+    assert tokenizer.padding_side == "right"  # untouched
     for one, many in zip(single[1:], batched[1:]):
         assert torch.equal(one, many)  # tokens and prompt order, whatever the batching
     torch.testing.assert_close(single[0], batched[0], rtol=1e-4, atol=1e-4)
