@@ -10,7 +10,6 @@ Recorded hidden states (:func:`recorded_states`, :func:`calibration_states`) are
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -34,6 +33,7 @@ from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, new_partial, re
                      sweep_stale_partials, uncached_on_failure, warn_if_built_for_other_weights, write_replacing,
                      flash_head_for, load_assets, user_cache_dir)
 from . import ops
+from ._exclusive import ExclusiveUse
 from .clustering import MIN_STATES_PER_DIM
 from .head import HEAD_DTYPES, FlashHead, centroid_dtype_option, special_token_list
 from .prompts import DEFAULT_PROMPTS, prompts_per_category
@@ -702,40 +702,25 @@ def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build
         raise ValueError(f"model must be a transformers causal LM with an nn.Linear output head, got {type(model).__name__} "
                          f"whose get_output_embeddings() is {type(linear).__name__}")
     check_plain_output_head(model)
-    with _attaching(model, linear):
+    with _ATTACHING(model, linear, check=lambda: _check_attachable(model, linear)):
         return _attach_to(model, linear, assets, probes, build_if_missing, tokenizer, centroid_dtype, build_options)
 
 
-# The models and output heads attach() is building for (minutes, clustering), in any thread: a
-# second attach of the same model saw no flash_head yet, and both attachments' forwards stacked.
-_ATTACHING: set = set()
-_ATTACHING_LOCK = threading.Lock()
+def _check_attachable(model: nn.Module, linear: nn.Linear) -> None:
+    if hasattr(model, "flash_head"):
+        raise ValueError("a FlashHead is already attached to this model; call detach(model) first")
+    if isinstance(getattr(linear.__dict__.get("_apply"), "__self__", None), FlashHeadAttachment):
+        # Attached again, the second attachment's forward would wrap the first's, and detaching in
+        # attach order left one model decoding dense and the other unable to detach. Its _apply,
+        # not its forward, tells: accelerate's hooks wrap the forward.
+        raise ValueError("the model's output head already runs a FlashHead attached to another model that shares it "
+                         "(a model assembled from another's modules): detach that model first, or use its attachment")
 
 
-@contextlib.contextmanager
-def _attaching(model: nn.Module, linear: nn.Linear):
-    """Claims ``model`` and its output head for one attach; ValueError when they are attached
-    already or another thread is attaching them."""
-    keys = {id(model), id(linear)}
-    with _ATTACHING_LOCK:
-        if hasattr(model, "flash_head"):
-            raise ValueError("a FlashHead is already attached to this model; call detach(model) first")
-        if isinstance(getattr(linear.__dict__.get("_apply"), "__self__", None), FlashHeadAttachment):
-            # Attached again, the second attachment's forward would wrap the first's, and detaching in
-            # attach order left one model decoding dense and the other unable to detach. Its _apply,
-            # not its forward, tells: accelerate's hooks wrap the forward.
-            raise ValueError("the model's output head already runs a FlashHead attached to another model that shares "
-                             "it (a model assembled from another's modules): detach that model first, or use its "
-                             "attachment")
-        if keys & _ATTACHING:
-            raise ValueError("another thread is attaching a FlashHead to this model or its output head; one attach "
-                             "at a time")
-        _ATTACHING.update(keys)
-    try:
-        yield
-    finally:
-        with _ATTACHING_LOCK:
-            _ATTACHING.difference_update(keys)
+# The models and output heads attach() is building for (minutes, clustering): a second attach of
+# the same model in another thread saw no flash_head yet, and both attachments' forwards stacked.
+_ATTACHING = ExclusiveUse(lambda: ValueError("another thread is attaching a FlashHead to this model or its output "
+                                             "head; one attach at a time"))
 
 
 def _attach_to(model: nn.Module, linear: nn.Linear, assets, probes: Optional[int], build_if_missing: bool, tokenizer,

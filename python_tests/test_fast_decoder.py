@@ -495,6 +495,39 @@ def test_fast_runner_is_exact_in_every_mode(arch, mode):
             break
 
 
+def test_a_generation_while_another_thread_generates_with_the_same_driver_or_models_is_refused():
+    # Both ran over one set of caches and buffers: wrong tokens without an error.
+    import threading
+
+    target, drafts = fast_models("llama")
+    runner = FastSpeculativeDecoder(target, drafts["early"], k=3)
+    inside, leave = threading.Event(), threading.Event()
+    real = runner._generate
+
+    def held(*args):
+        inside.set()
+        assert leave.wait(60)
+        return real(*args)
+
+    runner._generate = held
+    results = []
+    first = threading.Thread(target=lambda: results.append(runner.generate(prompt(1), max_new_tokens=NEW)))
+    first.start()
+    try:
+        assert inside.wait(60)
+        sharing_the_target = FastSpeculativeDecoder(target, drafts["self"], k=2)
+        for busy in (runner, sharing_the_target):
+            with pytest.raises(RuntimeError, match="is generating in another thread"):
+                busy.generate(prompt(2), max_new_tokens=NEW)
+        other = FastSpeculativeDecoder(*fast_models("qwen3")[:1], k=2)  # models of its own: free to run
+        assert tuple(other.generate(prompt(2), mode="baseline", max_new_tokens=NEW).tokens) == reference("qwen3", 2)
+    finally:
+        leave.set()
+        first.join(60)
+    assert tuple(results[0].tokens) == reference("llama", 1)
+    assert tuple(sharing_the_target.generate(prompt(2), max_new_tokens=NEW).tokens) == reference("llama", 2)
+
+
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
 def test_fast_runner_follows_a_changed_k(mode):
     # The steps' buffers are sized by k: a new k rebuilds them (a wrong size had failed mid-generate).

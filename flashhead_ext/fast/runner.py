@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from .._exclusive import ExclusiveUse
 from ..graphs import capture_graph
 from ..head import DenseHead, FlashHead, _HeadBase
 from ..hf import warn_unapplied_generation_settings
@@ -118,6 +119,13 @@ class _Marks:
                 seconds = start.elapsed_time(stop) / 1000.0 if self.cuda else stop - start
                 totals[phase] = totals.get(phase, 0.0) + seconds
         return totals
+
+
+# Two threads' generations over one driver, or over drivers sharing a model, overwrote each other's
+# caches and buffers: wrong tokens, no error.
+_GENERATING = ExclusiveUse(lambda: RuntimeError(
+    "this FastSpeculativeDecoder or one of its Decoders is generating in another thread: their caches, buffers and "
+    "graphs serve one generation at a time; build a driver and Decoders for each thread"))
 
 
 class FastSpeculativeDecoder:
@@ -363,9 +371,15 @@ class FastSpeculativeDecoder:
                 raise ValueError(f"max_new_tokens={max_new_tokens} with a {prompt_len}-token prompt {setting} needs "
                                  f"max_len >= {need}, the {role}'s is {model.max_len}")
 
-    @torch.inference_mode()
     def generate(self, input_ids: Tensor, *, mode: str = "deferred", max_new_tokens: int = 64) -> Generation:
-        """As :meth:`SpeculativeDecoder.generate`: the target's greedy tokens (unless synthetic), with stats."""
+        """As :meth:`SpeculativeDecoder.generate`: the target's greedy tokens (unless synthetic), with
+        stats. One generation at a time: the driver's buffers and graphs and the models' caches
+        serve one, so a call while another thread generates with this driver or its models raises."""
+        with _GENERATING(self, self.target, self.draft):
+            return self._generate(input_ids, mode, max_new_tokens)
+
+    @torch.inference_mode()
+    def _generate(self, input_ids: Tensor, mode: str, max_new_tokens: int) -> Generation:
         check_mode(mode, self.draft is not None)
         self._check_model_settings()
         max_new_tokens = require_positive_int("max_new_tokens", max_new_tokens)
