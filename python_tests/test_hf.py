@@ -366,7 +366,9 @@ def test_reattaching_a_saved_model_whose_weights_changed_warns_of_its_old_cluste
     with pytest.warns(UserWarning, match="was built for other output weights than these") as caught:
         attach(reloaded)
         reloaded(torch.tensor([[3, 1, 4]]))
-    assert len([w for w in caught if "other output weights" in str(w.message)]) == 1  # once, not again at the first build
+    warned = [w for w in caught if "other output weights" in str(w.message)]
+    assert len(warned) == 1  # once, not again at the first build
+    assert warned[0].filename == __file__  # the caller's line, not the library's
     detach(reloaded)
     # Assets set on an attachment are compared with its weight too.
     attachment = attach(reloaded, _tiny_assets(reloaded))
@@ -386,8 +388,9 @@ def test_a_new_output_weight_for_the_attached_clustering_warns_unless_it_is_a_ca
         model.float()
     state = {"lm_head.weight": torch.randn(model.lm_head.weight.shape)}
     model.load_state_dict(state, strict=False, assign=True)  # a new Parameter of the same shape
-    with pytest.warns(UserWarning, match="clustering attached to this model was built for other output weights"):
+    with pytest.warns(UserWarning, match="clustering attached to this model was built for other output weights") as caught:
         model(prompt)
+    assert {w.filename for w in caught if "other output weights" in str(w.message)} == {__file__}
 
 
 def test_found_assets_that_no_longer_fit_the_model_name_where_they_were_found(tmp_path):
