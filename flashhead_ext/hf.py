@@ -10,7 +10,6 @@ Recorded hidden states (:func:`recorded_states`, :func:`calibration_states`) are
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import importlib.util
@@ -229,6 +228,18 @@ def _encode_prompts(tokenizer, texts: Sequence[str], **options):
     return tokenizer(list(texts), **options)
 
 
+def _left_padded(rows, pad_id: Optional[int], device) -> dict:
+    """``input_ids`` and ``attention_mask`` of token-id rows padded on the left with ``pad_id``:
+    generation appends on the right, so every row's last column must be real."""
+    rows = [torch.as_tensor(row, dtype=torch.int64).flatten() for row in rows]
+    width = max(row.numel() for row in rows)
+    ids = torch.full((len(rows), width), 0 if pad_id is None else pad_id, dtype=torch.int64)  # None: rows of one width
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - row.numel():], mask[i, width - row.numel():] = row, 1
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
 def _check_tokenizer(tokenizer) -> None:
     # A name or path (AutoTokenizer.from_pretrained's argument) passed for the tokenizer had failed
     # on a missing attribute deep inside the recording.
@@ -270,12 +281,9 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     found: dict[int, tuple[Tensor, Tensor]] = {}
     # generate() stops a sequence at the model's EOS ids, then pads it; a batch of one just stops.
     stops = torch.tensor(getattr(model.generation_config, "eos_token_id", None) or [], dtype=torch.int64).flatten()
-    if batch_size > 1:
-        # A copy padded for the run: set on the caller's, its settings changed under other threads using it.
-        tokenizer = copy.deepcopy(tokenizer)
-        tokenizer.padding_side = "left"  # generation appends on the right: the last column must be real
-        if lacks_pad:
-            tokenizer.pad_token = tokenizer.eos_token
+    # Padded here, not by the tokenizer: set to pad on the left, the caller's changed under other
+    # threads using it (and some tokenizers cannot be copied).
+    pad_id = tokenizer.eos_token_id if lacks_pad else getattr(tokenizer, "pad_token_id", None)
     captured: list[Tensor] = []
     recording = threading.get_ident()
 
@@ -287,8 +295,7 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     try:
         for batch in tqdm(batches, desc="dense greedy generation", disable=not progress):
             captured.clear()
-            padding = {"padding": True} if batch_size > 1 else {}
-            inputs = _encode_prompts(tokenizer, [prompts[i] for i in batch], return_tensors="pt", **padding).to(model.device)
+            inputs = _left_padded(_encode_prompts(tokenizer, [prompts[i] for i in batch])["input_ids"], pad_id, model.device)
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
             new = out[:, inputs["input_ids"].shape[1]:]
             # One head call per generated token: prefill's last position, then one per step.

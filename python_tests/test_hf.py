@@ -135,6 +135,28 @@ def test_recording_takes_neither_other_threads_forwards_nor_the_callers_tokenize
         assert torch.equal(one, other)
 
 
+def test_batched_recording_takes_a_tokenizer_that_cannot_be_copied():
+    # Some tokenizers (a custom Python pre-tokenizer) cannot be copied: the recording pads by itself.
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=1, pad_token_id=1)
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(config).eval()
+    tokenizer = char_tokenizer()
+
+    class Uncopyable(type(tokenizer)):
+        def __deepcopy__(self, memo):
+            raise TypeError("cannot copy this tokenizer")
+
+        __reduce_ex__ = __deepcopy__
+
+    tokenizer.__class__ = Uncopyable
+    prompts = ["one", "a longer second", "third prompt"]
+    single = record_hidden_states(model, tokenizer, prompts, 4, progress=False)
+    batched = record_hidden_states(model, tokenizer, prompts, 4, progress=False, batch_size=3)
+    assert torch.equal(single[1], batched[1])
+    torch.testing.assert_close(single[0], batched[0], rtol=1e-4, atol=1e-4)
+
+
 def test_batched_recording_matches_one_prompt_at_a_time():
     config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, eos_token_id=1, pad_token_id=1)
