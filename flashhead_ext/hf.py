@@ -511,15 +511,28 @@ class FlashHeadAttachment:
             return traced
         # A new weight object, dtype or device: what torch.compile can test while tracing (it
         # guards on them); a data pointer it cannot, so that test is left to eager calls.
+        if cached is None and torch.compiler.is_exporting():
+            raise RuntimeError("the attached FlashHead is built at its first call, which torch.export cannot trace (its "
+                               "checks read the weight's values): call model.flash_head.head() once before exporting "
+                               "a copied or unpickled model")
         if (cached is None or self._built_for is not weight or cached.embedding.dtype != weight.dtype
                 or cached.embedding.device != weight.device
                 or (not torch.compiler.is_compiling() and cached.embedding.data_ptr() != weight.data_ptr())):
             cached = self._rebuild()
+        elif weight is not self._fingerprint_checked_for and self._assets.embedding_fingerprint is not None:
+            self._compare_fingerprint(weight)  # a weight a conversion made (to_empty), compared once loaded
         cached.probes = self.probes
         return cached
 
+    @torch.compiler.disable  # reads the weight's values on the host
+    def _compare_fingerprint(self, weight: Tensor) -> None:
+        """Warns, once for each weight object, when ``weight`` is not the one the assets were clustered
+        for (load_state_dict(assign=True), a Parameter set)."""
+        warn_if_built_for_other_weights(self._assets.embedding_fingerprint, weight, "attached to this model")
+        self._fingerprint_checked_for = weight
+
     @torch.compiler.disable  # clustering tables are checked on the host: a graph break, once per change
-    def _rebuild(self) -> FlashHead:
+    def _rebuild(self, compare_fingerprint: bool = True) -> FlashHead:
         weight = self.linear.weight
         _check_head_dtype(weight)
         # Built outside inference mode, so a head first built inside it still serves forwards
@@ -531,10 +544,8 @@ class FlashHeadAttachment:
                 if tuple(weight.shape) == self._attached_shape:
                     raise
                 raise ValueError(f"{error}; {HEAD_CHANGED}") from error
-        if self._assets.embedding_fingerprint is not None and weight is not self._fingerprint_checked_for:
-            # A new weight object (load_state_dict(assign=True), a Parameter set): still the one clustered?
-            warn_if_built_for_other_weights(self._assets.embedding_fingerprint, weight, "attached to this model")
-            self._fingerprint_checked_for = weight
+        if compare_fingerprint and self._assets.embedding_fingerprint is not None and weight is not self._fingerprint_checked_for:
+            self._compare_fingerprint(weight)
         self._head, self._built_for = head, weight
         return head
 
@@ -546,10 +557,11 @@ class FlashHeadAttachment:
         converted = type(self.linear)._apply(self.linear, fn, *args, **kwargs)
         # Rebuilt now, eagerly: left to the next forward, a torch.compile(fullgraph=True) of the
         # converted model broke on the rebuild (host checks). Where the head cannot be built (a meta
-        # weight, a dtype it refuses), the next forward says why.
+        # weight, a dtype it refuses), the next forward says why. A new weight is compared with the
+        # clustering at that forward, not now: to_empty() leaves it without its values yet.
         if not self.linear.weight.is_meta:
             try:
-                self._rebuild()
+                self._rebuild(compare_fingerprint=False)
             except (TypeError, ValueError):
                 pass
         return converted

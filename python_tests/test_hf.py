@@ -1,4 +1,5 @@
 """Hugging Face helpers: output_embedding on tied and untied heads; the real SmolLM2 end to end."""
+import copy
 import gc
 import importlib.util
 import json
@@ -415,6 +416,28 @@ def test_a_new_output_weight_for_the_attached_clustering_warns_unless_it_is_a_ca
     assert {w.filename for w in caught if "other output weights" in str(w.message)} == {__file__}
 
 
+def test_an_attached_model_materialised_from_meta_compares_its_loaded_weight_not_the_empty_one(tmp_path, monkeypatch):
+    # to_empty() makes a new weight without values; the head rebuilt at the conversion compared
+    # that with the clustering and warned, then never compared the loaded weight.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    model = _tiny_llama(tied=False)
+    attach(model, cluster_size=4, iters=2, progress=False)
+    hidden = torch.randn(3, model.lm_head.in_features)
+    with torch.no_grad():
+        expected = model.lm_head(hidden)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.to("meta").to_empty(device="cpu")
+        model.load_state_dict(state)
+        with torch.no_grad():
+            torch.testing.assert_close(model.lm_head(hidden), expected, rtol=0, atol=0)
+    model.to("meta").to_empty(device="cpu")
+    model.load_state_dict({**state, "lm_head.weight": torch.randn_like(state["lm_head.weight"])})
+    with pytest.warns(UserWarning, match="clustering attached to this model was built for other output weights"):
+        model.lm_head(hidden)
+
+
 def test_found_assets_that_no_longer_fit_the_model_name_where_they_were_found(tmp_path):
     model = _tiny_llama(tied=False)
     model.save_pretrained(tmp_path)
@@ -823,6 +846,13 @@ def test_attached_model_exports_in_default_non_strict_mode():
         for batch in (ids, other[:, :5].repeat(1, 2)[:, :5]):
             _same_logits(exported.module()(batch), model(batch).logits)
     assert model.flash_head._built_for is model.lm_head.weight  # the export left the attachment's own head
+    # A copy builds its head at its first call, which export cannot trace: said, and head() first works.
+    copied = copy.deepcopy(model)
+    with pytest.raises(RuntimeError, match=r"call model.flash_head.head\(\) once before exporting"):
+        torch.export.export(_Logits(copied), (ids,))
+    copied.flash_head.head()
+    with torch.no_grad():
+        _same_logits(torch.export.export(_Logits(copied), (ids,)).module()(ids), model(ids).logits)
 
 
 def test_attached_model_compiles_on_weights_that_require_grad():
