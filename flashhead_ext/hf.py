@@ -175,14 +175,17 @@ def output_embedding(model: nn.Module) -> Tensor:
 
 def check_plain_output_head(model: nn.Module, role: str = "the model") -> None:
     """ValueError when ``model``'s output head computes more than ``hidden . embedding``, all that
-    FlashHead and DenseHead score, so their tokens would not be the model's own: a bias (Phi), or an
-    nn.Linear subclass with a forward of its own (Dory's per-token logit scales, Idefics' extra
-    token columns)."""
+    FlashHead and DenseHead score, so their tokens would not be the model's own: a module other than
+    nn.Linear (peft's LoRA layer), a bias (Phi), or an nn.Linear subclass with a forward of its own
+    (Dory's per-token logit scales, Idefics' extra token columns)."""
     head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
+    if not isinstance(head, nn.Linear):  # a wrapper's own forward (peft's LoRA layers add a low-rank term)
+        raise ValueError(f"{role}'s output head is a {type(head).__name__}, not an nn.Linear; FlashHead and DenseHead "
+                         "score plain linear heads only")
+    if head.bias is not None:
         raise ValueError(f"{role}'s output head has a bias; FlashHead and DenseHead score bias-free heads only")
     # The class's forward: an instance's own (accelerate's hooks) wraps the class's and is no sign.
-    if isinstance(head, nn.Linear) and type(head).forward is not nn.Linear.forward:
+    if type(head).forward is not nn.Linear.forward:
         raise ValueError(f"{role}'s output head is a {type(head).__name__}, whose forward is its own, not nn.Linear's "
                          "hidden . weight; FlashHead and DenseHead score plain linear heads only")
 

@@ -495,6 +495,21 @@ def test_fast_runner_is_exact_in_every_mode(arch, mode):
             break
 
 
+def test_from_hf_refuses_an_output_head_that_is_more_than_its_weight():
+    # The decoder computes hidden . weight: a head with its own forward decoded other tokens without a word.
+    model = copy.deepcopy(hf_model("llama"))
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, hidden):
+            return super().forward(hidden) * torch.linspace(0.5, 2.0, self.out_features, dtype=hidden.dtype)
+
+    scaled = Scaled(model.lm_head.in_features, model.lm_head.out_features, bias=False, dtype=model.lm_head.weight.dtype)
+    scaled.weight = model.lm_head.weight
+    model.lm_head = scaled
+    with pytest.raises(ValueError, match="model's output head is a Scaled, whose forward is its own"):
+        Decoder.from_hf(model, max_len=16)
+
+
 def test_a_generation_while_another_thread_generates_with_the_same_driver_or_models_is_refused():
     # Both ran over one set of caches and buffers: wrong tokens without an error.
     import threading

@@ -490,6 +490,16 @@ class _PerTokenScaledHead(torch.nn.Linear):
         return super().forward(hidden) * torch.linspace(0.5, 2.0, self.out_features)
 
 
+class _LowRankAdapted(torch.nn.Module):
+    def __init__(self, base):
+        super().__init__()
+        self.base, self.down, self.up = base, torch.nn.Linear(base.in_features, 2, bias=False), torch.nn.Linear(2, base.out_features, bias=False)
+        self.weight = base.weight
+
+    def forward(self, hidden):
+        return self.base(hidden) + self.up(self.down(hidden))
+
+
 def test_drafts_the_heads_cannot_serve_are_refused():
     # An output-head bias: the heads score hidden . embedding only, so their tokens would not be the
     # draft's own (a model drafting for itself would accept nothing).
@@ -507,6 +517,11 @@ def test_drafts_the_heads_cannot_serve_are_refused():
     scaled.lm_head = _PerTokenScaledHead(scaled.lm_head.in_features, VOCAB, bias=False)
     for make in (lambda: SpeculativeDecoder(biased, scaled), lambda: make_draft_head("dense", scaled)):
         with pytest.raises(ValueError, match="draft's output head is a _PerTokenScaledHead, whose forward is its own"):
+            make()
+    # Nor is a wrapper that is no nn.Linear but shows a weight (peft's LoRA layer adds a low-rank term).
+    scaled.lm_head = _LowRankAdapted(scaled.lm_head)
+    for make in (lambda: SpeculativeDecoder(biased, scaled), lambda: make_draft_head("dense", scaled)):
+        with pytest.raises(ValueError, match="draft's output head is a _LowRankAdapted, not an nn.Linear"):
             make()
     # A recurrent state cannot be cut back to the accepted tokens: named, not an IndexError mid-generation.
     recurrent = transformers.MambaForCausalLM(transformers.MambaConfig(

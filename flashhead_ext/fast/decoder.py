@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import ops
-from ..hf import greedy_logit_settings, uncompiled
+from ..hf import check_plain_output_head, greedy_logit_settings, uncompiled
 
 # SmolLM2 is a Llama; Qwen2 (and 2.5) adds biases to q, k and v; Qwen3 RMSNorm on q and k; Gemma-3
 # (text) also GELU, norms on the attention's and the MLP's outputs, scaled embeddings and
@@ -478,6 +478,8 @@ class Decoder:
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "state_dict"):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
+        if hasattr(model, "get_output_embeddings"):  # the decoder computes hidden . weight, nothing else
+            check_plain_output_head(model)
         attachment = getattr(model, "flash_head", None)
         if attachment is not None and attachment.enabled:
             # Else the two drivers would silently disagree: the eager one decodes through the attachment.
