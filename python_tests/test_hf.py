@@ -110,13 +110,18 @@ def test_attach_routes_next_token_choice_through_flashhead():
     torch.testing.assert_close(model(torch.tensor([[3, 1, 4, 1, 5]])).logits, dense_logits)
 
 
+def _recording_llama(seed: int):
+    """A 1-layer Llama over char_tokenizer's 97 ids, its EOS and pad token id 1."""
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=1, pad_token_id=1)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
 def test_recording_takes_neither_other_threads_forwards_nor_the_callers_tokenizer_settings():
     # The recording's hook captured every forward through the model, another thread's serving too,
     # and it padded with the caller's tokenizer set to left padding, under that thread's feet.
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=1, pad_token_id=1)
-    torch.manual_seed(2)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = _recording_llama(seed=2)
     tokenizer = char_tokenizer()
     prompts = ["a", "a much longer prompt", "mid size"]
     alone = record_hidden_states(model, tokenizer, prompts, 5, progress=False, batch_size=2)
@@ -138,10 +143,7 @@ def test_recording_takes_neither_other_threads_forwards_nor_the_callers_tokenize
 
 def test_batched_recording_takes_a_tokenizer_that_cannot_be_copied():
     # Some tokenizers (a custom Python pre-tokenizer) cannot be copied: the recording pads by itself.
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=1, pad_token_id=1)
-    torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = _recording_llama(seed=3)
     tokenizer = char_tokenizer()
 
     class Uncopyable(type(tokenizer)):
@@ -159,10 +161,7 @@ def test_batched_recording_takes_a_tokenizer_that_cannot_be_copied():
 
 
 def test_batched_recording_matches_one_prompt_at_a_time():
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=1, pad_token_id=1)
-    torch.manual_seed(1)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = _recording_llama(seed=1)
     tokenizer = char_tokenizer()
     prompts = ["a", "a much longer prompt", "mid size", "x y z", "the last one"]
     single = record_hidden_states(model, tokenizer, prompts, 7, progress=False)
