@@ -179,6 +179,9 @@ def check_plain_output_head(model: nn.Module, role: str = "the model") -> None:
     nn.Linear (peft's LoRA layer), a bias (Phi), or an nn.Linear subclass with a forward of its own
     (Dory's per-token logit scales, Idefics' extra token columns)."""
     head = model.get_output_embeddings()
+    if head is None:  # no head to score (a bare body): output_embedding says so where one is needed
+        return
+    head = uncompiled(head)  # torch.compile(lm_head) keeps its forward
     if not isinstance(head, nn.Linear):  # a wrapper's own forward (peft's LoRA layers add a low-rank term)
         raise ValueError(f"{role}'s output head is a {type(head).__name__}, not an nn.Linear; FlashHead and DenseHead "
                          "score plain linear heads only")
@@ -522,8 +525,9 @@ class FlashHeadAttachment:
                 or cached.embedding.device != weight.device
                 or (not torch.compiler.is_compiling() and cached.embedding.data_ptr() != weight.data_ptr())):
             cached = self._rebuild()
-        elif weight is not self._fingerprint_checked_for and self._assets.embedding_fingerprint is not None:
-            self._compare_fingerprint(weight)  # a weight a conversion made (to_empty), compared once loaded
+        elif (weight is not self._fingerprint_checked_for and self._assets.embedding_fingerprint is not None
+              and not torch.compiler.is_compiling()):  # a graph break: left to an eager call
+            self._compare_fingerprint(weight)  # a weight to_empty() made, compared once loaded
         cached.probes = self.probes
         return cached
 
@@ -556,12 +560,22 @@ class FlashHeadAttachment:
         """The output head's ``_apply``, which the model's ``to()``, ``cpu()``, ``half()``... call: the
         head built over the old weight is dropped with it, so its memory is freed now, not at the
         next forward."""
+        weight = self.linear.weight
+        if (not weight.is_meta and weight is not self._fingerprint_checked_for
+                and self._assets.embedding_fingerprint is not None):
+            # A new weight (load_state_dict(assign=True), a Parameter set) is compared before the
+            # conversion, while it has its values (a meta one has none: to_empty() gives it memory,
+            # compared at the next eager call, once loaded), and before anything is converted.
+            self._compare_fingerprint(weight)
         self._head = self._built_for = None
         converted = type(self.linear)._apply(self.linear, fn, *args, **kwargs)
+        if self._fingerprint_checked_for is weight and not weight.is_meta and not self.linear.weight.is_meta:
+            # Its conversion: a new object where torch replaces parameters (not to or from meta,
+            # where the values are lost)
+            self._fingerprint_checked_for = self.linear.weight
         # Rebuilt now, eagerly: left to the next forward, a torch.compile(fullgraph=True) of the
         # converted model broke on the rebuild (host checks). Where the head cannot be built (a meta
-        # weight, a dtype it refuses), the next forward says why. A new weight is compared with the
-        # clustering at that forward, not now: to_empty() leaves it without its values yet.
+        # weight, a dtype it refuses), the next forward says why.
         if not self.linear.weight.is_meta:
             try:
                 self._rebuild(compare_fingerprint=False)

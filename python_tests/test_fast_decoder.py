@@ -508,6 +508,10 @@ def test_from_hf_refuses_an_output_head_that_is_more_than_its_weight():
     model.lm_head = scaled
     with pytest.raises(ValueError, match="model's output head is a Scaled, whose forward is its own"):
         Decoder.from_hf(model, max_len=16)
+    # A body without a head of its own (tied: its embedding serves) has nothing to refuse.
+    body = copy.deepcopy(hf_model("llama"))
+    body.config.tie_word_embeddings = True
+    Decoder.from_hf(transformers.LlamaModel(body.config), max_len=16)
 
 
 def test_a_generation_while_another_thread_generates_with_the_same_driver_or_models_is_refused():

@@ -822,6 +822,13 @@ def test_attached_model_converted_after_attach_compiles_in_one_graph():
         model = _attached_tiny_llama_compilable(ids).to(torch.bfloat16)
         compiled = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
         _same_logits(compiled, model(ids).logits)
+        # A new weight object (a checkpoint loaded with assign=True) is compared with the clustering at
+        # the conversion, not inside the compiled call.
+        model.load_state_dict({name: tensor.clone() for name, tensor in model.state_dict().items()}, assign=True)
+        model.float()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
+        _same_logits(compiled, model(ids).logits)
 
 
 class _Logits(torch.nn.Module):

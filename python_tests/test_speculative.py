@@ -518,6 +518,10 @@ def test_drafts_the_heads_cannot_serve_are_refused():
     for make in (lambda: SpeculativeDecoder(biased, scaled), lambda: make_draft_head("dense", scaled)):
         with pytest.raises(ValueError, match="draft's output head is a _PerTokenScaledHead, whose forward is its own"):
             make()
+    # A compiled head keeps nn.Linear's forward: accepted.
+    compiled_head = copy.deepcopy(tiny_model("llama"))
+    compiled_head.lm_head = torch.compile(compiled_head.lm_head)
+    assert isinstance(make_draft_head("dense", compiled_head), DenseHead)
     # Nor is a wrapper that is no nn.Linear but shows a weight (peft's LoRA layer adds a low-rank term).
     scaled.lm_head = _LowRankAdapted(scaled.lm_head)
     for make in (lambda: SpeculativeDecoder(biased, scaled), lambda: make_draft_head("dense", scaled)):
