@@ -4,6 +4,9 @@ Ids must match exactly on the CPU; on CUDA (another summation order) exactly whe
 reference has no near-tie (see helpers.check_*). Integer-valued inputs make the arithmetic exact on
 every device: there ids must match exactly everywhere, ties included.
 """
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -104,6 +107,30 @@ def test_candidate_logits_in_row_blocks():
     candidates = torch.randint(-1, V, (B, width), generator=g, dtype=torch.int32)
     got = ops.candidate_logits(hidden, embedding, candidates)
     torch.testing.assert_close(got, ref.candidate_logits(hidden, embedding, candidates), rtol=1e-5, atol=1e-4)
+
+
+_PEAK_MEMORY_OF_CANDIDATE_LOGITS = """
+import resource, torch
+from flashhead_ext import ops
+g = torch.Generator().manual_seed(5)
+B, width, D = 256, 4096, 512  # at once: 256 x 4096 rows of 512 floats, 2.1 GB
+embedding, hidden = torch.randn(5003, D, generator=g), torch.randn(B, D, generator=g)
+candidates = torch.randint(-1, 5003, (B, width), generator=g, dtype=torch.int32)
+ops.candidate_logits(hidden[:1], embedding, candidates[:1])  # loads what a first call loads
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+logits = ops.candidate_logits(hidden, embedding, candidates)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024, bool(torch.isfinite(logits).any()))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss in kilobytes is Linux's")
+def test_candidate_logits_row_blocks_bound_its_memory():
+    # Its peak, in a process of its own: the gathered rows of a whole call at once were 2.1 GB here.
+    run = subprocess.run([sys.executable, "-c", _PEAK_MEMORY_OF_CANDIDATE_LOGITS], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    peak, finite = run.stdout.split()
+    assert finite == "True" and int(peak) < 400e6, f"candidate_logits raised the peak resident memory by {int(peak) / 1e6:.0f} MB"
 
 
 @device_params
