@@ -405,6 +405,10 @@ def _check_head_dtype(weight: Tensor) -> None:
                         "float32 weights: cast the model (e.g. model.float()) or detach(model)")
 
 
+# torch.compiler.is_exporting arrived in torch 2.6 or 2.7; before it, exports take the eager path.
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
 class FlashHeadAttachment:
     """What :func:`attach` puts on a model (as ``model.flash_head``): the output head's new forward.
 
@@ -506,7 +510,7 @@ class FlashHeadAttachment:
 
     def head(self) -> FlashHead:
         weight, cached = self.linear.weight, self._head
-        if (cached is not None and torch.compiler.is_exporting() and weight is not self._built_for
+        if (cached is not None and _is_exporting() and weight is not self._built_for
                 and (cached.embedding.shape, cached.embedding.dtype, cached.embedding.device)
                 == (weight.shape, weight.dtype, weight.device)):
             # torch.export's default (non-strict) tracing runs this code over stand-ins for the
@@ -517,7 +521,7 @@ class FlashHeadAttachment:
             return traced
         # A new weight object, dtype or device: what torch.compile can test while tracing (it
         # guards on them); a data pointer it cannot, so that test is left to eager calls.
-        if cached is None and torch.compiler.is_exporting():
+        if cached is None and _is_exporting():
             raise RuntimeError("the attached FlashHead is built at its first call, which torch.export cannot trace (its "
                                "checks read the weight's values): call model.flash_head.head() once before exporting "
                                "a copied or unpickled model")
