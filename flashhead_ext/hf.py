@@ -225,13 +225,14 @@ def _uses_chat_template(tokenizer) -> bool:
     return getattr(tokenizer, "chat_template", "") is not None
 
 
-def _encode_prompts(tokenizer, texts: Sequence[str], **options):
-    """The model's input for each prompt: one user turn in the tokenizer's chat template, the plain
-    text when it has none. What :func:`record_hidden_states` feeds the model and what keys its cache."""
+def _encode_prompts(tokenizer, texts: Sequence[str]):
+    """The model's input for each prompt, unpadded: one user turn in the tokenizer's chat template,
+    the plain text when it has none. What :func:`record_hidden_states` feeds the model and what keys
+    its cache."""
     if _uses_chat_template(tokenizer):
         return tokenizer.apply_chat_template([[{"role": "user", "content": text}] for text in texts],
-                                             add_generation_prompt=True, return_dict=True, **options)
-    return tokenizer(list(texts), **options)
+                                             add_generation_prompt=True, return_dict=True)
+    return tokenizer(list(texts))
 
 
 def _left_padded(rows, pad_id: Optional[int], device) -> dict:
@@ -519,21 +520,25 @@ class FlashHeadAttachment:
             traced = cached._over_embedding(weight.detach())
             traced.probes = self.probes
             return traced
-        # A new weight object, dtype or device: what torch.compile can test while tracing (it
-        # guards on them); a data pointer it cannot, so that test is left to eager calls.
         if cached is None and _is_exporting():
             raise RuntimeError("the attached FlashHead is built at its first call, which torch.export cannot trace (its "
                                "checks read the weight's values): call model.flash_head.head() once before exporting "
                                "a copied or unpickled model")
+        # A new weight object, dtype or device: what torch.compile can test while tracing (it
+        # guards on them); a data pointer it cannot, so that test is left to eager calls.
         if (cached is None or self._built_for is not weight or cached.embedding.dtype != weight.dtype
                 or cached.embedding.device != weight.device
                 or (not torch.compiler.is_compiling() and cached.embedding.data_ptr() != weight.data_ptr())):
             cached = self._rebuild()
-        elif (weight is not self._fingerprint_checked_for and self._assets.embedding_fingerprint is not None
-              and not torch.compiler.is_compiling()):  # a graph break: left to an eager call
+        elif self._fingerprint_unchecked(weight) and not torch.compiler.is_compiling():  # a graph break: left to eager
             self._compare_fingerprint(weight)  # a weight to_empty() made, compared once loaded
         cached.probes = self.probes
         return cached
+
+    def _fingerprint_unchecked(self, weight: Tensor) -> bool:
+        """Whether ``weight`` is a weight object the assets' fingerprint (if they have one) has not
+        been compared with yet."""
+        return self._assets.embedding_fingerprint is not None and weight is not self._fingerprint_checked_for
 
     @torch.compiler.disable  # reads the weight's values on the host
     def _compare_fingerprint(self, weight: Tensor) -> None:
@@ -555,7 +560,7 @@ class FlashHeadAttachment:
                 if tuple(weight.shape) == self._attached_shape:
                     raise
                 raise ValueError(f"{error}; {HEAD_CHANGED}") from error
-        if compare_fingerprint and self._assets.embedding_fingerprint is not None and weight is not self._fingerprint_checked_for:
+        if compare_fingerprint and self._fingerprint_unchecked(weight):
             self._compare_fingerprint(weight)
         self._head, self._built_for = head, weight
         return head
@@ -565,8 +570,7 @@ class FlashHeadAttachment:
         head built over the old weight is dropped with it, so its memory is freed now, not at the
         next forward."""
         weight = self.linear.weight
-        if (not weight.is_meta and weight is not self._fingerprint_checked_for
-                and self._assets.embedding_fingerprint is not None):
+        if not weight.is_meta and self._fingerprint_unchecked(weight):
             # A new weight (load_state_dict(assign=True), a Parameter set) is compared before the
             # conversion, while it has its values (a meta one has none: to_empty() gives it memory,
             # compared at the next eager call, once loaded), and before anything is converted.

@@ -129,13 +129,17 @@ def _per_prompt(value: Tensor, prompt_index: Tensor) -> tuple[Tensor, Tensor]:
     return torch.bincount(prompt, weights=value.double(), minlength=count), torch.bincount(prompt, minlength=count).double()
 
 
-def prompt_interval(value: Tensor, prompt_index: Tensor, resamples: int = 2000, seed: int = 0) -> list:
-    """A 95% interval of ``value``'s mean by a bootstrap over its prompts (a prompt's tokens are not
-    independent draws), seeded."""
-    sums, counts = _per_prompt(value, prompt_index)
+def _bootstrap_interval(sums: Tensor, counts: Tensor, resamples: int, seed: int) -> list:
+    """A 95% interval of ``sums.sum() / counts.sum()`` by resampling the prompts (their entries), seeded."""
     picks = torch.randint(0, counts.numel(), (resamples, counts.numel()), generator=torch.Generator().manual_seed(seed))
     means = sums[picks].sum(1) / counts[picks].sum(1)
     return torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+
+
+def prompt_interval(value: Tensor, prompt_index: Tensor, resamples: int = 2000, seed: int = 0) -> list:
+    """A 95% interval of ``value``'s mean by a bootstrap over its prompts (a prompt's tokens are not
+    independent draws), seeded."""
+    return _bootstrap_interval(*_per_prompt(value, prompt_index), resamples, seed)
 
 
 def prompt_level(hit: Tensor, prompt_index: Tensor, resamples: int = 2000, seed: int = 0) -> tuple[float, list]:
@@ -143,7 +147,7 @@ def prompt_level(hit: Tensor, prompt_index: Tensor, resamples: int = 2000, seed:
     without a miss (one miss changes all a greedy decode emits after it), and
     :func:`prompt_interval` of the token agreement."""
     hits, tokens = _per_prompt(hit, prompt_index)
-    return float((hits == tokens).double().mean()), prompt_interval(hit, prompt_index, resamples, seed)
+    return float((hits == tokens).double().mean()), _bootstrap_interval(hits, tokens, resamples, seed)
 
 
 def flash_tokens(head: FlashHead, hidden: Tensor, rows_per_chunk: int = 4) -> Tensor:
