@@ -520,3 +520,10 @@ def check_no_backward(op: str, call, args: dict, grad_input: str, output: int = 
     assert got.requires_grad and torch.equal(got.detach(), expected), op
     with pytest.raises(RuntimeError, match=f"derivative for flashhead::{op} is not implemented"):
         got.float().sum().backward()
+
+
+class PerTokenScaledHead(torch.nn.Linear):
+    """An output head that scales each token's logit (as transformers' Dory does): not hidden . weight."""
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return super().forward(hidden) * torch.linspace(0.5, 2.0, self.out_features, dtype=hidden.dtype)

@@ -31,7 +31,7 @@ from flashhead_ext.fast.decoder import BODIES
 from flashhead_ext.speculative import MODES
 from flashhead_ext.speculative.runner import plan_configs, run_interleaved, summarize
 from helpers import one_thread  # noqa: F401  (an autouse fixture)
-from helpers import DEVICES, TWO_GPUS, check_counters, greedy_tokens, random_partition, random_prompt
+from helpers import DEVICES, TWO_GPUS, PerTokenScaledHead, check_counters, greedy_tokens, random_partition, random_prompt
 
 transformers = pytest.importorskip("transformers")
 
@@ -498,15 +498,10 @@ def test_fast_runner_is_exact_in_every_mode(arch, mode):
 def test_from_hf_refuses_an_output_head_that_is_more_than_its_weight():
     # The decoder computes hidden . weight: a head with its own forward decoded other tokens without a word.
     model = copy.deepcopy(hf_model("llama"))
-
-    class Scaled(torch.nn.Linear):
-        def forward(self, hidden):
-            return super().forward(hidden) * torch.linspace(0.5, 2.0, self.out_features, dtype=hidden.dtype)
-
-    scaled = Scaled(model.lm_head.in_features, model.lm_head.out_features, bias=False, dtype=model.lm_head.weight.dtype)
+    scaled = PerTokenScaledHead(model.lm_head.in_features, model.lm_head.out_features, bias=False, dtype=model.lm_head.weight.dtype)
     scaled.weight = model.lm_head.weight
     model.lm_head = scaled
-    with pytest.raises(ValueError, match="model's output head is a Scaled, whose forward is its own"):
+    with pytest.raises(ValueError, match="model's output head is a PerTokenScaledHead, whose forward is its own"):
         Decoder.from_hf(model, max_len=16)
     # A body without a head of its own (tied: its embedding serves) has nothing to refuse.
     body = copy.deepcopy(hf_model("llama"))

@@ -19,7 +19,7 @@ from flashhead_ext.assets import CONFIG_NAME, FlashHeadAssets, save_assets
 from flashhead_ext.clustering import build_clusters
 from flashhead_ext import hf
 from flashhead_ext.hf import attach, detach, output_embedding, record_hidden_states
-from helpers import DEVICES
+from helpers import DEVICES, PerTokenScaledHead
 
 transformers = pytest.importorskip("transformers")
 
@@ -573,13 +573,6 @@ def test_attach_bad_input(tmp_path):
         attach(model, _tiny_assets(model))
 
 
-class _ScaledHead(torch.nn.Linear):
-    """A head that scales each token's logit (as transformers' Dory does): not hidden . weight."""
-
-    def forward(self, hidden):
-        return super().forward(hidden) * torch.linspace(0.5, 2.0, self.out_features)
-
-
 def test_a_second_attach_while_another_thread_builds_the_clustering_is_refused(monkeypatch, tmp_path):
     # The second attach saw no flash_head during the first one's clustering: both attached, and
     # after detach the model still decoded through FlashHead, with no way to detach it.
@@ -617,10 +610,10 @@ def test_attach_refuses_a_linear_subclass_with_its_own_forward():
     # Attached, its forward was replaced by hidden . weight, and detached-by-enabled=False too: the
     # scales were dropped without a word.
     model = _tiny_llama(tied=False)
-    scaled = _ScaledHead(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+    scaled = PerTokenScaledHead(model.lm_head.in_features, model.lm_head.out_features, bias=False)
     scaled.weight = model.lm_head.weight
     model.lm_head = scaled
-    with pytest.raises(ValueError, match="output head is a _ScaledHead, whose forward is its own"):
+    with pytest.raises(ValueError, match="output head is a PerTokenScaledHead, whose forward is its own"):
         attach(model, _tiny_assets(model))
     assert not hasattr(model, "flash_head") and "forward" not in model.lm_head.__dict__
 

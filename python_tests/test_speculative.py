@@ -24,7 +24,7 @@ from flashhead_ext.hf import greedy_logit_settings
 from flashhead_ext.speculative.driver import Generation, GenerationStats, cache_keyword, eos_ids
 from flashhead_ext.speculative.runner import plan_configs, run_interleaved, summarize
 from helpers import one_thread  # noqa: F401  (an autouse fixture)
-from helpers import check_counters, greedy_tokens, random_partition, random_prompt
+from helpers import PerTokenScaledHead, check_counters, greedy_tokens, random_partition, random_prompt
 
 transformers = pytest.importorskip("transformers")
 
@@ -485,11 +485,6 @@ def test_bad_inputs_name_the_argument():
         SpeculativeDecoder(target, copy.deepcopy(target).to("meta"))
 
 
-class _PerTokenScaledHead(torch.nn.Linear):
-    def forward(self, hidden):
-        return super().forward(hidden) * torch.linspace(0.5, 2.0, self.out_features)
-
-
 class _LowRankAdapted(torch.nn.Module):
     def __init__(self, base):
         super().__init__()
@@ -514,9 +509,9 @@ def test_drafts_the_heads_cannot_serve_are_refused():
     SpeculativeDecoder(biased).generate(prompt(0), mode="baseline", max_new_tokens=3)  # a biased target alone is fine
     # A head whose class computes its own logits (per-token scales here) is not hidden . embedding either.
     scaled = copy.deepcopy(biased)
-    scaled.lm_head = _PerTokenScaledHead(scaled.lm_head.in_features, VOCAB, bias=False)
+    scaled.lm_head = PerTokenScaledHead(scaled.lm_head.in_features, VOCAB, bias=False)
     for make in (lambda: SpeculativeDecoder(biased, scaled), lambda: make_draft_head("dense", scaled)):
-        with pytest.raises(ValueError, match="draft's output head is a _PerTokenScaledHead, whose forward is its own"):
+        with pytest.raises(ValueError, match="draft's output head is a PerTokenScaledHead, whose forward is its own"):
             make()
     # A compiled head keeps nn.Linear's forward: accepted.
     compiled_head = copy.deepcopy(tiny_model("llama"))
