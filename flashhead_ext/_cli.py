@@ -172,13 +172,15 @@ def positive_int_list(text: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def choices_list(parser: argparse.ArgumentParser, names: str, choices, what: str) -> list:
-    """The comma list ``names``, each one of ``choices`` (a parser error names the bad one); a
-    repeated name runs once."""
+def choices_list(parser: argparse.ArgumentParser, names: str, choices, what: str, other=None, other_help: str = "") -> list:
+    """The comma list ``names``, each one of ``choices`` or a name ``other`` accepts (a parser
+    error names the bad one and what is taken: ``choices``, or ``other_help``); a repeated name
+    runs once."""
+    taken = f"{sorted(choices)}" + (f" or {other_help}" if other_help else "")
     picked = [name for name in names.split(",") if name]
     if not picked:
-        parser.error(f"no {what} given; choose from {sorted(choices)}")
+        parser.error(f"no {what} given; choose from {taken}")
     for name in picked:
-        if name not in choices:
-            parser.error(f"unknown {what} {name!r}; choose from {sorted(choices)}")
+        if name not in choices and not (other is not None and other(name)):
+            parser.error(f"unknown {what} {name!r}; choose from {taken}")
     return list(dict.fromkeys(picked))

@@ -47,6 +47,32 @@ def test_head_bench_cli_with_special_tokens(tmp_path, capsys):
     assert all(r["call_bytes"] is None for r in rows)
 
 
+def test_head_bench_times_a_head_of_ones_own(tmp_path):
+    # VOCABxDIMxCLUSTER_SIZE: 3001 tokens of 48 dimensions in 376 clusters of 8, the last padded.
+    out = tmp_path / "head.json"
+    assert main(["head", "--shapes", "3001x48x8,tiny", "--device", "cpu", "--dtype", "fp32", "--probes", "5,500",
+                 "--batches", "2", "--samples", "2", "--calls", "2", "--impls", "dense,flash_greedy", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    own = [r for r in rows if r["shape"] == "3001x48x8"]
+    # The first shape gets the sweeps: 500 probes capped at its 376 clusters, the batch at 256 probes.
+    assert {(r["batch"], r["probes"]) for r in own} == {(1, 5), (1, 376), (2, 256)}
+    greedy = next(r for r in own if r["impl"] == "flash_greedy" and r["probes"] == 5)
+    assert greedy["kept_bytes"] == 376 * 48 * 4 + 376 * 8 * 4
+    dense = next(r for r in own if r["impl"] == "dense" and r["probes"] == 5)
+    assert dense["floor_bytes"] == 3001 * 48 * 4 + 48 * 4
+    assert {r["shape"] for r in rows} == {"3001x48x8", "tiny"}
+    # Clusters of 16 unless given.
+    from flashhead_ext.bench.head import shape_of
+    assert (shape_of("49152x576").num_clusters, shape_of("49152x576x32").num_clusters) == (3072, 1536)
+
+
+def test_clusters_bench_builds_a_head_of_ones_own(tmp_path):
+    out = tmp_path / "clusters.json"
+    assert main(["clusters", "--shapes", "301x16x8", "--iters", "2", "--device", "cpu", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["shape"], row["vocab"], row["dim"], row["clusters"], row["equal_sizes"]) == ("301x16x8", 301, 16, 38, True)
+
+
 def test_floor_reads_a_cluster_chosen_by_several_rows_once():
     shape = SHAPES["tiny"]
     state = HeadState(shape, torch.float32, "cpu", max_batch=3, copies=2)
@@ -114,11 +140,15 @@ def test_summary_names_a_baseline_that_was_not_run():
     add_ratios(rows)
     assert "3.00x torch_flash (goal >= 4)" in summary(rows, "qwen3-0.6b")
     assert "flash_greedy_fp8 16.8 us, 5.00x dense" in summary(rows, "qwen3-0.6b")
-    assert "nothing to compare" in summary([dict(r, mode="eager") for r in rows], "qwen3-0.6b")
-    # A batch sweep at other probes, without the goals' point, says that point is missing.
+    assert "nothing to summarize" in summary([dict(r, mode="eager") for r in rows], "qwen3-0.6b")
+    # A batch sweep at other probes, without the summary's point, says that point is missing.
     elsewhere = [dict(r, probes=593) for r in rows]
-    assert "the goals' point, qwen3-0.6b B=1 p=256 graph-replayed, was not run" in summary(elsewhere, "qwen3-0.6b", 593)
+    assert "the summary's point, qwen3-0.6b B=1 p=256 graph-replayed, was not run" in summary(elsewhere, "qwen3-0.6b", 593)
     assert "was not run" not in summary(rows, "qwen3-0.6b")
+    # The goals are Qwen3-0.6B's head's: another head's summary has the same numbers and no goals.
+    other = [dict(r, shape="32000x4096") for r in rows]
+    assert "4.00x dense," in summary(other, "32000x4096") and "goal" not in summary(other, "32000x4096")
+    assert "32000x4096 B=1 p=256 graph: flash_greedy 21.0 us, 4.00x dense, 3.00x torch_flash" in summary(other, "32000x4096")
 
 
 def test_summary_finds_where_dense_wins_at_the_batch_sweeps_probes():
@@ -182,6 +212,10 @@ def test_head_bench_times_a_capped_probes_value_once(tmp_path):
     (["head", "--modes", "foo"], "unknown mode 'foo'"),
     (["head", "--modes", "graph"], "--modes graph needs a CUDA device"),
     (["head", "--shapes", ","], "no shape given"),
+    *[([bench, "--shapes", f"tiny,{shape}"], f"unknown shape {shape!r}; choose from {presets} or VOCABxDIM or VOCABxDIMxCLUSTER_SIZE, "
+                                              "positive integers")
+      for bench, presets in (("head", "['gemma3-1b', 'llama3', 'qwen3-0.6b', 'tiny']"), ("clusters", "['qwen3-0.6b', 'smollm2', 'tiny']"))
+      for shape in ("0x64", "4000x0", "4000x64x0", "4000x64x", "4000X64", "4000x64x8x2", "-4000x64")],
     (["clusters", "--iters", "0"], "argument --iters: expected a positive integer"),
     (["clusters", "--device", "meta"], "argument --device: 'meta' holds no values"),
     (["draft-step", "--context", "0"], "argument --context: expected a positive integer"),
@@ -232,9 +266,11 @@ def test_model_shapes_on_the_cpu_say_they_take_minutes(monkeypatch, capsys):
 
     monkeypatch.setattr(bench_head, "run", lambda *args: 0)  # the note, not minutes of CPU timing
     assert main(["head", "--shapes", "tiny,qwen3-0.6b", "--device", "cpu"]) == 0
-    assert "on the CPU the model shapes (qwen3-0.6b) take minutes; --shapes tiny is quick" in capsys.readouterr().out
-    assert main(["head", "--shapes", "tiny", "--device", "cpu"]) == 0
+    assert "on the CPU the large shapes (qwen3-0.6b) take minutes; --shapes tiny is quick" in capsys.readouterr().out
+    assert main(["head", "--shapes", "tiny,3001x48", "--device", "cpu"]) == 0
     assert "take minutes" not in capsys.readouterr().out
+    assert main(["head", "--shapes", "49152x576", "--device", "cpu"]) == 0
+    assert "the large shapes (49152x576) take minutes" in capsys.readouterr().out
 
 
 def test_a_value_named_twice_in_a_comma_list_runs_once():

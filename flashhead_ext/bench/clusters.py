@@ -13,12 +13,13 @@ import time
 
 import torch
 
-from .._cli import DefaultsHelpFormatter, choices_list, device_arg, doc_summary, output_file, positive_int, write_output
+from .._cli import DefaultsHelpFormatter, device_arg, doc_summary, output_file, positive_int, write_output
 from ..clustering import build_clusters
+from .head import SHAPES_HELP, VocabShape, shape_list, shape_of
 from .timing import format_table, run_metadata
 
-# (vocab, hidden_dim, clusters) of the heads issue 4 names.
-SHAPES = {"qwen3-0.6b": (151936, 1024, 9496), "smollm2": (49152, 576, 3072), "tiny": (2000, 32, 125)}
+# The heads issue 4 names, in clusters of 16: 9,496 and 3,072 of them.
+SHAPES = {"qwen3-0.6b": VocabShape(151936, 1024), "smollm2": VocabShape(49152, 576), "tiny": VocabShape(2000, 32)}
 
 
 def correlated_embedding(vocab: int, dim: int, gen: torch.Generator, device: str, rank: int = 64) -> torch.Tensor:
@@ -29,23 +30,25 @@ def correlated_embedding(vocab: int, dim: int, gen: torch.Generator, device: str
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench clusters", description=doc_summary(__doc__),
                                      formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--shapes", default="qwen3-0.6b,smollm2", help=f"comma list of {sorted(SHAPES)}")
+    parser.add_argument("--shapes", default="qwen3-0.6b,smollm2", help=f"comma list of {sorted(SHAPES)} or {SHAPES_HELP}")
     parser.add_argument("--iters", type=positive_int, default=15, help="k-means iterations (build_clusters' iters)")
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the clustering runs")
     parser.add_argument("--json", type=output_file, default="results/bench_clusters.json",
                         help="where the result JSON is written")
     args = parser.parse_args(argv)
-    names = choices_list(parser, args.shapes, SHAPES, "shape")
+    names = shape_list(parser, args.shapes, SHAPES)
 
     gen = torch.Generator(device=args.device).manual_seed(0)
-    warm = torch.randn(*SHAPES["tiny"][:2], generator=gen, device=args.device)
-    build_clusters(warm, n_clusters=SHAPES["tiny"][2], iters=2, device=args.device, progress=False)
+    tiny = SHAPES["tiny"]
+    warm = torch.randn(tiny.vocab, tiny.dim, generator=gen, device=args.device)
+    build_clusters(warm, n_clusters=tiny.num_clusters, iters=2, device=args.device, progress=False)
     # Every CUDA device, "cuda:1" too: k-means' last kernels would otherwise fall outside the timing.
     sync = (lambda: torch.cuda.synchronize(args.device)) if torch.device(args.device).type == "cuda" else (lambda: None)
     rows = []
     for name in names:
-        vocab, dim, clusters = SHAPES[name]
+        shape = shape_of(name, SHAPES)
+        vocab, dim, clusters = shape.vocab, shape.dim, shape.num_clusters
         embedding = correlated_embedding(vocab, dim, gen, args.device)
         sync()
         start = time.perf_counter()
