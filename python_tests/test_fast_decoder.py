@@ -935,6 +935,45 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
 
 
+def test_bench_clis_time_a_model_of_ones_own_from_its_config(tmp_path, capsys):
+    # A transformers config.json, or the model directory holding it: its shape, random weights.
+    from transformers import GPT2Config, Qwen3Config
+
+    from flashhead_ext.bench.__main__ import main
+
+    Qwen3Config(vocab_size=997, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, tie_word_embeddings=True).save_pretrained(tmp_path / "mine")
+    for shape in (str(tmp_path / "mine"), str(tmp_path / "mine" / "config.json")):
+        assert main(["draft-step", "--shapes", f"tiny,{shape}", "--dtype", "fp32", "--samples", "2", "--device", "cpu",
+                     "--bodies", "eager", "--cluster-size", "7", "--json", str(tmp_path / "step.json")]) == 0
+        rows = json.loads((tmp_path / "step.json").read_text())["rows"]
+        mine = [r for r in rows if r["shape"] == shape]
+        assert [(r["layers"], r["head"]) for r in mine] == [(3, "dense"), (3, "flashhead")]
+        assert mine[1]["clusters"] == 143 and mine[1]["probes"] == 8  # ceil(997 / 7) clusters, C/16 probes
+    assert main(["spec", "--target", str(tmp_path / "mine"), "--draft", str(tmp_path / "mine"), "--dtype", "fp32",
+                 "--device", "cpu", "--num-prompts", "1", "--prompt-tokens", "5", "--max-new-tokens", "6",
+                 "--warmup-tokens", "2", "--k", "2", "--head", "dense", "--mode", "baseline,deferred",
+                 "--json", str(tmp_path / "spec.json")]) == 0
+    result = json.loads((tmp_path / "spec.json").read_text())
+    assert {r["label"]: r["exact"] for r in result["summary"]} == {"baseline": "1/1", "deferred/dense": "synthetic"}
+    # A model the fast decoder does not run, an unreadable config, a path that is not there.
+    GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    for argv, message in (
+            (["draft-step", "--shapes", str(tmp_path / "gpt2")], f"--shapes {tmp_path / 'gpt2'}: config must be a "),
+            (["spec", "--draft", str(tmp_path / "gpt2")], f"--draft {tmp_path / 'gpt2'}: config must be a "),
+            (["draft-step", "--shapes", str(tmp_path / "broken")], f"--shapes {tmp_path / 'broken'}: "),
+            (["draft-step", "--shapes", str(tmp_path / "absent")],
+             f"unknown shape {str(tmp_path / 'absent')!r}; choose from ['gemma3-1b', "),
+            (["spec", "--target", str(tmp_path / "absent")], f"argument --target: invalid choice: {str(tmp_path / 'absent')!r}")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, "--device", "cpu"])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err, argv
+
+
 def test_spec_reads_flashheads_gain_against_the_draft_steps_and_the_break_even_acceptance():
     from flashhead_ext.bench.spec import break_even_acceptance, expected_emitted, head_gains
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from .. import ops
 from ..fast.decoder import Decoder, _fused_layer, _layer
 from ..graphs import capture_graph
-from .._cli import DefaultsHelpFormatter, choices_list, output_file, positive_int, positive_int_list
-from .spec import SHAPES, _write, cache_read_bytes, shape_configs
+from .._cli import DefaultsHelpFormatter, output_file, positive_int, positive_int_list
+from .spec import CONFIG_SHAPE_HELP, SHAPES, _write, cache_read_bytes, shape_list
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
 COLUMNS = [("shape", "shape", "s"), ("tokens", "M", "d"), ("op", "op", "s"), ("ours_us", "ours us", ".1f"),
@@ -53,8 +53,7 @@ def _rotated(tensors: dict, keys) -> list[dict]:
                         for _ in range(min(MAX_COPIES, math.ceil(L2_DEFEAT_BYTES / nbytes)) - 1)]
 
 
-def _layer_rows(name: str, tokens: int, args, bandwidth: float) -> list[dict]:
-    config = SHAPES[name]
+def _layer_rows(name: str, config, tokens: int, args, bandwidth: float) -> list[dict]:
     c = type(config)(**{**vars(config), "num_layers": 1})
     model = Decoder.random(c, max_len=args.context, dtype=torch.bfloat16, device="cuda")
     w = model.layers[0]
@@ -115,7 +114,7 @@ def main(argv=None) -> int:
                                      description="Decoder-layer ops (fused_linear, a whole fused layer) vs torch, bf16, graph-replayed.",
                                      formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-0.6b,gemma3-270m-llama,smollm2-early-exit-8,qwen3-32b",
-                        help=f"comma list of {sorted(SHAPES)}")
+                        help=f"comma list of {sorted(SHAPES)} or {CONFIG_SHAPE_HELP}")
     parser.add_argument("--tokens", type=positive_int_list, default="1,8", help="comma list of tokens per call (M)")
     parser.add_argument("--context", type=positive_int, default=1024, help="cache length (max_len); the layer row attends to all of it")
     parser.add_argument("--samples", type=positive_int, default=20, help="timed samples (the median is reported)")
@@ -123,8 +122,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=output_file, default="results/bench_layer_ops.json",
                         help="where the result JSON is written")
     args = parser.parse_args(argv)
-    shapes = choices_list(parser, args.shapes, SHAPES, "shape")
-    for name, config in zip(shapes, shape_configs(parser, "--shapes", shapes)):
+    shapes, configs = shape_list(parser, "--shapes", args.shapes)
+    for name, config in zip(shapes, configs):
         # The rows time the fused ops, the Llama / Qwen layer: a gemma3-* shape's own layer failed
         # building its one-layer model, and its sliding window set a floor its attention does not keep.
         limit = config.body_limit("fused", torch.bfloat16)
@@ -135,7 +134,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         parser.error("layer-ops times CUDA kernels and needs a GPU")
     bandwidth = copy_bandwidth_gbs()
-    rows = [row for name in shapes for m in tokens for row in _layer_rows(name, m, args, bandwidth)]
+    rows = [row for name, config in zip(shapes, configs) for m in tokens for row in _layer_rows(name, config, m, args, bandwidth)]
     print(f"decoder-layer ops, bf16, CUDA graph replay, weights rotated past L2, context {args.context}, "
           f"copy bandwidth {bandwidth:.0f} GB/s")
     print(format_table(rows, COLUMNS))

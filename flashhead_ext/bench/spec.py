@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import pathlib
 from collections.abc import Mapping
 from functools import partial
 from typing import Optional
@@ -97,14 +98,52 @@ SHAPES = _Shapes({
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+CONFIG_SHAPE_HELP = ("a transformers config.json, or a model directory holding one: a Llama / Qwen2 / Qwen3 / Gemma-3 "
+                     "model of one's own, at its shape with random weights")
+
+
+def is_config_path(name: str) -> bool:
+    path = pathlib.Path(name)
+    return path.is_file() or (path / "config.json").is_file()
+
+
+def config_shape(path: str) -> DecoderConfig:
+    """The fast decoder's config for the transformers config at ``path`` (a multimodal model's text part)."""
+    from transformers import AutoConfig
+
+    return DecoderConfig.from_hf(AutoConfig.from_pretrained(path).get_text_config())
+
+
 def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> list:
-    """``SHAPES[name]`` of each name, or a usage error where building one needs transformers
-    (Gemma-3's own layer), which the benchmarks over Decoder.random do not otherwise need."""
-    try:
-        return [SHAPES[name] for name in names]
-    except ImportError as error:
-        parser.error(f"{flag}: the gemma3-* shapes read Gemma-3's layer from transformers' config, and transformers "
-                     f"is not importable ({error}): pip install 'transformers>=5,<6', or use gemma3-270m-llama")
+    """Each name's DecoderConfig, a preset's or a config file's; a usage error where one cannot be
+    built, or where building one needs transformers (Gemma-3's own layer, a config file), which
+    the benchmarks over Decoder.random do not otherwise need."""
+    configs = []
+    for name in names:
+        try:
+            configs.append(SHAPES[name] if name in SHAPES else config_shape(name))
+        except ImportError as error:
+            if name in SHAPES:
+                parser.error(f"{flag}: the gemma3-* shapes read Gemma-3's layer from transformers' config, and transformers "
+                             f"is not importable ({error}): pip install 'transformers>=5,<6', or use gemma3-270m-llama")
+            parser.error(f"{flag} {name}: reading a config file needs transformers, which is not importable ({error}): "
+                         "pip install 'transformers>=5,<6'")
+        except (OSError, ValueError) as error:  # unreadable, or not a model the fast decoder runs
+            parser.error(f"{flag} {name}: {error}")
+    return configs
+
+
+def shape_list(parser: argparse.ArgumentParser, flag: str, text: str) -> tuple[list, list]:
+    """The names of a comma list of shapes (presets or config files) and their DecoderConfigs."""
+    names = choices_list(parser, text, SHAPES, "shape", other=is_config_path, other_help=CONFIG_SHAPE_HELP)
+    return names, shape_configs(parser, flag, names)
+
+
+def one_shape(parser: argparse.ArgumentParser, flag: str, name: str) -> DecoderConfig:
+    if name not in SHAPES and not is_config_path(name):
+        parser.error(f"argument {flag}: invalid choice: {name!r} (choose from {sorted(SHAPES)} or {CONFIG_SHAPE_HELP})")
+    (config,) = shape_configs(parser, flag, [name])
+    return config
 
 
 CLUSTERS = "random equal-size clusters (timing only)"
@@ -149,15 +188,15 @@ def random_flash_head(embedding: torch.Tensor, cluster_size: int, probes, seed: 
                      centroid_dtype=centroid_dtype)
 
 
-def check_probes(parser: argparse.ArgumentParser, args, shape_names) -> None:
+def check_probes(parser: argparse.ArgumentParser, args, names: list, configs: list) -> None:
     """A parser error when --probes exceeds the clusters random_flash_head makes for a shape."""
     if args.probes is None:
         return
-    for name in shape_names:
-        clusters = random_cluster_count(SHAPES[name].vocab_size, args.cluster_size)
+    for name, config in zip(names, configs):
+        clusters = random_cluster_count(config.vocab_size, args.cluster_size)
         if args.probes > clusters:
             parser.error(f"--probes {args.probes} exceeds the {clusters} clusters of {name} "
-                         f"(vocabulary {SHAPES[name].vocab_size}, --cluster-size {args.cluster_size})")
+                         f"(vocabulary {config.vocab_size}, --cluster-size {args.cluster_size})")
 
 
 def make_head(kind: str, embedding: torch.Tensor, args):
@@ -195,7 +234,8 @@ def draft_step_main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench draft-step",
                                      description="One draft decode step, graph-replayed: dense vs FlashHead head.",
                                      formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--shapes", default="qwen3-0.6b,gemma3-270m-llama,smollm2-early-exit-8", help=f"comma list of {sorted(SHAPES)}")
+    parser.add_argument("--shapes", default="qwen3-0.6b,gemma3-270m-llama,smollm2-early-exit-8",
+                        help=f"comma list of {sorted(SHAPES)} or {CONFIG_SHAPE_HELP}")
     parser.add_argument("--context", type=positive_int, default=1024, help="cache length attended over (max_len)")
     parser.add_argument("--samples", type=positive_int, default=30, help="timed samples (the median is reported)")
     parser.add_argument("--calls", type=positive_int, default=20, help="graph replays per timed sample")
@@ -203,23 +243,22 @@ def draft_step_main(argv=None) -> int:
                         help=f"comma list of {BODIES}: how the layers run (Decoder.body), each timed in this run")
     _common(parser, "results/bench_draft_step.json")
     args = parser.parse_args(argv)
-    shapes = choices_list(parser, args.shapes, SHAPES, "shape")
-    shape_configs(parser, "--shapes", shapes)
+    shapes, configs = shape_list(parser, "--shapes", args.shapes)
     bodies = choices_list(parser, args.bodies, BODIES, "body")
-    check_probes(parser, args, shapes)
+    check_probes(parser, args, shapes, configs)
     with on_device(args.device):
-        return _run_draft_step(parser, args, shapes, bodies)
+        return _run_draft_step(parser, args, dict(zip(shapes, configs)), bodies)
 
 
-def _run_draft_step(parser: argparse.ArgumentParser, args, shapes: list, bodies: list) -> int:
+def _run_draft_step(parser: argparse.ArgumentParser, args, shapes: dict, bodies: list) -> int:
     cuda = args.device != "cpu"
     dtype = DTYPES[args.dtype]
     meta = dict(run_metadata(args.device), clusters=CLUSTERS, args=vars(args))
     bandwidth = copy_bandwidth_gbs() if cuda else None
     meta["copy_bandwidth_gbs"] = bandwidth
     rows = []
-    for name in shapes:
-        model = _random_decoder(parser, "--shapes", name, SHAPES[name], max_len=args.context, dtype=dtype, device=args.device)
+    for name, config in shapes.items():
+        model = _random_decoder(parser, "--shapes", name, config, max_len=args.context, dtype=dtype, device=args.device)
         model.attention = args.attention
         # The last position: eager/compiled attend over the whole cache at any length, fused and
         # persistent read the cache up to the length, so this is their most expensive step.
@@ -238,7 +277,7 @@ def _run_draft_step(parser: argparse.ArgumentParser, args, shapes: list, bodies:
                 step_us = _time_draft_step(model, head, args, cuda)
                 head_bytes = model.lm_head.numel() * model.lm_head.element_size() if kind == "dense" else None
                 first_body_step.setdefault(kind, step_us)
-                rows.append(dict(shape=name, body=body, head=kind, layers=SHAPES[name].num_layers, step_us=step_us,
+                rows.append(dict(shape=name, body=body, head=kind, layers=config.num_layers, step_us=step_us,
                                  # A difference of two noisy timings: blank (None) where it is not positive.
                                  body_us=body_us, head_us=step_us - body_us if step_us > body_us else None,
                                  probes=getattr(head, "probes", None), clusters=getattr(head, "num_clusters", None),
@@ -297,10 +336,10 @@ def spec_main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhead_ext.bench spec",
                                      description="End-to-end speculative decoding on the fast path, random weights.",
                                      formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--target", default="qwen3-32b", choices=sorted(SHAPES), metavar="SHAPE",
-                        help=f"target shape, one of {sorted(SHAPES)}")
-    parser.add_argument("--draft", default="qwen3-0.6b", choices=sorted(SHAPES), metavar="SHAPE",
-                        help="draft shape (the target's vocabulary, or its first rows)")
+    parser.add_argument("--target", default="qwen3-32b", metavar="SHAPE",
+                        help=f"target shape, one of {sorted(SHAPES)} or {CONFIG_SHAPE_HELP}")
+    parser.add_argument("--draft", default="qwen3-0.6b", metavar="SHAPE",
+                        help="draft shape, as --target (the target's vocabulary, or its first rows)")
     parser.add_argument("--target-layers", type=int, default=None,
                         help="keep only this many target layers (quick runs; reported numbers use the full shape)")
     parser.add_argument("--draft-device", type=device_arg, default=None, help="e.g. cuda:1 for the draft on a second GPU (None: the target's)")
@@ -322,8 +361,8 @@ def spec_main(argv=None) -> int:
                         help="how the target runs its layers (None: compiled on a GPU, eager on the CPU)")
     _common(parser, "results/bench_spec.json")
     args = parser.parse_args(argv)
-    (target_shape,), (draft_shape,) = shape_configs(parser, "--target", [args.target]), shape_configs(parser, "--draft", [args.draft])
-    check_probes(parser, args, [args.draft])
+    target_shape, draft_shape = one_shape(parser, "--target", args.target), one_shape(parser, "--draft", args.draft)
+    check_probes(parser, args, [args.draft], [draft_shape])
     if args.target_body is None:
         args.target_body = "compiled" if torch.device(args.device).type == "cuda" else "eager"
     if not 0.0 <= args.synthetic_acceptance <= 1.0:
