@@ -424,8 +424,9 @@ class FlashHeadAttachment:
     ``attachment.head().sample(hidden, ...)`` directly (the speculative drivers decode greedily,
     with ``next_token``); it samples the head's own logits, before any rescaling the model applies
     after its head (Granite's ``logits_scaling``: pass ``T * logits_scaling`` to match ``generate``). Classifier-free guidance (``generate(guidance_scale=...)``) subtracts two passes'
-    log-probabilities; their candidate sets differ, so it needs every cluster probed (or the
-    dense head). Logits processors that mask or bias tokens (``prefix_allowed_tokens_fn``, grammar
+    log-probabilities, and DoLa (``generate(dola_layers=...)``) an early layer's from the last's;
+    their candidate sets differ (a token only the last layer's clusters hold gets ``+inf``), so
+    both need every cluster probed (or the dense head). Logits processors that mask or bias tokens (``prefix_allowed_tokens_fn``, grammar
     constraints, ``sequence_bias``) act on these logits: a token they allow that is no candidate
     stays ``-inf``, and a step with no allowed candidate leaves every logit ``-inf`` (greedy then
     emits token 0); for constrained generation set ``enabled = False`` or probe every cluster.
@@ -510,6 +511,9 @@ class FlashHeadAttachment:
             raise
 
     def head(self) -> FlashHead:
+        """The FlashHead over the model's current output weight, built (or rebuilt after a move or
+        cast) here. Its ``probes`` is the attachment's, set again at every call: change
+        ``model.flash_head.probes``; a value set on the returned head is undone by the next call."""
         weight, cached = self.linear.weight, self._head
         if (cached is not None and _is_exporting() and weight is not self._built_for
                 and (cached.embedding.shape, cached.embedding.dtype, cached.embedding.device)

@@ -325,6 +325,22 @@ def test_probes_set_on_an_attachment_survive_save_and_attach_again(tmp_path):
     assert attach(loaded, build_if_missing=False).probes == 7
 
 
+def test_probes_are_the_attachments_not_the_heads():
+    # head() hands out the attachment's FlashHead; the probes a forward uses are the attachment's.
+    model = _tiny_llama(tied=True)
+    attachment = attach(model, _tiny_assets(model, size=4, probes=2))
+    head = attachment.head()
+    head.probes = 5
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1]
+    # Clusters of 4, one of them padded: 2 probes keep at most 8 candidates, 5 at least 4 * 5 - 1.
+    assert int(torch.isfinite(logits).sum()) <= 2 * 4 and head.probes == 2
+    attachment.probes = 5
+    with torch.no_grad():
+        assert int(torch.isfinite(model(ids).logits[0, -1]).sum()) >= 4 * 5 - 1 and attachment.head().probes == 5
+
+
 def test_setting_assets_or_centroid_dtype_rebuilds_the_head_at_once():
     model = _tiny_llama(tied=False)
     hidden = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
