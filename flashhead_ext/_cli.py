@@ -177,7 +177,7 @@ def choices_list(parser: argparse.ArgumentParser, names: str, choices, what: str
     error names the bad one and what is taken: ``choices``, or ``other_help``); a repeated name
     runs once."""
     taken = f"{sorted(choices)}" + (f" or {other_help}" if other_help else "")
-    picked = [name for name in names.split(",") if name]
+    picked = [name.strip() for name in names.split(",") if name.strip()]
     if not picked:
         parser.error(f"no {what} given; choose from {taken}")
     for name in picked:

@@ -68,9 +68,20 @@ def test_head_bench_times_a_head_of_ones_own(tmp_path):
 
 def test_clusters_bench_builds_a_head_of_ones_own(tmp_path):
     out = tmp_path / "clusters.json"
-    assert main(["clusters", "--shapes", "301x16x8", "--iters", "2", "--device", "cpu", "--json", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["rows"]
-    assert (row["shape"], row["vocab"], row["dim"], row["clusters"], row["equal_sizes"]) == ("301x16x8", 301, 16, 38, True)
+    assert main(["clusters", "--shapes", "301x16x8,100x8x30", "--iters", "2", "--device", "cpu", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    # Clusters of the size given (build_clusters' cluster_size), not of the vocabulary over their count.
+    assert [(r["shape"], r["vocab"], r["dim"], r["cluster_size"], r["clusters"], r["equal_sizes"]) for r in rows] == [
+        ("301x16x8", 301, 16, 8, 38, True), ("100x8x30", 100, 8, 30, 4, True)]
+
+
+@pytest.mark.parametrize("bench", ["head", "clusters"])
+def test_a_head_past_the_devices_memory_is_a_usage_error(bench, capsys):
+    # 2**31 - 1 rows of a million dimensions: petabytes, refused by the allocator at once.
+    with pytest.raises(SystemExit) as exit_info:
+        main([bench, "--shapes", "2147483647x1000000", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert "error: --shapes 2147483647x1000000: its weights do not fit on cpu (" in capsys.readouterr().err
 
 
 def test_floor_reads_a_cluster_chosen_by_several_rows_once():
@@ -145,10 +156,15 @@ def test_summary_names_a_baseline_that_was_not_run():
     elsewhere = [dict(r, probes=593) for r in rows]
     assert "the summary's point, qwen3-0.6b B=1 p=256 graph-replayed, was not run" in summary(elsewhere, "qwen3-0.6b", 593)
     assert "was not run" not in summary(rows, "qwen3-0.6b")
-    # The goals are Qwen3-0.6B's head's: another head's summary has the same numbers and no goals.
+    # The goals are Qwen3-0.6B's head's, under any name: another head's summary has the same numbers and no goals.
     other = [dict(r, shape="32000x4096") for r in rows]
     assert "4.00x dense," in summary(other, "32000x4096") and "goal" not in summary(other, "32000x4096")
     assert "32000x4096 B=1 p=256 graph: flash_greedy 21.0 us, 4.00x dense, 3.00x torch_flash" in summary(other, "32000x4096")
+    assert "4.00x dense (goal >= 6)" in summary([dict(r, shape="151936x1024x16") for r in rows], "151936x1024x16")
+    # A head of fewer than 256 clusters: its rows at the capped probes are the summary's point.
+    capped = [dict(r, shape="32000x512x128", probes=250) for r in rows]
+    assert "32000x512x128 B=1 p=250 graph: flash_greedy 21.0 us" in summary(capped, "32000x512x128", 250, 250)
+    assert "was not run" not in summary(capped, "32000x512x128", 250, 250)
 
 
 def test_summary_finds_where_dense_wins_at_the_batch_sweeps_probes():
@@ -212,10 +228,15 @@ def test_head_bench_times_a_capped_probes_value_once(tmp_path):
     (["head", "--modes", "foo"], "unknown mode 'foo'"),
     (["head", "--modes", "graph"], "--modes graph needs a CUDA device"),
     (["head", "--shapes", ","], "no shape given"),
-    *[([bench, "--shapes", f"tiny,{shape}"], f"unknown shape {shape!r}; choose from {presets} or VOCABxDIM or VOCABxDIMxCLUSTER_SIZE, "
-                                              "positive integers")
+    *[([bench, "--shapes", f"tiny,{shape}"], f"unknown shape {shape!r}; choose from {presets} or VOCABxDIM or VOCABxDIMxCLUSTER_SIZE "
+                                              "for a head of one's own")
       for bench, presets in (("head", "['gemma3-1b', 'llama3', 'qwen3-0.6b', 'tiny']"), ("clusters", "['qwen3-0.6b', 'smollm2', 'tiny']"))
-      for shape in ("0x64", "4000x0", "4000x64x0", "4000x64x", "4000X64", "4000x64x8x2", "-4000x64")],
+      for shape in ("4000x64x", "4000X64", "4000x64x8x2", "-4000x64", "4000 x64")],
+    # Token ids are int32; a cluster is no larger than the vocabulary.
+    *[([bench, "--shapes", f"tiny, {shape}"], f"shape {shape!r}: the vocabulary must be in 1..2**31 - 1 (int32 token ids), "
+                                               "the hidden size in 1..2**31 - 1 and the cluster size in 1..the vocabulary")
+      for bench in ("head", "clusters")
+      for shape in ("0x64", "4000x0", "4000x64x0", "100x8x101", "2147483648x8", "99999999999999999999x2", "8x2147483648")],
     (["clusters", "--iters", "0"], "argument --iters: expected a positive integer"),
     (["clusters", "--device", "meta"], "argument --device: 'meta' holds no values"),
     (["draft-step", "--context", "0"], "argument --context: expected a positive integer"),
@@ -278,6 +299,7 @@ def test_a_value_named_twice_in_a_comma_list_runs_once():
 
     assert positive_int_list("32,7,32,7,5") == [32, 7, 5]  # in the order given
     assert choices_list(None, "tiny,qwen3-0.6b,tiny", SHAPES, "shape") == ["tiny", "qwen3-0.6b"]
+    assert choices_list(None, " tiny, qwen3-0.6b ,tiny", SHAPES, "shape") == ["tiny", "qwen3-0.6b"]  # as --probes "32, 256"
 
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),

@@ -935,7 +935,7 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
 
 
-def test_bench_clis_time_a_model_of_ones_own_from_its_config(tmp_path, capsys):
+def test_bench_clis_time_a_model_of_ones_own_from_its_config(tmp_path, monkeypatch, capsys):
     # A transformers config.json, or the model directory holding it: its shape, random weights.
     from transformers import GPT2Config, Qwen3Config
 
@@ -956,14 +956,19 @@ def test_bench_clis_time_a_model_of_ones_own_from_its_config(tmp_path, capsys):
                  "--json", str(tmp_path / "spec.json")]) == 0
     result = json.loads((tmp_path / "spec.json").read_text())
     assert {r["label"]: r["exact"] for r in result["summary"]} == {"baseline": "1/1", "deferred/dense": "synthetic"}
-    # A model the fast decoder does not run, an unreadable config, a path that is not there.
+    # A model the fast decoder does not run, unreadable or inconsistent configs, a path that is not there.
     GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
-    (tmp_path / "broken").mkdir()
-    (tmp_path / "broken" / "config.json").write_text("{not json")
+    config = json.loads((tmp_path / "mine" / "config.json").read_text())
+    for name, text in (("broken", "{not json"), ("null", "null"), ("no-heads", json.dumps(dict(config, num_attention_heads=0))),
+                       ("typed", json.dumps(dict(config, num_hidden_layers="2")))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+    (tmp_path / "empty").mkdir()
     for argv, message in (
-            (["draft-step", "--shapes", str(tmp_path / "gpt2")], f"--shapes {tmp_path / 'gpt2'}: config must be a "),
-            (["spec", "--draft", str(tmp_path / "gpt2")], f"--draft {tmp_path / 'gpt2'}: config must be a "),
-            (["draft-step", "--shapes", str(tmp_path / "broken")], f"--shapes {tmp_path / 'broken'}: "),
+            (["draft-step", "--shapes", str(tmp_path / "gpt2")], f"--shapes {tmp_path / 'gpt2'}: ValueError: config must be a "),
+            (["spec", "--draft", str(tmp_path / "gpt2")], f"--draft {tmp_path / 'gpt2'}: ValueError: config must be a "),
+            *[(["draft-step", "--shapes", f"tiny,{tmp_path / name}"], f"--shapes {tmp_path / name}: ")
+              for name in ("broken", "null", "no-heads", "typed", "empty")],
             (["draft-step", "--shapes", str(tmp_path / "absent")],
              f"unknown shape {str(tmp_path / 'absent')!r}; choose from ['gemma3-1b', "),
             (["spec", "--target", str(tmp_path / "absent")], f"argument --target: invalid choice: {str(tmp_path / 'absent')!r}")):
@@ -972,6 +977,18 @@ def test_bench_clis_time_a_model_of_ones_own_from_its_config(tmp_path, capsys):
             main([*argv, "--device", "cpu"])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err, argv
+    # A quantized model is timed unquantized, and a directory named as a preset is the preset: both said.
+    (tmp_path / "quantized").mkdir()
+    (tmp_path / "quantized" / "config.json").write_text(json.dumps(dict(config, quantization_config=dict(quant_method="awq", bits=4))))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").rename(tmp_path / "tiny")
+    assert main(["draft-step", "--shapes", "quantized,tiny", "--dtype", "fp32", "--samples", "2", "--device", "cpu",
+                 "--bodies", "eager", "--json", str(tmp_path / "step.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "quantized: its quantization (awq) is not timed: the weights are random, in --dtype" in printed
+    assert "--shapes tiny: the named shape, not the path 'tiny' (give ./tiny for the path)" in printed
+    layers = {r["shape"]: r["layers"] for r in json.loads((tmp_path / "step.json").read_text())["rows"]}
+    assert layers == {"quantized": 3, "tiny": 2}
 
 
 def test_spec_reads_flashheads_gain_against_the_draft_steps_and_the_break_even_acceptance():

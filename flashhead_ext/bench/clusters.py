@@ -15,8 +15,8 @@ import torch
 
 from .._cli import DefaultsHelpFormatter, device_arg, doc_summary, output_file, positive_int, write_output
 from ..clustering import build_clusters
-from .head import SHAPES_HELP, VocabShape, shape_list, shape_of
-from .timing import format_table, run_metadata
+from .head import SHAPES_HELP, VocabShape, shape_of, vocab_shape_list
+from .timing import format_table, run_metadata, usage_error_past_memory
 
 # The heads issue 4 names, in clusters of 16: 9,496 and 3,072 of them.
 SHAPES = {"qwen3-0.6b": VocabShape(151936, 1024), "smollm2": VocabShape(49152, 576), "tiny": VocabShape(2000, 32)}
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=output_file, default="results/bench_clusters.json",
                         help="where the result JSON is written")
     args = parser.parse_args(argv)
-    names = shape_list(parser, args.shapes, SHAPES)
+    names = vocab_shape_list(parser, args.shapes, SHAPES)
 
     gen = torch.Generator(device=args.device).manual_seed(0)
     tiny = SHAPES["tiny"]
@@ -48,19 +48,21 @@ def main(argv=None) -> int:
     rows = []
     for name in names:
         shape = shape_of(name, SHAPES)
-        vocab, dim, clusters = shape.vocab, shape.dim, shape.num_clusters
-        embedding = correlated_embedding(vocab, dim, gen, args.device)
-        sync()
-        start = time.perf_counter()
-        result = build_clusters(embedding, n_clusters=clusters, iters=args.iters, device=args.device, progress=False)
-        sync()
+        with usage_error_past_memory(parser, f"--shapes {name}", args.device):
+            embedding = correlated_embedding(shape.vocab, shape.dim, gen, args.device)
+            sync()
+            start = time.perf_counter()
+            result = build_clusters(embedding, shape.cluster_size, iters=args.iters, device=args.device, progress=False)
+            sync()
         seconds = time.perf_counter() - start
         sizes = (result.cluster_tokens >= 0).sum(1)
         # k-means stops early once no token moves, so report the iterations it ran.
-        rows.append(dict(shape=name, vocab=vocab, dim=dim, clusters=clusters, iters=result.iterations, device=args.device,
+        rows.append(dict(shape=name, vocab=shape.vocab, dim=shape.dim, cluster_size=shape.cluster_size,
+                         clusters=result.cluster_tokens.shape[0], iters=result.iterations, device=args.device,
                          threads=torch.get_num_threads(), seconds=seconds, seconds_per_iter=seconds / result.iterations,
                          equal_sizes=bool(sizes.min() >= sizes.max() - 1)))
-    print(format_table(rows, [("shape", "shape", ""), ("vocab", "V", "d"), ("dim", "D", "d"), ("clusters", "C", "d"),
+    print(format_table(rows, [("shape", "shape", ""), ("vocab", "V", "d"), ("dim", "D", "d"), ("cluster_size", "b", "d"),
+                              ("clusters", "C", "d"),
                               ("iters", "iters run", "d"), ("device", "device", ""), ("threads", "threads", "d"),
                               ("seconds", "seconds", ".1f"), ("seconds_per_iter", "s/iter", ".2f"), ("equal_sizes", "equal", "")]))
     out = write_output(args.json, json.dumps({"meta": dict(run_metadata(args.device), args=vars(args)), "rows": rows}, indent=1))

@@ -28,7 +28,7 @@ from .. import ops
 from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, doc_summary, output_file, positive_int,
                     positive_int_list, write_output)
 from ..graphs import capture_graph
-from .timing import copy_bandwidth_gbs, format_table, on_device, run_metadata, time_calls
+from .timing import copy_bandwidth_gbs, format_table, on_device, run_metadata, time_calls, usage_error_past_memory
 
 
 @dataclass(frozen=True)
@@ -48,30 +48,36 @@ SHAPES = {
     "gemma3-1b": VocabShape(262144, 1152),
     "tiny": VocabShape(4000, 64),  # for a quick check of the CLI itself, e.g. on a CPU
 }
-SHAPES_HELP = ("VOCABxDIM or VOCABxDIMxCLUSTER_SIZE, positive integers, for a head of one's own (49152x576: SmolLM2's; "
-               "clusters of 16 unless given)")
+SHAPES_HELP = "VOCABxDIM or VOCABxDIMxCLUSTER_SIZE for a head of one's own (49152x576: SmolLM2's; clusters of 16 unless given)"
+GOALS_SHAPE = SHAPES["qwen3-0.6b"]  # issue 3's goals are for this head, under any name
 
 
 def custom_shape(name: str) -> VocabShape | None:
     """The head ``VOCABxDIM[xCLUSTER_SIZE]`` names (``32000x4096x8``), or None for any other name."""
-    match = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)(?:x([1-9]\d*))?", name)
+    match = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?", name)
     if match is None:
         return None
     vocab, dim, cluster_size = match.groups()
     return VocabShape(int(vocab), int(dim), int(cluster_size or 16))
 
 
-def shape_of(name: str, presets: dict = SHAPES) -> VocabShape:
+def shape_of(name: str, presets: dict = SHAPES) -> VocabShape | None:
     return presets[name] if name in presets else custom_shape(name)
 
 
-def shape_list(parser: argparse.ArgumentParser, names: str, presets: dict = SHAPES) -> list[str]:
-    """``--shapes``: each name a preset or a ``VOCABxDIM[xCLUSTER_SIZE]`` head."""
-    return choices_list(parser, names, presets, "shape", other=lambda name: custom_shape(name) is not None,
-                        other_help=SHAPES_HELP)
+def vocab_shape_list(parser: argparse.ArgumentParser, names: str, presets: dict = SHAPES) -> list[str]:
+    """``--shapes``: each name a preset or a ``VOCABxDIM[xCLUSTER_SIZE]`` head whose token ids fit
+    int32 and whose clusters are no larger than its vocabulary."""
+    picked = choices_list(parser, names, presets, "shape", other=lambda name: custom_shape(name) is not None,
+                          other_help=SHAPES_HELP)
+    for name in picked:
+        shape = shape_of(name, presets)
+        if not (1 <= shape.cluster_size <= shape.vocab < 2**31 and 1 <= shape.dim < 2**31):
+            parser.error(f"shape {name!r}: the vocabulary must be in 1..2**31 - 1 (int32 token ids), the hidden size in "
+                         "1..2**31 - 1 and the cluster size in 1..the vocabulary")
+    return picked
 
 
-GOALS_SHAPE = "qwen3-0.6b"  # issue 3's goals are for this head
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IMPLS = ("dense", "torch_flash", "flash_greedy", "flash_sample", "flash_greedy_fp8", "flash_sample_fp8")
 MODES = ("eager", "graph")
@@ -276,7 +282,7 @@ def main(argv=None) -> int:
                         help="where it runs (a GPU when there is one; the CPU runs the references, slowly)")
     parser.add_argument("--json", type=output_file, default="results/bench_head.json", help="where the result JSON is written")
     args = parser.parse_args(argv)
-    args.shapes = shape_list(parser, args.shapes)
+    args.shapes = vocab_shape_list(parser, args.shapes)
     for name in args.shapes:
         if not 0 <= args.special_tokens < shape_of(name).vocab:
             parser.error(f"--special-tokens must be in [0, {shape_of(name).vocab}) for {name}, got {args.special_tokens}")
@@ -292,10 +298,10 @@ def main(argv=None) -> int:
     if args.device == "cpu" and large_shapes:  # else minutes with nothing printed
         print(f"on the CPU the large shapes ({', '.join(large_shapes)}) take minutes; --shapes tiny is quick")
     with on_device(args.device):
-        return run(args, impls, modes)
+        return run(parser, args, impls, modes)
 
 
-def run(args, impls: list, modes: list) -> int:
+def run(parser: argparse.ArgumentParser, args, impls: list, modes: list) -> int:
     """Times every point of ``plan(args)``, prints the table and summary, writes the JSON."""
     dtype = DTYPES[args.dtype]
     meta = run_metadata(args.device)
@@ -312,7 +318,8 @@ def run(args, impls: list, modes: list) -> int:
         warning = warm_l2_warning(name, copies, per_copy, l2, args.calls)
         if warning:
             print(warning)
-        state = HeadState(shape, dtype, args.device, max_batch, copies, special_tokens=args.special_tokens)
+        with usage_error_past_memory(parser, f"--shapes {name}", args.device):
+            state = HeadState(shape, dtype, args.device, max_batch, copies, special_tokens=args.special_tokens)
         for pt in points:
             read = candidates_read(state, pt["batch"], pt["probes"])
             for impl in impls:
@@ -330,7 +337,8 @@ def run(args, impls: list, modes: list) -> int:
     if args.special_tokens:
         print(f"{args.special_tokens} special tokens scored at every step")
     print(format_table([dict(r, **megabytes(r)) for r in rows], COLUMNS))
-    print(summary(rows, args.shapes[0], capped_probes(args.batch_probes, shape_of(args.shapes[0]))))
+    main_shape = shape_of(args.shapes[0])
+    print(summary(rows, args.shapes[0], capped_probes(args.batch_probes, main_shape), capped_probes(256, main_shape)))
     # The implementations and modes that ran (graph mode is dropped on a CPU), not the flags' text.
     out = write_output(args.json, json.dumps({"meta": meta, "args": dict(vars(args), impls=impls, modes=modes), "rows": rows},
                                              indent=1))
@@ -359,40 +367,40 @@ def add_ratios(rows: list[dict]) -> None:
                 r[f"x_vs_{base}"] = index[(*key, base)] / r["us"]
 
 
-def summary(rows: list[dict], main_shape: str, batch_probes: int = 256) -> str:
-    """Key numbers, against the issue's goals where the shape is theirs (Qwen3-0.6B's head), and
-    the batch at which dense starts to win (at the batch sweep's probes, `batch_probes` as capped in
-    the rows)."""
+def summary(rows: list[dict], main_shape: str, batch_probes: int = 256, probes: int = 256) -> str:
+    """Key numbers at batch 1 and ``probes`` (256, or the head's clusters where fewer: as capped in
+    the rows), against the issue's goals where the head is theirs (Qwen3-0.6B's), and the batch at
+    which dense starts to win (at the batch sweep's probes, ``batch_probes`` as capped)."""
     def pick(**kw):
         return next((r for r in rows if all(r.get(k) == v for k, v in kw.items())), None)
 
     def goal(text: str) -> str:
-        return f" (goal {text})" if main_shape == GOALS_SHAPE else ""
+        return f" (goal {text})" if shape_of(main_shape) == GOALS_SHAPE else ""
 
     lines = ["", "summary:"]
-    greedy = pick(shape=main_shape, batch=1, probes=256, impl="flash_greedy", mode="graph")
-    sample = pick(shape=main_shape, batch=1, probes=256, impl="flash_sample", mode="graph")
+    greedy = pick(shape=main_shape, batch=1, probes=probes, impl="flash_greedy", mode="graph")
+    sample = pick(shape=main_shape, batch=1, probes=probes, impl="flash_sample", mode="graph")
     if greedy:
         # A baseline left out by --impls has no ratio: say so rather than print nan.
         ratios = [f"{greedy[f'x_vs_{base}']:.2f}x {base}{goal(f'>= {least}')}" if f"x_vs_{base}" in greedy
                   else f"{base} not run" for base, least in (("dense", 6), ("torch_flash", 4))]
-        lines.append(f"  {main_shape} B=1 p=256 graph: flash_greedy {greedy['us']:.1f} us{goal('<= 15')}, "
+        lines.append(f"  {main_shape} B=1 p={probes} graph: flash_greedy {greedy['us']:.1f} us{goal('<= 15')}, "
                      + ", ".join(ratios))
     if greedy and sample:
         lines.append(f"  sampling/greedy: {sample['us'] / greedy['us']:.2f}x{goal('<= 1.5')}")
-    fp8 = pick(shape=main_shape, batch=1, probes=256, impl="flash_greedy_fp8", mode="graph")
+    fp8 = pick(shape=main_shape, batch=1, probes=probes, impl="flash_greedy_fp8", mode="graph")
     if fp8:
         ratio = f", {fp8['x_vs_dense']:.2f}x dense" if "x_vs_dense" in fp8 else ""
-        lines.append(f"  fp8 centroids, B=1 p=256 graph: flash_greedy_fp8 {fp8['us']:.1f} us{ratio}")
+        lines.append(f"  fp8 centroids, B=1 p={probes} graph: flash_greedy_fp8 {fp8['us']:.1f} us{ratio}")
     # Rows that lack the memory columns print no memory line.
-    memory = {impl: pick(shape=main_shape, batch=1, probes=256, impl=impl) for impl in IMPLS}
+    memory = {impl: pick(shape=main_shape, batch=1, probes=probes, impl=impl) for impl in IMPLS}
     if memory["flash_greedy"] and "kept_bytes" in memory["flash_greedy"]:
         kept = f"flash_greedy keeps {memory['flash_greedy']['kept_bytes'] / 1e6:.1f} MB besides the embedding"
         if memory["flash_greedy_fp8"]:
             kept += f" ({memory['flash_greedy_fp8']['kept_bytes'] / 1e6:.1f} MB with fp8 centroids)"
         calls = [f"{impl} {row['call_bytes'] / 1e6:.3f} MB" for impl, row in memory.items()
                  if row and row.get("call_bytes") is not None]
-        lines.append(f"  memory, {main_shape} B=1 p=256: {kept}"
+        lines.append(f"  memory, {main_shape} B=1 p={probes}: {kept}"
                      + (f"; one eager call allocates: {', '.join(calls)}" if calls else ""))
     sweep = dict(shape=main_shape, probes=batch_probes, mode="graph")
     batch_rows = sorted({r["batch"] for r in rows if r["impl"] == "dense" and all(r.get(k) == v for k, v in sweep.items())})
@@ -403,7 +411,7 @@ def summary(rows: list[dict], main_shape: str, batch_probes: int = 256) -> str:
         lines.append(f"  dense wins from batch: {wins[0] if wins else 'never up to ' + str(batch_rows[-1])}")
     if not greedy and not batch_rows:
         lines.append(f"  nothing to summarize: the summary is of graph replay (CUDA), and there is no graph-replayed "
-                     f"{main_shape} point at B=1, p=256 and no graph-replayed dense batch sweep")
+                     f"{main_shape} point at B=1, p={probes} and no graph-replayed dense batch sweep")
     elif not greedy:  # a sweep without the summary's point (--probes and --batch-probes without 256)
-        lines.append(f"  the summary's point, {main_shape} B=1 p=256 graph-replayed, was not run (add 256 to --probes)")
+        lines.append(f"  the summary's point, {main_shape} B=1 p={probes} graph-replayed, was not run (add {probes} to --probes)")
     return "\n".join(lines)

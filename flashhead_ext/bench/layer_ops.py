@@ -21,7 +21,7 @@ from .. import ops
 from ..fast.decoder import Decoder, _fused_layer, _layer
 from ..graphs import capture_graph
 from .._cli import DefaultsHelpFormatter, output_file, positive_int, positive_int_list
-from .spec import CONFIG_SHAPE_HELP, SHAPES, _write, cache_read_bytes, shape_list
+from .spec import CONFIG_SHAPE_HELP, SHAPES, _write, cache_read_bytes, decoder_shape_list
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
 COLUMNS = [("shape", "shape", "s"), ("tokens", "M", "d"), ("op", "op", "s"), ("ours_us", "ours us", ".1f"),
@@ -122,14 +122,14 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=output_file, default="results/bench_layer_ops.json",
                         help="where the result JSON is written")
     args = parser.parse_args(argv)
-    shapes, configs = shape_list(parser, "--shapes", args.shapes)
+    shapes, configs = decoder_shape_list(parser, "--shapes", args.shapes)
     for name, config in zip(shapes, configs):
         # The rows time the fused ops, the Llama / Qwen layer: a gemma3-* shape's own layer failed
         # building its one-layer model, and its sliding window set a floor its attention does not keep.
         limit = config.body_limit("fused", torch.bfloat16)
         if limit:
-            parser.error(f"--shapes {name}: the fused body (these ops) {limit}; gemma3-270m-llama has "
-                         "Gemma-3-270M's sizes in a Llama layer")
+            hint = "; gemma3-270m-llama has Gemma-3-270M's sizes in a Llama layer" if name in SHAPES else ""
+            parser.error(f"--shapes {name}: the fused body (these ops) {limit}{hint}")
     tokens = args.tokens
     if not torch.cuda.is_available():
         parser.error("layer-ops times CUDA kernels and needs a GPU")

@@ -32,7 +32,7 @@ from ..head import DenseHead, FlashHead
 from ..speculative.driver import check_draft_vocab
 from ..speculative.runner import format_summary, plan_configs, reading, run_interleaved, summarize, write_json
 from ..graphs import capture_graph
-from .timing import copy_bandwidth_gbs, format_table, on_device, run_metadata, time_calls
+from .timing import copy_bandwidth_gbs, format_table, on_device, run_metadata, time_calls, usage_error_past_memory
 
 
 def gemma3_shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
@@ -103,15 +103,21 @@ CONFIG_SHAPE_HELP = ("a transformers config.json, or a model directory holding o
 
 
 def is_config_path(name: str) -> bool:
-    path = pathlib.Path(name)
-    return path.is_file() or (path / "config.json").is_file()
+    return pathlib.Path(name).exists()
 
 
 def config_shape(path: str) -> DecoderConfig:
-    """The fast decoder's config for the transformers config at ``path`` (a multimodal model's text part)."""
+    """The fast decoder's config for the transformers config at ``path`` (a multimodal model's text
+    part); a note where the config quantizes its weights, which random weights in the run's dtype
+    do not."""
     from transformers import AutoConfig
 
-    return DecoderConfig.from_hf(AutoConfig.from_pretrained(path).get_text_config())
+    config = AutoConfig.from_pretrained(path)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else type(quantization).__name__
+        print(f"{path}: its quantization ({method}) is not timed: the weights are random, in --dtype")
+    return DecoderConfig.from_hf(config.get_text_config())
 
 
 def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> list:
@@ -120,20 +126,26 @@ def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> li
     the benchmarks over Decoder.random do not otherwise need."""
     configs = []
     for name in names:
-        try:
-            configs.append(SHAPES[name] if name in SHAPES else config_shape(name))
-        except ImportError as error:
-            if name in SHAPES:
+        if name in SHAPES:
+            if is_config_path(name):  # e.g. a model downloaded to a directory named as a preset
+                print(f"{flag} {name}: the named shape, not the path {name!r} (give ./{name} for the path)")
+            try:
+                configs.append(SHAPES[name])
+            except ImportError as error:
                 parser.error(f"{flag}: the gemma3-* shapes read Gemma-3's layer from transformers' config, and transformers "
                              f"is not importable ({error}): pip install 'transformers>=5,<6', or use gemma3-270m-llama")
+            continue
+        try:
+            configs.append(config_shape(name))
+        except ImportError as error:
             parser.error(f"{flag} {name}: reading a config file needs transformers, which is not importable ({error}): "
                          "pip install 'transformers>=5,<6'")
-        except (OSError, ValueError) as error:  # unreadable, or not a model the fast decoder runs
-            parser.error(f"{flag} {name}: {error}")
+        except Exception as error:  # any unreadable or inconsistent config, or a model the fast decoder does not run
+            parser.error(f"{flag} {name}: {type(error).__name__}: {error}")
     return configs
 
 
-def shape_list(parser: argparse.ArgumentParser, flag: str, text: str) -> tuple[list, list]:
+def decoder_shape_list(parser: argparse.ArgumentParser, flag: str, text: str) -> tuple[list, list]:
     """The names of a comma list of shapes (presets or config files) and their DecoderConfigs."""
     names = choices_list(parser, text, SHAPES, "shape", other=is_config_path, other_help=CONFIG_SHAPE_HELP)
     return names, shape_configs(parser, flag, names)
@@ -220,12 +232,8 @@ def _common(parser: argparse.ArgumentParser, json_default: str) -> None:
 def _random_decoder(parser: argparse.ArgumentParser, flag: str, name: str, config: DecoderConfig, **kwargs) -> Decoder:
     """``Decoder.random(config, **kwargs)`` for shape ``name``, or a usage error naming ``flag`` where its
     weights do not fit the device (the default Qwen3-32B-shaped target needs about 66 GB in bf16)."""
-    try:
+    with usage_error_past_memory(parser, f"{flag} {name}", kwargs["device"]):
         return Decoder.random(config, **kwargs)
-    except RuntimeError as error:  # torch.OutOfMemoryError on a GPU, the DefaultCPUAllocator's on the CPU
-        if not isinstance(error, torch.OutOfMemoryError) and "can't allocate memory" not in str(error):
-            raise
-        parser.error(f"{flag} {name}: its weights do not fit on {kwargs['device']} ({str(error).splitlines()[0]})")
 
 
 # ---- draft step ------------------------------------------------------------------------------
@@ -243,7 +251,7 @@ def draft_step_main(argv=None) -> int:
                         help=f"comma list of {BODIES}: how the layers run (Decoder.body), each timed in this run")
     _common(parser, "results/bench_draft_step.json")
     args = parser.parse_args(argv)
-    shapes, configs = shape_list(parser, "--shapes", args.shapes)
+    shapes, configs = decoder_shape_list(parser, "--shapes", args.shapes)
     bodies = choices_list(parser, args.bodies, BODIES, "body")
     check_probes(parser, args, shapes, configs)
     with on_device(args.device):

@@ -14,6 +14,18 @@ from .. import BUILD_INFO, __version__
 from .. import _provenance as provenance
 
 
+@contextlib.contextmanager
+def usage_error_past_memory(parser, what: str, device):
+    """Runs the block; where its allocations do not fit ``device`` (torch.OutOfMemoryError on a
+    GPU, the DefaultCPUAllocator's error on the CPU), a usage error naming ``what`` instead."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not isinstance(error, torch.OutOfMemoryError) and "can't allocate memory" not in str(error):
+            raise
+        parser.error(f"{what}: its weights do not fit on {device} ({str(error).splitlines()[0]})")
+
+
 def source_commit(mark_dirty: bool = False) -> str:
     """Short commit of the code this package runs: the FLASHHEAD_COMMIT variable where set; else
     the checkout that tracks this package's files (an editable or in-place build, "+dirty"
