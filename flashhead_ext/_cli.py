@@ -172,6 +172,15 @@ def positive_int_list(text: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
+def first_of_each(names: list, key) -> list:
+    """``names`` without those whose ``key(name)`` an earlier one has: a configuration named twice,
+    under two spellings, runs once, under its first name."""
+    first_names = {}
+    for name in names:
+        first_names.setdefault(key(name), name)
+    return list(first_names.values())
+
+
 def choices_list(parser: argparse.ArgumentParser, names: str, choices, what: str, other=None, other_help: str = "") -> list:
     """The comma list ``names``, each one of ``choices`` or a name ``other`` accepts (a parser
     error names the bad one and what is taken: ``choices``, or ``other_help``); a repeated name

@@ -310,6 +310,9 @@ def test_a_value_named_twice_in_a_comma_list_runs_once():
     assert positive_int_list("32,7,32,7,5") == [32, 7, 5]  # in the order given
     assert choices_list(None, "tiny,qwen3-0.6b,tiny", SHAPES, "shape") == ["tiny", "qwen3-0.6b"]
     assert choices_list(None, " tiny, qwen3-0.6b ,tiny", SHAPES, "shape") == ["tiny", "qwen3-0.6b"]  # as --probes "32, 256"
+    # A head under two names runs once, under the first.
+    from flashhead_ext.bench.head import vocab_shape_list
+    assert vocab_shape_list(None, "tiny,4000x64,100x8,100x8x16,151936x1024,qwen3-0.6b") == ["tiny", "100x8", "151936x1024"]
 
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),

@@ -944,9 +944,12 @@ def test_bench_clis_time_a_model_of_ones_own_from_its_config(tmp_path, monkeypat
     Qwen3Config(vocab_size=997, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True).save_pretrained(tmp_path / "mine")
     for shape in (str(tmp_path / "mine"), str(tmp_path / "mine" / "config.json")):
-        assert main(["draft-step", "--shapes", f"tiny,{shape}", "--dtype", "fp32", "--samples", "2", "--device", "cpu",
+        # The same file under another spelling runs once, under its first name.
+        again = f"{tmp_path / 'mine'}/" if shape.endswith("mine") else str(tmp_path / "mine")
+        assert main(["draft-step", "--shapes", f"tiny,{shape},{again}", "--dtype", "fp32", "--samples", "2", "--device", "cpu",
                      "--bodies", "eager", "--cluster-size", "7", "--json", str(tmp_path / "step.json")]) == 0
         rows = json.loads((tmp_path / "step.json").read_text())["rows"]
+        assert [r["shape"] for r in rows] == ["tiny", "tiny", shape, shape]
         mine = [r for r in rows if r["shape"] == shape]
         assert [(r["layers"], r["head"]) for r in mine] == [(3, "dense"), (3, "flashhead")]
         assert mine[1]["clusters"] == 143 and mine[1]["probes"] == 8  # ceil(997 / 7) clusters, C/16 probes

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, doc_summary, output_file, positive_int,
+from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, doc_summary, first_of_each, output_file, positive_int,
                     positive_int_list, write_output)
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, on_device, run_metadata, time_calls, usage_error_past_memory
@@ -67,7 +67,8 @@ def shape_of(name: str, presets: dict = SHAPES) -> VocabShape | None:
 
 def vocab_shape_list(parser: argparse.ArgumentParser, names: str, presets: dict = SHAPES) -> list[str]:
     """``--shapes``: each name a preset or a ``VOCABxDIM[xCLUSTER_SIZE]`` head whose token ids fit
-    int32 and whose clusters are no larger than its vocabulary."""
+    int32 and whose clusters are no larger than its vocabulary; a head named twice (``tiny,4000x64``)
+    runs once, under its first name."""
     picked = choices_list(parser, names, presets, "shape", other=lambda name: custom_shape(name) is not None,
                           other_help=SHAPES_HELP)
     for name in picked:
@@ -75,7 +76,7 @@ def vocab_shape_list(parser: argparse.ArgumentParser, names: str, presets: dict 
         if not (1 <= shape.cluster_size <= shape.vocab < 2**31 and 1 <= shape.dim < 2**31):
             parser.error(f"shape {name!r}: the vocabulary must be in 1..2**31 - 1 (int32 token ids), the hidden size in "
                          "1..2**31 - 1 and the cluster size in 1..the vocabulary")
-    return picked
+    return first_of_each(picked, lambda name: shape_of(name, presets))
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

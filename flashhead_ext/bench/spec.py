@@ -25,7 +25,8 @@ from typing import Optional
 
 import torch
 
-from .._cli import DefaultsHelpFormatter, choices_list, device_arg, kmeans_seed, output_file, positive_int, write_output
+from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, first_of_each, kmeans_seed, output_file, positive_int,
+                    write_output)
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
@@ -145,9 +146,19 @@ def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> li
     return configs
 
 
+def config_file(name: str):
+    """A preset's name, or the config file a path names (``dir``, ``dir/`` and ``dir/config.json`` alike)."""
+    if name in SHAPES:
+        return name
+    path = pathlib.Path(name).resolve()
+    return path / "config.json" if path.is_dir() else path
+
+
 def decoder_shape_list(parser: argparse.ArgumentParser, flag: str, text: str) -> tuple[list, list]:
-    """The names of a comma list of shapes (presets or config files) and their DecoderConfigs."""
-    names = choices_list(parser, text, SHAPES, "shape", other=is_config_path, other_help=CONFIG_SHAPE_HELP)
+    """The names of a comma list of shapes (presets or config files; one named twice runs once) and
+    their DecoderConfigs."""
+    names = first_of_each(choices_list(parser, text, SHAPES, "shape", other=is_config_path, other_help=CONFIG_SHAPE_HELP),
+                          config_file)
     return names, shape_configs(parser, flag, names)
 
 
