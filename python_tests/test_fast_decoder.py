@@ -988,10 +988,26 @@ def test_bench_clis_time_a_model_of_ones_own_from_its_config(tmp_path, monkeypat
     assert main(["draft-step", "--shapes", "quantized,tiny", "--dtype", "fp32", "--samples", "2", "--device", "cpu",
                  "--bodies", "eager", "--json", str(tmp_path / "step.json")]) == 0
     printed = capsys.readouterr().out
-    assert "quantized: its quantization (awq) is not timed: the weights are random, in --dtype" in printed
+    assert "quantized: its quantization (awq) is not timed: the weights are random and unquantized" in printed
     assert "--shapes tiny: the named shape, not the path 'tiny' (give ./tiny for the path)" in printed
     layers = {r["shape"]: r["layers"] for r in json.loads((tmp_path / "step.json").read_text())["rows"]}
     assert layers == {"quantized": 3, "tiny": 2}
+    # bench head and bench clusters read a config's output head: its vocabulary and hidden size, clusters of 16.
+    assert main(["head", "--shapes", "quantized,997x48", "--device", "cpu", "--dtype", "fp32", "--probes", "5", "--batches", "1",
+                 "--samples", "2", "--calls", "2", "--impls", "flash_greedy", "--json", str(tmp_path / "head.json")]) == 0
+    rows = json.loads((tmp_path / "head.json").read_text())["rows"]
+    assert {r["shape"] for r in rows} == {"quantized"}  # 997x48 is the same head
+    assert rows[0]["kept_bytes"] == 63 * 48 * 4 + 63 * 16 * 4  # ceil(997 / 16) clusters
+    assert main(["clusters", "--shapes", "./tiny", "--iters", "1", "--device", "cpu", "--json", str(tmp_path / "clusters.json")]) == 0
+    (row,) = json.loads((tmp_path / "clusters.json").read_text())["rows"]
+    assert (row["vocab"], row["dim"], row["clusters"]) == (997, 48, 63)
+    (tmp_path / "headless").mkdir()
+    (tmp_path / "headless" / "config.json").write_text(json.dumps(dict(model_type="vit")))  # an image model: no vocabulary
+    for bench in ("head", "clusters"):
+        for name, message in (("null", "TypeError: "), ("headless", "the config gives no vocab_size and hidden_size")):
+            with pytest.raises(SystemExit):
+                main([bench, "--shapes", str(tmp_path / name), "--device", "cpu"])
+            assert f"error: --shapes {tmp_path / name}: {message}" in capsys.readouterr().err
 
 
 def test_spec_reads_flashheads_gain_against_the_draft_steps_and_the_break_even_acceptance():

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, doc_summary, first_of_each, output_file, positive_int,
-                    positive_int_list, write_output)
+from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, doc_summary, first_of_each, is_config_path, model_config,
+                    note_shadowed_paths, output_file, positive_int, positive_int_list, write_output)
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, on_device, run_metadata, time_calls, usage_error_past_memory
 
@@ -48,8 +48,11 @@ SHAPES = {
     "gemma3-1b": VocabShape(262144, 1152),
     "tiny": VocabShape(4000, 64),  # for a quick check of the CLI itself, e.g. on a CPU
 }
-SHAPES_HELP = "VOCABxDIM or VOCABxDIMxCLUSTER_SIZE for a head of one's own (49152x576: SmolLM2's; clusters of 16 unless given)"
+SHAPES_HELP = ("VOCABxDIM or VOCABxDIMxCLUSTER_SIZE for a head of one's own (49152x576: SmolLM2's; clusters of 16 unless "
+               "given), or a transformers config.json or model directory (its vocabulary and hidden size)")
 GOALS_SHAPE = SHAPES["qwen3-0.6b"]  # issue 3's goals are for this head, under any name
+# The heads of the config files vocab_shape_list read, by the path given.
+CONFIG_HEADS: dict = {}
 
 
 def custom_shape(name: str) -> VocabShape | None:
@@ -62,16 +65,23 @@ def custom_shape(name: str) -> VocabShape | None:
 
 
 def shape_of(name: str, presets: dict = SHAPES) -> VocabShape | None:
-    return presets[name] if name in presets else custom_shape(name)
+    return presets[name] if name in presets else custom_shape(name) or CONFIG_HEADS.get(name)
 
 
 def vocab_shape_list(parser: argparse.ArgumentParser, names: str, presets: dict = SHAPES) -> list[str]:
-    """``--shapes``: each name a preset or a ``VOCABxDIM[xCLUSTER_SIZE]`` head whose token ids fit
-    int32 and whose clusters are no larger than its vocabulary; a head named twice (``tiny,4000x64``)
-    runs once, under its first name."""
-    picked = choices_list(parser, names, presets, "shape", other=lambda name: custom_shape(name) is not None,
+    """``--shapes``: each name a preset, a ``VOCABxDIM[xCLUSTER_SIZE]`` head or a model's config
+    file (its output head, in clusters of 16), with token ids that fit int32 and clusters no larger
+    than the vocabulary; a head named twice (``tiny,4000x64``) runs once, under its first name."""
+    picked = choices_list(parser, names, presets, "shape", other=lambda name: custom_shape(name) is not None or is_config_path(name),
                           other_help=SHAPES_HELP)
+    note_shadowed_paths("--shapes", picked, presets)
     for name in picked:
+        if name not in presets and custom_shape(name) is None:
+            config = model_config(parser, "--shapes", name)
+            try:
+                CONFIG_HEADS[name] = VocabShape(int(config.vocab_size), int(config.hidden_size))
+            except (AttributeError, TypeError, ValueError):
+                parser.error(f"--shapes {name}: the config gives no vocab_size and hidden_size")
         shape = shape_of(name, presets)
         if not (1 <= shape.cluster_size <= shape.vocab < 2**31 and 1 <= shape.dim < 2**31):
             parser.error(f"shape {name!r}: the vocabulary must be in 1..2**31 - 1 (int32 token ids), the hidden size in "

@@ -25,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, first_of_each, kmeans_seed, output_file, positive_int,
-                    write_output)
+from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, first_of_each, is_config_path, kmeans_seed, model_config,
+                    note_shadowed_paths, output_file, positive_int, write_output)
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
@@ -103,45 +103,24 @@ CONFIG_SHAPE_HELP = ("a transformers config.json, or a model directory holding o
                      "model of one's own, at its shape with random weights")
 
 
-def is_config_path(name: str) -> bool:
-    return pathlib.Path(name).exists()
-
-
-def config_shape(path: str) -> DecoderConfig:
-    """The fast decoder's config for the transformers config at ``path`` (a multimodal model's text
-    part); a note where the config quantizes its weights, which random weights in the run's dtype
-    do not."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else type(quantization).__name__
-        print(f"{path}: its quantization ({method}) is not timed: the weights are random, in --dtype")
-    return DecoderConfig.from_hf(config.get_text_config())
-
-
 def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> list:
     """Each name's DecoderConfig, a preset's or a config file's; a usage error where one cannot be
     built, or where building one needs transformers (Gemma-3's own layer, a config file), which
     the benchmarks over Decoder.random do not otherwise need."""
+    note_shadowed_paths(flag, names, SHAPES)
     configs = []
     for name in names:
         if name in SHAPES:
-            if is_config_path(name):  # e.g. a model downloaded to a directory named as a preset
-                print(f"{flag} {name}: the named shape, not the path {name!r} (give ./{name} for the path)")
             try:
                 configs.append(SHAPES[name])
             except ImportError as error:
                 parser.error(f"{flag}: the gemma3-* shapes read Gemma-3's layer from transformers' config, and transformers "
                              f"is not importable ({error}): pip install 'transformers>=5,<6', or use gemma3-270m-llama")
             continue
+        config = model_config(parser, flag, name)
         try:
-            configs.append(config_shape(name))
-        except ImportError as error:
-            parser.error(f"{flag} {name}: reading a config file needs transformers, which is not importable ({error}): "
-                         "pip install 'transformers>=5,<6'")
-        except Exception as error:  # any unreadable or inconsistent config, or a model the fast decoder does not run
+            configs.append(DecoderConfig.from_hf(config))
+        except Exception as error:  # a model the fast decoder does not run, or an inconsistent one
             parser.error(f"{flag} {name}: {type(error).__name__}: {error}")
     return configs
 
