@@ -175,21 +175,31 @@ def positive_int_list(text: str) -> list[int]:
 def is_config_path(name: str) -> bool:
     """Whether a shape's name is a path: a transformers config.json or a model directory (one without
     a config.json gets transformers' error when read)."""
-    return Path(name).exists()
+    try:
+        return Path(name).exists()
+    except OSError:  # a name too long for a path, say: no path
+        return False
 
 
-def note_shadowed_paths(flag: str, names: list, presets) -> None:
-    """Says where a shape's name is both a preset and a path (a model downloaded to a directory
-    named as a preset): the preset is what runs."""
+def config_file(name: str) -> Path:
+    """The config file a path names: ``dir``, ``dir/`` and ``dir/config.json`` alike, links followed
+    (the Hugging Face cache's files are links into its blobs)."""
+    path = Path(name)
+    return (path / "config.json" if path.is_dir() else path).resolve()
+
+
+def note_shadowed_paths(flag: str, names: list, is_named) -> None:
+    """Says where a shape's name is both a name ``is_named`` takes (a preset; ``4000x64``) and a path
+    (a model downloaded to a directory named so): the name is what runs."""
     for name in names:
-        if name in presets and is_config_path(name):
+        if is_named(name) and is_config_path(name):
             print(f"{flag} {name}: the named shape, not the path {name!r} (give ./{name} for the path)")
 
 
 def model_config(parser: argparse.ArgumentParser, flag: str, path: str):
-    """The transformers config at ``path`` (a config.json or a model directory holding one; a
-    multimodal model's text part), or a usage error naming ``flag``; a note where it quantizes its
-    weights, which the benchmarks' random weights do not."""
+    """The transformers config at ``path`` (a config.json or a model directory holding one), or a
+    usage error naming ``flag``; a note where it quantizes its weights, which the benchmarks'
+    random weights do not."""
     try:
         from transformers import AutoConfig
     except ImportError as error:
@@ -197,14 +207,13 @@ def model_config(parser: argparse.ArgumentParser, flag: str, path: str):
                      "pip install 'transformers>=5,<6'")
     try:
         config = AutoConfig.from_pretrained(path)
-        text_config = config.get_text_config()
     except Exception as error:  # any unreadable or inconsistent config
         parser.error(f"{flag} {path}: {type(error).__name__}: {error}")
     quantization = getattr(config, "quantization_config", None)
     if quantization:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else type(quantization).__name__
         print(f"{path}: its quantization ({method}) is not timed: the weights are random and unquantized")
-    return text_config
+    return config
 
 
 def first_of_each(names: list, key) -> list:

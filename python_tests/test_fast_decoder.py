@@ -1004,10 +1004,47 @@ def test_bench_clis_time_a_model_of_ones_own_from_its_config(tmp_path, monkeypat
     (tmp_path / "headless").mkdir()
     (tmp_path / "headless" / "config.json").write_text(json.dumps(dict(model_type="vit")))  # an image model: no vocabulary
     for bench in ("head", "clusters"):
-        for name, message in (("null", "TypeError: "), ("headless", "the config gives no vocab_size and hidden_size")):
+        for name, message in (("null", "TypeError: "), ("headless", "its output head could not be read (ValueError: ")):
             with pytest.raises(SystemExit):
                 main([bench, "--shapes", str(tmp_path / name), "--device", "cpu"])
             assert f"error: --shapes {tmp_path / name}: {message}" in capsys.readouterr().err
+
+
+def test_bench_clis_read_each_config_once_and_its_head_as_built(tmp_path, monkeypatch, capsys):
+    from transformers import OPTConfig, Qwen3Config
+
+    from flashhead_ext.bench.__main__ import main
+
+    # The Hugging Face cache's layout: a snapshot's config.json links into its blobs.
+    Qwen3Config(vocab_size=997, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, quantization_config=dict(quant_method="awq", bits=4)).save_pretrained(tmp_path / "q")
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "q" / "config.json").rename(tmp_path / "blobs" / "c0ffee")
+    (tmp_path / "snapshot").mkdir()
+    (tmp_path / "snapshot" / "config.json").symlink_to(tmp_path / "blobs" / "c0ffee")
+    spellings = f"{tmp_path / 'snapshot'},{tmp_path / 'snapshot'}/,{tmp_path / 'snapshot' / 'config.json'}"
+    assert main(["draft-step", "--shapes", spellings, "--dtype", "fp32", "--samples", "2", "--device", "cpu", "--bodies", "eager",
+                 "--json", str(tmp_path / "step.json")]) == 0
+    assert {r["shape"] for r in json.loads((tmp_path / "step.json").read_text())["rows"]} == {str(tmp_path / "snapshot")}
+    assert capsys.readouterr().out.count("its quantization (awq) is not timed") == 1
+    assert main(["clusters", "--shapes", spellings, "--iters", "1", "--device", "cpu", "--json", str(tmp_path / "c.json")]) == 0
+    assert len(json.loads((tmp_path / "c.json").read_text())["rows"]) == 1
+    assert capsys.readouterr().out.count("its quantization (awq) is not timed") == 1
+    # OPT's head is narrower than its hidden size: the head as the model builds it.
+    OPTConfig(vocab_size=997, hidden_size=64, word_embed_proj_dim=32, ffn_dim=128, num_hidden_layers=1,
+              num_attention_heads=4).save_pretrained(tmp_path / "opt")
+    assert main(["clusters", "--shapes", str(tmp_path / "opt"), "--iters", "1", "--device", "cpu", "--json", str(tmp_path / "c.json")]) == 0
+    (row,) = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert (row["vocab"], row["dim"]) == (997, 32)
+    # A name that is a head's pattern and a path is the pattern, and says so; a name too long for a path is no path.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "snapshot").rename(tmp_path / "997x32")
+    assert main(["clusters", "--shapes", "997x32", "--iters", "1", "--device", "cpu", "--json", str(tmp_path / "c.json")]) == 0
+    assert "--shapes 997x32: the named shape, not the path '997x32' (give ./997x32 for the path)" in capsys.readouterr().out
+    for bench in ("clusters", "draft-step"):
+        with pytest.raises(SystemExit):
+            main([bench, "--shapes", "x" * 300, "--device", "cpu"])
+        assert f"unknown shape '{'x' * 300}'" in capsys.readouterr().err
 
 
 def test_spec_reads_flashheads_gain_against_the_draft_steps_and_the_break_even_acceptance():

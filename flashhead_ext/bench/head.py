@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, doc_summary, first_of_each, is_config_path, model_config,
-                    note_shadowed_paths, output_file, positive_int, positive_int_list, write_output)
+from .._cli import (DefaultsHelpFormatter, choices_list, config_file, device_arg, doc_summary, first_of_each, is_config_path,
+                    model_config, note_shadowed_paths, output_file, positive_int, positive_int_list, write_output)
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, on_device, run_metadata, time_calls, usage_error_past_memory
 
@@ -68,20 +68,35 @@ def shape_of(name: str, presets: dict = SHAPES) -> VocabShape | None:
     return presets[name] if name in presets else custom_shape(name) or CONFIG_HEADS.get(name)
 
 
+def config_head(parser: argparse.ArgumentParser, path: str) -> VocabShape:
+    """The output head of the causal LM whose config is at ``path``, as its module is (OPT's is
+    narrower than its hidden size), in clusters of 16; a usage error where it has none."""
+    config = model_config(parser, "--shapes", path)
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):  # the modules' shapes, no weights
+            weight = AutoModelForCausalLM.from_config(config).get_output_embeddings().weight
+    except Exception as error:  # not a causal LM, or one without an output head
+        parser.error(f"--shapes {path}: its output head could not be read ({type(error).__name__}: {error})")
+    return VocabShape(*weight.shape)
+
+
 def vocab_shape_list(parser: argparse.ArgumentParser, names: str, presets: dict = SHAPES) -> list[str]:
     """``--shapes``: each name a preset, a ``VOCABxDIM[xCLUSTER_SIZE]`` head or a model's config
     file (its output head, in clusters of 16), with token ids that fit int32 and clusters no larger
     than the vocabulary; a head named twice (``tiny,4000x64``) runs once, under its first name."""
-    picked = choices_list(parser, names, presets, "shape", other=lambda name: custom_shape(name) is not None or is_config_path(name),
+    def is_named(name: str) -> bool:
+        return name in presets or custom_shape(name) is not None
+
+    picked = choices_list(parser, names, presets, "shape", other=lambda name: is_named(name) or is_config_path(name),
                           other_help=SHAPES_HELP)
-    note_shadowed_paths("--shapes", picked, presets)
+    note_shadowed_paths("--shapes", picked, is_named)
+    # A config under two spellings is read once.
+    picked = first_of_each(picked, lambda name: name if is_named(name) else config_file(name))
     for name in picked:
-        if name not in presets and custom_shape(name) is None:
-            config = model_config(parser, "--shapes", name)
-            try:
-                CONFIG_HEADS[name] = VocabShape(int(config.vocab_size), int(config.hidden_size))
-            except (AttributeError, TypeError, ValueError):
-                parser.error(f"--shapes {name}: the config gives no vocab_size and hidden_size")
+        if not is_named(name):
+            CONFIG_HEADS[name] = config_head(parser, name)
         shape = shape_of(name, presets)
         if not (1 <= shape.cluster_size <= shape.vocab < 2**31 and 1 <= shape.dim < 2**31):
             parser.error(f"shape {name!r}: the vocabulary must be in 1..2**31 - 1 (int32 token ids), the hidden size in "

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import pathlib
 from collections.abc import Mapping
 from functools import partial
 from typing import Optional
 
 import torch
 
-from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, first_of_each, is_config_path, kmeans_seed, model_config,
-                    note_shadowed_paths, output_file, positive_int, write_output)
+from .._cli import (DefaultsHelpFormatter, choices_list, config_file, device_arg, first_of_each, is_config_path, kmeans_seed,
+                    model_config, note_shadowed_paths, output_file, positive_int, write_output)
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
@@ -107,7 +106,7 @@ def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> li
     """Each name's DecoderConfig, a preset's or a config file's; a usage error where one cannot be
     built, or where building one needs transformers (Gemma-3's own layer, a config file), which
     the benchmarks over Decoder.random do not otherwise need."""
-    note_shadowed_paths(flag, names, SHAPES)
+    note_shadowed_paths(flag, names, lambda name: name in SHAPES)
     configs = []
     for name in names:
         if name in SHAPES:
@@ -117,7 +116,7 @@ def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> li
                 parser.error(f"{flag}: the gemma3-* shapes read Gemma-3's layer from transformers' config, and transformers "
                              f"is not importable ({error}): pip install 'transformers>=5,<6', or use gemma3-270m-llama")
             continue
-        config = model_config(parser, flag, name)
+        config = model_config(parser, flag, name).get_text_config()  # a multimodal model's text part
         try:
             configs.append(DecoderConfig.from_hf(config))
         except Exception as error:  # a model the fast decoder does not run, or an inconsistent one
@@ -125,19 +124,11 @@ def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> li
     return configs
 
 
-def config_file(name: str):
-    """A preset's name, or the config file a path names (``dir``, ``dir/`` and ``dir/config.json`` alike)."""
-    if name in SHAPES:
-        return name
-    path = pathlib.Path(name).resolve()
-    return path / "config.json" if path.is_dir() else path
-
-
 def decoder_shape_list(parser: argparse.ArgumentParser, flag: str, text: str) -> tuple[list, list]:
     """The names of a comma list of shapes (presets or config files; one named twice runs once) and
     their DecoderConfigs."""
     names = first_of_each(choices_list(parser, text, SHAPES, "shape", other=is_config_path, other_help=CONFIG_SHAPE_HELP),
-                          config_file)
+                          lambda name: name if name in SHAPES else config_file(name))
     return names, shape_configs(parser, flag, names)
 
 
