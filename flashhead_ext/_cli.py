@@ -225,6 +225,20 @@ def first_of_each(names: list, key) -> list:
     return list(first_names.values())
 
 
+def shape_names(parser: argparse.ArgumentParser, flag: str, text: str, presets, other_help: str,
+                is_pattern=lambda name: False) -> list:
+    """The comma list of shapes ``text``: each a preset, a name ``is_pattern`` takes or a config
+    path (a parser error names any other); a name that is also a path is noted, and a config under
+    two spellings runs once, under its first."""
+    def is_named(name: str) -> bool:
+        return name in presets or is_pattern(name)
+
+    picked = choices_list(parser, text, presets, "shape", other=lambda name: is_named(name) or is_config_path(name),
+                          other_help=other_help)
+    note_shadowed_paths(flag, picked, is_named)
+    return first_of_each(picked, lambda name: name if is_named(name) else config_file(name))
+
+
 def choices_list(parser: argparse.ArgumentParser, names: str, choices, what: str, other=None, other_help: str = "") -> list:
     """The comma list ``names``, each one of ``choices`` or a name ``other`` accepts (a parser
     error names the bad one and what is taken: ``choices``, or ``other_help``); a repeated name

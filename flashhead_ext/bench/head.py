@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from .._cli import (DefaultsHelpFormatter, choices_list, config_file, device_arg, doc_summary, first_of_each, is_config_path,
-                    model_config, note_shadowed_paths, output_file, positive_int, positive_int_list, write_output)
+from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, doc_summary, first_of_each, model_config, output_file,
+                    positive_int, positive_int_list, shape_names, write_output)
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, on_device, run_metadata, time_calls, usage_error_past_memory
 
@@ -86,16 +86,9 @@ def vocab_shape_list(parser: argparse.ArgumentParser, names: str, presets: dict 
     """``--shapes``: each name a preset, a ``VOCABxDIM[xCLUSTER_SIZE]`` head or a model's config
     file (its output head, in clusters of 16), with token ids that fit int32 and clusters no larger
     than the vocabulary; a head named twice (``tiny,4000x64``) runs once, under its first name."""
-    def is_named(name: str) -> bool:
-        return name in presets or custom_shape(name) is not None
-
-    picked = choices_list(parser, names, presets, "shape", other=lambda name: is_named(name) or is_config_path(name),
-                          other_help=SHAPES_HELP)
-    note_shadowed_paths("--shapes", picked, is_named)
-    # A config under two spellings is read once.
-    picked = first_of_each(picked, lambda name: name if is_named(name) else config_file(name))
+    picked = shape_names(parser, "--shapes", names, presets, SHAPES_HELP, lambda name: custom_shape(name) is not None)
     for name in picked:
-        if not is_named(name):
+        if name not in presets and custom_shape(name) is None:
             CONFIG_HEADS[name] = config_head(parser, name)
         shape = shape_of(name, presets)
         if not (1 <= shape.cluster_size <= shape.vocab < 2**31 and 1 <= shape.dim < 2**31):

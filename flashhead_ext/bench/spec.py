@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from .._cli import (DefaultsHelpFormatter, choices_list, config_file, device_arg, first_of_each, is_config_path, kmeans_seed,
-                    model_config, note_shadowed_paths, output_file, positive_int, write_output)
+from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, is_config_path, kmeans_seed, model_config,
+                    note_shadowed_paths, output_file, positive_int, shape_names, write_output)
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
@@ -106,7 +106,6 @@ def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> li
     """Each name's DecoderConfig, a preset's or a config file's; a usage error where one cannot be
     built, or where building one needs transformers (Gemma-3's own layer, a config file), which
     the benchmarks over Decoder.random do not otherwise need."""
-    note_shadowed_paths(flag, names, lambda name: name in SHAPES)
     configs = []
     for name in names:
         if name in SHAPES:
@@ -127,14 +126,14 @@ def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> li
 def decoder_shape_list(parser: argparse.ArgumentParser, flag: str, text: str) -> tuple[list, list]:
     """The names of a comma list of shapes (presets or config files; one named twice runs once) and
     their DecoderConfigs."""
-    names = first_of_each(choices_list(parser, text, SHAPES, "shape", other=is_config_path, other_help=CONFIG_SHAPE_HELP),
-                          lambda name: name if name in SHAPES else config_file(name))
+    names = shape_names(parser, flag, text, SHAPES, CONFIG_SHAPE_HELP)
     return names, shape_configs(parser, flag, names)
 
 
 def one_shape(parser: argparse.ArgumentParser, flag: str, name: str) -> DecoderConfig:
     if name not in SHAPES and not is_config_path(name):
         parser.error(f"argument {flag}: invalid choice: {name!r} (choose from {sorted(SHAPES)} or {CONFIG_SHAPE_HELP})")
+    note_shadowed_paths(flag, [name], lambda preset: preset in SHAPES)
     (config,) = shape_configs(parser, flag, [name])
     return config
 
