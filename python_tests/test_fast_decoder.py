@@ -1,7 +1,7 @@
 """The fast path (flashhead_ext.fast): decoder vs transformers, static cache, exact runner, synthetic mode.
 
-CPU tests run tiny Llama (untied, GQA), Qwen2 (q/k/v biases, optionally sliding windows), Qwen3 (tied,
-q/k norms, MHA) and Gemma-3 (GELU, four norms a layer, scaled embeddings, sliding-window layers with
+CPU tests run tiny Llama (untied, GQA), Mistral (a sliding window in every layer), Qwen2 (q/k/v biases,
+optionally sliding windows), Qwen3 (tied, q/k norms, MHA) and Gemma-3 (GELU, four norms a layer, scaled embeddings, sliding-window layers with
 their own rotary) models with odd sizes, eagerly,
 in float64 (the runner's exactness) and float32 (the decoder's logits). GPU tests capture the steps as
 CUDA graphs and check them against eager runs and for host syncs.
@@ -50,7 +50,7 @@ ROPE_SCALINGS = {
 
 @functools.lru_cache(maxsize=None)
 def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope: str = "default"):
-    """``arch`` "llama", "qwen2", "qwen2-sliding", "qwen3" or "gemma3" (odd sizes); "-aligned":
+    """``arch`` "llama", "mistral", "qwen2", "qwen2-sliding", "qwen3" or "gemma3" (odd sizes); "-aligned":
     sizes that are whole 16-byte vectors of float32, which the CUDA decoder_step kernel needs.
     ``rope``: "default" or a ROPE_SCALINGS key (Llama and Qwen3)."""
     aligned = arch.endswith("-aligned")
@@ -60,7 +60,12 @@ def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope:
         return _qwen2_model(seed, dtype, sliding=arch.startswith("qwen2-sliding"), aligned=aligned)
     theta = 500.0 if arch.startswith("llama") else 10000.0
     rope_parameters = dict(rope_type="default", rope_theta=theta) if rope == "default" else dict(ROPE_SCALINGS[rope], rope_theta=theta)
-    if arch.startswith("llama"):  # GQA 6:2, head_dim 8 from hidden/heads, untied head
+    if arch.startswith("mistral"):  # GQA 4:2, head_dim != hidden/heads, every layer's window of 5, untied head
+        cls, config = transformers.MistralForCausalLM, transformers.MistralConfig(
+            vocab_size=VOCAB, hidden_size=40, intermediate_size=56 if aligned else 53, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8 if aligned else 6, max_position_embeddings=256,
+            sliding_window=5, rope_parameters=rope_parameters, tie_word_embeddings=False, initializer_range=0.3)
+    elif arch.startswith("llama"):  # GQA 6:2, head_dim 8 from hidden/heads, untied head
         cls, config = transformers.LlamaForCausalLM, transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=48, intermediate_size=72 if aligned else 71, num_hidden_layers=3,
             num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, rope_parameters=rope_parameters,
@@ -141,14 +146,14 @@ def head_for(decoder: Decoder, kind: str):
 
 @pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2-sliding", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen2-sliding", "qwen3", "gemma3"])
 def test_logits_match_transformers_prefill_and_step_by_step(arch, dtype, attention):
     model = hf_model(arch, dtype=dtype)
     decoder = Decoder.from_hf(model, max_len=24)
     decoder.attention = attention
     assert decoder.config.qk_norm == (arch in ("qwen3", "gemma3")) and decoder.config.qkv_bias == arch.startswith("qwen2")
     assert (decoder.lm_head is decoder.embed) == (arch in ("qwen3", "gemma3"))
-    ids = prompt(1, length=13)  # past qwen2-sliding's and gemma3's window of 5
+    ids = prompt(1, length=13)  # past mistral's, qwen2-sliding's and gemma3's window of 5
     with torch.no_grad():
         expected = model(input_ids=ids.view(1, -1)).logits[0]
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
@@ -221,6 +226,34 @@ def test_qwen2_biases_and_sliding_window_each_matter():
                                          "layers run on the 'eager', 'compiled' or 'persistent' body"):
         Decoder.from_hf(hf_model("qwen2-sliding", dtype=torch.float32), max_len=8).body = "fused"
     assert Decoder.from_hf(hf_model("qwen2", dtype=torch.float32), max_len=8).bodies == BODIES
+
+
+def test_mistral_window_covers_every_layer_or_none():
+    """transformers' Mistral masks every layer to its sliding window (and none without one): the
+    decoder's logits match it both ways, and dropping the window misses them."""
+    model = hf_model("mistral")
+    decoder = Decoder.from_hf(model, max_len=24)
+    c = decoder.config
+    assert (c.sliding_layers, c.sliding_window, c.qk_norm, c.qkv_bias) == ((0, 1, 2), 5, False, False)
+    ids = prompt(5, length=17)
+    with torch.no_grad():
+        expected = model(input_ids=ids.view(1, -1)).logits[0]
+    torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=1e-5, atol=1e-5)
+    weights = dict(embed=decoder.embed, lm_head=decoder.lm_head, final_norm=decoder.final_norm, layers=decoder.stacked)
+    unwindowed = Decoder(dataclasses.replace(c, sliding_layers=(), sliding_window=None), weights, max_len=24)
+    assert (unwindowed.logits(unwindowed.forward(ids)) - expected).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="body 'fused' runs the Llama / Qwen layer; this model's sliding-window "
+                                         "layers run on the 'eager', 'compiled' or 'persistent' body"):
+        Decoder.from_hf(hf_model("mistral", dtype=torch.float32), max_len=8).body = "fused"
+    # Without a window (Mistral 7B v0.2 on, Mistral Small) it is a Llama layer, which every body runs.
+    full = copy.deepcopy(model)
+    full.config.sliding_window = None
+    with torch.no_grad():
+        expected = full(input_ids=ids.view(1, -1)).logits[0]
+    decoder = Decoder.from_hf(full, max_len=24)
+    assert (decoder.config.sliding_layers, decoder.config.sliding_window) == ((), None)
+    torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=1e-5, atol=1e-5)
+    assert Decoder.from_hf(full.float(), max_len=8).bodies == BODIES
 
 
 def test_gemma3_early_exit_and_the_bodies_it_runs():
@@ -318,7 +351,7 @@ def test_decoder_bad_arguments_name_the_argument():
         Decoder.from_hf(torch.nn.Linear(2, 2), max_len=8)
     gemma2 = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    with pytest.raises(ValueError, match="config must be a llama, qwen2, qwen3, gemma3_text config .the fast decoder's family., "
+    with pytest.raises(ValueError, match="config must be a llama, mistral, qwen2, qwen3, gemma3_text config .the fast decoder's family., "
                                          "got model_type 'gemma2'"):
         DecoderConfig.from_hf(gemma2)
     gemma3 = hf_model("gemma3").config
@@ -478,7 +511,7 @@ def persistent_self_draft():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("arch", ["llama", "qwen2-sliding", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2-sliding", "qwen3", "gemma3"])
 def test_fast_runner_is_exact_in_every_mode(arch, mode):
     target, drafts = fast_models(arch)
     for k in range(1, 7):
@@ -1010,6 +1043,22 @@ def test_bench_clis_time_a_model_of_ones_own_from_its_config(tmp_path, monkeypat
             assert f"error: --shapes {tmp_path / name}: {message}" in capsys.readouterr().err
 
 
+def test_bench_draft_step_times_a_mistral_config_on_the_bodies_its_window_allows(tmp_path, capsys):
+    from transformers import MistralConfig
+
+    from flashhead_ext.bench.__main__ import main
+
+    MistralConfig(vocab_size=997, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, sliding_window=4).save_pretrained(tmp_path / "mistral")
+    assert main(["draft-step", "--shapes", str(tmp_path / "mistral"), "--dtype", "fp32", "--samples", "2", "--device", "cpu",
+                 "--context", "32", "--bodies", "eager,fused,persistent", "--json", str(tmp_path / "step.json")]) == 0
+    assert f"{tmp_path / 'mistral'}: body 'fused' skipped (this layer runs on ('eager', 'compiled', 'persistent'))" in \
+        capsys.readouterr().out
+    rows = json.loads((tmp_path / "step.json").read_text())["rows"]
+    assert [(r["body"], r["head"], r["layers"]) for r in rows] == [
+        ("eager", "dense", 2), ("eager", "flashhead", 2), ("persistent", "dense", 2), ("persistent", "flashhead", 2)]
+
+
 def test_bench_clis_read_each_config_once_and_its_head_as_built(tmp_path, monkeypatch, capsys):
     from transformers import OPTConfig, Qwen3Config
 
@@ -1175,13 +1224,13 @@ def test_fused_bodies_on_cpu_match_eager_and_are_exact(arch, mode, body):
 
 
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
-@pytest.mark.parametrize("arch", ["gemma3", "qwen2-sliding"])
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2-sliding", "mistral"])
 def test_persistent_body_on_cpu_runs_gemma3_and_sliding_windows(arch, mode):
-    """Their short forwards run one decoder_step a token (the fused ops run neither). A draft of
-    two layers holds a sliding one; the generation runs far past the window of 5."""
+    """Their short forwards run one decoder_step a token (the fused ops run none). A draft of
+    two layers holds a sliding one (Mistral's: both); the generation runs far past the window of 5."""
     model = hf_model(arch, dtype=torch.float32)
     target, draft = Decoder.from_hf(model, max_len=48), Decoder.from_hf(model, max_len=48, num_layers=2)
-    assert draft.config.sliding_layers == (1,)
+    assert draft.config.sliding_layers == ((0, 1) if arch == "mistral" else (1,))
     _check_short_step_body(target, draft, "persistent", mode, arch)
 
 
@@ -1324,7 +1373,8 @@ def test_persistent_body_asks_the_cuda_kernel_limits():
 @pytest.mark.parametrize("arch,body", [("qwen3", "compiled"), ("qwen3", "fused"), ("llama", "fused"), ("gemma3", "compiled"),
                                        ("qwen2-sliding", "compiled"), ("qwen2", "fused"), ("qwen3-aligned", "persistent"),
                                        ("llama-aligned", "persistent"), ("qwen2-aligned", "persistent"),
-                                       ("gemma3-aligned", "persistent"), ("qwen2-sliding-aligned", "persistent")])
+                                       ("gemma3-aligned", "persistent"), ("qwen2-sliding-aligned", "persistent"),
+                                       ("mistral", "compiled"), ("mistral-aligned", "persistent")])
 def test_short_step_bodies_match_eager_and_replay_exactly(arch, body, mode):
     _check_short_step_body(*_cuda_models(arch), body, mode, arch)
 
@@ -1367,7 +1417,7 @@ def test_decoder_runs_on_its_own_gpu_not_the_current_one(body):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch,body", [("llama-aligned", "eager"), ("llama-aligned", "fused"), ("llama-aligned", "persistent"),
                                        ("gemma3", "eager"), ("qwen2-sliding", "eager"),  # sliding windows' masks
-                                       ("gemma3-aligned", "persistent")])
+                                       ("gemma3-aligned", "persistent"), ("mistral-aligned", "persistent")])
 def test_no_host_sync_inside_captured_steps(arch, body):
     target, draft = _cuda_models(arch)
     target.body = draft.body = body

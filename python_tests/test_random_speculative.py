@@ -381,7 +381,7 @@ def test_random_driver(index):
 
 # ---- the fast path ------------------------------------------------------------------------------
 
-FAST_ARCHS = ("llama", "qwen2", "qwen2-sliding", "qwen3", "gemma3")
+FAST_ARCHS = ("llama", "mistral", "qwen2", "qwen2-sliding", "qwen3", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -404,12 +404,17 @@ class FastDraw:
                 f"attention {self.attention}, max_len slack {self.slack}{synthetic}")
 
 
+def fuses(arch: str) -> bool:
+    """Whether the fused body runs ``arch``: the fused ops run the plain Llama / Qwen layer only (test_fast_decoder)."""
+    return fast_tests.fast_config(arch).body_limit("fused", torch.float32) is None
+
+
 def cpu_draft(rng: random.Random, arch: str) -> tuple:
     """The draft's body and dtype on the CPU: the fused and persistent bodies run flashhead's float32
     CPU ops; the compiled one compiles for every token count, too slow here."""
     bodies = ["eager"] if rng.random() < 0.4 else ["fused", "persistent", "persistent"]
-    if arch in ("qwen2-sliding", "gemma3") and "fused" in bodies:
-        bodies.remove("fused")  # the fused ops run the plain Llama / Qwen layer only (test_fast_decoder)
+    if not fuses(arch) and "fused" in bodies:
+        bodies.remove("fused")
     body = rng.choice(bodies)
     return body, torch.float64 if body == "eager" and rng.random() < 0.8 else torch.float32
 

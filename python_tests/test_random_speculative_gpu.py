@@ -45,7 +45,7 @@ from helpers import one_thread  # noqa: F401  (an autouse fixture)
 from helpers import stable_seed
 from test_random_speculative import (FAST_ARCHS, FastDraw, build_fast_models, check_dense_proposals, check_modes_agree,
                                      check_short_room, check_stops, check_synthetic, check_target_tokens, draw_fast,
-                                     exact_draft_logits, fast_runner, refuses_no_budget, run_every_mode)
+                                     exact_draft_logits, fast_runner, fuses, refuses_no_budget, run_every_mode)
 
 DEVICE = "cuda"
 # The first 16 draws capture 130 graphs (9 a runner, 8 with a persistent draft; twice when K is set
@@ -67,10 +67,6 @@ NEAR_TIE_RTOL = 3e-4
 
 def near_tie(logits: torch.Tensor) -> float:
     return NEAR_TIE_RTOL * max(1.0, float(logits.abs().max()))
-
-
-def fuses(arch: str) -> bool:
-    return fast_tests.fast_config(arch).body_limit("fused", torch.float32) is None
 
 
 def cuda_draft(rng: random.Random, arch: str) -> tuple:

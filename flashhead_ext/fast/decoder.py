@@ -1,4 +1,4 @@
-"""An in-library Llama / Qwen2 / Qwen3 / Gemma-3 decoder with a static KV cache, for fixed-shape, graph-capturable steps.
+"""An in-library Llama / Mistral / Qwen2 / Qwen3 / Gemma-3 decoder with a static KV cache, for fixed-shape, graph-capturable steps.
 
 transformers' own decode step costs tens of milliseconds of host time per token on a GPU, and its
 static cache did not survive CUDA-graph capture (issue 6). This decoder holds the same weights in a
@@ -24,10 +24,10 @@ from torch import Tensor
 from .. import ops
 from ..hf import check_plain_output_head, greedy_logit_settings, uncompiled
 
-# SmolLM2 is a Llama; Qwen2 (and 2.5) adds biases to q, k and v; Qwen3 RMSNorm on q and k; Gemma-3
+# SmolLM2 is a Llama; Mistral a Llama whose layers may all attend to a sliding window; Qwen2 (and 2.5) adds biases to q, k and v; Qwen3 RMSNorm on q and k; Gemma-3
 # (text) also GELU, norms on the attention's and the MLP's outputs, scaled embeddings and
 # sliding-window layers with their own rotary frequencies.
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # Rotary types whose frequencies transformers computes once (the decoder builds its tables from
 # them); "dynamic" and "longrope" change them with the sequence length.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -122,7 +122,7 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, config, num_layers: Optional[int] = None) -> "DecoderConfig":
-        """From a transformers LlamaConfig / Qwen2Config / Qwen3Config / Gemma3TextConfig; ``num_layers``
+        """From a transformers LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config / Gemma3TextConfig; ``num_layers``
         keeps only the first layers."""
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
@@ -140,7 +140,12 @@ class DecoderConfig:
         layers = config.num_hidden_layers
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)[:layers]
+        if model_type == "mistral":
+            # transformers' Mistral masks every layer to its sliding window when it has one (and ignores
+            # any layer_types: Ministral is the alternating kind).
+            layer_types = ["full_attention" if config.sliding_window is None else "sliding_attention"] * layers
+        else:
+            layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)[:layers]
         unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unknown:
             raise ValueError(f"config.layer_types has {unknown}; the fast decoder runs full_attention and "
@@ -394,7 +399,7 @@ def _refuse_unread_weights(state_dict: Mapping[str, Tensor], read: set, prefix: 
 
 
 class Decoder:
-    """Weights and a static KV cache of a Llama / Qwen2 / Qwen3 / Gemma-3 decoder, on one device, in one dtype.
+    """Weights and a static KV cache of a Llama / Mistral / Qwen2 / Qwen3 / Gemma-3 decoder, on one device, in one dtype.
 
     ``forward(ids)`` runs ``ids`` (int64 ``[n]``, on the device) at positions ``length .. length+n-1``,
     writes their K/V entries there and returns the final-normed hidden states ``[n, D]``; it does
@@ -468,7 +473,7 @@ class Decoder:
     @classmethod
     def from_hf(cls, model, *, max_len: int, num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None,
                 device=None) -> "Decoder":
-        """From a transformers Llama / Qwen2 / Qwen3 / Gemma-3 text causal LM (its first ``num_layers`` layers when given:
+        """From a transformers Llama / Mistral / Qwen2 / Qwen3 / Gemma-3 text causal LM (its first ``num_layers`` layers when given:
         an early-exit draft). Weights are copied into the fused layout; ``eos_token_id`` is the
         model's ``generation_config.eos_token_id``, ``generation_settings`` the logits processors it
         sets, which the runner does not apply (:func:`flashhead_ext.hf.greedy_logit_settings`). A
@@ -503,7 +508,7 @@ class Decoder:
         prefix = "model." if "model.embed_tokens.weight" in state_dict else ""
         embed_key = f"{prefix}embed_tokens.weight"
         if embed_key not in state_dict:
-            raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers Llama/Qwen2/Qwen3/Gemma-3 causal LM")
+            raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers Llama/Mistral/Qwen2/Qwen3/Gemma-3 causal LM")
         if num_layers is None and any(key.startswith(f"{prefix}layers.{c.num_layers}.") for key in state_dict):
             # Building the config's layers only would silently drop the rest: another model's config?
             raise ValueError(f"state_dict holds layer {c.num_layers} but the config has {c.num_layers} layers "
