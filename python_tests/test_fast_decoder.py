@@ -50,7 +50,7 @@ ROPE_SCALINGS = {
 
 @functools.lru_cache(maxsize=None)
 def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope: str = "default"):
-    """``arch`` "llama", "mistral", "qwen2", "qwen2-sliding", "qwen3" or "gemma3" (odd sizes); "-aligned":
+    """``arch`` "llama", "mistral", "ministral", "qwen2", "qwen2-sliding", "qwen3" or "gemma3" (odd sizes); "-aligned":
     sizes that are whole 16-byte vectors of float32, which the CUDA decoder_step kernel needs.
     ``rope``: "default" or a ROPE_SCALINGS key (Llama and Qwen3)."""
     aligned = arch.endswith("-aligned")
@@ -65,6 +65,12 @@ def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope:
             vocab_size=VOCAB, hidden_size=40, intermediate_size=56 if aligned else 53, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=8 if aligned else 6, max_position_embeddings=256,
             sliding_window=5, rope_parameters=rope_parameters, tie_word_embeddings=False, initializer_range=0.3)
+    elif arch.startswith("ministral"):  # Mistral's sizes, the window of 5 in the middle layer only
+        cls, config = transformers.MinistralForCausalLM, transformers.MinistralConfig(
+            vocab_size=VOCAB, hidden_size=40, intermediate_size=56 if aligned else 53, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8 if aligned else 6, max_position_embeddings=256,
+            sliding_window=5, layer_types=["full_attention", "sliding_attention", "full_attention"],
+            rope_parameters=rope_parameters, tie_word_embeddings=False, initializer_range=0.3)
     elif arch.startswith("llama"):  # GQA 6:2, head_dim 8 from hidden/heads, untied head
         cls, config = transformers.LlamaForCausalLM, transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=48, intermediate_size=72 if aligned else 71, num_hidden_layers=3,
@@ -146,14 +152,14 @@ def head_for(decoder: Decoder, kind: str):
 
 @pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen2-sliding", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "ministral", "qwen2", "qwen2-sliding", "qwen3", "gemma3"])
 def test_logits_match_transformers_prefill_and_step_by_step(arch, dtype, attention):
     model = hf_model(arch, dtype=dtype)
     decoder = Decoder.from_hf(model, max_len=24)
     decoder.attention = attention
     assert decoder.config.qk_norm == (arch in ("qwen3", "gemma3")) and decoder.config.qkv_bias == arch.startswith("qwen2")
     assert (decoder.lm_head is decoder.embed) == (arch in ("qwen3", "gemma3"))
-    ids = prompt(1, length=13)  # past mistral's, qwen2-sliding's and gemma3's window of 5
+    ids = prompt(1, length=13)  # past the window of 5 (mistral, ministral, qwen2-sliding, gemma3)
     with torch.no_grad():
         expected = model(input_ids=ids.view(1, -1)).logits[0]
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
@@ -254,6 +260,8 @@ def test_mistral_window_covers_every_layer_or_none():
     assert (decoder.config.sliding_layers, decoder.config.sliding_window) == ((), None)
     torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=1e-5, atol=1e-5)
     assert Decoder.from_hf(full.float(), max_len=8).bodies == BODIES
+    # Ministral: a Llama layer with the window in the layers its layer_types name.
+    assert DecoderConfig.from_hf(hf_model("ministral").config).sliding_layers == (1,)
 
 
 def test_gemma3_early_exit_and_the_bodies_it_runs():
@@ -351,7 +359,7 @@ def test_decoder_bad_arguments_name_the_argument():
         Decoder.from_hf(torch.nn.Linear(2, 2), max_len=8)
     gemma2 = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    with pytest.raises(ValueError, match="config must be a llama, mistral, qwen2, qwen3, gemma3_text config .the fast decoder's family., "
+    with pytest.raises(ValueError, match="config must be a llama, mistral, ministral, qwen2, qwen3, gemma3_text config .the fast decoder's family., "
                                          "got model_type 'gemma2'"):
         DecoderConfig.from_hf(gemma2)
     gemma3 = hf_model("gemma3").config

@@ -98,8 +98,8 @@ SHAPES = _Shapes({
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-CONFIG_SHAPE_HELP = ("a transformers config.json, or a model directory holding one: a Llama / Mistral / Qwen2 / "
-                     "Qwen3 / Gemma-3 model of one's own, at its shape with random weights")
+CONFIG_SHAPE_HELP = ("a transformers config.json, or a model directory holding one: a Llama / Mistral / Ministral / "
+                     "Qwen2 / Qwen3 / Gemma-3 model of one's own, at its shape with random weights")
 
 
 def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> list:

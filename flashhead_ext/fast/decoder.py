@@ -24,10 +24,11 @@ from torch import Tensor
 from .. import ops
 from ..hf import check_plain_output_head, greedy_logit_settings, uncompiled
 
-# SmolLM2 is a Llama; Mistral a Llama whose layers may all attend to a sliding window; Qwen2 (and 2.5) adds biases to q, k and v; Qwen3 RMSNorm on q and k; Gemma-3
-# (text) also GELU, norms on the attention's and the MLP's outputs, scaled embeddings and
+# SmolLM2 is a Llama; Mistral a Llama whose layers may all attend to a sliding window (Ministral:
+# the layers its layer_types name); Qwen2 (and 2.5) adds biases to q, k and v; Qwen3 RMSNorm on q
+# and k; Gemma-3 (text) also GELU, norms on the attention's and the MLP's outputs, scaled embeddings and
 # sliding-window layers with their own rotary frequencies.
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED = ("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma3_text")
 # Rotary types whose frequencies transformers computes once (the decoder builds its tables from
 # them); "dynamic" and "longrope" change them with the sequence length.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -122,8 +123,8 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, config, num_layers: Optional[int] = None) -> "DecoderConfig":
-        """From a transformers LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config / Gemma3TextConfig; ``num_layers``
-        keeps only the first layers."""
+        """From a transformers LlamaConfig / MistralConfig / MinistralConfig / Qwen2Config / Qwen3Config /
+        Gemma3TextConfig; ``num_layers`` keeps only the first layers."""
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
             raise ValueError(f"config must be a {', '.join(SUPPORTED)} config (the fast decoder's family), "
