@@ -264,6 +264,21 @@ def test_mistral_window_covers_every_layer_or_none():
     assert DecoderConfig.from_hf(hf_model("ministral").config).sliding_layers == (1,)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_layer_types_a_llama_or_mistral_config_carries_are_ignored_as_transformers_does(arch):
+    """transformers' Llama masks no layer to a window and Mistral every one (a config's layer_types
+    aside): the decoder built the windows those layer_types named and missed transformers' logits."""
+    model = copy.deepcopy(hf_model(arch))
+    model.config.sliding_window = 5
+    model.config.layer_types = ["full_attention", "sliding_attention", "full_attention"]
+    decoder = Decoder.from_hf(model, max_len=24)
+    assert decoder.config.sliding_layers == ((0, 1, 2) if arch == "mistral" else ())
+    ids = prompt(6, length=17)
+    with torch.no_grad():
+        expected = model(input_ids=ids.view(1, -1)).logits[0]
+    torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_gemma3_early_exit_and_the_bodies_it_runs():
     model = hf_model("gemma3", dtype=torch.float32)
     one = Decoder.from_hf(model, max_len=16, num_layers=2)

@@ -1,4 +1,5 @@
-"""An in-library Llama / Mistral / Qwen2 / Qwen3 / Gemma-3 decoder with a static KV cache, for fixed-shape, graph-capturable steps.
+"""An in-library Llama / Mistral / Ministral / Qwen2 / Qwen3 / Gemma-3 decoder with a static KV cache,
+for fixed-shape, graph-capturable steps.
 
 transformers' own decode step costs tens of milliseconds of host time per token on a GPU, and its
 static cache did not survive CUDA-graph capture (issue 6). This decoder holds the same weights in a
@@ -141,10 +142,11 @@ class DecoderConfig:
         layers = config.num_hidden_layers
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        if model_type == "mistral":
-            # transformers' Mistral masks every layer to its sliding window when it has one (and ignores
-            # any layer_types: Ministral is the alternating kind).
-            layer_types = ["full_attention" if config.sliding_window is None else "sliding_attention"] * layers
+        if model_type in ("llama", "mistral"):
+            # transformers' Llama and Mistral ignore any layer_types a config carries: Mistral masks every
+            # layer to its sliding window when it has one, Llama none (Ministral is the alternating kind).
+            window = config.sliding_window if model_type == "mistral" else None
+            layer_types = ["full_attention" if window is None else "sliding_attention"] * layers
         else:
             layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)[:layers]
         unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
@@ -400,7 +402,8 @@ def _refuse_unread_weights(state_dict: Mapping[str, Tensor], read: set, prefix: 
 
 
 class Decoder:
-    """Weights and a static KV cache of a Llama / Mistral / Qwen2 / Qwen3 / Gemma-3 decoder, on one device, in one dtype.
+    """Weights and a static KV cache of a Llama / Mistral / Ministral / Qwen2 / Qwen3 / Gemma-3 decoder,
+    on one device, in one dtype.
 
     ``forward(ids)`` runs ``ids`` (int64 ``[n]``, on the device) at positions ``length .. length+n-1``,
     writes their K/V entries there and returns the final-normed hidden states ``[n, D]``; it does
@@ -474,12 +477,13 @@ class Decoder:
     @classmethod
     def from_hf(cls, model, *, max_len: int, num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None,
                 device=None) -> "Decoder":
-        """From a transformers Llama / Mistral / Qwen2 / Qwen3 / Gemma-3 text causal LM (its first ``num_layers`` layers when given:
-        an early-exit draft). Weights are copied into the fused layout; ``eos_token_id`` is the
-        model's ``generation_config.eos_token_id``, ``generation_settings`` the logits processors it
-        sets, which the runner does not apply (:func:`flashhead_ext.hf.greedy_logit_settings`). A
-        FlashHead attached to ``model`` (:func:`flashhead_ext.hf.attach`) is not carried over (a
-        warning says so): the decoder keeps the dense output weight."""
+        """From a transformers Llama / Mistral / Ministral / Qwen2 / Qwen3 / Gemma-3 text causal LM (its
+        first ``num_layers`` layers when given: an early-exit draft). Weights are copied into the fused
+        layout; ``eos_token_id`` is the model's ``generation_config.eos_token_id``,
+        ``generation_settings`` the logits processors it sets, which the runner does not apply
+        (:func:`flashhead_ext.hf.greedy_logit_settings`). A FlashHead attached to ``model``
+        (:func:`flashhead_ext.hf.attach`) is not carried over (a warning says so): the decoder keeps
+        the dense output weight."""
         model = uncompiled(model)  # a compiled model's state dict names every weight "_orig_mod."...
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "state_dict"):
@@ -509,7 +513,8 @@ class Decoder:
         prefix = "model." if "model.embed_tokens.weight" in state_dict else ""
         embed_key = f"{prefix}embed_tokens.weight"
         if embed_key not in state_dict:
-            raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers Llama/Mistral/Qwen2/Qwen3/Gemma-3 causal LM")
+            raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers "
+                             "Llama/Mistral/Ministral/Qwen2/Qwen3/Gemma-3 causal LM")
         if num_layers is None and any(key.startswith(f"{prefix}layers.{c.num_layers}.") for key in state_dict):
             # Building the config's layers only would silently drop the rest: another model's config?
             raise ValueError(f"state_dict holds layer {c.num_layers} but the config has {c.num_layers} layers "
