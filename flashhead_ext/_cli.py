@@ -229,12 +229,16 @@ def shape_names(parser: argparse.ArgumentParser, flag: str, text: str, presets, 
                 is_pattern=lambda name: False) -> list:
     """The comma list of shapes ``text``: each a preset, a name ``is_pattern`` takes or a config
     path (a parser error names any other); a name that is also a path is noted, and a config under
-    two spellings runs once, under its first."""
+    two spellings runs once, under its first. A whole ``text`` that is a config path with a comma
+    in it is that one path."""
     def is_named(name: str) -> bool:
         return name in presets or is_pattern(name)
 
-    picked = choices_list(parser, text, presets, "shape", other=lambda name: is_named(name) or is_config_path(name),
-                          other_help=other_help)
+    if "," in text and is_config_path(text.strip()):
+        picked = [text.strip()]
+    else:
+        picked = choices_list(parser, text, presets, "shape", other=lambda name: is_named(name) or is_config_path(name),
+                              other_help=other_help)
     note_shadowed_paths(flag, picked, is_named)
     return first_of_each(picked, lambda name: name if is_named(name) else config_file(name))
 

@@ -1082,6 +1082,22 @@ def test_bench_draft_step_times_a_mistral_config_on_the_bodies_its_window_allows
         ("eager", "dense", 2), ("eager", "flashhead", 2), ("persistent", "dense", 2), ("persistent", "flashhead", 2)]
 
 
+def test_bench_shape_list_that_is_one_config_path_with_a_comma(tmp_path):
+    # The comma list split it into two names, neither a shape.
+    from transformers import LlamaConfig
+
+    from flashhead_ext.bench.__main__ import main
+
+    LlamaConfig(vocab_size=331, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(tmp_path / "llama,tiny")
+    for bench, args in (("draft-step", ["--bodies", "eager", "--dtype", "fp32", "--samples", "2"]),
+                        ("head", ["--probes", "3", "--batches", "1", "--impls", "dense", "--calls", "2", "--samples", "2"])):
+        assert main([bench, "--shapes", str(tmp_path / "llama,tiny"), "--device", "cpu", *args,
+                     "--json", str(tmp_path / "out.json")]) == 0
+        rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+        assert {r["shape"] for r in rows} == {str(tmp_path / "llama,tiny")}, bench
+
+
 def test_bench_clis_read_each_config_once_and_its_head_as_built(tmp_path, monkeypatch, capsys):
     from transformers import OPTConfig, Qwen3Config
 
