@@ -1,6 +1,7 @@
 """The fast path (flashhead_ext.fast): decoder vs transformers, static cache, exact runner, synthetic mode.
 
-CPU tests run tiny Llama (untied, GQA), Mistral (a sliding window in every layer), Qwen2 (q/k/v biases,
+CPU tests run tiny Llama (untied, GQA), Mistral (a sliding window in every layer; Phi-3 too, with its
+weights stored fused), Qwen2 (q/k/v biases,
 optionally sliding windows), Qwen3 (tied, q/k norms, MHA) and Gemma-3 (GELU, four norms a layer, scaled embeddings, sliding-window layers with
 their own rotary) models with odd sizes, eagerly,
 in float64 (the runner's exactness) and float32 (the decoder's logits). GPU tests capture the steps as
@@ -50,7 +51,7 @@ ROPE_SCALINGS = {
 
 @functools.lru_cache(maxsize=None)
 def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope: str = "default"):
-    """``arch`` "llama", "mistral", "ministral", "qwen2", "qwen2-sliding", "qwen3" or "gemma3" (odd sizes); "-aligned":
+    """``arch`` "llama", "mistral", "ministral", "phi3", "qwen2", "qwen2-sliding", "qwen3" or "gemma3" (odd sizes); "-aligned":
     sizes that are whole 16-byte vectors of float32, which the CUDA decoder_step kernel needs.
     ``rope``: "default" or a ROPE_SCALINGS key (Llama and Qwen3)."""
     aligned = arch.endswith("-aligned")
@@ -65,6 +66,12 @@ def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope:
             vocab_size=VOCAB, hidden_size=40, intermediate_size=56 if aligned else 53, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=8 if aligned else 6, max_position_embeddings=256,
             sliding_window=5, rope_parameters=rope_parameters, tie_word_embeddings=False, initializer_range=0.3)
+    elif arch.startswith("phi3"):  # GQA 6:2, fused q/k/v and gate/up weights, every layer's window of 5, untied head
+        cls, config = transformers.Phi3ForCausalLM, transformers.Phi3Config(
+            vocab_size=VOCAB, hidden_size=48, intermediate_size=56 if aligned else 53, num_hidden_layers=3,
+            num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, sliding_window=5,
+            rope_parameters=rope_parameters, tie_word_embeddings=False, initializer_range=0.3, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2)
     elif arch.startswith("ministral"):  # Mistral's sizes, the window of 5 in the middle layer only
         cls, config = transformers.MinistralForCausalLM, transformers.MinistralConfig(
             vocab_size=VOCAB, hidden_size=40, intermediate_size=56 if aligned else 53, num_hidden_layers=3,
@@ -152,14 +159,14 @@ def head_for(decoder: Decoder, kind: str):
 
 @pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "ministral", "qwen2", "qwen2-sliding", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "ministral", "phi3", "qwen2", "qwen2-sliding", "qwen3", "gemma3"])
 def test_logits_match_transformers_prefill_and_step_by_step(arch, dtype, attention):
     model = hf_model(arch, dtype=dtype)
     decoder = Decoder.from_hf(model, max_len=24)
     decoder.attention = attention
     assert decoder.config.qk_norm == (arch in ("qwen3", "gemma3")) and decoder.config.qkv_bias == arch.startswith("qwen2")
     assert (decoder.lm_head is decoder.embed) == (arch in ("qwen3", "gemma3"))
-    ids = prompt(1, length=13)  # past the window of 5 (mistral, ministral, qwen2-sliding, gemma3)
+    ids = prompt(1, length=13)  # past the window of 5 (mistral, ministral, phi3, qwen2-sliding, gemma3)
     with torch.no_grad():
         expected = model(input_ids=ids.view(1, -1)).logits[0]
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
@@ -264,15 +271,16 @@ def test_mistral_window_covers_every_layer_or_none():
     assert DecoderConfig.from_hf(hf_model("ministral").config).sliding_layers == (1,)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "phi3"])
 def test_layer_types_a_llama_or_mistral_config_carries_are_ignored_as_transformers_does(arch):
-    """transformers' Llama masks no layer to a window and Mistral every one (a config's layer_types
-    aside): the decoder built the windows those layer_types named and missed transformers' logits."""
+    """transformers' Llama masks no layer to a window and Mistral and Phi-3 every one (a config's
+    layer_types aside): the decoder built the windows those layer_types named and missed
+    transformers' logits."""
     model = copy.deepcopy(hf_model(arch))
     model.config.sliding_window = 5
     model.config.layer_types = ["full_attention", "sliding_attention", "full_attention"]
     decoder = Decoder.from_hf(model, max_len=24)
-    assert decoder.config.sliding_layers == ((0, 1, 2) if arch == "mistral" else ())
+    assert decoder.config.sliding_layers == (() if arch == "llama" else (0, 1, 2))
     ids = prompt(6, length=17)
     with torch.no_grad():
         expected = model(input_ids=ids.view(1, -1)).logits[0]
@@ -374,7 +382,7 @@ def test_decoder_bad_arguments_name_the_argument():
         Decoder.from_hf(torch.nn.Linear(2, 2), max_len=8)
     gemma2 = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    with pytest.raises(ValueError, match="config must be a llama, mistral, ministral, qwen2, qwen3, gemma3_text config .the fast decoder's family., "
+    with pytest.raises(ValueError, match="config must be a llama, mistral, ministral, phi3, qwen2, qwen3, gemma3_text config .the fast decoder's family., "
                                          "got model_type 'gemma2'"):
         DecoderConfig.from_hf(gemma2)
     gemma3 = hf_model("gemma3").config
@@ -534,7 +542,7 @@ def persistent_self_draft():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2-sliding", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "phi3", "qwen2-sliding", "qwen3", "gemma3"])
 def test_fast_runner_is_exact_in_every_mode(arch, mode):
     target, drafts = fast_models(arch)
     for k in range(1, 7):
@@ -1263,13 +1271,14 @@ def test_fused_bodies_on_cpu_match_eager_and_are_exact(arch, mode, body):
 
 
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
-@pytest.mark.parametrize("arch", ["gemma3", "qwen2-sliding", "mistral"])
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2-sliding", "mistral", "phi3"])
 def test_persistent_body_on_cpu_runs_gemma3_and_sliding_windows(arch, mode):
     """Their short forwards run one decoder_step a token (the fused ops run none). A draft of
-    two layers holds a sliding one (Mistral's: both); the generation runs far past the window of 5."""
+    two layers holds a sliding one (Mistral's and Phi-3's: both); the generation runs far past the
+    window of 5."""
     model = hf_model(arch, dtype=torch.float32)
     target, draft = Decoder.from_hf(model, max_len=48), Decoder.from_hf(model, max_len=48, num_layers=2)
-    assert draft.config.sliding_layers == ((0, 1) if arch == "mistral" else (1,))
+    assert draft.config.sliding_layers == ((0, 1) if arch in ("mistral", "phi3") else (1,))
     _check_short_step_body(target, draft, "persistent", mode, arch)
 
 
@@ -1413,7 +1422,8 @@ def test_persistent_body_asks_the_cuda_kernel_limits():
                                        ("qwen2-sliding", "compiled"), ("qwen2", "fused"), ("qwen3-aligned", "persistent"),
                                        ("llama-aligned", "persistent"), ("qwen2-aligned", "persistent"),
                                        ("gemma3-aligned", "persistent"), ("qwen2-sliding-aligned", "persistent"),
-                                       ("mistral", "compiled"), ("mistral-aligned", "persistent")])
+                                       ("mistral", "compiled"), ("mistral-aligned", "persistent"),
+                                       ("phi3-aligned", "persistent")])
 def test_short_step_bodies_match_eager_and_replay_exactly(arch, body, mode):
     _check_short_step_body(*_cuda_models(arch), body, mode, arch)
 

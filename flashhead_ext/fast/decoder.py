@@ -1,5 +1,5 @@
-"""An in-library Llama / Mistral / Ministral / Qwen2 / Qwen3 / Gemma-3 decoder with a static KV cache,
-for fixed-shape, graph-capturable steps.
+"""An in-library Llama / Mistral / Ministral / Phi-3 / Qwen2 / Qwen3 / Gemma-3 decoder with a static
+KV cache, for fixed-shape, graph-capturable steps.
 
 transformers' own decode step costs tens of milliseconds of host time per token on a GPU, and its
 static cache did not survive CUDA-graph capture (issue 6). This decoder holds the same weights in a
@@ -26,10 +26,11 @@ from .. import ops
 from ..hf import check_plain_output_head, greedy_logit_settings, uncompiled
 
 # SmolLM2 is a Llama; Mistral a Llama whose layers may all attend to a sliding window (Ministral:
-# the layers its layer_types name); Qwen2 (and 2.5) adds biases to q, k and v; Qwen3 RMSNorm on q
-# and k; Gemma-3 (text) also GELU, norms on the attention's and the MLP's outputs, scaled embeddings and
-# sliding-window layers with their own rotary frequencies.
-SUPPORTED = ("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma3_text")
+# the layers its layer_types name; Phi-3 a Mistral with q/k/v and gate/up stored fused); Qwen2
+# (and 2.5) adds biases to q, k and v; Qwen3 RMSNorm on q and k; Gemma-3 (text) also GELU, norms on
+# the attention's and the MLP's outputs, scaled embeddings and sliding-window layers with their own
+# rotary frequencies.
+SUPPORTED = ("llama", "mistral", "ministral", "phi3", "qwen2", "qwen3", "gemma3_text")
 # Rotary types whose frequencies transformers computes once (the decoder builds its tables from
 # them); "dynamic" and "longrope" change them with the sequence length.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -124,8 +125,8 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, config, num_layers: Optional[int] = None) -> "DecoderConfig":
-        """From a transformers LlamaConfig / MistralConfig / MinistralConfig / Qwen2Config / Qwen3Config /
-        Gemma3TextConfig; ``num_layers`` keeps only the first layers."""
+        """From a transformers LlamaConfig / MistralConfig / MinistralConfig / Phi3Config / Qwen2Config /
+        Qwen3Config / Gemma3TextConfig; ``num_layers`` keeps only the first layers."""
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
             raise ValueError(f"config must be a {', '.join(SUPPORTED)} config (the fast decoder's family), "
@@ -142,10 +143,11 @@ class DecoderConfig:
         layers = config.num_hidden_layers
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        if model_type in ("llama", "mistral"):
-            # transformers' Llama and Mistral ignore any layer_types a config carries: Mistral masks every
-            # layer to its sliding window when it has one, Llama none (Ministral is the alternating kind).
-            window = config.sliding_window if model_type == "mistral" else None
+        if model_type in ("llama", "mistral", "phi3"):
+            # transformers' Llama, Mistral and Phi-3 ignore any layer_types a config carries: Mistral and
+            # Phi-3 mask every layer to their sliding window when they have one, Llama none (Ministral is
+            # the alternating kind).
+            window = None if model_type == "llama" else config.sliding_window
             layer_types = ["full_attention" if window is None else "sliding_attention"] * layers
         else:
             layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)[:layers]
@@ -402,8 +404,8 @@ def _refuse_unread_weights(state_dict: Mapping[str, Tensor], read: set, prefix: 
 
 
 class Decoder:
-    """Weights and a static KV cache of a Llama / Mistral / Ministral / Qwen2 / Qwen3 / Gemma-3 decoder,
-    on one device, in one dtype.
+    """Weights and a static KV cache of a Llama / Mistral / Ministral / Phi-3 / Qwen2 / Qwen3 / Gemma-3
+    decoder, on one device, in one dtype.
 
     ``forward(ids)`` runs ``ids`` (int64 ``[n]``, on the device) at positions ``length .. length+n-1``,
     writes their K/V entries there and returns the final-normed hidden states ``[n, D]``; it does
@@ -477,9 +479,9 @@ class Decoder:
     @classmethod
     def from_hf(cls, model, *, max_len: int, num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None,
                 device=None) -> "Decoder":
-        """From a transformers Llama / Mistral / Ministral / Qwen2 / Qwen3 / Gemma-3 text causal LM (its
-        first ``num_layers`` layers when given: an early-exit draft). Weights are copied into the fused
-        layout; ``eos_token_id`` is the model's ``generation_config.eos_token_id``,
+        """From a transformers Llama / Mistral / Ministral / Phi-3 / Qwen2 / Qwen3 / Gemma-3 text causal
+        LM (its first ``num_layers`` layers when given: an early-exit draft). Weights are copied into
+        the fused layout; ``eos_token_id`` is the model's ``generation_config.eos_token_id``,
         ``generation_settings`` the logits processors it sets, which the runner does not apply
         (:func:`flashhead_ext.hf.greedy_logit_settings`). A FlashHead attached to ``model``
         (:func:`flashhead_ext.hf.attach`) is not carried over (a warning says so): the decoder keeps
@@ -514,7 +516,7 @@ class Decoder:
         embed_key = f"{prefix}embed_tokens.weight"
         if embed_key not in state_dict:
             raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers "
-                             "Llama/Mistral/Ministral/Qwen2/Qwen3/Gemma-3 causal LM")
+                             "Llama/Mistral/Ministral/Phi-3/Qwen2/Qwen3/Gemma-3 causal LM")
         if num_layers is None and any(key.startswith(f"{prefix}layers.{c.num_layers}.") for key in state_dict):
             # Building the config's layers only would silently drop the rest: another model's config?
             raise ValueError(f"state_dict holds layer {c.num_layers} but the config has {c.num_layers} layers "
@@ -549,6 +551,8 @@ class Decoder:
         sources = dict(qkv=[f"self_attn.{x}_proj.weight" for x in "qkv"], o=["self_attn.o_proj.weight"],
                        gate_up=["mlp.gate_proj.weight", "mlp.up_proj.weight"], down=["mlp.down_proj.weight"],
                        attn_norm=["input_layernorm.weight"], mlp_norm=["post_attention_layernorm.weight"])
+        if hf_config.model_type == "phi3":  # stored as the fused layout's matrices already
+            sources.update(qkv=["self_attn.qkv_proj.weight"], gate_up=["mlp.gate_up_proj.weight"])
         if c.post_norms:  # Gemma-3 names its four norms by their place around the two blocks
             sources.update(mlp_norm=["pre_feedforward_layernorm.weight"], post_attn_norm=["post_attention_layernorm.weight"],
                            post_mlp_norm=["post_feedforward_layernorm.weight"])
