@@ -271,6 +271,24 @@ def test_mistral_window_covers_every_layer_or_none():
     assert DecoderConfig.from_hf(hf_model("ministral").config).sliding_layers == (1,)
 
 
+@pytest.mark.parametrize("arch", ["mistral", "ministral", "phi3"])
+def test_bias_flags_a_config_carries_are_ignored_where_transformers_builds_no_biases(arch):
+    # They were refused ("config has attention or MLP biases") for models that have none.
+    model = copy.deepcopy(hf_model(arch))
+    model.config.attention_bias = model.config.mlp_bias = True
+    assert not any(name.endswith("bias") for name, _ in model.named_parameters())
+    decoder = Decoder.from_hf(model, max_len=24)
+    ids = prompt(7, length=9)
+    with torch.no_grad():
+        expected = model(input_ids=ids.view(1, -1)).logits[0]
+    torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=1e-5, atol=1e-5)
+    # A Llama's flags do build biases, which the decoder does not implement.
+    llama = copy.deepcopy(hf_model("llama").config)
+    llama.attention_bias = True
+    with pytest.raises(ValueError, match="config has attention or MLP biases, which the fast decoder does not implement"):
+        DecoderConfig.from_hf(llama)
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "phi3"])
 def test_layer_types_a_llama_or_mistral_config_carries_are_ignored_as_transformers_does(arch):
     """transformers' Llama masks no layer to a window and Mistral and Phi-3 every one (a config's

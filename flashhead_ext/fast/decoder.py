@@ -135,7 +135,10 @@ class DecoderConfig:
         act_key, act = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
         if getattr(config, act_key, act) != act:
             raise ValueError(f"config.{act_key} must be {act!r}, got {getattr(config, act_key)!r}")
-        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        # transformers' Mistral, Ministral and Phi-3 build no biases whatever these flags say.
+        biased = model_type not in ("mistral", "ministral", "phi3") and (
+            getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False))
+        if biased:
             raise ValueError("config has attention or MLP biases, which the fast decoder does not implement")
         for name in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
             if getattr(config, name, None):
