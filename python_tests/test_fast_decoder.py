@@ -51,7 +51,7 @@ ROPE_SCALINGS = {
 
 @functools.lru_cache(maxsize=None)
 def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope: str = "default"):
-    """``arch`` "llama", "mistral", "ministral", "phi3", "qwen2", "qwen2-sliding", "qwen3" or "gemma3" (odd sizes); "-aligned":
+    """``arch`` "llama", "mistral", "ministral", "phi3", "granite", "qwen2", "qwen2-sliding", "qwen3" or "gemma3" (odd sizes); "-aligned":
     sizes that are whole 16-byte vectors of float32, which the CUDA decoder_step kernel needs.
     ``rope``: "default" or a ROPE_SCALINGS key (Llama and Qwen3)."""
     aligned = arch.endswith("-aligned")
@@ -78,6 +78,12 @@ def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope:
             num_attention_heads=4, num_key_value_heads=2, head_dim=8 if aligned else 6, max_position_embeddings=256,
             sliding_window=5, layer_types=["full_attention", "sliding_attention", "full_attention"],
             rope_parameters=rope_parameters, tie_word_embeddings=False, initializer_range=0.3)
+    elif arch.startswith("granite"):  # GQA 6:2, every multiplier away from 1 (the embedding's not a bf16 value), tied head
+        cls, config = transformers.GraniteForCausalLM, transformers.GraniteConfig(
+            vocab_size=VOCAB, hidden_size=48, intermediate_size=72 if aligned else 71, num_hidden_layers=3,
+            num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, rope_parameters=rope_parameters,
+            tie_word_embeddings=True, initializer_range=0.3, embedding_multiplier=3.7, residual_multiplier=0.37,
+            attention_multiplier=0.29, logits_scaling=2.5)
     elif arch.startswith("llama"):  # GQA 6:2, head_dim 8 from hidden/heads, untied head
         cls, config = transformers.LlamaForCausalLM, transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=48, intermediate_size=72 if aligned else 71, num_hidden_layers=3,
@@ -159,13 +165,13 @@ def head_for(decoder: Decoder, kind: str):
 
 @pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "ministral", "phi3", "qwen2", "qwen2-sliding", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "ministral", "phi3", "granite", "qwen2", "qwen2-sliding", "qwen3", "gemma3"])
 def test_logits_match_transformers_prefill_and_step_by_step(arch, dtype, attention):
     model = hf_model(arch, dtype=dtype)
     decoder = Decoder.from_hf(model, max_len=24)
     decoder.attention = attention
     assert decoder.config.qk_norm == (arch in ("qwen3", "gemma3")) and decoder.config.qkv_bias == arch.startswith("qwen2")
-    assert (decoder.lm_head is decoder.embed) == (arch in ("qwen3", "gemma3"))
+    assert (decoder.lm_head is decoder.embed) == (arch in ("qwen3", "gemma3", "granite"))
     ids = prompt(1, length=13)  # past the window of 5 (mistral, ministral, phi3, qwen2-sliding, gemma3)
     with torch.no_grad():
         expected = model(input_ids=ids.view(1, -1)).logits[0]
@@ -219,6 +225,35 @@ def test_gemma3_layer_features_each_matter():
                    dict(embed_scale=1.0), dict(attention_scale=None)):
         other = Decoder(dataclasses.replace(c, **change), weights, max_len=24)
         assert (other.logits(other.forward(ids)) - expected).abs().max() > 1e-3, change
+
+
+def test_granite_multipliers_each_matter():
+    """Each of Granite's four multipliers changes these logits: leaving any one out (the residual
+    multiplier folded into the o and down weights, the others config fields) misses transformers'
+    logits by far more than the decoder does."""
+    model = hf_model("granite")
+    decoder = Decoder.from_hf(model, max_len=24)
+    c = decoder.config
+    assert (c.embed_scale, c.embed_scale_in_model_dtype, c.softmax_scale, c.logits_scaling) == (3.7, False, 0.29, 2.5)
+    ids = prompt(2, length=17)
+    with torch.no_grad():
+        expected = model(input_ids=ids.view(1, -1)).logits[0]
+    torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=1e-5, atol=1e-5)
+    weights = dict(embed=decoder.embed, lm_head=decoder.lm_head, final_norm=decoder.final_norm, layers=decoder.stacked)
+    unfolded = copy.deepcopy(model.config)
+    unfolded.residual_multiplier = 1.0
+    others = [Decoder(dataclasses.replace(c, **change), weights, max_len=24)
+              for change in (dict(embed_scale=1.0), dict(attention_scale=None), dict(logits_scaling=1.0))]
+    others.append(Decoder.from_state_dict(unfolded, model.state_dict(), max_len=24))
+    for other in others:
+        assert (other.logits(other.forward(ids)) - expected).abs().max() > 1e-3, other.config
+    # transformers multiplies a bfloat16 Granite's embeddings by the float 3.7 itself, a Gemma's by
+    # its scale rounded to bfloat16 (3.703125 for 3.7).
+    bf16 = Decoder.from_hf(hf_model("granite", dtype=torch.bfloat16), max_len=8)
+    assert bf16._embed_scale == 3.7
+    rounded = Decoder(dataclasses.replace(bf16.config, embed_scale_in_model_dtype=True), dict(
+        embed=bf16.embed, lm_head=bf16.lm_head, final_norm=bf16.final_norm, layers=bf16.stacked), max_len=8)
+    assert rounded._embed_scale == 3.703125
 
 
 def test_qwen2_biases_and_sliding_window_each_matter():
@@ -282,23 +317,24 @@ def test_bias_flags_a_config_carries_are_ignored_where_transformers_builds_no_bi
     with torch.no_grad():
         expected = model(input_ids=ids.view(1, -1)).logits[0]
     torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=1e-5, atol=1e-5)
-    # A Llama's flags do build biases, which the decoder does not implement.
-    llama = copy.deepcopy(hf_model("llama").config)
-    llama.attention_bias = True
-    with pytest.raises(ValueError, match="config has attention or MLP biases, which the fast decoder does not implement"):
-        DecoderConfig.from_hf(llama)
+    # A Llama's and a Granite's flags do build biases, which the decoder does not implement.
+    for other in ("llama", "granite"):
+        config = copy.deepcopy(hf_model(other).config)
+        config.mlp_bias = True
+        with pytest.raises(ValueError, match="config has attention or MLP biases, which the fast decoder does not implement"):
+            DecoderConfig.from_hf(config)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "granite", "mistral", "phi3"])
 def test_layer_types_a_llama_or_mistral_config_carries_are_ignored_as_transformers_does(arch):
-    """transformers' Llama masks no layer to a window and Mistral and Phi-3 every one (a config's
+    """transformers' Llama and Granite mask no layer to a window and Mistral and Phi-3 every one (a config's
     layer_types aside): the decoder built the windows those layer_types named and missed
     transformers' logits."""
     model = copy.deepcopy(hf_model(arch))
     model.config.sliding_window = 5
     model.config.layer_types = ["full_attention", "sliding_attention", "full_attention"]
     decoder = Decoder.from_hf(model, max_len=24)
-    assert decoder.config.sliding_layers == (() if arch == "llama" else (0, 1, 2))
+    assert decoder.config.sliding_layers == (() if arch in ("llama", "granite") else (0, 1, 2))
     ids = prompt(6, length=17)
     with torch.no_grad():
         expected = model(input_ids=ids.view(1, -1)).logits[0]
@@ -400,7 +436,7 @@ def test_decoder_bad_arguments_name_the_argument():
         Decoder.from_hf(torch.nn.Linear(2, 2), max_len=8)
     gemma2 = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    with pytest.raises(ValueError, match="config must be a llama, mistral, ministral, phi3, qwen2, qwen3, gemma3_text config .the fast decoder's family., "
+    with pytest.raises(ValueError, match="config must be a llama, mistral, ministral, phi3, granite, qwen2, qwen3, gemma3_text config .the fast decoder's family., "
                                          "got model_type 'gemma2'"):
         DecoderConfig.from_hf(gemma2)
     gemma3 = hf_model("gemma3").config
@@ -560,7 +596,7 @@ def persistent_self_draft():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("arch", ["llama", "mistral", "phi3", "qwen2-sliding", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "phi3", "granite", "qwen2-sliding", "qwen3", "gemma3"])
 def test_fast_runner_is_exact_in_every_mode(arch, mode):
     target, drafts = fast_models(arch)
     for k in range(1, 7):
@@ -1108,6 +1144,22 @@ def test_bench_draft_step_times_a_mistral_config_on_the_bodies_its_window_allows
         ("eager", "dense", 2), ("eager", "flashhead", 2), ("persistent", "dense", 2), ("persistent", "flashhead", 2)]
 
 
+def test_bench_draft_step_times_a_granite_config_on_every_short_step_body(tmp_path):
+    from transformers import GraniteConfig
+
+    from flashhead_ext.bench.__main__ import main
+
+    GraniteConfig(vocab_size=997, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+                  logits_scaling=8.0, tie_word_embeddings=True).save_pretrained(tmp_path / "granite")
+    assert main(["draft-step", "--shapes", str(tmp_path / "granite"), "--dtype", "fp32", "--samples", "2", "--device", "cpu",
+                 "--context", "32", "--bodies", "eager,fused,persistent", "--json", str(tmp_path / "step.json")]) == 0
+    rows = json.loads((tmp_path / "step.json").read_text())["rows"]
+    assert [(r["body"], r["head"]) for r in rows] == [(body, head) for body in ("eager", "fused", "persistent")
+                                                      for head in ("dense", "flashhead")]
+    assert all(r["step_us"] > 0 for r in rows)
+
+
 def test_bench_shape_list_that_is_one_config_path_with_a_comma(tmp_path):
     # The comma list split it into two names, neither a shape.
     from transformers import LlamaConfig
@@ -1281,7 +1333,7 @@ def _check_short_step_body(target: Decoder, draft: Decoder, body: str, mode: str
 
 @pytest.mark.parametrize("body", ["fused", "persistent"])
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "granite", "qwen2", "qwen3"])
 def test_fused_bodies_on_cpu_match_eager_and_are_exact(arch, mode, body):
     model = hf_model(arch, dtype=torch.float32)
     target, draft = Decoder.from_hf(model, max_len=48), Decoder.from_hf(model, max_len=48, num_layers=1)
@@ -1441,7 +1493,8 @@ def test_persistent_body_asks_the_cuda_kernel_limits():
                                        ("llama-aligned", "persistent"), ("qwen2-aligned", "persistent"),
                                        ("gemma3-aligned", "persistent"), ("qwen2-sliding-aligned", "persistent"),
                                        ("mistral", "compiled"), ("mistral-aligned", "persistent"),
-                                       ("phi3-aligned", "persistent")])
+                                       ("phi3-aligned", "persistent"), ("granite-aligned", "fused"),
+                                       ("granite-aligned", "persistent")])
 def test_short_step_bodies_match_eager_and_replay_exactly(arch, body, mode):
     _check_short_step_body(*_cuda_models(arch), body, mode, arch)
 

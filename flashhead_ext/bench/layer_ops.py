@@ -115,7 +115,7 @@ def main(argv=None) -> int:
                                      formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-0.6b,gemma3-270m-llama,smollm2-early-exit-8,qwen3-32b",
                         help=f"comma list of {sorted(SHAPES)} or {CONFIG_SHAPE_HELP}; the fused ops run a Llama, "
-                             "Qwen2 or Qwen3 layer without sliding windows, not Gemma-3's own (gemma3-270m-llama "
+                             "Granite, Qwen2 or Qwen3 layer without sliding windows, not Gemma-3's own (gemma3-270m-llama "
                              "has Gemma-3-270M's sizes in a Llama layer)")
     parser.add_argument("--tokens", type=positive_int_list, default="1,8", help="comma list of tokens per call (M)")
     parser.add_argument("--context", type=positive_int, default=1024, help="cache length (max_len); the layer row attends to all of it")

@@ -99,7 +99,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 CONFIG_SHAPE_HELP = ("a transformers config.json, or a model directory holding one: a Llama / Mistral / Ministral / "
-                     "Phi-3 / Qwen2 / Qwen3 / Gemma-3 model of one's own, at its shape with random weights")
+                     "Phi-3 / Granite / Qwen2 / Qwen3 / Gemma-3 model of one's own, at its shape with random weights")
 
 
 def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> list:

@@ -1,5 +1,5 @@
-"""An in-library Llama / Mistral / Ministral / Phi-3 / Qwen2 / Qwen3 / Gemma-3 decoder with a static
-KV cache, for fixed-shape, graph-capturable steps.
+"""An in-library Llama / Mistral / Ministral / Phi-3 / Granite / Qwen2 / Qwen3 / Gemma-3 decoder with a
+static KV cache, for fixed-shape, graph-capturable steps.
 
 transformers' own decode step costs tens of milliseconds of host time per token on a GPU, and its
 static cache did not survive CUDA-graph capture (issue 6). This decoder holds the same weights in a
@@ -26,11 +26,12 @@ from .. import ops
 from ..hf import check_plain_output_head, greedy_logit_settings, uncompiled
 
 # SmolLM2 is a Llama; Mistral a Llama whose layers may all attend to a sliding window (Ministral:
-# the layers its layer_types name; Phi-3 a Mistral with q/k/v and gate/up stored fused); Qwen2
+# the layers its layer_types name; Phi-3 a Mistral with q/k/v and gate/up stored fused); Granite a
+# Llama with multipliers on the embeddings, the residual branches, the softmax and the logits; Qwen2
 # (and 2.5) adds biases to q, k and v; Qwen3 RMSNorm on q and k; Gemma-3 (text) also GELU, norms on
 # the attention's and the MLP's outputs, scaled embeddings and sliding-window layers with their own
 # rotary frequencies.
-SUPPORTED = ("llama", "mistral", "ministral", "phi3", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED = ("llama", "mistral", "ministral", "phi3", "granite", "qwen2", "qwen3", "gemma3_text")
 # Rotary types whose frequencies transformers computes once (the decoder builds its tables from
 # them); "dynamic" and "longrope" change them with the sequence length.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -71,9 +72,11 @@ class DecoderConfig:
     qkv_bias: bool = False
     # RMSNorms on the attention's and on the MLP's output before each residual add (Gemma-3).
     post_norms: bool = False
-    # Embedding rows are multiplied by this, held in float32 and cast to the model dtype as
-    # transformers does (Gemma-3: sqrt(hidden_size)).
+    # Embedding rows are multiplied by this (Gemma-3: sqrt(hidden_size), Granite: embedding_multiplier),
+    # rounded to the model dtype first where transformers holds it in a buffer of that dtype (Gemma-3)
+    # and taken as float32 where it multiplies by the float itself (Granite).
     embed_scale: float = 1.0
+    embed_scale_in_model_dtype: bool = True
     # The attention's softmax scale; None: 1 / sqrt(head_dim) (Gemma-3: query_pre_attn_scalar ** -0.5).
     attention_scale: Optional[float] = None
     # Layers that attend to the last sliding_window positions only (a query sees keys pos - W < k <= pos),
@@ -82,6 +85,9 @@ class DecoderConfig:
     sliding_layers: tuple = ()
     sliding_rope_inv_freq: Optional[tuple] = None
     sliding_rope_attention_scaling: float = 1.0
+    # The logits are the head's products divided by this (Granite's logits_scaling). Granite's
+    # residual_multiplier has no field: from_state_dict folds it into the o and down weights.
+    logits_scaling: float = 1.0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -99,7 +105,7 @@ class DecoderConfig:
                 raise ValueError(f"{prefix}rope_inv_freq must be None or a tuple of head_dim / 2 = {self.head_dim // 2} "
                                  f"finite positive floats, got {freqs!r:.80}")
         for name in ("rope_theta", "rope_attention_scaling", "sliding_rope_attention_scaling", "embed_scale",
-                     "attention_scale"):
+                     "attention_scale", "logits_scaling"):
             value = getattr(self, name)
             if name == "attention_scale" and value is None:
                 continue
@@ -125,8 +131,10 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, config, num_layers: Optional[int] = None) -> "DecoderConfig":
-        """From a transformers LlamaConfig / MistralConfig / MinistralConfig / Phi3Config / Qwen2Config /
-        Qwen3Config / Gemma3TextConfig; ``num_layers`` keeps only the first layers."""
+        """From a transformers LlamaConfig / MistralConfig / MinistralConfig / Phi3Config / GraniteConfig /
+        Qwen2Config / Qwen3Config / Gemma3TextConfig; ``num_layers`` keeps only the first layers.
+        A Granite config's ``residual_multiplier`` is not a field: :meth:`Decoder.from_state_dict`
+        folds it into the o and down weights, so weights given to ``Decoder`` directly must hold it."""
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
             raise ValueError(f"config must be a {', '.join(SUPPORTED)} config (the fast decoder's family), "
@@ -146,11 +154,11 @@ class DecoderConfig:
         layers = config.num_hidden_layers
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        if model_type in ("llama", "mistral", "phi3"):
-            # transformers' Llama, Mistral and Phi-3 ignore any layer_types a config carries: Mistral and
-            # Phi-3 mask every layer to their sliding window when they have one, Llama none (Ministral is
-            # the alternating kind).
-            window = None if model_type == "llama" else config.sliding_window
+        if model_type in ("llama", "granite", "mistral", "phi3"):
+            # transformers' Llama, Granite, Mistral and Phi-3 ignore any layer_types a config carries:
+            # Mistral and Phi-3 mask every layer to their sliding window when they have one, Llama and
+            # Granite none (Ministral is the alternating kind).
+            window = config.sliding_window if model_type in ("mistral", "phi3") else None
             layer_types = ["full_attention" if window is None else "sliding_attention"] * layers
         else:
             layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)[:layers]
@@ -169,6 +177,9 @@ class DecoderConfig:
                     config, head_dim, "sliding_attention")
         else:
             theta, inv_freq, attention_scaling = _rope_from_hf(config, head_dim)
+        if model_type == "granite":
+            fields.update(embed_scale=float(config.embedding_multiplier), embed_scale_in_model_dtype=False,
+                          attention_scale=float(config.attention_multiplier), logits_scaling=float(config.logits_scaling))
         full = cls(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
             num_layers=layers, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
@@ -407,8 +418,8 @@ def _refuse_unread_weights(state_dict: Mapping[str, Tensor], read: set, prefix: 
 
 
 class Decoder:
-    """Weights and a static KV cache of a Llama / Mistral / Ministral / Phi-3 / Qwen2 / Qwen3 / Gemma-3
-    decoder, on one device, in one dtype.
+    """Weights and a static KV cache of a Llama / Mistral / Ministral / Phi-3 / Granite / Qwen2 / Qwen3 /
+    Gemma-3 decoder, on one device, in one dtype.
 
     ``forward(ids)`` runs ``ids`` (int64 ``[n]``, on the device) at positions ``length .. length+n-1``,
     writes their K/V entries there and returns the final-normed hidden states ``[n, D]``; it does
@@ -464,10 +475,11 @@ class Decoder:
         self._sliding_cos, self._sliding_sin = self._cos, self._sin
         if c.sliding_rope_inv_freq is not None:
             self._sliding_cos, self._sliding_sin = self._rotary_tables(c.sliding_rope_inv_freq, c.sliding_rope_attention_scaling)
-        # transformers multiplies the embedding rows by the scale held in a float32 buffer, cast to the
-        # model dtype: that value as a Python float gives the same products (decoder_step's input_scale
-        # takes it too).
-        self._embed_scale = torch.tensor(c.embed_scale, dtype=torch.float32).to(self.dtype).item()
+        # transformers multiplies Gemma's embedding rows by the scale held in a float32 buffer, cast to
+        # the model dtype, and Granite's by the float itself: as a Python float either value gives
+        # transformers' products (decoder_step's input_scale takes it too, as float32).
+        self._embed_scale = (torch.tensor(c.embed_scale, dtype=torch.float32).to(self.dtype).item()
+                             if c.embed_scale_in_model_dtype else float(c.embed_scale))
 
     def _rotary_tables(self, inv_freq, attention_scaling: float) -> tuple[Tensor, Tensor]:
         """cos and sin ``[max_len, head_dim]`` as transformers builds them: angles in float32, scaled
@@ -482,13 +494,13 @@ class Decoder:
     @classmethod
     def from_hf(cls, model, *, max_len: int, num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None,
                 device=None) -> "Decoder":
-        """From a transformers Llama / Mistral / Ministral / Phi-3 / Qwen2 / Qwen3 / Gemma-3 text causal
-        LM (its first ``num_layers`` layers when given: an early-exit draft). Weights are copied into
-        the fused layout; ``eos_token_id`` is the model's ``generation_config.eos_token_id``,
-        ``generation_settings`` the logits processors it sets, which the runner does not apply
-        (:func:`flashhead_ext.hf.greedy_logit_settings`). A FlashHead attached to ``model``
-        (:func:`flashhead_ext.hf.attach`) is not carried over (a warning says so): the decoder keeps
-        the dense output weight."""
+        """From a transformers Llama / Mistral / Ministral / Phi-3 / Granite / Qwen2 / Qwen3 / Gemma-3
+        text causal LM (its first ``num_layers`` layers when given: an early-exit draft). Weights are
+        copied into the fused layout (see :meth:`from_state_dict`); ``eos_token_id`` is the model's
+        ``generation_config.eos_token_id``, ``generation_settings`` the logits processors it sets,
+        which the runner does not apply (:func:`flashhead_ext.hf.greedy_logit_settings`). A
+        FlashHead attached to ``model`` (:func:`flashhead_ext.hf.attach`) is not carried over (a
+        warning says so): the decoder keeps the dense output weight."""
         model = uncompiled(model)  # a compiled model's state dict names every weight "_orig_mod."...
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "state_dict"):
@@ -513,13 +525,16 @@ class Decoder:
                         num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None, device=None) -> "Decoder":
         """From a transformers config and state dict (keys as ``LlamaForCausalLM.state_dict()``, or the
         body's without the ``model.`` prefix plus ``lm_head.weight``; a tied config needs no head).
-        ``eos_token_id`` is the config's."""
+        ``eos_token_id`` is the config's. Two kinds of weight are stored changed, formed in float32
+        (float64 from float64 weights) and then rounded to the model dtype: Gemma-3's norms as 1 + weight, and
+        Granite's o and down projections times its ``residual_multiplier``. In a 16-bit model each
+        is rounded once more than transformers rounds, an error the size of the output's own rounding."""
         c = DecoderConfig.from_hf(hf_config, num_layers)
         prefix = "model." if "model.embed_tokens.weight" in state_dict else ""
         embed_key = f"{prefix}embed_tokens.weight"
         if embed_key not in state_dict:
             raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers "
-                             "Llama/Mistral/Ministral/Phi-3/Qwen2/Qwen3/Gemma-3 causal LM")
+                             "Llama/Mistral/Ministral/Phi-3/Granite/Qwen2/Qwen3/Gemma-3 causal LM")
         if num_layers is None and any(key.startswith(f"{prefix}layers.{c.num_layers}.") for key in state_dict):
             # Building the config's layers only would silently drop the rest: another model's config?
             raise ValueError(f"state_dict holds layer {c.num_layers} but the config has {c.num_layers} layers "
@@ -529,10 +544,12 @@ class Decoder:
         dtype = dtype or state_dict[embed_key].dtype
         device = torch.device(device) if device is not None else state_dict[embed_key].device
         _require_usable_device(device)
-        # Gemma's RMSNorms scale by 1 + weight: the sum, formed in float32 (float64 for a float64
-        # model) as transformers forms it, is stored as the weight. In a 16-bit model it is rounded
-        # once more than transformers rounds, an error the size of the output's own rounding.
+        # Gemma's RMSNorms scale by 1 + weight, formed in float32 as transformers forms it; Granite's
+        # residual branches are the o and down outputs times residual_multiplier, a factor of their weights.
         norm_offset = 1.0 if hf_config.model_type == "gemma3_text" else 0.0
+        residual_multiplier = hf_config.residual_multiplier if hf_config.model_type == "granite" else 1.0
+        if not ops._is_number(residual_multiplier) or not math.isfinite(residual_multiplier):
+            raise ValueError(f"config.residual_multiplier must be a finite number, got {residual_multiplier!r}")
 
         read = set()
 
@@ -541,8 +558,11 @@ class Decoder:
                 raise ValueError(f"state_dict has no {key!r}")
             read.add(key)
             w = state_dict[key].detach().to(device)
+            wide = torch.float64 if w.dtype == torch.float64 else torch.float32
             if norm_offset and key.endswith("norm.weight"):
-                w = w.to(torch.float64 if w.dtype == torch.float64 else torch.float32) + norm_offset
+                w = w.to(wide) + norm_offset
+            if residual_multiplier != 1.0 and key.endswith(("o_proj.weight", "down_proj.weight")):
+                w = w.to(wide) * residual_multiplier
             return w.to(dtype)
 
         def get_vocab_rows(key: str) -> Tensor:
@@ -746,7 +766,9 @@ class Decoder:
         self._attention = value
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return F.linear(hidden, self.lm_head)
+        logits = F.linear(hidden, self.lm_head)
+        # As transformers' Granite divides: the argmax of the rounded quotients, ties included.
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
     def argmax(self, hidden: Tensor) -> Tensor:
         """The dense head's greedy token per row, int64 ``[n]``."""

@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU threads for torch (0: torch's default); on a busy machine 1 can be several times faster")
     parser.add_argument("--warmup-tokens", type=int, default=8, help="new tokens of the one warm-up run per config")
     parser.add_argument("--fast", action="store_true",
-                        help="the fast path (flashhead_ext.fast: Llama/Mistral/Ministral/Phi-3/Qwen2/Qwen3/Gemma-3 only, "
+                        help="the fast path (flashhead_ext.fast: Llama/Mistral/Ministral/Phi-3/Granite/Qwen2/Qwen3/Gemma-3 only, "
                              "CUDA graphs on a GPU) instead of the transformers driver")
     parser.add_argument("--draft-device", type=device_arg, default=None, help="--fast: the draft's device, e.g. cuda:1 (None: --device)")
     parser.add_argument("--draft-body", default=None, choices=BODIES,
