@@ -256,6 +256,27 @@ def test_granite_multipliers_each_matter():
     assert rounded._embed_scale == 3.703125
 
 
+def test_granite_settings_out_of_range_are_named_as_the_config_names_them():
+    # They were named as the DecoderConfig fields they become ("embed_scale must be ...").
+    for name, value in (("embedding_multiplier", 0.0), ("attention_multiplier", -0.0625), ("logits_scaling", float("inf"))):
+        config = copy.deepcopy(hf_model("granite").config)
+        setattr(config, name, value)
+        with pytest.raises(ValueError, match=f"config.{name} must be a finite positive number, got {value!r}"):
+            DecoderConfig.from_hf(config)
+    config = copy.deepcopy(hf_model("granite").config)
+    config.residual_multiplier = float("nan")
+    with pytest.raises(ValueError, match="config.residual_multiplier must be a finite number, got nan"):
+        Decoder.from_state_dict(config, hf_model("granite").state_dict(), max_len=8)
+    config.residual_multiplier, config.attention_bias, config.mlp_bias = 1.0, True, True
+    with pytest.raises(ValueError, match="config.attention_bias and config.mlp_bias set"):
+        DecoderConfig.from_hf(config)
+    # A flag given as a string read as true: "False" rounded Granite's embedding scale to the model dtype.
+    good = DecoderConfig.from_hf(hf_model("granite").config)
+    for flag in ("embed_scale_in_model_dtype", "qk_norm", "tie_word_embeddings", "qkv_bias", "post_norms"):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool, got 'False'"):
+            dataclasses.replace(good, **{flag: "False"})
+
+
 def test_qwen2_biases_and_sliding_window_each_matter():
     model = hf_model("qwen2-sliding")
     decoder = Decoder.from_hf(model, max_len=24)
@@ -308,7 +329,7 @@ def test_mistral_window_covers_every_layer_or_none():
 
 @pytest.mark.parametrize("arch", ["mistral", "ministral", "phi3"])
 def test_bias_flags_a_config_carries_are_ignored_where_transformers_builds_no_biases(arch):
-    # They were refused ("config has attention or MLP biases") for models that have none.
+    # They were refused (attention or MLP biases) for models that have none.
     model = copy.deepcopy(hf_model(arch))
     model.config.attention_bias = model.config.mlp_bias = True
     assert not any(name.endswith("bias") for name, _ in model.named_parameters())
@@ -321,7 +342,8 @@ def test_bias_flags_a_config_carries_are_ignored_where_transformers_builds_no_bi
     for other in ("llama", "granite"):
         config = copy.deepcopy(hf_model(other).config)
         config.mlp_bias = True
-        with pytest.raises(ValueError, match="config has attention or MLP biases, which the fast decoder does not implement"):
+        with pytest.raises(ValueError, match="config.mlp_bias set: attention or MLP biases, which the fast decoder does not "
+                                             "implement"):
             DecoderConfig.from_hf(config)
 
 

@@ -94,6 +94,9 @@ class DecoderConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("qk_norm", "tie_word_embeddings", "qkv_bias", "post_norms", "embed_scale_in_model_dtype"):
+            if not isinstance(getattr(self, name), bool):  # else a string "False" reads as true
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
@@ -144,10 +147,11 @@ class DecoderConfig:
         if getattr(config, act_key, act) != act:
             raise ValueError(f"config.{act_key} must be {act!r}, got {getattr(config, act_key)!r}")
         # transformers' Mistral, Ministral and Phi-3 build no biases whatever these flags say.
-        biased = model_type not in ("mistral", "ministral", "phi3") and (
-            getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False))
+        biased = [] if model_type in ("mistral", "ministral", "phi3") else [
+            name for name in ("attention_bias", "mlp_bias") if getattr(config, name, False)]
         if biased:
-            raise ValueError("config has attention or MLP biases, which the fast decoder does not implement")
+            raise ValueError(f"config.{' and config.'.join(biased)} set: attention or MLP biases, which the fast "
+                             "decoder does not implement")
         for name in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
             if getattr(config, name, None):
                 raise ValueError(f"config.{name} is set ({getattr(config, name)!r}), which the fast decoder does not implement")
@@ -178,6 +182,10 @@ class DecoderConfig:
         else:
             theta, inv_freq, attention_scaling = _rope_from_hf(config, head_dim)
         if model_type == "granite":
+            for name in ("embedding_multiplier", "attention_multiplier", "logits_scaling"):
+                value = getattr(config, name)  # else the error would name the field it becomes
+                if not ops._is_number(value) or not (math.isfinite(value) and value > 0):
+                    raise ValueError(f"config.{name} must be a finite positive number, got {value!r}")
             fields.update(embed_scale=float(config.embedding_multiplier), embed_scale_in_model_dtype=False,
                           attention_scale=float(config.attention_multiplier), logits_scaling=float(config.logits_scaling))
         full = cls(
