@@ -225,13 +225,27 @@ def _uses_chat_template(tokenizer) -> bool:
     return getattr(tokenizer, "chat_template", "") is not None
 
 
+# The date that Llama 3.2's and 3.3's chat templates print as today's (their ``date_string``, else
+# strftime_now's): the fallback of their own template. With the real date a prompt's tokens changed
+# every day, and with them the recordings' cache keys and the benchmarks' inputs.
+TEMPLATE_DATE_STRING = "26 Jul 2024"
+
+
+def apply_chat_template(tokenizer, conversations, **kwargs):
+    """``tokenizer.apply_chat_template`` with ``date_string`` set to :data:`TEMPLATE_DATE_STRING`,
+    so that a Llama 3.x template's prompt is the same tokens every day. Templates that print
+    ``strftime_now`` itself (Granite 3.1 and later, without a system turn) still print the day's
+    date: transformers (5.24) renders a callable passed for it as text."""
+    return tokenizer.apply_chat_template(conversations, date_string=TEMPLATE_DATE_STRING, **kwargs)
+
+
 def _encode_prompts(tokenizer, texts: Sequence[str]):
-    """The model's input for each prompt, unpadded: one user turn in the tokenizer's chat template,
-    the plain text when it has none. What :func:`record_hidden_states` feeds the model and what keys
-    its cache."""
+    """The model's input for each prompt, unpadded: one user turn in the tokenizer's chat template
+    (:func:`apply_chat_template`), the plain text when it has none. What
+    :func:`record_hidden_states` feeds the model and what keys its cache."""
     if _uses_chat_template(tokenizer):
-        return tokenizer.apply_chat_template([[{"role": "user", "content": text}] for text in texts],
-                                             add_generation_prompt=True, return_dict=True)
+        return apply_chat_template(tokenizer, [[{"role": "user", "content": text}] for text in texts],
+                                   add_generation_prompt=True, return_dict=True)
     return tokenizer(list(texts))
 
 

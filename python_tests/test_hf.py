@@ -1,5 +1,6 @@
 """Hugging Face helpers: output_embedding on tied and untied heads; the real SmolLM2 end to end."""
 import copy
+import datetime
 import gc
 import importlib.util
 import json
@@ -745,6 +746,23 @@ def test_attach_warns_when_the_directory_a_model_came_from_no_longer_resolves(tm
         monkeypatch.chdir(tmp_path)
         with pytest.raises(FileNotFoundError, match="build_if_missing=False"):
             attach(loaded, build_if_missing=False)
+
+
+def test_prompts_through_a_llama_chat_template_are_the_same_tokens_every_day():
+    """Llama 3.2's and 3.3's templates print today's date: the recordings' cache keys and the spec
+    CLI's prompts changed every day. Both encoders give them the date of their own fallback."""
+    from flashhead_ext.speculative.runner import encode_prompt
+
+    tokenizer = char_tokenizer()
+    # As Llama 3.2's template: a given date_string, else strftime_now's where transformers defines it.
+    tokenizer.chat_template = ("{%- if not date_string is defined %}{%- if strftime_now is defined %}"
+                               "{%- set date_string = strftime_now('%d %b %Y') %}{%- else %}{%- set date_string = 'none' %}"
+                               "{%- endif %}{%- endif %}{{ date_string }}: {% for m in messages %}{{ m['content'] }}{% endfor %}")
+    today = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert today == datetime.date.today().strftime("%d %b %Y") + ": hi"  # what the template gives by itself
+    expected = tokenizer("26 Jul 2024: hi")["input_ids"]
+    assert hf._encode_prompts(tokenizer, ["hi"])["input_ids"] == [expected]
+    assert encode_prompt(tokenizer, "hi").tolist() == expected
 
 
 def test_calibration_with_a_tokenizer_without_pad_token_or_chat_template():

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from .._cli import write_output
 from ..bench.timing import format_table
+from ..hf import apply_chat_template
 from .draft import HEADS
 from .driver import MODES
 
@@ -50,10 +51,11 @@ def plan_configs(heads, modes) -> list:
 
 
 def encode_prompt(tokenizer, text: str) -> torch.Tensor:
-    """Token ids ``[T]`` of a user turn, through the chat template when the tokenizer has one."""
+    """Token ids ``[T]`` of a user turn, through the chat template when the tokenizer has one
+    (rendered on a fixed day: :func:`flashhead_ext.hf.apply_chat_template`)."""
     if getattr(tokenizer, "chat_template", None):
-        encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                return_dict=True, return_tensors="pt")
+        encoded = apply_chat_template(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True,
+                                      return_dict=True, return_tensors="pt")
     else:
         encoded = tokenizer(text, return_tensors="pt")
     return encoded["input_ids"][0]
