@@ -534,9 +534,10 @@ class Decoder:
         """From a transformers config and state dict (keys as ``LlamaForCausalLM.state_dict()``, or the
         body's without the ``model.`` prefix plus ``lm_head.weight``; a tied config needs no head).
         ``eos_token_id`` is the config's. Two kinds of weight are stored changed, formed in float32
-        (float64 from float64 weights) and then rounded to the model dtype: Gemma-3's norms as 1 + weight, and
-        Granite's o and down projections times its ``residual_multiplier``. In a 16-bit model each
-        is rounded once more than transformers rounds, an error the size of the output's own rounding."""
+        (float64 from float64 weights) and then rounded to the model dtype: Gemma-3's norms as
+        1 + weight, and Granite's o and down projections times its ``residual_multiplier``. In a
+        16-bit model each is rounded once more than transformers rounds, an error the size of the
+        output's own rounding."""
         c = DecoderConfig.from_hf(hf_config, num_layers)
         prefix = "model." if "model.embed_tokens.weight" in state_dict else ""
         embed_key = f"{prefix}embed_tokens.weight"
