@@ -52,7 +52,7 @@ def plan_configs(heads, modes) -> list:
 
 def encode_prompt(tokenizer, text: str) -> torch.Tensor:
     """Token ids ``[T]`` of a user turn, through the chat template when the tokenizer has one
-    (rendered on a fixed day: :func:`flashhead_ext.hf.apply_chat_template`)."""
+    (with a fixed ``date_string``: :func:`flashhead_ext.hf.apply_chat_template`)."""
     if getattr(tokenizer, "chat_template", None):
         encoded = apply_chat_template(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True,
                                       return_dict=True, return_tensors="pt")
