@@ -52,14 +52,15 @@ TORCH_LIBRARY(flashhead, m) {
   // One token through every layer of a decoder (weights stacked per kind along a leading layer
   // dimension, caches [L, KV, max_len, hd]): the composition of the three ops above per layer,
   // one persistent kernel on CUDA. Returns the residual stream after the last layer (no final norm).
-  // The trailing options serve Qwen2 (qkv_bias) and Gemma-3 (post-norms, GELU, sliding windows, the
-  // embedding scale as input_scale).
+  // The trailing options serve Qwen2 (qkv_bias), Gemma-3 (post-norms, GELU, sliding windows, the
+  // embedding scale as input_scale) and Gemma-2 (those and attn_softcap).
   m.def(
       "decoder_step(Tensor x, Tensor qkv_weight, Tensor o_weight, Tensor gate_up_weight, Tensor down_weight,"
       " Tensor attn_norm, Tensor mlp_norm, Tensor? q_norm, Tensor? k_norm, Tensor(a!) k_cache, Tensor(b!) v_cache,"
       " Tensor cos, Tensor sin, Tensor length, int num_heads, float eps, float scale, Tensor? qkv_bias=None,"
       " Tensor? post_attn_norm=None, Tensor? post_mlp_norm=None, str activation=\"silu\", int sliding_window=0,"
-      " int[] sliding_layers=[], Tensor? sliding_cos=None, Tensor? sliding_sin=None, float input_scale=1.0) -> Tensor");
+      " int[] sliding_layers=[], Tensor? sliding_cos=None, Tensor? sliding_sin=None, float input_scale=1.0,"
+      " float attn_softcap=0.0) -> Tensor");
 
   // What a backward through an op's float result calls: it raises "derivative for flashhead::<op> is
   // not implemented" when it runs. Its fake kernel (flashhead_ext/ops.py) returns a tensor like

@@ -422,8 +422,9 @@ def decoder_step(
     sliding_cos: Optional[Tensor] = None,
     sliding_sin: Optional[Tensor] = None,
     input_scale: float = 1.0,
+    attn_softcap: float = 0.0,
 ) -> Tensor:
-    """One decoding step of one token through every layer of a Llama/Qwen2/Qwen3/Gemma-3 decoder; returns ``[1, D]``.
+    """One step of one token through every layer of a Llama/Qwen2/Qwen3/Gemma-2/Gemma-3 decoder; returns ``[1, D]``.
 
     ``x [1, D]``: the token's hidden state (exactly one token). ``weights`` maps ``"qkv"``
     ``[L, (H + 2 KV) hd, D]``, ``"o"`` ``[L, D, H hd]``, ``"gate_up"`` ``[L, 2 I, D]`` (gate rows,
@@ -453,7 +454,9 @@ def decoder_step(
     On CUDA, ``sliding_layers`` needs a model of at most 256 layers. ``input_scale`` multiplies x
     before the first layer: the float32 product, rounded to x's dtype (finite in float32). For a
     value of x's dtype that is exactly ``x * input_scale`` in that dtype, as transformers applies
-    Gemma-3's embedding scale cast to the model dtype.
+    Gemma-3's embedding scale cast to the model dtype. Gemma-2's layer is Gemma-3's without q/k
+    norms and with ``attn_softcap`` > 0: every attention score ``s`` (after ``scale``) becomes
+    ``attn_softcap * tanh(s / attn_softcap)`` before the softmax (0, the default: no cap).
 
     The result is the residual stream after the last layer (no final norm), in x's dtype. A
     ``length`` outside ``[0, max_len)`` gives NaN and writes nothing; on CUDA such a step costs
@@ -491,7 +494,7 @@ def decoder_step(
         k_cache, v_cache, cos, sin, length, _require_int("num_heads", num_heads), _require_float("eps", eps),
         _require_float("scale", scale), w.get("qkv_bias"), w.get("post_attn_norm"), w.get("post_mlp_norm"), activation,
         _require_int("sliding_window", sliding_window), sliding_layers, sliding_cos, sliding_sin,
-        _require_float("input_scale", input_scale),
+        _require_float("input_scale", input_scale), _require_float("attn_softcap", attn_softcap),
     )
 
 
@@ -627,7 +630,7 @@ def _decode_attention_fake(q, k_cache, v_cache, length, scale):
 def _decoder_step_fake(x, qkv_weight, o_weight, gate_up_weight, down_weight, attn_norm, mlp_norm, q_norm, k_norm,
                        k_cache, v_cache, cos, sin, length, num_heads, eps, scale, qkv_bias=None, post_attn_norm=None,
                        post_mlp_norm=None, activation="silu", sliding_window=0, sliding_layers=(), sliding_cos=None,
-                       sliding_sin=None, input_scale=1.0):
+                       sliding_sin=None, input_scale=1.0, attn_softcap=0.0):
     return x.new_empty(x.shape)  # [1, D]; the caches are written in place
 
 

@@ -129,8 +129,9 @@ def rotary_cache_write64(qkv, cos, sin, length, k_cache, v_cache, num_heads, q_n
     return q_out, k_out, v_out
 
 
-def decode_attention64(q, k_cache, v_cache, length, scale, window=0):
-    """``window`` > 0: only the last ``window`` visible keys (decoder_step's sliding-window layers)."""
+def decode_attention64(q, k_cache, v_cache, length, scale, window=0, softcap=0.0):
+    """``window`` > 0: only the last ``window`` visible keys (decoder_step's sliding-window layers);
+    ``softcap`` > 0: scaled scores capped as ``softcap * tanh(s / softcap)`` (decoder_step's Gemma-2 cap)."""
     tokens, heads, hd = q.shape
     kv, max_len, _ = k_cache.shape
     scale = hd ** -0.5 if scale is None else scale
@@ -142,7 +143,8 @@ def decode_attention64(q, k_cache, v_cache, length, scale, window=0):
         first = max(0, visible - window) if window > 0 else 0
         k = k_cache[:, first:visible].double().repeat_interleave(heads // kv, dim=0)  # [heads, keys, hd]
         v = v_cache[:, first:visible].double().repeat_interleave(heads // kv, dim=0)
-        weights = torch.softmax(scale * torch.einsum("hd,hkd->hk", q[i].double(), k), dim=-1)
+        scores = scale * torch.einsum("hd,hkd->hk", q[i].double(), k)
+        weights = torch.softmax(softcap * torch.tanh(scores / softcap) if softcap > 0 else scores, dim=-1)
         out[i] = torch.einsum("hk,hkd->hd", weights, v)
     return out.view(tokens, heads * hd).to(q.dtype)
 

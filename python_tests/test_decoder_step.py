@@ -43,13 +43,14 @@ def clone(args: dict) -> dict:
 # ---- inputs (keyword arguments of ops.decoder_step) -------------------------------------------
 
 def step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=1e-6, scale=None, key=(), qkv_bias=False,
-              gemma=False):
+              gemma=False, softcap=0.0):
     """Random seeded weights scaled by fan_in^-0.5 (values stay O(1) through the layers), random
     (stale) caches, random rotary tables and norm weights around 1; q/k/v biases (Qwen2) drawn
     next, then with ``gemma`` Gemma-3's options: post-norms, GELU, the even layers sliding over a
     window of a third of the cache with their own rotary tables, and the input scaled by
     sqrt(hidden_size) cast to the dtype, as Gemma-3 scales its embeddings. Drawn last, so the other
-    values are those of the same arguments without them."""
+    values are those of the same arguments without them. ``softcap``: Gemma-2's cap on the attention
+    scores (these scores are O(1): a cap of 50, as Gemma-2's, would change nothing here)."""
     g = generator("decoder_step", L, D, I, H, KV, hd, max_len, length, qk_norm, str(dtype), *key)
     weight = lambda rows, cols: randn(g, L, rows, cols, dtype=dtype, scale=cols ** -0.5)
     norm = lambda n: randn(g, L, n, dtype=dtype, scale=0.3, shift=1.0)
@@ -68,6 +69,8 @@ def step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, eps=1e-6, sca
         sliding_cos, sliding_sin = rotary_tables(g, max_len, hd, dtype)
         args.update(activation="gelu_tanh", sliding_window=max(1, max_len // 3), sliding_layers=tuple(range(0, L, 2)),
                     sliding_cos=sliding_cos, sliding_sin=sliding_sin, input_scale=torch.tensor(D ** 0.5).to(dtype).item())
+    if softcap:
+        args["attn_softcap"] = softcap
     return args
 
 
@@ -78,10 +81,11 @@ def layer_norms(weights, i):
 # ---- references -------------------------------------------------------------------------------
 
 def decoder_step64(x, weights, k_cache, v_cache, cos, sin, length, num_heads, eps, scale, activation="silu",
-                   sliding_window=0, sliding_layers=(), sliding_cos=None, sliding_sin=None, input_scale=1.0):
+                   sliding_window=0, sliding_layers=(), sliding_cos=None, sliding_sin=None, input_scale=1.0,
+                   attn_softcap=0.0):
     """(out, k_cache, v_cache) as new tensors: the float64 references of each op, composed per layer
     (Gemma-3's options: each output normed before its residual add, rounded like the ops; the input
-    scaled and rounded to its dtype first)."""
+    scaled and rounded to its dtype first; Gemma-2's capped attention scores)."""
     k_out, v_out = k_cache.clone(), v_cache.clone()
     t = x.dtype
     x = (x.double() * input_scale).to(t)
@@ -98,7 +102,8 @@ def decoder_step64(x, weights, k_cache, v_cache, cos, sin, length, num_heads, ep
         norms = layer_norms(weights, i)
         q, k_out[i], v_out[i] = rotary_cache_write64(qkv, *tables, length, k_out[i], v_out[i], num_heads,
                                                      norms["q_norm"], norms["k_norm"], eps)
-        o = decode_attention64(q, k_out[i], v_out[i], length, scale, window=sliding_window if sliding else 0)
+        o = decode_attention64(q, k_out[i], v_out[i], length, scale, window=sliding_window if sliding else 0,
+                               softcap=attn_softcap)
         if post:
             x = add(x, fused_linear64(o, weights["o"][i], None, eps, False, None), weights["post_attn_norm"][i])
         else:
@@ -203,6 +208,14 @@ def test_decoder_step_with_gemma3_options(name, L, D, I, H, KV, hd, max_len, qk_
     check_against_float64(name, (L, D, I, H, KV, hd, max_len), qk_norm, eps, scale, length_name, dtype, gemma=True)
 
 
+@dtype_params
+@pytest.mark.parametrize("length_name", ["0", "middle", "max_len"])
+@pytest.mark.parametrize("name,L,D,I,H,KV,hd,max_len,qk_norm,eps,scale", CPU_CASES, ids=[c[0] for c in CPU_CASES])
+def test_decoder_step_with_gemma2_cap(name, L, D, I, H, KV, hd, max_len, qk_norm, eps, scale, length_name, dtype):
+    check_against_float64(name, (L, D, I, H, KV, hd, max_len), qk_norm, eps, scale, length_name, dtype, gemma=True,
+                          softcap=0.8)
+
+
 def test_weights_at_an_odd_offset_give_the_same_bits():
     # The CPU reference's one-token products used a contiguous float32 weight in place, and BLAS
     # took another path for one starting off a 16-byte boundary: other last bits.
@@ -215,13 +228,15 @@ def test_weights_at_an_odd_offset_give_the_same_bits():
 
 
 def test_decoder_step_gemma3_options_matter():
-    # Each of Gemma-3's options changes the result by far more than the tolerance, and a window as
-    # long as the cache, or no window, equals no sliding layers with their tables as cos and sin.
+    # Each of Gemma-3's options (and Gemma-2's cap) changes the result by far more than the tolerance,
+    # and a window as long as the cache, or no window, equals no sliding layers with their tables as
+    # cos and sin.
     base = step_args(3, 40, 72, 4, 2, 10, 12, 9, True, torch.float32, gemma=True)
     out = ops.decoder_step(**clone(base))
     no_post = {k: v for k, v in base["weights"].items() if not k.startswith("post_")}
     for change in (dict(weights=no_post), dict(activation="silu"), dict(sliding_window=base["sliding_window"] + 1),
-                   dict(sliding_layers=(1,)), dict(sliding_cos=None, sliding_sin=None), dict(input_scale=1.0)):
+                   dict(sliding_layers=(1,)), dict(sliding_cos=None, sliding_sin=None), dict(input_scale=1.0),
+                   dict(attn_softcap=0.8)):
         changed = ops.decoder_step(**{**clone(base), **clone(change)})
         assert not torch.allclose(changed, out, **TOL[torch.float32]), list(change)
     same_tables = {**clone(base), "cos": base["sliding_cos"], "sin": base["sliding_sin"], "sliding_cos": None,
@@ -503,6 +518,9 @@ def test_inputs_must_not_share_memory_with_the_caches(name, cache, device):
     *[("input_scale", v, ValueError, "input_scale must be a number that is finite in float32")
       for v in (float("nan"), float("-inf"), 1e39)],  # 1e39 is finite as the schema's double, not in float32
     ("input_scale", torch.tensor(2.0), TypeError, "input_scale must be a Python float or int"),
+    *[("attn_softcap", v, ValueError, "attn_softcap must be 0 (no cap) or a positive number finite in float32")
+      for v in (-1.0, float("nan"), float("inf"), 1e39, 1e-50)],  # 1e-50 is 0 in float32, not a cap
+    ("attn_softcap", None, TypeError, "attn_softcap must be a Python float or int"),
 ], ids=repr)
 def test_bad_scalars(name, value, error, fragment, device):
     args = valid_args(device)
@@ -531,6 +549,8 @@ def test_raw_op_checks_too(device):
         raw(qkv_bias=a["qkv_bias"][:1])
     with pytest.raises(ValueError, match=re.escape("input_scale must be a number that is finite in float32")):
         raw(input_scale=float("inf"))
+    with pytest.raises(ValueError, match=re.escape("attn_softcap must be 0 (no cap) or a positive number")):
+        raw(attn_softcap=-50.0)
 
 
 @device_params
@@ -564,7 +584,8 @@ def raw_kwargs(args):
                 post_attn_norm=w.get("post_attn_norm"), post_mlp_norm=w.get("post_mlp_norm"),
                 activation=args.get("activation", "silu"), sliding_window=args.get("sliding_window", 0),
                 sliding_layers=list(args.get("sliding_layers", ())), sliding_cos=args.get("sliding_cos"),
-                sliding_sin=args.get("sliding_sin"), input_scale=args.get("input_scale", 1.0))
+                sliding_sin=args.get("sliding_sin"), input_scale=args.get("input_scale", 1.0),
+                attn_softcap=args.get("attn_softcap", 0.0))
 
 
 OPCHECK_CASES = {
@@ -572,6 +593,7 @@ OPCHECK_CASES = {
     "no-qk-norm-fp32": lambda: step_args(1, 24, 8, 3, 1, 8, 6, 0, False, torch.float32, scale=0.3),
     "qkv-bias-fp16": lambda: step_args(2, 16, 8, 4, 2, 8, 6, 2, False, torch.float16, qkv_bias=True),
     "gemma3-bf16": lambda: step_args(3, 16, 24, 4, 1, 8, 10, 7, True, torch.bfloat16, gemma=True),
+    "gemma2-fp16": lambda: step_args(2, 16, 24, 4, 2, 8, 10, 5, False, torch.float16, gemma=True, softcap=0.8),
 }
 
 
@@ -633,14 +655,20 @@ GPU_SHAPES = {
     "gemma3-270m-layer": (2, 640, 2048, 4, 1, 256, 64, True),
     "gemma3-1b-layer": (3, 1152, 6912, 4, 1, 256, GPU_MAX_LEN, True),
     "small-gemma3-layer": (2, 64, 136, 4, 2, 16, 40, True),
+    # Gemma-2's layer (Gemma-3's with the scores capped, no q/k norms): Gemma-2-2B's heads (8 of 256 on
+    # 4 KV heads) at narrower widths, and the small shape.
+    "gemma2-2b-heads": (2, 576, 1152, 8, 4, 256, GPU_MAX_LEN, False),
+    "small-gemma2-layer": (2, 64, 136, 4, 2, 16, 40, False),
 }
 QKV_BIAS_SHAPES = {"qwen2.5-0.5b"}
-GEMMA3_SHAPES = {"gemma3-270m-layer", "gemma3-1b-layer", "small-gemma3-layer"}
+GEMMA2_SHAPES = {"gemma2-2b-heads", "small-gemma2-layer"}
+GEMMA3_SHAPES = {"gemma3-270m-layer", "gemma3-1b-layer", "small-gemma3-layer", *GEMMA2_SHAPES}
 # (shape, length): each shape at 0, the last position and beyond on both sides; qwen3 also at 37, 500.
 GPU_CASES = [
     *[(s, n) for s in GPU_SHAPES for n in (0, GPU_SHAPES[s][6] - 1, GPU_SHAPES[s][6], -1)],
     ("small", 17), ("qwen3", 37), ("qwen3", 500), ("smollm2", 300), ("qwen3-long", 1500),
     ("gemma3-1b-layer", 200), ("gemma3-1b-layer", 341), ("gemma3-270m-layer", 30),  # 341: the window's length
+    ("gemma2-2b-heads", 341), ("gemma2-2b-heads", 700),
 ]
 
 
@@ -658,19 +686,20 @@ def cuda_vs_cpu(args, length, dtype, what):
 def test_cuda_decoder_step(shape, length, dtype):
     L, D, I, H, KV, hd, max_len, qk_norm = GPU_SHAPES[shape]
     args = step_args(L, D, I, H, KV, hd, max_len, length, qk_norm, dtype, qkv_bias=shape in QKV_BIAS_SHAPES,
-                     gemma=shape in GEMMA3_SHAPES)
+                     gemma=shape in GEMMA3_SHAPES, softcap=0.8 if shape in GEMMA2_SHAPES else 0.0)
     cuda_vs_cpu(args, length, dtype, f"{shape} at {length}")
 
 
 @pytest.mark.gpu
 @dtype_params
-@pytest.mark.parametrize("shape", ["small", "qwen3", "small-gemma3-layer"])
+@pytest.mark.parametrize("shape", ["small", "qwen3", "small-gemma3-layer", "small-gemma2-layer"])
 def test_cuda_consecutive_steps(shape, dtype):
     # Each device keeps its own caches across steps (the CUDA op reads what it wrote at the
     # previous lengths); each step gets a fresh token, the same on both devices. The Gemma-3
     # layer's window (13 keys) moves over the keys written by the steps before.
     L, D, I, H, KV, hd, max_len, qk_norm = GPU_SHAPES[shape]
-    cpu = step_args(L, D, I, H, KV, hd, max_len, 5, qk_norm, dtype, eps=0.1, gemma=shape in GEMMA3_SHAPES)
+    cpu = step_args(L, D, I, H, KV, hd, max_len, 5, qk_norm, dtype, eps=0.1, gemma=shape in GEMMA3_SHAPES,
+                    softcap=0.8 if shape in GEMMA2_SHAPES else 0.0)
     cuda = to(cpu, "cuda")
     g = generator("consecutive", shape, str(dtype))
     for length in range(5, 11 if shape not in GEMMA3_SHAPES else 25):

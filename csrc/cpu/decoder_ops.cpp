@@ -89,9 +89,9 @@ at::Tensor rotary_cache_write_cpu(const at::Tensor& qkv, const at::Tensor& cos, 
 
 // Token by token: each row reads exactly its visible keys (with a window W > 0, only the last W of
 // them: decoder_step's sliding-window layers), so nothing beyond them (stale or non-finite cache
-// entries) can reach its result.
+// entries) can reach its result. softcap > 0 caps the scaled scores (decoder_step's Gemma-2 cap).
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& length,
-                  double scale, int64_t window) {
+                  double scale, int64_t window, double softcap = 0.0) {
   const int64_t tokens = q.size(0), heads = q.size(1), kv = k_cache.size(0), max_len = k_cache.size(1),
                 hd = k_cache.size(2);
   const int64_t first = length.item<int64_t>();
@@ -106,6 +106,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     const int64_t from = window > 0 ? std::max<int64_t>(0, visible - window) : 0;
     // [kv, group, keys]
     auto scores = at::matmul(qf[i], kf.narrow(1, from, visible - from).transpose(1, 2)) * scale;
+    if (softcap > 0.0) scores = at::tanh(scores / softcap) * softcap;
     out[i].copy_(at::matmul(at::softmax(scores, -1), vf.narrow(1, from, visible - from)));
   }
   return out.view({tokens, heads * hd}).to(q.scalar_type());
@@ -120,8 +121,8 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
 // One token through every layer: exactly the composition of the three ops above, layer by layer,
 // on views of the stacked weights and caches (so the cache writes land in the caller's caches),
 // with the options' changes: post-norms (the output normed, then added: x + rms_norm(out)), GELU,
-// and in sliding-window layers the window and their own rotary tables. No final norm: the result
-// is the residual stream after the last layer.
+// capped attention scores, and in sliding-window layers the window and their own rotary tables. No
+// final norm: the result is the residual stream after the last layer.
 at::Tensor decoder_step_cpu(const at::Tensor& x, const at::Tensor& qkv_weight, const at::Tensor& o_weight,
                             const at::Tensor& gate_up_weight, const at::Tensor& down_weight,
                             const at::Tensor& attn_norm, const at::Tensor& mlp_norm,
@@ -132,11 +133,11 @@ at::Tensor decoder_step_cpu(const at::Tensor& x, const at::Tensor& qkv_weight, c
                             const c10::optional<at::Tensor>& post_mlp_norm, c10::string_view activation,
                             int64_t sliding_window, at::IntArrayRef sliding_layers,
                             const c10::optional<at::Tensor>& sliding_cos, const c10::optional<at::Tensor>& sliding_sin,
-                            double input_scale) {
+                            double input_scale, double attn_softcap) {
   constexpr const char* op = "decoder_step";
   const DecoderStepOptions options = decoder_step_options(op, qkv_bias, post_attn_norm, post_mlp_norm, activation,
                                                           sliding_window, sliding_layers, sliding_cos, sliding_sin,
-                                                          input_scale);
+                                                          input_scale, attn_softcap);
   check_decoder_step(op, x, qkv_weight, o_weight, gate_up_weight, down_weight, attn_norm, mlp_norm, q_norm, k_norm,
                      k_cache, v_cache, cos, sin, length, num_heads, eps, scale, options);
   const auto layer = [](const c10::optional<at::Tensor>& t, int64_t i) -> c10::optional<at::Tensor> {
@@ -157,7 +158,8 @@ at::Tensor decoder_step_cpu(const at::Tensor& x, const at::Tensor& qkv_weight, c
                       false);
     auto q = rotary_cache_write_cpu(qkv, own_tables ? *sliding_cos : cos, own_tables ? *sliding_sin : sin, length,
                                     k_layer, v_layer, num_heads, layer(q_norm, i), layer(k_norm, i), eps);
-    auto o = attend(q, k_layer, v_layer, length, scale, in_window ? sliding_window : 0);  // [1, H * hd]
+    auto o = attend(q, k_layer, v_layer, length, scale, in_window ? sliding_window : 0,  // [1, H * hd]
+                    options.attn_softcap);
     h = add(h, linear(o, o_weight.select(0, i), c10::nullopt, eps, false, c10::nullopt, c10::nullopt, false),
             post_attn_norm, i);
     auto gate_up = linear(h, gate_up_weight.select(0, i), mlp_norm.select(0, i), eps, false, c10::nullopt,

@@ -186,7 +186,7 @@ cudaError_t launch_decode_attention(const T* q, const T* k_cache, const T* v_cac
 
 // ---- One-token decoder step (csrc/kernels/decoder_step.cu) -------------------------------------
 
-// A Llama / Qwen2 / Qwen3 / Gemma-3 decoder's shape; its weights stacked over layers, [layers, rows,
+// A Llama / Qwen2 / Qwen3 / Gemma-2 / Gemma-3 decoder's shape; its weights stacked over layers, [layers, rows,
 // columns]: qkv [(H + 2 KV) hd, D], o [D, H hd], gate_up [2 I, D] (gate rows, then up rows), down
 // [D, I], attn_norm / mlp_norm [D], q_norm / k_norm [hd] (both null when the model has none),
 // qkv_bias [(H + 2 KV) hd] (null when the model has none: Qwen2 has them), post_attn_norm /
@@ -195,7 +195,8 @@ cudaError_t launch_decode_attention(const T* q, const T* k_cache, const T* v_cac
 // Sliding-window layers (bit i of sliding_layers for layer i) attend to the last sliding_window
 // positions only and rotate by sliding_cos / sliding_sin (cos / sin when those are null).
 // The first layer's input is x times input_scale, rounded to T (Gemma-3's embedding scale, which
-// would otherwise cost a kernel of its own before the step).
+// would otherwise cost a kernel of its own before the step). attn_softcap > 0 caps every attention
+// score s (after the softmax scale) as attn_softcap * tanh(s / attn_softcap) (Gemma-2); 0: no cap.
 constexpr int kDecoderStepMaxSlidingLayers = 256;
 enum class DecoderStepActivation : int { kSilu = 0, kGeluTanh = 1 };
 struct DecoderStepShape {
@@ -206,6 +207,7 @@ struct DecoderStepShape {
   int sliding_window = 0;
   uint64_t sliding_layers[kDecoderStepMaxSlidingLayers / 64] = {};
   float input_scale = 1.0f;
+  float attn_softcap = 0.0f;
 };
 template <typename T>
 struct DecoderStepWeights {

@@ -1,4 +1,4 @@
-// One decoding step of one token through every layer of a Llama / Qwen2 / Qwen3 / Gemma-3 decoder,
+// One decoding step of one token through every layer of a Llama / Qwen2 / Qwen3 / Gemma-2 / Gemma-3 decoder,
 // as one persistent kernel.
 //
 // At one token a layer costs its weight bytes (30 MB for Qwen3-0.6B: about 7 us at HBM speed)
@@ -23,7 +23,8 @@
 // residual add (post-norms). Such a norm needs the whole output row, which no block has until the
 // next stage reads it anyway: so with post-norms o and down post their outputs, and every block
 // keeps the whole residual stream and adds each normed output as it stages the next input, with no
-// stage more than the Llama layer's. These options are compiled into a kernel of their own
+// stage more than the Llama layer's. Gemma-2's layer is Gemma-3's without q/k norms and with every
+// attention score capped (attn_softcap). These options are compiled into a kernel of their own
 // (Extended): in the Llama layer's their branches made Qwen3-0.6B's step 6% slower.
 #include <algorithm>
 
@@ -654,6 +655,13 @@ __device__ __forceinline__ bool is_sliding(const DecoderStepShape& s, int layer)
   return (word >> (layer % 64)) & 1;
 }
 
+// An attention score after the softmax scale, capped as Gemma-2 caps it (softcap > 0) in the
+// Extended kernel.
+template <bool Extended>
+__device__ __forceinline__ float capped_score(float score, float softcap) {
+  return Extended && softcap > 0.0f ? softcap * tanhf(score / softcap) : score;
+}
+
 // The layer's cache of KV head kv.
 template <typename T>
 __device__ __forceinline__ T* head_cache(const StepParams<T>& p, T* cache, int layer, int kv) {
@@ -857,7 +865,8 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, bool s
 #pragma unroll
         for (int offset = kThreadsPerKey / 2; offset > 0; offset >>= 1)
           dot[h] += __shfl_xor_sync(kFullMask, dot[h], offset);
-        if (h < group && part == 0 && j < n) scores[h * kSplitMaxKeys + j] = dot[h] * s.scale;
+        if (h < group && part == 0 && j < n)
+          scores[h * kSplitMaxKeys + j] = capped_score<Extended>(dot[h] * s.scale, s.attn_softcap);
       }
     }
     __syncthreads();
@@ -969,7 +978,7 @@ __device__ void attention(const StepParams<T>& p, int layer, int64_t pos, bool s
   }
 }
 
-// Extended: Gemma-3's options (post-norms, GELU, sliding windows) as the shape sets them.
+// Extended: Gemma-3's options (post-norms, GELU, sliding windows) and Gemma-2's cap, as the shape sets them.
 template <typename T, typename Heads, bool Extended>
 __global__ void __launch_bounds__(kStepThreads, 1) decoder_step_kernel(StepParams<T> p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -1125,7 +1134,8 @@ auto step_kernel_of_class(const DecoderStepShape& s) -> void (*)(StepParams<T>) 
 }
 template <typename T>
 auto step_kernel(const DecoderStepShape& s) -> void (*)(StepParams<T>) {
-  const bool extended = s.post_norms || s.activation != DecoderStepActivation::kSilu || s.sliding_window > 0;
+  const bool extended =
+      s.post_norms || s.activation != DecoderStepActivation::kSilu || s.sliding_window > 0 || s.attn_softcap > 0.0f;
   return extended ? step_kernel_of_class<T, true>(s) : step_kernel_of_class<T, false>(s);
 }
 

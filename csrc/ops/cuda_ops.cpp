@@ -368,11 +368,12 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
                              const c10::optional<at::Tensor>& post_mlp_norm_in, c10::string_view activation,
                              int64_t sliding_window, at::IntArrayRef sliding_layers,
                              const c10::optional<at::Tensor>& sliding_cos_in,
-                             const c10::optional<at::Tensor>& sliding_sin_in, double input_scale) {
+                             const c10::optional<at::Tensor>& sliding_sin_in, double input_scale,
+                             double attn_softcap) {
   constexpr const char* op = "decoder_step";
   const DecoderStepOptions options =
       decoder_step_options(op, qkv_bias_in, post_attn_norm_in, post_mlp_norm_in, activation, sliding_window,
-                           sliding_layers, sliding_cos_in, sliding_sin_in, input_scale);
+                           sliding_layers, sliding_cos_in, sliding_sin_in, input_scale, attn_softcap);
   check_decoder_step(op, x_in, qkv_weight_in, o_weight_in, gate_up_weight_in, down_weight_in, attn_norm_in,
                      mlp_norm_in, q_norm_in, k_norm_in, k_cache, v_cache, cos_in, sin_in, length, num_heads, eps,
                      scale, options);
@@ -388,6 +389,7 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
   shape.activation = options.gelu ? DecoderStepActivation::kGeluTanh : DecoderStepActivation::kSilu;
   shape.post_norms = options.post_attn_norm.has_value();
   shape.input_scale = static_cast<float>(options.input_scale);
+  shape.attn_softcap = static_cast<float>(options.attn_softcap);
   FH_CHECK_VALUE(op, options.sliding_layers.empty() || layers <= kDecoderStepMaxSlidingLayers,
                  "the CUDA kernel takes sliding_layers in models of at most ", num_str(kDecoderStepMaxSlidingLayers),
                  " layers, got ", num_str(layers));

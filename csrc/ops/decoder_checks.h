@@ -193,13 +193,15 @@ inline void check_stacked(const char* op, const at::Tensor& t, const char* name,
 
 // decoder_step's arguments beyond the Llama layer's: Qwen2's q/k/v biases; Gemma-3's norms of the
 // attention's and the MLP's outputs (post-norms), GELU, sliding-window layers with their own
-// rotary tables, and the scale of the first layer's input (its embedding scale).
+// rotary tables, and the scale of the first layer's input (its embedding scale); Gemma-2's cap on
+// the attention scores (0: none).
 struct DecoderStepOptions {
   c10::optional<at::Tensor> qkv_bias, post_attn_norm, post_mlp_norm, sliding_cos, sliding_sin;
   bool gelu = false;
   int64_t sliding_window = 0;
   std::vector<int64_t> sliding_layers;
   double input_scale = 1.0;
+  double attn_softcap = 0.0;
 };
 
 inline DecoderStepOptions decoder_step_options(const char* op, const c10::optional<at::Tensor>& qkv_bias,
@@ -208,7 +210,8 @@ inline DecoderStepOptions decoder_step_options(const char* op, const c10::option
                                                c10::string_view activation, int64_t sliding_window,
                                                at::IntArrayRef sliding_layers,
                                                const c10::optional<at::Tensor>& sliding_cos,
-                                               const c10::optional<at::Tensor>& sliding_sin, double input_scale) {
+                                               const c10::optional<at::Tensor>& sliding_sin, double input_scale,
+                                               double attn_softcap) {
   FH_CHECK_VALUE(op, activation == "silu" || activation == "gelu_tanh",
                  "activation must be 'silu' or 'gelu_tanh', got '", std::string(activation.data(), activation.size()), "'");
   return {qkv_bias,
@@ -219,7 +222,8 @@ inline DecoderStepOptions decoder_step_options(const char* op, const c10::option
           activation == "gelu_tanh",
           sliding_window,
           std::vector<int64_t>(sliding_layers.begin(), sliding_layers.end()),
-          input_scale};
+          input_scale,
+          attn_softcap};
 }
 
 // One token through every layer of a decoder, weights stacked per kind along a leading layer
@@ -231,7 +235,8 @@ inline DecoderStepOptions decoder_step_options(const char* op, const c10::option
 // place), cos / sin [max_len, hd], length one int64 on x's device; the options' qkv_bias [L, (H +
 // 2 KV) hd], post_attn_norm / post_mlp_norm [L, D] (both or neither), sliding_cos / sliding_sin
 // [max_len, hd] (both or neither), sliding_layers distinct layer indices, sliding_window >= 1 when
-// there are any (else >= 0), input_scale finite in float32 (the precision it is applied in).
+// there are any (else >= 0), input_scale finite in float32 (the precision it is applied in),
+// attn_softcap 0 (no cap) or positive and finite in float32.
 inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Tensor& qkv_weight,
                                const at::Tensor& o_weight, const at::Tensor& gate_up_weight,
                                const at::Tensor& down_weight, const at::Tensor& attn_norm,
@@ -320,6 +325,10 @@ inline void check_decoder_step(const char* op, const at::Tensor& x, const at::Te
   check_attention_scale(op, scale);
   FH_CHECK_VALUE(op, std::isfinite(static_cast<float>(options.input_scale)),
                  "input_scale must be a number that is finite in float32, got ", num_str(options.input_scale));
+  const float softcap = static_cast<float>(options.attn_softcap);
+  FH_CHECK_VALUE(op, options.attn_softcap == 0.0 || (std::isfinite(softcap) && softcap > 0.0f),
+                 "attn_softcap must be 0 (no cap) or a positive number finite in float32, got ",
+                 num_str(options.attn_softcap));
   check_apart_from_caches(
       op, k_cache, v_cache,
       {{&x, "x"}, {&qkv_weight, "qkv_weight"}, {&o_weight, "o_weight"}, {&gate_up_weight, "gate_up_weight"},
