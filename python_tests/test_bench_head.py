@@ -287,7 +287,7 @@ def test_gemma3_shapes_without_transformers_are_a_usage_error(argv, monkeypatch,
         main(argv)
     assert exit_info.value.code == 2
     flag = "--shapes" if argv[0] != "spec" else "--target"
-    assert (f"error: {flag}: the gemma3-* shapes read Gemma-3's layer from transformers' config, and transformers is not "
+    assert (f"error: {flag}: the gemma2-* and gemma3-* shapes read Gemma's layers from transformers' config, and transformers is not "
             "importable (No module named 'transformers'): pip install 'transformers>=5,<6', or use gemma3-270m-llama"
             in capsys.readouterr().err)
 

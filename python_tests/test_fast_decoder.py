@@ -51,12 +51,15 @@ ROPE_SCALINGS = {
 
 @functools.lru_cache(maxsize=None)
 def hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float64, rope: str = "default"):
-    """``arch`` "llama", "mistral", "ministral", "phi3", "granite", "qwen2", "qwen2-sliding", "qwen3" or "gemma3" (odd sizes); "-aligned":
+    """``arch`` "llama", "mistral", "ministral", "phi3", "granite", "qwen2", "qwen2-sliding", "qwen3", "gemma2" or "gemma3"
+    (odd sizes); "-aligned":
     sizes that are whole 16-byte vectors of float32, which the CUDA decoder_step kernel needs.
     ``rope``: "default" or a ROPE_SCALINGS key (Llama and Qwen3)."""
     aligned = arch.endswith("-aligned")
     if arch.startswith("gemma3"):
         return _gemma3_model(seed, dtype, aligned)
+    if arch.startswith("gemma2"):
+        return _gemma2_model(seed, dtype, aligned)
     if arch.startswith("qwen2"):
         return _qwen2_model(seed, dtype, sliding=arch.startswith("qwen2-sliding"), aligned=aligned)
     theta = 500.0 if arch.startswith("llama") else 10000.0
@@ -115,6 +118,18 @@ def _gemma3_model(seed: int, dtype: torch.dtype, aligned: bool):
     return _drawn(transformers.Gemma3ForCausalLM, config, seed, dtype, "norm.weight", std=0.1)
 
 
+def _gemma2_model(seed: int, dtype: torch.dtype, aligned: bool):
+    """Gemma-3's sizes without q/k norms, a sliding window of 5 in layers 0 and 2 (Gemma-2's default
+    alternation) rotating as the others, weights of std 0.1 and both caps low enough (transformers'
+    defaults: 50 and 30) that they change these random models' scores and logits. Norm weights drawn."""
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=40, intermediate_size=56 if aligned else 53, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8 if aligned else 6, query_pre_attn_scalar=11,
+        max_position_embeddings=256, sliding_window=5, rope_parameters=dict(rope_type="default", rope_theta=1000.0),
+        attn_logit_softcapping=0.5, final_logit_softcapping=5.0, initializer_range=0.1)
+    return _drawn(transformers.Gemma2ForCausalLM, config, seed, dtype, "norm.weight", std=0.1)
+
+
 def _qwen2_model(seed: int, dtype: torch.dtype, sliding: bool, aligned: bool):
     """GQA 5:1 with q/k/v biases (drawn: transformers starts them at 0), untied head; ``sliding``: a
     window of 5 in layers 1 and 2 (use_sliding_window from max_window_layers = 1)."""
@@ -165,14 +180,15 @@ def head_for(decoder: Decoder, kind: str):
 
 @pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "ministral", "phi3", "granite", "qwen2", "qwen2-sliding", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "ministral", "phi3", "granite", "qwen2", "qwen2-sliding", "qwen3", "gemma2",
+                                  "gemma3"])
 def test_logits_match_transformers_prefill_and_step_by_step(arch, dtype, attention):
     model = hf_model(arch, dtype=dtype)
     decoder = Decoder.from_hf(model, max_len=24)
     decoder.attention = attention
     assert decoder.config.qk_norm == (arch in ("qwen3", "gemma3")) and decoder.config.qkv_bias == arch.startswith("qwen2")
-    assert (decoder.lm_head is decoder.embed) == (arch in ("qwen3", "gemma3", "granite"))
-    ids = prompt(1, length=13)  # past the window of 5 (mistral, ministral, phi3, qwen2-sliding, gemma3)
+    assert (decoder.lm_head is decoder.embed) == (arch in ("qwen3", "gemma2", "gemma3", "granite"))
+    ids = prompt(1, length=13)  # past the window of 5 (mistral, ministral, phi3, qwen2-sliding, gemma2, gemma3)
     with torch.no_grad():
         expected = model(input_ids=ids.view(1, -1)).logits[0]
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
@@ -225,6 +241,64 @@ def test_gemma3_layer_features_each_matter():
                    dict(embed_scale=1.0), dict(attention_scale=None)):
         other = Decoder(dataclasses.replace(c, **change), weights, max_len=24)
         assert (other.logits(other.forward(ids)) - expected).abs().max() > 1e-3, change
+
+
+def test_gemma2_layer_features_each_matter():
+    """Gemma-2 is Gemma-3's layer without q/k norms, every layer rotating alike, and two caps: each
+    cap, the window and the softmax scale change these logits (by far more than the decoder misses
+    transformers' by), and the bodies that cannot cap the scores say so."""
+    model = hf_model("gemma2")
+    decoder = Decoder.from_hf(model, max_len=24)
+    c = decoder.config
+    assert (c.sliding_layers, c.sliding_window, c.hidden_act, c.post_norms, c.qk_norm) == ((0, 2), 5, "gelu_tanh", True, False)
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping, c.sliding_rope_inv_freq) == (0.5, 5.0, None)
+    assert c.embed_scale == pytest.approx(40 ** 0.5) and c.softmax_scale == pytest.approx(11 ** -0.5)
+    ids = prompt(2, length=17)
+    with torch.no_grad():
+        expected = model(input_ids=ids.view(1, -1)).logits[0]
+    got = decoder.logits(decoder.forward(ids))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert got.abs().max() < 5.0  # the cap holds
+    weights = dict(embed=decoder.embed, lm_head=decoder.lm_head, final_norm=decoder.final_norm, layers=decoder.stacked)
+    for change in (dict(attn_logit_softcapping=None), dict(final_logit_softcapping=None), dict(sliding_layers=()),
+                   dict(attention_scale=None)):
+        other = Decoder(dataclasses.replace(c, **change), weights, max_len=24)
+        assert (other.logits(other.forward(ids)) - expected).abs().max() > 1e-3, change
+    # SDPA cannot cap the scores: the matmul path serves either choice.
+    decoder.attention = "sdpa"
+    decoder.reset()
+    torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=1e-5, atol=1e-5)
+    float32 = Decoder.from_hf(hf_model("gemma2", dtype=torch.float32), max_len=8)
+    assert float32.bodies == ("eager", "compiled", "persistent")
+    with pytest.raises(ValueError, match="body 'fused' runs the Llama / Qwen layer; this model's GELU, post-norms, "
+                                         "sliding-window layers, capped attention scores run on"):
+        float32.body = "fused"
+
+
+def test_gemma3_final_logit_cap_matches_transformers():
+    # transformers' Gemma-3 applies final_logit_softcapping (None in its published configs); it was refused.
+    model = copy.deepcopy(hf_model("gemma3"))
+    model.config.final_logit_softcapping = 1.3
+    decoder = Decoder.from_hf(model, max_len=24)
+    assert decoder.config.final_logit_softcapping == 1.3
+    ids = prompt(3, length=11)
+    with torch.no_grad():
+        expected = model(input_ids=ids.view(1, -1)).logits[0]
+    torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=1e-5, atol=1e-5)
+    uncapped = Decoder.from_hf(hf_model("gemma3"), max_len=24)
+    assert (uncapped.logits(uncapped.forward(ids)) - expected).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name, value", [("attn_logit_softcapping", 0.0), ("final_logit_softcapping", -30.0),
+                                         ("attn_logit_softcapping", float("nan")), ("final_logit_softcapping", float("inf"))])
+def test_gemma2_caps_out_of_range_are_named_as_the_config_names_them(name, value):
+    config = copy.deepcopy(hf_model("gemma2").config)
+    setattr(config, name, value)
+    with pytest.raises(ValueError, match=f"config.{name} must be None or a finite positive number, got {value!r}"):
+        DecoderConfig.from_hf(config)
+    good = DecoderConfig.from_hf(hf_model("gemma2").config)
+    with pytest.raises(ValueError, match=f"{name} must be a finite positive float, got {value!r}"):
+        dataclasses.replace(good, **{name: value})
 
 
 def test_granite_multipliers_each_matter():
@@ -456,15 +530,21 @@ def test_decoder_bad_arguments_name_the_argument():
     assert int(decoder.length) == 0
     with pytest.raises(TypeError, match="model must be a transformers causal LM"):
         Decoder.from_hf(torch.nn.Linear(2, 2), max_len=8)
-    gemma2 = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    with pytest.raises(ValueError, match="config must be a llama, mistral, ministral, phi3, granite, qwen2, qwen3, gemma3_text config .the fast decoder's family., "
-                                         "got model_type 'gemma2'"):
-        DecoderConfig.from_hf(gemma2)
+    gemma = transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match="config must be a llama, mistral, ministral, phi3, granite, qwen2, qwen3, gemma2, "
+                                         "gemma3_text config .the fast decoder's family., got model_type 'gemma'"):
+        DecoderConfig.from_hf(gemma)
     gemma3 = hf_model("gemma3").config
-    for name, value in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", True)):
-        with pytest.raises(ValueError, match=f"config.{name} is set .{value}., which the fast decoder does not implement"):
+    # transformers' Gemma-3 keeps attn_logit_softcapping unapplied (5.24); Gemma-2 applies it.
+    for name, value in (("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", True)):
+        with pytest.raises(ValueError, match=f"config.{name} is set .{value}., which the fast decoder does not implement "
+                                             "for gemma3_text"):
             DecoderConfig.from_hf(gemma3.__class__(**{**gemma3.to_dict(), name: value}))
+    gemma2 = hf_model("gemma2").config
+    with pytest.raises(ValueError, match="config.use_bidirectional_attention is set .True., which the fast decoder does "
+                                         "not implement for gemma2"):
+        DecoderConfig.from_hf(gemma2.__class__(**{**gemma2.to_dict(), "use_bidirectional_attention": True}))
     with pytest.raises(ValueError, match="config.hidden_activation must be 'gelu_pytorch_tanh', got 'silu'"):
         DecoderConfig.from_hf(gemma3.__class__(**{**gemma3.to_dict(), "hidden_activation": "silu"}))
     dynamic_local = gemma3.to_dict()
@@ -618,7 +698,7 @@ def persistent_self_draft():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("arch", ["llama", "mistral", "phi3", "granite", "qwen2-sliding", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "phi3", "granite", "qwen2-sliding", "qwen3", "gemma2", "gemma3"])
 def test_fast_runner_is_exact_in_every_mode(arch, mode):
     target, drafts = fast_models(arch)
     for k in range(1, 7):
@@ -1113,7 +1193,7 @@ def test_bench_clis_time_a_model_of_ones_own_from_its_config(tmp_path, monkeypat
             *[(["draft-step", "--shapes", f"tiny,{tmp_path / name}"], f"--shapes {tmp_path / name}: ")
               for name in ("broken", "null", "no-heads", "typed", "empty")],
             (["draft-step", "--shapes", str(tmp_path / "absent")],
-             f"unknown shape {str(tmp_path / 'absent')!r}; choose from ['gemma3-1b', "),
+             f"unknown shape {str(tmp_path / 'absent')!r}; choose from ['gemma2-27b', 'gemma2-2b', 'gemma3-1b', "),
             (["spec", "--target", str(tmp_path / "absent")], f"argument --target: invalid choice: {str(tmp_path / 'absent')!r}")):
         capsys.readouterr()
         with pytest.raises(SystemExit) as exit_info:
@@ -1284,6 +1364,18 @@ def test_bench_gemma3_shapes_read_transformers_configs_and_share_one_vocabulary(
         big.first_layers(63)
 
 
+def test_bench_gemma2_shapes_are_the_published_models():
+    from flashhead_ext.bench.spec import SHAPES
+
+    small, big = SHAPES["gemma2-2b"], SHAPES["gemma2-27b"]
+    for c in (small, big):  # Gemma-2's published caps and window, every other layer from the first sliding
+        assert (c.vocab_size, c.attn_logit_softcapping, c.final_logit_softcapping, c.sliding_window) == (256000, 50.0, 30.0, 4096)
+        assert c.sliding_layers == tuple(range(0, c.num_layers, 2)) and not c.qk_norm and c.sliding_rope_inv_freq is None
+    assert (small.hidden_size, small.num_layers, small.num_heads, small.num_kv_heads, small.head_dim) == (2304, 26, 8, 4, 256)
+    assert (big.hidden_size, big.num_layers, big.num_heads, big.num_kv_heads, big.head_dim) == (4608, 46, 32, 16, 128)
+    assert big.softmax_scale == pytest.approx(144 ** -0.5) and big.body_limit("fused", torch.bfloat16)
+
+
 # ---- GPU: graphs ---------------------------------------------------------------------------------
 
 def _cuda_models(arch: str):
@@ -1363,14 +1455,14 @@ def test_fused_bodies_on_cpu_match_eager_and_are_exact(arch, mode, body):
 
 
 @pytest.mark.parametrize("mode", ["ordinary", "deferred"])
-@pytest.mark.parametrize("arch", ["gemma3", "qwen2-sliding", "mistral", "phi3"])
-def test_persistent_body_on_cpu_runs_gemma3_and_sliding_windows(arch, mode):
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen2-sliding", "mistral", "phi3"])
+def test_persistent_body_on_cpu_runs_gemma_and_sliding_windows(arch, mode):
     """Their short forwards run one decoder_step a token (the fused ops run none). A draft of
     two layers holds a sliding one (Mistral's and Phi-3's: both); the generation runs far past the
     window of 5."""
     model = hf_model(arch, dtype=torch.float32)
     target, draft = Decoder.from_hf(model, max_len=48), Decoder.from_hf(model, max_len=48, num_layers=2)
-    assert draft.config.sliding_layers == ((0, 1) if arch in ("mistral", "phi3") else (1,))
+    assert draft.config.sliding_layers == {"mistral": (0, 1), "phi3": (0, 1), "gemma2": (0,)}.get(arch, (1,))
     _check_short_step_body(target, draft, "persistent", mode, arch)
 
 
@@ -1516,7 +1608,8 @@ def test_persistent_body_asks_the_cuda_kernel_limits():
                                        ("gemma3-aligned", "persistent"), ("qwen2-sliding-aligned", "persistent"),
                                        ("mistral", "compiled"), ("mistral-aligned", "persistent"),
                                        ("phi3-aligned", "persistent"), ("granite-aligned", "fused"),
-                                       ("granite-aligned", "persistent")])
+                                       ("granite-aligned", "persistent"), ("gemma2", "compiled"),
+                                       ("gemma2-aligned", "persistent")])
 def test_short_step_bodies_match_eager_and_replay_exactly(arch, body, mode):
     _check_short_step_body(*_cuda_models(arch), body, mode, arch)
 
@@ -1559,7 +1652,8 @@ def test_decoder_runs_on_its_own_gpu_not_the_current_one(body):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch,body", [("llama-aligned", "eager"), ("llama-aligned", "fused"), ("llama-aligned", "persistent"),
                                        ("gemma3", "eager"), ("qwen2-sliding", "eager"),  # sliding windows' masks
-                                       ("gemma3-aligned", "persistent"), ("mistral-aligned", "persistent")])
+                                       ("gemma3-aligned", "persistent"), ("mistral-aligned", "persistent"),
+                                       ("gemma2-aligned", "persistent")])
 def test_no_host_sync_inside_captured_steps(arch, body):
     target, draft = _cuda_models(arch)
     target.body = draft.body = body

@@ -381,7 +381,7 @@ def test_random_driver(index):
 
 # ---- the fast path ------------------------------------------------------------------------------
 
-FAST_ARCHS = ("llama", "mistral", "granite", "qwen2", "qwen2-sliding", "qwen3", "gemma3")
+FAST_ARCHS = ("llama", "mistral", "granite", "qwen2", "qwen2-sliding", "qwen3", "gemma2", "gemma3")
 
 
 @dataclass(frozen=True)

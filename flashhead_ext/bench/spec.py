@@ -52,9 +52,20 @@ def gemma3_shape(hidden: int, intermediate: int, layers: int, heads: int, kv_hea
     return DecoderConfig.from_hf(config)
 
 
+def gemma2_shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                 query_pre_attn_scalar: int) -> DecoderConfig:
+    """A Gemma-2 model's own layer, read from transformers' config: every other layer sliding over
+    4,096 keys, attention scores and logits capped at 50 and 30 (its defaults, as published)."""
+    from transformers import Gemma2Config
+
+    return DecoderConfig.from_hf(Gemma2Config(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, query_pre_attn_scalar=query_pre_attn_scalar))
+
+
 class _Shapes(Mapping):
     """Named shapes; a callable entry is built on first use, so the benchmarks that need no
-    Gemma-3 shape need no transformers either."""
+    Gemma shape need no transformers either."""
 
     def __init__(self, entries: dict):
         self._entries = entries
@@ -75,7 +86,7 @@ class _Shapes(Mapping):
         return len(self._entries)
 
 
-# Named shapes. The "gemma3-*" shapes are Gemma-3's own layer, which the fused body does not run;
+# Named shapes. The "gemma2-*" and "gemma3-*" shapes are Gemma's own layers, which the fused body does not run;
 # "gemma3-270m-llama" is a Llama layer with Gemma-3-270M's dimensions and head, which every body
 # runs. Gemma-3-27B and Qwen2.5-7B have more vocabulary rows than their small drafts (padding and
 # image tokens past the shared tokenizer's), as the published models do.
@@ -89,6 +100,8 @@ SHAPES = _Shapes({
     "gemma3-27b": partial(gemma3_shape, 5376, 21504, 62, 32, 16, 128, query_pre_attn_scalar=168, sliding_window=1024,
                           global_rope_factor=8.0, vocab=262208),
     "gemma3-270m-llama": DecoderConfig(262144, 640, 2048, 18, 4, 1, 256, tie_word_embeddings=True),
+    "gemma2-2b": partial(gemma2_shape, 2304, 9216, 26, 8, 4, 256, query_pre_attn_scalar=256),
+    "gemma2-27b": partial(gemma2_shape, 4608, 36864, 46, 32, 16, 128, query_pre_attn_scalar=144),
     # SmolLM2-135M's first 8 layers + norm + head: the README demo's early-exit draft.
     "smollm2-early-exit-8": DecoderConfig(49152, 576, 1536, 8, 9, 3, 64, rope_theta=1e5, tie_word_embeddings=True),
     "tiny": DecoderConfig(1000, 64, 96, 2, 4, 2, 16, qk_norm=True, tie_word_embeddings=True),  # CLI checks on a CPU
@@ -99,12 +112,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 CONFIG_SHAPE_HELP = ("a transformers config.json, or a model directory holding one: a Llama / Mistral / Ministral / "
-                     "Phi-3 / Granite / Qwen2 / Qwen3 / Gemma-3 model of one's own, at its shape with random weights")
+                     "Phi-3 / Granite / Qwen2 / Qwen3 / Gemma-2 / Gemma-3 model of one's own, at its shape with random "
+                     "weights")
 
 
 def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> list:
     """Each name's DecoderConfig, a preset's or a config file's; a usage error where one cannot be
-    built, or where building one needs transformers (Gemma-3's own layer, a config file), which
+    built, or where building one needs transformers (Gemma's own layers, a config file), which
     the benchmarks over Decoder.random do not otherwise need."""
     configs = []
     for name in names:
@@ -112,8 +126,9 @@ def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> li
             try:
                 configs.append(SHAPES[name])
             except ImportError as error:
-                parser.error(f"{flag}: the gemma3-* shapes read Gemma-3's layer from transformers' config, and transformers "
-                             f"is not importable ({error}): pip install 'transformers>=5,<6', or use gemma3-270m-llama")
+                parser.error(f"{flag}: the gemma2-* and gemma3-* shapes read Gemma's layers from transformers' config, "
+                             f"and transformers is not importable ({error}): pip install 'transformers>=5,<6', or use "
+                             "gemma3-270m-llama")
             continue
         config = model_config(parser, flag, name).get_text_config()  # a multimodal model's text part
         try:

@@ -1,5 +1,5 @@
-"""An in-library Llama / Mistral / Ministral / Phi-3 / Granite / Qwen2 / Qwen3 / Gemma-3 decoder with a
-static KV cache, for fixed-shape, graph-capturable steps.
+"""An in-library Llama / Mistral / Ministral / Phi-3 / Granite / Qwen2 / Qwen3 / Gemma-2 / Gemma-3 decoder
+with a static KV cache, for fixed-shape, graph-capturable steps.
 
 transformers' own decode step costs tens of milliseconds of host time per token on a GPU, and its
 static cache did not survive CUDA-graph capture (issue 6). This decoder holds the same weights in a
@@ -30,13 +30,15 @@ from ..hf import check_plain_output_head, greedy_logit_settings, uncompiled
 # Llama with multipliers on the embeddings, the residual branches, the softmax and the logits; Qwen2
 # (and 2.5) adds biases to q, k and v; Qwen3 RMSNorm on q and k; Gemma-3 (text) also GELU, norms on
 # the attention's and the MLP's outputs, scaled embeddings and sliding-window layers with their own
-# rotary frequencies.
-SUPPORTED = ("llama", "mistral", "ministral", "phi3", "granite", "qwen2", "qwen3", "gemma3_text")
+# rotary frequencies; Gemma-2 is Gemma-3 without the q/k norms or the sliding layers' own rotary,
+# with caps on the attention scores and the logits.
+SUPPORTED = ("llama", "mistral", "ministral", "phi3", "granite", "qwen2", "qwen3", "gemma2", "gemma3_text")
 # Rotary types whose frequencies transformers computes once (the decoder builds its tables from
 # them); "dynamic" and "longrope" change them with the sequence length.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # "sdpa": torch's fused attention; "matmul": baddbmm + softmax + bmm, more parallel for a few
-# query rows over a long cache (docs/benchmarks.md, issue 6, compares them).
+# query rows over a long cache (docs/benchmarks.md, issue 6, compares them). SDPA cannot cap the
+# scores, so a model with attn_logit_softcapping (Gemma-2) runs the matmul path either way.
 ATTENTION = ("sdpa", "matmul")
 # The MLP's gate activation: transformers' "silu" and "gelu_pytorch_tanh".
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -88,6 +90,10 @@ class DecoderConfig:
     # The logits are the head's products divided by this (Granite's logits_scaling). Granite's
     # residual_multiplier has no field: from_state_dict folds it into the o and down weights.
     logits_scaling: float = 1.0
+    # Gemma-2's caps, cap * tanh(x / cap), on the attention scores after the softmax scale and on the
+    # logits; None: no cap. The logits' cap changes no argmax but for ties it makes in 16-bit logits.
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -108,9 +114,9 @@ class DecoderConfig:
                 raise ValueError(f"{prefix}rope_inv_freq must be None or a tuple of head_dim / 2 = {self.head_dim // 2} "
                                  f"finite positive floats, got {freqs!r:.80}")
         for name in ("rope_theta", "rope_attention_scaling", "sliding_rope_attention_scaling", "embed_scale",
-                     "attention_scale", "logits_scaling"):
+                     "attention_scale", "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, name)
-            if name == "attention_scale" and value is None:
+            if value is None and name in ("attention_scale", "attn_logit_softcapping", "final_logit_softcapping"):
                 continue
             if not ops._is_number(value) or not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite positive float, got {value!r}")
@@ -135,14 +141,14 @@ class DecoderConfig:
     @classmethod
     def from_hf(cls, config, num_layers: Optional[int] = None) -> "DecoderConfig":
         """From a transformers LlamaConfig / MistralConfig / MinistralConfig / Phi3Config / GraniteConfig /
-        Qwen2Config / Qwen3Config / Gemma3TextConfig; ``num_layers`` keeps only the first layers.
+        Qwen2Config / Qwen3Config / Gemma2Config / Gemma3TextConfig; ``num_layers`` keeps only the first layers.
         A Granite config's ``residual_multiplier`` is not a field: :meth:`Decoder.from_state_dict`
         folds it into the o and down weights, so weights given to ``Decoder`` directly must hold it."""
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
             raise ValueError(f"config must be a {', '.join(SUPPORTED)} config (the fast decoder's family), "
                              f"got model_type {model_type!r}")
-        gemma = model_type == "gemma3_text"
+        gemma = model_type in ("gemma2", "gemma3_text")
         act_key, act = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
         if getattr(config, act_key, act) != act:
             raise ValueError(f"config.{act_key} must be {act!r}, got {getattr(config, act_key)!r}")
@@ -152,9 +158,13 @@ class DecoderConfig:
         if biased:
             raise ValueError(f"config.{' and config.'.join(biased)} set: attention or MLP biases, which the fast "
                              "decoder does not implement")
-        for name in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
+        # transformers' Gemma-3 attention (5.24) keeps attn_logit_softcapping but does not apply it:
+        # refused, as the two could disagree.
+        refused = ["use_bidirectional_attention"] + (["attn_logit_softcapping"] if model_type == "gemma3_text" else [])
+        for name in refused:
             if getattr(config, name, None):
-                raise ValueError(f"config.{name} is set ({getattr(config, name)!r}), which the fast decoder does not implement")
+                raise ValueError(f"config.{name} is set ({getattr(config, name)!r}), which the fast decoder does not "
+                                 f"implement for {model_type}")
         layers = config.num_hidden_layers
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -173,10 +183,16 @@ class DecoderConfig:
         sliding = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
         fields = dict(sliding_window=config.sliding_window, sliding_layers=sliding) if sliding else {}
         if gemma:
-            theta, inv_freq, attention_scaling = _rope_from_hf(config, head_dim, "full_attention")
             fields.update(hidden_act="gelu_tanh", post_norms=True, embed_scale=float(config.hidden_size ** 0.5),
                           attention_scale=float(config.query_pre_attn_scalar) ** -0.5)
-            if sliding:  # Gemma's sliding layers rotate by their own base
+            for name in ("attn_logit_softcapping", "final_logit_softcapping"):  # None in Gemma-3's published configs
+                value = getattr(config, name, None) if name not in refused else None
+                if value is not None and (not ops._is_number(value) or not (math.isfinite(value) and value > 0)):
+                    raise ValueError(f"config.{name} must be None or a finite positive number, got {value!r}")
+                fields[name] = None if value is None else float(value)
+        if model_type == "gemma3_text":
+            theta, inv_freq, attention_scaling = _rope_from_hf(config, head_dim, "full_attention")
+            if sliding:  # Gemma-3's sliding layers rotate by their own base
                 _, fields["sliding_rope_inv_freq"], fields["sliding_rope_attention_scaling"] = _rope_from_hf(
                     config, head_dim, "sliding_attention")
         else:
@@ -210,7 +226,9 @@ class DecoderConfig:
             return (f"takes an attention_scale up to {ops.ATTENTION_SCALE_MAX:g} (the layer kernels' bound), this model's "
                     f"is {self.softmax_scale:g}")
         beyond = [what for what, present in (("GELU", self.hidden_act != "silu"), ("post-norms", self.post_norms),
-                                             ("sliding-window layers", bool(self.sliding_layers))) if present]
+                                             ("sliding-window layers", bool(self.sliding_layers)),
+                                             ("capped attention scores", self.attn_logit_softcapping is not None))
+                  if present]
         if body == "fused" and beyond:
             return (f"runs the Llama / Qwen layer; this model's {', '.join(beyond)} run on the 'eager', 'compiled' or "
                     "'persistent' body")
@@ -312,9 +330,11 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _layer(x: Tensor, w: dict, k_cache: Tensor, v_cache: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-           num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, act: str, attention: str) -> Tensor:
+           num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, act: str, attention: str,
+           softcap: Optional[float] = None) -> Tensor:
     """One decoder layer over ``n`` tokens at positions ``pos``; writes their K/V into the layer's
-    cache. ``mask`` is additive over the whole cache (a sliding-window layer's hides the old keys)."""
+    cache. ``mask`` is additive over the whole cache (a sliding-window layer's hides the old keys);
+    ``softcap`` caps the scaled scores before it, as transformers' Gemma-2 does, op by op."""
     n, kv, hd = x.shape[0], num_kv_heads, head_dim
     group = num_heads // kv
     h = _rms_norm(x, w["attn_norm"], eps)
@@ -328,7 +348,10 @@ def _layer(x: Tensor, w: dict, k_cache: Tensor, v_cache: Tensor, pos: Tensor, co
     # The query heads sharing a KV head are folded into the query rows (row g*n+i: head g of the
     # group, token i), so attention reads each cached KV head once.
     q = q.view(n, kv, group, hd).permute(1, 2, 0, 3).reshape(kv, group * n, hd)
-    if attention == "sdpa":
+    if softcap is not None:
+        scores = torch.tanh(torch.bmm(q, k_cache.transpose(1, 2)) * scale / softcap) * softcap + mask
+        o = torch.bmm(scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype), v_cache)
+    elif attention == "sdpa":
         o = F.scaled_dot_product_attention(q[None], k_cache[None], v_cache[None], attn_mask=mask, scale=scale)
     else:
         scores = torch.baddbmm(mask, q, k_cache.transpose(1, 2), alpha=scale)
@@ -427,7 +450,7 @@ def _refuse_unread_weights(state_dict: Mapping[str, Tensor], read: set, prefix: 
 
 class Decoder:
     """Weights and a static KV cache of a Llama / Mistral / Ministral / Phi-3 / Granite / Qwen2 / Qwen3 /
-    Gemma-3 decoder, on one device, in one dtype.
+    Gemma-2 / Gemma-3 decoder, on one device, in one dtype.
 
     ``forward(ids)`` runs ``ids`` (int64 ``[n]``, on the device) at positions ``length .. length+n-1``,
     writes their K/V entries there and returns the final-normed hidden states ``[n, D]``; it does
@@ -439,7 +462,7 @@ class Decoder:
     count compiles, tens of seconds), ``"fused"`` flashhead's decoder-layer ops (float16 /
     bfloat16 / float32; on a GPU, bandwidth-bound GEMVs with the norms fused in), ``"persistent"``
     one-token steps as one kernel for all layers (docs/benchmarks.md compares them). The fused body
-    runs the Llama / Qwen2 / Qwen3 layer; a Gemma-3 model, or one with sliding-window layers, runs
+    runs the Llama / Qwen2 / Qwen3 layer; a Gemma model, or one with sliding-window layers, runs
     eager, compiled or persistent (``bodies``). Sliding-window layers keep every position in their
     cache and mask the old ones.
 
@@ -502,8 +525,8 @@ class Decoder:
     @classmethod
     def from_hf(cls, model, *, max_len: int, num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None,
                 device=None) -> "Decoder":
-        """From a transformers Llama / Mistral / Ministral / Phi-3 / Granite / Qwen2 / Qwen3 / Gemma-3
-        text causal LM (its first ``num_layers`` layers when given: an early-exit draft). Weights are
+        """From a transformers Llama / Mistral / Ministral / Phi-3 / Granite / Qwen2 / Qwen3 / Gemma-2 /
+        Gemma-3 text causal LM (its first ``num_layers`` layers when given: an early-exit draft). Weights are
         copied into the fused layout (see :meth:`from_state_dict`); ``eos_token_id`` is the model's
         ``generation_config.eos_token_id``, ``generation_settings`` the logits processors it sets,
         which the runner does not apply (:func:`flashhead_ext.hf.greedy_logit_settings`). A
@@ -534,7 +557,7 @@ class Decoder:
         """From a transformers config and state dict (keys as ``LlamaForCausalLM.state_dict()``, or the
         body's without the ``model.`` prefix plus ``lm_head.weight``; a tied config needs no head).
         ``eos_token_id`` is the config's. Two kinds of weight are stored changed, formed in float32
-        (float64 from float64 weights) and then rounded to the model dtype: Gemma-3's norms as
+        (float64 from float64 weights) and then rounded to the model dtype: Gemma's norms as
         1 + weight, and Granite's o and down projections times its ``residual_multiplier``. In a
         16-bit model each is rounded once more than transformers rounds, an error the size of the
         output's own rounding."""
@@ -543,7 +566,7 @@ class Decoder:
         embed_key = f"{prefix}embed_tokens.weight"
         if embed_key not in state_dict:
             raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers "
-                             "Llama/Mistral/Ministral/Phi-3/Granite/Qwen2/Qwen3/Gemma-3 causal LM")
+                             "Llama/Mistral/Ministral/Phi-3/Granite/Qwen2/Qwen3/Gemma-2/Gemma-3 causal LM")
         if num_layers is None and any(key.startswith(f"{prefix}layers.{c.num_layers}.") for key in state_dict):
             # Building the config's layers only would silently drop the rest: another model's config?
             raise ValueError(f"state_dict holds layer {c.num_layers} but the config has {c.num_layers} layers "
@@ -555,7 +578,7 @@ class Decoder:
         _require_usable_device(device)
         # Gemma's RMSNorms scale by 1 + weight, formed in float32 as transformers forms it; Granite's
         # residual branches are the o and down outputs times residual_multiplier, a factor of their weights.
-        norm_offset = 1.0 if hf_config.model_type == "gemma3_text" else 0.0
+        norm_offset = 1.0 if hf_config.model_type in ("gemma2", "gemma3_text") else 0.0
         residual_multiplier = hf_config.residual_multiplier if hf_config.model_type == "granite" else 1.0
         if not ops._is_number(residual_multiplier) or not math.isfinite(residual_multiplier):
             raise ValueError(f"config.residual_multiplier must be a finite number, got {residual_multiplier!r}")
@@ -585,7 +608,7 @@ class Decoder:
                        attn_norm=["input_layernorm.weight"], mlp_norm=["post_attention_layernorm.weight"])
         if hf_config.model_type == "phi3":  # stored as the fused layout's matrices already
             sources.update(qkv=["self_attn.qkv_proj.weight"], gate_up=["mlp.gate_up_proj.weight"])
-        if c.post_norms:  # Gemma-3 names its four norms by their place around the two blocks
+        if c.post_norms:  # Gemma names its four norms by their place around the two blocks
             sources.update(mlp_norm=["pre_feedforward_layernorm.weight"], post_attn_norm=["post_attention_layernorm.weight"],
                            post_mlp_norm=["post_feedforward_layernorm.weight"])
         if c.qk_norm:
@@ -694,7 +717,8 @@ class Decoder:
             with _compiled_graphs_allowed() if compiled else contextlib.nullcontext():
                 for i, w in enumerate(self.layers):
                     x = layer(x, w, self.k_cache[i], self.v_cache[i], *inputs[i in sliding_layers], c.num_heads,
-                              c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.softmax_scale, c.hidden_act, self.attention)
+                              c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.softmax_scale, c.hidden_act, self.attention,
+                              c.attn_logit_softcapping)
         return _rms_norm(x, self.final_norm, c.rms_norm_eps)
 
     def _persistent_step(self, x: Tensor, position: Tensor) -> Tensor:
@@ -705,7 +729,8 @@ class Decoder:
                                 eps=c.rms_norm_eps, scale=c.softmax_scale, activation=c.hidden_act,
                                 sliding_window=c.sliding_window or 0, sliding_layers=c.sliding_layers,
                                 sliding_cos=self._sliding_cos if own_tables else None,
-                                sliding_sin=self._sliding_sin if own_tables else None, input_scale=self._embed_scale)
+                                sliding_sin=self._sliding_sin if own_tables else None, input_scale=self._embed_scale,
+                                attn_softcap=c.attn_logit_softcapping or 0.0)
 
     def step_inputs(self, n: int, start: Tensor, *, sliding: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """What ``_layer`` takes for ``n`` tokens from position ``start`` (an int64 0-d device
@@ -775,9 +800,15 @@ class Decoder:
         self._attention = value
 
     def logits(self, hidden: Tensor) -> Tensor:
+        c = self.config
         logits = F.linear(hidden, self.lm_head)
-        # As transformers' Granite divides: the argmax of the rounded quotients, ties included.
-        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
+        # As transformers' Granite divides and Gemma-2 caps, op by op in the model dtype: the argmax
+        # of the rounded results, ties included.
+        if c.logits_scaling != 1.0:
+            logits = logits / c.logits_scaling
+        if c.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
 
     def argmax(self, hidden: Tensor) -> Tensor:
         """The dense head's greedy token per row, int64 ``[n]``."""
