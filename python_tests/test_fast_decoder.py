@@ -121,12 +121,14 @@ def _gemma3_model(seed: int, dtype: torch.dtype, aligned: bool):
 def _gemma2_model(seed: int, dtype: torch.dtype, aligned: bool):
     """Gemma-3's sizes without q/k norms, a sliding window of 5 in layers 0 and 2 (Gemma-2's default
     alternation) rotating as the others, weights of std 0.1 and both caps low enough (transformers'
-    defaults: 50 and 30) that they change these random models' scores and logits. Norm weights drawn."""
+    defaults: 50 and 30) that they change these random models' scores and logits. Norm weights drawn.
+    Eager attention: transformers 5.17 ran Gemma-2 through SDPA by default, which drops the cap."""
     config = transformers.Gemma2Config(
         vocab_size=VOCAB, hidden_size=40, intermediate_size=56 if aligned else 53, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8 if aligned else 6, query_pre_attn_scalar=11,
         max_position_embeddings=256, sliding_window=5, rope_parameters=dict(rope_type="default", rope_theta=1000.0),
         attn_logit_softcapping=0.5, final_logit_softcapping=5.0, initializer_range=0.1)
+    config._attn_implementation = "eager"
     return _drawn(transformers.Gemma2ForCausalLM, config, seed, dtype, "norm.weight", std=0.1)
 
 
@@ -273,6 +275,19 @@ def test_gemma2_layer_features_each_matter():
     with pytest.raises(ValueError, match="body 'fused' runs the Llama / Qwen layer; this model's GELU, post-norms, "
                                          "sliding-window layers, capped attention scores run on"):
         float32.body = "fused"
+
+
+def test_gemma2_under_sdpa_is_warned_of():
+    # transformers 5.17 ran Gemma-2 through SDPA by default, whose attention drops the cap: the
+    # decoder's logits then differed from the model's without a word.
+    model = copy.deepcopy(hf_model("gemma2"))
+    model.config._attn_implementation = "sdpa"
+    with pytest.warns(UserWarning, match="model runs its attention through SDPA, which does not apply attn_logit_softcapping"):
+        decoder = Decoder.from_hf(model, max_len=8)
+    assert decoder.config.attn_logit_softcapping == 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Decoder.from_hf(hf_model("gemma2"), max_len=8)
 
 
 def test_gemma3_final_logit_cap_matches_transformers():

@@ -545,6 +545,11 @@ class Decoder:
                           "copies the dense output weight, so its tokens are the dense head's (a draft's head is the "
                           "runner's draft_head)", stacklevel=2)
         decoder = cls.from_state_dict(config, model.state_dict(), max_len=max_len, num_layers=num_layers, dtype=dtype, device=device)
+        if decoder.config.attn_logit_softcapping is not None and getattr(config, "_attn_implementation", None) == "sdpa":
+            # transformers 5.17 ran Gemma-2 through SDPA by default, which drops the cap without a word.
+            warnings.warn("model runs its attention through SDPA, which does not apply attn_logit_softcapping (transformers' "
+                          "eager attention does); the Decoder applies the cap, so its tokens can differ from this model's: "
+                          "load it with attn_implementation='eager' to compare", stacklevel=2)
         generation = getattr(model, "generation_config", None)
         if generation is not None:  # what generate() stops at, which may differ from the config's
             decoder.eos_token_id = generation.eos_token_id
