@@ -258,6 +258,10 @@ def test_head_bench_times_a_capped_probes_value_once(tmp_path):
     (["layer-ops", "--tokens", "1,x"], "argument --tokens: expected comma-separated integers"),
     (["layer-ops", "--shapes", "tiny-gemma3"], "--shapes tiny-gemma3: the fused body (these ops) runs the Llama / Qwen layer; this "
                                                "model's GELU, post-norms, sliding-window layers run on"),
+    (["layer-ops", "--shapes", "gemma2-2b"], "--shapes gemma2-2b: the fused body (these ops) runs the Llama / Qwen layer; this "
+                                             "model's GELU, post-norms, sliding-window layers, capped attention scores run "
+                                             "on the 'eager', 'compiled' or 'persistent' body\n"),
+    (["layer-ops", "--shapes", "gemma3-1b"], "in a Llama layer\n"),
     # Where the results could not be written: refused before the run, not after it.
     *[([name, "--json", "."], "argument --json: '.' is a directory")
       for name in ("head", "clusters", "draft-step", "spec", "layer-ops")],

@@ -1,10 +1,11 @@
 """The fast path (flashhead_ext.fast): decoder vs transformers, static cache, exact runner, synthetic mode.
 
 CPU tests run tiny Llama (untied, GQA), Mistral (a sliding window in every layer; Phi-3 too, with its
-weights stored fused), Qwen2 (q/k/v biases,
-optionally sliding windows), Qwen3 (tied, q/k norms, MHA) and Gemma-3 (GELU, four norms a layer, scaled embeddings, sliding-window layers with
-their own rotary) models with odd sizes, eagerly,
-in float64 (the runner's exactness) and float32 (the decoder's logits). GPU tests capture the steps as
+weights stored fused), Ministral (a sliding window in some layers), Granite (four multipliers), Qwen2
+(q/k/v biases, optionally sliding windows), Qwen3 (tied, q/k norms, MHA), Gemma-3 (GELU, four norms a
+layer, scaled embeddings, sliding-window layers with their own rotary) and Gemma-2 (Gemma-3's layer
+without q/k norms, with capped attention scores and logits) models with odd sizes, eagerly, in float64
+(the runner's exactness) and float32 (the decoder's logits). GPU tests capture the steps as
 CUDA graphs and check them against eager runs and for host syncs.
 """
 from __future__ import annotations
@@ -305,15 +306,36 @@ def test_gemma3_final_logit_cap_matches_transformers():
 
 
 @pytest.mark.parametrize("name, value", [("attn_logit_softcapping", 0.0), ("final_logit_softcapping", -30.0),
-                                         ("attn_logit_softcapping", float("nan")), ("final_logit_softcapping", float("inf"))])
+                                         ("attn_logit_softcapping", float("nan")), ("final_logit_softcapping", float("inf")),
+                                         # finite positive doubles that round to inf or 0 as the float32 the kernel takes
+                                         ("attn_logit_softcapping", 1e39), ("final_logit_softcapping", 1e-50)])
 def test_gemma2_caps_out_of_range_are_named_as_the_config_names_them(name, value):
     config = copy.deepcopy(hf_model("gemma2").config)
     setattr(config, name, value)
-    with pytest.raises(ValueError, match=f"config.{name} must be None or a finite positive number, got {value!r}"):
+    expected = f"must be None \\(no cap\\) or a positive number finite in float32, got {re.escape(repr(value))}"
+    with pytest.raises(ValueError, match=f"config.{name} {expected}"):
         DecoderConfig.from_hf(config)
     good = DecoderConfig.from_hf(hf_model("gemma2").config)
-    with pytest.raises(ValueError, match=f"{name} must be a finite positive float, got {value!r}"):
+    with pytest.raises(ValueError, match=f"^{name} {expected}"):
         dataclasses.replace(good, **{name: value})
+
+
+@pytest.mark.parametrize("cap", [3.4e38, 1e-44])
+def test_gemma2_caps_at_float32s_ends_are_kept(cap):
+    good = DecoderConfig.from_hf(hf_model("gemma2").config)
+    assert dataclasses.replace(good, attn_logit_softcapping=cap).attn_logit_softcapping == cap
+
+
+@pytest.mark.parametrize("value", [None, 0, -4, float("nan"), "256"])
+def test_gemma_query_pre_attn_scalar_out_of_range_is_named(value):
+    for arch in ("gemma2", "gemma3"):
+        config = copy.deepcopy(hf_model(arch).config)
+        # Past the type check newer transformers make on assignment (0 and -4 pass it), as an older
+        # release's config or one built otherwise may hold.
+        vars(config)["query_pre_attn_scalar"] = value
+        with pytest.raises(ValueError, match=f"config.query_pre_attn_scalar must be a finite positive number "
+                                             f".*, got {re.escape(repr(value))}"):
+            DecoderConfig.from_hf(config)
 
 
 def test_granite_multipliers_each_matter():

@@ -115,8 +115,8 @@ def main(argv=None) -> int:
                                      formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-0.6b,gemma3-270m-llama,smollm2-early-exit-8,qwen3-32b",
                         help=f"comma list of {sorted(SHAPES)} or {CONFIG_SHAPE_HELP}; the fused ops run a Llama, "
-                             "Granite, Qwen2 or Qwen3 layer without sliding windows, not Gemma-3's own (gemma3-270m-llama "
-                             "has Gemma-3-270M's sizes in a Llama layer)")
+                             "Granite, Qwen2 or Qwen3 layer without sliding windows, not Gemma-2's or Gemma-3's own "
+                             "(gemma3-270m-llama has Gemma-3-270M's sizes in a Llama layer)")
     parser.add_argument("--tokens", type=positive_int_list, default="1,8", help="comma list of tokens per call (M)")
     parser.add_argument("--context", type=positive_int, default=1024, help="cache length (max_len); the layer row attends to all of it")
     parser.add_argument("--samples", type=positive_int, default=20, help="timed samples (the median is reported)")
@@ -126,11 +126,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     shapes, configs = decoder_shape_list(parser, "--shapes", args.shapes)
     for name, config in zip(shapes, configs):
-        # The rows time the fused ops, the Llama / Qwen layer: a gemma3-* shape's own layer failed
-        # building its one-layer model, and its sliding window set a floor its attention does not keep.
+        # The rows time the fused ops, the Llama / Qwen layer: a gemma2-* or gemma3-* shape's own layer
+        # failed building its one-layer model, and its sliding window set a floor its attention does not keep.
         limit = config.body_limit("fused", torch.bfloat16)
         if limit:
-            hint = "; gemma3-270m-llama has Gemma-3-270M's sizes in a Llama layer" if name in SHAPES else ""
+            hint = "; gemma3-270m-llama has Gemma-3-270M's sizes in a Llama layer" if name.startswith("gemma3-") else ""
             parser.error(f"--shapes {name}: the fused body (these ops) {limit}{hint}")
     tokens = args.tokens
     if not torch.cuda.is_available():

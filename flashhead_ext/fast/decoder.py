@@ -44,6 +44,19 @@ ATTENTION = ("sdpa", "matmul")
 ACTIVATIONS = ("silu", "gelu_tanh")
 # The weights' dtypes the eager and compiled bodies run (the kernel bodies: the first three).
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
+
+
+def _check_softcap(name: str, value) -> None:
+    """None or a cap that stays finite and positive as a float32, the precision decoder_step applies it in:
+    one that rounds to 0 or overflows there would make every capped score NaN."""
+    if value is None:
+        return
+    if ops._is_number(value) and math.isfinite(value) and value > 0:
+        as_float32 = torch.tensor(float(value), dtype=torch.float32).item()
+        if 0 < as_float32 < math.inf:
+            return
+    raise ValueError(f"{name} must be None (no cap) or a positive number finite in float32, got {value!r}")
 
 
 def _require_dtype(dtype) -> None:
@@ -91,7 +104,8 @@ class DecoderConfig:
     # residual_multiplier has no field: from_state_dict folds it into the o and down weights.
     logits_scaling: float = 1.0
     # Gemma-2's caps, cap * tanh(x / cap), on the attention scores after the softmax scale and on the
-    # logits; None: no cap. The logits' cap changes no argmax but for ties it makes in 16-bit logits.
+    # logits; None: no cap. The logits' cap is monotonic, so it changes no argmax but where its
+    # rounding or tanh's saturation makes logits that differed equal (in any dtype).
     attn_logit_softcapping: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
 
@@ -114,12 +128,14 @@ class DecoderConfig:
                 raise ValueError(f"{prefix}rope_inv_freq must be None or a tuple of head_dim / 2 = {self.head_dim // 2} "
                                  f"finite positive floats, got {freqs!r:.80}")
         for name in ("rope_theta", "rope_attention_scaling", "sliding_rope_attention_scaling", "embed_scale",
-                     "attention_scale", "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping"):
+                     "attention_scale", "logits_scaling"):
             value = getattr(self, name)
-            if value is None and name in ("attention_scale", "attn_logit_softcapping", "final_logit_softcapping"):
+            if value is None and name == "attention_scale":
                 continue
             if not ops._is_number(value) or not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite positive float, got {value!r}")
+        for name in SOFTCAPS:
+            _check_softcap(name, getattr(self, name))
         # 0 is allowed, as by torch's rms_norm and the layer kernels: a state of zeros then normalises to NaN.
         if not ops._is_number(self.rms_norm_eps) or not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
             raise ValueError(f"rms_norm_eps must be a finite float >= 0, got {self.rms_norm_eps!r}")
@@ -183,12 +199,15 @@ class DecoderConfig:
         sliding = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
         fields = dict(sliding_window=config.sliding_window, sliding_layers=sliding) if sliding else {}
         if gemma:
+            scalar = getattr(config, "query_pre_attn_scalar", None)
+            if not ops._is_number(scalar) or not (math.isfinite(scalar) and scalar > 0):
+                raise ValueError(f"config.query_pre_attn_scalar must be a finite positive number (the softmax scale "
+                                 f"is its -1/2 power), got {scalar!r}")
             fields.update(hidden_act="gelu_tanh", post_norms=True, embed_scale=float(config.hidden_size ** 0.5),
-                          attention_scale=float(config.query_pre_attn_scalar) ** -0.5)
-            for name in ("attn_logit_softcapping", "final_logit_softcapping"):  # None in Gemma-3's published configs
+                          attention_scale=float(scalar) ** -0.5)
+            for name in SOFTCAPS:  # None in Gemma-3's published configs
                 value = getattr(config, name, None) if name not in refused else None
-                if value is not None and (not ops._is_number(value) or not (math.isfinite(value) and value > 0)):
-                    raise ValueError(f"config.{name} must be None or a finite positive number, got {value!r}")
+                _check_softcap(f"config.{name}", value)
                 fields[name] = None if value is None else float(value)
         if model_type == "gemma3_text":
             theta, inv_freq, attention_scaling = _rope_from_hf(config, head_dim, "full_attention")
