@@ -23,6 +23,7 @@ import warnings
 import weakref
 from typing import Optional
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats as scipy_stats
@@ -240,7 +241,8 @@ def test_gemma3_layer_features_each_matter():
     # transformers' RMSNorms compute in float32 whatever the model dtype: a 1e-6 difference here.
     torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=1e-5, atol=1e-5)
     weights = dict(embed=decoder.embed, lm_head=decoder.lm_head, final_norm=decoder.final_norm, layers=decoder.stacked)
-    for change in (dict(sliding_layers=()), dict(sliding_rope_inv_freq=None), dict(hidden_act="silu"),
+    for change in (dict(sliding_layers=(), sliding_window=None, sliding_rope_inv_freq=None), dict(sliding_rope_inv_freq=None),
+                   dict(hidden_act="silu"),
                    dict(embed_scale=1.0), dict(attention_scale=None)):
         other = Decoder(dataclasses.replace(c, **change), weights, max_len=24)
         assert (other.logits(other.forward(ids)) - expected).abs().max() > 1e-3, change
@@ -263,7 +265,8 @@ def test_gemma2_layer_features_each_matter():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert got.abs().max() < 5.0  # the cap holds
     weights = dict(embed=decoder.embed, lm_head=decoder.lm_head, final_norm=decoder.final_norm, layers=decoder.stacked)
-    for change in (dict(attn_logit_softcapping=None), dict(final_logit_softcapping=None), dict(sliding_layers=()),
+    for change in (dict(attn_logit_softcapping=None), dict(final_logit_softcapping=None),
+                   dict(sliding_layers=(), sliding_window=None),
                    dict(attention_scale=None)):
         other = Decoder(dataclasses.replace(c, **change), weights, max_len=24)
         assert (other.logits(other.forward(ids)) - expected).abs().max() > 1e-3, change
@@ -399,7 +402,7 @@ def test_qwen2_biases_and_sliding_window_each_matter():
     torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=1e-5, atol=1e-5)
     weights = dict(embed=decoder.embed, lm_head=decoder.lm_head, final_norm=decoder.final_norm, layers=decoder.stacked)
     no_bias = dict(weights, layers={name: w for name, w in decoder.stacked.items() if name != "qkv_bias"})
-    for change, given in ((dict(sliding_layers=()), weights), (dict(qkv_bias=False), no_bias)):
+    for change, given in ((dict(sliding_layers=(), sliding_window=None), weights), (dict(qkv_bias=False), no_bias)):
         other = Decoder(dataclasses.replace(c, **change), given, max_len=24)
         assert (other.logits(other.forward(ids)) - expected).abs().max() > 1e-3, change
     with pytest.raises(ValueError, match="body 'fused' runs the Llama / Qwen layer; this model's sliding-window "
@@ -537,8 +540,9 @@ def test_early_exit_layers_and_state_dict_loading():
 
 def test_decoder_bad_arguments_name_the_argument():
     model = hf_model("llama")
-    with pytest.raises(ValueError, match="max_len must be an int >= 1"):
-        Decoder.from_hf(model, max_len=0)
+    for bad in (0, 2**63, 1.0):
+        with pytest.raises(ValueError, match=rf"max_len must be an int in 1..2\*\*63 - 1, got {bad!r}"):
+            Decoder.from_hf(model, max_len=bad)
     with pytest.raises(ValueError, match="attention must be one of"):
         Decoder.from_hf(model, max_len=8).attention = "flash"
     decoder = Decoder.from_hf(model, max_len=8)
@@ -597,20 +601,41 @@ def test_decoder_bad_arguments_name_the_argument():
                                                                                    partial_rotary_factor=0.5))
     with pytest.raises(ValueError, match="partial_rotary_factor is 0.5; the fast decoder rotates the whole head"):
         DecoderConfig.from_hf(partial)
-    with pytest.raises(ValueError, match=r"rope_inv_freq must be None or a tuple of head_dim / 2 = 1 finite positive"):
+    with pytest.raises(ValueError, match=r"rope_inv_freq must be None or a tuple of head_dim / 2 = 1 floats positive "
+                                         "and finite in float32"):
         DecoderConfig(10, 8, 8, 1, 4, 4, 2, rope_inv_freq=(1.0, 0.5))
-    with pytest.raises(ValueError, match=r"rope_inv_freq must be None or a tuple"):
-        DecoderConfig(10, 8, 8, 1, 4, 4, 2, rope_inv_freq=(float("nan"),))
-    with pytest.raises(ValueError, match="rope_attention_scaling must be a finite positive float, got 0.0"):
-        DecoderConfig(10, 8, 8, 1, 4, 4, 2, rope_attention_scaling=0.0)
+    for freq in (float("nan"), 1e39, 1e-50):  # the tables are float32: inf or 0 there
+        with pytest.raises(ValueError, match=r"rope_inv_freq must be None or a tuple"):
+            DecoderConfig(10, 8, 8, 1, 4, 4, 2, rope_inv_freq=(freq,))
     with pytest.raises(ValueError, match="num_heads .6. must be a multiple of num_kv_heads .4."):
         DecoderConfig(10, 8, 8, 1, 6, 4, 2)
     with pytest.raises(ValueError, match=r"sliding_rope_inv_freq must be None or a tuple of head_dim / 2 = 1"):
         DecoderConfig(10, 8, 8, 1, 4, 4, 2, sliding_rope_inv_freq=(1.0, 0.5))
-    for name, bad in (("sliding_rope_attention_scaling", -1.0), ("embed_scale", float("inf")), ("attention_scale", 0),
-                      ("rope_theta", 0.0), ("rope_theta", float("nan")), ("rope_theta", True)):
+    for name, bad in (("rope_theta", 0.0), ("rope_theta", float("nan")), ("rope_theta", True)):
         with pytest.raises(ValueError, match=f"{name} must be a finite positive float, got {bad}"):
             DecoderConfig(10, 8, 8, 1, 4, 4, 2, **{name: bad})
+    # Factors the kernels take as float32: a finite double that is inf or 0 there (1e39, 1e-50) made
+    # every body's logits NaN.
+    sliding = dict(sliding_window=4, sliding_layers=(0,), sliding_rope_inv_freq=(0.5,))
+    for name in ("rope_attention_scaling", "sliding_rope_attention_scaling", "embed_scale", "attention_scale",
+                 "logits_scaling"):
+        for bad in (0.0, -1.0, float("inf"), float("nan"), 1e39, 1e-50, "2.0"):
+            with pytest.raises(ValueError, match=rf"^{name} must be (None \(1 / sqrt\(head_dim\)\) or )?a positive number "
+                                                 rf"finite in float32, got {re.escape(repr(bad))}$"):
+                DecoderConfig(10, 8, 8, 1, 4, 4, 2, **sliding, **{name: bad})
+        assert getattr(DecoderConfig(10, 8, 8, 1, 4, 4, 2, **sliding, **{name: 3.4e38}), name) == 3.4e38
+    # numpy floats (a transformers config may hold them) kept as the Python floats the ops take.
+    numpy_config = DecoderConfig(10, 8, 8, 1, 4, 4, 2, rms_norm_eps=np.float64(1e-5), attention_scale=np.float32(0.5),
+                                 rope_theta=np.float64(1e4), embed_scale=2)
+    assert [type(getattr(numpy_config, name)) for name in ("rms_norm_eps", "attention_scale", "rope_theta", "embed_scale")] \
+        == [float] * 4
+    for name in ("vocab_size", "hidden_size", "num_layers"):
+        with pytest.raises(ValueError, match=f"^{name} must be an int in 1..2\\*\\*63 - 1, got 18446744073709551616$"):
+            DecoderConfig(**{**dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=4,
+                                    num_kv_heads=4, head_dim=2), name: 2**64})
+    for name in ("rope_theta", "rms_norm_eps", "embed_scale", "attn_logit_softcapping"):
+        with pytest.raises(ValueError, match=f"^{name} must be a float, got an int of 1329 bits, too large for one$"):
+            DecoderConfig(10, 8, 8, 1, 4, 4, 2, **{name: 10**400})
     for bad in (-1e-6, float("inf"), None, "1e-6"):
         with pytest.raises(ValueError, match=f"rms_norm_eps must be a finite float >= 0, got {bad!r}"):
             DecoderConfig(10, 8, 8, 1, 4, 4, 2, rms_norm_eps=bad)
@@ -625,9 +650,24 @@ def test_decoder_bad_arguments_name_the_argument():
             Decoder.random(decoder.config, max_len=8, dtype=torch.float32)
         with pytest.raises(ValueError, match=r"device 'cuda': no CUDA device here"):
             Decoder.from_hf(model, max_len=8, device="cuda")
-    for std in (0, -1.0, float("nan"), "0.02"):
-        with pytest.raises(ValueError, match=rf"std must be a finite number > 0 .*, got {re.escape(repr(std))}"):
-            Decoder.random(decoder.config, max_len=8, device="cpu", std=std)
+    for dtype, std in ((torch.float32, 0), (torch.float32, -1.0), (torch.float32, float("nan")), (torch.float32, "0.02"),
+                       (torch.float32, 1e39), (torch.float32, 1e-50), (torch.float16, 1e4), (torch.float16, 1e-9),
+                       (torch.float32, 10**400)):
+        with pytest.raises(ValueError, match=rf"std must be a number in .* for {dtype} \(the weights are never zeros nor "
+                                             rf"infinite\), got {re.escape(repr(std)[:40])}$"):
+            Decoder.random(decoder.config, max_len=8, device="cpu", dtype=dtype, std=std)
+    for dtype in (torch.int32, torch.bool, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match=rf"dtype must be one of .*, got {dtype}"):
+            Decoder.random(decoder.config, max_len=8, device="cpu", dtype=dtype)
+    with pytest.raises(ValueError, match="max_len must be an int in 1..2"):  # before the weights are drawn
+        Decoder.random(DecoderConfig(10**9, 8, 8, 1, 4, 4, 2), max_len=0, device="cpu")
+    with pytest.raises(ValueError, match="device 'meta' .*: a meta tensor holds no values to run; pass 'cpu' or 'cuda'"):
+        Decoder.random(decoder.config, max_len=8, device="meta")
+    # A scale finite in float32 but inf in a float16 model, which Gemma's embed_scale_in_model_dtype rounds it to.
+    with pytest.raises(ValueError, match=r"embed_scale 100000.0 is inf in the model's dtype torch.float16"):
+        Decoder.random(DecoderConfig(10, 8, 8, 1, 4, 4, 2, embed_scale=1e5), max_len=8, device="cpu", dtype=torch.float16)
+    assert Decoder.random(DecoderConfig(10, 8, 8, 1, 4, 4, 2, embed_scale=1e5, embed_scale_in_model_dtype=False), max_len=8,
+                          device="cpu", dtype=torch.float16)._embed_scale == 1e5
     with pytest.raises(TypeError, match="seed must be a Python int"):
         Decoder.random(decoder.config, max_len=8, device="cpu", seed=1.5)
     ids = torch.tensor([3, 1], device=decoder.device)
@@ -640,10 +680,29 @@ def test_decoder_bad_arguments_name_the_argument():
     for bad in ((2,), (0, 0), [0], (True,)):
         with pytest.raises(ValueError, match=r"sliding_layers must be a tuple of distinct layer indices in 0..1"):
             DecoderConfig(10, 8, 8, 2, 4, 4, 2, sliding_window=4, sliding_layers=bad)
-    with pytest.raises(ValueError, match="sliding_window must be an int >= 1 when sliding_layers are given, got None"):
-        DecoderConfig(10, 8, 8, 2, 4, 4, 2, sliding_layers=(1,))
+    for bad in (None, 0, 2**63, True):
+        with pytest.raises(ValueError, match=rf"sliding_window must be an int in 1..2\*\*63 - 1 \(None where no layer "
+                                             rf"slides\), got {bad!r}"):
+            DecoderConfig(10, 8, 8, 2, 4, 4, 2, sliding_window=bad, sliding_layers=(1,))
+    with pytest.raises(ValueError, match=r"sliding_window must be an int in 1..2\*\*63 - 1 .*, got -1"):
+        DecoderConfig(10, 8, 8, 2, 4, 4, 2, sliding_window=-1)
+    # Sliding settings with no sliding layer would apply to none: refused rather than ignored.
+    with pytest.raises(ValueError, match="^sliding_window set, but sliding_layers names no layer for them$"):
+        DecoderConfig(10, 8, 8, 2, 4, 4, 2, sliding_window=2)
+    with pytest.raises(ValueError, match="^sliding_window and sliding_rope_inv_freq set, but sliding_layers names no layer"):
+        DecoderConfig(10, 8, 8, 2, 4, 4, 2, sliding_window=2, sliding_rope_inv_freq=(0.5,))
+    with pytest.raises(ValueError, match=r"sliding_rope_attention_scaling is 50.0, but it scales sliding_rope_inv_freq's "
+                                         r"tables only, and that is None"):
+        DecoderConfig(10, 8, 8, 2, 4, 4, 2, sliding_window=2, sliding_layers=(1,), sliding_rope_attention_scaling=50.0)
     # The stacked weights must hold the norms the config names: the layer applies the ones it finds.
     weights = dict(embed=decoder.embed, lm_head=decoder.lm_head, final_norm=decoder.final_norm, layers=decoder.stacked)
+    # A malformed weights mapping: named, not a KeyError from inside.
+    for bad, got in ((list(weights.values()), "got list"), ({**weights, "layers": list(weights["layers"].values())},
+                                                            "'layers' a list"),
+                     ({k: v for k, v in weights.items() if k != "lm_head"}, "with keys ['embed', 'final_norm', 'layers']")):
+        with pytest.raises(TypeError, match=rf"weights must be a mapping with keys \['embed', 'lm_head', 'final_norm', "
+                                            rf"'layers'\].*{re.escape(got)}"):
+            Decoder(decoder.config, bad, max_len=8)
     with pytest.raises(ValueError, match=r"weights\['layers'\] must hold .* \(qk_norm=True, qkv_bias=False, post_norms=False\), got"):
         Decoder(dataclasses.replace(decoder.config, qk_norm=True), weights, max_len=8)
     with pytest.raises(ValueError, match="state_dict has no 'model.layers.0.mlp.down_proj.weight'"):

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import re
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields as dataclass_fields, replace
 from typing import Mapping, Optional
 
 import torch
@@ -45,18 +46,26 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 # The weights' dtypes the eager and compiled bodies run (the kernel bodies: the first three).
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
+# Factors the layers apply in float32 (the kernels take them so): each must stay positive and finite there.
+FLOAT32_FACTORS = {"rope_attention_scaling": None, "sliding_rope_attention_scaling": None, "embed_scale": None,
+                   "attention_scale": "1 / sqrt(head_dim)", "logits_scaling": None,
+                   "attn_logit_softcapping": "no cap", "final_logit_softcapping": "no cap"}
 
 
-def _check_softcap(name: str, value) -> None:
-    """None or a cap that stays finite and positive as a float32, the precision decoder_step applies it in:
-    one that rounds to 0 or overflows there would make every capped score NaN."""
-    if value is None:
+def _positive_in_float32(value) -> bool:
+    """A number that is positive and finite as a float32: one that rounds to 0 or overflows there
+    (1e-50, 1e39) would make a kernel's products 0, inf or NaN."""
+    if not ops._is_number(value) or not (math.isfinite(value) and value > 0):
+        return False
+    return 0 < torch.tensor(float(value), dtype=torch.float32).item() < math.inf
+
+
+def _check_float32_factor(name: str, value, none_means: Optional[str] = None) -> None:
+    if value is None and none_means is not None:
         return
-    if ops._is_number(value) and math.isfinite(value) and value > 0:
-        as_float32 = torch.tensor(float(value), dtype=torch.float32).item()
-        if 0 < as_float32 < math.inf:
-            return
-    raise ValueError(f"{name} must be None (no cap) or a positive number finite in float32, got {value!r}")
+    if not _positive_in_float32(value):
+        allowed = f"None ({none_means}) or " if none_means is not None else ""
+        raise ValueError(f"{name} must be {allowed}a positive number finite in float32, got {value!r}")
 
 
 def _require_dtype(dtype) -> None:
@@ -110,10 +119,19 @@ class DecoderConfig:
     final_logit_softcapping: Optional[float] = None
 
     def __post_init__(self):
+        for field in dataclass_fields(self):
+            value = getattr(self, field.name)
+            # A numpy float (a transformers config may hold one) stored as the Python float the ops take.
+            if field.type in ("float", "Optional[float]") and isinstance(value, numbers.Real) and not isinstance(value, bool):
+                try:
+                    object.__setattr__(self, field.name, float(value))
+                except OverflowError:
+                    raise ValueError(f"{field.name} must be a float, got an int of {value.bit_length()} bits, too large "
+                                     "for one") from None
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**63:
+                raise ValueError(f"{name} must be an int in 1..2**63 - 1, got {value!r:.40}")
         for name in ("qk_norm", "tie_word_embeddings", "qkv_bias", "post_norms", "embed_scale_in_model_dtype"):
             if not isinstance(getattr(self, name), bool):  # else a string "False" reads as true
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -124,18 +142,13 @@ class DecoderConfig:
         for prefix in ("", "sliding_"):
             freqs = getattr(self, f"{prefix}rope_inv_freq")
             if freqs is not None and (not isinstance(freqs, tuple) or len(freqs) != self.head_dim // 2 or not all(
-                    isinstance(f, float) and math.isfinite(f) and f > 0 for f in freqs)):
+                    isinstance(f, float) and _positive_in_float32(f) for f in freqs)):
                 raise ValueError(f"{prefix}rope_inv_freq must be None or a tuple of head_dim / 2 = {self.head_dim // 2} "
-                                 f"finite positive floats, got {freqs!r:.80}")
-        for name in ("rope_theta", "rope_attention_scaling", "sliding_rope_attention_scaling", "embed_scale",
-                     "attention_scale", "logits_scaling"):
-            value = getattr(self, name)
-            if value is None and name == "attention_scale":
-                continue
-            if not ops._is_number(value) or not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite positive float, got {value!r}")
-        for name in SOFTCAPS:
-            _check_softcap(name, getattr(self, name))
+                                 f"floats positive and finite in float32, got {freqs!r:.80}")
+        if not ops._is_number(self.rope_theta) or not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta must be a finite positive float, got {self.rope_theta!r}")
+        for name, none_means in FLOAT32_FACTORS.items():
+            _check_float32_factor(name, getattr(self, name), none_means)
         # 0 is allowed, as by torch's rms_norm and the layer kernels: a state of zeros then normalises to NaN.
         if not ops._is_number(self.rms_norm_eps) or not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
             raise ValueError(f"rms_norm_eps must be a finite float >= 0, got {self.rms_norm_eps!r}")
@@ -147,8 +160,17 @@ class DecoderConfig:
             raise ValueError(f"sliding_layers must be a tuple of distinct layer indices in 0..{self.num_layers - 1}, "
                              f"got {layers!r:.80}")
         window = self.sliding_window
-        if layers and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"sliding_window must be an int >= 1 when sliding_layers are given, got {window!r}")
+        if (layers or window is not None) and (isinstance(window, bool) or not isinstance(window, int)
+                                               or not 1 <= window < 2**63):
+            raise ValueError(f"sliding_window must be an int in 1..2**63 - 1 (None where no layer slides), got {window!r}")
+        # Sliding settings without sliding layers would apply to none: refused, not ignored.
+        unused = [name for name, present in (("sliding_window", window is not None),
+                                             ("sliding_rope_inv_freq", self.sliding_rope_inv_freq is not None)) if present]
+        if unused and not layers:
+            raise ValueError(f"{' and '.join(unused)} set, but sliding_layers names no layer for them")
+        if self.sliding_rope_inv_freq is None and self.sliding_rope_attention_scaling != 1.0:
+            raise ValueError(f"sliding_rope_attention_scaling is {self.sliding_rope_attention_scaling!r}, but it scales "
+                             "sliding_rope_inv_freq's tables only, and that is None (the sliding layers rotate as the others)")
 
     @property
     def softmax_scale(self) -> float:
@@ -207,7 +229,7 @@ class DecoderConfig:
                           attention_scale=float(scalar) ** -0.5)
             for name in SOFTCAPS:  # None in Gemma-3's published configs
                 value = getattr(config, name, None) if name not in refused else None
-                _check_softcap(f"config.{name}", value)
+                _check_float32_factor(f"config.{name}", value, "no cap")
                 fields[name] = None if value is None else float(value)
         if model_type == "gemma3_text":
             theta, inv_freq, attention_scaling = _rope_from_hf(config, head_dim, "full_attention")
@@ -321,6 +343,13 @@ def _check_weights(c: DecoderConfig, weights: Mapping[str, object]) -> None:
     the biases and norms it finds, so the two must agree), then naming the first weight whose
     shape, dtype or device is not the config's and the embedding's: the fused kernels index them by
     the config's sizes, and a mismatch would read out of bounds or give a silently wrong model."""
+    keys = ("embed", "lm_head", "final_norm", "layers")
+    if not isinstance(weights, Mapping) or not isinstance(weights.get("layers"), Mapping) or any(
+            key not in weights for key in keys):
+        layers = type(weights.get("layers")).__name__ if isinstance(weights, Mapping) else None
+        raise TypeError(f"weights must be a mapping with keys {list(keys)}, 'layers' a mapping of stacked layer "
+                        f"weights; got {type(weights).__name__}" + (f" with keys {sorted(weights)}, 'layers' a {layers}"
+                                                                    if layers is not None else ""))
     layer_shapes = _layer_shapes(c)
     if set(weights["layers"]) != set(layer_shapes):
         raise ValueError(f"weights['layers'] must hold {sorted(layer_shapes)} for this config (qk_norm={c.qk_norm}, "
@@ -434,7 +463,14 @@ def _compiled_graphs_allowed():
     return config.patch(**{name: COMPILED_GRAPHS})
 
 
+def _require_max_len(max_len) -> None:
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len < 2**63:
+        raise ValueError(f"max_len must be an int in 1..2**63 - 1, got {max_len!r}")
+
+
 def _require_usable_device(device: torch.device, note: str = "") -> None:
+    if device.type == "meta":
+        raise ValueError(f"device {str(device)!r}{note}: a meta tensor holds no values to run; pass 'cpu' or 'cuda'")
     if device.type == "cuda" and not torch.cuda.is_available():
         # Else torch's own error, which may only speak of drivers, once weights are being copied.
         raise ValueError(f"device {str(device)!r}{note}: no CUDA device here (torch.cuda.is_available() is False); "
@@ -494,8 +530,8 @@ class Decoder:
 
     def __init__(self, config: DecoderConfig, weights: Mapping[str, object], *, max_len: int):
         _require_config(config)
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-            raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
+        _require_max_len(max_len)
+        _check_weights(config, weights)
         self.config = config
         # The model's EOS id(s) as transformers gives them (None, an int or ints): FastSpeculativeDecoder's
         # default, as SpeculativeDecoder's is the model's generation_config.eos_token_id.
@@ -505,7 +541,6 @@ class Decoder:
         self.lm_head = weights["lm_head"]
         self.final_norm = weights["final_norm"]
         self.stacked = dict(weights["layers"])
-        _check_weights(config, weights)
         self.layers = [{name: w[i] for name, w in self.stacked.items()} for i in range(config.num_layers)]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         if self.dtype not in MODEL_DTYPES:
@@ -530,6 +565,9 @@ class Decoder:
         # transformers' products (decoder_step's input_scale takes it too, as float32).
         self._embed_scale = (torch.tensor(c.embed_scale, dtype=torch.float32).to(self.dtype).item()
                              if c.embed_scale_in_model_dtype else float(c.embed_scale))
+        if not 0 < self._embed_scale < math.inf:
+            raise ValueError(f"embed_scale {c.embed_scale!r} is {self._embed_scale} in the model's dtype {self.dtype}, "
+                             "which embed_scale_in_model_dtype rounds it to: it must stay positive and finite there")
 
     def _rotary_tables(self, inv_freq, attention_scaling: float) -> tuple[Tensor, Tensor]:
         """cos and sin ``[max_len, head_dim]`` as transformers builds them: angles in float32, scaled
@@ -665,11 +703,17 @@ class Decoder:
         passes through the host). For timing: the values are irrelevant, but never zeros, and norms are ones."""
         _require_config(config)
         _require_dtype(dtype)
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {dtype}")
+        _require_max_len(max_len)  # before gigabytes of weights are drawn
         device = torch.device(device)
         _require_usable_device(device, " (the default is 'cuda')")
         seed = ops._require_int("seed", seed)
-        if not ops._is_number(std) or not math.isfinite(std) or std <= 0:
-            raise ValueError(f"std must be a finite number > 0 (the weights are never zeros), got {std!r}")
+        info = torch.finfo(dtype)
+        # From the smallest normal value to where a draw of 64 std would overflow: weights never zeros nor inf.
+        if not ops._is_number(std) or not info.tiny <= std <= info.max / 64:
+            raise ValueError(f"std must be a number in {info.tiny:.3g}..{info.max / 64:.3g} for {dtype} (the weights are "
+                             f"never zeros nor infinite), got {std!r:.40}")
         gen = torch.Generator(device=device).manual_seed(seed)
         c = config
         d = c.hidden_size
