@@ -372,10 +372,11 @@ def test_granite_multipliers_each_matter():
 
 def test_granite_settings_out_of_range_are_named_as_the_config_names_them():
     # They were named as the DecoderConfig fields they become ("embed_scale must be ...").
-    for name, value in (("embedding_multiplier", 0.0), ("attention_multiplier", -0.0625), ("logits_scaling", float("inf"))):
+    for name, value in (("embedding_multiplier", 0.0), ("attention_multiplier", -0.0625), ("logits_scaling", float("inf")),
+                        ("embedding_multiplier", 1e39), ("logits_scaling", 1e-50)):  # inf and 0 in float32
         config = copy.deepcopy(hf_model("granite").config)
         setattr(config, name, value)
-        with pytest.raises(ValueError, match=f"config.{name} must be a finite positive number, got {value!r}"):
+        with pytest.raises(ValueError, match=f"config.{name} must be a positive number finite in float32, got {re.escape(repr(value))}"):
             DecoderConfig.from_hf(config)
     config = copy.deepcopy(hf_model("granite").config)
     config.residual_multiplier = float("nan")

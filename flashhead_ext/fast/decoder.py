@@ -240,9 +240,8 @@ class DecoderConfig:
             theta, inv_freq, attention_scaling = _rope_from_hf(config, head_dim)
         if model_type == "granite":
             for name in ("embedding_multiplier", "attention_multiplier", "logits_scaling"):
-                value = getattr(config, name)  # else the error would name the field it becomes
-                if not ops._is_number(value) or not (math.isfinite(value) and value > 0):
-                    raise ValueError(f"config.{name} must be a finite positive number, got {value!r}")
+                # Checked here, else the error would name the field it becomes.
+                _check_float32_factor(f"config.{name}", getattr(config, name))
             fields.update(embed_scale=float(config.embedding_multiplier), embed_scale_in_model_dtype=False,
                           attention_scale=float(config.attention_multiplier), logits_scaling=float(config.logits_scaling))
         full = cls(
