@@ -47,17 +47,19 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
 # Factors the layers apply in float32 (the kernels take them so): each must stay positive and finite there.
+# The value is what None means for the field, where it may be None.
 FLOAT32_FACTORS = {"rope_attention_scaling": None, "sliding_rope_attention_scaling": None, "embed_scale": None,
-                   "attention_scale": "1 / sqrt(head_dim)", "logits_scaling": None,
-                   "attn_logit_softcapping": "no cap", "final_logit_softcapping": "no cap"}
+                   "attention_scale": "1 / sqrt(head_dim)", "logits_scaling": None, **dict.fromkeys(SOFTCAPS, "no cap")}
+
+
+def _finite_positive(value) -> bool:
+    return ops._is_number(value) and math.isfinite(value) and value > 0
 
 
 def _positive_in_float32(value) -> bool:
     """A number that is positive and finite as a float32: one that rounds to 0 or overflows there
     (1e-50, 1e39) would make a kernel's products 0, inf or NaN."""
-    if not ops._is_number(value) or not (math.isfinite(value) and value > 0):
-        return False
-    return 0 < torch.tensor(float(value), dtype=torch.float32).item() < math.inf
+    return _finite_positive(value) and 0 < torch.tensor(float(value), dtype=torch.float32).item() < math.inf
 
 
 def _check_float32_factor(name: str, value, none_means: Optional[str] = None) -> None:
@@ -145,7 +147,7 @@ class DecoderConfig:
                     isinstance(f, float) and _positive_in_float32(f) for f in freqs)):
                 raise ValueError(f"{prefix}rope_inv_freq must be None or a tuple of head_dim / 2 = {self.head_dim // 2} "
                                  f"floats positive and finite in float32, got {freqs!r:.80}")
-        if not ops._is_number(self.rope_theta) or not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+        if not _finite_positive(self.rope_theta):
             raise ValueError(f"rope_theta must be a finite positive float, got {self.rope_theta!r}")
         for name, none_means in FLOAT32_FACTORS.items():
             _check_float32_factor(name, getattr(self, name), none_means)
@@ -222,14 +224,14 @@ class DecoderConfig:
         fields = dict(sliding_window=config.sliding_window, sliding_layers=sliding) if sliding else {}
         if gemma:
             scalar = getattr(config, "query_pre_attn_scalar", None)
-            if not ops._is_number(scalar) or not (math.isfinite(scalar) and scalar > 0):
+            if not _finite_positive(scalar):
                 raise ValueError(f"config.query_pre_attn_scalar must be a finite positive number (the softmax scale "
                                  f"is its -1/2 power), got {scalar!r}")
             fields.update(hidden_act="gelu_tanh", post_norms=True, embed_scale=float(config.hidden_size ** 0.5),
                           attention_scale=float(scalar) ** -0.5)
             for name in SOFTCAPS:  # None in Gemma-3's published configs
                 value = getattr(config, name, None) if name not in refused else None
-                _check_float32_factor(f"config.{name}", value, "no cap")
+                _check_float32_factor(f"config.{name}", value, FLOAT32_FACTORS[name])
                 fields[name] = None if value is None else float(value)
         if model_type == "gemma3_text":
             theta, inv_freq, attention_scaling = _rope_from_hf(config, head_dim, "full_attention")
