@@ -50,6 +50,8 @@ SeedLike = Union[Tensor, int, None]
 TEMPERATURE_RANGE = (1e-6, 1e6)
 # The largest softmax scale the attention kernels take (kMaxAttentionScale in csrc/ops/decoder_checks.h).
 ATTENTION_SCALE_MAX = 1e6
+# The most query heads the decoder-layer ops take (kMaxHeads in csrc/ops/decoder_checks.h).
+NUM_HEADS_MAX = 2**16
 
 
 def _require_tensor(name: str, value) -> None:
@@ -644,5 +646,6 @@ def _no_derivative_fake(op, grad, like):
 __all__ = [
     "select_clusters", "sample_clusters", "gather_candidates", "candidate_logits",
     "decode_greedy", "decode_sample", "make_seed", "quantize_centroids", "validate_cluster_table", "TEMPERATURE_RANGE", "ATTENTION_SCALE_MAX",
+    "NUM_HEADS_MAX",
     "fused_linear", "rotary_cache_write", "decode_attention", "decoder_step",
 ]

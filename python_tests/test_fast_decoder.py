@@ -1658,6 +1658,13 @@ def test_decoder_body_is_checked():
         with pytest.raises(ValueError, match=f"body '{body}' takes an attention_scale up to 1e\\+06 .*, this model's is 1.5e\\+06"):
             decoder.body = body
     decoder.forward(torch.tensor([1, 2]))
+    # So are more query heads than the layer ops take, by the config (the ops named a cache size).
+    wide = dataclasses.replace(steep, attention_scale=None, num_heads=2 * ops.NUM_HEADS_MAX, num_kv_heads=2)
+    for body in ("fused", "persistent"):
+        assert wide.body_limit(body, torch.float32) == (
+            f"takes up to 65536 query heads (the layer kernels' bound), this model has {2 * ops.NUM_HEADS_MAX}")
+    assert dataclasses.replace(wide, num_heads=ops.NUM_HEADS_MAX).body_limit("persistent", torch.float32) is None
+    assert wide.body_limit("eager", torch.float32) is None
 
 
 @functools.lru_cache(maxsize=None)

@@ -264,6 +264,8 @@ class DecoderConfig:
             return None
         if dtype not in MODEL_DTYPES[:3]:
             return f"needs a float16, bfloat16 or float32 model, this one is {dtype}"
+        if self.num_heads > ops.NUM_HEADS_MAX:
+            return f"takes up to {ops.NUM_HEADS_MAX} query heads (the layer kernels' bound), this model has {self.num_heads}"
         if self.softmax_scale > ops.ATTENTION_SCALE_MAX:
             return (f"takes an attention_scale up to {ops.ATTENTION_SCALE_MAX:g} (the layer kernels' bound), this model's "
                     f"is {self.softmax_scale:g}")
