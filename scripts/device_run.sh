@@ -46,8 +46,19 @@ elif [ "$mode" = quick ]; then
   # 133 s, the head benchmark about 40 s).
   timeout 410 python3 -m pytest python_tests -q -m gpu -n 12 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
 fi
+# Counts from pytest's progress lines (. s F E x X): pytest's own summary is lost when the timeout
+# stops it, even after every test has reported (session 82's quick run: 100%, then no summary).
+progress_counts() {
+  grep -E '^[.sFExX]+ *(\[ *[0-9]+%\])?$' "$1" | sed 's/ *\[.*//' | tr -d '\n' | fold -w1 | sort | uniq -c |
+    awk '{n[$2] = $1} END {printf "%d passed, %d skipped, %d failed, %d errors, %d xfailed, %d xpassed",
+      n["."], n["s"], n["F"], n["E"], n["x"], n["X"]}'
+}
 if [ "$mode" = suite ] || [ "$mode" = quick ]; then
-  summary+=("tests: $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1)")
+  if grep -qE '(passed|failed|error|skipped).* in [0-9.]+s' "$OUT/tests.log"; then
+    summary+=("tests: $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1)")
+  else
+    summary+=("tests: stopped by the timeout before pytest's summary; its progress lines: $(progress_counts "$OUT/tests.log")")
+  fi
 fi
 
 if [ "$mode" = full ] || [ "$mode" = sanitize ]; then
