@@ -303,6 +303,22 @@ def cache_keyword(module) -> str:
     raise TypeError("the installed transformers' causal LM forward takes neither cache= nor past_key_values=")
 
 
+def keeps_recurrent_state(model) -> bool:
+    """Whether ``model`` keeps a recurrent state (Mamba, Jamba, Qwen3-Next...), which a cut of its
+    cache back to the accepted tokens cannot undo: transformers' ``_is_stateful`` flag before 5.25;
+    from 5.25, which dropped it, a layer of its cache that holds such a state."""
+    if getattr(model, "_is_stateful", False):
+        return True
+    config = getattr(model, "config", None)
+    try:
+        from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+    except ImportError:  # before 5.25: the flag above says it all
+        return False
+    if config is None:
+        return False
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in DynamicCache(config=config).layers)
+
+
 def length_dependent_rope(config) -> Optional[tuple]:
     """(rope_type, positions) where ``config``'s RoPE frequencies change once a forward's sequence
     passes ``positions`` (transformers picks them from each forward's length), else None. A cache
@@ -385,7 +401,7 @@ class SpeculativeDecoder:
             require_no_draft_options(draft_head)
             return
         for model, role in ((uncompiled(target), "target"), (uncompiled(draft), "draft")):
-            if getattr(model, "_is_stateful", False):  # transformers' own flag, which its assisted generation refuses too
+            if keeps_recurrent_state(model):
                 raise ValueError(f"{role} {type(model).__name__} keeps a recurrent state, which speculative decoding "
                                  "cannot cut back to the accepted tokens; decode it without a draft (draft=None, mode='baseline')")
         if draft_head is None:  # the draft's own FlashHead: drafting dense instead misreported its head's time
