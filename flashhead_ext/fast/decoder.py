@@ -17,7 +17,7 @@ import numbers
 import re
 import warnings
 from dataclasses import dataclass, fields as dataclass_fields, replace
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,9 @@ from torch import Tensor
 
 from .. import ops
 from ..hf import check_plain_output_head, greedy_logit_settings, uncompiled
+
+if TYPE_CHECKING:  # transformers is imported only when used
+    from transformers import PretrainedConfig, PreTrainedModel
 
 # SmolLM2 is a Llama; Mistral a Llama whose layers may all attend to a sliding window (Ministral:
 # the layers its layer_types name; Phi-3 a Mistral with q/k/v and gate/up stored fused); Granite a
@@ -179,7 +182,7 @@ class DecoderConfig:
         return 1.0 / math.sqrt(self.head_dim) if self.attention_scale is None else float(self.attention_scale)
 
     @classmethod
-    def from_hf(cls, config, num_layers: Optional[int] = None) -> "DecoderConfig":
+    def from_hf(cls, config: PretrainedConfig, num_layers: Optional[int] = None) -> "DecoderConfig":
         """From a transformers LlamaConfig / MistralConfig / MinistralConfig / Phi3Config / GraniteConfig /
         Qwen2Config / Qwen3Config / Gemma2Config / Gemma3TextConfig; ``num_layers`` keeps only the first layers.
         A Granite config's ``residual_multiplier`` is not a field: :meth:`Decoder.from_state_dict`
@@ -583,8 +586,8 @@ class Decoder:
     # ---- construction ------------------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, model, *, max_len: int, num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None,
-                device=None) -> "Decoder":
+    def from_hf(cls, model: PreTrainedModel, *, max_len: int, num_layers: Optional[int] = None,
+                dtype: Optional[torch.dtype] = None, device: Union[str, torch.device, None] = None) -> "Decoder":
         """From a transformers Llama / Mistral / Ministral / Phi-3 / Granite / Qwen2 / Qwen3 / Gemma-2 /
         Gemma-3 text causal LM (its first ``num_layers`` layers when given: an early-exit draft). Weights are
         copied into the fused layout (see :meth:`from_state_dict`); ``eos_token_id`` is the model's
@@ -617,8 +620,9 @@ class Decoder:
         return decoder
 
     @classmethod
-    def from_state_dict(cls, hf_config, state_dict: Mapping[str, Tensor], *, max_len: int,
-                        num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None, device=None) -> "Decoder":
+    def from_state_dict(cls, hf_config: PretrainedConfig, state_dict: Mapping[str, Tensor], *, max_len: int,
+                        num_layers: Optional[int] = None, dtype: Optional[torch.dtype] = None,
+                        device: Union[str, torch.device, None] = None) -> "Decoder":
         """From a transformers config and state dict (keys as ``LlamaForCausalLM.state_dict()``, or the
         body's without the ``model.`` prefix plus ``lm_head.weight``; a tied config needs no head).
         ``eos_token_id`` is the config's. Two kinds of weight are stored changed, formed in float32
@@ -700,7 +704,7 @@ class Decoder:
         return decoder
 
     @classmethod
-    def random(cls, config: DecoderConfig, *, max_len: int, dtype: torch.dtype = torch.bfloat16, device="cuda",
+    def random(cls, config: DecoderConfig, *, max_len: int, dtype: torch.dtype = torch.bfloat16, device: Union[str, torch.device] = "cuda",
                seed: int = 0, std: float = 0.02) -> "Decoder":
         """Random weights allocated directly on ``device`` (default ``"cuda"``; a 32B-shaped model never
         passes through the host). For timing: the values are irrelevant, but never zeros, and norms are ones."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from ..hf import check_plain_output_head, output_embedding, uncompiled
 HEADS = ("dense", "flashhead")
 
 
-def early_exit_draft(target, num_layers: int):
+def early_exit_draft(target: nn.Module, num_layers: int) -> nn.Module:
     """A draft made of ``target``'s first ``num_layers`` decoder layers, its final norm and its head.
 
     Every module is the target's own (shared, not copied): only a model shell of the target's class
@@ -66,7 +66,7 @@ def _own_linear(module: nn.Module) -> nn.Module:
 
 def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clustering=None, cluster_size: int = 16,
                     kmeans_iters: int = 15, seed: int = 0, special_token_ids: Sequence[int] = (),
-                    progress: bool = False, centroid_dtype: Optional[torch.dtype] = None):
+                    progress: bool = False, centroid_dtype: Optional[torch.dtype] = None) -> Union[DenseHead, FlashHead]:
     """The draft's head over its output embedding (shared, not copied; a float64 one is copied to
     float32, since the heads compute in float16 / bfloat16 / float32 and the drivers cast hidden
     states to the head's dtype).
