@@ -66,7 +66,8 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def from_pretrained(source: PathLike, dtype: torch.dtype, **kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def from_pretrained(source: PathLike, dtype: torch.dtype,
+                    **kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) from local files only: nothing is ever downloaded."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -122,7 +123,8 @@ def _unreadable(directory: Path) -> Optional[str]:
     return None
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32, *, cache: bool = True) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_smollm2(dtype: torch.dtype = torch.float32, *,
+                 cache: bool = True) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Loads SmolLM2-135M-Instruct (Llama, 30 layers, D=576, V=49152, tied head) offline.
 
     Returns ``(model, tokenizer)``, the model in eval mode on the CPU in ``dtype``. With ``cache``

@@ -704,8 +704,8 @@ class Decoder:
         return decoder
 
     @classmethod
-    def random(cls, config: DecoderConfig, *, max_len: int, dtype: torch.dtype = torch.bfloat16, device: Union[str, torch.device] = "cuda",
-               seed: int = 0, std: float = 0.02) -> "Decoder":
+    def random(cls, config: DecoderConfig, *, max_len: int, dtype: torch.dtype = torch.bfloat16,
+               device: Union[str, torch.device] = "cuda", seed: int = 0, std: float = 0.02) -> "Decoder":
         """Random weights allocated directly on ``device`` (default ``"cuda"``; a 32B-shaped model never
         passes through the host). For timing: the values are irrelevant, but never zeros, and norms are ones."""
         _require_config(config)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -11,10 +11,13 @@ from ..assets import default_probes, flash_head_for
 from ..head import DenseHead, FlashHead, centroid_dtype_option
 from ..hf import check_plain_output_head, output_embedding, uncompiled
 
+if TYPE_CHECKING:  # transformers is imported only when used
+    from transformers import PreTrainedModel
+
 HEADS = ("dense", "flashhead")
 
 
-def early_exit_draft(target: nn.Module, num_layers: int) -> nn.Module:
+def early_exit_draft(target: nn.Module, num_layers: int) -> PreTrainedModel:
     """A draft made of ``target``'s first ``num_layers`` decoder layers, its final norm and its head.
 
     Every module is the target's own (shared, not copied): only a model shell of the target's class
