@@ -11,6 +11,8 @@
 #   suite: the whole suite alone, CPU and GPU cases (the CPU ones under the device's torch, which
 #     CI's does not cover: session 52 found a torch.compile break there);
 #   quick: the GPU tests and the head benchmark.
+# With .whl/ carried (scripts/stage_transformers.sh), the transformers CI installs replaces the image's
+# first, and the summary names the versions tested.
 # A call runs at most 600 s and the build takes about 2 min, so the whole suite has its own mode.
 # On one H200 the GPU cases took 375 s on 8 workers (8,566 tests, session 70), while 14 workers had
 # 16 of 3,272 tests left after 440 s (session 54): more workers most likely contend for the GPU.
@@ -26,7 +28,15 @@ summary=()
 
 step "device"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
+# CI's transformers (staged by scripts/stage_transformers.sh, carried as .whl/) replaces the image's.
+if compgen -G ".whl/transformers-*.whl" > /dev/null; then
+  wheel=$(ls .whl/transformers-*.whl | head -1)
+  python3 -m pip install -q --no-index --find-links .whl "$wheel" > "$OUT/transformers_install.log" 2>&1 ||
+    { tail -20 "$OUT/transformers_install.log"; echo "the staged transformers did not install"; exit 1; }
+fi
+versions=$(python3 -c "import torch, sys, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'python', sys.version.split()[0])")
+echo "$versions"
+summary+=("$versions")
 
 step "build (sm_90, $MAX_JOBS jobs)"
 start=$(date +%s)
