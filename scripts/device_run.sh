@@ -28,9 +28,8 @@ summary=()
 
 step "device"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-# CI's transformers (staged by scripts/stage_transformers.sh, carried as .whl/) replaces the image's.
-if compgen -G ".whl/transformers-*.whl" > /dev/null; then
-  wheel=$(ls .whl/transformers-*.whl | head -1)
+wheel=$(ls .whl/transformers-*.whl 2>/dev/null | head -1)
+if [ -n "$wheel" ]; then
   python3 -m pip install -q --no-index --find-links .whl "$wheel" > "$OUT/transformers_install.log" 2>&1 ||
     { tail -20 "$OUT/transformers_install.log"; echo "the staged transformers did not install"; exit 1; }
 fi

@@ -4,11 +4,12 @@
 # Python 3.12, into (ignored) .whl/. numpy is left out: the device's own satisfies it, and its wheel
 # alone would take a quarter of a call's 64 MiB. Then carry [".whl"]: scripts/device_run.sh installs
 # it from there before it builds, and its summary names the transformers it tested.
-# Usage: bash scripts/stage_transformers.sh [VERSION] (default: the newest 5.x on the index).
+# Usage: bash scripts/stage_transformers.sh [VERSION] (default: the newest release pyproject.toml admits).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# By default the requirement the `models` extra states, so the two cannot drift apart.
 spec=${1:+transformers==$1}
-spec=${spec:-transformers>=5,<6}
+spec=${spec:-$(python3 -c "import tomllib; extra = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['models']; print(next(r for r in extra if r.startswith('transformers')))")}
 rm -rf .whl
 python3 -m pip download -q --disable-pip-version-check -d .whl --python-version 3.12 --only-binary=:all: \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
