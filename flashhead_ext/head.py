@@ -359,6 +359,13 @@ class FlashHead(_HeadBase):
     _version = 2
     # Each centroid set's scale: a buffer when the set is float8_e4m3fn, else a None attribute.
     _SCALES = {"centroids": "centroid_scale", "sampling_centroids": "sampling_centroid_scale"}
+    # The buffers' types, for type checkers (nn.Module's attribute lookup types them Tensor | Module).
+    centroids: Tensor
+    sampling_centroids: Tensor
+    cluster_tokens: Tensor
+    extra_ids: Tensor
+    centroid_scale: Optional[Tensor]
+    sampling_centroid_scale: Optional[Tensor]
 
     def __init__(
         self,

@@ -3,6 +3,8 @@ import copy
 import io
 import pickle
 import re
+import typing
+from typing import Optional
 
 import pytest
 import torch
@@ -230,6 +232,22 @@ def test_head_buffers():
     assert head.extra_ids.tolist() == sorted(set(problem.extra_ids.tolist()))
     assert (head.vocab_size, head.hidden_dim, head.num_clusters, head.cluster_size) == (SHAPE.V, SHAPE.D, SHAPE.C, SHAPE.b)
     assert "probes=3" in repr(head)
+
+
+@pytest.mark.parametrize("centroid_dtype", [None, torch.float8_e4m3fn], ids=["model-dtype", "fp8"])
+def test_every_buffer_is_typed_for_type_checkers(centroid_dtype):
+    # The package ships py.typed: without a class annotation, mypy and pyright type a buffer as
+    # nn.Module's attribute lookup does (Tensor | Module), and a user's `head.centroids.shape` fails their check.
+    problem = make_problem(SHAPE)
+    for head in (flash_head(problem, centroid_dtype=centroid_dtype), DenseHead(problem.embedding)):
+        hints = typing.get_type_hints(type(head))
+        names = [name for name, _ in head.named_buffers(recurse=False)]
+        names += [name for name in FlashHead._SCALES.values() if isinstance(head, FlashHead)]
+        for name in names:
+            hint = hints.get(name)
+            assert hint in (torch.Tensor, Optional[torch.Tensor]), f"{type(head).__name__}.{name} is typed {hint}"
+            if getattr(head, name) is None:
+                assert hint == Optional[torch.Tensor], f"{type(head).__name__}.{name} is None but typed {hint}"
 
 
 def test_buffers_are_the_heads_own():
