@@ -17,7 +17,7 @@ import numbers
 import re
 import warnings
 from dataclasses import dataclass, fields as dataclass_fields, replace
-from typing import TYPE_CHECKING, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -344,7 +344,7 @@ def _layer_shapes(c: DecoderConfig) -> dict:
     return shapes
 
 
-def _check_weights(c: DecoderConfig, weights: Mapping[str, object]) -> None:
+def _check_weights(c: DecoderConfig, weights: Mapping[str, Any]) -> None:
     """ValueError unless ``weights['layers']`` holds the kinds the config names (the layer applies
     the biases and norms it finds, so the two must agree), then naming the first weight whose
     shape, dtype or device is not the config's and the embedding's: the fused kernels index them by
@@ -534,18 +534,18 @@ class Decoder:
     layer's slice is SDPA's ``[batch=1, heads, keys, hd]`` without a copy.
     """
 
-    def __init__(self, config: DecoderConfig, weights: Mapping[str, object], *, max_len: int):
+    def __init__(self, config: DecoderConfig, weights: Mapping[str, Any], *, max_len: int):
         _require_config(config)
         _require_max_len(max_len)
         _check_weights(config, weights)
         self.config = config
         # The model's EOS id(s) as transformers gives them (None, an int or ints): FastSpeculativeDecoder's
         # default, as SpeculativeDecoder's is the model's generation_config.eos_token_id.
-        self.eos_token_id = None
-        self.generation_settings = {}  # from_hf: what the model's generate() would apply to its logits
-        self.embed = weights["embed"]
-        self.lm_head = weights["lm_head"]
-        self.final_norm = weights["final_norm"]
+        self.eos_token_id: Union[int, list[int], None] = None
+        self.generation_settings: dict[str, Any] = {}  # from_hf: what the model's generate() would apply to its logits
+        self.embed: Tensor = weights["embed"]
+        self.lm_head: Tensor = weights["lm_head"]
+        self.final_norm: Tensor = weights["final_norm"]
         self.stacked = dict(weights["layers"])
         self.layers = [{name: w[i] for name, w in self.stacked.items()} for i in range(config.num_layers)]
         self.dtype, self.device = self.embed.dtype, self.embed.device
@@ -553,7 +553,7 @@ class Decoder:
             raise ValueError(f"the model's dtype (its weights') must be one of {MODEL_DTYPES}, got {self.dtype}")
         self.max_len = max_len
         self.attention = "sdpa"
-        self._persistent_refusal = None  # _cuda_step_limit's answer, once asked
+        self._persistent_refusal: Optional[str] = None  # _cuda_step_limit's answer, once asked
         self.body = "eager"
         c = config
         shape = (c.num_layers, c.num_kv_heads, max_len, c.head_dim)
