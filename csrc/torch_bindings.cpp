@@ -10,6 +10,9 @@
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
+#ifdef FLASHHEAD_WITH_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#endif
 
 #include <memory>
 #include <string>
@@ -63,10 +66,10 @@ TORCH_LIBRARY(flashhead, m) {
       " float attn_softcap=0.0) -> Tensor");
 
   // What a backward through an op's float result calls: it raises "derivative for flashhead::<op> is
-  // not implemented" when it runs. Its fake kernel (flashhead_ext/ops.py) returns a tensor like
-  // `like` (the input's gradient), so that torch.compile can trace the backward of a forward on
-  // inputs that require grad; `grad`, the result's incoming gradient, keeps the compiler from
-  // moving it into the forward.
+  // not implemented" when a gradient other than zeros reaches it, and gives zeros like `like` (the
+  // input's gradient) for zeros. Its fake kernel (flashhead_ext/ops.py) returns a tensor like `like`,
+  // so that torch.compile can trace the backward of a forward on inputs that require grad; `grad`,
+  // the result's incoming gradient, keeps the compiler from moving it into the forward.
   m.def("no_derivative(str op, Tensor grad, Tensor like) -> Tensor");
 }
 
@@ -91,11 +94,29 @@ void call_below_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys
   op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
 }
 
-at::Tensor no_derivative(c10::string_view op, const at::Tensor&, const at::Tensor&) {
+// Whether a CUDA graph is being captured on grad's stream: its values cannot be looked at then.
+bool capturing(const at::Tensor& grad) {
+#ifdef FLASHHEAD_WITH_CUDA
+  return grad.is_cuda() && c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#else
+  return false;
+#endif
+}
+
+at::Tensor no_derivative(c10::string_view op, const at::Tensor& grad, const at::Tensor& like) {
+  // A compiled backward passes zeros for a result the loss does not use (eager autograd never
+  // reaches this node then), and zeros times any derivative are zeros: give them. Looking costs a
+  // host sync, on a path that otherwise raises.
+  const bool under_capture = grad.defined() && capturing(grad);
+  if (grad.defined() && !under_capture && !grad.ne(0).any().item<bool>())
+    return at::zeros_like(like, at::MemoryFormat::Contiguous);
   // Users meet this training a model with FlashHead attached: name the way out.
   TORCH_CHECK(false, "derivative for flashhead::", op,
               " is not implemented: the flashhead ops are for inference (run them under torch.no_grad()); "
-              "to train a model FlashHead is attached to, call flashhead_ext.detach(model) first");
+              "to train a model FlashHead is attached to, call flashhead_ext.detach(model) first",
+              under_capture ? " (inside a CUDA graph capture, where a gradient's values cannot be read, a backward "
+                              "through the op raises even for a gradient of zeros)"
+                            : "");
 }
 
 // torch holds autograd nodes by std::shared_ptr (2.6-2.11 here) or by c10::intrusive_ptr (2.13-2.14).
@@ -109,9 +130,10 @@ NodePtr make_node(Args&&... args) {
 }
 
 // The grad_fn of an op's float results where an input requires grad. Its backward calls
-// no_derivative once per such input, with a stride-0 tensor of that input's shape: a backward that
-// runs raises, and one that is only traced (AOTAutograd under torch.compile) traces, so a compiled
-// forward runs as an eager one does. It keeps no input alive.
+// no_derivative for each such input and each result's gradient, with a stride-0 tensor of that
+// input's shape: a backward that runs raises where a gradient other than zeros reaches it, and one
+// that is only traced (AOTAutograd under torch.compile) traces, so a compiled forward runs as an
+// eager one does. It keeps no input alive.
 struct NoDerivative : public torch::autograd::Node {
   explicit NoDerivative(std::string op_name) : op(std::move(op_name)) {}
   std::string name() const override { return "NoDerivative(flashhead::" + op + ")"; }
@@ -119,12 +141,19 @@ struct NoDerivative : public torch::autograd::Node {
     static const auto raise = c10::Dispatcher::singleton()
                                   .findSchemaOrThrow("flashhead::no_derivative", "")
                                   .typed<at::Tensor(c10::string_view, const at::Tensor&, const at::Tensor&)>();
-    at::Tensor grad;
-    for (const at::Tensor& g : grads)
-      if (g.defined()) grad = g;
+    // Every result's gradient is looked at: one of zeros must not stand for another's.
     torch::autograd::variable_list input_grads;
-    for (const auto& [sizes, options] : inputs)
-      input_grads.push_back(raise.call(op, grad, at::zeros({}, options).expand_symint(sizes)));
+    for (const auto& [sizes, options] : inputs) {
+      const at::Tensor like = at::zeros({}, options).expand_symint(sizes);
+      at::Tensor input_grad;
+      // Summed (zeros when none raises), so that a traced backward keeps every call.
+      for (const at::Tensor& grad : grads) {
+        if (!grad.defined()) continue;
+        const at::Tensor zeros = raise.call(op, grad, like);
+        input_grad = input_grad.defined() ? input_grad.add(zeros) : zeros;
+      }
+      input_grads.push_back(input_grad.defined() ? input_grad : raise.call(op, at::Tensor(), like));
+    }
     return input_grads;
   }
   // Compiled autograd asks each node for these first (const in newer torch): raise the same error.

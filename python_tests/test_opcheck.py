@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import reference as ref
-from helpers import DEVICES, Shape, check_no_backward, make_problem, seed_tensor
+from helpers import DEVICES, Shape, check_no_backward, compiled, make_problem, seed_tensor
 
 OPS = torch.ops.flashhead
 INPUTS = [
@@ -119,6 +119,71 @@ def test_backward_raises_after_an_input_changed_in_place(device):
         hidden.add_(1)
     with pytest.raises(RuntimeError, match="derivative for flashhead::select_clusters is not implemented"):
         scores.sum().backward()
+
+
+# A compiled backward passes zeros for the results a loss does not use, where eager autograd skips
+# their nodes: those zeros pass through (zeros times any derivative), so a forward that also computes
+# an op's float result, say for monitoring, trains compiled as it does eagerly.
+@device_params
+@pytest.mark.parametrize("compiled_forward", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("op", [op for op, _ in FLOAT_RESULTS])
+def test_backward_around_an_op_gives_the_gradients_without_it(op, compiled_forward, device):
+    problem = make_problem(INPUTS[1][0], torch.float32, device)
+    call = entry_point(op, problem)
+    weight = torch.randn(problem.hidden.shape[1], problem.hidden.shape[1], device=device,
+                         generator=torch.Generator(device).manual_seed(11))
+
+    def forward(x, with_op):
+        hidden = x @ weight
+        return hidden, call(hidden) if with_op else None
+
+    grads = []
+    for with_op in (False, True):
+        x = problem.hidden.clone().requires_grad_()
+        run = compiled(forward) if compiled_forward else forward
+        hidden, result = run(x, with_op)
+        hidden.pow(2).sum().backward()
+        assert result is None or result.requires_grad
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+@device_params
+@pytest.mark.parametrize("compiled_forward", [False, True], ids=["eager", "compiled"])
+def test_backward_names_the_op_it_passes_through(compiled_forward, device):
+    # Both ops' results depend on hidden; only the logits reach the loss, and the error names their op.
+    problem = make_problem(INPUTS[1][0], torch.float32, device)
+    logits_of, log_probs_of = entry_point("candidate_logits", problem), entry_point("decode_sample", problem)
+    forward = lambda hidden: (logits_of(hidden), log_probs_of(hidden))
+    logits, _ = (compiled(forward) if compiled_forward else forward)(problem.hidden.clone().requires_grad_())
+    with pytest.raises(RuntimeError, match="derivative for flashhead::candidate_logits is not implemented"):
+        logits.sum().backward()
+
+
+@device_params
+def test_a_gradient_of_zeros_passes_zeros_and_any_other_raises(device):
+    problem = make_problem(INPUTS[1][0], torch.float32, device)
+    hidden = problem.hidden.clone().requires_grad_()
+    logits = entry_point("candidate_logits", problem)(hidden)
+    finite = logits.isfinite()  # masked candidates' -inf logits
+    (logits.masked_fill(~finite, 0) * 0).sum().backward(retain_graph=True)
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+    for poke in (1e-30, float("nan")):
+        grad = torch.zeros_like(logits)
+        grad[-1, finite[-1].nonzero()[-1]] = poke
+        with pytest.raises(RuntimeError, match="derivative for flashhead::candidate_logits is not implemented"):
+            logits.backward(grad, retain_graph=True)
+
+
+@pytest.mark.gpu
+def test_a_backward_under_graph_capture_raises_without_reading_its_gradient():
+    # A captured stream cannot be synchronised with, so there every gradient raises, and says why.
+    grad, like = torch.zeros(3, 4, device="cuda"), torch.zeros(3, 5, device="cuda")
+    assert torch.equal(OPS.no_derivative("candidate_logits", grad, like), torch.zeros_like(like))
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        with torch.cuda.graph(graph):
+            OPS.no_derivative("candidate_logits", grad, like)
 
 
 @device_params
