@@ -307,6 +307,14 @@ class DenseHead(_HeadBase):
         return self._unflatten(ids, hidden), self._unflatten(logits, hidden)
 
 
+def _warn_if_not_contiguous(embedding: Tensor) -> None:
+    if not embedding.is_contiguous():  # the ops take contiguous rows
+        from .assets import _callers_stacklevel  # assets imports this module
+        warnings.warn(f"FlashHead: embedding (shape {tuple(embedding.shape)}, strides {embedding.stride()}) is not "
+                      "contiguous, so every call copies it whole; pass embedding.contiguous()",
+                      stacklevel=_callers_stacklevel())
+
+
 class FlashHead(_HeadBase):
     """Retrieval head: score C centroids, keep the best ``probes`` clusters, exact logits on their tokens.
 
@@ -345,13 +353,16 @@ class FlashHead(_HeadBase):
             through casts of the module. The scores carry e4m3's 3 mantissa bits, so a cluster
             near the probes' boundary may swap with its neighbour; the logits stay exact.
 
-    The buffers are the head's own, so ``load_state_dict`` changes no other object, and it runs
-    the constructor's checks on what it loads. The state dict holds ``centroids``,
+    The buffers are the head's own, so ``load_state_dict`` (with ``assign=True`` too: it copies)
+    changes no other object, and it runs the constructor's checks on what it loads; it warns when
+    the state's tables leave out of every cluster tokens that this head's covered (a state saved by
+    a head over a smaller vocabulary), since those can never be produced. The state dict holds ``centroids``,
     ``sampling_centroids``, ``cluster_tokens`` and ``extra_ids`` (the special tokens, an empty
     tensor when there are none), and with fp8 centroids ``centroid_scale`` and
     ``sampling_centroid_scale``; it loads into a head of the same centroid dtype only. A head
     takes another's special tokens with its state, whatever their number (a CUDA graph captured
-    over the head must then be captured again). State dicts saved before ``extra_ids`` was always
+    over the head must then be captured again), but not its ``probes``, a setting the head keeps
+    (set ``head.probes``). State dicts saved before ``extra_ids`` was always
     a tensor load as heads without special tokens.
     """
 
@@ -382,9 +393,7 @@ class FlashHead(_HeadBase):
         _check_embedding(embedding)
         quantized = centroid_dtype_option(centroid_dtype, embedding.dtype) == FP8_CENTROIDS
         vocab, dim = embedding.shape
-        if not embedding.is_contiguous():  # the ops take contiguous rows
-            warnings.warn(f"FlashHead: embedding (shape {tuple(embedding.shape)}, strides {embedding.stride()}) is not "
-                          "contiguous, so every call copies it whole; pass embedding.contiguous()", stacklevel=2)
+        _warn_if_not_contiguous(embedding)
         self._keep_embedding(embedding)
         sampling = centroids if sampling_centroids is None else sampling_centroids
         for name, given in (("centroids", centroids), ("sampling_centroids", sampling)):
@@ -463,18 +472,51 @@ class FlashHead(_HeadBase):
         if isinstance(incoming("cluster_tokens"), Tensor):
             ops.validate_cluster_table(incoming("cluster_tokens"), self.vocab_size)
         if isinstance(incoming("extra_ids"), Tensor):
-            ids = state_dict[prefix + "extra_ids"] = self._as_extra_ids(incoming("extra_ids"), self.vocab_size,
-                                                                         self.extra_ids.device)
-            # The count of special tokens is a setting, not a fixed shape: take the state's. The
-            # buffer is kept when it fits, so what holds it (a captured graph) sees the new ids.
-            if ids.shape != self.extra_ids.shape:
-                self.extra_ids = torch.empty_like(ids)
+            # A meta head's ids stay where the state's are: on meta their values would be lost.
+            device = None if self.extra_ids.is_meta else self.extra_ids.device
+            state_dict[prefix + "extra_ids"] = self._as_extra_ids(incoming("extra_ids"), self.vocab_size, device)
+        self._warn_if_tokens_left_out(incoming("cluster_tokens"), incoming("extra_ids"), prefix)
+        ids = incoming("extra_ids")
+        # The count of special tokens is a setting, not a fixed shape: take the state's. The buffer is
+        # kept when it fits, so what holds it (a captured graph) sees the new ids.
+        if isinstance(ids, Tensor) and ids.shape != self.extra_ids.shape:
+            self.extra_ids = torch.empty_like(ids)
+        # assign=True keeps the tensors given: copies, so that the buffers stay the head's own (two heads
+        # loaded from one state would share them, and a later load into one would change the other).
+        assign = local_metadata.get("assign_to_params_buffers", False)
         for name, buffer in self._buffers.items():
             # In the dtype and on the device the head keeps them (checked above): with
             # load_state_dict(assign=True) they would keep the state's, which the ops refuse.
             if buffer is not None and name not in self._non_persistent_buffers_set and isinstance(incoming(name), Tensor):
-                state_dict[prefix + name] = incoming(name).to(None if buffer.is_meta else buffer.device, buffer.dtype)
+                state_dict[prefix + name] = incoming(name).to(None if buffer.is_meta else buffer.device, buffer.dtype,
+                                                              copy=assign)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+        if isinstance(incoming("cluster_tokens"), Tensor) and isinstance(incoming("extra_ids"), Tensor):
+            self.__dict__["_tables_unset"] = False
+
+    def _warn_if_tokens_left_out(self, table: Optional[Tensor], extra_ids: Optional[Tensor], prefix: str) -> None:
+        """A UserWarning when a state's clusters and special tokens leave out tokens this head's cover:
+        those can never be produced (a state saved by a head over a smaller vocabulary, whose table
+        fits this head's shape where the vocabularies differ by less than a cluster)."""
+        if (not isinstance(table, Tensor) or self.cluster_tokens.is_meta or self.extra_ids.is_meta
+                or self.__dict__.get("_tables_unset")):
+            return
+
+        def covered(table: Tensor, extra_ids: Tensor) -> Tensor:
+            tokens = torch.cat([table.flatten(), extra_ids.flatten()]).to("cpu", torch.int64)
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            mask[tokens[tokens >= 0]] = True
+            return mask
+
+        loaded_extra = extra_ids if isinstance(extra_ids, Tensor) else self.extra_ids
+        left_out = (covered(self.cluster_tokens, self.extra_ids) & ~covered(table, loaded_extra)).nonzero().flatten()
+        if left_out.numel():
+            from .assets import _callers_stacklevel  # assets imports this module
+            shown = ", ".join(str(t) for t in left_out[:8].tolist()) + (", ..." if left_out.numel() > 8 else "")
+            warnings.warn(f"FlashHead: the state's {prefix}cluster_tokens and {prefix}extra_ids leave {left_out.numel()} "
+                          f"of this head's {self.vocab_size} tokens in no cluster that its own tables covered ({shown}): "
+                          "they can never be produced. A state saved by a head over a smaller vocabulary? Build the "
+                          "clustering for this embedding", UserWarning, stacklevel=_callers_stacklevel())
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -490,6 +532,14 @@ class FlashHead(_HeadBase):
         return self.centroids.dtype
 
     def _apply(self, fn, recurse=True):
+        tables_were_meta = self.cluster_tokens.is_meta
+        self._apply_keeping_fp8(fn, recurse)
+        # to_empty() leaves the tables without values until a state dict fills them.
+        if tables_were_meta and not self.cluster_tokens.is_meta:
+            self.__dict__["_tables_unset"] = True
+        return self
+
+    def _apply_keeping_fp8(self, fn, recurse):
         # Module casts (head.half(), model.to(dtype)) cast every float buffer. fp8 centroids and
         # their float32 scales only follow the device: the ops read them in those dtypes, and a
         # small scale would not survive a float16 round trip.
@@ -560,6 +610,7 @@ class FlashHead(_HeadBase):
             raise TypeError(f"embedding must have the dtype and device of the head's centroids ({centroids.dtype} on "
                             f"{centroids.device}), got {embedding.dtype} on {embedding.device}: convert the head first "
                             f"(head.to({embedding.dtype}) / head.to('{embedding.device}')), then give it the weight")
+        _warn_if_not_contiguous(embedding)
 
     def next_token(self, hidden: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
         """int64 ``hidden.shape[:-1]``: each row's greedy token. ``out``, an int64 ``[B]`` with ``B``

@@ -3,6 +3,8 @@ import copy
 import io
 import pickle
 import re
+import warnings
+from dataclasses import replace
 from typing import Optional, get_type_hints
 
 import pytest
@@ -353,6 +355,11 @@ def test_a_non_contiguous_embedding_warns():
     with pytest.warns(UserWarning, match="is not contiguous, so every call copies it whole"):
         head = FlashHead(strided, problem.centroids, problem.cluster_tokens, problem.probes)
     assert torch.equal(head.next_token(problem.hidden), flash_head(problem.with_(extra_ids=None)).next_token(problem.hidden))
+    # So does a strided weight given to a head: the README's way to swap the weight.
+    head = flash_head(problem)
+    with pytest.warns(UserWarning, match="is not contiguous, so every call copies it whole") as record:
+        head.embedding = strided
+    assert record[0].filename == __file__
 
 
 class _WithHead(torch.nn.Module):
@@ -500,6 +507,56 @@ def test_a_head_loaded_onto_a_meta_model_takes_the_materialised_weight(kind):
     model.load_state_dict(source.state_dict(), assign=True)
     model.head.embedding = model.lm_head.weight.detach()
     assert torch.equal(model.head.next_token(problem.hidden), source.head.next_token(problem.hidden))
+
+
+def test_heads_loaded_with_assign_from_one_state_keep_buffers_of_their_own():
+    # assign=True would keep the state's tensors where they fit: the two heads and the source would
+    # then share them, and a later load into one would change the others' tokens.
+    problem = make_problem(SHAPE, seed=21)
+    other = make_problem(SHAPE, seed=22).with_(embedding=problem.embedding)  # another clustering
+    source = flash_head(problem)
+    state = source.state_dict()
+    loaded = [flash_head(other), flash_head(other)]
+    for head in loaded:
+        head.load_state_dict(state, assign=True)
+    for name, buffer in source.named_buffers():
+        if name != "embedding":  # the weight, kept by reference
+            pointers = {head.get_buffer(name).data_ptr() for head in (source, *loaded)}
+            assert len(pointers) == 3, name
+    want = source.next_token(problem.hidden)
+    loaded[0].load_state_dict(flash_head(other).state_dict())
+    assert torch.equal(loaded[1].next_token(problem.hidden), want)
+    assert torch.equal(source.next_token(problem.hidden), want)
+
+
+def test_a_meta_head_loaded_with_assign_takes_the_states_special_tokens():
+    problem = make_problem(SHAPE, seed=23)
+    source = flash_head(problem)
+    head = flash_head(problem).to("meta")
+    head.load_state_dict(source.state_dict(), assign=True)
+    head.embedding = problem.embedding
+    assert not head.extra_ids.is_meta and torch.equal(head.extra_ids, source.extra_ids)
+    assert torch.equal(head.next_token(problem.hidden), source.next_token(problem.hidden))
+    flash_head(problem).load_state_dict(head.state_dict())  # its state loads elsewhere
+
+
+def test_a_state_that_leaves_tokens_out_of_every_cluster_warns():
+    # A head over a vocabulary 5 tokens smaller has a table of the same shape (it pads 5 slots more):
+    # loaded here, it leaves this head's last 5 tokens in no cluster, so they can never be produced.
+    problem = make_problem(SHAPE, seed=24)
+    smaller = make_problem(replace(SHAPE, pad=SHAPE.pad + 5, extras=False), seed=24)
+    head = flash_head(problem.with_(extra_ids=None))
+    with pytest.warns(UserWarning, match=f"leave 5 of this head's {SHAPE.V} tokens in no cluster") as record:
+        head.load_state_dict(flash_head(smaller).state_dict())
+    assert record[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        head.load_state_dict(flash_head(problem.with_(extra_ids=None)).state_dict())  # a table covering every token
+        # A token moved from its cluster to the special tokens is still produced.
+        state = head.state_dict()
+        table, moved = state["cluster_tokens"].clone(), int(state["cluster_tokens"][0, 0])
+        table[0, 0] = -1
+        head.load_state_dict({**state, "cluster_tokens": table, "extra_ids": torch.tensor([moved], dtype=torch.int32)})
 
 
 def test_loading_special_tokens_keeps_the_buffer_when_it_fits_and_drops_repeats():
