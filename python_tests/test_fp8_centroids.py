@@ -5,6 +5,7 @@ power-of-two scale, so the reference can score the dequantized float32 centroids
 every product and partial sum by a power of two is exact, and the ops must then match the plain
 reference as closely as they do for float centroids (exactly on the CPU).
 """
+import pickle
 import re
 
 import pytest
@@ -277,6 +278,16 @@ def test_fp8_buffers_follow_share_memory():
     head.share_memory()
     assert all(tensor.is_shared() for tensor in head.buffers())
     assert head.centroid_dtype == FP8 and head.centroid_scale.dtype == torch.float32
+
+
+def test_multiprocessing_sends_a_head_with_fp8_centroids():
+    # What the README says: torch's pickler (multiprocessing's) shares the tensors, which plain
+    # pickle cannot read back for fp8 ones.
+    from multiprocessing.reduction import ForkingPickler
+    problem, _, head = fp8_head("cpu")
+    received = pickle.loads(ForkingPickler.dumps(head))
+    assert received.centroid_dtype == FP8 and torch.equal(received.centroid_scale, head.centroid_scale)
+    assert torch.equal(received.next_token(problem.hidden), head.next_token(problem.hidden))
 
 
 def test_state_dict_centroids_are_checked_as_the_head_will_hold_them():
