@@ -144,7 +144,10 @@ def load_smollm2(dtype: torch.dtype = torch.float32, *,
     cached = directory.is_dir()
     damage = _unreadable(directory) if cached else None
     if cached and damage is None:
-        return from_pretrained(directory, dtype)
+        try:
+            return from_pretrained(directory, dtype)
+        except (SafetensorError, OSError, ValueError) as error:  # a tokenizer file cut short or lost
+            damage = " ".join(str(error).split())  # tokenizers' message spans lines
     if damage is not None:  # a copy cut short, a full disk: moved aside first, so no reader sees half of it
         warnings.warn(f"the cached SmolLM2 at {directory} is unreadable ({damage}); converting it again",
                       RuntimeWarning, stacklevel=2)

@@ -11,6 +11,7 @@ import threading
 import time
 import warnings
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,6 +247,14 @@ def test_the_converted_smollm2_is_cached_readable_by_others_or_used_uncached(tmp
         model, _ = hf.load_smollm2(torch.bfloat16)
     assert torch.equal(model.lm_head.weight, tiny.lm_head.weight.bfloat16()) and not staging.exists()
     assert torch.equal(hf.load_smollm2()[0].lm_head.weight, tiny.lm_head.weight)  # read from the new copy
+    # So is one whose tokenizer file was cut short or lost (every load failed on it, the first on a
+    # JSONDecodeError, the second on a tokenizer that could not be made).
+    vocabulary = tokenizer.get_vocab()
+    for damage in (lambda file: file.write_text(file.read_text()[:len(file.read_text()) // 2]), Path.unlink):
+        damage(converted / "tokenizer.json")
+        with pytest.warns(RuntimeWarning, match=r"the cached SmolLM2 at .* is unreadable .*; converting it again"):
+            assert hf.load_smollm2()[1].get_vocab() == vocabulary
+        assert hf.load_smollm2()[1].get_vocab() == vocabulary and (converted / "tokenizer.json").is_file()
     # A bad dtype is the caller's error, not damage: the good copy stays (it was deleted and converted again).
     with pytest.raises(TypeError, match=r"dtype must be a floating-point torch.dtype, got torch.int8"):
         hf.load_smollm2(torch.int8)
