@@ -159,7 +159,15 @@ class FlashHeadAssets:
     def head(self, embedding: Tensor, probes: Optional[int] = None, *,
              centroid_dtype: Optional[torch.dtype] = None) -> FlashHead:
         """A FlashHead over ``embedding`` (the model's output embedding, kept by reference), its
-        centroids in ``centroid_dtype`` (FlashHead's argument: the embedding's, or float8_e4m3fn)."""
+        centroids in ``centroid_dtype`` (FlashHead's argument: the embedding's, or float8_e4m3fn).
+        Warns (UserWarning) where the assets record the fingerprint of other weights than these."""
+        head = self._head(embedding, probes, centroid_dtype)
+        if self.embedding_fingerprint is not None and not embedding.is_meta:  # a meta tensor has no values
+            warn_if_built_for_other_weights(self.embedding_fingerprint, embedding, "in these assets")
+        return head
+
+    def _head(self, embedding: Tensor, probes: Optional[int], centroid_dtype: Optional[torch.dtype]) -> FlashHead:
+        """``head`` without the fingerprint's comparison, for callers that compare it themselves."""
         _check_against_embedding(self.raw_centroids.shape[1], self.cluster_assignments.numel(), embedding)
         return FlashHead(
             embedding, self.centroids, self.cluster_tokens, self.n_probes if probes is None else probes,
@@ -515,7 +523,7 @@ def flash_head_for(
         with uncached_on_failure("the clustering"):
             save_assets(directory, assets)
     assets.special_token_ids = special_token_ids
-    head = assets.head(embedding, probes, centroid_dtype=centroid_dtype)
+    head = assets._head(embedding, probes, centroid_dtype)  # the fingerprint is this embedding's
     assets.n_probes = head.probes  # so that save_assets(dir, assets) keeps this head's settings
     return head, assets
 

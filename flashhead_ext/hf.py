@@ -581,7 +581,8 @@ class FlashHeadAttachment:
         # that record autograd.
         with torch.inference_mode(False):
             try:
-                head = self.assets.head(weight.detach(), self.probes, centroid_dtype=self.centroid_dtype)
+                # Compared below, once for each weight object.
+                head = self.assets._head(weight.detach(), self.probes, self.centroid_dtype)
             except ValueError as error:
                 if tuple(weight.shape) == self._attached_shape:
                     raise

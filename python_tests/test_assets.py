@@ -524,6 +524,14 @@ def test_loading_a_clustering_for_other_weights_warns(tmp_path, monkeypatch, emb
         with pytest.warns(UserWarning, match=f"clustering in {re.escape(str(tmp_path / 'saved'))}.* was built for other "
                                              "output weights than these"):
             load_assets(tmp_path / "saved", other)
+        # So does a head built from the assets for them (they hold the fingerprint), and only that.
+        with pytest.warns(UserWarning, match="clustering in these assets was built for other output weights") as record:
+            assets.head(other)
+        assert len(record) == 1 and record[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assets.head(embedding.bfloat16())
+        flash_head_for(embedding, SIZE, iters=2, progress=False)  # from the cache
     # Published checkpoints carry no fingerprint; a malformed one is named.
     config["flash_head_embedding_fingerprint"] = [1.0, float("nan")]
     (tmp_path / "saved" / CONFIG_NAME).write_text(json.dumps(config))
