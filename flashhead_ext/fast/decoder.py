@@ -37,6 +37,8 @@ if TYPE_CHECKING:  # transformers is imported only when used
 # rotary frequencies; Gemma-2 is Gemma-3 without the q/k norms or the sliding layers' own rotary,
 # with caps on the attention scores and the logits.
 SUPPORTED = ("llama", "mistral", "ministral", "phi3", "granite", "qwen2", "qwen3", "gemma2", "gemma3_text")
+# Their families as messages and help texts name them (one string, so that none of them lags).
+FAMILY_NAMES = "Llama/Mistral/Ministral/Phi-3/Granite/Qwen2/Qwen3/Gemma-2/Gemma-3"
 # Rotary types whose frequencies transformers computes once (the decoder builds its tables from
 # them); "dynamic" and "longrope" change them with the sequence length.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -634,8 +636,7 @@ class Decoder:
         prefix = "model." if "model.embed_tokens.weight" in state_dict else ""
         embed_key = f"{prefix}embed_tokens.weight"
         if embed_key not in state_dict:
-            raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers "
-                             "Llama/Mistral/Ministral/Phi-3/Granite/Qwen2/Qwen3/Gemma-2/Gemma-3 causal LM")
+            raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers {FAMILY_NAMES} causal LM")
         if num_layers is None and any(key.startswith(f"{prefix}layers.{c.num_layers}.") for key in state_dict):
             # Building the config's layers only would silently drop the rest: another model's config?
             raise ValueError(f"state_dict holds layer {c.num_layers} but the config has {c.num_layers} layers "

@@ -17,7 +17,7 @@ import torch
 from ..bench.timing import run_metadata
 from .._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count, counted,
                     device_arg, kmeans_seed, model_unavailable, output_file)
-from ..fast.decoder import BODIES
+from ..fast.decoder import BODIES, FAMILY_NAMES
 from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS
 from .draft import early_exit_draft, make_draft_head
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU threads for torch (0: torch's default); on a busy machine 1 can be several times faster")
     parser.add_argument("--warmup-tokens", type=int, default=8, help="new tokens of the one warm-up run per config")
     parser.add_argument("--fast", action="store_true",
-                        help="the fast path (flashhead_ext.fast: Llama/Mistral/Ministral/Phi-3/Granite/Qwen2/Qwen3/Gemma-3 only, "
+                        help=f"the fast path (flashhead_ext.fast: {FAMILY_NAMES} only, "
                              "CUDA graphs on a GPU) instead of the transformers driver")
     parser.add_argument("--draft-device", type=device_arg, default=None, help="--fast: the draft's device, e.g. cuda:1 (None: --device)")
     parser.add_argument("--draft-body", default=None, choices=BODIES,
