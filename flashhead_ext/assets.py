@@ -36,7 +36,6 @@ import operator
 import os
 import secrets
 import shutil
-import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -53,6 +52,7 @@ from .clustering import (ALGORITHM_VERSION, GREEDY_SCORINGS, Clustering, build_c
                          check_clustering_inputs, check_kmeans_settings, cluster_sizes, cluster_table,
                          greedy_centroids)
 from . import ops
+from ._stacklevel import callers_stacklevel
 from .head import FlashHead, _check_embedding, centroid_dtype_option, special_token_list
 
 CONFIG_NAME = "flash_head_config.json"
@@ -427,21 +427,6 @@ def embedding_fingerprint(embedding: Tensor) -> list:
     return [float(f"{x:.6g}") for x in (sampled @ directions).flatten().tolist()]
 
 
-# Packages between a user's line and a warning: torch's module calls and compiler.disable
-# wrappers, a transformers model's forward, accelerate's hooks.
-_PASSED_THROUGH = ("flashhead_ext", "torch", "transformers", "accelerate")
-
-
-def _callers_stacklevel() -> int:
-    """``warnings.warn``'s stacklevel, for the function that calls this one, of the first frame
-    outside ``_PASSED_THROUGH``: the user's line, which the paths to a warning (attach, a forward,
-    a setter) reach at different depths."""
-    level, frame = 2, sys._getframe(2)  # level 2: the caller of the function that warns
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _PASSED_THROUGH:
-        level, frame = level + 1, frame.f_back
-    return level
-
-
 def warn_if_built_for_other_weights(stored: list, embedding: Tensor, where: str) -> None:
     """A UserWarning when ``embedding``'s fingerprint is not ``stored``'s up to rounding; ``where``
     completes "the FlashHead clustering ..."."""
@@ -453,7 +438,7 @@ def warn_if_built_for_other_weights(stored: list, embedding: Tensor, where: str)
                       f"differ by {change:.0%} of their scale: fine-tuned, or another model's): its clusters do not fit "
                       "them and FlashHead agrees less often with the dense head. Build one for these weights: "
                       "flash_head_for(weight), or attach(model, flash_head_for(weight)[1])", UserWarning,
-                      stacklevel=_callers_stacklevel())
+                      stacklevel=callers_stacklevel())
 
 
 def embedding_digest(embedding: Tensor) -> str:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 
 from . import ops
+from ._stacklevel import callers_stacklevel
 
 
 HEAD_DTYPES = ops.FLOAT_DTYPES  # what the heads and the ops take
@@ -309,10 +310,9 @@ class DenseHead(_HeadBase):
 
 def _warn_if_not_contiguous(embedding: Tensor) -> None:
     if not embedding.is_contiguous():  # the ops take contiguous rows
-        from .assets import _callers_stacklevel  # assets imports this module
         warnings.warn(f"FlashHead: embedding (shape {tuple(embedding.shape)}, strides {embedding.stride()}) is not "
                       "contiguous, so every call copies it whole; pass embedding.contiguous()",
-                      stacklevel=_callers_stacklevel())
+                      stacklevel=callers_stacklevel())
 
 
 class FlashHead(_HeadBase):
@@ -511,12 +511,11 @@ class FlashHead(_HeadBase):
         loaded_extra = extra_ids if isinstance(extra_ids, Tensor) else self.extra_ids
         left_out = (covered(self.cluster_tokens, self.extra_ids) & ~covered(table, loaded_extra)).nonzero().flatten()
         if left_out.numel():
-            from .assets import _callers_stacklevel  # assets imports this module
             shown = ", ".join(str(t) for t in left_out[:8].tolist()) + (", ..." if left_out.numel() > 8 else "")
             warnings.warn(f"FlashHead: the state's {prefix}cluster_tokens and {prefix}extra_ids leave {left_out.numel()} "
                           f"of this head's {self.vocab_size} tokens in no cluster that its own tables covered ({shown}): "
                           "they can never be produced. A state saved by a head over a smaller vocabulary? Build the "
-                          "clustering for this embedding", UserWarning, stacklevel=_callers_stacklevel())
+                          "clustering for this embedding", UserWarning, stacklevel=callers_stacklevel())
 
     def __setstate__(self, state):
         super().__setstate__(state)

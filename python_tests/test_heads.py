@@ -519,7 +519,7 @@ def test_heads_loaded_with_assign_from_one_state_keep_buffers_of_their_own():
     loaded = [flash_head(other), flash_head(other)]
     for head in loaded:
         head.load_state_dict(state, assign=True)
-    for name, buffer in source.named_buffers():
+    for name, _ in source.named_buffers():
         if name != "embedding":  # the weight, kept by reference
             pointers = {head.get_buffer(name).data_ptr() for head in (source, *loaded)}
             assert len(pointers) == 3, name
