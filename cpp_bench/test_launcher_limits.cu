@@ -4,7 +4,10 @@
 // divides by zero; launch_decode refuses probes outside [1, C], whose list entries would stay unset;
 // the decoder-layer launchers refuse grids past CUDA's 65,535 blocks in y or z (tokens of
 // fused_linear, heads of rotary_cache_write, KV heads and query-row tiles of decode_attention).
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <utility>
 
 #include "kernels/api.h"
 
@@ -56,6 +59,8 @@ int main() {
        DecoderStepLimit::kRowBytes},
       {"max_len over 512 * 512", with([](DecoderStepShape& s) { s.max_len = 512 * 512 + 1; }),
        DecoderStepLimit::kMaxLen},
+      {"a cache of 2^31 elements", with([](DecoderStepShape& s) { s.layers = 2048, s.max_len = 512 * 512 / 2; }),
+       DecoderStepLimit::kCacheElements},
   };
   int failures = 0;
   for (const Case& c : bad) {
@@ -81,6 +86,47 @@ int main() {
       std::printf("FAIL launch_decode with %d probes of 37 clusters: %s (expected cudaErrorInvalidValue)\n", probes,
                   cudaGetErrorName(got));
       ++failures;
+    }
+  }
+  // A step whose weights or caches start off a 16-byte boundary: refused before the plan's pointers
+  // or the device are used.
+  {
+    using bf16 = __nv_bfloat16;
+    const auto* base = reinterpret_cast<bf16*>(std::uintptr_t{1} << 20);  // aligned, never dereferenced
+    const flashhead::DecoderStepWeights<bf16> aligned{base, base, base, base, base, base, nullptr, nullptr, nullptr};
+    flashhead::DecoderStepWeights<bf16> odd_down = aligned;
+    odd_down.down = base + 1;
+    bf16* const cache = const_cast<bf16*>(base);
+    const struct {
+      const char* what;
+      cudaError_t got;
+    } misaligned[] = {
+        {"down_weight off by one element",
+         flashhead::launch_decoder_step<bf16>(base, odd_down, cache, cache, nullptr, nullptr, nullptr, kGood,
+                                              DecoderStepPlan{}, nullptr, nullptr, nullptr)},
+        {"v_cache off by one element",
+         flashhead::launch_decoder_step<bf16>(base, aligned, cache, cache + 1, nullptr, nullptr, nullptr, kGood,
+                                              DecoderStepPlan{}, nullptr, nullptr, nullptr)},
+    };
+    for (const auto& m : misaligned) {
+      ++cases;
+      if (m.got != cudaErrorInvalidValue) {
+        std::printf("FAIL decoder_step with %s: %s (expected cudaErrorInvalidValue)\n", m.what, cudaGetErrorName(m.got));
+        ++failures;
+      }
+    }
+    // What the ATen wrapper names: the first misaligned argument; nothing for aligned pointers.
+    const std::pair<const char*, const char*> named[] = {
+        {flashhead::decoder_step_misaligned<bf16>(odd_down, cache + 1, cache), "down_weight"},
+        {flashhead::decoder_step_misaligned<bf16>(aligned, cache, cache + 1), "v_cache"},
+        {flashhead::decoder_step_misaligned<bf16>(aligned, cache, cache), nullptr}};
+    for (const auto& [got, expected] : named) {
+      ++cases;
+      if (expected ? got == nullptr || std::strcmp(got, expected) != 0 : got != nullptr) {
+        std::printf("FAIL decoder_step_misaligned named %s (expected %s)\n", got ? got : "nothing",
+                    expected ? expected : "nothing");
+        ++failures;
+      }
     }
   }
   // decode_attention's tiles of a KV head's query rows: one row a tile up to 16 rows, then as few

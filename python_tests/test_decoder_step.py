@@ -489,6 +489,30 @@ def test_cache_must_be_contiguous(name, device):
     expect(ValueError, "k_cache and v_cache must be contiguous", args)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["k_cache", "v_cache", "qkv", "o", "gate_up", "down"])
+def test_bulk_copied_inputs_off_a_16_byte_boundary_are_named(name):
+    # The CUDA kernel moves their rows by bulk copies of whole 16-byte vectors: a view one element
+    # in would fault.
+    args = valid_args("cuda")
+    holder = args["weights"] if name in WEIGHT_ARG else args
+    holder[name] = at_odd_offset(holder[name])
+    expect(ValueError, f"{WEIGHT_ARG.get(name, name)} must start at a 16-byte aligned address", args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["x", "attn_norm", "mlp_norm", "q_norm", "k_norm", "qkv_bias", "post_attn_norm",
+                                  "post_mlp_norm", "cos", "sin"])
+def test_element_loaded_inputs_off_a_16_byte_boundary_give_the_same_bits(name):
+    # Read one element at a time, so taken anywhere.
+    args = valid_args("cuda")
+    want = ops.decoder_step(**clone(args))
+    moved = clone(args)
+    holder = moved["weights"] if name in WEIGHT_ARG else moved
+    holder[name] = at_odd_offset(holder[name])
+    assert torch.equal(ops.decoder_step(**moved), want)
+
+
 @device_params
 def test_caches_must_not_share_memory(device):
     args = valid_args(device)

@@ -240,8 +240,26 @@ constexpr int kDecoderStepMaxLen = 512 * 512;
 // The first of these limits a shape breaks with elements of `element_bytes` (kShape: a dimension
 // not positive, or heads not a multiple of KV heads); the one statement of them, which the plan
 // enforces and the ATen wrapper turns into its messages.
-enum class DecoderStepLimit { kNone, kShape, kHeadDim, kWholeVectors, kGroup, kMaxLen, kRowBytes };
+// kCacheElements: a cache of 2^31 elements or more (layers * KV heads * max_len * head_dim), which
+// the kernel's int offsets cannot address.
+enum class DecoderStepLimit { kNone, kShape, kHeadDim, kWholeVectors, kGroup, kMaxLen, kRowBytes, kCacheElements };
 DecoderStepLimit decoder_step_limit(const DecoderStepShape& shape, int element_bytes);
+
+// The argument name of the first of the four weights and the two caches that does not start at a
+// 16-byte aligned address, or null: the kernel moves their rows by bulk copies of whole 16-byte
+// vectors (x and the norms it reads an element at a time, from anywhere). The one list of them:
+// launch_decoder_step refuses such pointers, and the ATen wrapper names the argument.
+template <typename T>
+const char* decoder_step_misaligned(const DecoderStepWeights<T>& weights, const T* k_cache, const T* v_cache) {
+  const struct {
+    const void* data;
+    const char* name;
+  } pointers[] = {{weights.qkv, "qkv_weight"}, {weights.o, "o_weight"}, {weights.gate_up, "gate_up_weight"},
+                  {weights.down, "down_weight"}, {k_cache, "k_cache"},  {v_cache, "v_cache"}};
+  for (const auto& pointer : pointers)
+    if (reinterpret_cast<uintptr_t>(pointer.data) % 16 != 0) return pointer.name;
+  return nullptr;
+}
 
 // How a step runs on the current device: one resident block per SM, its shared memory, the
 // workspace it needs. cudaErrorInvalidValue when the shape breaks a limit (decoder_step_limit) or
@@ -257,7 +275,8 @@ cudaError_t plan_decoder_step(const DecoderStepShape& shape, DecoderStepPlan* pl
 // norm); each layer's K/V of the token go to k_cache / v_cache [layers, KV, max_len, hd]. The
 // same values as fused_linear, rotary_cache_write, decode_attention and fused_linear again per
 // layer (with post-norms, an RMSNorm of each output before its residual add), as one persistent
-// (cooperative) kernel. A position outside the cache gives NaN and writes nothing.
+// (cooperative) kernel. A position outside the cache gives NaN and writes nothing. Pointers that
+// decoder_step_misaligned names give cudaErrorInvalidValue before anything asks the device.
 template <typename T>
 cudaError_t launch_decoder_step(const T* x, const DecoderStepWeights<T>& weights, T* k_cache, T* v_cache, const T* cos,
                                 const T* sin, const int64_t* length, const DecoderStepShape& shape,

@@ -412,8 +412,8 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
                  num_str(kDecoderStepStageBytes), " bytes (two for gate_up), got hidden_size ", num_str(hidden),
                  ", num_heads * head_dim ", num_str(attn_cols), " and intermediate_size ", num_str(intermediate), " in ",
                  dtype_str(x_in.scalar_type()));
+  check_fits_int(op, layers * kv * max_len * hd, "the number of elements of k_cache");  // kCacheElements
   TORCH_INTERNAL_ASSERT(limit == DecoderStepLimit::kNone, "check_decoder_step passed a shape the kernel rejects");
-  check_fits_int(op, layers * kv * max_len * hd, "the number of elements of k_cache");
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), qkv_weight = qkv_weight_in.contiguous(), o_weight = o_weight_in.contiguous(),
                    gate_up_weight = gate_up_weight_in.contiguous(), down_weight = down_weight_in.contiguous(),
@@ -422,23 +422,9 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
   const auto q_norm = contiguous(q_norm_in), k_norm = contiguous(k_norm_in), qkv_bias = contiguous(qkv_bias_in),
              post_attn_norm = contiguous(post_attn_norm_in), post_mlp_norm = contiguous(post_mlp_norm_in),
              sliding_cos = contiguous(sliding_cos_in), sliding_sin = contiguous(sliding_sin_in);
-  for (const auto& [tensor, name] :
-       {std::pair{&x, "x"}, std::pair{&qkv_weight, "qkv_weight"}, std::pair{&o_weight, "o_weight"},
-        std::pair{&gate_up_weight, "gate_up_weight"}, std::pair{&down_weight, "down_weight"},
-        std::pair{&attn_norm, "attn_norm"}, std::pair{&mlp_norm, "mlp_norm"}, std::pair{&std::as_const(k_cache), "k_cache"},
-        std::pair{&std::as_const(v_cache), "v_cache"}})
-    FH_CHECK_VALUE(op, reinterpret_cast<uintptr_t>(tensor->data_ptr()) % 16 == 0, name,
-                   " must start at a 16-byte aligned address for the CUDA kernel (a view at an odd offset?)");
   auto out = at::empty_like(x);
   dispatch_float(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    DecoderStepPlan plan{};
-    const cudaError_t planned = plan_decoder_step<T>(shape, &plan);
-    FH_CHECK_VALUE(op, planned != cudaErrorInvalidValue, "hidden_size ", num_str(hidden), ", intermediate_size ",
-                   num_str(intermediate), " and ", num_str(num_heads), " heads of ", num_str(hd),
-                   " need more shared memory than this GPU has for the CUDA kernel");
-    C10_CUDA_CHECK(planned);
-    auto ws = workspace(plan.workspace_bytes, x);
     const DecoderStepWeights<T> weights{data_as<T>(qkv_weight),        data_as<T>(o_weight),
                                         data_as<T>(gate_up_weight),    data_as<T>(down_weight),
                                         data_as<T>(attn_norm),         data_as<T>(mlp_norm),
@@ -446,8 +432,19 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
                                         optional_data<T>(qkv_bias),    optional_data<T>(post_attn_norm),
                                         optional_data<T>(post_mlp_norm), optional_data<T>(sliding_cos),
                                         optional_data<T>(sliding_sin)};
-    C10_CUDA_CHECK(launch_decoder_step<T>(data_as<T>(x), weights, static_cast<T*>(k_cache.data_ptr()),
-                                          static_cast<T*>(v_cache.data_ptr()), data_as<T>(cos), data_as<T>(sin),
+    T* const k_data = static_cast<T*>(k_cache.data_ptr());
+    T* const v_data = static_cast<T*>(v_cache.data_ptr());
+    const char* misaligned = decoder_step_misaligned(weights, k_data, v_data);
+    FH_CHECK_VALUE(op, misaligned == nullptr, misaligned,
+                   " must start at a 16-byte aligned address for the CUDA kernel (a view at an odd offset?)");
+    DecoderStepPlan plan{};
+    const cudaError_t planned = plan_decoder_step<T>(shape, &plan);
+    FH_CHECK_VALUE(op, planned != cudaErrorInvalidValue, "hidden_size ", num_str(hidden), ", intermediate_size ",
+                   num_str(intermediate), " and ", num_str(num_heads), " heads of ", num_str(hd),
+                   " need more shared memory than this GPU has for the CUDA kernel");
+    C10_CUDA_CHECK(planned);
+    auto ws = workspace(plan.workspace_bytes, x);
+    C10_CUDA_CHECK(launch_decoder_step<T>(data_as<T>(x), weights, k_data, v_data, data_as<T>(cos), data_as<T>(sin),
                                           length.data_ptr<int64_t>(), shape, plan, static_cast<T*>(out.data_ptr()),
                                           ws.data_ptr(), at::cuda::getCurrentCUDAStream()));
   });
