@@ -12,7 +12,7 @@ the C++: nothing here calls ``torch.ops.flashhead``.
 * sampling is Gumbel-max / Gumbel-top-k with the counter-based Philox4x32-10 noise of
   csrc/kernels/philox.cuh: the noise of (seed, stream, row, column) is a fixed number, so the draws
   of an op can be recomputed here exactly (stream 0: clusters, column = cluster id; stream 1: tokens,
-  column = position in the candidate list).
+  column = token id).
 """
 from __future__ import annotations
 
