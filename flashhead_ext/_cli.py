@@ -216,12 +216,15 @@ def model_config(parser: argparse.ArgumentParser, flag: str, path: str):
     return config
 
 
-def first_of_each(names: list, key) -> list:
+def first_of_each(flag: str, names: list, key, what: str) -> list:
     """``names`` without those whose ``key(name)`` an earlier one has: a configuration named twice,
-    under two spellings, runs once, under its first name."""
+    under two spellings, runs once, under its first name, and a note says so (``what``: what the
+    two share)."""
     first_names = {}
     for name in names:
-        first_names.setdefault(key(name), name)
+        first = first_names.setdefault(key(name), name)
+        if first != name:
+            print(f"{flag} {name}: {what} as {first}, run once under that name")
     return list(first_names.values())
 
 
@@ -240,7 +243,7 @@ def shape_names(parser: argparse.ArgumentParser, flag: str, text: str, presets, 
         picked = choices_list(parser, text, presets, "shape", other=lambda name: is_named(name) or is_config_path(name),
                               other_help=other_help)
     note_shadowed_paths(flag, picked, is_named)
-    return first_of_each(picked, lambda name: name if is_named(name) else config_file(name))
+    return first_of_each(flag, picked, lambda name: name if is_named(name) else config_file(name), "the same config file")
 
 
 def choices_list(parser: argparse.ArgumentParser, names: str, choices, what: str, other=None, other_help: str = "") -> list:

@@ -154,13 +154,13 @@ def test_summary_names_a_baseline_that_was_not_run():
     rows = [dict(point, impl="dense", us=84.0), dict(point, impl="flash_greedy", us=21.0)]
     add_ratios(rows)
     text = summary(rows, "qwen3-0.6b")
-    assert "flash_greedy 21.0 us" in text and "4.00x dense (goal >= 6)" in text
+    assert "flash_greedy 21.00 us (goal <= 15: not met)" in text and "4.00x dense (goal >= 6: not met)" in text
     assert "torch_flash not run" in text and "nan" not in text
     rows.append(dict(point, impl="torch_flash", us=63.0))
     rows.append(dict(point, impl="flash_greedy_fp8", us=16.8))
     add_ratios(rows)
-    assert "3.00x torch_flash (goal >= 4)" in summary(rows, "qwen3-0.6b")
-    assert "flash_greedy_fp8 16.8 us, 5.00x dense" in summary(rows, "qwen3-0.6b")
+    assert "3.00x torch_flash (goal >= 4: not met)" in summary(rows, "qwen3-0.6b")
+    assert "flash_greedy_fp8 16.80 us, 5.00x dense" in summary(rows, "qwen3-0.6b")
     assert "nothing to summarize" in summary([dict(r, mode="eager") for r in rows], "qwen3-0.6b")
     # A batch sweep at other probes, without the summary's point, says that point is missing.
     elsewhere = [dict(r, probes=593) for r in rows]
@@ -169,12 +169,27 @@ def test_summary_names_a_baseline_that_was_not_run():
     # The goals are Qwen3-0.6B's head's, under any name: another head's summary has the same numbers and no goals.
     other = [dict(r, shape="32000x4096") for r in rows]
     assert "4.00x dense," in summary(other, "32000x4096") and "goal" not in summary(other, "32000x4096")
-    assert "32000x4096 B=1 p=256 graph: flash_greedy 21.0 us, 4.00x dense, 3.00x torch_flash" in summary(other, "32000x4096")
-    assert "4.00x dense (goal >= 6)" in summary([dict(r, shape="151936x1024x16") for r in rows], "151936x1024x16")
+    assert "32000x4096 B=1 p=256 graph: flash_greedy 21.00 us, 4.00x dense, 3.00x torch_flash" in summary(other, "32000x4096")
+    assert "4.00x dense (goal >= 6: not met)" in summary([dict(r, shape="151936x1024x16") for r in rows], "151936x1024x16")
     # A head of fewer than 256 clusters: its rows at the capped probes are the summary's point.
     capped = [dict(r, shape="32000x512x128", probes=250) for r in rows]
-    assert "32000x512x128 B=1 p=250 graph: flash_greedy 21.0 us" in summary(capped, "32000x512x128", 250, 250)
+    assert "32000x512x128 B=1 p=250 graph: flash_greedy 21.00 us" in summary(capped, "32000x512x128", 250, 250)
     assert "was not run" not in summary(capped, "32000x512x128", 250, 250)
+
+
+def test_summary_judges_the_goals_before_rounding():
+    # 15.004 us, 5.996x and 3.996x print as 15.00, 6.00 and 4.00, and miss their goals all the same.
+    point = dict(shape="qwen3-0.6b", batch=1, probes=256, mode="graph")
+    rows = [dict(point, impl="dense", us=89.96), dict(point, impl="flash_greedy", us=15.004),
+            dict(point, impl="torch_flash", us=59.956), dict(point, impl="flash_sample", us=22.52)]
+    add_ratios(rows)
+    text = summary(rows, "qwen3-0.6b")
+    assert "flash_greedy 15.00 us (goal <= 15: not met)" in text and "6.00x dense (goal >= 6: not met)" in text
+    assert "4.00x torch_flash (goal >= 4: not met)" in text and "1.50x (goal <= 1.5: not met)" in text
+    met = [dict(r, us={"flash_greedy": 14.85, "flash_sample": 21.0}.get(r["impl"], r["us"])) for r in rows]
+    add_ratios(met)
+    text = summary(met, "qwen3-0.6b")
+    assert "(goal <= 15: met)" in text and "x dense (goal >= 6: met)" in text and "(goal <= 1.5: met)" in text
 
 
 def test_summary_finds_where_dense_wins_at_the_batch_sweeps_probes():
@@ -308,7 +323,7 @@ def test_model_shapes_on_the_cpu_say_they_take_minutes(monkeypatch, capsys):
     assert "the large shapes (49152x576) take minutes" in capsys.readouterr().out
 
 
-def test_a_value_named_twice_in_a_comma_list_runs_once():
+def test_a_value_named_twice_in_a_comma_list_runs_once(capsys):
     from flashhead_ext._cli import choices_list, positive_int_list
 
     assert positive_int_list("32,7,32,7,5") == [32, 7, 5]  # in the order given
@@ -317,6 +332,9 @@ def test_a_value_named_twice_in_a_comma_list_runs_once():
     # A head under two names runs once, under the first.
     from flashhead_ext.bench.head import vocab_shape_list
     assert vocab_shape_list(None, "tiny,4000x64,100x8,100x8x16,151936x1024,qwen3-0.6b") == ["tiny", "100x8", "151936x1024"]
+    assert capsys.readouterr().out.splitlines() == ["--shapes 4000x64: the same head as tiny, run once under that name",
+                                                    "--shapes 100x8x16: the same head as 100x8, run once under that name",
+                                                    "--shapes qwen3-0.6b: the same head as 151936x1024, run once under that name"]
 
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),

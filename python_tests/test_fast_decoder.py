@@ -1267,6 +1267,7 @@ def test_bench_clis_time_a_model_of_ones_own_from_its_config(tmp_path, monkeypat
                      "--bodies", "eager", "--cluster-size", "7", "--json", str(tmp_path / "step.json")]) == 0
         rows = json.loads((tmp_path / "step.json").read_text())["rows"]
         assert [r["shape"] for r in rows] == ["tiny", "tiny", shape, shape]
+        assert f"--shapes {again}: the same config file as {shape}, run once under that name" in capsys.readouterr().out
         mine = [r for r in rows if r["shape"] == shape]
         assert [(r["layers"], r["head"]) for r in mine] == [(3, "dense"), (3, "flashhead")]
         assert mine[1]["clusters"] == 143 and mine[1]["probes"] == 8  # ceil(997 / 7) clusters, C/16 probes
@@ -1420,10 +1421,12 @@ def test_spec_reads_flashheads_gain_against_the_draft_steps_and_the_break_even_a
     assert break_even_acceptance(0.77, 6, 1.0) == pytest.approx(0.77)
     lower = break_even_acceptance(0.77, 6, 0.97)
     assert lower < 0.77 and expected_emitted(lower, 6) == pytest.approx(0.97 * expected_emitted(0.77, 6))
-    row = lambda mode, head, decode_s: dict(label=f"{mode}/{head}", mode=mode, head=head, decode_s=decode_s, rounds=100)
-    rows = [dict(label="baseline", mode="baseline", head=None, decode_s=9.0, rounds=300),
+    # 104 rounds, of which 4 end a generation and propose nothing.
+    row = lambda mode, head, decode_s: dict(label=f"{mode}/{head}", mode=mode, head=head, decode_s=decode_s, rounds=104,
+                                            proposed=600)
+    rows = [dict(label="baseline", mode="baseline", head=None, decode_s=9.0, rounds=300, proposed=0),
             row("deferred", "dense", 2.0), row("deferred", "flashhead", 1.95), row("ordinary", "dense", 3.0)]
-    # 100 rounds of 6 steps, each 80 us shorter: 48 ms of the dense run's 2 s.
+    # 600 draft steps proposed, each 80 us shorter: 48 ms of the dense run's 2 s.
     (gain,) = head_gains(rows, 6, 0.77, {"dense": 600.0, "flashhead": 520.0})
     assert gain["mode"] == "deferred" and gain["measured"] == pytest.approx(2.0 / 1.95 - 1)
     assert gain["predicted"] == pytest.approx(2.0 / (2.0 - 0.048) - 1)
@@ -1431,7 +1434,7 @@ def test_spec_reads_flashheads_gain_against_the_draft_steps_and_the_break_even_a
     assert gain["break_even_acceptance"] == pytest.approx(break_even_acceptance(0.77, 6, 1.95 / 2.0))
     assert gain["reading"].startswith("deferred: FlashHead draft +2.56% decode speed over dense at equal (synthetic) acceptance")
     assert "predict +2.46% (104% of it measured)" in gain["reading"] and ">= 0.76" in gain["reading"]
-    assert "(dense 600.0, FlashHead 520.0 us, 6 a round" in gain["reading"]  # which step is which
+    assert "(dense 600.0, FlashHead 520.0 us, 600 proposed)" in gain["reading"]  # which step is which
     (slower,) = head_gains([row("deferred", "dense", 2.0), row("deferred", "flashhead", 2.1)], 6, 0.77, {})
     assert "predicted" not in slower and "break_even_acceptance" not in slower
 

@@ -801,12 +801,12 @@ def test_reading_names_the_best_config_and_the_flashhead_change():
     slow = [row("baseline", None, 1.0), row("ordinary", "dense", 0.40, 0.018, 8.31, 0.388),
             row("ordinary", "flashhead", 0.47, 0.018, 6.30, 0.186)]
     lines = reading(slow).splitlines()
-    assert lines[0] == ("speculation is slower than the baseline here (best: ordinary/flashhead, 0.47x): a round emitted "
+    assert lines[0] == ("speculation is slower than the baseline here (best: ordinary/flashhead, 0.470x): a round emitted "
                         "1.07 tokens for a whole draft and a verify, since 1.8% of the proposals were accepted; a stronger "
                         "draft pays off")
     assert lines[1] == "ordinary: FlashHead draft 6.30 s against dense 8.31 s; the head's share of the draft 38.8% -> 18.6%"
     fast = [row("baseline", None, 1.0), row("deferred", "dense", 2.92, 0.44, 1.05), row("deferred", "flashhead", 2.99, 0.44, 0.91)]
-    assert reading(fast).splitlines() == ["best: deferred/flashhead, 2.99x the baseline's decode tok/s",
+    assert reading(fast).splitlines() == ["best: deferred/flashhead, 2.990x the baseline's decode tok/s",
                                           "deferred: FlashHead draft 0.91 s against dense 1.05 s"]
     # A short run's draft times, under a second, in milliseconds.
     short = [row("baseline", None, 1.0), row("ordinary", "dense", 1.2, 0.44, 0.00612), row("ordinary", "flashhead", 1.3, 0.44, 0.0042)]
@@ -814,6 +814,8 @@ def test_reading_names_the_best_config_and_the_flashhead_change():
     # Slower with a high acceptance (a slow draft, not a weak one): acceptance is not blamed.
     slow_but_accepted = [row("baseline", None, 1.0), row("ordinary", "dense", 0.9, 0.8, 5.0)]
     assert "accepted" not in reading(slow_but_accepted)
+    # Just under 1x reads as under it, as the table's speedup column (.3f) shows it, not as 1.00x.
+    assert "(best: ordinary/dense, 0.996x)" in reading([row("baseline", None, 1.0), row("ordinary", "dense", 0.996, 0.8, 5.0)])
     # Without a baseline the exact column is empty: the reading says so.
     assert reading([row("deferred", "dense", None, 0.44, 1.05)]).splitlines() == [
         "no baseline run: the tokens were not compared with the target's own (add baseline to --mode)"]

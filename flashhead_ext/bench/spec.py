@@ -241,7 +241,8 @@ def draft_step_main(argv=None) -> int:
                         help=f"comma list of {sorted(SHAPES)} or {CONFIG_SHAPE_HELP}")
     parser.add_argument("--context", type=positive_int, default=1024, help="cache length attended over (max_len)")
     parser.add_argument("--samples", type=positive_int, default=30, help="timed samples (the median is reported)")
-    parser.add_argument("--calls", type=positive_int, default=20, help="graph replays per timed sample")
+    parser.add_argument("--calls", type=positive_int, default=20,
+                        help="graph replays per timed sample (CUDA; on the CPU each sample is one eager step)")
     parser.add_argument("--bodies", default="eager,fused,persistent",
                         help=f"comma list of {BODIES}: how the layers run (Decoder.body), each timed in this run")
     _common(parser, "results/bench_draft_step.json")
@@ -461,7 +462,8 @@ def break_even_acceptance(acceptance: float, k: int, time_ratio: float) -> float
 def head_gains(rows: list, k: int, acceptance: float, step_us: dict) -> list:
     """FlashHead's draft against the dense one in each mode where both ran: the decode-time gain
     measured end to end; the gain the draft-step microbenchmark predicts (its step-time difference
-    over k steps a round, the rounds the run made); and, for deferred, the acceptance FlashHead's
+    over the draft steps the run proposed: k a round, none in a generation's last round, which only
+    the target's token ends); and, for deferred, the acceptance FlashHead's
     draft may drop to before the gain is gone. Both drafts drew the same synthetic acceptances, so
     the measured gain is at equal acceptance: FlashHead's approximate top-1 costs nothing here."""
     by_label = {row["label"]: row for row in rows}
@@ -473,11 +475,11 @@ def head_gains(rows: list, k: int, acceptance: float, step_us: dict) -> list:
         gain = dict(mode=mode, measured=dense["decode_s"] / flash["decode_s"] - 1)
         text = f"{mode}: FlashHead draft {gain['measured']:+.2%} decode speed over dense at equal (synthetic) acceptance"
         if step_us.get("dense") and step_us.get("flashhead"):
-            saved_s = flash["rounds"] * k * (step_us["dense"] - step_us["flashhead"]) * 1e-6
+            saved_s = flash["proposed"] * (step_us["dense"] - step_us["flashhead"]) * 1e-6
             gain["predicted"] = dense["decode_s"] / (dense["decode_s"] - saved_s) - 1
             gain["of_predicted"] = gain["measured"] / gain["predicted"] if gain["predicted"] else None
-            text += (f"; the draft steps (dense {step_us['dense']:.1f}, FlashHead {step_us['flashhead']:.1f} us, {k} a round, "
-                     f"{flash['rounds']} rounds) predict {gain['predicted']:+.2%}")
+            text += (f"; the draft steps (dense {step_us['dense']:.1f}, FlashHead {step_us['flashhead']:.1f} us, "
+                     f"{flash['proposed']} proposed) predict {gain['predicted']:+.2%}")
             if gain["of_predicted"] is not None:
                 text += f" ({gain['of_predicted']:.0%} of it measured)"
         if mode == "deferred" and gain["measured"] > 0:

@@ -116,7 +116,7 @@ def summarize(records: list, configs: list) -> list:
         loop_s = None if overlapped else total["decode_s"] - total["draft_s"] - total["target_s"]
         rows.append(dict(
             label=config.label, mode=config.mode, head=config.head, samples=len(runs),
-            new_tokens=total["new_tokens"], rounds=total["rounds"],
+            new_tokens=total["new_tokens"], rounds=total["rounds"], proposed=total["proposed"],
             decode_tok_s=decode_tokens / total["decode_s"] if total["decode_s"] else None,
             ttft_ms=1000 * total["ttft_s"] / len(runs),
             decode_s=total["decode_s"],
@@ -158,7 +158,8 @@ def format_summary(rows: list) -> str:
     are announced in a line above the tables, besides their ``exact`` column."""
     text = format_table(rows, COLUMNS)
     if any(row.get("verify_share") is not None for row in rows):
-        text += "\n\nphase profile (share of decode time)\n" + format_table(rows, PHASE_COLUMNS)
+        text += ("\n\nphase profile (share of decode time: propose, verify and finalize split it; loop overhead, the "
+                 "time outside the model forwards, lies within them)\n" + format_table(rows, PHASE_COLUMNS))
     synthetic = sorted({row["synthetic_acceptance"] for row in rows if row.get("synthetic_acceptance") is not None})
     if synthetic:
         text = (f"SYNTHETIC ACCEPTANCE R={', '.join(map(str, synthetic))}: speculative runs accept proposals at random; "
@@ -177,9 +178,9 @@ def reading(rows: list) -> str:
     if speculative:
         best = max(speculative, key=lambda row: row["speedup"])
         if best["speedup"] >= 1:
-            lines.append(f"best: {best['label']}, {best['speedup']:.2f}x the baseline's decode tok/s")
+            lines.append(f"best: {best['label']}, {best['speedup']:.3f}x the baseline's decode tok/s")
         else:
-            line = (f"speculation is slower than the baseline here (best: {best['label']}, {best['speedup']:.2f}x): a round "
+            line = (f"speculation is slower than the baseline here (best: {best['label']}, {best['speedup']:.3f}x): a round "
                     f"emitted {best['mean_emitted']:.2f} tokens for a whole draft and a verify")
             if best["acceptance"] is not None and best["acceptance"] < 0.5 and best.get("synthetic_acceptance") is None:
                 line += f", since {best['acceptance']:.1%} of the proposals were accepted; a stronger draft pays off"
