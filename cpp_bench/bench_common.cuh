@@ -6,6 +6,9 @@
 // of ours, read before Google Benchmark's:
 //   --peak_gbps=N   peak memory bandwidth for the pct_of_peak counter (env FLASHHEAD_PEAK_GBPS)
 //   --warm_l2       skip the L2 flush (the head then partly lives in L2 across iterations)
+// Both, the GPU's name and its L2 size go to the JSON's context. floor_bytes is each binary's count
+// of the bytes a call must move (its file says what it counts); bytes_per_second and pct_of_peak
+// divide it by the samples' time.
 #pragma once
 
 #include <benchmark/benchmark.h>
@@ -162,6 +165,8 @@ static __global__ void read_through(const int4* words, size_t n, int* sink) {
 // Times `launch` (a sequence of kernel launches on `stream`) captured once in a CUDA graph and
 // replayed each iteration between two events; `bytes` per iteration feed the counters.
 inline void run_timed(benchmark::State& state, double bytes, const std::function<void(cudaStream_t)>& launch) {
+  // The inputs were filled on the legacy stream, which the non-blocking one below does not wait for.
+  FHB_CHECK(cudaDeviceSynchronize());
   cudaStream_t stream;
   FHB_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   launch(stream);  // warm-up, outside capture
@@ -215,6 +220,16 @@ inline void run_timed(benchmark::State& state, double bytes, const std::function
   cudaStreamDestroy(stream);
 }
 
+// The replays' tokens, each an id of the vocabulary: a benchmark whose outputs are not is skipped
+// with an error (its time would be that of a kernel that did not do its work).
+inline bool tokens_in_vocab(benchmark::State& state, const DeviceArray<int64_t>& tokens, int vocab) {
+  std::vector<int64_t> host(tokens.size());
+  FHB_CHECK(cudaMemcpy(host.data(), tokens.get(), host.size() * sizeof(int64_t), cudaMemcpyDeviceToHost));
+  if (std::all_of(host.begin(), host.end(), [&](int64_t t) { return 0 <= t && t < vocab; })) return true;
+  state.SkipWithError("a token outside the vocabulary");
+  return false;
+}
+
 // Batch sizes x probes of the Qwen3-0.6B head that every binary reports.
 inline void head_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"B", "p"});
@@ -238,6 +253,20 @@ inline int main_with_flags(int argc, char** argv) {
   int n = static_cast<int>(rest.size());
   benchmark::Initialize(&n, rest.data());
   if (benchmark::ReportUnrecognizedArguments(n, rest.data())) return 1;
+  int devices = 0;
+  if (const cudaError_t err = cudaGetDeviceCount(&devices); err != cudaSuccess || devices == 0) {
+    std::fprintf(stderr, "no usable CUDA device: %s\n", err != cudaSuccess ? cudaGetErrorString(err) : "none found");
+    return 1;
+  }
+  int device = 0, l2 = 0;
+  cudaDeviceProp prop{};
+  FHB_CHECK(cudaGetDevice(&device));
+  FHB_CHECK(cudaGetDeviceProperties(&prop, device));
+  FHB_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+  benchmark::AddCustomContext("device", prop.name);
+  benchmark::AddCustomContext("l2_bytes", std::to_string(l2));
+  benchmark::AddCustomContext("l2_flushed", flags().warm_l2 ? "no (--warm_l2)" : "yes, before each sample");
+  benchmark::AddCustomContext("peak_gbps", flags().peak_gbps > 0 ? std::to_string(flags().peak_gbps) : "not given");
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -2,10 +2,28 @@
 // a Gumbel-max draw with its log-probability (sampling), with and without dependent launch, with
 // bf16 or fp8 e4m3 centroids (fp8 = 1).
 #include <algorithm>
+#include <cmath>
+#include <vector>
 
 #include "bench_common.cuh"
 
 using namespace fhbench;
+
+// How many distinct clusters the batch's rows choose (greedy, or drawn with the decode's seed).
+template <typename TC>
+static int distinct_clusters(const flashhead::HeadTensors<__nv_bfloat16, TC>& t, const flashhead::HeadShape& shape,
+                             const flashhead::Sampling* sampling) {
+  const size_t chosen = size_t(shape.batch) * shape.probes;
+  DeviceArray<int32_t> ids(chosen);
+  DeviceArray<float> scores(chosen);
+  DeviceArray<char> workspace(flashhead::cluster_select_workspace_bytes(shape, sampling != nullptr));
+  FHB_CHECK(flashhead::launch_cluster_select(t.hidden, t.centroids, t.centroid_scale, shape, sampling, ids.get(),
+                                             scores.get(), workspace.get(), nullptr));
+  std::vector<int32_t> host(chosen);
+  FHB_CHECK(cudaMemcpy(host.data(), ids.get(), chosen * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  std::sort(host.begin(), host.end());
+  return static_cast<int>(std::unique(host.begin(), host.end()) - host.begin());
+}
 
 template <typename TC>
 static void time_decode(benchmark::State& state, const Head<__nv_bfloat16>& head, const TC* centroids,
@@ -34,18 +52,26 @@ static void time_decode(benchmark::State& state, const Head<__nv_bfloat16>& head
   FHB_CHECK(cudaMemset(seed.get(), 0, sizeof(int64_t)));
   const flashhead::Sampling smp{1.0f, seed.get()};
   DeviceArray<char> workspace(flashhead::decode_workspace_bytes(shape, sampling));
-  // As bench head's floor at batch 1 (a batch's rows may share clusters, which this leaves uncounted):
-  // the centroids, the chosen clusters' table entries and rows, and the hidden rows.
-  const double rows = std::min<double>(double(batch) * probes * d.cluster_size, d.vocab);
+  // As bench head's floor: the centroids, the table entries and rows of the clusters the batch chose
+  // (each once, however many rows chose it; the selection run once here to count them), and the
+  // hidden rows.
+  const int clusters = distinct_clusters(t, shape, sampling ? &smp : nullptr);
+  state.counters["clusters_read"] = clusters;
+  const double rows = double(clusters) * d.cluster_size;
   const double bytes = d.hidden_dim * (double(sizeof(TC)) * d.num_clusters + 2.0 * rows + 2.0 * batch) + 4.0 * rows;
   run_timed(state, bytes, [&](cudaStream_t s) {
     FHB_CHECK(flashhead::launch_decode(t, shape, sampling ? &smp : nullptr, tokens.get(), 1, logprobs.get(),
                                        workspace.get(), s, options));
   });
+  if (!tokens_in_vocab(state, tokens, d.vocab) || !sampling) return;
+  std::vector<float> host(batch);
+  FHB_CHECK(cudaMemcpy(host.data(), logprobs.get(), batch * sizeof(float), cudaMemcpyDeviceToHost));
+  if (!std::all_of(host.begin(), host.end(), [](float lp) { return std::isfinite(lp) && lp <= 0.0f; }))
+    state.SkipWithError("a log-probability that is not finite and <= 0");
 }
 
 static void BM_decode(benchmark::State& state) {
-  static Head<__nv_bfloat16> head{Dims{}};  // 330 MB: built once per process
+  static Head<__nv_bfloat16> head{Dims{}};  // 341 MB: built once per process
   if (state.range(4) == 0) return time_decode(state, head, head.centroids.get(), nullptr);
   time_decode(state, head, head.fp8_centroids.get(), head.fp8_scale.get());
 }
