@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import Tensor
 
+import flashhead_ext
 from flashhead_ext import DenseHead, FlashHead, hf
 from flashhead_ext.assets import FlashHeadAssets
 from flashhead_ext.clustering import build_clusters, calibrate_clusters
@@ -460,6 +461,7 @@ def test_plain_kmeans_needs_no_calibration_and_no_matplotlib(tmp_path, monkeypat
                       "--per-category", "1", plot=False)) == 0
     result = json.loads((tmp_path / "out" / "quality.json").read_text())
     assert len(calls) == 1 and result["calibration"] is None and result["evaluation"]["question_ids"] == [1, 3, 5]
+    assert result["version"] == flashhead_ext.__version__ and result["date"].endswith(" UTC")  # as the benchmarks' JSON
     assert not list(tmp_path.rglob("*.png"))
     assert "matplotlib is not installed: the table and" in capsys.readouterr().err
     # A plot asked for by name is refused before anything runs.
