@@ -23,7 +23,7 @@ static void BM_candidate_logits(benchmark::State& state) {
   FHB_CHECK(cudaGetLastError());
   DeviceArray<float> logits(size_t(batch) * n);
   // Each distinct embedding row once (the rows of a batch repeat ids: at B = 64, p = 1024 each row
-  // about 6.8 times), the ids read and the logits written, and the hidden rows.
+  // about 6.9 times), the ids read and the logits written, and the hidden rows.
   std::vector<char> seen(d.vocab, 0);
   for (size_t i = 0; i < candidates.size(); ++i) seen[random_token(i, d.vocab)] = 1;
   const double rows = static_cast<double>(std::count(seen.begin(), seen.end(), 1));

@@ -223,6 +223,7 @@ inline void run_timed(benchmark::State& state, double bytes, const std::function
 // The replays' tokens, each an id of the vocabulary: a benchmark whose outputs are not is skipped
 // with an error (its time would be that of a kernel that did not do its work).
 inline bool tokens_in_vocab(benchmark::State& state, const DeviceArray<int64_t>& tokens, int vocab) {
+  // (tokens were set to -1 before timing: a kernel that wrote nothing fails here.)
   std::vector<int64_t> host(tokens.size());
   FHB_CHECK(cudaMemcpy(host.data(), tokens.get(), host.size() * sizeof(int64_t), cudaMemcpyDeviceToHost));
   if (std::all_of(host.begin(), host.end(), [&](int64_t t) { return 0 <= t && t < vocab; })) return true;
@@ -250,9 +251,17 @@ inline int main_with_flags(int argc, char** argv) {
       rest.push_back(argv[i]);
     }
   }
+  // Listing the benchmarks needs no GPU (read before Initialize, which takes its own flags out).
+  const bool listing = std::any_of(rest.begin(), rest.end(), [](const char* arg) {
+    return std::strcmp(arg, "--benchmark_list_tests") == 0 || std::strcmp(arg, "--benchmark_list_tests=true") == 0;
+  });
   int n = static_cast<int>(rest.size());
   benchmark::Initialize(&n, rest.data());
   if (benchmark::ReportUnrecognizedArguments(n, rest.data())) return 1;
+  if (listing) {
+    benchmark::RunSpecifiedBenchmarks();
+    return 0;
+  }
   int devices = 0;
   if (const cudaError_t err = cudaGetDeviceCount(&devices); err != cudaSuccess || devices == 0) {
     std::fprintf(stderr, "no usable CUDA device: %s\n", err != cudaSuccess ? cudaGetErrorString(err) : "none found");

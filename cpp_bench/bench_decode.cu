@@ -50,6 +50,9 @@ static void time_decode(benchmark::State& state, const Head<__nv_bfloat16>& head
   DeviceArray<int64_t> tokens(batch), seed(1);
   DeviceArray<float> logprobs(batch);
   FHB_CHECK(cudaMemset(seed.get(), 0, sizeof(int64_t)));
+  // -1 and NaN until the kernels write them: the checks after timing see any that stay.
+  FHB_CHECK(cudaMemset(tokens.get(), 0xff, batch * sizeof(int64_t)));
+  FHB_CHECK(cudaMemset(logprobs.get(), 0xff, batch * sizeof(float)));
   const flashhead::Sampling smp{1.0f, seed.get()};
   DeviceArray<char> workspace(flashhead::decode_workspace_bytes(shape, sampling));
   // As bench head's floor: the centroids, the table entries and rows of the clusters the batch chose

@@ -76,6 +76,7 @@ static void BM_dense_baseline(benchmark::State& state) {
   DeviceArray<uint64_t> posts(size_t(argmax_grid.x) * batch);
   DeviceArray<unsigned> tickets(batch);
   FHB_CHECK(cudaMemset(tickets.get(), 0, sizeof(unsigned) * batch));
+  FHB_CHECK(cudaMemset(tokens.get(), 0xff, sizeof(int64_t) * batch));  // -1 until the argmax writes them
   cublasHandle_t handle;
   FHB_CUBLAS(cublasCreate(&handle));
   const float one = 1.0f, zero = 0.0f;

@@ -2,8 +2,9 @@
 // returning cudaErrorInvalidValue before anything asks the device (so this runs without a GPU too):
 // decoder_step_limit names the limit a shape breaks, and the plan refuses it, never a launch that
 // divides by zero; launch_decode refuses probes outside [1, C], whose list entries would stay unset;
-// the decoder-layer launchers refuse grids past CUDA's 65,535 blocks in y or z (tokens of
-// fused_linear, heads of rotary_cache_write, KV heads and query-row tiles of decode_attention).
+// launch_decoder_step refuses weights or caches off a 16-byte boundary (decoder_step_misaligned
+// names the first); the decoder-layer launchers refuse grids past CUDA's 65,535 blocks in y or z
+// (tokens of fused_linear, heads of rotary_cache_write, KV heads and query-row tiles of decode_attention).
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -59,7 +60,7 @@ int main() {
        DecoderStepLimit::kRowBytes},
       {"max_len over 512 * 512", with([](DecoderStepShape& s) { s.max_len = 512 * 512 + 1; }),
        DecoderStepLimit::kMaxLen},
-      {"a cache of 2^31 elements", with([](DecoderStepShape& s) { s.layers = 2048, s.max_len = 512 * 512 / 2; }),
+      {"a cache of 2^31 elements", with([](DecoderStepShape& s) { s.layers = 512, s.max_len = 512 * 512 / 2; }),
        DecoderStepLimit::kCacheElements},
   };
   int failures = 0;
@@ -173,6 +174,13 @@ int main() {
       std::printf("FAIL %s: %s (expected cudaErrorInvalidValue)\n", g.what, cudaGetErrorName(g.got));
       ++failures;
     }
+  }
+  // One element under 2^31 - 1's cache is within the limits.
+  ++cases;
+  if (flashhead::decoder_step_limit(with([](DecoderStepShape& s) { s.layers = 511, s.max_len = 512 * 512 / 2; }),
+                                    sizeof(__nv_bfloat16)) != DecoderStepLimit::kNone) {
+    std::printf("FAIL a cache of 511 * 2 * 131072 * 16 elements (under 2^31): refused\n");
+    ++failures;
   }
   // Within the limits the plan goes on to the device: success on a GPU, a device error without one.
   DecoderStepPlan plan{};

@@ -502,7 +502,7 @@ def test_bulk_copied_inputs_off_a_16_byte_boundary_are_named(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["x", "attn_norm", "mlp_norm", "q_norm", "k_norm", "qkv_bias", "post_attn_norm",
-                                  "post_mlp_norm", "cos", "sin"])
+                                  "post_mlp_norm", "cos", "sin", "sliding_cos", "sliding_sin"])
 def test_element_loaded_inputs_off_a_16_byte_boundary_give_the_same_bits(name):
     # Read one element at a time, so taken anywhere.
     args = valid_args("cuda")

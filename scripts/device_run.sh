@@ -113,7 +113,7 @@ if [ "$mode" = full ] && [ -d .cppb ]; then
     [ -x "$bin" ] || continue
     timeout 60 "$bin" --benchmark_min_time=0.02 --peak_gbps="$peak" --benchmark_out="$OUT/cpp_$(basename "$bin").json" \
       --benchmark_out_format=json > "$OUT/cpp_$(basename "$bin").log" 2>&1
-    rc=$?  # before the summary's own command substitution replaces $?
+    rc=$?
     summary+=("cpp ${bin##*/}: exit $rc")
   done
   grep -hE "^BM_(decode|dense)" "$OUT"/cpp_bench_decode.log "$OUT"/cpp_bench_dense_baseline.log | grep -E "B:1/|/1/" | head -12

@@ -240,8 +240,9 @@ constexpr int kDecoderStepMaxLen = 512 * 512;
 // The first of these limits a shape breaks with elements of `element_bytes` (kShape: a dimension
 // not positive, or heads not a multiple of KV heads); the one statement of them, which the plan
 // enforces and the ATen wrapper turns into its messages.
-// kCacheElements: a cache of 2^31 elements or more (layers * KV heads * max_len * head_dim), which
-// the kernel's int offsets cannot address.
+// kCacheElements: a cache of 2^31 elements or more (layers * KV heads * max_len * head_dim). The
+// kernel's cache offsets are int64, but no cache that large was ever run: the limit stays the
+// wrapper's, now here for every caller.
 enum class DecoderStepLimit { kNone, kShape, kHeadDim, kWholeVectors, kGroup, kMaxLen, kRowBytes, kCacheElements };
 DecoderStepLimit decoder_step_limit(const DecoderStepShape& shape, int element_bytes);
 
@@ -275,8 +276,9 @@ cudaError_t plan_decoder_step(const DecoderStepShape& shape, DecoderStepPlan* pl
 // norm); each layer's K/V of the token go to k_cache / v_cache [layers, KV, max_len, hd]. The
 // same values as fused_linear, rotary_cache_write, decode_attention and fused_linear again per
 // layer (with post-norms, an RMSNorm of each output before its residual add), as one persistent
-// (cooperative) kernel. A position outside the cache gives NaN and writes nothing. Pointers that
-// decoder_step_misaligned names give cudaErrorInvalidValue before anything asks the device.
+// (cooperative) kernel. A position outside the cache gives NaN and writes nothing. A shape past a
+// limit, or pointers that decoder_step_misaligned names, give cudaErrorInvalidValue before anything
+// asks the device.
 template <typename T>
 cudaError_t launch_decoder_step(const T* x, const DecoderStepWeights<T>& weights, T* k_cache, T* v_cache, const T* cos,
                                 const T* sin, const int64_t* length, const DecoderStepShape& shape,

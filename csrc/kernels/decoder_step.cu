@@ -1152,12 +1152,12 @@ DecoderStepLimit decoder_step_limit(const DecoderStepShape& s, int element_bytes
     return DecoderStepLimit::kWholeVectors;
   if (s.num_heads / s.num_kv_heads > kDecoderStepMaxGroup) return DecoderStepLimit::kGroup;
   if (s.max_len > kDecoderStepMaxLen) return DecoderStepLimit::kMaxLen;
-  if (int64_t{s.layers} * s.num_kv_heads * s.max_len * s.head_dim > INT32_MAX) return DecoderStepLimit::kCacheElements;
   // A weight row (a gate and an up row for gate_up) must fit one shared-memory stage.
   if (2 * s.hidden * element > kDecoderStepStageBytes ||
       int64_t{s.num_heads} * s.head_dim * element > kDecoderStepStageBytes ||
       s.intermediate * element > kDecoderStepStageBytes)
     return DecoderStepLimit::kRowBytes;
+  if (int64_t{s.layers} * s.num_kv_heads * s.max_len * s.head_dim > INT32_MAX) return DecoderStepLimit::kCacheElements;
   return DecoderStepLimit::kNone;
 }
 
@@ -1223,7 +1223,8 @@ cudaError_t launch_decoder_step(const T* x, const DecoderStepWeights<T>& weights
                                 const T* sin, const int64_t* length, const DecoderStepShape& s,
                                 const DecoderStepPlan& plan, T* out, void* workspace, cudaStream_t stream) {
   using namespace detail;
-  if (decoder_step_misaligned(weights, k_cache, v_cache)) return cudaErrorInvalidValue;
+  if (decoder_step_limit(s, sizeof(T)) != DecoderStepLimit::kNone || decoder_step_misaligned(weights, k_cache, v_cache))
+    return cudaErrorInvalidValue;
   StepParams<T> p{};
   carve_workspace(s, plan, workspace, &p);
   p.w = weights;
