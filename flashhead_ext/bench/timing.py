@@ -36,11 +36,16 @@ def source_commit(mark_dirty: bool = False) -> str:
             or getattr(BUILD_INFO, "SOURCE_COMMIT", None) or "unknown")
 
 
+def utc_stamp() -> str:
+    """The date and time a result file records, in UTC."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def run_metadata(device: str) -> dict:
     """The run's device (``device``, as the CLIs' --device: a CPU run on a machine with a GPU is
     a CPU run), versions, date and commit, recorded with every result file."""
     meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_stamp(),
         "commit": source_commit(mark_dirty=True),  # a run of uncommitted code says so
         "version": __version__,
         "torch": torch.__version__,

@@ -31,7 +31,7 @@ from torch import Tensor
 from .. import __version__, ops
 from .._cli import ArgumentValueError, cluster_count, model_unavailable
 from ..assets import FlashHeadAssets, flash_head_for
-from ..bench.timing import source_commit
+from ..bench.timing import source_commit, utc_stamp
 from ..clustering import fit_max_logit_centroids
 from ..head import FlashHead
 from ..hf import model_digest, recorded_states
@@ -445,7 +445,7 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
                 add(f"{method}+holdout", by_seed[0], score_held_out(without, hidden, dense, categories,
                                                                     states["prompt_index"], args.probes, **options))
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),  # as the benchmarks' run_metadata
+        "date": utc_stamp(),
         "git_commit": source_commit(mark_dirty=True),
         "version": __version__,
         "machine": {"cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
