@@ -412,7 +412,8 @@ at::Tensor decoder_step_cuda(const at::Tensor& x_in, const at::Tensor& qkv_weigh
                  num_str(kDecoderStepStageBytes), " bytes (two for gate_up), got hidden_size ", num_str(hidden),
                  ", num_heads * head_dim ", num_str(attn_cols), " and intermediate_size ", num_str(intermediate), " in ",
                  dtype_str(x_in.scalar_type()));
-  check_fits_int(op, layers * kv * max_len * hd, "the number of elements of k_cache");  // kCacheElements
+  FH_CHECK_VALUE(op, limit != DecoderStepLimit::kCacheElements, "the number of elements of k_cache is ",
+                 num_str(layers * kv * max_len * hd), ", above the CUDA kernels' limit of 2^31 - 1");
   TORCH_INTERNAL_ASSERT(limit == DecoderStepLimit::kNone, "check_decoder_step passed a shape the kernel rejects");
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), qkv_weight = qkv_weight_in.contiguous(), o_weight = o_weight_in.contiguous(),
