@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count, device_arg,
-                   kmeans_seed, output_file, positive_int, positive_int_list, write_output)
+                   kmeans_seed, note, output_file, positive_int, positive_int_list, write_output)
 from .prompts import DEFAULT_PROMPTS
 
 def next_tokens(head, hidden: Tensor, rows_per_call: int = 16) -> Tensor:
@@ -204,7 +204,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.command_parser.error(str(error))
     print(args.report(result))
     write_output(args.json, json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.json}", file=sys.stderr)
+    note(f"wrote {args.json}")
     return 0
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -188,12 +189,18 @@ def config_file(name: str) -> Path:
     return (path / "config.json" if path.is_dir() else path).resolve()
 
 
+def note(text: str) -> None:
+    """A remark beside the report (a name taken otherwise than given, a warning, the file written):
+    on stderr, so that stdout holds the tables and readings alone, as every tool prints them."""
+    print(text, file=sys.stderr)
+
+
 def note_shadowed_paths(flag: str, names: list, is_named) -> None:
     """Says where a shape's name is both a name ``is_named`` takes (a preset; ``4000x64``) and a path
     (a model downloaded to a directory named so): the name is what runs."""
     for name in names:
         if is_named(name) and is_config_path(name):
-            print(f"{flag} {name}: the named shape, not the path {name!r} (give ./{name} for the path)")
+            note(f"{flag} {name}: the named shape, not the path {name!r} (give ./{name} for the path)")
 
 
 def model_config(parser: argparse.ArgumentParser, flag: str, path: str):
@@ -212,7 +219,7 @@ def model_config(parser: argparse.ArgumentParser, flag: str, path: str):
     quantization = getattr(config, "quantization_config", None)
     if quantization:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else type(quantization).__name__
-        print(f"{path}: its quantization ({method}) is not timed: the weights are random and unquantized")
+        note(f"{path}: its quantization ({method}) is not timed: the weights are random and unquantized")
     return config
 
 
@@ -224,7 +231,7 @@ def first_of_each(flag: str, names: list, key, what: str) -> list:
     for name in names:
         first = first_names.setdefault(key(name), name)
         if first != name:
-            print(f"{flag} {name}: {what} as {first}, run once under that name")
+            note(f"{flag} {name}: {what} as {first}, run once under that name")
     return list(first_names.values())
 
 

@@ -316,11 +316,13 @@ def test_model_shapes_on_the_cpu_say_they_take_minutes(monkeypatch, capsys):
 
     monkeypatch.setattr(bench_head, "run", lambda *args: 0)  # the note, not minutes of CPU timing
     assert main(["head", "--shapes", "tiny,qwen3-0.6b", "--device", "cpu"]) == 0
-    assert "on the CPU the large shapes (qwen3-0.6b) take minutes; --shapes tiny is quick" in capsys.readouterr().out
+    printed = capsys.readouterr()  # a note, on stderr: stdout holds the report alone
+    assert "on the CPU the large shapes (qwen3-0.6b) take minutes; --shapes tiny is quick" in printed.err
+    assert "take minutes" not in printed.out
     assert main(["head", "--shapes", "tiny,3001x48", "--device", "cpu"]) == 0
-    assert "take minutes" not in capsys.readouterr().out
+    assert "take minutes" not in capsys.readouterr().err
     assert main(["head", "--shapes", "49152x576", "--device", "cpu"]) == 0
-    assert "the large shapes (49152x576) take minutes" in capsys.readouterr().out
+    assert "the large shapes (49152x576) take minutes" in capsys.readouterr().err
 
 
 def test_a_value_named_twice_in_a_comma_list_runs_once(capsys):
@@ -332,7 +334,7 @@ def test_a_value_named_twice_in_a_comma_list_runs_once(capsys):
     # A head under two names runs once, under the first.
     from flashhead_ext.bench.head import vocab_shape_list
     assert vocab_shape_list(None, "tiny,4000x64,100x8,100x8x16,151936x1024,qwen3-0.6b") == ["tiny", "100x8", "151936x1024"]
-    assert capsys.readouterr().out.splitlines() == ["--shapes 4000x64: the same head as tiny, run once under that name",
+    assert capsys.readouterr().err.splitlines() == ["--shapes 4000x64: the same head as tiny, run once under that name",
                                                     "--shapes 100x8x16: the same head as 100x8, run once under that name",
                                                     "--shapes qwen3-0.6b: the same head as 151936x1024, run once under that name"]
 

@@ -1213,7 +1213,9 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
     assert [(r["shape"], r["body"], r["head"]) for r in rows] == [
         ("tiny", "eager", "dense"), ("tiny", "eager", "flashhead"), ("tiny", "fused", "dense"), ("tiny", "fused", "flashhead"),
         ("tiny-gemma3", "eager", "dense"), ("tiny-gemma3", "eager", "flashhead")]
-    assert "tiny-gemma3: body 'fused' skipped" in capsys.readouterr().out
+    printed = capsys.readouterr()  # notes and the file written on stderr, the table on stdout
+    assert "tiny-gemma3: body 'fused' skipped" in printed.err and f"wrote {tmp_path / 'step.json'}" in printed.err
+    assert "body 'fused' skipped" not in printed.out and "wrote" not in printed.out and "dense/flash" in printed.out
     assert rows[1]["dense_over_flash"] > 0 and rows[0]["speedup_vs_first_body"] == 1.0 and rows[3]["speedup_vs_first_body"] > 0
     assert main(["draft-step", "--shapes", "tiny", "--dtype", "bf16", "--samples", "2", "--device", "cpu", "--bodies", "eager",
                  "--centroid-dtype", "fp8", "--json", str(tmp_path / "fp8.json")]) == 0
@@ -1267,7 +1269,7 @@ def test_bench_clis_time_a_model_of_ones_own_from_its_config(tmp_path, monkeypat
                      "--bodies", "eager", "--cluster-size", "7", "--json", str(tmp_path / "step.json")]) == 0
         rows = json.loads((tmp_path / "step.json").read_text())["rows"]
         assert [r["shape"] for r in rows] == ["tiny", "tiny", shape, shape]
-        assert f"--shapes {again}: the same config file as {shape}, run once under that name" in capsys.readouterr().out
+        assert f"--shapes {again}: the same config file as {shape}, run once under that name" in capsys.readouterr().err
         mine = [r for r in rows if r["shape"] == shape]
         assert [(r["layers"], r["head"]) for r in mine] == [(3, "dense"), (3, "flashhead")]
         assert mine[1]["clusters"] == 143 and mine[1]["probes"] == 8  # ceil(997 / 7) clusters, C/16 probes
@@ -1305,7 +1307,7 @@ def test_bench_clis_time_a_model_of_ones_own_from_its_config(tmp_path, monkeypat
     (tmp_path / "mine").rename(tmp_path / "tiny")
     assert main(["draft-step", "--shapes", "quantized,tiny", "--dtype", "fp32", "--samples", "2", "--device", "cpu",
                  "--bodies", "eager", "--json", str(tmp_path / "step.json")]) == 0
-    printed = capsys.readouterr().out
+    printed = capsys.readouterr().err
     assert "quantized: its quantization (awq) is not timed: the weights are random and unquantized" in printed
     assert "--shapes tiny: the named shape, not the path 'tiny' (give ./tiny for the path)" in printed
     layers = {r["shape"]: r["layers"] for r in json.loads((tmp_path / "step.json").read_text())["rows"]}
@@ -1338,7 +1340,7 @@ def test_bench_draft_step_times_a_mistral_config_on_the_bodies_its_window_allows
     assert main(["draft-step", "--shapes", str(tmp_path / "mistral"), "--dtype", "fp32", "--samples", "2", "--device", "cpu",
                  "--context", "32", "--bodies", "eager,fused,persistent", "--json", str(tmp_path / "step.json")]) == 0
     assert f"{tmp_path / 'mistral'}: body 'fused' skipped (this layer runs on ('eager', 'compiled', 'persistent'))" in \
-        capsys.readouterr().out
+        capsys.readouterr().err
     rows = json.loads((tmp_path / "step.json").read_text())["rows"]
     assert [(r["body"], r["head"], r["layers"]) for r in rows] == [
         ("eager", "dense", 2), ("eager", "flashhead", 2), ("persistent", "dense", 2), ("persistent", "flashhead", 2)]
@@ -1392,10 +1394,10 @@ def test_bench_clis_read_each_config_once_and_its_head_as_built(tmp_path, monkey
     assert main(["draft-step", "--shapes", spellings, "--dtype", "fp32", "--samples", "2", "--device", "cpu", "--bodies", "eager",
                  "--json", str(tmp_path / "step.json")]) == 0
     assert {r["shape"] for r in json.loads((tmp_path / "step.json").read_text())["rows"]} == {str(tmp_path / "snapshot")}
-    assert capsys.readouterr().out.count("its quantization (awq) is not timed") == 1
+    assert capsys.readouterr().err.count("its quantization (awq) is not timed") == 1
     assert main(["clusters", "--shapes", spellings, "--iters", "1", "--device", "cpu", "--json", str(tmp_path / "c.json")]) == 0
     assert len(json.loads((tmp_path / "c.json").read_text())["rows"]) == 1
-    assert capsys.readouterr().out.count("its quantization (awq) is not timed") == 1
+    assert capsys.readouterr().err.count("its quantization (awq) is not timed") == 1
     # OPT's head is narrower than its hidden size: the head as the model builds it.
     OPTConfig(vocab_size=997, hidden_size=64, word_embed_proj_dim=32, ffn_dim=128, num_hidden_layers=1,
               num_attention_heads=4).save_pretrained(tmp_path / "opt")
@@ -1406,7 +1408,7 @@ def test_bench_clis_read_each_config_once_and_its_head_as_built(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     (tmp_path / "snapshot").rename(tmp_path / "997x32")
     assert main(["clusters", "--shapes", "997x32", "--iters", "1", "--device", "cpu", "--json", str(tmp_path / "c.json")]) == 0
-    assert "--shapes 997x32: the named shape, not the path '997x32' (give ./997x32 for the path)" in capsys.readouterr().out
+    assert "--shapes 997x32: the named shape, not the path '997x32' (give ./997x32 for the path)" in capsys.readouterr().err
     for bench in ("clusters", "draft-step"):
         with pytest.raises(SystemExit):
             main([bench, "--shapes", "x" * 300, "--device", "cpu"])

@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from .._cli import DefaultsHelpFormatter, device_arg, doc_summary, output_file, positive_int, write_output
+from .._cli import (DefaultsHelpFormatter, device_arg, doc_summary, note, output_file, positive_int,
+                    write_output)
 from ..clustering import build_clusters
 from .head import SHAPES_HELP, VocabShape, shape_of, vocab_shape_list
 from .timing import format_table, run_metadata, usage_error_past_memory
@@ -66,5 +67,5 @@ def main(argv=None) -> int:
                               ("iters", "iters run", "d"), ("device", "device", ""), ("threads", "threads", "d"),
                               ("seconds", "seconds", ".1f"), ("seconds_per_iter", "s/iter", ".2f"), ("equal_sizes", "equal", "")]))
     out = write_output(args.json, json.dumps({"meta": dict(run_metadata(args.device), args=vars(args)), "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    note(f"wrote {out}")
     return 0

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, doc_summary, first_of_each, model_config, output_file,
-                    positive_int, positive_int_list, shape_names, write_output)
+from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, doc_summary, first_of_each, model_config, note,
+                    output_file, positive_int, positive_int_list, shape_names, write_output)
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, on_device, run_metadata, time_calls, usage_error_past_memory
 
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     # A million embedding elements: tiny's four times over, a real model's several hundred times.
     large_shapes = [name for name in args.shapes if shape_of(name).vocab * shape_of(name).dim > 2**20]
     if args.device == "cpu" and large_shapes:  # else minutes with nothing printed
-        print(f"on the CPU the large shapes ({', '.join(large_shapes)}) take minutes; --shapes tiny is quick")
+        note(f"on the CPU the large shapes ({', '.join(large_shapes)}) take minutes; --shapes tiny is quick")
     with on_device(args.device):
         return run(parser, args, impls, modes)
 
@@ -336,7 +336,7 @@ def run(parser: argparse.ArgumentParser, args, impls: list, modes: list) -> int:
         copies = copies_needed(per_copy, args.calls, l2)
         warning = warm_l2_warning(name, copies, per_copy, l2, args.calls)
         if warning:
-            print(warning)
+            note(warning)
         with usage_error_past_memory(parser, f"--shapes {name}", args.device):
             state = HeadState(shape, dtype, args.device, max_batch, copies, special_tokens=args.special_tokens)
         for pt in points:
@@ -361,7 +361,7 @@ def run(parser: argparse.ArgumentParser, args, impls: list, modes: list) -> int:
     # The implementations and modes that ran (graph mode is dropped on a CPU), not the flags' text.
     out = write_output(args.json, json.dumps({"meta": meta, "args": dict(vars(args), impls=impls, modes=modes), "rows": rows},
                                              indent=1))
-    print(f"wrote {out}")
+    note(f"wrote {out}")
     return 0
 
 

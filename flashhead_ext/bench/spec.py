@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, is_config_path, kmeans_seed, model_config,
+from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, is_config_path, kmeans_seed, model_config, note,
                     note_shadowed_paths, output_file, positive_int, shape_names, write_output)
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES
@@ -273,7 +273,7 @@ def _run_draft_step(parser: argparse.ArgumentParser, args, shapes: dict, bodies:
         first_body_step = {}
         for body in bodies:
             if body not in model.bodies:
-                print(f"{name}: body {body!r} skipped (this layer runs on {model.bodies})")
+                note(f"{name}: body {body!r} skipped (this layer runs on {model.bodies})")
                 continue
             model.body = body
             body_us = _time(lambda: model.forward(ids), args, cuda)
@@ -331,7 +331,7 @@ def _time_draft_step(model: Decoder, head, args, cuda: bool) -> float:
 def _write(path, payload: dict) -> None:
     import json
 
-    print(f"wrote {write_output(path, json.dumps(payload, indent=1))}")
+    note(f"wrote {write_output(path, json.dumps(payload, indent=1))}")
 
 
 # ---- end to end ------------------------------------------------------------------------------
@@ -438,7 +438,7 @@ def _run_spec(parser: argparse.ArgumentParser, args, configs: list, target_shape
     print(reading(rows))
     for gain in gains:
         print(gain["reading"])
-    print(f"wrote {write_json(args.json, meta, rows, records)}")
+    note(f"wrote {write_json(args.json, meta, rows, records)}")
     return 0
 
 

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .._cli import (ArgumentValueError, doc_summary, kmeans_seed, non_negative_int, output_file, positive_int,
-                    positive_int_list, write_output)
+from .._cli import (ArgumentValueError, doc_summary, kmeans_seed, non_negative_int, note, output_file,
+                    positive_int, positive_int_list, write_output)
 from ..ops import TEMPERATURE_RANGE
 from ..prompts import DEFAULT_PROMPTS
 from .quality import DTYPES, METHODS, format_table, model_problem, plot, run_quality
@@ -145,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             command_parser.error(f"--plot {args.plot}: name an image file, ending in one of "
                                  f"{', '.join('.' + name for name in formats)}")
     if not plotting:
-        print(f"matplotlib is not installed: the table and {args.json} only, no plot", file=sys.stderr)
+        note(f"matplotlib is not installed: the table and {args.json} only, no plot")
     elif args.plot is None:
         try:
             args.plot = output_file(DEFAULT_PLOT)
@@ -159,7 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     write_output(args.json, json.dumps(result, indent=2) + "\n")
     if plotting:
         plot(result, Path(args.plot))
-    print(f"wrote {args.json}" + (f" and {args.plot}" if plotting else ""), file=sys.stderr)
+    note(f"wrote {args.json}" + (f" and {args.plot}" if plotting else ""))
     return 0
 
 

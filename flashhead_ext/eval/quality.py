@@ -19,7 +19,6 @@ python_tests/test_eval_quality.py checks both against ``FlashHead.next_token``.
 from __future__ import annotations
 
 import platform
-import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import __version__, ops
-from .._cli import ArgumentValueError, cluster_count, model_unavailable
+from .._cli import ArgumentValueError, cluster_count, model_unavailable, note
 from ..assets import FlashHeadAssets, flash_head_for
 from ..bench.timing import source_commit, utc_stamp
 from ..clustering import fit_max_logit_centroids
@@ -357,8 +356,8 @@ def note_short_categories(flag: str, per_category: Optional[int], prompts: list)
     short = {category: count for category, count in counts.items() if per_category is not None and count < per_category}
     if short:
         listed = ", ".join(f"{category} {count}" for category, count in sorted(short.items()))
-        print(f"note: {flag} {per_category}: {len(short)} of {len(counts)} categories hold fewer and give all of theirs "
-              f"({listed}); {len(prompts)} prompts in all", file=sys.stderr)
+        note(f"note: {flag} {per_category}: {len(short)} of {len(counts)} categories hold fewer and give all of theirs "
+             f"({listed}); {len(prompts)} prompts in all")
 
 
 def run_quality(args, model=None, tokenizer=None, description: Optional[str] = None) -> dict:

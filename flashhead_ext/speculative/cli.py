@@ -16,7 +16,7 @@ import torch
 
 from ..bench.timing import run_metadata
 from .._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count, counted,
-                    device_arg, kmeans_seed, model_unavailable, output_file)
+                    device_arg, kmeans_seed, model_unavailable, note, output_file)
 from ..fast.decoder import BODIES, FAMILY_NAMES
 from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS
@@ -234,7 +234,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
           f"{flash_line}, {'fast path' if args.fast else 'transformers driver'}")
     print(format_summary(rows))
     print(reading(rows))
-    print(f"wrote {write_json(args.json, meta, rows, records)}")
+    note(f"wrote {write_json(args.json, meta, rows, records)}")
     return 0
 
 
