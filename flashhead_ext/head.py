@@ -354,7 +354,9 @@ class FlashHead(_HeadBase):
             near the probes' boundary may swap with its neighbour; the logits stay exact.
 
     The buffers are the head's own, so ``load_state_dict`` (with ``assign=True`` too: it copies)
-    changes no other object, and it runs the constructor's checks on what it loads; it warns when
+    changes no other object, and it runs the constructor's checks on what it loads (not whether
+    the state was built for this embedding: it holds no record of the weights, which
+    ``FlashHeadAssets`` keep, and warn of); it warns when
     the state's tables leave out of every cluster tokens that this head's covered (a state saved by
     a head over a smaller vocabulary), since those can never be produced. The state dict holds ``centroids``,
     ``sampling_centroids``, ``cluster_tokens`` and ``extra_ids`` (the special tokens, an empty
