@@ -311,7 +311,7 @@ def main(argv=None) -> int:
         if modes == ["graph"]:
             parser.error("--modes graph needs a CUDA device (CUDA graphs); on the CPU use --modes eager")
         modes = [m for m in modes if m != "graph"]
-        print("graph mode skipped: CUDA graphs need a CUDA device")
+        note("graph mode skipped: CUDA graphs need a CUDA device")
     # A million embedding elements: tiny's four times over, a real model's several hundred times.
     large_shapes = [name for name in args.shapes if shape_of(name).vocab * shape_of(name).dim > 2**20]
     if args.device == "cpu" and large_shapes:  # else minutes with nothing printed
