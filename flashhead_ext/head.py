@@ -145,9 +145,15 @@ class _HeadBase(nn.Module):
         return weight is not None and self._buffer_at(weight.data_ptr()) and self._fits_weight()
 
     def __setattr__(self, name, value):
-        if name == "embedding":  # given another weight: it is the head's from now on
+        if name == "embedding":  # given another weight: the head's from now on
             self._check_new_embedding(value)
-            self.__dict__.update(_weight=None, _shared_at=None, _embedding_unset=False)
+            # Kept as the constructor keeps it, an nn.Parameter followed: assigned as given, a Parameter
+            # became a parameter of the head's in place of the buffer (in its state dict, and a KeyError
+            # at the next conversion).
+            self.__dict__.update(_weight=value if isinstance(value, nn.Parameter) else None, _embedding_unset=False)
+            super().__setattr__(name, value.detach())
+            self._share_weight()
+            return
         super().__setattr__(name, value)
 
     def _check_new_embedding(self, embedding) -> None:
@@ -178,11 +184,17 @@ class _HeadBase(nn.Module):
         dtype = self._buffers["embedding"].dtype
         cast_to = fn(torch.empty(0, dtype=dtype)).dtype
         if cast_to != dtype and cast_to.is_floating_point and cast_to.itemsize < 2:
-            # Refused before anything converts: the call that followed advised a cast back, which
+            # Refused before the head's tensors convert: the call that followed advised a cast back, which
             # ran on the rounded weight (and a plain head's centroids flushed to zero) without a word.
+            # A module converts its children in order, so the weight this head follows, in a child
+            # registered before it, is 8-bit already: said, since the error alone reads as nothing done.
+            weight = self.__dict__.get("_weight")
+            rounded = (f" The module holding this head was converted up to it (torch converts a module's children in "
+                       f"order): the output weight it follows is {cast_to} already, and a cast back does not restore "
+                       "its values; load the weights again" if weight is not None and weight.dtype == cast_to else "")
             raise TypeError(f"{type(self).__name__}.to({cast_to}) would round the output weight to 8 bits, which no "
                             "later cast restores; fp8 is for FlashHead's centroids only: build the head with "
-                            "centroid_dtype=torch.float8_e4m3fn")
+                            f"centroid_dtype=torch.float8_e4m3fn.{rounded}")
         tied = (self._buffer_at(self.__dict__.get("_shared_at"))
                 and not torch.__future__.get_overwrite_module_params_on_conversion())
         was_meta = self._buffers["embedding"].is_meta
@@ -329,7 +341,8 @@ class FlashHead(_HeadBase):
             module's own ``nn.Parameter``; also where torch is set to replace parameters on
             conversion), and after ``head.to(...)`` alone, the buffer is a tensor of the head's
             own. ``load_state_dict(assign=True)`` and ``to_empty()`` give the
-            model a new weight: give the head it (``head.embedding = weight.detach()``; after
+            model a new weight: give the head it (``head.embedding = weight``, followed as the
+            constructor's when an ``nn.Parameter``; after
             ``to_empty()`` the head refuses to run until then) or build it again. ``attach``
             keeps the head outside the model and rebuilds it over a moved weight.
         centroids: ``[C, D]`` float cluster centroids used to rank clusters for greedy decoding
@@ -477,7 +490,10 @@ class FlashHead(_HeadBase):
             # A meta head's ids stay where the state's are: on meta their values would be lost.
             device = None if self.extra_ids.is_meta else self.extra_ids.device
             state_dict[prefix + "extra_ids"] = self._as_extra_ids(incoming("extra_ids"), self.vocab_size, device)
-        self._warn_if_tokens_left_out(incoming("cluster_tokens"), incoming("extra_ids"), prefix)
+        # A state of other shapes fails the load below (torch's size mismatch): no warning about what is not taken.
+        if all(not isinstance(incoming(name), Tensor) or incoming(name).shape == self._buffers[name].shape
+               for name in ("centroids", "sampling_centroids", "cluster_tokens")):
+            self._warn_if_tokens_left_out(incoming("cluster_tokens"), incoming("extra_ids"), prefix)
         ids = incoming("extra_ids")
         # The count of special tokens is a setting, not a fixed shape: take the state's. The buffer is
         # kept when it fits, so what holds it (a captured graph) sees the new ids.

@@ -450,8 +450,10 @@ class FlashHeadAttachment:
     their candidate sets differ (a token only the last layer's clusters hold gets ``+inf``), so
     both need every cluster probed (or the dense head). Logits processors that mask or bias tokens (``prefix_allowed_tokens_fn``, grammar
     constraints, ``sequence_bias``) act on these logits: a token they allow that is no candidate
-    stays ``-inf``, and a step with no allowed candidate leaves every logit ``-inf`` (greedy then
-    emits token 0); for constrained generation set ``enabled = False`` or probe every cluster.
+    stays ``-inf``, and at a step with no allowed candidate the token emitted is the processor's
+    choice, unscored (transformers 5.25's ``prefix_allowed_tokens_fn`` gives its allowed tokens 0
+    when all are ``-inf``: greedy emits the first allowed one); for constrained generation set
+    ``enabled = False`` or probe every cluster.
     Under ``torch.autocast`` the hidden states are cast to the head's dtype (a float32
     head of a bfloat16 body takes the body's states as float32). ``head()`` is the FlashHead over
     the model's current output weight, rebuilt when ``model.to()`` moved or cast that weight.

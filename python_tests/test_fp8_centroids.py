@@ -268,8 +268,27 @@ def test_a_cast_of_a_head_to_fp8_is_refused_before_it_rounds_anything(fp8_centro
             head.to(dtype)
     assert all(torch.equal(tensor, before[name]) and tensor.dtype == before[name].dtype
                for name, tensor in head.named_buffers())
-    with pytest.raises(TypeError, match=r"DenseHead.to\(torch.float8_e4m3fn\) would round"):
+    with pytest.raises(TypeError, match=r"DenseHead.to\(torch.float8_e4m3fn\) would round") as refused:
         DenseHead(problem.embedding).to(FP8)
+    assert "converted up to it" not in str(refused.value)  # a head alone: nothing converted
+
+
+@pytest.mark.parametrize("kind", [DenseHead, FlashHead])
+def test_a_module_cast_to_fp8_says_the_weight_converted_before_its_head_is_rounded(kind):
+    # torch converts a module's children in order: the weight in a child registered before the head
+    # is 8-bit by the time the head refuses, and the error read as if nothing had changed.
+    problem = make_problem(CASES[0], torch.float32, "cpu")
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(problem.embedding.shape[1], problem.embedding.shape[0], bias=False)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(problem.embedding)
+    model.head = (DenseHead(model.lm_head.weight) if kind is DenseHead else
+                  FlashHead(model.lm_head.weight, problem.centroids, problem.cluster_tokens, 2))
+    with pytest.raises(TypeError, match=rf"{kind.__name__}.to\(torch.float8_e4m3fn\) would round .* The module holding "
+                                        r"this head was converted up to it .* the output weight it follows is "
+                                        r"torch.float8_e4m3fn already, and a cast back does not restore its values"):
+        model.to(FP8)
+    assert model.lm_head.weight.dtype == FP8 and model.head.embedding.dtype == torch.float32  # as said
 
 
 def test_fp8_buffers_follow_share_memory():

@@ -408,6 +408,24 @@ def test_a_head_follows_its_models_weight_through_copies_and_conversions(kind):
         assert torch.equal(converted.head.next_token(problem.hidden), want)
 
 
+@pytest.mark.parametrize("kind", ["dense", "flash"])
+def test_a_weight_given_as_a_parameter_is_followed_as_the_constructors_is(kind):
+    # Assigned as given, the Parameter became a parameter of the head's: in its state dict (which a
+    # fresh head then refused), and its next conversion failed with a bare KeyError: 'embedding'.
+    problem, other = make_problem(SHAPE, seed=12), make_problem(SHAPE, seed=13)
+    model, source = _WithHead(problem, kind), _WithHead(other, kind)
+    keys = set(model.state_dict())
+    model.head.embedding = source.lm_head.weight  # not detached
+    assert list(model.head.named_parameters()) == [] and set(model.state_dict()) == keys
+    assert torch.equal(model.head.next_token(problem.hidden), source.head.next_token(problem.hidden))
+    model.head.embedding = model.lm_head.weight  # its own model's: shared again, and through half()
+    assert _shares_weight(model) and _shares_weight(model.half())
+    assert torch.equal(model.head.next_token(problem.hidden.half()),
+                       _WithHead(problem, kind).half().head.next_token(problem.hidden.half()))
+    model.head.to(torch.bfloat16)  # a conversion of the head alone: its own copy from then on
+    assert model.head.embedding.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.float16
+
+
 class _OwnWeight(torch.nn.Module):
     """A module whose own nn.Parameter is the output weight, registered before its head."""
 
@@ -557,6 +575,20 @@ def test_a_state_that_leaves_tokens_out_of_every_cluster_warns():
         table, moved = state["cluster_tokens"].clone(), int(state["cluster_tokens"][0, 0])
         table[0, 0] = -1
         head.load_state_dict({**state, "cluster_tokens": table, "extra_ids": torch.tensor([moved], dtype=torch.int32)})
+
+
+def test_a_state_of_other_shapes_fails_its_load_without_a_warning_about_its_tokens():
+    # It warned that the state's table left tokens out of every cluster, then the load failed on
+    # the shapes: the warning described a state the head never took.
+    problem = make_problem(SHAPE, seed=25)
+    fewer_clusters = make_problem(replace(SHAPE, C=SHAPE.C - 1, extras=False), seed=25)
+    head = flash_head(problem.with_(extra_ids=None))
+    before = {name: tensor.clone() for name, tensor in head.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="size mismatch for centroids"):
+            head.load_state_dict(flash_head(fewer_clusters).state_dict())
+    assert all(torch.equal(tensor, before[name]) for name, tensor in head.state_dict().items())
 
 
 def test_loading_special_tokens_keeps_the_buffer_when_it_fits_and_drops_repeats():
