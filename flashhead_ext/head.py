@@ -189,9 +189,10 @@ class _HeadBase(nn.Module):
             # A module converts its children in order, so the weight this head follows, in a child
             # registered before it, is 8-bit already: said, since the error alone reads as nothing done.
             weight = self.__dict__.get("_weight")
-            rounded = (f" The module holding this head was converted up to it (torch converts a module's children in "
-                       f"order): the output weight it follows is {cast_to} already, and a cast back does not restore "
-                       "its values; load the weights again" if weight is not None and weight.dtype == cast_to else "")
+            rounded = (f" The output weight this head follows is {cast_to} already (a module converts its children "
+                       "in order, so one holding the head converts a weight registered before it first), and a cast "
+                       "back does not restore its values: load the weights again"
+                       if weight is not None and weight.dtype == cast_to else "")
             raise TypeError(f"{type(self).__name__}.to({cast_to}) would round the output weight to 8 bits, which no "
                             "later cast restores; fp8 is for FlashHead's centroids only: build the head with "
                             f"centroid_dtype=torch.float8_e4m3fn.{rounded}")
@@ -222,7 +223,7 @@ class _HeadBase(nn.Module):
         if self.__dict__.get("_embedding_unset"):
             raise ValueError("the head's embedding was taken off the meta device by to_empty(), which leaves it without "
                              "values, and no state dict holds it: give the head the materialised weight "
-                             "(head.embedding = model_weight.detach()) or build it again")
+                             "(head.embedding = model.lm_head.weight) or build it again")
         if not isinstance(hidden, Tensor):
             raise TypeError(f"hidden must be a torch.Tensor [..., {self.hidden_dim}], got {type(hidden).__name__}")
         ops._require_dense("hidden", hidden)
@@ -367,7 +368,8 @@ class FlashHead(_HeadBase):
             near the probes' boundary may swap with its neighbour; the logits stay exact.
 
     The buffers are the head's own, so ``load_state_dict`` (with ``assign=True`` too: it copies)
-    changes no other object, and it runs the constructor's checks on what it loads (not whether
+    changes no other object, and it runs the constructor's checks on what it loads, refusing a state
+    of other shapes whole (not whether
     the state was built for this embedding: it holds no record of the weights, which
     ``FlashHeadAssets`` keep, and warn of); it warns when
     the state's tables leave out of every cluster tokens that this head's covered (a state saved by
@@ -456,10 +458,21 @@ class FlashHead(_HeadBase):
         """The special tokens as the ops take them: None when there are none."""
         return self.extra_ids if self.extra_ids.numel() else None
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         # What is loaded passes the constructor's checks before anything is copied in.
         def incoming(name):
             return state_dict.get(prefix + name)
+
+        # A state of other shapes is refused whole, as torch words it: torch would copy the tensors
+        # that fit (a table of the same shape, the special tokens) before failing on the others.
+        mismatched = [name for name in ("centroids", "sampling_centroids", "cluster_tokens")
+                      if isinstance(incoming(name), Tensor) and incoming(name).shape != self._buffers[name].shape]
+        if mismatched:
+            error_msgs.extend(f"size mismatch for {prefix}{name}: copying a param with shape {incoming(name).shape} from "
+                              f"checkpoint, the shape in current model is {self._buffers[name].shape}."
+                              for name in mismatched)
+            return
 
         # Saved by a version-1 head without special tokens. A dict without the metadata (rebuilt or
         # filtered, or read from safetensors) says no version: a missing extra_ids is then missing.
@@ -490,10 +503,7 @@ class FlashHead(_HeadBase):
             # A meta head's ids stay where the state's are: on meta their values would be lost.
             device = None if self.extra_ids.is_meta else self.extra_ids.device
             state_dict[prefix + "extra_ids"] = self._as_extra_ids(incoming("extra_ids"), self.vocab_size, device)
-        # A state of other shapes fails the load below (torch's size mismatch): no warning about what is not taken.
-        if all(not isinstance(incoming(name), Tensor) or incoming(name).shape == self._buffers[name].shape
-               for name in ("centroids", "sampling_centroids", "cluster_tokens")):
-            self._warn_if_tokens_left_out(incoming("cluster_tokens"), incoming("extra_ids"), prefix)
+        self._warn_if_tokens_left_out(incoming("cluster_tokens"), incoming("extra_ids"), prefix)
         ids = incoming("extra_ids")
         # The count of special tokens is a setting, not a fixed shape: take the state's. The buffer is
         # kept when it fits, so what holds it (a captured graph) sees the new ids.
@@ -508,7 +518,8 @@ class FlashHead(_HeadBase):
             if buffer is not None and name not in self._non_persistent_buffers_set and isinstance(incoming(name), Tensor):
                 state_dict[prefix + name] = incoming(name).to(None if buffer.is_meta else buffer.device, buffer.dtype,
                                                               copy=assign)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
         if isinstance(incoming("cluster_tokens"), Tensor) and isinstance(incoming("extra_ids"), Tensor):
             self.__dict__["_tables_unset"] = False
 

@@ -558,7 +558,7 @@ def test_categories_holding_fewer_prompts_than_asked_are_named(capsys):
     evaluation = prompts_per_category(DEFAULT_PROMPTS, 20, "odd")
     quality.note_short_categories("--per-category", 20, evaluation)
     note = capsys.readouterr().err
-    assert note.startswith("note: --per-category 20: 8 of 13 categories hold fewer and give all of theirs (coding 5, ")
+    assert note.startswith("--per-category 20: 8 of 13 categories hold fewer and give all of theirs (coding 5, ")
     assert note.rstrip().endswith(f"; {len(evaluation)} prompts in all") and len(evaluation) == 140
     for per_category in (5, None):  # every category holds 5; None asks for all
         quality.note_short_categories("--per-category", per_category, prompts_per_category(DEFAULT_PROMPTS, per_category, "odd"))

@@ -577,18 +577,29 @@ def test_a_state_that_leaves_tokens_out_of_every_cluster_warns():
         head.load_state_dict({**state, "cluster_tokens": table, "extra_ids": torch.tensor([moved], dtype=torch.int32)})
 
 
-def test_a_state_of_other_shapes_fails_its_load_without_a_warning_about_its_tokens():
-    # It warned that the state's table left tokens out of every cluster, then the load failed on
-    # the shapes: the warning described a state the head never took.
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_state_of_other_shapes_is_refused_whole(strict):
+    # torch copied what fitted before failing on the rest: a state of another hidden size left its
+    # table and special tokens in the head (with a warning about the tokens that table left out),
+    # and one of fewer clusters warned about its tokens, then failed.
     problem = make_problem(SHAPE, seed=25)
-    fewer_clusters = make_problem(replace(SHAPE, C=SHAPE.C - 1, extras=False), seed=25)
+    fewer_clusters = make_problem(replace(SHAPE, C=SHAPE.C - 1), seed=25)
+    narrower = make_problem(replace(SHAPE, D=SHAPE.D // 2, pad=SHAPE.pad + 5), seed=26)  # its table fits
     head = flash_head(problem.with_(extra_ids=None))
     before = {name: tensor.clone() for name, tensor in head.state_dict().items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with pytest.raises(RuntimeError, match="size mismatch for centroids"):
-            head.load_state_dict(flash_head(fewer_clusters).state_dict())
-    assert all(torch.equal(tensor, before[name]) for name, tensor in head.state_dict().items())
+    for other, mismatched in ((fewer_clusters, "centroids"), (narrower, "centroids")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(RuntimeError, match=rf"size mismatch for {mismatched}: copying a param with shape "
+                                                   rf"torch.Size\(\[{other.centroids.shape[0]}, {other.centroids.shape[1]}\]\)"):
+                head.load_state_dict(flash_head(other).state_dict(), strict=strict)
+        assert {name: tensor.shape for name, tensor in head.state_dict().items()} == \
+            {name: tensor.shape for name, tensor in before.items()}
+        assert all(torch.equal(tensor, before[name]) for name, tensor in head.state_dict().items())
+    # Within a module, the message names the key under its prefix, as torch's own.
+    holder = torch.nn.ModuleDict({"head": head})
+    with pytest.raises(RuntimeError, match="size mismatch for head.cluster_tokens"):
+        holder.load_state_dict({"head." + k: v for k, v in flash_head(fewer_clusters).state_dict().items()})
 
 
 def test_loading_special_tokens_keeps_the_buffer_when_it_fits_and_drops_repeats():

@@ -356,7 +356,7 @@ def note_short_categories(flag: str, per_category: Optional[int], prompts: list)
     short = {category: count for category, count in counts.items() if per_category is not None and count < per_category}
     if short:
         listed = ", ".join(f"{category} {count}" for category, count in sorted(short.items()))
-        note(f"note: {flag} {per_category}: {len(short)} of {len(counts)} categories hold fewer and give all of theirs "
+        note(f"{flag} {per_category}: {len(short)} of {len(counts)} categories hold fewer and give all of theirs "
              f"({listed}); {len(prompts)} prompts in all")
 
 
