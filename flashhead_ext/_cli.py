@@ -191,7 +191,10 @@ def config_file(name: str) -> Path:
 
 def note(text: str) -> None:
     """A remark beside the report (a name taken otherwise than given, a warning, the file written):
-    on stderr, so that stdout holds the tables and readings alone, as every tool prints them."""
+    on stderr, so that stdout holds the tables and readings alone, as every tool prints them. stdout
+    is flushed first: piped, it is buffered where stderr is not, and both streams led to one file
+    showed the note before the table printed above it."""
+    sys.stdout.flush()
     print(text, file=sys.stderr)
 
 

@@ -454,3 +454,29 @@ def test_layer_ops_runs_its_rows(tmp_path):
     assert main(["layer-ops", "--shapes", "tiny", "--tokens", "1", "--samples", "2", "--calls", "2", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 5 and all(r["ours_us"] > 0 and r["torch_us"] > 0 and r["floor_us"] > 0 for r in rows)
+
+
+def test_a_note_comes_after_what_stdout_printed_before_it(monkeypatch):
+    # Both streams led to one file (a log, `2>&1 | tee`): stdout, piped, is buffered where stderr is
+    # not, so "wrote FILE" came out before the table printed above it.
+    import io
+    import sys
+
+    from flashhead_ext._cli import note
+
+    class BufferedStdout(io.StringIO):
+        def __init__(self, sink):
+            super().__init__()
+            self.sink = sink
+
+        def flush(self):
+            self.sink.write(self.getvalue())
+            self.seek(0)
+            self.truncate()
+
+    combined = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", BufferedStdout(combined))
+    monkeypatch.setattr(sys, "stderr", combined)
+    print("the table")
+    note("wrote out.json")
+    assert combined.getvalue() == "the table\nwrote out.json\n"
