@@ -150,9 +150,7 @@ class _HeadBase(nn.Module):
             # Kept as the constructor keeps it, an nn.Parameter followed: assigned as given, a Parameter
             # became a parameter of the head's in place of the buffer (in its state dict, and a KeyError
             # at the next conversion).
-            self.__dict__.update(_weight=value if isinstance(value, nn.Parameter) else None, _embedding_unset=False)
-            super().__setattr__(name, value.detach())
-            self._share_weight()
+            self._keep_embedding(value)
             return
         super().__setattr__(name, value)
 
@@ -368,10 +366,9 @@ class FlashHead(_HeadBase):
             near the probes' boundary may swap with its neighbour; the logits stay exact.
 
     The buffers are the head's own, so ``load_state_dict`` (with ``assign=True`` too: it copies)
-    changes no other object, and it runs the constructor's checks on what it loads, refusing a state
-    of other shapes whole (not whether
-    the state was built for this embedding: it holds no record of the weights, which
-    ``FlashHeadAssets`` keep, and warn of); it warns when
+    changes no other object; it runs the constructor's checks on what it loads (not whether the
+    state was built for this embedding: it holds no record of the weights, which
+    ``FlashHeadAssets`` keep, and warn of), refuses a state of other shapes whole, and warns when
     the state's tables leave out of every cluster tokens that this head's covered (a state saved by
     a head over a smaller vocabulary), since those can never be produced. The state dict holds ``centroids``,
     ``sampling_centroids``, ``cluster_tokens`` and ``extra_ids`` (the special tokens, an empty
