@@ -235,6 +235,29 @@ def test_our_config_file_wins_over_model_config(tmp_path, embedding, clustering)
     save_assets(tmp_path, clustering, n_probes=2)
     (tmp_path / "config.json").write_text(json.dumps({"n_probes": 5, "model_type": "llama"}))
     assert load_assets(tmp_path, embedding).n_probes == 2
+    # Ours wins even when it holds no FlashHead key; the model's is read only where ours is absent.
+    (tmp_path / CONFIG_NAME).write_text("{}")
+    assert assets_mod.read_config(tmp_path) == {}
+    (tmp_path / CONFIG_NAME).unlink()
+    assert assets_mod.read_config(tmp_path) == {"n_probes": 5}
+
+
+def test_probes_default_to_a_sixteenth_of_the_clusters_and_may_be_all(tmp_path):
+    # 40 clusters: C/16 is 2 (C/8 would be 5; below 32 clusters both are 1).
+    emb = torch.randn(160, 6, generator=torch.Generator().manual_seed(5))
+    clustering = build_clusters(emb, 4, iters=1, progress=False)
+    assert assets_mod.default_probes(40) == 2 and FlashHeadAssets.from_clustering(clustering).n_probes == 2
+    save_assets(tmp_path, clustering)
+    config = json.loads((tmp_path / CONFIG_NAME).read_text())
+    del config["n_probes"]  # a published config without the key
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(config))
+    assert load_assets(tmp_path, emb).n_probes == 2
+    # Every cluster probed is a valid setting, and gives the dense head's token.
+    save_assets(tmp_path, clustering, n_probes=40)
+    loaded = load_assets(tmp_path, emb)
+    assert loaded.n_probes == 40
+    hidden = torch.randn(7, 6, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(loaded.head(emb).next_token(hidden), (hidden @ emb.T).argmax(1))
 
 
 def _write_bad(directory, *, centroids=None, assignments=None, config=None, drop=None):
@@ -374,6 +397,15 @@ def test_flash_head_for_caches_the_clustering(tmp_path, monkeypatch, embedding):
     # A different embedding is a different cache entry.
     with pytest.raises(AssertionError, match="must not be rebuilt"):
         flash_head_for(embedding * 2, SIZE, iters=2, progress=False)
+
+
+def test_flash_head_for_caches_each_seed_apart(tmp_path, monkeypatch, embedding):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    _, first = flash_head_for(embedding, SIZE, seed=0, iters=2, progress=False)
+    _, second = flash_head_for(embedding, SIZE, seed=1, iters=2, progress=False)
+    expected = build_clusters(embedding, SIZE, iters=2, seed=1, progress=False)
+    assert not torch.equal(first.cluster_tokens, expected.cluster_tokens)  # the seeds cluster differently
+    assert torch.equal(second.cluster_tokens, expected.cluster_tokens)
 
 
 def test_flash_head_for_checks_finiteness_where_it_clusters_not_on_a_cache_hit(tmp_path, monkeypatch, embedding):

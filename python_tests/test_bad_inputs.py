@@ -505,11 +505,15 @@ def test_head_call_errors(make_head):
         with pytest.raises(TypeError, match="hidden must be a torch.Tensor"):
             call(hidden.tolist())
     # One element for every row's token: DenseHead's argmax wrote them all there, the last one winning.
-    with pytest.raises(ValueError, match=re.escape("out must not have elements that share memory")):
-        head.next_token(hidden, out=torch.empty(1, dtype=torch.int64).expand(SHAPE.B))
+    for rows in (SHAPE.B, 2):
+        with pytest.raises(ValueError, match=re.escape("out must not have elements that share memory")):
+            head.next_token(hidden[:rows], out=torch.empty(1, dtype=torch.int64).expand(rows))
     for temperature in (0.0, -1.0, float("inf"), float("nan"), 1e-40, 1e300):
         with pytest.raises(ValueError, match=re.escape("temperature must be in [1e-06, 1e+06]")):
             head.sample(hidden, temperature)
+    for temperature in ops.TEMPERATURE_RANGE:  # both ends are taken
+        tokens, logprobs = head.sample(hidden, temperature, torch.Generator().manual_seed(1))
+        assert tokens.shape == (SHAPE.B,) and bool((logprobs <= 0).all())
     with pytest.raises(TypeError, match="temperature must be a Python float or int"):
         head.sample(hidden, "hot")
     with pytest.raises(TypeError, match="generator must be a torch.Generator"):

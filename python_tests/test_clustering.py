@@ -38,13 +38,15 @@ def test_equal_sizes_when_divisible(vocab, dim, size):
     _check_partition(result, vocab)
 
 
-def test_centroids_are_unit_norm_means_of_member_unit_rows():
-    emb = _embedding(99, 6, seed=3) * torch.rand(99, 1, generator=torch.Generator().manual_seed(4)) * 5
+@pytest.mark.parametrize("vocab", [99, 104])  # 104: six clusters of 9 beside five of 10, their rows -1 padded
+def test_centroids_are_unit_norm_means_of_member_unit_rows(vocab):
+    emb = _embedding(vocab, 6, seed=3) * torch.rand(vocab, 1, generator=torch.Generator().manual_seed(4)) * 5
     result = build_clusters(emb, n_clusters=11, iters=3, progress=False)
     assert result.centroids.shape == (11, 6) and result.centroids.dtype == torch.float32
+    assert ((result.cluster_tokens < 0).any(dim=1).sum() == 6) == (vocab == 104)
     torch.testing.assert_close(result.centroids.norm(dim=1), torch.ones(11))
     assert (result.raw_centroids.norm(dim=1) < 1).all()  # random directions never align exactly
-    for c in (0, 5, 10):
+    for c in range(11):  # a padding slot adds no row (not token 0's, nor the last one's)
         members = result.cluster_tokens[c][result.cluster_tokens[c] >= 0].long()
         unit = torch.nn.functional.normalize(emb[members], dim=1).mean(0)
         torch.testing.assert_close(result.raw_centroids[c], unit)
@@ -87,6 +89,15 @@ def test_strict_refuses_padding():
         build_clusters(_embedding(100, 4), 16, strict=True, progress=False)
     result = build_clusters(_embedding(96, 4), 16, strict=True, iters=2, progress=False)
     assert result.cluster_tokens.shape == (6, 16)
+
+
+@pytest.mark.parametrize("seed", [-2**63, 2**63, 2**64 - 1])  # the ends of what torch.Generator takes
+def test_every_seed_a_generator_takes_is_accepted(seed):
+    emb = _embedding(40, 5, seed=2)
+    a = build_clusters(emb, 8, iters=2, seed=seed, progress=False)
+    b = build_clusters(emb, 8, iters=2, seed=seed, progress=False)
+    _check_partition(a, 40)
+    assert torch.equal(a.cluster_tokens, b.cluster_tokens)
 
 
 def test_deterministic_for_a_seed():

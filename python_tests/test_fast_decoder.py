@@ -539,6 +539,16 @@ def test_early_exit_layers_and_state_dict_loading():
     torch.testing.assert_close(compiled.forward(ids), expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_nbytes_counts_every_weight_once(tied):
+    config = DecoderConfig(vocab_size=23, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
+                           head_dim=4, tie_word_embeddings=tied)
+    decoder = Decoder.random(config, max_len=4, dtype=torch.float32, device="cpu")
+    layers = sum(t.numel() * t.element_size() for t in decoder.stacked.values())
+    embedding, final_norm = 23 * 8 * 4, 8 * 4
+    assert decoder.nbytes == layers + final_norm + embedding * (1 if tied else 2)  # a tied head is the embedding
+
+
 def test_decoder_bad_arguments_name_the_argument():
     model = hf_model("llama")
     for bad in (0, 2**63, 1.0):
@@ -570,6 +580,8 @@ def test_decoder_bad_arguments_name_the_argument():
         with pytest.raises(ValueError, match="ids holds 9 tokens, more than the cache's max_len 8"):
             decoder.forward(torch.arange(9))
     assert int(decoder.length) == 0
+    full = decoder.forward(torch.arange(8))  # exactly max_len ids fill the whole cache
+    assert full.shape == (8, decoder.config.hidden_size) and bool(torch.isfinite(full).all())
     with pytest.raises(TypeError, match="model must be a transformers causal LM"):
         Decoder.from_hf(torch.nn.Linear(2, 2), max_len=8)
     gemma = transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

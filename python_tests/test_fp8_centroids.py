@@ -225,6 +225,11 @@ def test_flash_head_refuses_other_centroid_dtypes_and_fp8_input():
         with pytest.raises(TypeError, match="centroid_dtype must be None, the embedding's dtype torch.float32 or "
                                             "torch.float8_e4m3fn"):
             FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, 1, centroid_dtype=dtype)
+    # The embedding's own dtype is taken, as None: centroids in that dtype, no scale, the same tokens.
+    same = FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, 2, centroid_dtype=torch.float32)
+    assert same.centroid_dtype == torch.float32 and same.centroid_scale is None
+    assert torch.equal(same.next_token(problem.hidden),
+                       FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, 2).next_token(problem.hidden))
     # fp8 centroids would come without their scale: the head quantizes float ones itself.
     for name in ("centroids", "sampling_centroids"):
         args = dict(centroids=problem.centroids, sampling_centroids=problem.centroids)

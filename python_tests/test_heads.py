@@ -177,6 +177,20 @@ def test_dense_next_token_refuses_a_bad_out():
 
 @device_params
 @either_head
+def test_an_out_beside_hidden_in_one_buffer_is_taken(device, make_head):
+    # Bytes that only touch (out starts where hidden ends) are not shared.
+    problem = make_problem(SHAPE, torch.float32, device)
+    buffer = torch.empty(SHAPE.B * SHAPE.D * 4 + SHAPE.B * 8, dtype=torch.uint8, device=device)
+    hidden = buffer[:SHAPE.B * SHAPE.D * 4].view(torch.float32).view(SHAPE.B, SHAPE.D)
+    hidden.copy_(problem.hidden)
+    out = buffer[SHAPE.B * SHAPE.D * 4:].view(torch.int64)
+    head = make_head(problem)
+    assert head.next_token(hidden, out=out) is out
+    assert torch.equal(out, head.next_token(problem.hidden))
+
+
+@device_params
+@either_head
 def test_sample_reproducible_with_generator(device, make_head):
     problem = make_problem(SHAPE, torch.float32, device)
     head = make_head(problem)
@@ -575,6 +589,9 @@ def test_a_state_that_leaves_tokens_out_of_every_cluster_warns():
         table, moved = state["cluster_tokens"].clone(), int(state["cluster_tokens"][0, 0])
         table[0, 0] = -1
         head.load_state_dict({**state, "cluster_tokens": table, "extra_ids": torch.tensor([moved], dtype=torch.int32)})
+    # One token left out warns too.
+    with pytest.warns(UserWarning, match=rf"leave 1 of this head's {SHAPE.V} tokens in no cluster .*\({moved}\)"):
+        head.load_state_dict({**state, "cluster_tokens": table, "extra_ids": torch.zeros(0, dtype=torch.int32)})
 
 
 @pytest.mark.parametrize("strict", [True, False])

@@ -1,5 +1,6 @@
 """Hugging Face helpers: output_embedding on tied and untied heads; the real SmolLM2 end to end."""
 import copy
+import dataclasses
 import datetime
 import gc
 import importlib.util
@@ -110,6 +111,18 @@ def test_attach_routes_next_token_choice_through_flashhead():
     detach(model)
     assert "forward" not in vars(model.lm_head) and not hasattr(model, "flash_head")
     torch.testing.assert_close(model(torch.tensor([[3, 1, 4, 1, 5]])).logits, dense_logits)
+
+
+def test_a_recording_keeps_its_first_eos_and_nothing_after_it():
+    model = _tiny_llama(tied=False)
+    model.generation_config.eos_token_id = None
+    _, free, _ = record_hidden_states(model, _Tokenizer(), ["flash head"], 8, progress=False)
+    free = free.tolist()
+    eos = free[2]  # a token the recording chose; it may have come earlier too
+    model.generation_config.eos_token_id = eos
+    hidden, tokens, prompt = record_hidden_states(model, _Tokenizer(), ["flash head"], 8, progress=False)
+    assert tokens.tolist() == free[:free.index(eos) + 1]  # the EOS was chosen by a recorded state too
+    assert hidden.shape[0] == tokens.numel() == prompt.numel()
 
 
 def _recording_llama(seed: int):
@@ -646,13 +659,14 @@ def test_attach_refuses_a_linear_subclass_with_its_own_forward():
 
 def test_attach_adds_special_tokens_to_given_assets_and_refuses_options_it_would_drop(tmp_path):
     model = _tiny_llama(tied=False)
-    assets = _tiny_assets(model)
+    assets = dataclasses.replace(_tiny_assets(model), special_token_ids=[5])
     save_assets(tmp_path, assets)
     for given in (assets, tmp_path):
         attachment = attach(model, given, special_token_ids=[66, 3])
-        assert attachment.head().extra_ids.tolist() == [3, 66]
+        assert attachment.head().extra_ids.tolist() == [3, 5, 66]  # added to the assets' own, not put in their place
+        assert attachment.assets.special_token_ids == [3, 5, 66]
         detach(model)
-    assert assets.special_token_ids == []  # the caller's assets keep their own
+    assert assets.special_token_ids == [5]  # the caller's assets keep their own
     with pytest.raises(TypeError, match=r"\['cluster_size'\] apply only when attach builds a clustering"):
         attach(model, assets, cluster_size=8)
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['bogus'\]") as refused:

@@ -8,6 +8,7 @@ what the draft proposes never changes what is emitted, only how fast.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib.util
@@ -232,6 +233,37 @@ def test_accepted_counts_only_emitted_proposals(mode):
         prompt(0), mode=mode, max_new_tokens=NEW)
     assert gen.tokens == list(ref[:2]) and (gen.stats.accepted, gen.stats.emitted_per_round) == (1, [1])
     check_counters(gen, mode, k, NEW)
+
+
+@pytest.mark.parametrize("mode", ["ordinary", "deferred"])
+def test_draft_time_is_the_bodys_plus_the_heads(monkeypatch, mode):
+    from flashhead_ext.speculative import driver
+
+    class WeighingClock:
+        """A phase entry costs a fixed weight a phase, so the stats' sums can be checked exactly."""
+        weights = {"draft_body": 1.0, "draft_head": 1000.0}
+        last = None
+
+        def __init__(self, device):
+            self.totals = dict.fromkeys(["draft_body", "draft_head", "target"], 0.0)
+            WeighingClock.last = self
+
+        @contextlib.contextmanager
+        def __call__(self, phase):
+            yield
+            self.totals[phase] = self.totals.get(phase, 0.0) + self.weights.get(phase, 0.0)
+
+        def resolve(self):
+            return self.totals
+
+    monkeypatch.setattr(driver, "Clock", WeighingClock)
+    target = tiny_model("llama")
+    stats = SpeculativeDecoder(target, target, draft_head(target, "dense"), k=3, eos_token_id=[]).generate(
+        prompt(0), mode=mode, max_new_tokens=9).stats
+    totals = WeighingClock.last.totals
+    assert totals["draft_body"] > 0 and totals["draft_head"] > 0
+    assert stats.draft_head_s == totals["draft_head"]
+    assert stats.draft_s == totals["draft_body"] + totals["draft_head"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # untied and tied
