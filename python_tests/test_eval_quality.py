@@ -225,9 +225,22 @@ def test_prompt_interval_resamples_prompts_not_states():
     # stay near 0.5; over prompts, a resample of the first prompt twice (a quarter of them) gives 0.1.
     distance = torch.cat([torch.full((50,), 0.1), torch.full((50,), 0.9)]).double()
     prompts = torch.tensor([3] * 50 + [8] * 50)
-    low, high = quality.prompt_interval(distance, prompts)
-    assert low == pytest.approx(0.1) and high == pytest.approx(0.9)
-    assert quality.prompt_interval(torch.full((7,), 0.25), torch.tensor([1, 1, 2, 2, 2, 4, 4])) == pytest.approx([0.25, 0.25])
+    mean, (low, high) = quality.prompt_interval(distance, prompts)
+    assert mean == pytest.approx(0.5) and low == pytest.approx(0.1) and high == pytest.approx(0.9)
+    assert quality.prompt_interval(torch.full((7,), 0.25), torch.tensor([1, 1, 2, 2, 2, 4, 4])) == (0.25, [0.25, 0.25])
+
+
+def test_prompt_interval_holds_its_mean_when_every_value_is_equal():
+    # A float32 mean of equal values rounds (it fell outside the float64 interval in 113 of 200
+    # such draws), and float64 sums of resampled prompts round each on their own.
+    generator = torch.Generator().manual_seed(8)
+    for dtype in (torch.float32, torch.float64):
+        for _ in range(40):
+            states = int(torch.randint(5, 200, (), generator=generator))
+            value = torch.full((states,), torch.rand((), generator=generator, dtype=torch.float64).item(), dtype=dtype)
+            prompts = torch.randint(0, max(2, states // 5), (states,), generator=generator)
+            mean, (low, high) = quality.prompt_interval(value, prompts)
+            assert low <= mean <= high and mean == float(value.double().mean())
 
 
 def test_cluster_ranks_break_ties_to_the_smaller_cluster_id():

@@ -136,10 +136,14 @@ def _bootstrap_interval(sums: Tensor, counts: Tensor, resamples: int, seed: int)
     return torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
 
 
-def prompt_interval(value: Tensor, prompt_index: Tensor, resamples: int = 2000, seed: int = 0) -> list:
-    """A 95% interval of ``value``'s mean by a bootstrap over its prompts (a prompt's tokens are not
-    independent draws), seeded."""
-    return _bootstrap_interval(*_per_prompt(value, prompt_index), resamples, seed)
+def prompt_interval(value: Tensor, prompt_index: Tensor, resamples: int = 2000, seed: int = 0) -> tuple[float, list]:
+    """``value``'s mean (in float64) and a 95% interval of it by a bootstrap over its prompts (a
+    prompt's tokens are not independent draws), seeded. The interval holds the mean: rounding alone
+    (each resample's float64 sums round on their own) could leave it a last bit outside an interval
+    of equal values."""
+    mean = float(value.double().mean())
+    low, high = _bootstrap_interval(*_per_prompt(value, prompt_index), resamples, seed)
+    return mean, [min(low, mean), max(high, mean)]
 
 
 def prompt_level(hit: Tensor, prompt_index: Tensor, resamples: int = 2000, seed: int = 0) -> tuple[float, list]:
@@ -253,8 +257,8 @@ def summarize(hits: Sequence[dict], categories: Sequence[str], prompt_index: Ten
     if "sampling_tv" in hits[0]:
         distance = torch.stack([h["sampling_tv"] for h in hits]).mean(0)  # [rows]: mean over seeds
         # Which states are drawn moves the mean far more than the cluster draws do (docs/quality.md).
-        sampling = {"sampling_tv": float(distance.mean()), "sampling_tv_max": float(distance.max()),
-                    "sampling_tv_interval": prompt_interval(distance, prompt_index[hits[0]["sampling_rows"]])}
+        mean, interval = prompt_interval(distance, prompt_index[hits[0]["sampling_rows"]])
+        sampling = {"sampling_tv": mean, "sampling_tv_max": float(distance.max()), "sampling_tv_interval": interval}
     return {
         "top1_agreement": float(agree.mean()),
         "top1_min": min(per_seed),
