@@ -1,4 +1,5 @@
 """The head benchmark's CLI on a tiny shape (CPU): its rows, floors and special tokens."""
+import argparse
 import json
 
 import pytest
@@ -6,8 +7,9 @@ import torch
 
 from flashhead_ext.bench.__main__ import main
 from flashhead_ext import ops
+from flashhead_ext.bench import timing
 from flashhead_ext.bench.head import (SHAPES, CandidatesRead, HeadState, add_ratios, call_bytes, candidates_read,
-                                      copies_needed, copy_bytes, floor_bytes, summary, warm_l2_warning)
+                                      copies_needed, copy_bytes, floor_bytes, plan, summary, warm_l2_warning)
 from flashhead_ext.bench.timing import on_device, run_metadata
 from helpers import TWO_GPUS
 
@@ -147,6 +149,43 @@ def test_bench_lists_its_benchmarks(capsys):
     assert main(["--help"]) == 0  # asked for: success
     assert "head,clusters,draft-step,spec,layer-ops" in capsys.readouterr().out
     assert main(["nonesuch"]) == 2
+
+
+def test_a_value_exactly_at_its_goal_meets_it():
+    point = dict(shape="qwen3-0.6b", batch=1, probes=256, mode="graph")
+    rows = [dict(point, impl="dense", us=90.0), dict(point, impl="flash_greedy", us=15.0),
+            dict(point, impl="torch_flash", us=60.0), dict(point, impl="flash_sample", us=22.5)]
+    add_ratios(rows)
+    text = summary(rows, "qwen3-0.6b")
+    assert "flash_greedy 15.00 us (goal <= 15: met)" in text
+    assert "6.00x dense (goal >= 6: met)" in text and "4.00x torch_flash (goal >= 4: met)" in text
+    assert "1.50x (goal <= 1.5: met)" in text
+
+
+@pytest.mark.parametrize("timings,first", [
+    ({1: (84.0, 16.0), 2: (85.0, 20.0), 4: (30.0, 60.0), 8: (32.0, 90.0), 16: (35.0, 150.0)}, 4),  # the first, not the last
+    ({1: (84.0, 16.0), 2: (40.0, 40.0), 4: (30.0, 60.0)}, 2),  # as fast counts as winning
+])
+def test_dense_wins_from_the_first_batch_it_is_as_fast_at(timings, first):
+    rows = [dict(shape="qwen3-0.6b", batch=b, probes=256, mode="graph", impl=impl, us=us)
+            for b, pair in timings.items() for impl, us in zip(("dense", "flash_greedy"), pair)]
+    assert f"dense wins from batch: {first}" in summary(rows, "qwen3-0.6b")
+
+
+def test_other_shapes_are_timed_at_256_probes_and_the_published_default():
+    args = argparse.Namespace(shapes=["tiny", "llama3"], probes=[32], batches=[1, 4], batch_probes=16)
+    points = [(p["batch"], p["probes"]) for p in plan(args) if p["shape"] == "llama3"]
+    assert points == [(1, 256), (1, 128256 // 16 // 16)]  # 8,016 clusters of 16: C/16 = 501 probes
+
+
+def test_cpu_timing_reports_microseconds_a_call(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+
+    def four_calls():  # one sample: 4 calls of 1 ms each
+        clock[0] += 0.004
+
+    assert timing.time_calls(four_calls, calls_per_sample=4, samples=5, warmup=1, device="cpu") == pytest.approx(1000.0)
 
 
 def test_summary_names_a_baseline_that_was_not_run():

@@ -3,6 +3,7 @@ end on a tiny model, the odd/even split, the recording cache, bad input."""
 import importlib.util
 import itertools
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -228,6 +229,21 @@ def test_prompt_interval_resamples_prompts_not_states():
     mean, (low, high) = quality.prompt_interval(distance, prompts)
     assert mean == pytest.approx(0.5) and low == pytest.approx(0.1) and high == pytest.approx(0.9)
     assert quality.prompt_interval(torch.full((7,), 0.25), torch.tensor([1, 1, 2, 2, 2, 4, 4])) == (0.25, [0.25, 0.25])
+
+
+def test_a_tied_lists_padding_is_not_read_as_token_0():
+    # Tokens 1 and 2 share a row, so row A's dense maximum ties twice and row B's tied list is padded
+    # with -1. Token 0 sits alone in cluster 0.
+    embedding = torch.tensor([[0.0, 1.0], [1.0, 0.0], [1.0, 0.0], [-1.0, 0.0]])
+    assets = SimpleNamespace(centroids=torch.tensor([[0.0, 1.0], [1.0, 0.0], [1.0, -1.0]]),
+                             cluster_assignments=torch.tensor([0, 1, 1, 2]), num_clusters=3)
+    hidden = torch.tensor([[1.0, 0.0],    # A: tokens 1 and 2 tie; cluster 1 ranks first
+                           [-1.0, 0.1]])  # B: token 3 is best, but cluster 0 (token 0 alone) ranks first
+    dense = quality.dense_reference(embedding, hidden, k=3)
+    assert dense[1].tolist() == [[1, 2], [3, -1]]
+    hits = quality.candidate_hits(assets, hidden, dense, probes=[1])[1]
+    assert hits["agree"].tolist() == [True, False]
+    assert hits["ties"].tolist() == [True, False]  # B's token 0 (logit 0.1) does not tie its maximum (1.0)
 
 
 def test_prompt_interval_holds_its_mean_when_every_value_is_equal():

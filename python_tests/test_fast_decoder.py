@@ -1013,6 +1013,11 @@ def test_synthetic_acceptance_rate_and_determinism():
     assert again.generate(prompt(0), mode="ordinary", max_new_tokens=40).stats.accepted_per_round == first
     other = FastSpeculativeDecoder(target, draft, head_for(draft, "dense"), k=k, synthetic_acceptance=rate, seed=6)
     assert other.generate(prompt(0), mode="deferred", max_new_tokens=40).stats.accepted_per_round != first
+    # The draws depend on the prompt too: seeded by the seed alone, every prompt would accept the
+    # same rounds, and a timing over many prompts would average one sequence of draws.
+    rounds = {tuple(runner.generate(prompt(p), mode="deferred", max_new_tokens=40).stats.accepted_per_round)
+              for p in range(3)}
+    assert len(rounds) == 3
 
 
 def test_synthetic_tokens_are_proposals_then_the_targets_token():

@@ -822,6 +822,41 @@ def test_real_smollm2_early_exit_draft_is_exact():
         check_counters(gen, mode, 4, 12)
 
 
+def _summary_record(label, head, ttft_s, **over):
+    record = dict(label=label, head=head, new_tokens=5, ttft_s=ttft_s, decode_s=2.0, rounds=2, proposed=4, accepted=2,
+                  verify_calls=2, append_calls=0, host_syncs=2, draft_s=0.5, target_s=1.0, draft_head_s=0.1,
+                  matches_baseline=None)
+    return {**record, **over}
+
+
+def test_summary_means_ttft_over_prompts_and_the_head_share_of_draft_time():
+    from flashhead_ext.speculative.runner import RunConfig
+
+    records = [_summary_record("baseline", None, t) for t in (0.010, 0.030, 0.020)]
+    assert summarize(records, [RunConfig("baseline", None)])[0]["ttft_ms"] == pytest.approx(20.0)  # a mean, not a sum
+    records = [_summary_record("ordinary/dense", "dense", 0.01, draft_s=0.5, draft_head_s=0.1),
+               _summary_record("ordinary/dense", "dense", 0.01, draft_s=1.5, draft_head_s=0.3)]
+    row = summarize(records, [RunConfig("ordinary", "dense")])[0]
+    assert row["head_share"] == pytest.approx(0.4 / 2.0)  # head seconds over draft seconds, not decode seconds
+    assert row["draft_share"] == pytest.approx(2.0 / 4.0)
+
+
+def test_synthetic_runs_are_not_compared_with_the_baseline():
+    class Fake:
+        def __init__(self, synthetic):
+            self.synthetic = synthetic
+
+        def generate(self, ids, *, mode, max_new_tokens):
+            stats = SimpleNamespace(synthetic_acceptance=None if mode == "baseline" else self.synthetic, to_dict=dict)
+            return SimpleNamespace(tokens=[1, 2, 3][:max_new_tokens], stats=stats)
+
+    for synthetic, expected in ((0.5, None), (None, True)):  # drawn by chance: neither a match nor a mismatch
+        records = run_interleaved({None: Fake(None), "dense": Fake(synthetic)}, plan_configs(["dense"], ["baseline", "deferred"]),
+                                  [dict(input_ids=[0])], max_new_tokens=3, progress=False)
+        by_label = {r["label"]: r for r in records}
+        assert by_label["baseline"]["matches_baseline"] is True and by_label["deferred/dense"]["matches_baseline"] is expected
+
+
 def test_reading_names_the_best_config_and_the_flashhead_change():
     from flashhead_ext.speculative.runner import reading
 
@@ -848,6 +883,9 @@ def test_reading_names_the_best_config_and_the_flashhead_change():
     assert "accepted" not in reading(slow_but_accepted)
     # Just under 1x reads as under it, as the table's speedup column (.3f) shows it, not as 1.00x.
     assert "(best: ordinary/dense, 0.996x)" in reading([row("baseline", None, 1.0), row("ordinary", "dense", 0.996, 0.8, 5.0)])
+    # Exactly as fast as the baseline is not slower.
+    assert reading([row("baseline", None, 1.0), row("ordinary", "dense", 1.0, 0.3, 5.0)]).splitlines()[0] == (
+        "best: ordinary/dense, 1.000x the baseline's decode tok/s")
     # Without a baseline the exact column is empty: the reading says so.
     assert reading([row("deferred", "dense", None, 0.44, 1.05)]).splitlines() == [
         "no baseline run: the tokens were not compared with the target's own (add baseline to --mode)"]
