@@ -151,17 +151,6 @@ def test_bench_lists_its_benchmarks(capsys):
     assert main(["nonesuch"]) == 2
 
 
-def test_a_value_exactly_at_its_goal_meets_it():
-    point = dict(shape="qwen3-0.6b", batch=1, probes=256, mode="graph")
-    rows = [dict(point, impl="dense", us=90.0), dict(point, impl="flash_greedy", us=15.0),
-            dict(point, impl="torch_flash", us=60.0), dict(point, impl="flash_sample", us=22.5)]
-    add_ratios(rows)
-    text = summary(rows, "qwen3-0.6b")
-    assert "flash_greedy 15.00 us (goal <= 15: met)" in text
-    assert "6.00x dense (goal >= 6: met)" in text and "4.00x torch_flash (goal >= 4: met)" in text
-    assert "1.50x (goal <= 1.5: met)" in text
-
-
 @pytest.mark.parametrize("timings,first", [
     ({1: (84.0, 16.0), 2: (85.0, 20.0), 4: (30.0, 60.0), 8: (32.0, 90.0), 16: (35.0, 150.0)}, 4),  # the first, not the last
     ({1: (84.0, 16.0), 2: (40.0, 40.0), 4: (30.0, 60.0)}, 2),  # as fast counts as winning
@@ -229,6 +218,12 @@ def test_summary_judges_the_goals_before_rounding():
     add_ratios(met)
     text = summary(met, "qwen3-0.6b")
     assert "(goal <= 15: met)" in text and "x dense (goal >= 6: met)" in text and "(goal <= 1.5: met)" in text
+    # A value exactly at its goal meets it.
+    exact = [dict(r, us={"dense": 90.0, "flash_greedy": 15.0, "torch_flash": 60.0, "flash_sample": 22.5}[r["impl"]]) for r in rows]
+    add_ratios(exact)
+    text = summary(exact, "qwen3-0.6b")
+    assert "flash_greedy 15.00 us (goal <= 15: met)" in text and "6.00x dense (goal >= 6: met)" in text
+    assert "4.00x torch_flash (goal >= 4: met)" in text and "1.50x (goal <= 1.5: met)" in text
 
 
 def test_summary_finds_where_dense_wins_at_the_batch_sweeps_probes():
