@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from ..assets import default_probes
 from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, doc_summary, first_of_each, model_config, note,
                     output_file, positive_int, positive_int_list, shape_names, write_output)
 from ..graphs import capture_graph
@@ -265,9 +266,8 @@ def plan(args) -> list[dict]:
     points = []
     for name in args.shapes:
         shape = shape_of(name)
-        default_probes = max(1, shape.num_clusters // 16)
         main = name == args.shapes[0]
-        probes_list = args.probes if main else sorted({256, default_probes})
+        probes_list = args.probes if main else sorted({256, default_probes(shape.num_clusters)})
         wanted = [(1, p) for p in probes_list]
         if main:
             wanted += [(batch, args.batch_probes) for batch in args.batches]
