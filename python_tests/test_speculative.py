@@ -8,6 +8,7 @@ what the draft proposes never changes what is emitted, only how fast.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -245,13 +246,13 @@ def test_draft_time_is_the_bodys_plus_the_heads(monkeypatch, mode):
         last = None
 
         def __init__(self, device):
-            self.totals = dict.fromkeys(["draft_body", "draft_head", "target"], 0.0)
+            self.totals = collections.defaultdict(float)
             WeighingClock.last = self
 
         @contextlib.contextmanager
         def __call__(self, phase):
             yield
-            self.totals[phase] = self.totals.get(phase, 0.0) + self.weights.get(phase, 0.0)
+            self.totals[phase] += self.weights.get(phase, 0.0)
 
         def resolve(self):
             return self.totals
