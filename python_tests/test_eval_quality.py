@@ -213,12 +213,24 @@ def test_prompt_level_agreement_counts_prompts_and_resamples_them():
     # Prompt 7: 3 of 4 agree; prompt 2: 2 of 2; prompt 5: 0 of 1.
     hit = torch.tensor([True, True, False, True, True, True, False])
     prompts = torch.tensor([7, 7, 7, 7, 2, 2, 5])
-    without_miss, (low, high) = quality.prompt_level(hit, prompts)
-    assert without_miss == pytest.approx(1 / 3)
+    assert quality.prompts_without_miss(hit, prompts) == pytest.approx(1 / 3)
+    mean, (low, high) = quality.prompt_interval(hit.float(), prompts)
     # Resampled prompts give agreements between that of the worst prompt alone (0) and the best (1).
-    assert 0 <= low < 5 / 7 < high <= 1
-    assert quality.prompt_level(hit, prompts) == (without_miss, [low, high])  # seeded
-    assert quality.prompt_level(torch.ones(7, dtype=torch.bool), prompts) == (1.0, [1.0, 1.0])
+    assert mean == 5 / 7 and 0 <= low < 5 / 7 < high <= 1
+    assert quality.prompt_interval(hit.float(), prompts) == (mean, [low, high])  # seeded
+    assert quality.prompts_without_miss(torch.ones(7, dtype=torch.bool), prompts) == 1.0
+    assert quality.prompt_interval(torch.ones(7), prompts) == (1.0, [1.0, 1.0])
+
+
+def test_top1_interval_holds_the_agreement_when_every_prompt_agrees_equally():
+    # Every prompt agrees on 2 of its 3 tokens, so every resample's agreement is the float64 2/3; a
+    # float32 mean of the hits (the float32 2/3) fell outside that interval.
+    agree = torch.tensor([True, False, True] * 7)
+    hits = [{"agree": agree, "ties": agree, "member": agree}]
+    row = quality.summarize(hits, ["a"] * 21, torch.arange(21) // 3)
+    low, high = row["top1_interval"]
+    assert low <= row["top1_agreement"] <= high
+    assert row["top1_agreement"] == 2 / 3 == row["top1_per_seed"][0]
 
 
 def test_prompt_interval_resamples_prompts_not_states():

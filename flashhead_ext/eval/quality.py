@@ -146,12 +146,11 @@ def prompt_interval(value: Tensor, prompt_index: Tensor, resamples: int = 2000, 
     return mean, [min(low, mean), max(high, mean)]
 
 
-def prompt_level(hit: Tensor, prompt_index: Tensor, resamples: int = 2000, seed: int = 0) -> tuple[float, list]:
-    """From each token's top-1 hit (or its mean over seeds) and its prompt: the share of prompts
-    without a miss (one miss changes all a greedy decode emits after it), and
-    :func:`prompt_interval` of the token agreement."""
+def prompts_without_miss(hit: Tensor, prompt_index: Tensor) -> float:
+    """From each token's top-1 hit and its prompt: the share of prompts without a miss (one miss
+    changes all a greedy decode emits after it)."""
     hits, tokens = _per_prompt(hit, prompt_index)
-    return float((hits == tokens).double().mean()), _bootstrap_interval(hits, tokens, resamples, seed)
+    return float((hits == tokens).double().mean())
 
 
 def flash_tokens(head: FlashHead, hidden: Tensor, rows_per_chunk: int = 4) -> Tensor:
@@ -241,9 +240,11 @@ def summarize(hits: Sequence[dict], categories: Sequence[str], prompt_index: Ten
     seed: top-1 agreement (mean over seeds, min, max, each seed's, a bootstrap interval over
     prompts of the seed mean, the share of prompts without a miss), the share tying the dense
     maximum and top-k recall, overall and per category (means over seeds)."""
-    agree = torch.stack([h["agree"] for h in hits]).float()  # [S, N]
-    ties = torch.stack([h["ties"] for h in hits]).float().mean(0)
-    member = torch.stack([h["member"] for h in hits]).float().mean(0)
+    # float64 throughout: the interval's resamples sum in float64, and a float32 mean of equal
+    # per-prompt agreements could fall a last bit outside it.
+    agree = torch.stack([h["agree"] for h in hits]).double()  # [S, N]
+    ties = torch.stack([h["ties"] for h in hits]).double().mean(0)
+    member = torch.stack([h["member"] for h in hits]).double().mean(0)
     per_seed = agree.mean(1).tolist()
     names = sorted(set(categories))
     category_index = torch.tensor([names.index(c) for c in categories])
@@ -259,13 +260,14 @@ def summarize(hits: Sequence[dict], categories: Sequence[str], prompt_index: Ten
         # Which states are drawn moves the mean far more than the cluster draws do (docs/quality.md).
         mean, interval = prompt_interval(distance, prompt_index[hits[0]["sampling_rows"]])
         sampling = {"sampling_tv": mean, "sampling_tv_max": float(distance.max()), "sampling_tv_interval": interval}
+    top1, top1_interval = prompt_interval(agree.mean(0), prompt_index)
     return {
-        "top1_agreement": float(agree.mean()),
+        "top1_agreement": top1,
         "top1_min": min(per_seed),
         "top1_max": max(per_seed),
         "top1_per_seed": per_seed,
-        "top1_interval": prompt_level(agree.mean(0), prompt_index)[1],
-        "prompts_without_miss": sum(prompt_level(a, prompt_index)[0] for a in agree) / len(agree),
+        "top1_interval": top1_interval,
+        "prompts_without_miss": sum(prompts_without_miss(a, prompt_index) for a in agree) / len(agree),
         "top1_ties_max": float(ties.mean()),
         "top5_recall": float(member.mean()),
         "worst_category": {"name": worst, **per_category[worst]},
