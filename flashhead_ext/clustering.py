@@ -208,10 +208,12 @@ def _assign(rows: Tensor, centroids: Tensor, sizes: Tensor) -> Tensor:
     return torch.tensor(assignment, dtype=torch.int64, device=rows.device)
 
 
-def _member_means(rows: Tensor, table: Tensor, sizes: Tensor) -> Tensor:
-    """Mean member row per cluster, from the padded table (a gather and a sum: deterministic on CUDA too)."""
-    members = rows[table.clamp(min=0).long()] * (table >= 0).unsqueeze(-1)
-    return members.sum(dim=1) / sizes.to(rows.device, rows.dtype).unsqueeze(1)
+def member_means(rows: Tensor, table: Tensor) -> Tensor:
+    """Mean member row per cluster, from the padded table (a gather and a sum: deterministic on CUDA
+    too); a zero row for a cluster of padding alone."""
+    members = table >= 0
+    summed = (rows[table.clamp(min=0).long()] * members.unsqueeze(-1)).sum(dim=1)
+    return summed / members.sum(dim=1, keepdim=True).clamp(min=1).to(rows.dtype)
 
 
 def _check_matrix(name: str, value, shape: str, finite: bool = True) -> None:
@@ -305,7 +307,7 @@ def build_clusters(
         moved = vocab if assignment is None else int((new != assignment).sum())
         assignment = new
         table = cluster_table(assignment, count, width)
-        means = _member_means(rows, table, sizes)
+        means = member_means(rows, table)
         centroids = torch.nn.functional.normalize(means, dim=1)
         iterations += 1
         bar.set_postfix(moved=moved)

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from ..assets import default_probes
+from ..clustering import greedy_centroids, member_means
 from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, is_config_path, kmeans_seed, model_config, note,
                     note_shadowed_paths, output_file, positive_int, shape_names, write_output)
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
@@ -190,8 +191,7 @@ def random_flash_head(embedding: torch.Tensor, cluster_size: int, probes, seed: 
     gen = torch.Generator(device=embedding.device).manual_seed(seed)
     order = torch.randperm(clusters * cluster_size, generator=gen, device=embedding.device)
     table = torch.where(order < vocab, order, torch.full_like(order, -1)).view(clusters, cluster_size)
-    members = embedding[table.clamp(min=0)].float() * (table >= 0).unsqueeze(-1)
-    centroids = torch.nn.functional.normalize(members.sum(1), dim=1)
+    centroids = greedy_centroids(member_means(embedding.float(), table), "normalized")
     return FlashHead(embedding, centroids, table, default_probes(clusters) if probes is None else probes,
                      centroid_dtype=centroid_dtype)
 
