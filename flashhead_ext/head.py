@@ -82,6 +82,18 @@ def _own_copy(tensor: Tensor, device, dtype) -> Tensor:
     return tensor.detach().to(device, dtype, memory_format=torch.contiguous_format, copy=True)
 
 
+# Module.to_empty()'s function, as Module._apply receives it. It gives every tensor new storage
+# without values, on any device; told by its name, since no probe tensor can tell an empty copy
+# from a value-keeping move (uninitialised memory may hold the probe's values).
+_TO_EMPTY_FN = f"{nn.Module.to_empty.__qualname__}.<locals>.<lambda>"
+
+
+def _empties(fn, was_meta: bool, is_meta: bool) -> bool:
+    """Whether Module._apply's ``fn`` leaves a tensor without values: to_empty() (the only function
+    that takes a tensor off the meta device does)."""
+    return getattr(fn, "__qualname__", None) == _TO_EMPTY_FN or (was_meta and not is_meta)
+
+
 def _require_values(name: str, centroids: Tensor) -> None:
     ops._require_values(name, centroids, " (centroids are kept on the embedding's device, so a meta embedding puts "
                                          "them there too); FlashHead ranks clusters by them: materialise the weights first")
@@ -202,9 +214,10 @@ class _HeadBase(nn.Module):
             self._share_weight()
         else:
             self.__dict__.update(_weight=None, _shared_at=None)
-        # Only to_empty() takes a tensor off the meta device, and it leaves no values in it: nothing
-        # refills the buffer (it is in no state dict), so the head refuses to run until given one.
-        if was_meta and not self._buffers["embedding"].is_meta:
+        # to_empty() leaves no values in the buffer, on the meta device or off it, and nothing refills
+        # it (it is in no state dict, and a weight it follows may be loaded or not), so the head
+        # refuses to run until given one.
+        if _empties(fn, was_meta, self._buffers["embedding"].is_meta):
             self.__dict__["_embedding_unset"] = True
         return self
 
@@ -219,8 +232,8 @@ class _HeadBase(nn.Module):
     def _rows(self, hidden: Tensor) -> Tensor:
         """hidden ``[..., D]`` as ``[B, D]``, after checks that name what was expected."""
         if self.__dict__.get("_embedding_unset"):
-            raise ValueError("the head's embedding was taken off the meta device by to_empty(), which leaves it without "
-                             "values, and no state dict holds it: give the head the materialised weight "
+            raise ValueError("the head's embedding was emptied by to_empty(), which leaves it without values, and no "
+                             "state dict holds it: give the head the materialised weight "
                              "(head.embedding = model.lm_head.weight) or build it again")
         if not isinstance(hidden, Tensor):
             raise TypeError(f"hidden must be a torch.Tensor [..., {self.hidden_dim}], got {type(hidden).__name__}")
@@ -342,7 +355,8 @@ class FlashHead(_HeadBase):
             own. ``load_state_dict(assign=True)`` and ``to_empty()`` give the
             model a new weight: give the head it (``head.embedding = weight``, followed as the
             constructor's when an ``nn.Parameter``; after
-            ``to_empty()`` the head refuses to run until then) or build it again. ``attach``
+            ``to_empty()``, which empties the clusters too, the head refuses to run until given
+            the weight and a state dict that holds its clusters) or build it again. ``attach``
             keeps the head outside the model and rebuilds it over a moved weight.
         centroids: ``[C, D]`` float cluster centroids used to rank clusters for greedy decoding
             (copied to the embedding's device, in its dtype or quantized: ``centroid_dtype``).
@@ -517,7 +531,8 @@ class FlashHead(_HeadBase):
                                                               copy=assign)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        if isinstance(incoming("cluster_tokens"), Tensor) and isinstance(incoming("extra_ids"), Tensor):
+        if all(isinstance(incoming(name), Tensor) for name, buffer in self._buffers.items()
+               if buffer is not None and name not in self._non_persistent_buffers_set):
             self.__dict__["_tables_unset"] = False
 
     def _warn_if_tokens_left_out(self, table: Optional[Tensor], extra_ids: Optional[Tensor], prefix: str) -> None:
@@ -559,8 +574,9 @@ class FlashHead(_HeadBase):
     def _apply(self, fn, recurse=True):
         tables_were_meta = self.cluster_tokens.is_meta
         self._apply_keeping_fp8(fn, recurse)
-        # to_empty() leaves the tables without values until a state dict fills them.
-        if tables_were_meta and not self.cluster_tokens.is_meta:
+        # to_empty() leaves the clusters without values until a state dict fills them; the head
+        # refuses to run meanwhile (a model's own checkpoint, without them, restores only its weight).
+        if _empties(fn, tables_were_meta, self.cluster_tokens.is_meta):
             self.__dict__["_tables_unset"] = True
         return self
 
@@ -619,6 +635,10 @@ class FlashHead(_HeadBase):
         if self.embedding.dtype not in HEAD_DTYPES:
             raise TypeError(f"the head's dtype is {self.embedding.dtype}; FlashHead runs in float16, bfloat16 or float32: "
                             "cast it back (e.g. head.float())")
+        if self.__dict__.get("_tables_unset"):
+            raise ValueError("the head's clusters (centroids, cluster_tokens, extra_ids) were emptied by to_empty(), which "
+                             "leaves them without values: load a state dict that holds them (the head's own, or the model's "
+                             "with the head in it) or build the head again")
         return super()._rows(hidden)
 
     def _check_new_embedding(self, embedding) -> None:

@@ -478,7 +478,7 @@ def test_a_head_refuses_to_run_on_the_empty_embedding_of_to_empty(kind, alone):
     target = model.head if alone else model
     target.to("meta").to_empty(device="cpu")
     model.load_state_dict(source.state_dict())
-    with pytest.raises(ValueError, match="taken off the meta device by to_empty"):
+    with pytest.raises(ValueError, match="embedding was emptied by to_empty"):
         model.head.next_token(problem.hidden)
     model.head.embedding = model.lm_head.weight.detach()
     want = source.head.next_token(problem.hidden)
@@ -487,6 +487,37 @@ def test_a_head_refuses_to_run_on_the_empty_embedding_of_to_empty(kind, alone):
     model.float()
     assert torch.equal(model.head.next_token(problem.hidden), want)
     assert torch.equal(copy.deepcopy(model).head.next_token(problem.hidden), want)
+
+
+@pytest.mark.parametrize("kind", ["dense", "flash", "flash-fp8"])
+@pytest.mark.parametrize("alone", [False, True], ids=["in-model", "alone"])
+@pytest.mark.parametrize("from_meta", [False, True], ids=["materialised", "from-meta"])
+def test_a_head_emptied_by_to_empty_runs_only_once_its_clusters_and_weight_are_back(kind, alone, from_meta):
+    # to_empty() gives every tensor new storage without values, off the meta device as from it. A
+    # model's own checkpoint then restores its weight but not the head's clusters, and the head
+    # decoded from whatever the memory held, or, given the weight again, ran on its emptied tables.
+    fp8 = {"centroid_dtype": torch.float8_e4m3fn} if kind == "flash-fp8" else {}
+    problem = make_problem(SHAPE, seed=15)
+    model = _WithHead(problem, kind[:5], **fp8)
+    state = copy.deepcopy(model.state_dict())
+    want = model.head.next_token(problem.hidden)
+    target = model.head if alone else model
+    (target.to("meta") if from_meta else target).to_empty(device="cpu")
+    model.load_state_dict({"lm_head.weight": state["lm_head.weight"]}, strict=False)  # the model's checkpoint alone
+    if kind != "dense":
+        model.head.embedding = model.lm_head.weight
+        with pytest.raises(ValueError, match=r"clusters \(centroids, cluster_tokens, extra_ids\) were emptied by to_empty"):
+            model.head.next_token(problem.hidden)
+        # A state that leaves one of them out does not fill them either.
+        model.load_state_dict({k: v for k, v in state.items() if k != "head.centroids"}, strict=False)
+        with pytest.raises(ValueError, match="were emptied by to_empty"):
+            model.head.sample(problem.hidden)
+        model.load_state_dict(state)
+    else:
+        with pytest.raises(ValueError, match="embedding was emptied by to_empty"):
+            model.head.next_token(problem.hidden)
+        model.head.embedding = model.lm_head.weight
+    assert torch.equal(model.head.next_token(problem.hidden), want)
 
 
 @either_head
