@@ -33,7 +33,7 @@ def questions_by_category(path, parity: str = "odd") -> dict:
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{line_no}: not a JSON line ({error})") from None
             if not isinstance(row, dict) or not {"question_id", "category", "turns"} <= row.keys() or not row["turns"] \
-                    or not isinstance(row["question_id"], int):
+                    or not isinstance(row["question_id"], int) or isinstance(row["question_id"], bool):
                 raise ValueError(f"{path}:{line_no}: expected fields question_id (an int), category and a non-empty "
                                  "turns list")
             if row["question_id"] % 2 == (parity == "odd"):

@@ -75,6 +75,14 @@ def test_clusters_bench_builds_a_head_of_ones_own(tmp_path):
     # Clusters of the size given (build_clusters' cluster_size), not of the vocabulary over their count.
     assert [(r["shape"], r["vocab"], r["dim"], r["cluster_size"], r["clusters"], r["equal_sizes"]) for r in rows] == [
         ("301x16x8", 301, 16, 8, 38, True), ("100x8x30", 100, 8, 30, 4, True)]
+    result = json.loads(out.read_text())
+    assert result["meta"]["args"]["iters"] == 2
+    for r in rows:  # the iterations run (at most --iters), the time of one, the threads and device it ran on
+        assert 1 <= r["iters"] <= 2 and r["seconds_per_iter"] == pytest.approx(r["seconds"] / r["iters"])
+        assert (r["threads"], r["device"]) == (torch.get_num_threads(), "cpu")
+    # Four clusters of 30 converge well before 50 iterations: the row says how many ran, not how many were allowed.
+    assert main(["clusters", "--shapes", "100x8x30", "--iters", "50", "--device", "cpu", "--json", str(out)]) == 0
+    assert 1 <= json.loads(out.read_text())["rows"][0]["iters"] < 50
 
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
@@ -388,6 +396,22 @@ def test_spec_bench_weights_past_the_device_are_a_usage_error(error, monkeypatch
         main(["spec", "--device", "cpu", "--head", "dense", "--mode", "baseline"])
 
 
+def test_cli_argument_types_at_their_edges(tmp_path):
+    import argparse
+    import os
+
+    from flashhead_ext._cli import doc_summary, non_negative_int, output_file, positive_int_list, write_output
+
+    assert non_negative_int("0") == 0 and positive_int_list("3,,5, 3") == [3, 5]
+    assert doc_summary("The ``head`` bench.\n\nMore.") == "The head bench."
+    # A file several missing directories down can be written once they are made; checking makes none of them.
+    deep = tmp_path / "a" / "b" / "out.json"
+    assert output_file(str(deep)) == str(deep) and not (tmp_path / "a").exists()
+    assert write_output(deep, "{}") == deep and deep.read_text() == "{}"
+    with pytest.raises(argparse.ArgumentTypeError, match="exists and is not a regular file"):
+        output_file(os.devnull)  # a device: opened, it could block or act
+
+
 def test_run_metadata_describes_the_device_the_run_uses():
     # A CPU run on a machine with a GPU is a CPU run: no GPU name, and no L2 to size the copies by
     # (a GPU's L2 once made `bench head --device cpu` rotate over copies there).
@@ -473,6 +497,15 @@ def test_layer_ops_rotates_copies_of_what_each_row_reads():
     assert all(c["small"] is small for c in copies)  # what the row does not read is shared
     assert len({c["large"].data_ptr() for c in copies}) == len(copies) and all(torch.equal(c["large"], large) for c in copies)
     assert len(_rotated(dict(small=small, large=large), ["small"])) == MAX_COPIES
+    # Copies of 600,000 bytes: 447.4 of them make 256 MB, so 448 do (at least that much passes between two uses).
+    assert len(_rotated(dict(odd=torch.zeros(3, 50000)), ["odd"])) == 448
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_layer_ops_without_a_gpu_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["layer-ops", "--shapes", "tiny", "--tokens", "1", "--samples", "1", "--calls", "1"])
+    assert exit_info.value.code == 2 and "layer-ops times CUDA kernels and needs a GPU" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

@@ -173,17 +173,42 @@ def test_the_json_names_the_code_and_the_settings_of_the_run(tmp_path, monkeypat
     hidden = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
 
     def recorded(model, tokenizer, prompts, max_new_tokens):
-        return hidden, (hidden @ model.lm_head.weight.T).argmax(-1), torch.arange(9) % len(prompts)
+        generated = (hidden @ model.lm_head.weight.T).argmax(-1)
+        generated[4] = (generated[4] + 1) % 67  # one token the dense head does not pick
+        return hidden, generated, torch.arange(9) % len(prompts)
 
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("FLASHHEAD_COMMIT", "feed123")
     monkeypatch.setattr(hf, "load_smollm2", lambda: (model, Tokenizer()))
     monkeypatch.setattr(hf, "record_hidden_states", recorded)
     out = tmp_path / "out.json"
-    assert main(["compare-heads", "--device", "cpu", "--num-prompts", "3", "--max-new-tokens", "5", "--probes", "2,5",
+    assert main(["compare-heads", "--device", "cpu", "--num-prompts", "3", "--max-new-tokens", "5", "--probes", "2,5,40",
                  "--cluster-size", "4", "--iters", "2", "--seed", "7", "--repeats", "3", "--json", str(out)]) == 0
     meta = json.loads(out.read_text())["meta"]
     assert meta["commit"] == "feed123" and meta["version"] == flashhead_ext.__version__ and meta["device"] == "cpu"
-    assert meta["args"] == dict(num_prompts=3, max_new_tokens=5, probes=[2, 5], cluster_size=4, iters=2, seed=7,
+    assert meta["args"] == dict(num_prompts=3, max_new_tokens=5, probes=[2, 5, 40], cluster_size=4, iters=2, seed=7,
                                 no_cache=False, repeats=3, threads=None)
     assert "UTC" in meta["date"]
+    # The rows: each probes value against a head built as compare-heads builds it (the cached clustering
+    # of --seed 7), the dense head's match with what the model generated, per category too.
+    result = json.loads(out.read_text())
+    assert (result["tokens"], result["prompts"]["count"], result["vocab_size"], result["num_clusters"]) == (9, 3, 67, 17)
+    assert result["dense_matches_generate"] == pytest.approx(8 / 9)
+    from flashhead_ext.__main__ import next_tokens
+    from flashhead_ext.assets import flash_head_for
+
+    # The one clustering the run built (and cached) is that of --cluster-size 4, --iters 2, --seed 7.
+    assert [p.name.split("-", 1)[1].rsplit("-v", 1)[0] for p in (tmp_path / "cache" / "clusters").iterdir()] == ["b4-i2-s7"]
+    flash, _ = flash_head_for(model.lm_head.weight, 4, special_token_ids=[0], iters=2, seed=7, progress=False)
+    dense = (hidden @ model.lm_head.weight.T).argmax(-1)
+    from flashhead_ext.prompts import DEFAULT_PROMPTS, load_prompts
+
+    categories = [p["category"] for p in load_prompts(DEFAULT_PROMPTS, 3)]  # source i % 3 is prompt i % 3
+    # 40 probes of 17 clusters run as 17, and say what was asked.
+    assert [(row["probes"], row["probes_requested"]) for row in result["flash"]] == [(2, [2]), (5, [5]), (17, [40])]
+    for row in result["flash"]:
+        flash.probes = row["probes"]
+        agree = (next_tokens(flash, hidden) == dense).float()
+        assert row["top1_agreement"] == pytest.approx(agree.mean().item())
+        assert row["fraction_scored"] == pytest.approx((17 + flash.num_candidates) / 67)
+        assert row["per_category"] == pytest.approx({c: agree[j::3].mean().item() for j, c in enumerate(categories)})

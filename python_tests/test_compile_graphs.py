@@ -293,3 +293,22 @@ def test_capture_is_not_failed_by_collecting_a_dead_graph():
     torch.cuda.synchronize()
     assert torch.equal(results[-1], x * 3 + 1)
     gc.collect()  # the dead graph is destroyed now, outside any capture
+
+
+def test_capture_pauses_the_collector_and_leaves_it_as_the_caller_had_it():
+    """capture_graph's pause of the cyclic collector (CPU-checkable): off inside, then as it was
+    before, enabled or not, and also when the capture raises."""
+    from flashhead_ext.graphs import _no_automatic_collection
+
+    was = gc.isenabled()
+    try:
+        for before in (True, False):
+            (gc.enable if before else gc.disable)()
+            with _no_automatic_collection():
+                assert not gc.isenabled()
+            assert gc.isenabled() == before
+            with pytest.raises(RuntimeError, match="capture failed"), _no_automatic_collection():
+                raise RuntimeError("capture failed")
+            assert gc.isenabled() == before
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -604,3 +604,20 @@ def test_categories_holding_fewer_prompts_than_asked_are_named(capsys):
     for per_category in (5, None):  # every category holds 5; None asks for all
         quality.note_short_categories("--per-category", per_category, prompts_per_category(DEFAULT_PROMPTS, per_category, "odd"))
     assert capsys.readouterr().err == ""
+
+
+def test_prompt_files_skip_blank_lines_and_refuse_malformed_rows(tmp_path):
+    path = tmp_path / "q.jsonl"
+    rows = [dict(question_id=q, category=c, turns=[f"first {q}", f"second {q}"]) for q, c in ((1, "a"), (3, "b"), (5, "a"), (7, "a"))]
+    path.write_text("\n" + "\n   \n".join(json.dumps(row) for row in rows) + "\n\n")  # blank lines anywhere are skipped
+    # Round-robin over the categories, the largest first; the prompt is the first turn.
+    assert [(r["question_id"], r["text"]) for r in load_prompts(path, 3)] == [(1, "first 1"), (3, "first 3"), (5, "first 5")]
+    assert [r["question_id"] for r in load_prompts(path, 9)] == [1, 3, 5, 7]  # all the file holds
+    assert [r["question_id"] for r in prompts_per_category(path, 2)] == [1, 5, 3]
+    with pytest.raises(ValueError, match="per_category must be a positive int or None, got True"):
+        prompts_per_category(path, True)
+    for bad in (dict(question_id=9, category="a", turns=[]), dict(question_id="9", category="a", turns=["x"]),
+                dict(question_id=True, category="a", turns=["x"]), dict(question_id=9, turns=["x"]), [9, "a", ["x"]]):
+        path.write_text(json.dumps(rows[0]) + "\n" + json.dumps(bad) + "\n")
+        with pytest.raises(ValueError, match=r"q.jsonl:2: expected fields question_id \(an int\), category and a non-empty turns"):
+            questions_by_category(path)

@@ -1220,6 +1220,69 @@ def test_draft_step_leaves_a_head_time_below_the_noise_blank(tmp_path, monkeypat
     assert "-0.5" not in printed and "head us blank: the step timed no slower than the body alone" in printed
 
 
+def test_draft_step_rows_read_the_timings_of_each_body_and_head(tmp_path, monkeypatch):
+    from flashhead_ext.bench import spec
+    from flashhead_ext.bench.__main__ import main
+
+    # Per body: the body alone, then the dense and FlashHead steps. A step timed equal to its body
+    # alone leaves the head's time blank, as one timed faster does.
+    timings = iter([50.0, 50.0, 40.0, 20.0, 30.0, 25.0])
+    monkeypatch.setattr(spec, "_time", lambda fn, args, cuda: next(timings))
+    assert main(["draft-step", "--shapes", "tiny", "--dtype", "fp32", "--device", "cpu", "--bodies", "eager,fused",
+                 "--json", str(tmp_path / "step.json")]) == 0
+    rows = json.loads((tmp_path / "step.json").read_text())["rows"]
+    assert [(r["body"], r["head"], r["step_us"], r["body_us"], r["head_us"]) for r in rows] == [
+        ("eager", "dense", 50.0, 50.0, None), ("eager", "flashhead", 40.0, 50.0, None),
+        ("fused", "dense", 30.0, 20.0, 10.0), ("fused", "flashhead", 25.0, 20.0, 5.0)]
+    assert [r["speedup_vs_first_body"] for r in rows] == pytest.approx([1.0, 1.0, 50 / 30, 40 / 25])
+    assert [r.get("dense_over_flash") for r in rows] == [None, pytest.approx(50 / 40), None, pytest.approx(30 / 25)]
+
+
+def test_spec_bench_options_at_their_bounds(monkeypatch, capsys):
+    from argparse import Namespace
+
+    from flashhead_ext.bench import spec
+    from flashhead_ext.bench.__main__ import main
+
+    ran = []
+    monkeypatch.setattr(spec, "_run_spec", lambda parser, args, configs, target, draft: ran.append((args, target)) or 0)
+    base = ["spec", "--target", "tiny", "--draft", "tiny", "--device", "cpu"]
+    # The tiny shape's 1000 rows in clusters of 16: 63 clusters, all of which may be probed.
+    for edge in (["--synthetic-acceptance", "0"], ["--synthetic-acceptance", "1"], ["--probes", "63"], ["--k", "1"]):
+        assert main([*base, *edge]) == 0, edge
+    for bad, message in ((["--k", "0"], "--k must be >= 1, got 0"), (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+                         (["--synthetic-acceptance", "-0.01"], "--synthetic-acceptance must be in [0, 1], got -0.01"),
+                         (["--probes", "64"], "--probes 64 exceeds the 63 clusters of tiny"),
+                         (["--target-layers", "0"], "--target-layers: num_layers must be an int in 1..2 (the model's layers), got 0")):
+        with pytest.raises(SystemExit):
+            main([*base, *bad])
+        assert f"spec: error: {message}" in capsys.readouterr().err, bad
+    assert len(ran) == 4
+    # --probes reaches the FlashHead; None is C/16.
+    head = spec.make_head("flashhead", torch.randn(99, 32), Namespace(cluster_size=4, probes=5, centroid_dtype="model"))
+    assert (head.probes, head.num_clusters) == (5, 25)
+    assert spec.make_head("flashhead", torch.randn(99, 32), Namespace(cluster_size=4, probes=None, centroid_dtype="model")).probes == 1
+
+
+def test_spec_head_gains_of_ordinary_equal_steps_and_empty_runs():
+    from flashhead_ext.bench.spec import head_gains
+
+    row = lambda mode, head, decode_s, proposed: dict(label=f"{mode}/{head}", mode=mode, head=head, decode_s=decode_s,
+                                                       proposed=proposed)
+    # Ordinary's rounds are not of fixed work: no break-even acceptance. The prediction counts the
+    # FlashHead run's own proposals (600 steps 80 us shorter: 48 ms of the dense run's 2 s).
+    (gain,) = head_gains([row("ordinary", "dense", 2.0, 500), row("ordinary", "flashhead", 1.9, 600)], 6, 0.77,
+                         {"dense": 600.0, "flashhead": 520.0})
+    assert "break_even_acceptance" not in gain and gain["predicted"] == pytest.approx(2.0 / (2.0 - 0.048) - 1)
+    # Draft steps timed equal predict no gain: no share of it measured (not a ZeroDivisionError).
+    (even,) = head_gains([row("deferred", "dense", 2.0, 600), row("deferred", "flashhead", 1.9, 600)], 6, 0.77,
+                         {"dense": 500.0, "flashhead": 500.0})
+    assert even["predicted"] == 0 and even["of_predicted"] is None and "of it measured" not in even["reading"]
+    # A run that took no decode time is no ratio.
+    for dense_s, flash_s in ((0.0, 1.9), (2.0, 0.0)):
+        assert head_gains([row("deferred", "dense", dense_s, 600), row("deferred", "flashhead", flash_s, 600)], 6, 0.77, {}) == []
+
+
 def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
     from flashhead_ext.bench.__main__ import main
 
@@ -1248,6 +1311,7 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
                  "--json", str(tmp_path / "spec.json")]) == 0
     result = json.loads((tmp_path / "spec.json").read_text())
     assert result["meta"]["clusters"].startswith("random") and result["meta"]["synthetic_acceptance"] == 0.77
+    assert (result["meta"]["num_clusters"], result["meta"]["probes_used"]) == (63, 3)  # ceil(1000 / 16), C/16
     assert {r["label"]: r["exact"] for r in result["summary"]} == {
         "baseline": "1/1", "ordinary/dense": "synthetic", "deferred/dense": "synthetic",
         "ordinary/flashhead": "synthetic", "deferred/flashhead": "synthetic"}

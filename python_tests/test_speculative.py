@@ -410,6 +410,7 @@ def test_draft_head_from_a_clustering_samples_with_its_raw_centroids():
     assert not torch.equal(clustering.centroids, clustering.raw_centroids)  # k-means: greedy ranks them normalised
     for given in (clustering, FlashHeadAssets.from_clustering(clustering)):
         head = make_draft_head("flashhead", embedding, clustering=given, probes=3)
+        assert head.probes == 3  # as given, not C/16 (which is 1 here)
         reference = FlashHeadAssets.from_clustering(clustering).head(embedding, 3)
         torch.testing.assert_close(head.centroids, reference.centroids, rtol=0, atol=0)
         torch.testing.assert_close(head.sampling_centroids, reference.sampling_centroids, rtol=0, atol=0)
@@ -423,6 +424,7 @@ def test_early_exit_draft_is_the_targets_first_layers():
     target = tiny_model("gemma3")
     draft = early_exit_draft(target, 2)
     assert len(draft.model.layers) == draft.config.num_hidden_layers == 2 and target.config.num_hidden_layers == 3
+    assert draft.config.layer_types == target.config.layer_types[:2] and not draft.training
     owned = {p.data_ptr() for p in target.parameters()}
     assert all(p.data_ptr() in owned for p in draft.parameters())  # shared, nothing copied
     assert draft.get_output_embeddings().weight is target.get_output_embeddings().weight
@@ -430,12 +432,37 @@ def test_early_exit_draft_is_the_targets_first_layers():
     with torch.no_grad():
         after_two = target(input_ids=ids, output_hidden_states=True).hidden_states[2]
         torch.testing.assert_close(draft.model(input_ids=ids).last_hidden_state, target.model.norm(after_two))
-    with pytest.raises(ValueError, match="num_layers must be in 1..3"):
-        early_exit_draft(target, 4)
-    with pytest.raises(TypeError, match="num_layers must be an int"):
-        early_exit_draft(target, "2")
-    with pytest.raises(TypeError, match="target must be a transformers causal LM"):
-        early_exit_draft(torch.nn.Linear(2, 2), 1)
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="num_layers must be in 1..3"):
+            early_exit_draft(target, bad)
+    for bad in ("2", True):
+        with pytest.raises(TypeError, match="num_layers must be an int"):
+            early_exit_draft(target, bad)
+    for bad in (torch.nn.Linear(2, 2), target.model):  # the body alone is no causal LM
+        with pytest.raises(TypeError, match="target must be a transformers causal LM"):
+            early_exit_draft(bad, 1)
+    # The draft is in eval mode; the modules it shares keep a target's training mode.
+    training = copy.deepcopy(target).train()
+    draft = early_exit_draft(training, 2)
+    assert not draft.training and not draft.model.training and not draft.lm_head.training
+    assert all(module.training for module in training.modules())
+
+
+def test_early_exit_draft_refuses_state_outside_the_body_and_leaves_a_hooked_head_the_targets():
+    cls, config = _config("llama")
+
+    class Scaled(cls):  # a parameter of the LM itself, which the draft's shell would hold on the meta device
+        def __init__(self, config):
+            super().__init__(config)
+            self.logit_scale = torch.nn.Parameter(torch.ones(1))
+
+    torch.manual_seed(0)
+    with pytest.raises(TypeError, match="keeps state outside its body"):
+        early_exit_draft(Scaled(config).eval(), 1)
+    target = copy.deepcopy(tiny_model("llama"))
+    target.lm_head._hf_hook = object()  # a head accelerate's hooks manage stays the target's module
+    assert early_exit_draft(target, 1).lm_head is target.lm_head
+    assert early_exit_draft(tiny_model("llama"), 1).lm_head is not tiny_model("llama").lm_head
 
 
 def test_eos_ids_take_ints_of_any_integer_type():
@@ -787,6 +814,37 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
     assert "--kmeans-iters KMEANS_ITERS, --iters KMEANS_ITERS" in help_text  # the other CLIs' name too
     # A default of None is not printed: its help says what it stands for ("default: 8, or all the file holds").
     assert "(default: None)" not in help_text and "(default: 0)" in help_text
+
+
+def test_cli_options_at_their_bounds(tmp_path, monkeypatch, capsys):
+    """Values at the edge of what the spec CLI takes run; past it, each check names its own flag."""
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    _save_tiny_model_with_tokenizer(tmp_path / "model")
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("\n".join(json.dumps(dict(question_id=q, category="a", turns=[f"w{q} w7 w19"])) for q in (1, 3)))
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)  # asked for, not changed under the other tests
+    out = tmp_path / "spec.json"
+    model = ["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--prompts", str(questions), "--max-new-tokens", "3",
+             "--kmeans-iters", "2", "--device", "cpu", "--json", str(out)]
+    # 101 rows in clusters of 16: 7 clusters, all of which may be probed; the file's 2 prompts when no count is given.
+    assert _spec_main([*model, "--k", "1", "--probes", "7", "--head", "flashhead", "--mode", "ordinary", "--threads", "2"]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert (meta["probes_used"], meta["num_clusters"], meta["num_prompts"]) == (7, 7, 2) and threads == [2]
+    # The fast path's synthetic acceptance at 1: the baseline stays exact, every proposal is accepted.
+    assert _spec_main([*model, "--k", "2", "--head", "dense", "--mode", "baseline,deferred", "--fast",
+                       "--synthetic-acceptance", "1"]) == 0
+    summary = {row["label"]: row for row in json.loads(out.read_text())["summary"]}
+    assert summary["baseline"]["exact"] == "2/2" and summary["deferred/dense"]["exact"] == "synthetic"
+    missing = ["--target", str(tmp_path / "missing"), "--prompts", str(questions)]
+    for bad, message in ((["--k", "0"], "--k must be >= 1, got 0"),
+                         (["--synthetic-acceptance", "0.5"], "--draft-device, --draft-body and --synthetic-acceptance need --fast"),
+                         (["--draft-body", "eager"], "--draft-device, --draft-body and --synthetic-acceptance need --fast"),
+                         (["--fast", "--synthetic-acceptance", "1.5"], "--synthetic-acceptance must be in [0, 1], got 1.5"),
+                         (["--fast", "--synthetic-acceptance", "1"], f"--target '{tmp_path / 'missing'}': no such directory")):
+        with pytest.raises(SystemExit):
+            _spec_main([*missing, *bad])
+        assert f"spec: error: {message}" in capsys.readouterr().err, bad
 
 
 def test_more_prompts_than_the_file_holds_is_a_usage_error(tmp_path, capsys):

@@ -53,7 +53,13 @@ def early_exit_draft(target: nn.Module, num_layers: int) -> PreTrainedModel:
     if leftover:
         raise TypeError(f"target {type(target).__name__} keeps state outside its body's submodules, so the early-exit draft "
                         f"cannot share it: {leftover[:4]}")
-    return draft.eval()
+    # In eval mode, but the modules it shares keep the target's: draft.eval() switched part of a
+    # target in training mode.
+    shared = {id(module) for module in target.modules()}
+    for module in draft.modules():
+        if id(module) not in shared:
+            module.training = False
+    return draft
 
 
 def _own_linear(module: nn.Module) -> nn.Module:
