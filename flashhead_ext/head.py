@@ -82,16 +82,22 @@ def _own_copy(tensor: Tensor, device, dtype) -> Tensor:
     return tensor.detach().to(device, dtype, memory_format=torch.contiguous_format, copy=True)
 
 
-# Module.to_empty()'s function, as Module._apply receives it. It gives every tensor new storage
-# without values, on any device; told by its name, since no probe tensor can tell an empty copy
-# from a value-keeping move (uninitialised memory may hold the probe's values).
-_TO_EMPTY_FN = f"{nn.Module.to_empty.__qualname__}.<locals>.<lambda>"
+class _ApplyRecorder(nn.Module):
+    def _apply(self, fn, recurse=True):
+        self.__dict__["fn"] = fn
+        return self
+
+
+# The code of the function Module.to_empty() passes to _apply, read off torch itself. It gives every
+# tensor new storage without values, on any device; told by its code, since no probe tensor can tell
+# an empty copy from a value-keeping move (uninitialised memory may hold the probe's values).
+_TO_EMPTY_CODE = getattr(_ApplyRecorder().to_empty(device="meta").fn, "__code__", None)
 
 
 def _empties(fn, was_meta: bool, is_meta: bool) -> bool:
-    """Whether Module._apply's ``fn`` leaves a tensor without values: to_empty() (the only function
-    that takes a tensor off the meta device does)."""
-    return getattr(fn, "__qualname__", None) == _TO_EMPTY_FN or (was_meta and not is_meta)
+    """Whether Module._apply's ``fn`` leaves a tensor without values: to_empty()'s, or any move off
+    the meta device, which only to_empty() can make."""
+    return (_TO_EMPTY_CODE is not None and getattr(fn, "__code__", None) is _TO_EMPTY_CODE) or (was_meta and not is_meta)
 
 
 def _require_values(name: str, centroids: Tensor) -> None:
@@ -232,8 +238,9 @@ class _HeadBase(nn.Module):
     def _rows(self, hidden: Tensor) -> Tensor:
         """hidden ``[..., D]`` as ``[B, D]``, after checks that name what was expected."""
         if self.__dict__.get("_embedding_unset"):
-            raise ValueError("the head's embedding was emptied by to_empty(), which leaves it without values, and no "
-                             "state dict holds it: give the head the materialised weight "
+            raise ValueError("the head's embedding was emptied by to_empty(), which leaves it without values, and the "
+                             "head cannot tell whether the weight it follows was loaded since (no state dict holds "
+                             "the embedding): give the head the materialised weight "
                              "(head.embedding = model.lm_head.weight) or build it again")
         if not isinstance(hidden, Tensor):
             raise TypeError(f"hidden must be a torch.Tensor [..., {self.hidden_dim}], got {type(hidden).__name__}")
@@ -531,16 +538,15 @@ class FlashHead(_HeadBase):
                                                               copy=assign)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        if all(isinstance(incoming(name), Tensor) for name, buffer in self._buffers.items()
-               if buffer is not None and name not in self._non_persistent_buffers_set):
-            self.__dict__["_tables_unset"] = False
+        if self.__dict__.get("_unset_buffers"):  # what this state filled has values again (a sharded load fills some)
+            self.__dict__["_unset_buffers"] = {name for name in self._unset_buffers if not isinstance(incoming(name), Tensor)}
 
     def _warn_if_tokens_left_out(self, table: Optional[Tensor], extra_ids: Optional[Tensor], prefix: str) -> None:
         """A UserWarning when a state's clusters and special tokens leave out tokens this head's cover:
         those can never be produced (a state saved by a head over a smaller vocabulary, whose table
         fits this head's shape where the vocabularies differ by less than a cluster)."""
         if (not isinstance(table, Tensor) or self.cluster_tokens.is_meta or self.extra_ids.is_meta
-                or self.__dict__.get("_tables_unset")):
+                or self.__dict__.get("_unset_buffers")):
             return
 
         def covered(table: Tensor, extra_ids: Tensor) -> Tensor:
@@ -574,11 +580,18 @@ class FlashHead(_HeadBase):
     def _apply(self, fn, recurse=True):
         tables_were_meta = self.cluster_tokens.is_meta
         self._apply_keeping_fp8(fn, recurse)
-        # to_empty() leaves the clusters without values until a state dict fills them; the head
-        # refuses to run meanwhile (a model's own checkpoint, without them, restores only its weight).
+        # to_empty() leaves the clusters without values until a state dict or an assignment fills
+        # them; the head refuses to run meanwhile (a model's own checkpoint restores only its
+        # weight). An empty buffer (no special tokens) has no values to lose.
         if _empties(fn, tables_were_meta, self.cluster_tokens.is_meta):
-            self.__dict__["_tables_unset"] = True
+            self.__dict__["_unset_buffers"] = {name for name, buffer in self._buffers.items() if buffer is not None
+                                               and buffer.numel() and name not in self._non_persistent_buffers_set}
         return self
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if isinstance(value, Tensor) and name in self.__dict__.get("_unset_buffers", ()):
+            self.__dict__["_unset_buffers"] = self._unset_buffers - {name}
 
     def _apply_keeping_fp8(self, fn, recurse):
         # Module casts (head.half(), model.to(dtype)) cast every float buffer. fp8 centroids and
@@ -635,10 +648,10 @@ class FlashHead(_HeadBase):
         if self.embedding.dtype not in HEAD_DTYPES:
             raise TypeError(f"the head's dtype is {self.embedding.dtype}; FlashHead runs in float16, bfloat16 or float32: "
                             "cast it back (e.g. head.float())")
-        if self.__dict__.get("_tables_unset"):
-            raise ValueError("the head's clusters (centroids, cluster_tokens, extra_ids) were emptied by to_empty(), which "
-                             "leaves them without values: load a state dict that holds them (the head's own, or the model's "
-                             "with the head in it) or build the head again")
+        if self.__dict__.get("_unset_buffers"):
+            raise ValueError(f"the head's clusters were emptied by to_empty(), which leaves them without values, and "
+                             f"{', '.join(sorted(self._unset_buffers))} have none yet: load a state dict that holds them "
+                             "(the head's own, or the model's with the head in it) or build the head again")
         return super()._rows(hidden)
 
     def _check_new_embedding(self, embedding) -> None:

@@ -487,8 +487,9 @@ def test_the_drivers_clock_times_the_models_device_not_the_current_one():
     assert clock.resolve()["matmuls"] > 5e-4  # 8 float32 GEMMs of 8192: milliseconds, not an idle device's microseconds
 
 
-def test_layer_ops_rotates_copies_of_what_each_row_reads():
+def test_layer_ops_rotates_copies_of_what_each_row_reads(monkeypatch):
     # Sized by the whole layer, a small matrix's copies had fit in an H200's L2 (o: 38 MB at Qwen3-0.6B).
+    from flashhead_ext.bench import layer_ops
     from flashhead_ext.bench.layer_ops import L2_DEFEAT_BYTES, MAX_COPIES, _rotated
 
     small, large = torch.randn(64, 96), torch.randn(1024, 1024)
@@ -497,12 +498,13 @@ def test_layer_ops_rotates_copies_of_what_each_row_reads():
     assert all(c["small"] is small for c in copies)  # what the row does not read is shared
     assert len({c["large"].data_ptr() for c in copies}) == len(copies) and all(torch.equal(c["large"], large) for c in copies)
     assert len(_rotated(dict(small=small, large=large), ["small"])) == MAX_COPIES
-    # Copies of 600,000 bytes: 447.4 of them make 256 MB, so 448 do (at least that much passes between two uses).
-    assert len(_rotated(dict(odd=torch.zeros(3, 50000)), ["odd"])) == 448
+    # Copies of 600,000 bytes where 4 MB must pass between two uses: 6.67 of them, so 7.
+    monkeypatch.setattr(layer_ops, "L2_DEFEAT_BYTES", 4_000_000)
+    assert len(_rotated(dict(odd=torch.zeros(3, 50000)), ["odd"])) == 7
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
-def test_layer_ops_without_a_gpu_is_a_usage_error(capsys):
+def test_layer_ops_without_a_gpu_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
         main(["layer-ops", "--shapes", "tiny", "--tokens", "1", "--samples", "1", "--calls", "1"])
     assert exit_info.value.code == 2 and "layer-ops times CUDA kernels and needs a GPU" in capsys.readouterr().err

@@ -209,7 +209,7 @@ def test_seeds_and_held_out_categories_combine_their_clusterings_rows():
         assert row["top1_agreement"] == pytest.approx((one["top1_agreement"] + other["top1_agreement"]) / 2)
 
 
-def test_prompt_level_agreement_counts_prompts_and_resamples_them():
+def test_prompts_without_miss_and_the_agreement_interval_count_and_resample_prompts():
     # Prompt 7: 3 of 4 agree; prompt 2: 2 of 2; prompt 5: 0 of 1.
     hit = torch.tensor([True, True, False, True, True, True, False])
     prompts = torch.tensor([7, 7, 7, 7, 2, 2, 5])

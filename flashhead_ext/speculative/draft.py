@@ -53,8 +53,8 @@ def early_exit_draft(target: nn.Module, num_layers: int) -> PreTrainedModel:
     if leftover:
         raise TypeError(f"target {type(target).__name__} keeps state outside its body's submodules, so the early-exit draft "
                         f"cannot share it: {leftover[:4]}")
-    # In eval mode, but the modules it shares keep the target's: draft.eval() switched part of a
-    # target in training mode.
+    # In eval mode, but the modules it shares keep the target's mode: draft.eval() put the shared
+    # modules of a target in training mode in eval mode.
     shared = {id(module) for module in target.modules()}
     for module in draft.modules():
         if id(module) not in shared:
