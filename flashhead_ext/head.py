@@ -538,8 +538,9 @@ class FlashHead(_HeadBase):
                                                               copy=assign)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        if self.__dict__.get("_unset_buffers"):  # what this state filled has values again (a sharded load fills some)
-            self.__dict__["_unset_buffers"] = {name for name in self._unset_buffers if not isinstance(incoming(name), Tensor)}
+        unset = self.__dict__.get("_unset_buffers")
+        if unset:  # what this state filled has values again (a sharded load fills some)
+            self.__dict__["_unset_buffers"] = {name for name in unset if not isinstance(incoming(name), Tensor)}
 
     def _warn_if_tokens_left_out(self, table: Optional[Tensor], extra_ids: Optional[Tensor], prefix: str) -> None:
         """A UserWarning when a state's clusters and special tokens leave out tokens this head's cover:
@@ -590,8 +591,9 @@ class FlashHead(_HeadBase):
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
-        if isinstance(value, Tensor) and name in self.__dict__.get("_unset_buffers", ()):
-            self.__dict__["_unset_buffers"] = self._unset_buffers - {name}
+        unset = self.__dict__.get("_unset_buffers")
+        if unset and isinstance(value, Tensor) and name in unset:
+            self.__dict__["_unset_buffers"] = unset - {name}
 
     def _apply_keeping_fp8(self, fn, recurse):
         # Module casts (head.half(), model.to(dtype)) cast every float buffer. fp8 centroids and
@@ -648,9 +650,10 @@ class FlashHead(_HeadBase):
         if self.embedding.dtype not in HEAD_DTYPES:
             raise TypeError(f"the head's dtype is {self.embedding.dtype}; FlashHead runs in float16, bfloat16 or float32: "
                             "cast it back (e.g. head.float())")
-        if self.__dict__.get("_unset_buffers"):
+        unset = self.__dict__.get("_unset_buffers")
+        if unset:
             raise ValueError(f"the head's clusters were emptied by to_empty(), which leaves them without values, and "
-                             f"{', '.join(sorted(self._unset_buffers))} have none yet: load a state dict that holds them "
+                             f"{', '.join(sorted(unset))} have none yet: load a state dict that holds them "
                              "(the head's own, or the model's with the head in it) or build the head again")
         return super()._rows(hidden)
 
