@@ -71,3 +71,53 @@ def test_import_says_when_nothing_was_built(monkeypatch):
         _loader.load_extension()
     # Where it was imported from, and the way out when that is a checkout shadowing an installed copy.
     assert str(Path(flashhead_ext.__file__).parent) in str(err.value) and "pip install --no-build-isolation -e" in str(err.value)
+
+
+def test_import_refuses_the_same_torch_release_of_another_build(monkeypatch):
+    # 2.x+cpu and 2.x+cu130 share a release number but not an ABI: the whole version string must match.
+    other = torch.__version__.split("+")[0] + "+otherbuild"
+    fake = types.SimpleNamespace(TORCH_VERSION=other, CUDA_VERSION="9.9", WITH_CUDA=True)
+    monkeypatch.setitem(sys.modules, "flashhead_ext._build_info", fake)
+    monkeypatch.setattr(flashhead_ext, "_build_info", fake, raising=False)
+    with pytest.raises(ImportError) as err:
+        _loader.load_extension()
+    assert other in str(err.value) and "CUDA 9.9" in str(err.value)  # the CUDA it was built against
+
+
+def test_import_says_when_the_compiled_extension_fails_to_load(monkeypatch):
+    # None in sys.modules makes `from . import _C` raise ImportError, as for an undefined symbol.
+    monkeypatch.setitem(sys.modules, "flashhead_ext._C", None)
+    monkeypatch.delattr(flashhead_ext, "_C", raising=False)
+    with pytest.raises(ImportError, match="_C failed to load") as err:
+        _loader.load_extension()
+    assert isinstance(err.value.__cause__, ImportError) and str(err.value.__cause__) in str(err.value)
+    assert "Rebuild" in str(err.value)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_clean_checkout_is_not_marked_dirty_and_source_commit_passes_mark_dirty_on(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLASHHEAD_COMMIT", raising=False)
+    _git(tmp_path, "init", "-q")
+    tracked = tmp_path / "tracked.py"
+    tracked.write_text("x = 1\n")
+    _git(tmp_path, "add", "tracked.py")
+    _git(tmp_path, "commit", "-qm", "one")
+    head = _git(tmp_path, "rev-parse", "--short", "HEAD")
+    assert provenance.checkout_commit(tracked, mark_dirty=True) == head
+    tracked.write_text("x = 2\n")
+    assert provenance.source_commit(tracked, mark_dirty=True) == head + "+dirty"
+    assert provenance.source_commit(tracked, mark_dirty=False) == head
+    monkeypatch.setenv("FLASHHEAD_COMMIT", "abc1234")  # the variable wins over a checkout too
+    assert provenance.source_commit(tracked, mark_dirty=True) == "abc1234"
+
+
+def test_no_git_installed_gives_no_commit(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git executable on it
+    (tmp_path / "tracked.py").write_text("")
+    assert provenance.checkout_commit(tmp_path / "tracked.py", mark_dirty=True) is None
+
+
+def test_an_empty_commit_variable_counts_as_unset(monkeypatch):
+    monkeypatch.setenv("FLASHHEAD_COMMIT", "")
+    monkeypatch.setattr(provenance, "checkout_commit", lambda tracked_file, mark_dirty: "fromgit")
+    assert provenance.source_commit(Path("x.py"), mark_dirty=False) == "fromgit"
