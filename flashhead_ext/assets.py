@@ -189,9 +189,9 @@ def _check_against_embedding(dim: int, vocab: int, embedding: Tensor) -> None:
 
 def _check_settings(probes, specials, clusters: int, vocab: int) -> None:
     """ValueError unless ``n_probes`` and the special token ids are what load_assets accepts."""
-    if isinstance(probes, bool) or not isinstance(probes, int) or not 1 <= probes <= clusters:
+    if not ops._is_int(probes) or not 1 <= probes <= clusters:
         raise ValueError(f"n_probes must be an int in 1..{clusters} (n_clusters), got {probes!r}")
-    if not isinstance(specials, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+    if not isinstance(specials, list) or not all(ops._is_int(t) and 0 <= t < vocab
                                                  for t in specials):
         raise ValueError(f"flash_head_special_token_ids must be a list of token ids in [0, {vocab}), got {specials!r}")
 
@@ -397,7 +397,7 @@ def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where:
     fingerprint = config.get("flash_head_embedding_fingerprint")
     size = FINGERPRINT_ROWS * FINGERPRINT_DIRECTIONS
     if fingerprint is not None and not (isinstance(fingerprint, list) and len(fingerprint) == size and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in fingerprint)):
+            ops._is_number(x) and math.isfinite(x) for x in fingerprint)):
         raise ValueError(f"flash_head_embedding_fingerprint must be a list of {size} finite numbers")
     if fingerprint is not None and embedding is not None and not embedding.is_meta:  # a meta tensor has no values
         warn_if_built_for_other_weights(fingerprint, embedding, f"in {where}")

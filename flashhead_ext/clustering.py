@@ -118,7 +118,7 @@ def cluster_sizes(vocab_size: int, cluster_size: Optional[int] = None, n_cluster
     if (cluster_size is None) == (n_clusters is None):
         raise ValueError("give exactly one of cluster_size and n_clusters")
     given_name, given = ("cluster_size", cluster_size) if cluster_size is not None else ("n_clusters", n_clusters)
-    if isinstance(given, bool) or not isinstance(given, int):
+    if not ops._is_int(given):
         raise TypeError(f"{given_name} must be an int, got {type(given).__name__}")
     if not 1 <= given <= vocab_size:
         raise ValueError(f"{given_name} must be in 1..{vocab_size} (the vocabulary size), got {given}")
@@ -231,7 +231,7 @@ def _check_matrix(name: str, value, shape: str, finite: bool = True) -> None:
 
 def check_seed(seed) -> None:
     """A k-means seed: an int that torch.Generator.manual_seed takes, or a TypeError / ValueError."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not ops._is_int(seed):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if not -2**63 <= seed < 2**64:
         raise ValueError(f"seed must be in -2**63..2**64 - 1 (what torch.Generator.manual_seed takes), got {seed}")
@@ -240,7 +240,7 @@ def check_seed(seed) -> None:
 def check_kmeans_settings(iters, seed) -> None:
     """build_clusters' checks of its k-means ``iters`` and ``seed``: a TypeError or ValueError naming the argument."""
     check_seed(seed)
-    if isinstance(iters, bool) or not isinstance(iters, int):
+    if not ops._is_int(iters):
         raise TypeError(f"iters must be an int, got {type(iters).__name__}")
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")

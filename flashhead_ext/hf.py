@@ -298,7 +298,7 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     from tqdm.auto import tqdm
 
     _check_tokenizer(tokenizer)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not ops._is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     lacks_pad = batch_size > 1 and getattr(tokenizer, "pad_token", "") is None
     if lacks_pad and getattr(tokenizer, "eos_token", None) is None:
@@ -402,7 +402,7 @@ def calibration_states(model, tokenizer, prompts=DEFAULT_PROMPTS, per_category: 
 
     More states fit better: on SmolLM2 (C=3072, b=16, 192 probes, odd ids) 4, 8 and all (None)
     prompts per category gave 98.9%, 99.3% and 99.4% top-1 agreement (docs/quality.md)."""
-    if isinstance(min_states, bool) or not isinstance(min_states, int) or min_states < 0:
+    if not ops._is_int(min_states) or min_states < 0:
         raise ValueError(f"min_states must be a non-negative int, got {min_states!r}")
     chosen = prompts_per_category(prompts, per_category, "even")
     parts = [recorded_states(model, tokenizer, chosen, max_new_tokens, progress=progress)["hidden"]]

@@ -94,11 +94,16 @@ def _type_name(value) -> str:
 # Python numbers only: torch.compile traces a numpy scalar as an array, so accepting numpy here
 # would work eagerly and fail compiled.
 def _require_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not _is_int(value):
         raise TypeError(f"{name} must be a Python int, got {_type_name(value)} (convert it with int())")
     if not -2**63 <= value < 2**63:
         raise ValueError(f"{name} must fit in int64, got {value}")
     return value
+
+
+def _is_int(value) -> bool:
+    """A Python int; not a bool, which is an int."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value) -> bool:

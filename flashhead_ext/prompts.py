@@ -10,6 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
+from . import ops
+
 # The Spec-Bench questions ship with the package (data/README.md says where they come from).
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "spec_bench_question.jsonl"
 PARITIES = ("odd", "even")
@@ -33,7 +35,7 @@ def questions_by_category(path, parity: str = "odd") -> dict:
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{line_no}: not a JSON line ({error})") from None
             if not isinstance(row, dict) or not {"question_id", "category", "turns"} <= row.keys() or not row["turns"] \
-                    or not isinstance(row["question_id"], int) or isinstance(row["question_id"], bool):
+                    or not ops._is_int(row["question_id"]):
                 raise ValueError(f"{path}:{line_no}: expected fields question_id (an int), category and a non-empty "
                                  "turns list")
             if row["question_id"] % 2 == (parity == "odd"):
@@ -48,6 +50,8 @@ def load_prompts(path, num_prompts: int, parity: str = "odd") -> list:
     reserved for calibrating data-aware clusterings), taken round-robin over the categories,
     largest first, in file order, so that a few prompts already span the categories, whose
     acceptance rates differ widely. The first turn is the prompt."""
+    if not ops._is_int(num_prompts) or num_prompts < 1:  # 2.5 would give 3 prompts, 0 an empty run
+        raise ValueError(f"num_prompts must be a positive int, got {num_prompts!r}")
     queues = sorted(questions_by_category(path, parity).values(), key=len, reverse=True)
     chosen = []
     while len(chosen) < num_prompts and any(queues):
@@ -59,6 +63,6 @@ def load_prompts(path, num_prompts: int, parity: str = "odd") -> list:
 
 def prompts_per_category(path, per_category: Optional[int], parity: str = "odd") -> list:
     """The first ``per_category`` questions of one ``parity`` from every category (all with None)."""
-    if per_category is not None and (isinstance(per_category, bool) or not isinstance(per_category, int) or per_category < 1):
+    if per_category is not None and (not ops._is_int(per_category) or per_category < 1):
         raise ValueError(f"per_category must be a positive int or None, got {per_category!r}")
     return [row for rows in questions_by_category(path, parity).values() for row in rows[:per_category]]

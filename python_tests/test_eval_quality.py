@@ -616,6 +616,9 @@ def test_prompt_files_skip_blank_lines_and_refuse_malformed_rows(tmp_path):
     assert [r["question_id"] for r in prompts_per_category(path, 2)] == [1, 5, 3]
     with pytest.raises(ValueError, match="per_category must be a positive int or None, got True"):
         prompts_per_category(path, True)
+    for count in (0, 2.5, True):
+        with pytest.raises(ValueError, match=f"num_prompts must be a positive int, got {count!r}"):
+            load_prompts(path, count)
     for bad in (dict(question_id=9, category="a", turns=[]), dict(question_id="9", category="a", turns=["x"]),
                 dict(question_id=True, category="a", turns=["x"]), dict(question_id=9, turns=["x"]), [9, "a", ["x"]]):
         path.write_text(json.dumps(rows[0]) + "\n" + json.dumps(bad) + "\n")

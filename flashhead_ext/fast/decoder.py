@@ -137,7 +137,7 @@ class DecoderConfig:
                                      "for one") from None
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**63:
+            if not ops._is_int(value) or not 1 <= value < 2**63:
                 raise ValueError(f"{name} must be an int in 1..2**63 - 1, got {value!r:.40}")
         for name in ("qk_norm", "tie_word_embeddings", "qkv_bias", "post_norms", "embed_scale_in_model_dtype"):
             if not isinstance(getattr(self, name), bool):  # else a string "False" reads as true
@@ -163,11 +163,11 @@ class DecoderConfig:
             raise ValueError(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
         layers = self.sliding_layers
         if not isinstance(layers, tuple) or len(set(layers)) != len(layers) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_layers for i in layers):
+                ops._is_int(i) and 0 <= i < self.num_layers for i in layers):
             raise ValueError(f"sliding_layers must be a tuple of distinct layer indices in 0..{self.num_layers - 1}, "
                              f"got {layers!r:.80}")
         window = self.sliding_window
-        if (layers or window is not None) and (isinstance(window, bool) or not isinstance(window, int)
+        if (layers or window is not None) and (not ops._is_int(window)
                                                or not 1 <= window < 2**63):
             raise ValueError(f"sliding_window must be an int in 1..2**63 - 1 (None where no layer slides), got {window!r}")
         # Sliding settings without sliding layers would apply to none: refused, not ignored.
@@ -285,7 +285,7 @@ class DecoderConfig:
 
     def first_layers(self, num_layers: int) -> "DecoderConfig":
         """The model of this one's first ``num_layers`` layers (an early-exit draft, a shorter target)."""
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= self.num_layers:
+        if not ops._is_int(num_layers) or not 1 <= num_layers <= self.num_layers:
             raise ValueError(f"num_layers must be an int in 1..{self.num_layers} (the model's layers), got {num_layers!r}")
         sliding = tuple(i for i in self.sliding_layers if i < num_layers)
         if sliding:
@@ -472,7 +472,7 @@ def _compiled_graphs_allowed():
 
 
 def _require_max_len(max_len) -> None:
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len < 2**63:
+    if not ops._is_int(max_len) or not 1 <= max_len < 2**63:
         raise ValueError(f"max_len must be an int in 1..2**63 - 1, got {max_len!r}")
 
 
@@ -892,7 +892,7 @@ class Decoder:
 
     def reset(self, length: int = 0) -> None:
         """Sets the cache length; the entries beyond it are dropped (later overwritten)."""
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.max_len:
+        if not ops._is_int(length) or not 0 <= length <= self.max_len:
             raise ValueError(f"length must be an int in 0..{self.max_len} (max_len), got {length!r}")
         self.length.fill_(length)
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from .. import ops
 from ..assets import default_probes, flash_head_for
 from ..head import DenseHead, FlashHead, centroid_dtype_option
 from ..hf import check_plain_output_head, output_embedding, uncompiled
@@ -28,7 +29,7 @@ def early_exit_draft(target: nn.Module, num_layers: int) -> PreTrainedModel:
     Works for decoders whose body holds its layers in ``layers`` (Llama, Qwen, Mistral, Gemma and
     most transformers decoders).
     """
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
+    if not ops._is_int(num_layers):
         raise TypeError(f"num_layers must be an int, got {type(num_layers).__name__}")
     target = uncompiled(target)  # the draft shares the modules, not the compiled wrapper
     body = getattr(target, "base_model", None)

@@ -27,6 +27,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from .. import ops
 from ..head import DenseHead, FlashHead, _HeadBase
 from ..hf import (check_plain_output_head, greedy_logit_settings, output_embedding, uncompiled,
                   warn_unapplied_generation_settings)
@@ -128,7 +129,7 @@ def sync(device: torch.device) -> None:
 
 
 def require_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not ops._is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
