@@ -394,7 +394,9 @@ class FlashHead(_HeadBase):
     a head over a smaller vocabulary), since those can never be produced. The state dict holds ``centroids``,
     ``sampling_centroids``, ``cluster_tokens`` and ``extra_ids`` (the special tokens, an empty
     tensor when there are none), and with fp8 centroids ``centroid_scale`` and
-    ``sampling_centroid_scale``; it loads into a head of the same centroid dtype only. A head
+    ``sampling_centroid_scale``; it loads into a head of the same centroid dtype only. fp8 centroids
+    and their scale may come in separate loads (a sharded checkpoint's); the head refuses to run
+    until the second has come, since it would score one set at the other's scale meanwhile. A head
     takes another's special tokens with its state, whatever their number (a CUDA graph captured
     over the head must then be captured again), but not its ``probes``, a setting the head keeps
     (set ``head.probes``). State dicts saved before ``extra_ids`` was always
@@ -503,9 +505,6 @@ class FlashHead(_HeadBase):
                 if (incoming(name).dtype == FP8_CENTROIDS) != fp8:
                     raise ValueError(f"{prefix}{name} in the state dict is {incoming(name).dtype} and this head keeps "
                                      f"{self.centroid_dtype} centroids: build the head with the state's centroid_dtype")
-                if fp8 and not isinstance(incoming(self._SCALES[name]), Tensor):
-                    raise ValueError(f"{prefix}{name} in the state dict comes without {prefix}{self._SCALES[name]}, "
-                                     "the scale its fp8 values were quantized with")
                 # As this head will hold them: a float16 head overflows values past 65504.
                 _check_finite(f"{prefix}{name} in the state dict",
                               incoming(name).to(torch.float32 if fp8 else self.centroid_dtype))
@@ -538,9 +537,17 @@ class FlashHead(_HeadBase):
                                                               copy=assign)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        unset = self.__dict__.get("_unset_buffers")
-        if unset:  # what this state filled has values again (a sharded load fills some)
-            self.__dict__["_unset_buffers"] = {name for name in unset if not isinstance(incoming(name), Tensor)}
+        # What this state filled has values again (a sharded load fills some). fp8 centroids and their
+        # scale may come in different shards: a half that came when it was not awaited makes the head
+        # wait for the other, as it would rank clusters by one set's values at the other's scale.
+        awaited = self.__dict__.get("_unset_buffers", {})
+        unset = {name: why for name, why in awaited.items() if not isinstance(incoming(name), Tensor)}
+        if self.centroid_dtype == FP8_CENTROIDS:
+            for centroids, scale in self._SCALES.items():
+                for came, other in ((centroids, scale), (scale, centroids)):
+                    if isinstance(incoming(came), Tensor) and came not in awaited and not isinstance(incoming(other), Tensor):
+                        unset.setdefault(other, f"{came} was loaded without it")
+        self.__dict__["_unset_buffers"] = unset
 
     def _warn_if_tokens_left_out(self, table: Optional[Tensor], extra_ids: Optional[Tensor], prefix: str) -> None:
         """A UserWarning when a state's clusters and special tokens leave out tokens this head's cover:
@@ -585,15 +592,16 @@ class FlashHead(_HeadBase):
         # them; the head refuses to run meanwhile (a model's own checkpoint restores only its
         # weight). An empty buffer (no special tokens) has no values to lose.
         if _empties(fn, tables_were_meta, self.cluster_tokens.is_meta):
-            self.__dict__["_unset_buffers"] = {name for name, buffer in self._buffers.items() if buffer is not None
-                                               and buffer.numel() and name not in self._non_persistent_buffers_set}
+            self.__dict__["_unset_buffers"] = {name: "emptied by to_empty()" for name, buffer in self._buffers.items()
+                                               if buffer is not None and buffer.numel()
+                                               and name not in self._non_persistent_buffers_set}
         return self
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
         unset = self.__dict__.get("_unset_buffers")
         if unset and isinstance(value, Tensor) and name in unset:
-            self.__dict__["_unset_buffers"] = unset - {name}
+            self.__dict__["_unset_buffers"] = {other: why for other, why in unset.items() if other != name}
 
     def _apply_keeping_fp8(self, fn, recurse):
         # Module casts (head.half(), model.to(dtype)) cast every float buffer. fp8 centroids and
@@ -652,8 +660,8 @@ class FlashHead(_HeadBase):
                             "cast it back (e.g. head.float())")
         unset = self.__dict__.get("_unset_buffers")
         if unset:
-            raise ValueError(f"the head's clusters were emptied by to_empty(), which leaves them without values, and "
-                             f"{', '.join(sorted(unset))} have none yet: load a state dict that holds them "
+            missing = "; ".join(f"{name} ({why})" for name, why in sorted(unset.items()))
+            raise ValueError(f"the head's buffers {missing} have no values yet: load a state dict that holds them "
                              "(the head's own, or the model's with the head in it) or build the head again")
         return super()._rows(hidden)
 
