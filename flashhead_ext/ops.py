@@ -35,7 +35,7 @@ import functools
 import inspect
 import math
 from collections.abc import Mapping, Sequence
-from typing import Optional, Union
+from typing import Optional, TypeGuard, Union
 
 import torch
 from torch import Tensor
@@ -101,7 +101,7 @@ def _require_int(name: str, value) -> int:
     return value
 
 
-def _is_int(value) -> bool:
+def _is_int(value) -> TypeGuard[int]:
     """A Python int; not a bool, which is an int."""
     return isinstance(value, int) and not isinstance(value, bool)
 
