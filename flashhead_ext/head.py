@@ -396,7 +396,7 @@ class FlashHead(_HeadBase):
     tensor when there are none), and with fp8 centroids ``centroid_scale`` and
     ``sampling_centroid_scale``; it loads into a head of the same centroid dtype only. fp8 centroids
     and their scale may come in separate loads (a sharded checkpoint's); the head refuses to run
-    until the second has come, since it would score one set at the other's scale meanwhile. A head
+    until the second has come, since it would sample from one set's scores at the other's scale. A head
     takes another's special tokens with its state, whatever their number (a CUDA graph captured
     over the head must then be captured again), but not its ``probes``, a setting the head keeps
     (set ``head.probes``). State dicts saved before ``extra_ids`` was always
@@ -486,8 +486,9 @@ class FlashHead(_HeadBase):
 
         # A state of other shapes is refused whole, as torch words it: torch would copy the tensors
         # that fit (a table of the same shape, the special tokens) before failing on the others.
-        mismatched = [name for name in ("centroids", "sampling_centroids", "cluster_tokens")
-                      if isinstance(incoming(name), Tensor) and incoming(name).shape != self._buffers[name].shape]
+        mismatched = [name for name in ("centroids", "sampling_centroids", "cluster_tokens", *self._SCALES.values())
+                      if isinstance(incoming(name), Tensor) and self._buffers.get(name) is not None
+                      and incoming(name).shape != self._buffers[name].shape]
         if mismatched:
             error_msgs.extend(f"size mismatch for {prefix}{name}: copying a param with shape {incoming(name).shape} from "
                               f"checkpoint, the shape in current model is {self._buffers[name].shape}."
@@ -535,18 +536,19 @@ class FlashHead(_HeadBase):
             if buffer is not None and name not in self._non_persistent_buffers_set and isinstance(incoming(name), Tensor):
                 state_dict[prefix + name] = incoming(name).to(None if buffer.is_meta else buffer.device, buffer.dtype,
                                                               copy=assign)
+        awaited = dict(self.__dict__.get("_unset_buffers", {}))  # before assign=True's setattr clears names
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         # What this state filled has values again (a sharded load fills some). fp8 centroids and their
         # scale may come in different shards: a half that came when it was not awaited makes the head
-        # wait for the other, as it would rank clusters by one set's values at the other's scale.
-        awaited = self.__dict__.get("_unset_buffers", {})
+        # wait for the other, as it would score one set's values at the other's scale (sampling's
+        # distribution follows the scale; greedy refuses too, rather than run on a mismatched pair).
         unset = {name: why for name, why in awaited.items() if not isinstance(incoming(name), Tensor)}
         if self.centroid_dtype == FP8_CENTROIDS:
             for centroids, scale in self._SCALES.items():
                 for came, other in ((centroids, scale), (scale, centroids)):
                     if isinstance(incoming(came), Tensor) and came not in awaited and not isinstance(incoming(other), Tensor):
-                        unset.setdefault(other, f"{came} was loaded without it")
+                        unset.setdefault(other, f"{came} came in a state dict without it")
         self.__dict__["_unset_buffers"] = unset
 
     def _warn_if_tokens_left_out(self, table: Optional[Tensor], extra_ids: Optional[Tensor], prefix: str) -> None:
@@ -554,7 +556,7 @@ class FlashHead(_HeadBase):
         those can never be produced (a state saved by a head over a smaller vocabulary, whose table
         fits this head's shape where the vocabularies differ by less than a cluster)."""
         if (not isinstance(table, Tensor) or self.cluster_tokens.is_meta or self.extra_ids.is_meta
-                or self.__dict__.get("_unset_buffers")):
+                or {"cluster_tokens", "extra_ids"} & self.__dict__.get("_unset_buffers", {}).keys()):
             return
 
         def covered(table: Tensor, extra_ids: Tensor) -> Tensor:
@@ -592,9 +594,9 @@ class FlashHead(_HeadBase):
         # them; the head refuses to run meanwhile (a model's own checkpoint restores only its
         # weight). An empty buffer (no special tokens) has no values to lose.
         if _empties(fn, tables_were_meta, self.cluster_tokens.is_meta):
-            self.__dict__["_unset_buffers"] = {name: "emptied by to_empty()" for name, buffer in self._buffers.items()
-                                               if buffer is not None and buffer.numel()
-                                               and name not in self._non_persistent_buffers_set}
+            self.__dict__["_unset_buffers"] = {name: "emptied by to_empty(), it has no values"
+                                               for name, buffer in self._buffers.items() if buffer is not None
+                                               and buffer.numel() and name not in self._non_persistent_buffers_set}
         return self
 
     def __setattr__(self, name, value):
@@ -661,7 +663,7 @@ class FlashHead(_HeadBase):
         unset = self.__dict__.get("_unset_buffers")
         if unset:
             missing = "; ".join(f"{name} ({why})" for name, why in sorted(unset.items()))
-            raise ValueError(f"the head's buffers {missing} have no values yet: load a state dict that holds them "
+            raise ValueError(f"the head waits for {missing}: load a state dict that holds them "
                              "(the head's own, or the model's with the head in it) or build the head again")
         return super()._rows(hidden)
 

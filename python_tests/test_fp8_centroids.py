@@ -5,6 +5,7 @@ power-of-two scale, so the reference can score the dequantized float32 centroids
 every product and partial sum by a power of two is exact, and the ops must then match the plain
 reference as closely as they do for float centroids (exactly on the CPU).
 """
+import itertools
 import pickle
 import re
 
@@ -204,17 +205,25 @@ def test_flash_head_fp8_state_and_casts(device):
         other.load_state_dict(bad)
     # A sharded checkpoint may hold fp8 centroids and their scale in different shards: the half that
     # came waits for the other, since the head would score one set at the other's scale meanwhile.
-    for came, later in (("centroids", "centroid_scale"), ("centroid_scale", "centroids"),
-                        ("sampling_centroids", "sampling_centroid_scale"), ("sampling_centroid_scale", "sampling_centroids")):
+    # With assign=True torch sets each buffer as an attribute (older transformers loaders did).
+    pairs = (("centroids", "centroid_scale"), ("centroid_scale", "centroids"),
+             ("sampling_centroids", "sampling_centroid_scale"), ("sampling_centroid_scale", "sampling_centroids"))
+    for (came, later), assign in itertools.product(pairs, (False, True)):
         other = FlashHead(problem.embedding, problem.centroids.flip(0) * 3, problem.cluster_tokens, problem.probes,
                           centroid_dtype=FP8)
-        other.load_state_dict({key: value for key, value in state.items() if key != later}, strict=False)
+        other.load_state_dict({key: value for key, value in state.items() if key != later}, strict=False, assign=assign)
         for run in (other.next_token, other.sample):
-            with pytest.raises(ValueError, match=re.escape(f"buffers {later} ({came} was loaded without it) have no values yet")):
+            with pytest.raises(ValueError, match=re.escape(f"waits for {later} ({came} came in a state dict without it): ")):
                 run(problem.hidden)
-        other.load_state_dict({later: state[later]}, strict=False)
+        other.load_state_dict({later: state[later]}, strict=False, assign=assign)
         assert all(torch.equal(other.state_dict()[key].float(), value.float()) for key, value in state.items())
         assert_same_ids(other.next_token(problem.hidden), tokens, f"tokens after {came}, then {later}")
+    # A scale of another shape is refused whole, as centroids of another shape are: torch would copy
+    # the centroids and skip the scale, leaving the new values with the old scale.
+    before = {key: value.clone() for key, value in other.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"size mismatch for centroid_scale: copying a param with shape torch.Size\(\[\]\)"):
+        other.load_state_dict(dict(state, centroids=state["centroids"].flip(0), centroid_scale=state["centroid_scale"][0]))
+    assert all(torch.equal(other.state_dict()[key].float(), value.float()) for key, value in before.items())
     # A module cast changes the embedding's dtype, not the fp8 centroids or their float32 scales,
     # which only follow the device.
     head.double()
