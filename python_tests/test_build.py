@@ -19,6 +19,25 @@ def test_build_info_names_the_running_torch():
     assert flashhead_ext.cuda_kernels_built() == bool(flashhead_ext.BUILD_INFO.WITH_CUDA)
 
 
+def test_the_version_is_the_distributions():
+    # Results' JSON and compare-heads name flashhead_ext.__version__; pyproject.toml names the release.
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    assert flashhead_ext.__version__ == tomllib.loads(pyproject.read_text())["project"]["version"]
+
+
+def test_each_packages_all_lists_its_public_names():
+    # `from flashhead_ext.speculative import *` (and the others) gives what the package offers.
+    import flashhead_ext.fast
+    import flashhead_ext.speculative
+
+    for package, not_listed in ((flashhead_ext, {"load_extension"}), (flashhead_ext.speculative, set()),
+                                (flashhead_ext.fast, set())):
+        public = {name for name, value in vars(package).items() if not name.startswith("_") and not isinstance(value, types.ModuleType)}
+        assert len(set(package.__all__)) == len(package.__all__) and all(hasattr(package, name) for name in package.__all__)
+        assert public - not_listed <= set(package.__all__), package.__name__
+
+
 def _git(cwd: Path, *args: str) -> str:
     return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
                           capture_output=True, text=True).stdout.strip()

@@ -15,6 +15,7 @@ from flashhead_ext.assets import FlashHeadAssets
 from flashhead_ext.clustering import build_clusters, calibrate_clusters
 from flashhead_ext.eval import quality
 from flashhead_ext.eval.__main__ import main, parse_args
+from flashhead_ext.ops import TEMPERATURE_RANGE
 from flashhead_ext.prompts import DEFAULT_PROMPTS, load_prompts, prompts_per_category, questions_by_category
 from test_hf import char_tokenizer
 
@@ -525,10 +526,50 @@ def test_a_plot_matplotlib_cannot_write_is_refused_before_the_run(name, tmp_path
     assert f"quality: error: --plot {tmp_path / name}: name an image file, ending in one of " in error and ".png" in error
 
 
+def test_without_plot_the_default_place_is_checked_before_the_run_and_written_with_the_table_printed(
+        tmp_path, monkeypatch, capsys, tiny_model_dir):
+    # With matplotlib and no --plot, the plot goes to results/quality.png under the working directory;
+    # a default place that cannot be written is a usage error before anything is recorded.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    calls = _record_spy(monkeypatch)
+    argv = _argv(tmp_path, tiny_model_dir, _questions(tmp_path / "q.jsonl"), "--methods", "kmeans", "--per-category", "1",
+                 plot=False)
+    (tmp_path / "results").write_text("")  # a file where the default plot's directory would be
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and calls == []
+    assert "quality: error: the default --plot: 'results/quality.png': " in capsys.readouterr().err
+    (tmp_path / "results").unlink()
+    assert main(argv) == 0
+    assert (tmp_path / "results" / "quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads((tmp_path / "out" / "quality.json").read_text())
+    printed = capsys.readouterr()
+    assert quality.format_table(result) in printed.out  # the table, on stdout
+    assert f"wrote {tmp_path / 'out' / 'quality.json'} and results/quality.png" in printed.err
+    # The suffix names the format whatever its case, as matplotlib reads it.
+    assert main([*argv, "--plot", str(tmp_path / "out" / "quality.PNG")]) == 0
+    assert (tmp_path / "out" / "quality.PNG").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(calls) == 1  # the second run read the cache
+
+
+def test_defaults_are_those_the_help_names():
+    # Several defaults are spelled out in the help text (not by %(default)s): the values must agree.
+    args = parse_args(["quality"])
+    assert args.methods == ["kmeans", "calibrated"] and args.cluster_sizes == [16] and args.seeds == [0]
+    assert args.probes == [32, 64, 96, 128, 144, 160, 192, 256, 384, 512]
+    assert (args.model, args.max_new_tokens, args.iters, args.batch_size, args.dtype) == ("smollm2", 64, 15, 8, "float32")
+    assert (args.frequent_tokens, args.sampling_states, args.sampling_temperature, args.sampling_draws) == (0, 0, 1.0, 256)
+    assert args.per_category is None and args.calibration_per_category is None and args.plot is None
+    assert args.json == "results/quality.json" and args.prompts == DEFAULT_PROMPTS
+    assert not (args.fp8_centroids or args.holdout_categories or args.no_cache or args.quiet)
+
+
 def test_bad_input(tmp_path, capsys):
     prompts = _questions(tmp_path / "q.jsonl")
     for argv, message in [
         (["quality", "--methods", "kmeans,bogus"], "expected comma-separated methods from kmeans, kmeans-fit, calibrated"),
+        (["quality", "--methods", " , "], "expected comma-separated methods from kmeans, kmeans-fit, calibrated, got ' , '"),
         (["quality", "--probes", "0"], "expected positive values"),
         (["quality", "--frequent-tokens", "-1"], "quality: error: argument --frequent-tokens: expected an integer >= 0"),
         (["quality", "--model", str(tmp_path / "missing")], "quality: error: --model must be 'smollm2' or a local transformers"),
@@ -550,6 +591,10 @@ def test_bad_input(tmp_path, capsys):
         (["quality", "--sampling-temperature", "warm"], "expected a temperature in [1e-06, 1e+06], got 'warm'"),
         (["quality", "--sampling-states", "-1"], "argument --sampling-states: expected an integer >= 0"),
         (["quality", "--sampling-draws", "0"], "argument --sampling-draws: expected a positive integer"),
+        (["quality", "--threads", "0"], "argument --threads: expected a positive integer"),
+        (["quality", "--batch-size", "0"], "argument --batch-size: expected a positive integer"),
+        (["quality", "--iters", "0"], "argument --iters: expected a positive integer"),
+        (["quality", "--max-new-tokens", "0"], "argument --max-new-tokens: expected a positive integer"),
     ]:
         with pytest.raises(SystemExit):
             parse_args(argv)
@@ -557,6 +602,15 @@ def test_bad_input(tmp_path, capsys):
     assert parse_args(["quality"]).seeds == [0] and parse_args(["quality", "--seed", "7"]).seeds == [7]
     assert parse_args(["quality", "--dtype", "bf16"]).dtype == "bfloat16" and parse_args(["quality", "--dtype", "fp32"]).dtype == "float32"
     assert parse_args(["quality", "--seeds", "2,0,5"]).seeds == [2, 0, 5] and not hasattr(parse_args(["quality"]), "seed")
+    assert not hasattr(parse_args(["quality"]), "command_parser")  # main's own, not an argument
+    # Spaces around the names are dropped; a repeated name runs once, in the order first given.
+    assert parse_args(["quality", "--methods", " calibrated , kmeans,calibrated"]).methods == ["calibrated", "kmeans"]
+    low, high = TEMPERATURE_RANGE  # both ends are temperatures the heads take
+    for text, value in ((repr(low), low), (repr(high), high), ("0.5", 0.5)):
+        assert parse_args(["quality", "--sampling-temperature", text]).sampling_temperature == value
+    with pytest.raises(SystemExit):
+        parse_args(["quality", "--sampling-temperature", repr(high * 1.01)])
+    assert "expected a temperature in [1e-06, 1e+06]" in capsys.readouterr().err
     with pytest.raises(ValueError, match="per_category must be a positive int or None, got 0"):
         prompts_per_category(prompts, 0)
     with pytest.raises(ValueError, match="parity must be 'odd'"):
