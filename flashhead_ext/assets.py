@@ -64,6 +64,7 @@ STALE_PARTIAL_S = 3600  # a partial file older than this was left by a killed wr
 FINGERPRINT_ROWS, FINGERPRINT_DIRECTIONS = 64, 4
 # bf16 rounding moves a fingerprint by about 0.1% of its largest value; other weights by about 100%.
 FINGERPRINT_TOLERANCE = 0.02
+DIGEST_SLICE = 1 << 22  # values hashed at a time: 16 MB as float32
 
 PathLike = Union[str, os.PathLike]
 
@@ -441,11 +442,18 @@ def warn_if_built_for_other_weights(stored: list, embedding: Tensor, where: str)
                       stacklevel=callers_stacklevel())
 
 
+def update_digest(digest, tensor: Tensor) -> None:
+    """Feeds ``tensor``'s values as float32 bytes, in row-major order, to a hashlib ``digest``, a
+    slice at a time: a whole float32 copy, and its bytes, took 4x a bf16 embedding's memory."""
+    values = tensor.detach().flatten()
+    for start in range(0, values.numel(), DIGEST_SLICE):
+        digest.update(values[start:start + DIGEST_SLICE].to("cpu", torch.float32).numpy())
+
+
 def embedding_digest(embedding: Tensor) -> str:
     """sha256 of a tensor's float32 values and shape (an embedding, calibration states): names a clustering in the cache."""
-    data = embedding.detach().to("cpu", torch.float32).contiguous()
-    digest = hashlib.sha256(repr(tuple(data.shape)).encode())
-    digest.update(data.numpy().tobytes())
+    digest = hashlib.sha256(repr(tuple(embedding.shape)).encode())
+    update_digest(digest, embedding)
     return digest.hexdigest()
 
 

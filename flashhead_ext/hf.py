@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, PathLike, new_partial, read_config, read_tensors,
-                     sweep_stale_partials, uncached_on_failure, warn_if_built_for_other_weights, write_replacing,
+                     sweep_stale_partials, uncached_on_failure, update_digest, warn_if_built_for_other_weights, write_replacing,
                      flash_head_for, load_assets, user_cache_dir)
 from . import ops
 from ._exclusive import ExclusiveUse
@@ -349,7 +349,7 @@ def model_digest(model) -> str:
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     for name, tensor in model.state_dict().items():
         digest.update(name.encode())
-        digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        update_digest(digest, tensor)
     return digest.hexdigest()
 
 

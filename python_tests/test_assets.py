@@ -1,5 +1,6 @@
 """FlashHead assets: published layout round trips in both directions, malformed assets, the cache."""
 import copy
+import hashlib
 import dataclasses
 import json
 import os
@@ -583,3 +584,16 @@ def test_a_fingerprinted_clustering_loads_for_a_meta_embedding(tmp_path, monkeyp
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     save_assets(tmp_path / "saved", flash_head_for(embedding, SIZE, iters=2, progress=False)[1])
     assert load_assets(tmp_path / "saved", embedding.to("meta")).num_clusters == VOCAB // SIZE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_digests_hash_slices_as_the_whole_tensor(monkeypatch, dtype):
+    # Cache keys name entries already on disk: hashing a slice at a time must give the digest of the
+    # whole float32 copy, at any slice size, for a tensor that is not contiguous too.
+    values = torch.randn(37, 11, generator=torch.Generator().manual_seed(31)) * 50
+    tensor = values.to(dtype).t()  # [11, 37], not contiguous
+    whole = hashlib.sha256(repr(tuple(tensor.shape)).encode())
+    whole.update(tensor.to(torch.float32).contiguous().numpy().tobytes())
+    for size in (1, 7, 407, 1 << 22):
+        monkeypatch.setattr(assets_mod, "DIGEST_SLICE", size)
+        assert assets_mod.embedding_digest(tensor) == whole.hexdigest(), size
