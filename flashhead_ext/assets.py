@@ -251,12 +251,26 @@ def sweep_stale_partials(directory: Path) -> None:
     """Removes the partial files and staging directories (``.<name>.<random>.partial``) that killed
     writers left in ``directory``, an hour old. The caches call it at every read of a directory
     too: a finished entry is never written again, so a sweep at writes alone kept them for good."""
-    for stale in directory.glob(".*.partial"):
+    try:
+        found = list(directory.glob(".*.partial"))
+    except OSError:  # a directory this user cannot read (another's, in a shared cache): none of ours to sweep
+        return
+    for stale in found:
         try:
             if time.time() - stale.stat().st_mtime > STALE_PARTIAL_S:
                 shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
         except OSError:  # removed meanwhile by another writer, or not ours to remove
             pass
+
+
+def cached_entry(path: Path, *, is_dir: bool = False) -> bool:
+    """Whether a cache entry (a file, or a directory) is there: False where it cannot be looked at
+    either (another user's unreadable directory in a shared cache), which its caller then takes for
+    a miss, building what it would have read and warning where the result cannot be cached."""
+    try:
+        return path.is_dir() if is_dir else path.is_file()
+    except OSError:  # pathlib raises for EACCES, not for a missing path
+        return False
 
 
 def new_partial(directory: Path, prefix: str, *, is_dir: bool = False) -> Path:
@@ -550,7 +564,7 @@ def flash_head_for(
         sweep_stale_partials(written)
     fingerprint = embedding_fingerprint(embedding)
     assets = None
-    if cache and (directory / CONFIG_NAME).is_file():
+    if cache and cached_entry(directory / CONFIG_NAME):
         try:
             assets = load_assets(directory, embedding)
             assets.embedding_fingerprint = fingerprint  # entries cached before it had none

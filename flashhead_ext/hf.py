@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, PathLike, new_partial, read_config, read_tensors,
+from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, PathLike, cached_entry, new_partial, read_config, read_tensors,
                      sweep_stale_partials, uncached_on_failure, update_digest, warn_if_built_for_other_weights, write_replacing,
                      flash_head_for, load_assets, user_cache_dir)
 from . import ops
@@ -141,7 +141,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, *,
     models = user_cache_dir() / "models"
     sweep_stale_partials(models)
     directory = models / f"smollm2-{_file_digest(gguf)[:16]}-tf{transformers.__version__}"
-    cached = directory.is_dir()
+    cached = cached_entry(directory, is_dir=True)
     damage = _unreadable(directory) if cached else None
     if cached and damage is None:
         try:
@@ -158,7 +158,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, *,
             pass  # another process moved it first
         shutil.rmtree(aside, ignore_errors=True)
     model, tokenizer = _convert_gguf(gguf, directory)
-    if not directory.is_dir():  # not cached
+    if not cached_entry(directory, is_dir=True):  # not cached
         return model.to(dtype), tokenizer
     return from_pretrained(directory, dtype)
 
@@ -374,7 +374,7 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
     path = (user_cache_dir() / "hidden_states" /
             f"{digest[:16]}-p{prompt_key[:16]}-n{len(prompts)}-t{max_new_tokens}-v{RECORDING_VERSION}.safetensors")
     sweep_stale_partials(path.parent)
-    if cache and path.is_file():
+    if cache and cached_entry(path):
         try:
             states = read_tensors(path)
             if {"hidden", "tokens", "prompt_index"} <= set(states):

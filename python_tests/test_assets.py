@@ -8,6 +8,7 @@ import re
 import stat
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -638,3 +639,27 @@ def test_digests_hash_slices_as_the_whole_tensor(monkeypatch, dtype):
     for size in (1, 7, 407, 1 << 22):
         monkeypatch.setattr(assets_mod, "SLICE_VALUES", size)
         assert assets_mod.embedding_digest(tensor) == whole.hexdigest(), size
+
+
+def test_a_cache_entry_that_cannot_be_looked_at_is_a_miss(tmp_path, monkeypatch, embedding):
+    # Another user's entry in a shared cache, unreadable to this one: pathlib raises PermissionError
+    # where a path cannot be looked at (not for a missing one). The clustering is built instead.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    _, built = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    clusters = tmp_path / "cache" / "clusters"
+
+    def denied(real):
+        def look(self, *args, **kwargs):
+            if self.is_relative_to(clusters):
+                raise PermissionError(13, "Permission denied", str(self))
+            return real(self, *args, **kwargs)
+        return look
+
+    for name in ("is_file", "is_dir", "glob"):
+        monkeypatch.setattr(Path, name, denied(getattr(Path, name)))
+    assert not assets_mod.cached_entry(clusters / "x" / CONFIG_NAME) and not assets_mod.cached_entry(clusters, is_dir=True)
+    assets_mod.sweep_stale_partials(clusters)  # nothing of ours to sweep there
+    with warnings.catch_warnings(record=True):  # the rebuilt entry may fail to be cached, and says so
+        warnings.simplefilter("always")
+        _, again = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    assert torch.equal(again.cluster_tokens, built.cluster_tokens)
