@@ -15,7 +15,9 @@ mean) or ``"raw"`` (calibrated clusterings, whose centroids are fitted max-logit
 lose their meaning when normalised); and, where the clustering was built by
 :func:`flash_head_for` (as :func:`~flashhead_ext.hf.attach` builds one),
 ``flash_head_embedding_fingerprint``: projections of a few rows, and block sums of every row's, of
-the output embedding it was built for, so that loading it for other weights warns. A model directory that carries these keys
+the output embedding it was built for, so that loading it for other weights warns; and, written by
+:func:`save_assets`, ``flash_head_tensors_sha256``, the tensors file's digest, so that a config
+never loads with another save's tensors. A model directory that carries these keys
 in its ``config.json`` instead, as published checkpoints do, loads the same way.
 
 The stored centroids are raw, unnormalised cluster centroids (k-means: the mean of the members'
@@ -34,6 +36,7 @@ import json
 import math
 import operator
 import os
+import re
 import secrets
 import shutil
 import time
@@ -45,7 +48,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load as load_bytes, save_file
+from safetensors.torch import load as load_bytes, save as save_bytes
 from torch import Tensor
 
 from .clustering import (ALGORITHM_VERSION, GREEDY_SCORINGS, Clustering, build_clusters, calibrate_clusters,
@@ -59,7 +62,7 @@ CONFIG_NAME = "flash_head_config.json"
 TENSORS_NAME = "clustering_cache.safetensors"
 DEFAULT_CACHE_DIR = "flash_head_assets"
 CONFIG_KEYS = ("flash_head_cache_dir", "n_clusters", "n_probes", "flash_head_special_token_ids", "enforce_equal_cluster_sizes",
-               "flash_head_greedy_scoring", "flash_head_embedding_fingerprint")
+               "flash_head_greedy_scoring", "flash_head_embedding_fingerprint", "flash_head_tensors_sha256")
 STALE_PARTIAL_S = 3600  # a partial file older than this was left by a killed write
 FINGERPRINT_ROWS, FINGERPRINT_DIRECTIONS = 64, 4
 # And every row, summed over at most 1024 blocks of consecutive rows on 2 of the directions: a
@@ -222,13 +225,15 @@ def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering],
     stored = assets.config()
     checked = _checked_assets(assets.raw_centroids.detach().T.cpu(), assets.cluster_assignments.detach().cpu(), stored,
                               "the assets to save (assets.raw_centroids transposed)")
+    data = save_bytes({"centroids": checked.raw_centroids.T.contiguous(),
+                       "cluster_assignments": checked.cluster_assignments.contiguous()})
+    # The config names the tensors it goes with: a save killed between the two files' renames, over
+    # other assets, left the new tensors under the old config, which loaded without a word.
+    stored["flash_head_tensors_sha256"] = hashlib.sha256(data).hexdigest()
     config = json.dumps(stored, indent=2) + "\n"  # first: a config that cannot be written leaves no files
     directory = Path(directory)
     (directory / checked.cache_dir).mkdir(parents=True, exist_ok=True)
-    tensors = directory / checked.cache_dir / TENSORS_NAME
-    write_replacing(tensors, lambda partial: save_file(
-        {"centroids": checked.raw_centroids.T.contiguous(), "cluster_assignments": checked.cluster_assignments.contiguous()},
-        str(partial)))
+    write_replacing(directory / checked.cache_dir / TENSORS_NAME, lambda partial: partial.write_bytes(data))
     write_replacing(directory / CONFIG_NAME, lambda partial: partial.write_text(config))
     return directory
 
@@ -292,11 +297,16 @@ def new_partial(directory: Path, prefix: str, *, is_dir: bool = False) -> Path:
             continue
 
 
-def read_tensors(path: Path) -> dict:
+def read_tensors(path: Path, sha256: Optional[str] = None) -> dict:
     """A safetensors file's tensors, read into memory rather than memory-mapped: a file written
     over in place later (a copy over it, a shared cache refreshed from another host) would
-    otherwise change them, or kill the process at their next read."""
-    return load_bytes(path.read_bytes())
+    otherwise change them, or kill the process at their next read. With ``sha256``, a ValueError
+    unless the file's bytes have that digest."""
+    data = path.read_bytes()
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError(f"{path} is not the tensors file its config was saved with (flash_head_tensors_sha256 "
+                         "differs: a save cut short between the two files, or files from two saves): save the assets again")
+    return load_bytes(data)
 
 
 def read_config(directory: Path) -> dict:
@@ -354,8 +364,11 @@ def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> Flas
     path = directory / cache_dir / TENSORS_NAME
     if not path.is_file():
         raise FileNotFoundError(f"expected FlashHead clustering tensors at {path} (flash_head_cache_dir={cache_dir!r})")
+    sha256 = config.get("flash_head_tensors_sha256")
+    if sha256 is not None and not (isinstance(sha256, str) and re.fullmatch("[0-9a-f]{64}", sha256)):
+        raise ValueError(f"flash_head_tensors_sha256 must be a sha256 hex digest (64 lowercase hex digits), got {sha256!r:.80}")
     try:
-        tensors = read_tensors(path)
+        tensors = read_tensors(path, sha256)
     except (SafetensorError, OSError) as error:
         raise ValueError(f"{path} is not a readable safetensors file: {error}") from error
     for name in ("centroids", "cluster_assignments"):

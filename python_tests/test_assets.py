@@ -44,7 +44,8 @@ def test_save_then_load_round_trip(tmp_path, embedding, clustering):
     config = json.loads((tmp_path / CONFIG_NAME).read_text())
     assert config == {"flash_head_cache_dir": "flash_head_assets", "n_clusters": VOCAB // SIZE, "n_probes": 3,
                       "flash_head_special_token_ids": [5, 2], "enforce_equal_cluster_sizes": True,
-                      "flash_head_greedy_scoring": "normalized"}
+                      "flash_head_greedy_scoring": "normalized", "flash_head_tensors_sha256": hashlib.sha256(
+                          (tmp_path / "flash_head_assets" / TENSORS_NAME).read_bytes()).hexdigest()}
 
     loaded = load_assets(tmp_path, embedding)
     assert torch.equal(loaded.cluster_assignments, clustering.cluster_assignments)
@@ -323,11 +324,44 @@ def test_loaded_assets_do_not_follow_their_files_written_over_in_place(tmp_path,
     tensors = tmp_path / "flash_head_assets" / TENSORS_NAME
     other = FlashHeadAssets.from_clustering(build_clusters(embedding.flip(0), SIZE, iters=2, progress=False))
     save_assets(tmp_path / "other", other)
+    (tmp_path / CONFIG_NAME).write_bytes((tmp_path / "other" / CONFIG_NAME).read_bytes())
     with open(tensors, "r+b") as f:  # the same size, other values, in place
         f.write((tmp_path / "other" / "flash_head_assets" / TENSORS_NAME).read_bytes())
     assert not torch.equal(load_assets(tmp_path, embedding).cluster_assignments, saved.cluster_assignments)  # the file changed
     assert torch.equal(loaded.cluster_assignments, saved.cluster_assignments)  # what was loaded did not
     assert torch.equal(loaded.raw_centroids, saved.raw_centroids)
+
+
+def test_a_config_loads_only_with_the_tensors_it_was_saved_with(tmp_path, embedding, clustering, monkeypatch):
+    # A save over other assets killed between its two files' renames left the new tensors under the
+    # old config (its settings and fingerprint), which loaded without a word.
+    save_assets(tmp_path, clustering, n_probes=2)
+    other = FlashHeadAssets.from_clustering(build_clusters(embedding.flip(0), SIZE, iters=2, progress=False))
+    real_write = assets_mod.write_replacing
+
+    def killed_before_the_config(path, write):
+        if path.name == CONFIG_NAME:
+            raise KeyboardInterrupt
+        real_write(path, write)
+
+    monkeypatch.setattr(assets_mod, "write_replacing", killed_before_the_config)
+    with pytest.raises(KeyboardInterrupt):
+        save_assets(tmp_path, other)
+    monkeypatch.undo()
+    tensors = tmp_path / "flash_head_assets" / TENSORS_NAME
+    with pytest.raises(ValueError, match=f"{re.escape(str(tensors))} is not the tensors file its config was saved with"):
+        load_assets(tmp_path, embedding)
+    save_assets(tmp_path, other)  # saved again, whole
+    assert torch.equal(load_assets(tmp_path, embedding).cluster_assignments, other.cluster_assignments)
+    # Configs saved before the digest, and published ones, have none: their tensors load as they are.
+    config = json.loads((tmp_path / CONFIG_NAME).read_text())
+    del config["flash_head_tensors_sha256"]
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(config))
+    assert torch.equal(load_assets(tmp_path, embedding).cluster_assignments, other.cluster_assignments)
+    for malformed in ("ABC", 7, "0" * 63):
+        (tmp_path / CONFIG_NAME).write_text(json.dumps(dict(config, flash_head_tensors_sha256=malformed)))
+        with pytest.raises(ValueError, match="flash_head_tensors_sha256 must be a sha256 hex digest"):
+            load_assets(tmp_path, embedding)
 
 
 def test_unreadable_files_are_named(tmp_path, embedding):
