@@ -499,9 +499,9 @@ def embedding_fingerprint(embedding: Tensor) -> list:
     return [float(f"{x:.6g}") for x in torch.cat([sampled, sums]).tolist()]
 
 
-def warn_if_built_for_other_weights(stored: list, embedding: Tensor, where: str) -> None:
-    """A UserWarning when ``embedding``'s fingerprint is not ``stored``'s up to rounding; ``where``
-    completes "the FlashHead clustering ..."."""
+def fingerprint_change(stored: list, embedding: Tensor) -> float:
+    """How far ``embedding``'s fingerprint is from ``stored``, as a fraction of its scale (rounding
+    moves it by well under FINGERPRINT_TOLERANCE, other weights by far more)."""
     sampled, sums, scales = _fingerprint_parts(embedding)
     stored_values = torch.tensor(stored, dtype=torch.float64)
     stored_sampled, stored_sums = stored_values[:sampled.numel()], stored_values[sampled.numel():]
@@ -509,10 +509,21 @@ def warn_if_built_for_other_weights(stored: list, embedding: Tensor, where: str)
     change = float((sampled - stored_sampled).abs().max() / stored_sampled.abs().max().clamp(min=1e-30))
     if stored_sums.numel():  # saved with its block sums
         change = max(change, float(((sums - stored_sums).abs() / scales.clamp(min=1e-30)).max()))
+    return change
+
+
+def _share(change: float) -> str:
+    """A fingerprint's change in words: a zero stored fingerprint made it a 30-digit percentage."""
+    return f"{change:.0%}" if change < 10 else "more than 1000%"
+
+
+def warn_if_built_for_other_weights(stored: list, embedding: Tensor, where: str) -> None:
+    """A UserWarning when ``embedding``'s fingerprint is not ``stored``'s up to rounding; ``where``
+    completes "the FlashHead clustering ..."."""
+    change = fingerprint_change(stored, embedding)
     if change > FINGERPRINT_TOLERANCE:
-        shown = f"{change:.0%}" if change < 10 else "more than 1000%"
         warnings.warn(f"the FlashHead clustering {where} was built for other output weights than these (their rows "
-                      f"differ by {shown} of their scale: fine-tuned, or another model's): its clusters do not fit "
+                      f"differ by {_share(change)} of their scale: fine-tuned, or another model's): its clusters do not fit "
                       "them and FlashHead agrees less often with the dense head. Build one for these weights: "
                       "flash_head_for(weight), or attach(model, flash_head_for(weight)[1])", UserWarning,
                       stacklevel=callers_stacklevel())
@@ -531,6 +542,25 @@ def embedding_digest(embedding: Tensor) -> str:
     digest = hashlib.sha256(repr(tuple(embedding.shape)).encode())
     update_digest(digest, embedding)
     return digest.hexdigest()
+
+
+def _cached_assets(directory: Path, embedding: Tensor, sizes: Tensor) -> FlashHeadAssets:
+    """A cache entry's assets, or a ValueError where they are not what the entry's name says: a
+    clustering of other cluster sizes, or of other weights (an entry copied or synced in from
+    elsewhere), which the caller would otherwise take, and record this embedding's fingerprint for."""
+    assets = load_assets(directory)
+    vocab, dim = embedding.shape
+    counts = torch.bincount(assets.cluster_assignments, minlength=assets.num_clusters)
+    if (assets.cluster_assignments.numel(), assets.raw_centroids.shape[1]) != (vocab, dim) or \
+            not torch.equal(counts.sort().values, sizes.sort().values):
+        raise ValueError(f"it holds {assets.num_clusters} clusters over {assets.cluster_assignments.numel()} tokens of "
+                         f"dimension {assets.raw_centroids.shape[1]}, not {sizes.numel()} clusters of its cluster size "
+                         f"over [{vocab}, {dim}]")
+    if assets.embedding_fingerprint is not None:
+        change = fingerprint_change(assets.embedding_fingerprint, embedding)
+        if change > FINGERPRINT_TOLERANCE:
+            raise ValueError(f"it was built for other output weights: their rows differ by {_share(change)} of their scale")
+    return assets
 
 
 def flash_head_for(
@@ -579,11 +609,11 @@ def flash_head_for(
     assets = None
     if cache and cached_entry(directory / CONFIG_NAME):
         try:
-            assets = load_assets(directory, embedding)
+            assets = _cached_assets(directory, embedding, sizes)
             assets.embedding_fingerprint = fingerprint  # entries cached before it had none
         except (ValueError, OSError) as error:  # a damaged entry (a full disk, a copy cut short) is built again
-            warnings.warn(f"the cached clustering at {directory} is unreadable ({error}); building it again",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(f"the cached clustering at {directory} is unreadable or not what its name says ({error}); "
+                          "building it again", RuntimeWarning, stacklevel=2)
     if assets is None:
         clustering = (build_clusters(embedding, cluster_size, iters=iters, seed=seed, progress=progress) if hidden is None
                       else calibrate_clusters(embedding, hidden, cluster_size, iters=iters, seed=seed, progress=progress))

@@ -569,6 +569,26 @@ def test_a_damaged_cache_entry_is_built_again(tmp_path, monkeypatch, embedding):
     assert torch.equal(load_assets(entry, embedding).raw_centroids, first.raw_centroids)  # the entry is whole again
 
 
+def test_a_cache_entry_that_is_not_what_its_name_says_is_built_again(tmp_path, monkeypatch, embedding):
+    # An entry copied or synced in from elsewhere: another embedding's clustering, or another cluster
+    # size's, under this one's name. It was taken as it was, and recorded this embedding's fingerprint.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    _, want = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    (entry,) = (tmp_path / "cache" / "clusters").iterdir()
+    other = embedding.flip(1) * 2
+    for wrong, reason in ((flash_head_for(other, SIZE, iters=2, progress=False, cache=False)[1],
+                           r"it was built for other output weights: their rows differ by \d+% of their scale"),
+                          (build_clusters(embedding, SIZE // 2, iters=2, progress=False),
+                           rf"it holds {2 * VOCAB // SIZE} clusters over {VOCAB} tokens of dimension {DIM}, "
+                           rf"not {VOCAB // SIZE} clusters of its cluster size over \[{VOCAB}, {DIM}\]")):
+        save_assets(entry, wrong) if isinstance(wrong, FlashHeadAssets) else save_assets(entry, wrong, n_probes=2)
+        with pytest.warns(RuntimeWarning, match=f"the cached clustering at {re.escape(str(entry))} is unreadable or "
+                                                f"not what its name says \\({reason}\\); building it again"):
+            head, again = flash_head_for(embedding, SIZE, iters=2, progress=False)
+        assert torch.equal(again.cluster_tokens, want.cluster_tokens) and head.cluster_tokens.shape[1] == SIZE
+        assert load_assets(entry).embedding_fingerprint == assets_mod.embedding_fingerprint(embedding)  # the entry is right again
+
+
 def test_a_cache_dir_given_with_a_tilde_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", "~/fh")
