@@ -360,7 +360,8 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
 
     The cache entry is keyed by the model's digest (pass ``digest`` when it is already known:
     hashing the weights takes a second), the prompts' ids and token ids as the model takes them
-    (so a tokenizer's chat template counts) and ``max_new_tokens``, not by
+    (so a tokenizer's chat template counts), the generation_config settings generate() applies
+    while recording (a repetition penalty changes the tokens) and ``max_new_tokens``, not by
     ``batch_size``: batched and one-by-one recordings differ only where two logits nearly tie, and
     either's states are those that chose its tokens. ``cache=False`` records again and overwrites it. Returns ``hidden`` float32 ``[N, D]``,
     ``tokens`` int64 ``[N]`` and ``prompt_index`` int64 ``[N]`` (into ``prompts``).
@@ -370,7 +371,11 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
     # The token ids, not the texts: states recorded under one chat template were read for another.
     encoded = _encode_prompts(tokenizer, [p["text"] for p in prompts])["input_ids"]
     prompt_ids = [[p["question_id"], list(ids)] for p, ids in zip(prompts, encoded)]
-    prompt_key = hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()
+    # And what generate() applies from the model's generation_config (a repetition penalty changes
+    # the tokens, so the states), but not the transformers version that wrote it.
+    generation = {key: value for key, value in model.generation_config.to_diff_dict().items()
+                  if key != "transformers_version"}
+    prompt_key = hashlib.sha256(json.dumps([prompt_ids, generation], sort_keys=True, default=str).encode()).hexdigest()
     path = (user_cache_dir() / "hidden_states" /
             f"{digest[:16]}-p{prompt_key[:16]}-n{len(prompts)}-t{max_new_tokens}-v{RECORDING_VERSION}.safetensors")
     sweep_stale_partials(path.parent)

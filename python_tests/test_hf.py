@@ -229,6 +229,23 @@ def test_recorded_states_are_keyed_by_the_token_ids_and_recorded_again_when_dama
     assert torch.equal(hf.recorded_states(model, tokenizer, prompts, 3, progress=False)["hidden"], states["hidden"])
 
 
+def test_recorded_states_are_keyed_by_the_generation_settings_generate_applies(tmp_path, monkeypatch):
+    # A checkpoint's generation_config with a repetition penalty changes the tokens generate() records,
+    # so the states: they were read from the entry recorded without it.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    model, tokenizer, prompts = _recording(6)  # its greedy tokens repeat: 5, 5, 5, 5
+    states = hf.recorded_states(model, tokenizer, prompts, 8, progress=False)
+    model.generation_config.repetition_penalty = 3.0
+    model.generation_config.no_repeat_ngram_size = 1
+    penalised = hf.recorded_states(model, tokenizer, prompts, 8, progress=False)
+    assert torch.equal(penalised["tokens"], hf.recorded_states(model, tokenizer, prompts, 8, progress=False, cache=False)["tokens"])
+    assert not torch.equal(penalised["tokens"], states["tokens"])
+    assert len(list((tmp_path / "hidden_states").glob("*.safetensors"))) == 2
+    model.generation_config.transformers_version = "0.0.1"  # which transformers wrote the config is no setting
+    assert torch.equal(hf.recorded_states(model, tokenizer, prompts, 8, progress=False)["tokens"], penalised["tokens"])
+    assert len(list((tmp_path / "hidden_states").glob("*.safetensors"))) == 2
+
+
 def test_the_converted_smollm2_is_cached_readable_by_others_or_used_uncached(tmp_path, monkeypatch):
     # The GGUF's load stubbed by a tiny model: what is under test is the cache around it.
     gguf = tmp_path / "model.gguf"
