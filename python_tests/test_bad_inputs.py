@@ -144,6 +144,15 @@ def test_hidden_dim_mismatch(op, name, device):
 
 
 @device_params
+@pytest.mark.parametrize("op,name", cases("centroids", "embedding"))
+def test_row_count_past_int32_ids(op, name, device):
+    # 2^31 rows (a stride-0 view: no memory) are one more than int32 ids can number; 2^31 - 1 is the bound.
+    args = valid_args(device)
+    args[name] = args[name][:1].expand(2**31, -1)
+    expect(ValueError, f"{name} has 2147483648 rows; ids are int32, so at most 2^31 - 1", op, args)
+
+
+@device_params
 @pytest.mark.parametrize("op", [op for op in CALLS if "probes" in USES[op]])
 @pytest.mark.parametrize("probes", [0, SHAPE.C + 1, -1])
 def test_probes_out_of_range(op, probes, device):
@@ -345,6 +354,16 @@ def test_empty_tables(op, name, fragment, device):
 
 
 @device_params
+@pytest.mark.parametrize("op", ["gather_candidates", "decode_greedy", "decode_sample"])
+def test_cluster_table_without_slots(op, device):
+    # One row per centroid but no token slots ([C, 0]): refused like an empty table, not taken as
+    # clusters with nothing in them (the candidates would be the extra ids alone).
+    args = valid_args(device)
+    args["cluster_tokens"] = args["cluster_tokens"][:, :0]
+    expect(ValueError, f"cluster_tokens must be non-empty, got shape [{SHAPE.C}, 0]", op, args)
+
+
+@device_params
 @pytest.mark.parametrize("name,value,error,fragment", [
     ("candidate_ids", lambda a: a["candidate_ids"][:2], ValueError, f"candidate_ids must have batch {SHAPE.B}"),
     ("out", lambda a: a["out"][:2], ValueError, f"out must have batch {SHAPE.B}"),
@@ -375,6 +394,20 @@ def test_out_back_to_back_with_an_input_is_apart(device):
     args["out"] = buffer[hidden.nbytes:].view(torch.int64)
     expected = CALLS["decode_greedy"](args)
     assert torch.equal(CALLS["decode_greedy_out"](args), expected)
+
+
+@device_params
+@pytest.mark.parametrize("name", ["hidden", "centroids", "cluster_tokens", "embedding", "extra_ids"])
+def test_out_must_not_share_memory_with_any_input(name, device):
+    # Each input in turn holds the first bytes of one buffer whose last B int64 are out (the int32
+    # tables as well as the float rows): on CUDA one row's token is written while others still read it.
+    args = valid_args(device)
+    value = args[name]
+    size = max(-(-value.nbytes // 8) * 8, SHAPE.B * 8)
+    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+    args[name] = buffer[:value.nbytes].view(value.dtype).view(value.shape).copy_(value)
+    args["out"] = buffer[size - SHAPE.B * 8:].view(torch.int64)
+    expect(ValueError, f"out must not share memory with {name}", "decode_greedy_out", args)
 
 
 @device_params

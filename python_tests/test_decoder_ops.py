@@ -186,6 +186,24 @@ def test_fused_linear(M, K, N, option, dtype):
     assert_close(out, fused_linear64(**args), dtype, "out")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fused_linear_rounds_once_after_the_bias(dtype):
+    # The bias joins the float32 sum before its one rounding to the input dtype. Dyadic inputs make
+    # every float32 sum exact in any order, so the result is exactly the float64 value rounded once:
+    # rounding the product first and adding the bias in the input dtype differs by an ulp at times.
+    g = generator("fused_linear rounds once", str(dtype))
+    M, K, N = 5, 9, 13
+    x = torch.randint(-127, 128, (M, K), generator=g).double() / 128
+    weight = torch.randint(-127, 128, (N, K), generator=g).double() / 128
+    bias = torch.randint(-255, 256, (N,), generator=g).double() / 4096
+    want = (x @ weight.t() + bias).to(dtype)
+    got = ops.fused_linear(x.to(dtype), weight.to(dtype), bias=bias.to(dtype))
+    assert torch.equal(got, want)
+    # The inputs can tell the two apart: rounding twice gives other bits here.
+    twice = (x @ weight.t()).to(dtype).float().add(bias.float()).to(dtype)
+    assert not torch.equal(twice, want)
+
+
 @device_params
 def test_fused_linear_static_weight_same_result(device):
     # static_weight only lets the CUDA kernel read the weight before the previous kernel has ended.
@@ -600,6 +618,19 @@ def test_bad_num_heads(num_heads, error, fragment, device):
     args = valid_args(device)
     args["num_heads"] = num_heads
     expect(error, fragment, "rotary_cache_write", args)
+
+
+@device_params
+def test_num_heads_at_the_bound_is_accepted(device):
+    # ops.NUM_HEADS_MAX itself is taken (one token, two KV heads of head_dim 8: 1M elements of q).
+    args = valid_args(device)
+    heads = ops.NUM_HEADS_MAX
+    args.update(num_heads=heads, qkv=randn(generator("num_heads bound"), 1, (heads + 2 * KV_) * HD_,
+                                           dtype=torch.float32).to(device))
+    q = call("rotary_cache_write", args)
+    assert q.shape == (1, heads, HD_) and torch.isfinite(q).all()
+    args["num_heads"] = heads + KV_
+    expect(ValueError, f"up to {heads}, got {heads + KV_}", "rotary_cache_write", args)
 
 
 @device_params
