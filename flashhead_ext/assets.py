@@ -231,7 +231,7 @@ def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering],
     # other assets, left the new tensors under the old config, which loaded without a word.
     stored["flash_head_tensors_sha256"] = hashlib.sha256(data).hexdigest()
     config = json.dumps(stored, indent=2) + "\n"  # first: a config that cannot be written leaves no files
-    directory = Path(directory)
+    directory = Path(directory).expanduser()
     (directory / checked.cache_dir).mkdir(parents=True, exist_ok=True)
     write_replacing(directory / checked.cache_dir / TENSORS_NAME, lambda partial: partial.write_bytes(data))
     write_replacing(directory / CONFIG_NAME, lambda partial: partial.write_text(config))
@@ -313,6 +313,8 @@ def read_config(directory: Path) -> dict:
     """FlashHead keys from our config file, else from a model's config.json; empty if neither has them."""
     for name in (CONFIG_NAME, "config.json"):
         path = directory / name
+        if path.exists() and not path.is_file():  # a directory in its place: the defaults were read silently
+            raise ValueError(f"{path} must be a file, not a directory or a special file")
         if path.is_file():
             try:
                 config = json.loads(path.read_text())
@@ -353,7 +355,7 @@ def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> Flas
     Raises FileNotFoundError for a missing directory or tensors file, NotADirectoryError for a
     file given as the directory, ValueError for malformed contents.
     """
-    directory = Path(directory)
+    directory = Path(directory).expanduser()
     if not directory.is_dir():
         if directory.exists():
             raise NotADirectoryError(f"FlashHead assets directory {directory} is a file; pass the directory holding "
@@ -390,8 +392,8 @@ def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where:
     if 0 in centroids.shape or assignments.numel() == 0:
         raise ValueError(f"{where} hold no clustering: centroids {tuple(centroids.shape)} [hidden, clusters], "
                          f"cluster_assignments {tuple(assignments.shape)} [vocab]")
-    if not torch.isfinite(centroids).all():
-        raise ValueError(f"centroids in {where} hold NaN or infinite values")
+    if not torch.isfinite(centroids.float()).all():  # kept as float32: 1e300 in float64 became inf there
+        raise ValueError(f"centroids in {where} hold NaN or infinite values (as float32, as they are kept)")
     if assignments.is_floating_point() or assignments.dtype == torch.bool:
         raise ValueError(f"cluster_assignments in {where} must hold integer cluster ids, got {assignments.dtype}")
     dim, count = centroids.shape

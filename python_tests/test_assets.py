@@ -298,6 +298,8 @@ def _write_bad(directory, *, centroids=None, assignments=None, config=None, drop
     ({"assignments": torch.arange(VOCAB + 12) % 12}, "assign 108 tokens .* but the embedding has vocab size 96"),
     ({"centroids": torch.randn(DIM, 12).index_fill_(1, torch.tensor([5]), float("nan"))},
      r"centroids in .* hold NaN or infinite values"),
+    ({"centroids": torch.randn(DIM, 12, dtype=torch.float64).index_fill_(1, torch.tensor([5]), 1e300)},
+     r"centroids in .* hold NaN or infinite values \(as float32, as they are kept\)"),  # refused by FlashHead, later
     *[({"config": {"flash_head_cache_dir": bad}}, rf"flash_head_cache_dir must be a directory name \(a string\), got {re.escape(repr(bad))}")
       for bad in (None, 3, ["flash_head_assets"])],
     *[({"config": {"enforce_equal_cluster_sizes": bad}}, rf"enforce_equal_cluster_sizes must be true or false, got {re.escape(repr(bad))}")
@@ -589,10 +591,22 @@ def test_a_cache_entry_that_is_not_what_its_name_says_is_built_again(tmp_path, m
         assert load_assets(entry).embedding_fingerprint == assets_mod.embedding_fingerprint(embedding)  # the entry is right again
 
 
-def test_a_cache_dir_given_with_a_tilde_is_expanded(tmp_path, monkeypatch):
+def test_a_cache_dir_given_with_a_tilde_is_expanded(tmp_path, monkeypatch, embedding, clustering):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", "~/fh")
     assert assets_mod.user_cache_dir() == tmp_path / "fh"
+    # And so is an assets directory, as the cache's is.
+    assert save_assets("~/saved", clustering) == tmp_path / "saved"
+    assert torch.equal(load_assets("~/saved", embedding).cluster_tokens, clustering.cluster_tokens)
+
+
+def test_a_config_that_is_a_directory_is_refused(tmp_path, embedding):
+    # The defaults (n_probes C/16, no special tokens) were read in its place without a word.
+    _write_bad(tmp_path, config={"n_probes": 2})
+    (tmp_path / CONFIG_NAME).unlink()
+    (tmp_path / CONFIG_NAME).mkdir()
+    with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path / CONFIG_NAME))} must be a file, not a directory"):
+        load_assets(tmp_path, embedding)
 
 
 def test_loading_a_clustering_for_other_weights_warns(tmp_path, monkeypatch, embedding):
