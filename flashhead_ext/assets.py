@@ -14,8 +14,8 @@ Config keys: ``flash_head_cache_dir`` (default ``"flash_head_assets"``), ``n_clu
 mean) or ``"raw"`` (calibrated clusterings, whose centroids are fitted max-logit estimators and
 lose their meaning when normalised); and, where the clustering was built by
 :func:`flash_head_for` (as :func:`~flashhead_ext.hf.attach` builds one),
-``flash_head_embedding_fingerprint``: projections of a few rows, and block sums of every row's, of
-the output embedding it was built for, so that loading it for other weights warns; and, written by
+``flash_head_embedding_fingerprint``: projections of a few rows of the output embedding it was
+built for, so that loading it for other weights warns; and, written by
 :func:`save_assets`, ``flash_head_tensors_sha256``, the tensors file's digest, so that a config
 never loads with another save's tensors. A model directory that carries these keys
 in its ``config.json`` instead, as published checkpoints do, loads the same way.
@@ -65,13 +65,9 @@ CONFIG_KEYS = ("flash_head_cache_dir", "n_clusters", "n_probes", "flash_head_spe
                "flash_head_greedy_scoring", "flash_head_embedding_fingerprint", "flash_head_tensors_sha256")
 STALE_PARTIAL_S = 3600  # a partial file older than this was left by a killed write
 FINGERPRINT_ROWS, FINGERPRINT_DIRECTIONS = 64, 4
-# And every row, summed over at most 1024 blocks of consecutive rows on 2 of the directions: a
-# fine-tune may change a few rows only (new tokens), which 64 sampled rows rarely include.
-FINGERPRINT_BLOCKS, BLOCK_DIRECTIONS = 1024, 2
-# bf16 rounding moves a fingerprint by about 0.1% of its scale (the sampled rows' largest value, a
-# block sum's root sum of squares); other weights by about 100%.
+# bf16 rounding moves a fingerprint by about 0.1% of its largest value; other weights by about 100%.
 FINGERPRINT_TOLERANCE = 0.02
-SLICE_VALUES = 1 << 22  # values the digests and fingerprints read at a time: 16 MB as float32
+DIGEST_SLICE = 1 << 22  # values hashed at a time: 16 MB as float32
 
 PathLike = Union[str, os.PathLike]
 
@@ -429,11 +425,10 @@ def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where:
     if scoring not in GREEDY_SCORINGS:
         raise ValueError(f"flash_head_greedy_scoring must be one of {GREEDY_SCORINGS}, got {scoring!r}")
     fingerprint = config.get("flash_head_embedding_fingerprint")
-    sizes = fingerprint_sizes(assignments.numel())
-    if fingerprint is not None and not (isinstance(fingerprint, list) and len(fingerprint) in sizes and all(
+    size = FINGERPRINT_ROWS * FINGERPRINT_DIRECTIONS
+    if fingerprint is not None and not (isinstance(fingerprint, list) and len(fingerprint) == size and all(
             ops._is_number(x) and math.isfinite(x) for x in fingerprint)):
-        raise ValueError(f"flash_head_embedding_fingerprint must be a list of {sizes[1]} finite numbers "
-                         f"({sizes[0]} where saved before its block sums)")
+        raise ValueError(f"flash_head_embedding_fingerprint must be a list of {size} finite numbers")
     if fingerprint is not None and embedding is not None and not embedding.is_meta:  # a meta tensor has no values
         warn_if_built_for_other_weights(fingerprint, embedding, f"in {where}")
     return FlashHeadAssets(
@@ -449,13 +444,6 @@ def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where:
     )
 
 
-def fingerprint_sizes(vocab: int) -> tuple[int, int]:
-    """A fingerprint's length over ``vocab`` rows: its sampled rows' projections only (saved before
-    the block sums), and with them."""
-    sampled = FINGERPRINT_ROWS * FINGERPRINT_DIRECTIONS
-    return sampled, sampled + min(FINGERPRINT_BLOCKS, vocab) * BLOCK_DIRECTIONS
-
-
 def _directions(dim: int) -> Tensor:
     """Fixed directions [dim, FINGERPRINT_DIRECTIONS], from arithmetic, not torch's random streams,
     which no release promises to keep."""
@@ -463,55 +451,23 @@ def _directions(dim: int) -> Tensor:
     return torch.frac(torch.sin(phases * 12.9898 + 1.0).abs() * 43758.5453).float() * 2 - 1  # spread in [-1, 1)
 
 
-def _block_projections(embedding: Tensor) -> tuple[Tensor, Tensor]:
-    """Float64 ``(sums, scales)`` [blocks, BLOCK_DIRECTIONS] on the host: each block of consecutive
-    rows' projections on the first directions, summed, and the root sum of squares of every product
-    in those sums, which bounds what rounding the weight moves a sum by (bf16: about 2^-9 of it),
-    even where a block's projections cancel. Read a slice of rows at a time, on the weight's device."""
-    vocab, dim = embedding.shape
-    blocks = min(FINGERPRINT_BLOCKS, vocab)
-    directions = _directions(dim)[:, :BLOCK_DIRECTIONS].to(embedding.device)
-    block_of_row = torch.arange(vocab, device=embedding.device) * blocks // vocab
-    sums = torch.zeros(blocks, BLOCK_DIRECTIONS, dtype=torch.float64, device=embedding.device)
-    squares = torch.zeros_like(sums)
-    rows = max(1, SLICE_VALUES // dim)
-    for start in range(0, vocab, rows):
-        values = embedding.detach()[start:start + rows].float()
-        sums.index_add_(0, block_of_row[start:start + rows], (values @ directions).double())
-        squares.index_add_(0, block_of_row[start:start + rows], (values.square() @ directions.square()).double())
-    return sums.cpu(), squares.sqrt().cpu()
-
-
-def _fingerprint_parts(embedding: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Float64 ``(sampled, sums, scales)``: the sampled rows' projections [64 * 4] and the blocks'
-    sums and scales (:func:`_block_projections`), flattened."""
+def embedding_fingerprint(embedding: Tensor) -> list:
+    """Projections of 64 fixed rows of ``embedding`` on 4 fixed directions: casts of one weight
+    (fp32, bf16, fp16) give nearly the same numbers, other weights far other ones. Read from a few
+    rows, it costs nothing at any vocabulary size (a digest reads all of it). A fine-tune of a few
+    rows only (new tokens) is seen where it changes one of them."""
     vocab, dim = embedding.shape
     rows = torch.arange(FINGERPRINT_ROWS, dtype=torch.int64) * 2654435761 % vocab  # Knuth's multiplicative hash
-    sampled = embedding.detach()[rows.to(embedding.device)].to("cpu", torch.float32) @ _directions(dim)
-    sums, scales = _block_projections(embedding)
-    return sampled.double().flatten(), sums.flatten(), scales.flatten()
-
-
-def embedding_fingerprint(embedding: Tensor) -> list:
-    """Projections of 64 fixed rows of ``embedding`` on 4 fixed directions, then the sums of every
-    row's projections on 2 of them over up to 1024 blocks of consecutive rows: casts of one weight
-    (fp32, bf16, fp16) give nearly the same numbers, other weights, or a few rows changed, far other
-    ones. One product of the weight with 2 directions, a slice at a time (a digest reads as much)."""
-    sampled, sums, _ = _fingerprint_parts(embedding)
-    return [float(f"{x:.6g}") for x in torch.cat([sampled, sums]).tolist()]
+    sampled = embedding.detach()[rows.to(embedding.device)].to("cpu", torch.float32)
+    return [float(f"{x:.6g}") for x in (sampled @ _directions(dim)).flatten().tolist()]
 
 
 def fingerprint_change(stored: list, embedding: Tensor) -> float:
-    """How far ``embedding``'s fingerprint is from ``stored``, as a fraction of its scale (rounding
-    moves it by well under FINGERPRINT_TOLERANCE, other weights by far more)."""
-    sampled, sums, scales = _fingerprint_parts(embedding)
+    """How far ``embedding``'s fingerprint is from ``stored``, as a fraction of the stored one's
+    largest value (rounding moves it by well under FINGERPRINT_TOLERANCE, other weights by far more)."""
+    current = torch.tensor(embedding_fingerprint(embedding), dtype=torch.float64)
     stored_values = torch.tensor(stored, dtype=torch.float64)
-    stored_sampled, stored_sums = stored_values[:sampled.numel()], stored_values[sampled.numel():]
-    # The sampled rows against their largest value; each block's sum against the block's scale.
-    change = float((sampled - stored_sampled).abs().max() / stored_sampled.abs().max().clamp(min=1e-30))
-    if stored_sums.numel():  # saved with its block sums
-        change = max(change, float(((sums - stored_sums).abs() / scales.clamp(min=1e-30)).max()))
-    return change
+    return float((current - stored_values).abs().max() / stored_values.abs().max().clamp(min=1e-30))
 
 
 def _share(change: float) -> str:
@@ -524,7 +480,7 @@ def warn_if_built_for_other_weights(stored: list, embedding: Tensor, where: str)
     completes "the FlashHead clustering ..."."""
     change = fingerprint_change(stored, embedding)
     if change > FINGERPRINT_TOLERANCE:
-        warnings.warn(f"the FlashHead clustering {where} was built for other output weights than these (their rows "
+        warnings.warn(f"the FlashHead clustering {where} was built for other output weights than these (sampled rows "
                       f"differ by {_share(change)} of their scale: fine-tuned, or another model's): its clusters do not fit "
                       "them and FlashHead agrees less often with the dense head. Build one for these weights: "
                       "flash_head_for(weight), or attach(model, flash_head_for(weight)[1])", UserWarning,
@@ -535,8 +491,8 @@ def update_digest(digest, tensor: Tensor) -> None:
     """Feeds ``tensor``'s values as float32 bytes, in row-major order, to a hashlib ``digest``, a
     slice at a time: a whole float32 copy, and its bytes, took 4x a bf16 embedding's memory."""
     values = tensor.detach().flatten()
-    for start in range(0, values.numel(), SLICE_VALUES):
-        digest.update(values[start:start + SLICE_VALUES].to("cpu", torch.float32).numpy())
+    for start in range(0, values.numel(), DIGEST_SLICE):
+        digest.update(values[start:start + DIGEST_SLICE].to("cpu", torch.float32).numpy())
 
 
 def embedding_digest(embedding: Tensor) -> str:
@@ -561,7 +517,7 @@ def _cached_assets(directory: Path, embedding: Tensor, sizes: Tensor) -> FlashHe
     if assets.embedding_fingerprint is not None:
         change = fingerprint_change(assets.embedding_fingerprint, embedding)
         if change > FINGERPRINT_TOLERANCE:
-            raise ValueError(f"it was built for other output weights: their rows differ by {_share(change)} of their scale")
+            raise ValueError(f"it was built for other output weights: sampled rows differ by {_share(change)} of their scale")
     return assets
 
 

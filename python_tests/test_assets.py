@@ -579,7 +579,7 @@ def test_a_cache_entry_that_is_not_what_its_name_says_is_built_again(tmp_path, m
     (entry,) = (tmp_path / "cache" / "clusters").iterdir()
     other = embedding.flip(1) * 2
     for wrong, reason in ((flash_head_for(other, SIZE, iters=2, progress=False, cache=False)[1],
-                           r"it was built for other output weights: their rows differ by \d+% of their scale"),
+                           r"it was built for other output weights: sampled rows differ by \d+% of their scale"),
                           (build_clusters(embedding, SIZE // 2, iters=2, progress=False),
                            rf"it holds {2 * VOCAB // SIZE} clusters over {VOCAB} tokens of dimension {DIM}, "
                            rf"not {VOCAB // SIZE} clusters of its cluster size over \[{VOCAB}, {DIM}\]")):
@@ -615,7 +615,7 @@ def test_loading_a_clustering_for_other_weights_warns(tmp_path, monkeypatch, emb
     assert assets.embedding_fingerprint == assets_mod.embedding_fingerprint(embedding)
     save_assets(tmp_path / "saved", assets)
     config = json.loads((tmp_path / "saved" / CONFIG_NAME).read_text())
-    assert len(config["flash_head_embedding_fingerprint"]) == 64 * 4 + VOCAB * 2  # a block of one row each here
+    assert len(config["flash_head_embedding_fingerprint"]) == 256
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for cast in (embedding, embedding.bfloat16(), embedding.half()):  # the same weights in another dtype
@@ -634,52 +634,17 @@ def test_loading_a_clustering_for_other_weights_warns(tmp_path, monkeypatch, emb
         warnings.simplefilter("error")
         assets.head(embedding.bfloat16())
         flash_head_for(embedding, SIZE, iters=2, progress=False)  # from the cache
-    # A fine-tune that changes a few rows only (new tokens), none of the sampled ones: the block sums see it.
-    sampled = set((torch.arange(64) * 2654435761 % VOCAB).tolist())
-    changed = [row for row in range(VOCAB) if row not in sampled][:3]
-    tuned = embedding.clone()
-    tuned[changed] = noise[changed]
-    with pytest.warns(UserWarning, match=r"built for other output weights than these \(their rows differ by \d+% of"):
-        load_assets(tmp_path / "saved", tuned)
-    # A fingerprint saved before the block sums compares its sampled rows only.
-    config["flash_head_embedding_fingerprint"] = config["flash_head_embedding_fingerprint"][:256]
-    (tmp_path / "saved" / CONFIG_NAME).write_text(json.dumps(config))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        load_assets(tmp_path / "saved", embedding.bfloat16())
-        load_assets(tmp_path / "saved", tuned)
-    with pytest.warns(UserWarning, match="built for other output weights than these"):
-        load_assets(tmp_path / "saved", noise)
     # One that holds zeros only says how far other weights are in words, not in a 30-digit percentage.
     config["flash_head_embedding_fingerprint"] = [0.0] * 256
     (tmp_path / "saved" / CONFIG_NAME).write_text(json.dumps(config))
-    with pytest.warns(UserWarning, match=r"their rows differ by more than 1000% of their scale"):
+    with pytest.warns(UserWarning, match=r"sampled rows differ by more than 1000% of their scale"):
         load_assets(tmp_path / "saved", embedding)
     # Published checkpoints carry no fingerprint; a malformed one is named.
     for malformed in ([1.0, float("nan")], [1.0] * 257):
         config["flash_head_embedding_fingerprint"] = malformed
         (tmp_path / "saved" / CONFIG_NAME).write_text(json.dumps(config))
-        with pytest.raises(ValueError, match=rf"flash_head_embedding_fingerprint must be a list of {256 + VOCAB * 2} "
-                                             r"finite numbers \(256 where saved before its block sums\)"):
+        with pytest.raises(ValueError, match="flash_head_embedding_fingerprint must be a list of 256 finite numbers"):
             load_assets(tmp_path / "saved", embedding)
-
-
-def test_the_fingerprint_reads_every_row_a_slice_at_a_time(monkeypatch):
-    # Odd shapes: blocks of unequal numbers of rows, slices that end inside a block, more rows than blocks.
-    weight = torch.randn(2503, 7, generator=torch.Generator().manual_seed(32))
-    whole = assets_mod.embedding_fingerprint(weight)
-    assert len(whole) == 64 * 4 + 1024 * 2
-    for rows_a_slice in (1, 5, 333):
-        monkeypatch.setattr(assets_mod, "SLICE_VALUES", 7 * rows_a_slice)
-        assert assets_mod.embedding_fingerprint(weight) == pytest.approx(whole, rel=1e-5, abs=1e-6)
-    # Each block sums its own rows: block k holds rows i with i * 1024 // 2503 == k.
-    sums, scales = assets_mod._block_projections(weight)
-    directions = assets_mod._directions(7)[:, :2].double()
-    block_of_row = torch.arange(2503) * 1024 // 2503
-    for block in (0, 511, 1023):
-        rows = weight[block_of_row == block].double()
-        assert torch.allclose(sums[block], (rows @ directions).sum(0))
-        assert torch.allclose(scales[block], (rows.square() @ directions.square()).sum(0).sqrt())
 
 
 @pytest.mark.parametrize("cache_dir", ["", "."])
@@ -705,7 +670,7 @@ def test_digests_hash_slices_as_the_whole_tensor(monkeypatch, dtype):
     whole = hashlib.sha256(repr(tuple(tensor.shape)).encode())
     whole.update(tensor.to(torch.float32).contiguous().numpy().tobytes())
     for size in (1, 7, 407, 1 << 22):
-        monkeypatch.setattr(assets_mod, "SLICE_VALUES", size)
+        monkeypatch.setattr(assets_mod, "DIGEST_SLICE", size)
         assert assets_mod.embedding_digest(tensor) == whole.hexdigest(), size
 
 
