@@ -444,30 +444,26 @@ def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where:
     )
 
 
-def _directions(dim: int) -> Tensor:
-    """Fixed directions [dim, FINGERPRINT_DIRECTIONS], from arithmetic, not torch's random streams,
-    which no release promises to keep."""
-    phases = torch.arange(dim * FINGERPRINT_DIRECTIONS, dtype=torch.float64).reshape(dim, FINGERPRINT_DIRECTIONS)
-    return torch.frac(torch.sin(phases * 12.9898 + 1.0).abs() * 43758.5453).float() * 2 - 1  # spread in [-1, 1)
-
-
 def embedding_fingerprint(embedding: Tensor) -> list:
     """Projections of 64 fixed rows of ``embedding`` on 4 fixed directions: casts of one weight
     (fp32, bf16, fp16) give nearly the same numbers, other weights far other ones. Read from a few
-    rows, it costs nothing at any vocabulary size (a digest reads all of it). A fine-tune of a few
-    rows only (new tokens) is seen where it changes one of them."""
+    rows, it costs nothing at any vocabulary size (a digest reads all of it). Rows and directions
+    come from arithmetic, not torch's random streams, which no release promises to keep. A
+    fine-tune of a few rows only (new tokens) is seen where it changes one of them."""
     vocab, dim = embedding.shape
     rows = torch.arange(FINGERPRINT_ROWS, dtype=torch.int64) * 2654435761 % vocab  # Knuth's multiplicative hash
+    phases = torch.arange(dim * FINGERPRINT_DIRECTIONS, dtype=torch.float64).reshape(dim, FINGERPRINT_DIRECTIONS)
+    directions = torch.frac(torch.sin(phases * 12.9898 + 1.0).abs() * 43758.5453).float() * 2 - 1  # spread in [-1, 1)
     sampled = embedding.detach()[rows.to(embedding.device)].to("cpu", torch.float32)
-    return [float(f"{x:.6g}") for x in (sampled @ _directions(dim)).flatten().tolist()]
+    return [float(f"{x:.6g}") for x in (sampled @ directions).flatten().tolist()]
 
 
-def fingerprint_change(stored: list, embedding: Tensor) -> float:
-    """How far ``embedding``'s fingerprint is from ``stored``, as a fraction of the stored one's
-    largest value (rounding moves it by well under FINGERPRINT_TOLERANCE, other weights by far more)."""
-    current = torch.tensor(embedding_fingerprint(embedding), dtype=torch.float64)
+def fingerprint_change(stored: list, current: list) -> float:
+    """How far fingerprint ``current`` is from ``stored``, as a fraction of the stored one's largest
+    value (rounding moves it by well under FINGERPRINT_TOLERANCE, other weights by far more)."""
     stored_values = torch.tensor(stored, dtype=torch.float64)
-    return float((current - stored_values).abs().max() / stored_values.abs().max().clamp(min=1e-30))
+    return float((torch.tensor(current, dtype=torch.float64) - stored_values).abs().max()
+                 / stored_values.abs().max().clamp(min=1e-30))
 
 
 def _share(change: float) -> str:
@@ -478,7 +474,7 @@ def _share(change: float) -> str:
 def warn_if_built_for_other_weights(stored: list, embedding: Tensor, where: str) -> None:
     """A UserWarning when ``embedding``'s fingerprint is not ``stored``'s up to rounding; ``where``
     completes "the FlashHead clustering ..."."""
-    change = fingerprint_change(stored, embedding)
+    change = fingerprint_change(stored, embedding_fingerprint(embedding))
     if change > FINGERPRINT_TOLERANCE:
         warnings.warn(f"the FlashHead clustering {where} was built for other output weights than these (sampled rows "
                       f"differ by {_share(change)} of their scale: fine-tuned, or another model's): its clusters do not fit "
@@ -502,20 +498,18 @@ def embedding_digest(embedding: Tensor) -> str:
     return digest.hexdigest()
 
 
-def _cached_assets(directory: Path, embedding: Tensor, sizes: Tensor) -> FlashHeadAssets:
+def _cached_assets(directory: Path, embedding: Tensor, fingerprint: list, sizes: Tensor) -> FlashHeadAssets:
     """A cache entry's assets, or a ValueError where they are not what the entry's name says: a
-    clustering of other cluster sizes, or of other weights (an entry copied or synced in from
-    elsewhere), which the caller would otherwise take, and record this embedding's fingerprint for."""
+    clustering of other cluster sizes, or of other weights (``fingerprint``: the embedding's; an
+    entry copied or synced in from elsewhere), which the caller would otherwise take, and record
+    this embedding's fingerprint for."""
     assets = load_assets(directory)
-    vocab, dim = embedding.shape
+    _check_against_embedding(assets.raw_centroids.shape[1], assets.cluster_assignments.numel(), embedding)
     counts = torch.bincount(assets.cluster_assignments, minlength=assets.num_clusters)
-    if (assets.cluster_assignments.numel(), assets.raw_centroids.shape[1]) != (vocab, dim) or \
-            not torch.equal(counts.sort().values, sizes.sort().values):
-        raise ValueError(f"it holds {assets.num_clusters} clusters over {assets.cluster_assignments.numel()} tokens of "
-                         f"dimension {assets.raw_centroids.shape[1]}, not {sizes.numel()} clusters of its cluster size "
-                         f"over [{vocab}, {dim}]")
+    if not torch.equal(counts.sort().values, sizes.sort().values):
+        raise ValueError(f"it holds {assets.num_clusters} clusters, not the {sizes.numel()} of its cluster size")
     if assets.embedding_fingerprint is not None:
-        change = fingerprint_change(assets.embedding_fingerprint, embedding)
+        change = fingerprint_change(assets.embedding_fingerprint, fingerprint)
         if change > FINGERPRINT_TOLERANCE:
             raise ValueError(f"it was built for other output weights: sampled rows differ by {_share(change)} of their scale")
     return assets
@@ -567,7 +561,7 @@ def flash_head_for(
     assets = None
     if cache and cached_entry(directory / CONFIG_NAME):
         try:
-            assets = _cached_assets(directory, embedding, sizes)
+            assets = _cached_assets(directory, embedding, fingerprint, sizes)
             assets.embedding_fingerprint = fingerprint  # entries cached before it had none
         except (ValueError, OSError) as error:  # a damaged entry (a full disk, a copy cut short) is built again
             warnings.warn(f"the cached clustering at {directory} is unreadable or not what its name says ({error}); "

@@ -108,7 +108,7 @@ def _is_int(value) -> TypeGuard[int]:
 
 def _is_number(value) -> bool:
     """A Python int or float; not a bool, which is an int."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return _is_int(value) or isinstance(value, float)
 
 
 def _require_float(name: str, value) -> float:
