@@ -6,6 +6,7 @@ Layout of an assets directory ``<dir>``::
     <dir>/<flash_head_cache_dir>/clustering_cache.safetensors
         centroids            float32 [D, C] (hidden x clusters; leading singleton dims accepted on load)
         cluster_assignments  int64 [V], the cluster id of each vocabulary token
+        embedding_row_projections  float32 [V, 4], ours, optional (below)
 
 Config keys: ``flash_head_cache_dir`` (default ``"flash_head_assets"``), ``n_clusters``,
 ``n_probes`` (default C/16), ``flash_head_special_token_ids`` (tokens scored at every step),
@@ -15,9 +16,10 @@ mean) or ``"raw"`` (calibrated clusterings, whose centroids are fitted max-logit
 lose their meaning when normalised); and, where the clustering was built by
 :func:`flash_head_for` (as :func:`~flashhead_ext.hf.attach` builds one),
 ``flash_head_embedding_fingerprint``: projections of a few rows of the output embedding it was
-built for, so that loading it for other weights warns; and, written by
-:func:`save_assets`, ``flash_head_tensors_sha256``, the tensors file's digest, so that a config
-never loads with another save's tensors. A model directory that carries these keys
+built for, so that loading it for other weights warns, with the tensor
+``embedding_row_projections``: every row's projections, so that a fine-tune of a few rows (new
+tokens trained) warns too; and, written by :func:`save_assets`, ``flash_head_tensors_sha256``,
+the tensors file's digest, so that a config never loads with another save's tensors. A model directory that carries these keys
 in its ``config.json`` instead, as published checkpoints do, loads the same way.
 
 The stored centroids are raw, unnormalised cluster centroids (k-means: the mean of the members'
@@ -68,6 +70,11 @@ FINGERPRINT_ROWS, FINGERPRINT_DIRECTIONS = 64, 4
 # bf16 rounding moves a fingerprint by about 0.1% of its largest value; other weights by about 100%.
 FINGERPRINT_TOLERANCE = 0.02
 DIGEST_SLICE = 1 << 22  # values hashed at a time: 16 MB as float32
+ROW_PROJECTIONS = "embedding_row_projections"
+ROW_SLICE_VALUES = 1 << 21  # values projected at a time: 16 MB as float64
+# What a cast can move a weight by: bfloat16's unit roundoff (the coarsest of the head's dtypes)
+# times the value, plus half float16's smallest subnormal spacing (values near zero lose bits).
+CAST_ROUNDING, CAST_FLUSH = 2.0 ** -8, 2.0 ** -25
 
 PathLike = Union[str, os.PathLike]
 
@@ -111,6 +118,8 @@ class FlashHeadAssets:
         greedy_scoring: ``"normalized"`` or ``"raw"``: which centroids greedy decoding ranks with.
         embedding_fingerprint: :func:`embedding_fingerprint` of the output embedding the
             clustering was built for, where known (None otherwise).
+        row_projections: :func:`embedding_row_projections` of that embedding, where known
+            (None otherwise): float32 ``[V, 4]``.
     """
 
     raw_centroids: Tensor
@@ -122,6 +131,7 @@ class FlashHeadAssets:
     cache_dir: str = DEFAULT_CACHE_DIR
     greedy_scoring: str = "normalized"
     embedding_fingerprint: Optional[list] = None
+    row_projections: Optional[Tensor] = None
 
     @property
     def centroids(self) -> Tensor:
@@ -166,9 +176,38 @@ class FlashHeadAssets:
         centroids in ``centroid_dtype`` (FlashHead's argument: the embedding's, or float8_e4m3fn).
         Warns (UserWarning) where the assets record the fingerprint of other weights than these."""
         head = self._head(embedding, probes, centroid_dtype)
-        if self.embedding_fingerprint is not None and not embedding.is_meta:  # a meta tensor has no values
-            warn_if_built_for_other_weights(self.embedding_fingerprint, embedding, "in these assets")
+        self.warn_if_built_for_other_weights(embedding, "in these assets")
         return head
+
+    @property
+    def records_weights(self) -> bool:
+        """Whether the assets record the weights they were built for (a fingerprint or row projections)."""
+        return self.embedding_fingerprint is not None or self.row_projections is not None
+
+    def warn_if_built_for_other_weights(self, embedding: Tensor, where: str) -> None:
+        """A UserWarning when ``embedding`` is not the weights the clustering was built for, up to
+        rounding (a cast to float32, bfloat16 or float16), as far as the assets record them:
+        their sampled rows differ (another model's weights, or fine-tuned ones), or some rows do
+        (tokens trained since). ``where`` completes "the FlashHead clustering ..."."""
+        if embedding.is_meta:  # no values to compare
+            return
+        fix = ("its clusters do not fit them and FlashHead agrees less often with the dense head. Build one for these "
+               "weights: flash_head_for(weight), or attach(model, flash_head_for(weight)[1])")
+        if self.embedding_fingerprint is not None:
+            change = fingerprint_change(self.embedding_fingerprint, embedding_fingerprint(embedding))
+            if change > FINGERPRINT_TOLERANCE:
+                warnings.warn(f"the FlashHead clustering {where} was built for other output weights than these (sampled "
+                              f"rows differ by {_share(change)} of their scale: fine-tuned, or another model's): {fix}",
+                              UserWarning, stacklevel=callers_stacklevel())
+                return
+        if self.row_projections is not None:
+            changed = changed_rows(self.row_projections, embedding)
+            if changed.numel():
+                shown = ", ".join(str(t) for t in changed[:8].tolist()) + (", ..." if changed.numel() > 8 else "")
+                warnings.warn(f"the FlashHead clustering {where} was built for other output weights than these "
+                              f"({changed.numel()} of their {embedding.shape[0]} rows differ by more than a cast's "
+                              f"rounding: {shown}; tokens fine-tuned or trained since, or weights quantized otherwise): "
+                              f"{fix}", UserWarning, stacklevel=callers_stacklevel())
 
     def _head(self, embedding: Tensor, probes: Optional[int], centroid_dtype: Optional[torch.dtype]) -> FlashHead:
         """``head`` without the fingerprint's comparison, for callers that compare it themselves."""
@@ -219,10 +258,17 @@ def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering],
         if value.dim() != len(shape.split(",")):
             raise ValueError(f"assets.{name} must have shape {shape}, got {tuple(value.shape)}")
     stored = assets.config()
+    projections = assets.row_projections
+    if projections is not None and not isinstance(projections, Tensor):
+        raise TypeError(f"assets.row_projections must be None or a torch.Tensor [vocab, {FINGERPRINT_DIRECTIONS}], "
+                        f"got {type(projections).__name__}")
     checked = _checked_assets(assets.raw_centroids.detach().T.cpu(), assets.cluster_assignments.detach().cpu(), stored,
-                              "the assets to save (assets.raw_centroids transposed)")
-    data = save_bytes({"centroids": checked.raw_centroids.T.contiguous(),
-                       "cluster_assignments": checked.cluster_assignments.contiguous()})
+                              "the assets to save (assets.raw_centroids transposed)",
+                              row_projections=None if projections is None else projections.detach().cpu())
+    tensors = {"centroids": checked.raw_centroids.T.contiguous(), "cluster_assignments": checked.cluster_assignments.contiguous()}
+    if checked.row_projections is not None:
+        tensors[ROW_PROJECTIONS] = checked.row_projections
+    data = save_bytes(tensors)
     # The config names the tensors it goes with: a save killed between the two files' renames, over
     # other assets, left the new tensors under the old config, which loaded without a word.
     stored["flash_head_tensors_sha256"] = hashlib.sha256(data).hexdigest()
@@ -373,11 +419,12 @@ def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> Flas
         if name not in tensors:
             raise ValueError(f"{path} has no tensor {name!r} (found {sorted(tensors)}); "
                              "expected 'centroids' [hidden, clusters] and 'cluster_assignments' [vocab]")
-    return _checked_assets(tensors["centroids"], tensors["cluster_assignments"], config, str(path), embedding)
+    return _checked_assets(tensors["centroids"], tensors["cluster_assignments"], config, str(path), embedding,
+                           tensors.get(ROW_PROJECTIONS))
 
 
 def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where: str,
-                    embedding: Optional[Tensor] = None) -> FlashHeadAssets:
+                    embedding: Optional[Tensor] = None, row_projections: Optional[Tensor] = None) -> FlashHeadAssets:
     """Assets from stored-layout tensors (centroids ``[hidden, clusters]``) and config keys, after
     the checks that both loading and saving make; ``where`` names their source in messages."""
     cache_dir = _cache_dir_setting(config.get("flash_head_cache_dir", DEFAULT_CACHE_DIR))
@@ -429,9 +476,9 @@ def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where:
     if fingerprint is not None and not (isinstance(fingerprint, list) and len(fingerprint) == size and all(
             ops._is_number(x) and math.isfinite(x) for x in fingerprint)):
         raise ValueError(f"flash_head_embedding_fingerprint must be a list of {size} finite numbers")
-    if fingerprint is not None and embedding is not None and not embedding.is_meta:  # a meta tensor has no values
-        warn_if_built_for_other_weights(fingerprint, embedding, f"in {where}")
-    return FlashHeadAssets(
+    if row_projections is not None:
+        row_projections = _checked_row_projections(row_projections, assignments.numel(), f"{ROW_PROJECTIONS} in {where}")
+    assets = FlashHeadAssets(
         raw_centroids=centroids.T.float().contiguous(),
         cluster_assignments=assignments,
         cluster_tokens=cluster_table(assignments, count),
@@ -441,7 +488,11 @@ def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where:
         cache_dir=cache_dir,
         greedy_scoring=scoring,
         embedding_fingerprint=fingerprint,
+        row_projections=row_projections,
     )
+    if embedding is not None:
+        assets.warn_if_built_for_other_weights(embedding, f"in {where}")
+    return assets
 
 
 def embedding_fingerprint(embedding: Tensor) -> list:
@@ -452,10 +503,15 @@ def embedding_fingerprint(embedding: Tensor) -> list:
     fine-tune of a few rows only (new tokens) is seen where it changes one of them."""
     vocab, dim = embedding.shape
     rows = torch.arange(FINGERPRINT_ROWS, dtype=torch.int64) * 2654435761 % vocab  # Knuth's multiplicative hash
-    phases = torch.arange(dim * FINGERPRINT_DIRECTIONS, dtype=torch.float64).reshape(dim, FINGERPRINT_DIRECTIONS)
-    directions = torch.frac(torch.sin(phases * 12.9898 + 1.0).abs() * 43758.5453).float() * 2 - 1  # spread in [-1, 1)
     sampled = embedding.detach()[rows.to(embedding.device)].to("cpu", torch.float32)
-    return [float(f"{x:.6g}") for x in (sampled @ directions).flatten().tolist()]
+    return [float(f"{x:.6g}") for x in (sampled @ _fingerprint_directions(dim)).flatten().tolist()]
+
+
+def _fingerprint_directions(dim: int) -> Tensor:
+    """float32 ``[dim, 4]``, spread in [-1, 1): from arithmetic, not torch's random streams, which
+    no release promises to keep."""
+    phases = torch.arange(dim * FINGERPRINT_DIRECTIONS, dtype=torch.float64).reshape(dim, FINGERPRINT_DIRECTIONS)
+    return torch.frac(torch.sin(phases * 12.9898 + 1.0).abs() * 43758.5453).float() * 2 - 1
 
 
 def fingerprint_change(stored: list, current: list) -> float:
@@ -471,16 +527,55 @@ def _share(change: float) -> str:
     return f"{change:.0%}" if change < 10 else "more than 1000%"
 
 
-def warn_if_built_for_other_weights(stored: list, embedding: Tensor, where: str) -> None:
-    """A UserWarning when ``embedding``'s fingerprint is not ``stored``'s up to rounding; ``where``
-    completes "the FlashHead clustering ..."."""
-    change = fingerprint_change(stored, embedding_fingerprint(embedding))
-    if change > FINGERPRINT_TOLERANCE:
-        warnings.warn(f"the FlashHead clustering {where} was built for other output weights than these (sampled rows "
-                      f"differ by {_share(change)} of their scale: fine-tuned, or another model's): its clusters do not fit "
-                      "them and FlashHead agrees less often with the dense head. Build one for these weights: "
-                      "flash_head_for(weight), or attach(model, flash_head_for(weight)[1])", UserWarning,
-                      stacklevel=callers_stacklevel())
+def _row_slices(embedding: Tensor):
+    """``(start, rows)``: ``embedding``'s rows as float64, 16 MB at a time, on its device (a whole
+    float64 copy took 4x a bf16 embedding's memory)."""
+    values = embedding.detach()
+    step = max(1, ROW_SLICE_VALUES // max(1, values.shape[1]))
+    for start in range(0, values.shape[0], step):
+        yield start, values[start:start + step].double()
+
+
+def embedding_row_projections(embedding: Tensor) -> Tensor:
+    """float32 ``[V, 4]``: every row of ``embedding`` projected on the fingerprint's 4 directions,
+    in float64. Stored with a clustering, they tell which rows changed since it was built
+    (:meth:`FlashHeadAssets.warn_if_built_for_other_weights`), where the fingerprint's 64 rows see a
+    fine-tune of a few rows only when it changes one of them."""
+    directions = _fingerprint_directions(embedding.shape[1]).double().to(embedding.device)
+    return torch.cat([(rows @ directions).float().cpu() for _, rows in _row_slices(embedding)])
+
+
+def _checked_row_projections(projections, vocab: int, name: str) -> Tensor:
+    """``projections`` as float32, after checks that name them as ``name``."""
+    expected = [vocab, FINGERPRINT_DIRECTIONS]
+    if not isinstance(projections, Tensor) or not projections.is_floating_point() or list(projections.shape) != expected:
+        found = (f"{projections.dtype} {tuple(projections.shape)}" if isinstance(projections, Tensor)
+                 else type(projections).__name__)
+        raise ValueError(f"{name} must be a floating-point torch.Tensor of shape {expected} ([vocab, "
+                         f"{FINGERPRINT_DIRECTIONS}], embedding_row_projections of the embedding), got {found}")
+    projections = projections.float().contiguous()
+    if not torch.isfinite(projections).all():  # compared as float32
+        raise ValueError(f"{name} hold NaN or infinite values (as float32, as they are kept)")
+    return projections
+
+
+def changed_rows(stored: Tensor, embedding: Tensor) -> Tensor:
+    """int64 ids of the rows of ``embedding`` whose projections differ from ``stored``'s (float32
+    ``[V, 4]``) by more than casting their weights could: each weight rounds by at most
+    CAST_ROUNDING of its value plus CAST_FLUSH, so a row's projection by at most that bound
+    times the sum of its products' sizes, for any rows (repeated ones too); doubled, for weights
+    rounded twice (float32 to float16 to bfloat16) and the stored float32. Non-finite rows count."""
+    stored = _checked_row_projections(stored, embedding.shape[0], "assets.row_projections")
+    directions = _fingerprint_directions(embedding.shape[1]).double().to(embedding.device)
+    flush = CAST_FLUSH * directions.abs().sum(0)
+    changed = []
+    for start, rows in _row_slices(embedding):
+        bound = 2 * (CAST_ROUNDING * (rows.abs() @ directions.abs()) + flush)
+        expected = stored[start:start + rows.shape[0]].to(embedding.device, torch.float64)
+        # An infinite weight makes its bound infinite too, and NaN compares false: both count as changed.
+        within = ((rows @ directions - expected).abs() <= bound).all(1) & torch.isfinite(rows).all(1)
+        changed.append((~within).nonzero().flatten().cpu() + start)
+    return torch.cat(changed)
 
 
 def update_digest(digest, tensor: Tensor) -> None:
@@ -562,7 +657,8 @@ def flash_head_for(
     if cache and cached_entry(directory / CONFIG_NAME):
         try:
             assets = _cached_assets(directory, embedding, fingerprint, sizes)
-            assets.embedding_fingerprint = fingerprint  # entries cached before it had none
+            # Entries cached before they were recorded have none; the entry's name is this embedding's digest.
+            assets.embedding_fingerprint, assets.row_projections = fingerprint, embedding_row_projections(embedding)
         except (ValueError, OSError) as error:  # a damaged entry (a full disk, a copy cut short) is built again
             warnings.warn(f"the cached clustering at {directory} is unreadable or not what its name says ({error}); "
                           "building it again", RuntimeWarning, stacklevel=2)
@@ -570,7 +666,7 @@ def flash_head_for(
         clustering = (build_clusters(embedding, cluster_size, iters=iters, seed=seed, progress=progress) if hidden is None
                       else calibrate_clusters(embedding, hidden, cluster_size, iters=iters, seed=seed, progress=progress))
         assets = FlashHeadAssets.from_clustering(clustering)
-        assets.embedding_fingerprint = fingerprint
+        assets.embedding_fingerprint, assets.row_projections = fingerprint, embedding_row_projections(embedding)
         with uncached_on_failure("the clustering"):
             save_assets(directory, assets)
     assets.special_token_ids = special_token_ids
@@ -581,5 +677,5 @@ def flash_head_for(
 
 __all__ = [
     "FlashHeadAssets", "save_assets", "load_assets", "flash_head_for", "user_cache_dir", "default_probes",
-    "embedding_digest", "embedding_fingerprint", "CONFIG_NAME", "TENSORS_NAME", "DEFAULT_CACHE_DIR",
+    "embedding_digest", "embedding_fingerprint", "embedding_row_projections", "CONFIG_NAME", "TENSORS_NAME", "DEFAULT_CACHE_DIR",
 ]

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, PathLike, cached_entry, new_partial, read_config, read_tensors,
-                     sweep_stale_partials, uncached_on_failure, update_digest, warn_if_built_for_other_weights, write_replacing,
+                     sweep_stale_partials, uncached_on_failure, update_digest, write_replacing,
                      flash_head_for, load_assets, user_cache_dir)
 from . import ops
 from ._exclusive import ExclusiveUse
@@ -571,13 +571,13 @@ class FlashHeadAttachment:
     def _fingerprint_unchecked(self, weight: Tensor) -> bool:
         """Whether ``weight`` is a weight object the assets' fingerprint (if they have one) has not
         been compared with yet."""
-        return self._assets.embedding_fingerprint is not None and weight is not self._fingerprint_checked_for
+        return self._assets.records_weights and weight is not self._fingerprint_checked_for
 
     @torch.compiler.disable  # reads the weight's values on the host
     def _compare_fingerprint(self, weight: Tensor) -> None:
         """Warns, once for each weight object, when ``weight`` is not the one the assets were clustered
         for (load_state_dict(assign=True), a Parameter set)."""
-        warn_if_built_for_other_weights(self._assets.embedding_fingerprint, weight, "attached to this model")
+        self._assets.warn_if_built_for_other_weights(weight, "attached to this model")
         self._fingerprint_checked_for = weight
 
     @torch.compiler.disable  # clustering tables are checked on the host: a graph break, once per change

@@ -646,6 +646,139 @@ def test_loading_a_clustering_for_other_weights_warns(tmp_path, monkeypatch, emb
             load_assets(tmp_path / "saved", embedding)
 
 
+def _llama3_like(seed: int, vocab: int = 389, dim: int = 40) -> torch.Tensor:
+    """An embedding with Llama-3's kinds of rows: some set to the mean row (reserved tokens), some near
+    zero (float16 flushes them to subnormals), some large."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.randn(vocab, dim, generator=generator) * 0.02
+    weights[-23:] = weights[:-23].mean(0)
+    weights[5:9] *= 1e-4
+    weights[11] *= 300
+    return weights
+
+
+def test_a_fine_tune_of_a_few_rows_warns_and_casts_do_not(tmp_path, monkeypatch):
+    # New tokens trained into reserved rows: the 64 sampled rows are not among them, and the
+    # clustering was loaded without a word. Each row's projections are compared against what a
+    # cast can move them by.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    weights = _llama3_like(41)
+    vocab = weights.shape[0]
+    sampled = set((torch.arange(assets_mod.FINGERPRINT_ROWS) * 2654435761 % vocab).tolist())
+    trained = [row for row in range(vocab - 23, vocab) if row not in sampled][:2]
+    for built_from in (weights, weights.bfloat16(), weights.half()):
+        _, assets = flash_head_for(built_from, SIZE, iters=2, progress=False)
+        assert assets.row_projections.shape == (vocab, 4) and assets.row_projections.dtype == torch.float32
+        save_assets(tmp_path / "saved", assets)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for cast in (weights, weights.bfloat16(), weights.half(), weights.half().bfloat16(), weights.double()):
+                load_assets(tmp_path / "saved", cast)
+                assets.head(cast.float() if cast.dtype == torch.float64 else cast)
+        tuned = built_from.float().clone()
+        tuned[trained] = tuned[trained] + 0.3 * tuned[trained].norm(dim=1, keepdim=True) * torch.randn(
+            2, weights.shape[1], generator=torch.Generator().manual_seed(5)) / weights.shape[1] ** 0.5
+        tuned = tuned.to(built_from.dtype)
+        assert assets_mod.fingerprint_change(assets.embedding_fingerprint, assets_mod.embedding_fingerprint(tuned)) == 0
+        shown = ", ".join(map(str, trained))
+        message = f"built for other output weights than these \\(2 of their {vocab} rows differ by more than a cast's rounding: {shown};"
+        with pytest.warns(UserWarning, match=message) as record:
+            load_assets(tmp_path / "saved", tuned)
+        assert len(record) == 1 and record[0].filename == __file__
+        with pytest.warns(UserWarning, match=message):
+            assets.head(tuned)
+    # Assets saved before the rows were recorded load as they did: the fingerprint alone, blind to it.
+    stored = load_file(str(tmp_path / "saved" / "flash_head_assets" / TENSORS_NAME))
+    del stored["embedding_row_projections"]
+    save_file(stored, str(tmp_path / "saved" / "flash_head_assets" / TENSORS_NAME))
+    config = json.loads((tmp_path / "saved" / CONFIG_NAME).read_text())
+    del config["flash_head_tensors_sha256"]
+    (tmp_path / "saved" / CONFIG_NAME).write_text(json.dumps(config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_assets(tmp_path / "saved", tuned).row_projections is None
+
+
+def test_a_row_that_is_not_finite_any_more_warns(tmp_path, monkeypatch, embedding):
+    # float16 overflows to inf; NaN compares false with every bound.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    _, assets = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    sampled = set((torch.arange(assets_mod.FINGERPRINT_ROWS) * 2654435761 % VOCAB).tolist())
+    row = max(set(range(VOCAB)) - sampled)
+    for bad in (float("inf"), float("nan")):
+        broken = embedding.clone()
+        broken[row, 3] = bad
+        with pytest.warns(UserWarning, match=f"1 of their {VOCAB} rows differ by more than a cast's rounding: {row};"):
+            assets.head(broken)
+
+
+@pytest.mark.parametrize("slice_values", [1, DIM * 7 + 5, 1 << 21])
+def test_rows_are_projected_and_compared_a_slice_at_a_time(monkeypatch, slice_values):
+    # Slices keep the float64 copy small; every row is projected once, at its own index.
+    weights = _llama3_like(43)
+    whole = (weights.double() @ assets_mod._fingerprint_directions(weights.shape[1]).double()).float()
+    monkeypatch.setattr(assets_mod, "ROW_SLICE_VALUES", slice_values)
+    assert torch.equal(assets_mod.embedding_row_projections(weights), whole)
+    tuned = weights.clone()
+    tuned[[0, 17, 200, weights.shape[0] - 1]] += 0.01
+    assert assets_mod.changed_rows(whole, tuned).tolist() == [0, 17, 200, weights.shape[0] - 1]
+    assert assets_mod.changed_rows(whole, weights.bfloat16()).numel() == 0
+
+
+def test_the_worst_roundings_a_cast_can_make_stay_within_the_bound():
+    # Rows whose every weight a cast rounds by the most it can, each toward the same end of the
+    # projection (the sign of its direction): rounded twice, float32 to float16 to bfloat16, a value
+    # just above a power of two loses 2^-8 + 2^-12 of itself, past bfloat16's own 2^-8; a float16
+    # subnormal loses up to half its spacing, 2^-25, whatever its size.
+    dim = 53
+    signs = assets_mod._fingerprint_directions(dim).sign()
+    scales = 2.0 ** torch.randint(-6, 3, (dim,), generator=torch.Generator().manual_seed(3)).float()
+    rows = torch.stack([signs[:, column] * scales * (1 + 2.0 ** -8 + 2.0 ** -12 - 2.0 ** -20) for column in range(4)]
+                       + [signs[:, column] * 2.0 ** -24 * (1 + 0.49 * (column + 1) / 4) for column in range(4)])
+    stored = assets_mod.embedding_row_projections(rows)
+    for cast in (rows.half().bfloat16(), rows.half()):
+        assert (cast.float() != rows).all()
+        assert assets_mod.changed_rows(stored, cast).numel() == 0
+    # One spacing further, they are changed.
+    assert assets_mod.changed_rows(stored, rows * (1 - 2.0 ** -5)).tolist() == list(range(4))
+
+
+@pytest.mark.gpu
+def test_rows_of_a_cuda_embedding_are_compared_as_on_the_cpu():
+    weights = _llama3_like(47)
+    stored = assets_mod.embedding_row_projections(weights)
+    assert torch.equal(assets_mod.embedding_row_projections(weights.cuda()), stored)
+    tuned = weights.clone()
+    tuned[[3, 300]] += 0.01
+    assert assets_mod.changed_rows(stored, tuned.cuda().bfloat16()).tolist() == [3, 300]
+
+
+def test_malformed_row_projections_are_named(tmp_path, monkeypatch, embedding):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    _, assets = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    for wrong in (assets.row_projections[:-1], assets.row_projections[:, :3], assets.row_projections.long()):
+        with pytest.raises(ValueError, match=re.escape(f"embedding_row_projections in the assets to save (assets.raw_centroids "
+                                                       f"transposed) must be a floating-point torch.Tensor of shape [{VOCAB}, 4]")):
+            save_assets(tmp_path / "saved", dataclasses.replace(assets, row_projections=wrong))
+        with pytest.raises(ValueError, match=re.escape(f"assets.row_projections must be a floating-point torch.Tensor of shape [{VOCAB}, 4]")):
+            dataclasses.replace(assets, row_projections=wrong).head(embedding)
+    with pytest.raises(TypeError, match="assets.row_projections must be None or a torch.Tensor"):
+        save_assets(tmp_path / "saved", dataclasses.replace(assets, row_projections=[[0.0] * 4] * VOCAB))
+    save_assets(tmp_path / "saved", assets)
+    path = tmp_path / "saved" / "flash_head_assets" / TENSORS_NAME
+    stored = load_file(str(path))
+    assert torch.equal(stored["embedding_row_projections"], assets.row_projections)
+    assert set(stored) == {"centroids", "cluster_assignments", "embedding_row_projections"}  # older loaders read two
+    config = json.loads((tmp_path / "saved" / CONFIG_NAME).read_text())
+    del config["flash_head_tensors_sha256"]
+    (tmp_path / "saved" / CONFIG_NAME).write_text(json.dumps(config))
+    for wrong, expected in ((stored["embedding_row_projections"][:, :2], f"must be a floating-point torch.Tensor of shape [{VOCAB}, 4]"),
+                            (torch.full((VOCAB, 4), float("nan")), "hold NaN or infinite values")):
+        save_file({**stored, "embedding_row_projections": wrong.contiguous()}, str(path))
+        with pytest.raises(ValueError, match=re.escape(f"embedding_row_projections in {path} {expected}")):
+            load_assets(tmp_path / "saved")
+
+
 @pytest.mark.parametrize("cache_dir", ["", "."])
 def test_tensors_beside_the_config_load(tmp_path, embedding, clustering, cache_dir):
     save_assets(tmp_path, clustering, cache_dir=cache_dir)

@@ -426,13 +426,20 @@ def test_a_head_shared_by_two_models_is_attached_once():
     detach(draft)
 
 
-def test_reattaching_a_saved_model_whose_weights_changed_warns_of_its_old_clustering(tmp_path, monkeypatch):
-    # README: save_assets(dir, model.flash_head.assets) beside the model; then the weights change.
+def _saved_with_its_assets(tmp_path, monkeypatch):
+    """A model attached to a clustering built for it, saved under tmp_path/model with the assets
+    beside it (README: save_assets(dir, model.flash_head.assets)); returned attached."""
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     model = _tiny_llama(tied=False)
     attach(model, cluster_size=4, iters=2, progress=False)
     model.save_pretrained(tmp_path / "model")
     save_assets(tmp_path / "model", model.flash_head.assets)
+    return model
+
+
+def test_reattaching_a_saved_model_whose_weights_changed_warns_of_its_old_clustering(tmp_path, monkeypatch):
+    # README: save_assets(dir, model.flash_head.assets) beside the model; then the weights change.
+    model = _saved_with_its_assets(tmp_path, monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         attach(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", local_files_only=True))
@@ -469,6 +476,27 @@ def test_a_new_output_weight_for_the_attached_clustering_warns_unless_it_is_a_ca
     with pytest.warns(UserWarning, match="clustering attached to this model was built for other output weights") as caught:
         model(prompt)
     assert {w.filename for w in caught if "other output weights" in str(w.message)} == {__file__}
+
+
+def test_a_saved_model_whose_new_tokens_were_trained_warns_of_its_old_clustering(tmp_path, monkeypatch):
+    # A fine-tune of two rows only (tokens trained into reserved rows), none of the fingerprint's 64.
+    model = _saved_with_its_assets(tmp_path, monkeypatch)
+    detach(model)
+    sampled = set((torch.arange(64) * 2654435761 % 67).tolist())
+    trained = sorted(set(range(67)) - sampled)[-2:]
+    with torch.no_grad():
+        model.lm_head.weight[trained] = torch.randn(2, 16, generator=torch.Generator().manual_seed(2)) * 0.02
+    model.save_pretrained(tmp_path / "model")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", local_files_only=True)
+    shown = ", ".join(map(str, trained))
+    with pytest.warns(UserWarning, match=f"was built for other output weights than these \\(2 of their 67 rows differ "
+                                         f"by more than a cast's rounding: {shown};") as caught:
+        attach(reloaded)
+    assert [w.filename for w in caught if "other output weights" in str(w.message)] == [__file__]
+    with pytest.warns(UserWarning, match=f"clustering attached to this model was built .* rows differ .*: {shown};"):
+        reloaded.load_state_dict({"lm_head.weight": reloaded.lm_head.weight.detach().bfloat16().float()},
+                                 strict=False, assign=True)
+        reloaded(torch.tensor([[3, 1, 4]]))
 
 
 def test_an_attached_model_materialised_from_meta_compares_its_loaded_weight_not_the_empty_one(tmp_path, monkeypatch):
