@@ -516,10 +516,12 @@ def _fingerprint_directions(dim: int) -> Tensor:
 
 def fingerprint_change(stored: list, current: list) -> float:
     """How far fingerprint ``current`` is from ``stored``, as a fraction of the stored one's largest
-    value (rounding moves it by well under FINGERPRINT_TOLERANCE, other weights by far more)."""
+    value (rounding moves it by well under FINGERPRINT_TOLERANCE, other weights by far more);
+    infinite where ``current`` is not finite (a NaN weight made it NaN, which passed every tolerance)."""
     stored_values = torch.tensor(stored, dtype=torch.float64)
-    return float((torch.tensor(current, dtype=torch.float64) - stored_values).abs().max()
-                 / stored_values.abs().max().clamp(min=1e-30))
+    change = float((torch.tensor(current, dtype=torch.float64) - stored_values).abs().max()
+                   / stored_values.abs().max().clamp(min=1e-30))
+    return math.inf if math.isnan(change) else change
 
 
 def _share(change: float) -> str:

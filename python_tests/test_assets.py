@@ -712,6 +712,16 @@ def test_a_row_that_is_not_finite_any_more_warns(tmp_path, monkeypatch, embeddin
             assets.head(broken)
 
 
+def test_a_nan_in_a_sampled_row_warns_without_row_projections(tmp_path, monkeypatch, embedding):
+    # Assets saved before the rows were recorded: the fingerprint's change was NaN, under no tolerance.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    _, assets = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    broken = embedding.clone()
+    broken[0, 5] = float("nan")  # row 0 is the fingerprint's first
+    with pytest.warns(UserWarning, match="sampled rows differ by more than 1000% of their scale"):
+        dataclasses.replace(assets, row_projections=None).head(broken)
+
+
 @pytest.mark.parametrize("slice_values", [1, DIM * 7 + 5, 1 << 21])
 def test_rows_are_projected_and_compared_a_slice_at_a_time(monkeypatch, slice_values):
     # Slices keep the float64 copy small; every row is projected once, at its own index.
