@@ -75,6 +75,7 @@ ROW_SLICE_VALUES = 1 << 21  # values projected at a time: 16 MB as float64
 # What a cast can move a weight by: bfloat16's unit roundoff (the coarsest of the head's dtypes)
 # times the value, plus half float16's smallest subnormal spacing (values near zero lose bits).
 CAST_ROUNDING, CAST_FLUSH = 2.0 ** -8, 2.0 ** -25
+STORED_ROUNDING = 2.0 ** -24  # float32's unit roundoff: the stored projections' own rounding
 
 PathLike = Union[str, os.PathLike]
 
@@ -200,7 +201,9 @@ class FlashHeadAssets:
                               f"rows differ by {_share(change)} of their scale: fine-tuned, or another model's): {fix}",
                               UserWarning, stacklevel=callers_stacklevel())
                 return
-        if self.row_projections is not None:
+        # Weights of another shape have no rows to compare: the head refuses them, saying why.
+        if self.row_projections is not None and tuple(embedding.shape) == (self.cluster_assignments.numel(),
+                                                                           self.raw_centroids.shape[1]):
             changed = changed_rows(self.row_projections, embedding)
             if changed.numel():
                 shown = ", ".join(str(t) for t in changed[:8].tolist()) + (", ..." if changed.numel() > 8 else "")
@@ -258,13 +261,8 @@ def save_assets(directory: PathLike, assets: Union[FlashHeadAssets, Clustering],
         if value.dim() != len(shape.split(",")):
             raise ValueError(f"assets.{name} must have shape {shape}, got {tuple(value.shape)}")
     stored = assets.config()
-    projections = assets.row_projections
-    if projections is not None and not isinstance(projections, Tensor):
-        raise TypeError(f"assets.row_projections must be None or a torch.Tensor [vocab, {FINGERPRINT_DIRECTIONS}], "
-                        f"got {type(projections).__name__}")
     checked = _checked_assets(assets.raw_centroids.detach().T.cpu(), assets.cluster_assignments.detach().cpu(), stored,
-                              "the assets to save (assets.raw_centroids transposed)",
-                              row_projections=None if projections is None else projections.detach().cpu())
+                              "the assets to save (assets.raw_centroids transposed)", row_projections=assets.row_projections)
     tensors = {"centroids": checked.raw_centroids.T.contiguous(), "cluster_assignments": checked.cluster_assignments.contiguous()}
     if checked.row_projections is not None:
         tensors[ROW_PROJECTIONS] = checked.row_projections
@@ -548,14 +546,15 @@ def embedding_row_projections(embedding: Tensor) -> Tensor:
 
 
 def _checked_row_projections(projections, vocab: int, name: str) -> Tensor:
-    """``projections`` as float32, after checks that name them as ``name``."""
-    expected = [vocab, FINGERPRINT_DIRECTIONS]
-    if not isinstance(projections, Tensor) or not projections.is_floating_point() or list(projections.shape) != expected:
-        found = (f"{projections.dtype} {tuple(projections.shape)}" if isinstance(projections, Tensor)
-                 else type(projections).__name__)
-        raise ValueError(f"{name} must be a floating-point torch.Tensor of shape {expected} ([vocab, "
-                         f"{FINGERPRINT_DIRECTIONS}], embedding_row_projections of the embedding), got {found}")
-    projections = projections.float().contiguous()
+    """``projections`` as float32 on the CPU, after checks that name them as ``name``. Coarser
+    dtypes are refused: their rounding is past what the comparison allows for."""
+    expected = f"a float32 or float64 torch.Tensor of shape {[vocab, FINGERPRINT_DIRECTIONS]} ([vocab, " \
+               f"{FINGERPRINT_DIRECTIONS}], embedding_row_projections of the embedding)"
+    if not isinstance(projections, Tensor):
+        raise TypeError(f"{name} must be {expected}, got {type(projections).__name__}")
+    if projections.dtype not in (torch.float32, torch.float64) or list(projections.shape) != [vocab, FINGERPRINT_DIRECTIONS]:
+        raise ValueError(f"{name} must be {expected}, got {projections.dtype} {tuple(projections.shape)}")
+    projections = projections.detach().to("cpu", torch.float32).contiguous()
     if not torch.isfinite(projections).all():  # compared as float32
         raise ValueError(f"{name} hold NaN or infinite values (as float32, as they are kept)")
     return projections
@@ -566,18 +565,19 @@ def changed_rows(stored: Tensor, embedding: Tensor) -> Tensor:
     ``[V, 4]``) by more than casting their weights could: each weight rounds by at most
     CAST_ROUNDING of its value plus CAST_FLUSH, so a row's projection by at most that bound
     times the sum of its products' sizes, for any rows (repeated ones too); doubled, for weights
-    rounded twice (float32 to float16 to bfloat16) and the stored float32. Non-finite rows count."""
+    rounded twice (float32 to float16 to bfloat16, against projections of a bfloat16 cast), plus
+    the stored float32's own rounding. Non-finite rows count. Reads every row once."""
     stored = _checked_row_projections(stored, embedding.shape[0], "assets.row_projections")
     directions = _fingerprint_directions(embedding.shape[1]).double().to(embedding.device)
     flush = CAST_FLUSH * directions.abs().sum(0)
-    changed = []
+    outside = torch.empty(embedding.shape[0], dtype=torch.bool, device=embedding.device)  # one copy back, at the end
     for start, rows in _row_slices(embedding):
-        bound = 2 * (CAST_ROUNDING * (rows.abs() @ directions.abs()) + flush)
         expected = stored[start:start + rows.shape[0]].to(embedding.device, torch.float64)
+        bound = 2 * (CAST_ROUNDING * (rows.abs() @ directions.abs()) + flush) + STORED_ROUNDING * expected.abs()
         # An infinite weight makes its bound infinite too, and NaN compares false: both count as changed.
         within = ((rows @ directions - expected).abs() <= bound).all(1) & torch.isfinite(rows).all(1)
-        changed.append((~within).nonzero().flatten().cpu() + start)
-    return torch.cat(changed)
+        outside[start:start + rows.shape[0]] = ~within
+    return outside.nonzero().flatten().cpu()
 
 
 def update_digest(digest, tensor: Tensor) -> None:

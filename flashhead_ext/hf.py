@@ -472,7 +472,7 @@ class FlashHeadAttachment:
     """
 
     def __init__(self, linear: nn.Linear, assets, probes: Optional[int], centroid_dtype: Optional[torch.dtype] = None,
-                 *, fingerprint_checked: bool = False):
+                 *, weights_checked: bool = False):
         self.linear = linear
         self._assets = assets
         self._centroid_dtype = centroid_dtype
@@ -480,9 +480,9 @@ class FlashHeadAttachment:
         self.enabled = True
         self._head: Optional[FlashHead] = None
         self._built_for: Optional[Tensor] = None  # the weight Parameter the head was built over
-        # The weight Parameter the assets' fingerprint was last compared with (attach's loading
+        # The weight Parameter the assets' record of their weights was last compared with (attach's loading
         # compares it already), so that each new weight object warns once.
-        self._fingerprint_checked_for: Optional[Tensor] = linear.weight if fingerprint_checked else None
+        self._weights_checked_for: Optional[Tensor] = linear.weight if weights_checked else None
         self._attached_shape = tuple(linear.weight.shape)
         # An instance forward already there (accelerate's device hook wraps one): detach restores it.
         self._replaced_forward = linear.__dict__.get("forward")
@@ -529,14 +529,14 @@ class FlashHeadAttachment:
         """The head built now over ``assets`` and ``centroid_dtype``; where that fails, the
         attachment keeps what it had. (Left for the next forward, a head still running the old
         ones would have been saved as the new ones by ``save_assets(dir, attachment.assets)``.)"""
-        kept = self._assets, self._centroid_dtype, self._probes, self._head, self._built_for, self._fingerprint_checked_for
+        kept = self._assets, self._centroid_dtype, self._probes, self._head, self._built_for, self._weights_checked_for
         try:
-            self._assets, self._centroid_dtype, self._fingerprint_checked_for = assets, centroid_dtype, None
+            self._assets, self._centroid_dtype, self._weights_checked_for = assets, centroid_dtype, None
             self.probes = assets.n_probes
             self._rebuild()
         except BaseException:
             (self._assets, self._centroid_dtype, self._probes, self._head, self._built_for,
-             self._fingerprint_checked_for) = kept
+             self._weights_checked_for) = kept
             raise
 
     def head(self) -> FlashHead:
@@ -563,25 +563,25 @@ class FlashHeadAttachment:
                 or cached.embedding.device != weight.device
                 or (not torch.compiler.is_compiling() and cached.embedding.data_ptr() != weight.data_ptr())):
             cached = self._rebuild()
-        elif self._fingerprint_unchecked(weight) and not torch.compiler.is_compiling():  # a graph break: left to eager
-            self._compare_fingerprint(weight)  # a weight to_empty() made, compared once loaded
+        elif self._weights_unchecked(weight) and not torch.compiler.is_compiling():  # a graph break: left to eager
+            self._compare_weights(weight)  # a weight to_empty() made, compared once loaded
         cached.probes = self.probes
         return cached
 
-    def _fingerprint_unchecked(self, weight: Tensor) -> bool:
-        """Whether ``weight`` is a weight object the assets' fingerprint (if they have one) has not
+    def _weights_unchecked(self, weight: Tensor) -> bool:
+        """Whether ``weight`` is a weight object the assets' record of their weights (if they have one) has not
         been compared with yet."""
-        return self._assets.records_weights and weight is not self._fingerprint_checked_for
+        return self._assets.records_weights and weight is not self._weights_checked_for
 
     @torch.compiler.disable  # reads the weight's values on the host
-    def _compare_fingerprint(self, weight: Tensor) -> None:
+    def _compare_weights(self, weight: Tensor) -> None:
         """Warns, once for each weight object, when ``weight`` is not the one the assets were clustered
         for (load_state_dict(assign=True), a Parameter set)."""
         self._assets.warn_if_built_for_other_weights(weight, "attached to this model")
-        self._fingerprint_checked_for = weight
+        self._weights_checked_for = weight
 
     @torch.compiler.disable  # clustering tables are checked on the host: a graph break, once per change
-    def _rebuild(self, compare_fingerprint: bool = True) -> FlashHead:
+    def _rebuild(self, compare_weights: bool = True) -> FlashHead:
         weight = self.linear.weight
         _check_head_dtype(weight)
         # Built outside inference mode, so a head first built inside it still serves forwards
@@ -594,8 +594,8 @@ class FlashHeadAttachment:
                 if tuple(weight.shape) == self._attached_shape:
                     raise
                 raise ValueError(f"{error}; {HEAD_CHANGED}") from error
-        if compare_fingerprint and self._fingerprint_unchecked(weight):
-            self._compare_fingerprint(weight)
+        if compare_weights and self._weights_unchecked(weight):
+            self._compare_weights(weight)
         self._head, self._built_for = head, weight
         return head
 
@@ -604,23 +604,23 @@ class FlashHeadAttachment:
         head built over the old weight is dropped with it, so its memory is freed now, not at the
         next forward."""
         weight = self.linear.weight
-        if not weight.is_meta and self._fingerprint_unchecked(weight):
+        if not weight.is_meta and self._weights_unchecked(weight):
             # A new weight (load_state_dict(assign=True), a Parameter set) is compared before the
             # conversion, while it has its values (a meta one has none: to_empty() gives it memory,
             # compared at the next eager call, once loaded), and before anything is converted.
-            self._compare_fingerprint(weight)
+            self._compare_weights(weight)
         self._head = self._built_for = None
         converted = type(self.linear)._apply(self.linear, fn, *args, **kwargs)
-        if self._fingerprint_checked_for is weight and not weight.is_meta and not self.linear.weight.is_meta:
+        if self._weights_checked_for is weight and not weight.is_meta and not self.linear.weight.is_meta:
             # Its conversion: a new object where torch replaces parameters (not to or from meta,
             # where the values are lost)
-            self._fingerprint_checked_for = self.linear.weight
+            self._weights_checked_for = self.linear.weight
         # Rebuilt now, eagerly: left to the next forward, a torch.compile(fullgraph=True) of the
         # converted model broke on the rebuild (host checks). Where the head cannot be built (a meta
         # weight, a dtype it refuses), the next forward says why.
         if not self.linear.weight.is_meta:
             try:
-                self._rebuild(compare_fingerprint=False)
+                self._rebuild(compare_weights=False)
             except (TypeError, ValueError):
                 pass
         return converted
@@ -813,8 +813,8 @@ def _attach_to(model: nn.Module, linear: nn.Linear, assets, probes: Optional[int
         raise ValueError("the model's output head weight is on the meta device (offloaded, e.g. by a device_map "
                          "with CPU or disk offload); FlashHead needs it resident: keep lm_head on a device")
     specials = special_token_list(build_options.pop("special_token_ids", None), embedding.shape[0])
-    # Assets loaded for this embedding had their fingerprint compared already; built ones fit it.
-    fingerprint_checked = assets is None or isinstance(assets, (str, os.PathLike))
+    # Assets loaded for this embedding were compared with it already; built ones fit it.
+    weights_checked = assets is None or isinstance(assets, (str, os.PathLike))
     if isinstance(assets, (str, os.PathLike)):
         assets = load_assets(assets, embedding)
     elif assets is None:
@@ -850,7 +850,7 @@ def _attach_to(model: nn.Module, linear: nn.Linear, assets, probes: Optional[int
         raise TypeError(f"{sorted(build_options)} apply only when attach builds a clustering, not to given or found assets")
     if specials:  # on a copy: the caller's assets keep their own
         assets = dataclasses.replace(assets, special_token_ids=sorted(set(assets.special_token_ids) | set(specials)))
-    attachment = FlashHeadAttachment(linear, assets, probes, centroid_dtype, fingerprint_checked=fingerprint_checked)
+    attachment = FlashHeadAttachment(linear, assets, probes, centroid_dtype, weights_checked=weights_checked)
     attachment.head()  # checks the assets against the embedding and the probes now, not mid-generate
     linear.forward = attachment.forward  # an instance attribute shadows nn.Linear.forward
     linear._apply = attachment._apply

@@ -749,8 +749,15 @@ def test_the_worst_roundings_a_cast_can_make_stay_within_the_bound():
     for cast in (rows.half().bfloat16(), rows.half()):
         assert (cast.float() != rows).all()
         assert assets_mod.changed_rows(stored, cast).numel() == 0
-    # One spacing further, they are changed.
+    # Moved by a few spacings more, they are changed.
     assert assets_mod.changed_rows(stored, rows * (1 - 2.0 ** -5)).tolist() == list(range(4))
+    # Built from a bfloat16 cast, compared with the double rounding: the two casts a whole bfloat16
+    # spacing apart (the first rounds up, the second ties to even, down), which uses the doubled
+    # bound up, and the stored float32's rounding of projections past 1 comes on top of it.
+    powers = 2.0 ** torch.randint(0, 6, (4, dim), generator=torch.Generator().manual_seed(4)).float()
+    ties = signs.T * powers * (1 + 2.0 ** -8 + 2.0 ** -14)
+    assert torch.equal((ties.bfloat16().float() - ties.half().bfloat16().float()).abs(), powers * 2.0 ** -7)
+    assert assets_mod.changed_rows(assets_mod.embedding_row_projections(ties.bfloat16()), ties.half().bfloat16()).numel() == 0
 
 
 @pytest.mark.gpu
@@ -766,14 +773,18 @@ def test_rows_of_a_cuda_embedding_are_compared_as_on_the_cpu():
 def test_malformed_row_projections_are_named(tmp_path, monkeypatch, embedding):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     _, assets = flash_head_for(embedding, SIZE, iters=2, progress=False)
-    for wrong in (assets.row_projections[:-1], assets.row_projections[:, :3], assets.row_projections.long()):
-        with pytest.raises(ValueError, match=re.escape(f"embedding_row_projections in the assets to save (assets.raw_centroids "
-                                                       f"transposed) must be a floating-point torch.Tensor of shape [{VOCAB}, 4]")):
+    expected = f"must be a float32 or float64 torch.Tensor of shape [{VOCAB}, 4]"
+    for wrong in (assets.row_projections[:-1], assets.row_projections[:, :3], assets.row_projections.long(),
+                  assets.row_projections.bfloat16(), [[0.0] * 4] * VOCAB):
+        error = TypeError if isinstance(wrong, list) else ValueError
+        with pytest.raises(error, match=re.escape(f"embedding_row_projections in the assets to save (assets.raw_centroids "
+                                                  f"transposed) {expected}")):
             save_assets(tmp_path / "saved", dataclasses.replace(assets, row_projections=wrong))
-        with pytest.raises(ValueError, match=re.escape(f"assets.row_projections must be a floating-point torch.Tensor of shape [{VOCAB}, 4]")):
+        with pytest.raises(error, match=re.escape(f"assets.row_projections {expected}")):
             dataclasses.replace(assets, row_projections=wrong).head(embedding)
-    with pytest.raises(TypeError, match="assets.row_projections must be None or a torch.Tensor"):
-        save_assets(tmp_path / "saved", dataclasses.replace(assets, row_projections=[[0.0] * 4] * VOCAB))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dataclasses.replace(assets, row_projections=assets.row_projections.double()).head(embedding)
     save_assets(tmp_path / "saved", assets)
     path = tmp_path / "saved" / "flash_head_assets" / TENSORS_NAME
     stored = load_file(str(path))
@@ -782,7 +793,7 @@ def test_malformed_row_projections_are_named(tmp_path, monkeypatch, embedding):
     config = json.loads((tmp_path / "saved" / CONFIG_NAME).read_text())
     del config["flash_head_tensors_sha256"]
     (tmp_path / "saved" / CONFIG_NAME).write_text(json.dumps(config))
-    for wrong, expected in ((stored["embedding_row_projections"][:, :2], f"must be a floating-point torch.Tensor of shape [{VOCAB}, 4]"),
+    for wrong, expected in ((stored["embedding_row_projections"][:, :2], expected),
                             (torch.full((VOCAB, 4), float("nan")), "hold NaN or infinite values")):
         save_file({**stored, "embedding_row_projections": wrong.contiguous()}, str(path))
         with pytest.raises(ValueError, match=re.escape(f"embedding_row_projections in {path} {expected}")):

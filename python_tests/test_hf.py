@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import pickle
+import re
 import stat
 import threading
 import time
@@ -497,6 +498,22 @@ def test_a_saved_model_whose_new_tokens_were_trained_warns_of_its_old_clustering
         reloaded.load_state_dict({"lm_head.weight": reloaded.lm_head.weight.detach().bfloat16().float()},
                                  strict=False, assign=True)
         reloaded(torch.tensor([[3, 1, 4]]))
+
+
+def test_a_weight_of_another_vocabulary_is_not_compared_row_by_row(tmp_path, monkeypatch):
+    # Assets that record rows only: the compare before a conversion raised about their shape from
+    # model.to(); the head's own check names the change at the next forward.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    model = _tiny_llama(tied=False)
+    attach(model, cluster_size=4, iters=2, progress=False)
+    model.flash_head.assets.embedding_fingerprint = None
+    weight = model.lm_head.weight.detach()
+    model.lm_head.weight = torch.nn.Parameter(torch.cat([weight, weight[:5]]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=re.escape(hf.HEAD_CHANGED)):
+        model.lm_head(torch.randn(2, 16, dtype=torch.bfloat16))
 
 
 def test_an_attached_model_materialised_from_meta_compares_its_loaded_weight_not_the_empty_one(tmp_path, monkeypatch):
