@@ -542,7 +542,7 @@ def embedding_row_projections(embedding: Tensor) -> Tensor:
     (:meth:`FlashHeadAssets.warn_if_built_for_other_weights`), where the fingerprint's 64 rows see a
     fine-tune of a few rows only when it changes one of them."""
     directions = _fingerprint_directions(embedding.shape[1]).double().to(embedding.device)
-    return torch.cat([(rows @ directions).float().cpu() for _, rows in _row_slices(embedding)])
+    return torch.cat([(rows @ directions).float() for _, rows in _row_slices(embedding)]).cpu()  # one copy back
 
 
 def _checked_row_projections(projections, vocab: int, name: str) -> Tensor:
