@@ -189,9 +189,12 @@ class FlashHeadAssets:
         """A UserWarning when ``embedding`` is not the weights the clustering was built for, up to
         rounding (a cast to float32, bfloat16 or float16), as far as the assets record them:
         their sampled rows differ (another model's weights, or fine-tuned ones), or some rows do
-        (tokens trained since). ``where`` completes "the FlashHead clustering ..."."""
+        (tokens trained since). Weights of another shape are compared by the fingerprint alone
+        (the head refuses them, naming the change). ``where`` completes "the FlashHead clustering ..."."""
         if embedding.is_meta:  # no values to compare
             return
+        if self.row_projections is not None:  # malformed ones named whichever comparison speaks
+            _checked_row_projections(self.row_projections, self.cluster_assignments.numel(), "assets.row_projections")
         fix = ("its clusters do not fit them and FlashHead agrees less often with the dense head. Build one for these "
                "weights: flash_head_for(weight), or attach(model, flash_head_for(weight)[1])")
         if self.embedding_fingerprint is not None:
