@@ -78,7 +78,7 @@ def compare_heads(args) -> dict:
     reference = next_tokens(dense, hidden)
     from .bench.timing import run_metadata
 
-    result = {
+    result: dict = {
         # What a reader of the file needs to reproduce it: commit, version, date, and the run's settings.
         "meta": dict(run_metadata(str(args.device)), args={
             name: value for name, value in vars(args).items()

@@ -230,7 +230,7 @@ def first_of_each(flag: str, names: list, key, what: str) -> list:
     """``names`` without those whose ``key(name)`` an earlier one has: a configuration named twice,
     under two spellings, runs once, under its first name, and a note says so (``what``: what the
     two share)."""
-    first_names = {}
+    first_names: dict = {}
     for name in names:
         first = first_names.setdefault(key(name), name)
         if first != name:

@@ -53,7 +53,7 @@ def load_prompts(path, num_prompts: int, parity: str = "odd") -> list:
     if not ops._is_int(num_prompts) or num_prompts < 1:  # 2.5 would give 3 prompts, 0 an empty run
         raise ValueError(f"num_prompts must be a positive int, got {num_prompts!r}")
     queues = sorted(questions_by_category(path, parity).values(), key=len, reverse=True)
-    chosen = []
+    chosen: list = []
     while len(chosen) < num_prompts and any(queues):
         for queue in queues:
             if queue and len(chosen) < num_prompts:
