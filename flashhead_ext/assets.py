@@ -193,8 +193,9 @@ class FlashHeadAssets:
         (the head refuses them, naming the change). ``where`` completes "the FlashHead clustering ..."."""
         if embedding.is_meta:  # no values to compare
             return
-        if self.row_projections is not None:  # malformed ones named whichever comparison speaks
-            _checked_row_projections(self.row_projections, self.cluster_assignments.numel(), "assets.row_projections")
+        # Checked once, here, so that malformed ones are named whichever comparison speaks.
+        projections = None if self.row_projections is None else _checked_row_projections(
+            self.row_projections, self.cluster_assignments.numel(), "assets.row_projections")
         fix = ("its clusters do not fit them and FlashHead agrees less often with the dense head. Build one for these "
                "weights: flash_head_for(weight), or attach(model, flash_head_for(weight)[1])")
         if self.embedding_fingerprint is not None:
@@ -205,9 +206,9 @@ class FlashHeadAssets:
                               UserWarning, stacklevel=callers_stacklevel())
                 return
         # Weights of another shape have no rows to compare: the head refuses them, saying why.
-        if self.row_projections is not None and tuple(embedding.shape) == (self.cluster_assignments.numel(),
-                                                                           self.raw_centroids.shape[1]):
-            changed = changed_rows(self.row_projections, embedding)
+        if projections is not None and tuple(embedding.shape) == (self.cluster_assignments.numel(),
+                                                                  self.raw_centroids.shape[1]):
+            changed = changed_rows(projections, embedding)
             if changed.numel():
                 shown = ", ".join(str(t) for t in changed[:8].tolist()) + (", ..." if changed.numel() > 8 else "")
                 warnings.warn(f"the FlashHead clustering {where} was built for other output weights than these "
@@ -565,12 +566,11 @@ def _checked_row_projections(projections, vocab: int, name: str) -> Tensor:
 
 def changed_rows(stored: Tensor, embedding: Tensor) -> Tensor:
     """int64 ids of the rows of ``embedding`` whose projections differ from ``stored``'s (float32
-    ``[V, 4]``) by more than casting their weights could: each weight rounds by at most
-    CAST_ROUNDING of its value plus CAST_FLUSH, so a row's projection by at most that bound
+    ``[V, 4]``, as ``_checked_row_projections`` returns them) by more than casting their weights
+    could: each weight rounds by at most CAST_ROUNDING of its value plus CAST_FLUSH, so a row's projection by at most that bound
     times the sum of its products' sizes, for any rows (repeated ones too); doubled, for weights
     rounded twice (float32 to float16 to bfloat16, against projections of a bfloat16 cast), plus
     the stored float32's own rounding. Non-finite rows count. Reads every row once."""
-    stored = _checked_row_projections(stored, embedding.shape[0], "assets.row_projections")
     directions = _fingerprint_directions(embedding.shape[1]).double().to(embedding.device)
     flush = CAST_FLUSH * directions.abs().sum(0)
     outside = torch.empty(embedding.shape[0], dtype=torch.bool, device=embedding.device)  # one copy back, at the end
