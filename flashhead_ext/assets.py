@@ -175,7 +175,8 @@ class FlashHeadAssets:
              centroid_dtype: Optional[torch.dtype] = None) -> FlashHead:
         """A FlashHead over ``embedding`` (the model's output embedding, kept by reference), its
         centroids in ``centroid_dtype`` (FlashHead's argument: the embedding's, or float8_e4m3fn).
-        Warns (UserWarning) where the assets record the fingerprint of other weights than these."""
+        Warns (UserWarning) where the assets record other weights than these (their fingerprint or
+        rows: :meth:`warn_if_built_for_other_weights`)."""
         head = self._head(embedding, probes, centroid_dtype)
         self.warn_if_built_for_other_weights(embedding, "in these assets")
         return head
@@ -217,7 +218,7 @@ class FlashHeadAssets:
                               f"{fix}", UserWarning, stacklevel=callers_stacklevel())
 
     def _head(self, embedding: Tensor, probes: Optional[int], centroid_dtype: Optional[torch.dtype]) -> FlashHead:
-        """``head`` without the fingerprint's comparison, for callers that compare it themselves."""
+        """``head`` without the comparison of weights, for callers that compare them themselves."""
         _check_against_embedding(self.raw_centroids.shape[1], self.cluster_assignments.numel(), embedding)
         return FlashHead(
             embedding, self.centroids, self.cluster_tokens, self.n_probes if probes is None else probes,
@@ -394,8 +395,11 @@ def _cache_dir_setting(cache_dir) -> str:
 def load_assets(directory: PathLike, embedding: Optional[Tensor] = None) -> FlashHeadAssets:
     """Reads an assets directory (ours or a published FlashHead checkpoint's) and checks it.
 
-    With ``embedding`` the vocabulary size and hidden size are checked against it too, and a
-    recorded fingerprint of the weights the clustering was built for (UserWarning if they differ).
+    With ``embedding`` the vocabulary size and hidden size are checked against it too, and so are
+    the weights the clustering was built for, as far as they are recorded (their fingerprint and
+    every row's projections: UserWarning if they differ; one pass over the embedding).
+    ``assets.head(embedding)`` compares them in the same way, so ``load_assets(directory).head(embedding)``
+    builds a head with one comparison.
     Raises FileNotFoundError for a missing directory or tensors file, NotADirectoryError for a
     file given as the directory, ValueError for malformed contents.
     """
