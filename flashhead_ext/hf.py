@@ -733,7 +733,8 @@ def attach(model: nn.Module, assets: Union[FlashHeadAssets, PathLike, None] = No
 
     Args:
         model: Llama, Qwen3, Gemma-3, SmolLM2, ... with a bias-free linear output head, tied or not,
-            whose weight is resident (not offloaded).
+            whose weight is resident (not offloaded); or such a model compiled by ``torch.compile``,
+            whose wrapped module it attaches to (so ``detach`` takes either).
         assets: a :class:`~flashhead_ext.assets.FlashHeadAssets`, a path to an assets directory, or
             None: the model's own assets when it is a published FlashHead checkpoint (its directory,
             or its snapshot in the local Hugging Face cache when loaded by hub id), else a
@@ -781,6 +782,9 @@ def attach(model: nn.Module, assets: Union[FlashHeadAssets, PathLike, None] = No
         raise ValueError(f"model must be a transformers causal LM with an nn.Linear output head, got {type(model).__name__} "
                          f"whose get_output_embeddings() is {type(linear).__name__}")
     check_plain_output_head(model)
+    # The wrapped module, not the wrapper: its calls and the wrapper's both run the check hook, and
+    # detach finds the attachment whichever is given.
+    model = uncompiled(model)
     with _ATTACHING(model, linear, check=lambda: _check_attachable(model, linear)):
         return _attach_to(model, linear, assets, probes, build_if_missing, tokenizer, centroid_dtype, build_options)
 
@@ -860,8 +864,9 @@ def _attach_to(model: nn.Module, linear: nn.Linear, assets, probes: Optional[int
 
 
 def detach(model: nn.Module) -> None:
-    """Undoes :func:`attach`: the model's dense output head (and any forward it replaced) is back."""
-    attachment = model.__dict__.pop("flash_head", None)
+    """Undoes :func:`attach`: the model's dense output head (and any forward it replaced) is back.
+    ``model`` is the model attached to or its ``torch.compile`` wrapper."""
+    attachment = uncompiled(model).__dict__.pop("flash_head", None)
     if attachment is None:
         raise ValueError("no FlashHead is attached to this model")
     if attachment._replaced_forward is not None:

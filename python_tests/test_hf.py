@@ -890,6 +890,31 @@ def test_detach_restores_a_forward_attach_replaced():
     assert calls == [1]
 
 
+def test_a_compiled_model_is_attached_through_the_module_it_wraps():
+    # attach(torch.compile(model)) set the attachment on the wrapper, whose detach then said none
+    # was attached, and the original model's calls skipped the check of a replaced head.
+    model = _tiny_llama(tied=False)
+    compiled = torch.compile(model, backend="eager")
+    attachment = attach(compiled, _tiny_assets(model))
+    assert model.flash_head is attachment and compiled.flash_head is attachment
+    ids = torch.tensor([[5, 3, 8]])
+    with torch.no_grad():
+        flash = model(ids).logits
+        assert not flash.isfinite().all()  # only the candidates' logits are finite
+        torch.testing.assert_close(compiled(ids).logits, flash)
+    with pytest.raises(ValueError, match="already attached"):
+        attach(model, _tiny_assets(model))
+    model.lm_head = torch.nn.Linear(16, 67, bias=False)
+    with pytest.raises(ValueError, match="output head"):
+        model(ids)
+    detach(compiled)
+    assert not hasattr(model, "flash_head")
+    with torch.no_grad():
+        assert model(ids).logits.isfinite().all()
+    with pytest.raises(ValueError, match="no FlashHead is attached"):
+        detach(model)
+
+
 def test_attach_refuses_an_offloaded_head():
     model = _tiny_llama(tied=False)
     model.lm_head.to("meta")
