@@ -286,6 +286,8 @@ def decode_greedy(
     if out is None:
         return _ops.decode_greedy(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale)
     _require_tensor("out", out)
+    if out.dtype != torch.int64:  # a float out that requires grad met the autograd kernel's leaf check first
+        raise TypeError(f"out must be int64, got {out.dtype}")
     _ops.decode_greedy_out(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out, centroid_scale)
     return out
 

@@ -368,6 +368,8 @@ def test_cluster_table_without_slots(op, device):
     ("candidate_ids", lambda a: a["candidate_ids"][:2], ValueError, f"candidate_ids must have batch {SHAPE.B}"),
     ("out", lambda a: a["out"][:2], ValueError, f"out must have batch {SHAPE.B}"),
     ("out", lambda a: a["out"].int(), TypeError, "out must be int64"),
+    # A float out that requires grad: the dtype is named, not autograd's in-place refusal of a leaf.
+    ("out", lambda a: a["out"].float().requires_grad_(), TypeError, "out must be int64, got torch.float32"),
     # The CUDA kernel writes out element by element: two elements at one address would race.
     ("out", lambda a: a["out"][:1].expand(SHAPE.B), ValueError, "out must not have elements that share memory"),
     # ... nor share memory with an input: one row's token is written while others still read it.
@@ -376,7 +378,7 @@ def test_cluster_table_without_slots(op, device):
     # ... also through a second storage object over the same memory, which storage identity misses,
     ("out", lambda a: torch.utils.dlpack.from_dlpack(a["embedding"]).view(torch.int64).flatten()[-SHAPE.B:],
      ValueError, "out must not share memory with embedding"),
-], ids=["candidate-batch", "out-batch", "out-dtype", "out-overlap", "out-aliases-hidden", "out-another-storage"])
+], ids=["candidate-batch", "out-batch", "out-dtype", "out-dtype-requires-grad", "out-overlap", "out-aliases-hidden", "out-another-storage"])
 def test_batch_and_out_mismatch(name, value, error, fragment, device):
     args = valid_args(device)
     args[name] = value(args)
