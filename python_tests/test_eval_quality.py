@@ -674,7 +674,12 @@ def test_prompt_files_skip_blank_lines_and_refuse_malformed_rows(tmp_path):
         with pytest.raises(ValueError, match=f"num_prompts must be a positive int, got {count!r}"):
             load_prompts(path, count)
     for bad in (dict(question_id=9, category="a", turns=[]), dict(question_id="9", category="a", turns=["x"]),
-                dict(question_id=True, category="a", turns=["x"]), dict(question_id=9, turns=["x"]), [9, "a", ["x"]]):
+                dict(question_id=True, category="a", turns=["x"]), dict(question_id=9, turns=["x"]), [9, "a", ["x"]],
+                # Types of the fields: a list category is no key, a string turns no list of turns,
+                # and a first turn that is no string no prompt.
+                dict(question_id=9, category=["a"], turns=["x"]), dict(question_id=9, category="a", turns="hello"),
+                dict(question_id=9, category="a", turns=[123])):
         path.write_text(json.dumps(rows[0]) + "\n" + json.dumps(bad) + "\n")
-        with pytest.raises(ValueError, match=r"q.jsonl:2: expected fields question_id \(an int\), category and a non-empty turns"):
+        with pytest.raises(ValueError, match=r"q.jsonl:2: expected fields question_id \(an int\), category \(a string\) "
+                                             r"and a non-empty turns list whose first turn is a string$"):
             questions_by_category(path)
