@@ -227,6 +227,12 @@ def _check_matrix(name: str, value, shape: str, finite: bool = True) -> None:
     ops._require_values(name, value, "; clustering needs them: materialise it first")
     if finite and not torch.isfinite(value).all():
         raise ValueError(f"{name} holds NaN or infinite values; clustering needs finite rows")
+    if finite and value.dtype == torch.float64:  # clustered in float32, where such values are infinite
+        low, high = torch.aminmax(value)
+        limit = torch.finfo(torch.float32).max
+        if low < -limit or high > limit:
+            raise ValueError(f"{name} holds values beyond float32's range (±{limit:.4g}), in which it is clustered, "
+                             f"got {low.item():.4g} to {high.item():.4g}")
 
 
 def check_seed(seed) -> None:

@@ -168,6 +168,9 @@ def test_cluster_table_from_assignments():
     ({"seed": -2**63 - 1}, ValueError, r"seed must be in -2\*\*63..2\*\*64 - 1"),
     ({"embedding": torch.ones(12, 3, device="meta")}, ValueError, "embedding is on the meta device"),
     ({"embedding": torch.full((12, 3), float("nan")), "cluster_size": 4}, ValueError, "NaN or infinite"),
+    # float64 values past float32's range are infinite where it clusters: NaN centroids before.
+    ({"embedding": _embedding(12, 3).double().index_fill(0, torch.tensor([5]), -1e39), "cluster_size": 4}, ValueError,
+     r"embedding holds values beyond float32's range \(±3\.403e\+38\), in which it is clustered, got -1e\+39 to "),
 ])
 def test_bad_input(kwargs, error, match):
     args = {"embedding": _embedding(12, 3), "progress": False, **kwargs}
@@ -299,6 +302,7 @@ def test_calibration_with_few_states_per_hidden_dimension_warns():
     ({"hidden": torch.ones(9, 3).to(torch.float8_e4m3fn)}, TypeError,
      "hidden must be float16, bfloat16, float32 or float64, got torch.float8_e4m3fn"),
     ({"hidden": torch.full((5, 3), float("inf"))}, ValueError, "hidden holds NaN or infinite"),
+    ({"hidden": torch.full((5, 3), 1e300, dtype=torch.float64)}, ValueError, "hidden holds values beyond float32's range"),
     ({"hidden": torch.zeros(9, 3)}, ValueError, "hidden gives a singular fit .* the states are zero or too small"),
     # LAPACK's "failed to converge" before: their squares overflow float32.
     ({"hidden": torch.full((9, 3), 3e19)}, ValueError, r"the second moment of hidden .* overflows float32: .* \(up to 3e\+19\)"),
