@@ -342,7 +342,8 @@ def _on_one_cpu_thread(fn, *args):
     move in their last bits with the thread count, which flipped near-tie k-means assignments (24
     of SmolLM2's 3,072 clusters between 1 and 2 threads) and moved fitted centroids by hundreds of
     ulps, while the cache keys a clustering by its inputs only. On D x D matrices: one thread took
-    0.02 s at D = 576 and 6 s at 4096 for eigh (2 cores), against k-means' minutes."""
+    0.02 s at D = 576 and 6 s at 4096 for eigh (2 cores), against k-means' minutes. So do the
+    products summed over the states (``states.T @ x``), whose sums BLAS splits among threads."""
     if any(arg.device.type != "cpu" for arg in args):
         return fn(*args)
     threads = torch.get_num_threads()
@@ -371,10 +372,11 @@ def fit_max_logit_centroids(embedding: Tensor, hidden: Tensor, cluster_tokens: T
     _check_ridge(ridge)
     rows, states = embedding.detach().float(), hidden.detach().to(embedding.device, torch.float32)
     targets = best_member_logits(rows, states, cluster_tokens.to(rows.device))
-    gram = states.T @ states
+    gram = _on_one_cpu_thread(torch.matmul, states.T, states)
     regularised = gram + ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], device=gram.device)
+    moments = _on_one_cpu_thread(torch.matmul, states.T, targets)
     try:
-        centroids = _on_one_cpu_thread(torch.linalg.solve, regularised, states.T @ targets).T.contiguous()
+        centroids = _on_one_cpu_thread(torch.linalg.solve, regularised, moments).T.contiguous()
     except torch.linalg.LinAlgError as error:  # all-zero (or vanishingly small) states leave nothing to fit
         raise ValueError(f"hidden gives a singular fit (the mean diagonal of its Gram matrix is "
                          f"{float(gram.diagonal().mean()):.3g}): the states are zero or too small to calibrate on") from error
@@ -428,7 +430,7 @@ def calibrate_clusters(
     device = device or embedding.device
     rows = embedding.detach().to(device, torch.float32)
     states = hidden.detach().to(device, torch.float32)
-    moment = states.T @ states / states.shape[0]
+    moment = _on_one_cpu_thread(torch.matmul, states.T, states) / states.shape[0]
     if not torch.isfinite(moment).all():  # else LAPACK's "failed to converge"
         raise ValueError("the second moment of hidden (its states' squares, summed) overflows float32: states this "
                          f"large (up to {float(states.abs().max()):.3g}) are no final hidden states; pass the states the "
