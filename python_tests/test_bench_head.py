@@ -301,6 +301,10 @@ def test_head_bench_times_a_capped_probes_value_once(tmp_path):
     (["clusters", "--device", "meta"], "argument --device: 'meta' holds no values"),
     (["draft-step", "--context", "0"], "argument --context: expected a positive integer"),
     (["draft-step", "--shapes", "tiny", "--probes", "100000"], "--probes 100000 exceeds the 63 clusters of tiny"),
+    # One cluster, mostly padding, was timed as a FlashHead.
+    (["draft-step", "--shapes", "tiny", "--cluster-size", "5000"], "--cluster-size 5000 exceeds the vocabulary of tiny (1000 rows)"),
+    (["spec", "--target", "tiny", "--draft", "tiny", "--cluster-size", "1001"],
+     "--cluster-size 1001 exceeds the vocabulary of tiny (1000 rows)"),
     (["spec", "--target", "tiny", "--draft", "tiny", "--cluster-size", "0"], "argument --cluster-size: expected a positive integer"),
     (["spec", "--target", "tiny,tiny", "--draft", "tiny"], "argument --target: invalid choice: 'tiny,tiny'"),  # one shape
     (["spec", "--draft", "tiny,"], "argument --draft: invalid choice: 'tiny,'"),

@@ -196,13 +196,14 @@ def random_flash_head(embedding: torch.Tensor, cluster_size: int, probes, seed: 
                      centroid_dtype=centroid_dtype)
 
 
-def check_probes(parser: argparse.ArgumentParser, args, names: list, configs: list) -> None:
-    """A parser error when --probes exceeds the clusters random_flash_head makes for a shape."""
-    if args.probes is None:
-        return
+def check_clusters(parser: argparse.ArgumentParser, args, names: list, configs: list) -> None:
+    """A parser error when --cluster-size exceeds a shape's vocabulary (one cluster, mostly padding),
+    or --probes the clusters random_flash_head makes for it."""
     for name, config in zip(names, configs):
+        if args.cluster_size > config.vocab_size:
+            parser.error(f"--cluster-size {args.cluster_size} exceeds the vocabulary of {name} ({config.vocab_size} rows)")
         clusters = random_cluster_count(config.vocab_size, args.cluster_size)
-        if args.probes > clusters:
+        if args.probes is not None and args.probes > clusters:
             parser.error(f"--probes {args.probes} exceeds the {clusters} clusters of {name} "
                          f"(vocabulary {config.vocab_size}, --cluster-size {args.cluster_size})")
 
@@ -250,7 +251,7 @@ def draft_step_main(argv=None) -> int:
     args = parser.parse_args(argv)
     shapes, configs = decoder_shape_list(parser, "--shapes", args.shapes)
     bodies = choices_list(parser, args.bodies, BODIES, "body")
-    check_probes(parser, args, shapes, configs)
+    check_clusters(parser, args, shapes, configs)
     with on_device(args.device):
         return _run_draft_step(parser, args, dict(zip(shapes, configs)), bodies)
 
@@ -367,7 +368,7 @@ def spec_main(argv=None) -> int:
     _common(parser, "results/bench_spec.json")
     args = parser.parse_args(argv)
     target_shape, draft_shape = one_shape(parser, "--target", args.target), one_shape(parser, "--draft", args.draft)
-    check_probes(parser, args, [args.draft], [draft_shape])
+    check_clusters(parser, args, [args.draft], [draft_shape])
     if args.target_body is None:
         args.target_body = "compiled" if torch.device(args.device).type == "cuda" else "eager"
     if not 0.0 <= args.synthetic_acceptance <= 1.0:
