@@ -263,6 +263,14 @@ def check_clustering_inputs(embedding, hidden=None, *, finite: bool = True) -> N
             raise ValueError(f"hidden must have the embedding's hidden size {embedding.shape[1]}, got shape {tuple(hidden.shape)}")
 
 
+def _clustering_device(device, embedding: Tensor) -> torch.device:
+    """Where the clustering runs: ``device``, or the embedding's with None."""
+    target = embedding.device if device is None else torch.device(device)
+    if target.type == "meta":  # torch's error came from the first value read there, naming nothing
+        raise ValueError(f"device {str(target)!r} holds no values; clustering needs a CPU or CUDA device")
+    return target
+
+
 def build_clusters(
     embedding: Tensor,
     cluster_size: Optional[int] = None,
@@ -286,6 +294,7 @@ def build_clusters(
     """
     check_clustering_inputs(embedding)
     check_kmeans_settings(iters, seed)
+    device = _clustering_device(device, embedding)
     if cluster_size is None and n_clusters is None:
         cluster_size = 16
     vocab = embedding.shape[0]
@@ -293,7 +302,7 @@ def build_clusters(
     width = int(sizes.max())
     count = sizes.numel()
 
-    rows = torch.nn.functional.normalize(embedding.detach().to(device or embedding.device, torch.float32), dim=1)
+    rows = torch.nn.functional.normalize(embedding.detach().to(device, torch.float32), dim=1)
     # Seeds drawn on the CPU so the initial centroids do not depend on the device's generator.
     generator = torch.Generator().manual_seed(seed)
     start = torch.randperm(vocab, generator=generator)[:count].to(rows.device)
@@ -427,7 +436,7 @@ def calibrate_clusters(
                       f"it ({enough}); with about 2x the hidden size or fewer, a calibrated clustering was measured "
                       "to agree with the dense head less often than plain k-means. Record more states, or use "
                       "build_clusters.", stacklevel=2)
-    device = device or embedding.device
+    device = _clustering_device(device, embedding)
     rows = embedding.detach().to(device, torch.float32)
     states = hidden.detach().to(device, torch.float32)
     moment = _on_one_cpu_thread(torch.matmul, states.T, states) / states.shape[0]

@@ -167,6 +167,7 @@ def test_cluster_table_from_assignments():
     ({"seed": 2**64}, ValueError, r"seed must be in -2\*\*63..2\*\*64 - 1"),
     ({"seed": -2**63 - 1}, ValueError, r"seed must be in -2\*\*63..2\*\*64 - 1"),
     ({"embedding": torch.ones(12, 3, device="meta")}, ValueError, "embedding is on the meta device"),
+    ({"device": "meta"}, ValueError, "device 'meta' holds no values; clustering needs a CPU or CUDA device"),
     ({"embedding": torch.full((12, 3), float("nan")), "cluster_size": 4}, ValueError, "NaN or infinite"),
     # float64 values past float32's range are infinite where it clusters: NaN centroids before.
     ({"embedding": _embedding(12, 3).double().index_fill(0, torch.tensor([5]), -1e39), "cluster_size": 4}, ValueError,
@@ -330,6 +331,7 @@ def test_calibration_with_few_states_per_hidden_dimension_warns():
     ({"ridge": 1e300}, ValueError, r"the fitted centroids are not finite: ridge \(1e\+300\)"),
     ({"ridge": 10**400}, ValueError, "ridge must be a finite number > 0"),  # past float's range
     ({"cluster_size": 0}, ValueError, r"cluster_size must be in 1..12"),
+    ({"device": torch.device("meta")}, ValueError, "device 'meta' holds no values"),
 ])
 def test_calibrated_bad_input(kwargs, error, match):
     args = {"hidden": _embedding(9, 3, seed=1), "cluster_size": 4, "progress": False, **kwargs}
