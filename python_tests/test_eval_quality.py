@@ -370,7 +370,7 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir):
 
 
 @pytest.mark.filterwarnings("ignore:calibrate_clusters")
-def test_cli_seeds_held_out_categories_and_bfloat16_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir):
+def test_cli_seeds_held_out_categories_and_bfloat16_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir, capsys):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     prompts = _questions(tmp_path / "questions.jsonl")
     built = []
@@ -427,6 +427,13 @@ def test_cli_seeds_held_out_categories_and_bfloat16_on_a_tiny_model(tmp_path, mo
     # More probes, a candidate set nearer the vocabulary: nearer the dense law.
     calibrated = {r["probes"]: r["sampling_tv"] for r in result["results"] if r["method"] == "calibrated"}
     assert calibrated[3] < calibrated[1]
+    # More states than were recorded: all of them, and a note that says so.
+    recorded = result["evaluation"]["tokens"]  # a state each
+    capsys.readouterr()
+    assert main(argv + ["--dtype", "bfloat16", "--sampling-states", "100000", "--sampling-draws", "8"]) == 0
+    assert json.loads(out.read_text())["sampling"]["states"] == recorded
+    assert (f"--sampling-states 100000: the evaluation recorded {recorded} states; sampling is measured on all of them"
+            in capsys.readouterr().err)
 
 
 def test_sizes_past_the_vocabulary_or_its_clusters_are_usage_errors_before_recording(tmp_path, monkeypatch, capsys, tiny_model_dir):

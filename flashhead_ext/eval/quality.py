@@ -415,6 +415,9 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
     sampling = None
     if args.sampling_states:  # a seeded choice of states, the same for every row
         chosen = torch.randperm(hidden.shape[0], generator=torch.Generator().manual_seed(0))[:args.sampling_states]
+        if args.sampling_states > hidden.shape[0]:  # known only once the states are recorded
+            note(f"--sampling-states {args.sampling_states}: the evaluation recorded {hidden.shape[0]} states; sampling is "
+                 "measured on all of them")
         sampling = (chosen.sort().values, args.sampling_temperature, args.sampling_draws)
     if held_out:
         names = sorted(set(categories) | set(calibration_categories))
