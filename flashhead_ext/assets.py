@@ -447,7 +447,10 @@ def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where:
         raise ValueError(f"cluster_assignments in {where} must hold integer cluster ids, got {assignments.dtype}")
     dim, count = centroids.shape
     used = int(assignments.max()) + 1
-    if used > count and used == dim:  # the ids fit the first dimension, not the second: [clusters, hidden]
+    # The ids fit the first dimension, not the second, and the second is the embedding's hidden
+    # size where it is known: [clusters, hidden], also with fewer clusters than hidden values (then
+    # some cluster looked empty).
+    if used == dim != count and (embedding is None or embedding.shape[1] == count):
         raise ValueError(f"centroids in {where} have shape {tuple(centroids.shape)} but cluster_assignments use "
                          f"{used} cluster ids: the centroids look transposed; expected [hidden, clusters]")
     if embedding is not None:

@@ -293,6 +293,8 @@ def _write_bad(directory, *, centroids=None, assignments=None, config=None, drop
     ({"centroids": torch.randn(DIM + 1, 12)}, "centroids of hidden size 13 but the embedding has hidden size 12"),
     ({"centroids": torch.randn(16, DIM), "assignments": torch.arange(VOCAB) % 16},
      r"have shape \(16, 12\) but cluster_assignments use 16 cluster ids: the centroids look transposed"),
+    ({"centroids": torch.randn(8, DIM), "assignments": torch.arange(VOCAB) % 8},  # fewer clusters than DIM
+     r"have shape \(8, 12\) but cluster_assignments use 8 cluster ids: the centroids look transposed"),
     ({"centroids": torch.randn(DIM, 24), "assignments": torch.arange(VOCAB) % 12,
       "config": {"enforce_equal_cluster_sizes": False}}, "cluster 12 has no tokens"),  # not transposed
     ({"assignments": torch.arange(VOCAB + 12) % 12}, "assign 108 tokens .* but the embedding has vocab size 96"),
