@@ -494,6 +494,14 @@ class FlashHeadAttachment:
         return {**self.__dict__, "_head": None, "_built_for": None}
 
     @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._enabled = ops._require_bool("enabled", value)  # "no" or 0 read as truthy or falsy would decode silently
+
+    @property
     def probes(self) -> int:
         return self._probes
 

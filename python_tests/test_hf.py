@@ -107,6 +107,10 @@ def test_attach_routes_next_token_choice_through_flashhead():
     attachment.enabled = False
     torch.testing.assert_close(model(torch.tensor([[3, 1, 4, 1, 5]])).logits, dense_logits)
     attachment.enabled = True
+    for bad in ("no", 0, None):  # read as a truth value, "no" kept FlashHead on
+        with pytest.raises(TypeError, match="enabled must be a bool"):
+            attachment.enabled = bad
+    assert attachment.enabled is True
     with pytest.raises(ValueError, match="already attached"):
         attach(model, assets)
     detach(model)
