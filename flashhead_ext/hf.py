@@ -785,14 +785,14 @@ def attach(model: nn.Module, assets: Union[FlashHeadAssets, PathLike, None] = No
     if probes is not None:
         ops._require_probes(probes)  # before minutes of clustering; the upper bound needs the clusters
     _check_tokenizer(tokenizer)  # before the clustering it would calibrate (None: no calibration)
+    # The wrapped module, not the wrapper: its calls and the wrapper's both run the check hook, and
+    # detach finds the attachment whichever is given.
+    model = uncompiled(model)
     linear = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"model must be a transformers causal LM with an nn.Linear output head, got {type(model).__name__} "
                          f"whose get_output_embeddings() is {type(linear).__name__}")
     check_plain_output_head(model)
-    # The wrapped module, not the wrapper: its calls and the wrapper's both run the check hook, and
-    # detach finds the attachment whichever is given.
-    model = uncompiled(model)
     with _ATTACHING(model, linear, check=lambda: _check_attachable(model, linear)):
         return _attach_to(model, linear, assets, probes, build_if_missing, tokenizer, centroid_dtype, build_options)
 
