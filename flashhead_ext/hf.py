@@ -33,6 +33,7 @@ from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, PathLike, cache
                      flash_head_for, load_assets, user_cache_dir)
 from . import ops
 from ._exclusive import ExclusiveUse
+from ._stacklevel import callers_stacklevel
 from .clustering import MIN_STATES_PER_DIM
 from .head import HEAD_DTYPES, FlashHead, centroid_dtype_option, special_token_list
 from .prompts import DEFAULT_PROMPTS, prompts_per_category
@@ -293,7 +294,8 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     A sequence's tokens end at its first EOS (the model's generation config). Padding changes the
     arithmetic slightly, so a batched run may pick a different token where two logits nearly tie;
     the recorded state is still the one that chose the recorded token. A tokenizer without a pad
-    token pads with its EOS token for the run.
+    token pads with its EOS token for the run; one with neither records one prompt at a time, with a
+    warning.
     """
     from tqdm.auto import tqdm
 
@@ -302,8 +304,12 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     lacks_pad = batch_size > 1 and getattr(tokenizer, "pad_token", "") is None
     if lacks_pad and getattr(tokenizer, "eos_token", None) is None:
-        raise ValueError("tokenizer has neither a pad token nor an EOS token to pad batched prompts with: "
-                         "set tokenizer.pad_token, or record with batch_size=1")
+        # Callers such as attach() and calibration_states() batch without exposing batch_size, so
+        # refusing would leave no way through; one prompt at a time records the same states.
+        warnings.warn("tokenizer has neither a pad token nor an EOS token to pad batched prompts with: "
+                      "recording one prompt at a time (set tokenizer.pad_token to batch)",
+                      RuntimeWarning, stacklevel=callers_stacklevel())
+        batch_size, lacks_pad = 1, False
     lengths = [len(prompt) for prompt in prompts]
     order = sorted(range(len(prompts)), key=lengths.__getitem__) if batch_size > 1 else list(range(len(prompts)))
     batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]

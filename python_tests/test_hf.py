@@ -1032,12 +1032,19 @@ def test_compiled_attached_model_follows_a_new_or_cast_weight():
         _same_logits(logits, model(ids).logits, rtol=2e-2, atol=1e-2)  # a bf16 body
 
 
-def test_a_refused_tokenizer_leaves_no_hook_behind():
+def test_a_tokenizer_with_nothing_to_pad_with_records_one_prompt_at_a_time():
+    # attach() and calibration_states() batch without taking batch_size, so a refusal would leave
+    # their callers no way through.
     model = _tiny_llama(tied=False)
     tokenizer = char_tokenizer()
     tokenizer.pad_token, tokenizer.eos_token = None, None
-    with pytest.raises(ValueError, match="tokenizer has neither a pad token nor an EOS token"):
-        record_hidden_states(model, tokenizer, ["a", "b"], 2, progress=False, batch_size=2)
+    prompts = ["A LONGER PROMPT", "B", "MID SIZE"]  # ids below the tiny vocabulary's 67
+    with pytest.warns(RuntimeWarning, match="neither a pad token nor an EOS token.*one prompt at a time") as caught:
+        batched = record_hidden_states(model, tokenizer, prompts, 3, progress=False, batch_size=2)
+    assert caught[0].filename == __file__
+    unbatched = record_hidden_states(model, tokenizer, prompts, 3, progress=False, batch_size=1)
+    for got, expected in zip(batched, unbatched):
+        assert torch.equal(got, expected)
     assert not model.lm_head._forward_pre_hooks
 
 
