@@ -442,12 +442,14 @@ def test_mistral_window_covers_every_layer_or_none():
     assert DecoderConfig.from_hf(hf_model("ministral").config).sliding_layers == (1,)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "ministral", "phi3"])
+@pytest.mark.parametrize("arch", ["mistral", "ministral", "phi3", "qwen2"])
 def test_bias_flags_a_config_carries_are_ignored_where_transformers_builds_no_biases(arch):
-    # They were refused (attention or MLP biases) for models that have none.
+    # They were refused (attention or MLP biases) for models that have none, or (Qwen2) only the
+    # q/k/v biases the decoder applies, whatever the flags say.
     model = copy.deepcopy(hf_model(arch))
     model.config.attention_bias = model.config.mlp_bias = True
-    assert not any(name.endswith("bias") for name, _ in model.named_parameters())
+    biases = {name.split(".", 3)[-1] for name, _ in model.named_parameters() if name.endswith("bias")}
+    assert biases == ({f"self_attn.{x}_proj.bias" for x in "qkv"} if arch == "qwen2" else set())
     decoder = Decoder.from_hf(model, max_len=24)
     ids = prompt(7, length=9)
     with torch.no_grad():
@@ -733,7 +735,9 @@ def test_decoder_bad_arguments_name_the_argument():
     assert Decoder.from_state_dict(shorter, model.state_dict(), max_len=8, num_layers=2).config.num_layers == 2
     # Weights of other sizes than the config's (which the kernels index by) are refused by name.
     wider = transformers.LlamaConfig(**{**model.config.to_dict(), "intermediate_size": model.config.intermediate_size + 2})
-    with pytest.raises(ValueError, match=re.escape(f"weights layers['gate_up'] must be {decoder.dtype} [3, {2 * wider.intermediate_size}, 48]")):
+    with pytest.raises(ValueError, match=re.escape(f"state_dict's 'model.layers.0.mlp.gate_proj.weight' must be a floating-point "
+                                                   f"tensor of shape [{wider.intermediate_size}, 48] (the config's sizes), "
+                                                   f"got {decoder.dtype} [{model.config.intermediate_size}, 48]")):
         Decoder.from_state_dict(wider, model.state_dict(), max_len=8)
     for name, bad, error in (("final_norm", decoder.final_norm[:-1], ValueError), ("lm_head", decoder.lm_head.float(), ValueError),
                              ("embed", decoder.embed[:, :-1], ValueError), ("lm_head", decoder.lm_head.to("meta"), ValueError),
@@ -748,8 +752,85 @@ def test_decoder_bad_arguments_name_the_argument():
     # Rows that disagree with config.vocab_size (which the runner's vocabulary checks read).
     for key in ("model.embed_tokens.weight", "lm_head.weight"):
         state = dict(model.state_dict(), **{key: model.state_dict()[key][:90]})
-        with pytest.raises(ValueError, match=rf"state_dict's '{key}' has 90 rows, the config's vocab_size is {VOCAB}"):
+        with pytest.raises(ValueError, match=rf"state_dict's '{key}' must be .* of shape \[{VOCAB}, 48\] \(the config's "
+                                             rf"sizes\), got .* \[90, 48\]"):
             Decoder.from_state_dict(model.config, state, max_len=8)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_from_hf_decoder_shares_no_memory_with_the_model(arch):
+    # The embedding, the head and the final norm were the model's own tensors (the layers copied):
+    # a later in-place change to the model reached part of the decoder only.
+    model = copy.deepcopy(hf_model(arch))
+    decoder = Decoder.from_hf(model, max_len=16)
+    model_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = [decoder.embed, decoder.lm_head, decoder.final_norm, *decoder.stacked.values()]
+    assert not {w.untyped_storage().data_ptr() for w in kept} & model_storages
+    ids = prompt(3, length=6)
+    expected = decoder.logits(decoder.forward(ids))
+    other = hf_model(arch, seed=1)
+    model.load_state_dict(other.state_dict())
+    torch.testing.assert_close(decoder.logits(decoder.forward(ids)), expected, rtol=0, atol=0)
+
+
+def test_from_state_dict_checks_every_layers_weights():
+    # Layers past the first were copied into layer 0's shape, which broadcast a smaller weight,
+    # and integer tensors were rounded into weights, without a word.
+    model = hf_model("llama")
+    state = model.state_dict()
+    d, inter = model.config.hidden_size, model.config.intermediate_size
+    q_rows = model.config.num_attention_heads * model.config.head_dim
+    for key, bad, shape in (("model.layers.1.input_layernorm.weight", torch.ones(1, dtype=torch.float64), [d]),
+                            ("model.layers.2.mlp.down_proj.weight", torch.ones(d, 1, dtype=torch.float64), [d, inter]),
+                            ("model.layers.1.self_attn.q_proj.weight", torch.ones(q_rows, d, dtype=torch.int64), [q_rows, d]),
+                            ("model.layers.0.self_attn.o_proj.weight", torch.tensor(1.0, dtype=torch.float64), [d, q_rows]),
+                            ("model.norm.weight", torch.ones(d + 1, dtype=torch.float64), [d])):
+        with pytest.raises(ValueError, match=re.escape(f"state_dict's {key!r} must be a floating-point tensor of shape "
+                                                       f"{shape} (the config's sizes), got {bad.dtype} {list(bad.shape)}")):
+            Decoder.from_state_dict(model.config, {**state, key: bad}, max_len=8)
+    key = "model.layers.1.post_attention_layernorm.weight"
+    for bad in (np.ones(d), None):
+        with pytest.raises(TypeError, match=re.escape(f"state_dict's {key!r} must be a torch.Tensor [{d}], got "
+                                                      f"{type(bad).__name__}")):
+            Decoder.from_state_dict(model.config, {**state, key: bad}, max_len=8)
+    for bad in (None, list(state.items())):
+        with pytest.raises(TypeError, match=f"state_dict must be a mapping of weight names to torch.Tensors .*, got "
+                                            f"{type(bad).__name__}"):
+            Decoder.from_state_dict(model.config, bad, max_len=8)
+    with pytest.raises(TypeError, match=re.escape("config must be a transformers config object (model.config, "
+                                                  "AutoConfig.from_pretrained(...)), got a dict")):
+        Decoder.from_state_dict(model.config.to_dict(), state, max_len=8)
+
+
+def test_decoder_over_parameters_keeps_its_cache_out_of_autograd():
+    # Parameters given to Decoder() made every cache write part of an autograd graph that each
+    # forward outside no_grad extended.
+    decoder = Decoder.from_hf(hf_model("llama"), max_len=16)
+    weights = dict(embed=torch.nn.Parameter(decoder.embed), lm_head=torch.nn.Parameter(decoder.lm_head),
+                   final_norm=torch.nn.Parameter(decoder.final_norm),
+                   layers={name: torch.nn.Parameter(w) for name, w in decoder.stacked.items()})
+    over_parameters = Decoder(decoder.config, weights, max_len=16)
+    for token in prompt(4, length=3):
+        hidden = over_parameters.forward(token.view(1))
+        over_parameters.length += 1
+    assert not hidden.requires_grad and not over_parameters.k_cache.requires_grad and over_parameters.k_cache.grad_fn is None
+    torch.testing.assert_close(hidden, decoder.forward(prompt(4, length=3))[-1:], rtol=1e-12, atol=1e-12)
+
+
+def test_decoder_device_argument_is_named_when_unusable():
+    model = hf_model("llama")
+    config = DecoderConfig.from_hf(model.config)
+    for bad, why in (("cpu0", "a torch.device or a device string"), (None, "a torch.device or a device string"),
+                     (3.5, "a torch.device or a device string"), ("mps", "runs on 'cpu' or 'cuda' devices"),
+                     ("xpu", "runs on 'cpu' or 'cuda' devices")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            Decoder.random(config, max_len=8, device=bad)
+    with pytest.raises(ValueError, match=re.escape("runs on 'cpu' or 'cuda' devices")):
+        Decoder.from_hf(model, max_len=8, device="mps")
+    gpus = torch.cuda.device_count()
+    if gpus:  # past the last GPU: named, not an invalid-ordinal error while weights are copied
+        with pytest.raises(ValueError, match=re.escape(f"device 'cuda:{gpus}': this machine has {gpus} CUDA device(s)")):
+            Decoder.random(config, max_len=8, device=f"cuda:{gpus}")
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])

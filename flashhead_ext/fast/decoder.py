@@ -189,6 +189,9 @@ class DecoderConfig:
         Qwen2Config / Qwen3Config / Gemma2Config / Gemma3TextConfig; ``num_layers`` keeps only the first layers.
         A Granite config's ``residual_multiplier`` is not a field: :meth:`Decoder.from_state_dict`
         folds it into the o and down weights, so weights given to ``Decoder`` directly must hold it."""
+        if isinstance(config, Mapping):  # a config.json read as a dict: its model_type would read as missing
+            raise TypeError("config must be a transformers config object (model.config, AutoConfig.from_pretrained(...)), "
+                            "got a dict: AutoConfig.for_model(**config_dict) makes one")
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
             raise ValueError(f"config must be a {', '.join(SUPPORTED)} config (the fast decoder's family), "
@@ -197,8 +200,9 @@ class DecoderConfig:
         act_key, act = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
         if getattr(config, act_key, act) != act:
             raise ValueError(f"config.{act_key} must be {act!r}, got {getattr(config, act_key)!r}")
-        # transformers' Mistral, Ministral and Phi-3 build no biases whatever these flags say.
-        biased = [] if model_type in ("mistral", "ministral", "phi3") else [
+        # transformers' Mistral, Ministral and Phi-3 build no biases whatever these flags say, and
+        # Qwen2 its q/k/v biases (which the decoder applies) and no others.
+        biased = [] if model_type in ("mistral", "ministral", "phi3", "qwen2") else [
             name for name in ("attention_bias", "mlp_bias") if getattr(config, name, False)]
         if biased:
             raise ValueError(f"config.{' and config.'.join(biased)} set: attention or MLP biases, which the fast "
@@ -476,13 +480,25 @@ def _require_max_len(max_len) -> None:
         raise ValueError(f"max_len must be an int in 1..2**63 - 1, got {max_len!r}")
 
 
-def _require_usable_device(device: torch.device, note: str = "") -> None:
+def _usable_device(device, note: str = "") -> torch.device:
+    """``device`` as a torch.device the decoder runs on, the CPU or a CUDA device this machine has;
+    else a ValueError naming it, not torch's error once weights are being copied (which may only
+    speak of drivers or backends)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or 'cuda:0'{note}, "
+                         f"got {device!r}") from None
     if device.type == "meta":
         raise ValueError(f"device {str(device)!r}{note}: a meta tensor holds no values to run; pass 'cpu' or 'cuda'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r}{note}: the fast decoder runs on 'cpu' or 'cuda' devices")
     if device.type == "cuda" and not torch.cuda.is_available():
-        # Else torch's own error, which may only speak of drivers, once weights are being copied.
         raise ValueError(f"device {str(device)!r}{note}: no CUDA device here (torch.cuda.is_available() is False); "
                          "pass device='cpu'")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {str(device)!r}{note}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def _refuse_unread_weights(state_dict: Mapping[str, Tensor], read: set, prefix: str, config: DecoderConfig,
@@ -545,10 +561,12 @@ class Decoder:
         # default, as SpeculativeDecoder's is the model's generation_config.eos_token_id.
         self.eos_token_id: Union[int, list[int], None] = None
         self.generation_settings: dict[str, Any] = {}  # from_hf: what the model's generate() would apply to its logits
-        self.embed: Tensor = weights["embed"]
-        self.lm_head: Tensor = weights["lm_head"]
-        self.final_norm: Tensor = weights["final_norm"]
-        self.stacked = dict(weights["layers"])
+        # Detached: parameters given here would make every cache write part of an autograd graph,
+        # which each forward outside no_grad would extend, keeping every step's activations.
+        self.embed: Tensor = weights["embed"].detach()
+        self.lm_head: Tensor = self.embed if weights["lm_head"] is weights["embed"] else weights["lm_head"].detach()
+        self.final_norm: Tensor = weights["final_norm"].detach()
+        self.stacked = {name: w.detach() for name, w in weights["layers"].items()}
         self.layers = [{name: w[i] for name, w in self.stacked.items()} for i in range(config.num_layers)]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         if self.dtype not in MODEL_DTYPES:
@@ -631,7 +649,12 @@ class Decoder:
         (float64 from float64 weights) and then rounded to the model dtype: Gemma's norms as
         1 + weight, and Granite's o and down projections times its ``residual_multiplier``. In a
         16-bit model each is rounded once more than transformers rounds, an error the size of the
-        output's own rounding."""
+        output's own rounding. Every tensor must have the shape the config gives its key and a
+        floating dtype; each is copied (the decoder shares no memory with ``state_dict``) and cast to
+        ``dtype``, by default the input embedding's."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping of weight names to torch.Tensors (a model's state_dict()), "
+                            f"got {type(state_dict).__name__}")
         c = DecoderConfig.from_hf(hf_config, num_layers)
         prefix = "model." if "model.embed_tokens.weight" in state_dict else ""
         embed_key = f"{prefix}embed_tokens.weight"
@@ -644,8 +667,7 @@ class Decoder:
         if dtype is not None:
             _require_dtype(dtype)
         dtype = dtype or state_dict[embed_key].dtype
-        device = torch.device(device) if device is not None else state_dict[embed_key].device
-        _require_usable_device(device)
+        device = _usable_device(device if device is not None else state_dict[embed_key].device)
         # Gemma's RMSNorms scale by 1 + weight, formed in float32 as transformers forms it; Granite's
         # residual branches are the o and down outputs times residual_multiplier, a factor of their weights.
         norm_offset = 1.0 if hf_config.model_type in ("gemma2", "gemma3_text") else 0.0
@@ -655,11 +677,20 @@ class Decoder:
 
         read = set()
 
-        def get(key: str) -> Tensor:
+        def get(key: str, shape: tuple) -> Tensor:
+            """``state_dict[key]`` changed as its kind is stored, cast to ``dtype``, on ``device``."""
             if key not in state_dict:
                 raise ValueError(f"state_dict has no {key!r}")
+            source = state_dict[key]
+            # Checked for each key: stacking copies a layer's weights into layer 0's shape, which
+            # broadcasts a smaller one without a word, and a cast rounds integers into weights.
+            if not isinstance(source, Tensor):
+                raise TypeError(f"state_dict's {key!r} must be a torch.Tensor {list(shape)}, got {type(source).__name__}")
+            if tuple(source.shape) != shape or not source.is_floating_point():
+                raise ValueError(f"state_dict's {key!r} must be a floating-point tensor of shape {list(shape)} (the "
+                                 f"config's sizes), got {source.dtype} {list(source.shape)}")
             read.add(key)
-            w = state_dict[key].detach().to(device)
+            w = source.detach().to(device)
             wide = torch.float64 if w.dtype == torch.float64 else torch.float32
             if norm_offset and key.endswith("norm.weight"):
                 w = w.to(wide) + norm_offset
@@ -667,38 +698,48 @@ class Decoder:
                 w = w.to(wide) * residual_multiplier
             return w.to(dtype)
 
-        def get_vocab_rows(key: str) -> Tensor:
-            table = get(key)
-            if table.shape[0] != c.vocab_size:  # the runner checks vocabularies and token ids against the config's
-                raise ValueError(f"state_dict's {key!r} has {table.shape[0]} rows, the config's vocab_size is {c.vocab_size}")
-            return table.contiguous()
+        def kept(key: str, shape: tuple) -> Tensor:
+            """``get(key, shape)`` in memory of its own, as the stacked layers are: a weight that
+            shared the model's (``.to()`` returns its input where nothing changes) would follow a
+            later in-place change to the model (load_state_dict, an optimizer step) that the rest
+            of the decoder does not."""
+            w = get(key, shape)
+            source = state_dict[key]
+            shares = w.device == source.device and w.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+            return w.clone(memory_format=torch.contiguous_format) if shares else w.contiguous()
 
-        sources = dict(qkv=[f"self_attn.{x}_proj.weight" for x in "qkv"], o=["self_attn.o_proj.weight"],
-                       gate_up=["mlp.gate_proj.weight", "mlp.up_proj.weight"], down=["mlp.down_proj.weight"],
-                       attn_norm=["input_layernorm.weight"], mlp_norm=["post_attention_layernorm.weight"])
+        d, hd, inter = c.hidden_size, c.head_dim, c.intermediate_size
+        q_rows, kv_rows, vocab_rows = c.num_heads * hd, c.num_kv_heads * hd, (c.vocab_size, d)
+        sources = dict(qkv=[("self_attn.q_proj.weight", (q_rows, d)), ("self_attn.k_proj.weight", (kv_rows, d)),
+                            ("self_attn.v_proj.weight", (kv_rows, d))],
+                       o=[("self_attn.o_proj.weight", (d, q_rows))],
+                       gate_up=[("mlp.gate_proj.weight", (inter, d)), ("mlp.up_proj.weight", (inter, d))],
+                       down=[("mlp.down_proj.weight", (d, inter))],
+                       attn_norm=[("input_layernorm.weight", (d,))], mlp_norm=[("post_attention_layernorm.weight", (d,))])
         if hf_config.model_type == "phi3":  # stored as the fused layout's matrices already
-            sources.update(qkv=["self_attn.qkv_proj.weight"], gate_up=["mlp.gate_up_proj.weight"])
+            sources.update(qkv=[("self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, d))],
+                           gate_up=[("mlp.gate_up_proj.weight", (2 * inter, d))])
         if c.post_norms:  # Gemma names its four norms by their place around the two blocks
-            sources.update(mlp_norm=["pre_feedforward_layernorm.weight"], post_attn_norm=["post_attention_layernorm.weight"],
-                           post_mlp_norm=["post_feedforward_layernorm.weight"])
+            sources.update(mlp_norm=[("pre_feedforward_layernorm.weight", (d,))],
+                           post_attn_norm=[("post_attention_layernorm.weight", (d,))],
+                           post_mlp_norm=[("post_feedforward_layernorm.weight", (d,))])
         if c.qk_norm:
-            sources.update(q_norm=["self_attn.q_norm.weight"], k_norm=["self_attn.k_norm.weight"])
+            sources.update(q_norm=[("self_attn.q_norm.weight", (hd,))], k_norm=[("self_attn.k_norm.weight", (hd,))])
         if c.qkv_bias:
-            sources.update(qkv_bias=[f"self_attn.{x}_proj.bias" for x in "qkv"])
+            sources.update(qkv_bias=[("self_attn.q_proj.bias", (q_rows,)), ("self_attn.k_proj.bias", (kv_rows,)),
+                                     ("self_attn.v_proj.bias", (kv_rows,))])
         # Each kind stacked over the layers, filled layer by layer (no second copy of the model).
-        layers = {}
+        layer_shapes = _layer_shapes(c)
+        layers = {name: torch.empty(layer_shapes[name], dtype=dtype, device=device) for name in sources}
         for name, keys in sources.items():
             for i in range(c.num_layers):
-                w = torch.cat([get(f"{prefix}layers.{i}.{key}") for key in keys])
-                if i == 0:
-                    layers[name] = torch.empty((c.num_layers, *w.shape), dtype=dtype, device=device)
-                layers[name][i].copy_(w)
-        embed = get_vocab_rows(embed_key)
+                layers[name][i].copy_(torch.cat([get(f"{prefix}layers.{i}.{key}", shape) for key, shape in keys]))
+        embed = kept(embed_key, vocab_rows)
         if not c.tie_word_embeddings and "lm_head.weight" not in state_dict:
             raise ValueError("state_dict has no 'lm_head.weight', and the config says the head is untied "
                              "(tie_word_embeddings=False); pass the causal LM's full state dict, not its body's")
-        lm_head = embed if c.tie_word_embeddings else get_vocab_rows("lm_head.weight")
-        final_norm = get(f"{prefix}norm.weight")
+        lm_head = embed if c.tie_word_embeddings else kept("lm_head.weight", vocab_rows)
+        final_norm = kept(f"{prefix}norm.weight", (d,))
         _refuse_unread_weights(state_dict, read, prefix, c, hf_config.model_type)
         decoder = cls(c, dict(embed=embed, lm_head=lm_head, final_norm=final_norm, layers=layers), max_len=max_len)
         decoder.eos_token_id = getattr(hf_config, "eos_token_id", None)  # transformers' fallback without a generation config
@@ -714,8 +755,7 @@ class Decoder:
         if dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {dtype}")
         _require_max_len(max_len)  # before gigabytes of weights are drawn
-        device = torch.device(device)
-        _require_usable_device(device, " (the default is 'cuda')")
+        device = _usable_device(device, " (the default is 'cuda')")
         seed = ops._require_int("seed", seed)
         info = torch.finfo(dtype)
         # From the smallest normal value to where a draw of 64 std would overflow: weights never zeros nor inf.
