@@ -243,13 +243,14 @@ def check_seed(seed) -> None:
         raise ValueError(f"seed must be in -2**63..2**64 - 1 (what torch.Generator.manual_seed takes), got {seed}")
 
 
-def check_kmeans_settings(iters, seed) -> None:
-    """build_clusters' checks of its k-means ``iters`` and ``seed``: a TypeError or ValueError naming the argument."""
+def check_kmeans_settings(iters, seed, iters_name: str = "iters") -> None:
+    """build_clusters' checks of its k-means ``iters`` and ``seed``: a TypeError or ValueError naming
+    the argument (``iters_name`` where a caller calls it otherwise)."""
     check_seed(seed)
     if not ops._is_int(iters):
-        raise TypeError(f"iters must be an int, got {type(iters).__name__}")
+        raise TypeError(f"{iters_name} must be an int, got {type(iters).__name__}")
     if iters < 1:
-        raise ValueError(f"iters must be >= 1, got {iters}")
+        raise ValueError(f"{iters_name} must be >= 1, got {iters}")
 
 
 def check_clustering_inputs(embedding, hidden=None, *, finite: bool = True) -> None:

@@ -14,6 +14,7 @@ import copy
 import functools
 import importlib.util
 import json
+import re
 import warnings
 from types import SimpleNamespace
 
@@ -592,6 +593,87 @@ def test_drafts_the_heads_cannot_serve_are_refused():
     assert len(SpeculativeDecoder(recurrent).generate(prompt(0), mode="baseline", max_new_tokens=3).tokens) == 3
 
 
+def test_models_whose_cache_is_no_dynamic_cache_are_refused_when_built():
+    # RWKV took the driver's cache through **kwargs and ignored it: every step decoded without its
+    # context, silently, in every mode. MiniMax and an encoder-decoder failed deep in transformers.
+    torch.manual_seed(0)
+    rwkv = transformers.RwkvForCausalLM(transformers.RwkvConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64)).eval()
+    minimax = transformers.MiniMaxForCausalLM(transformers.MiniMaxConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+        layer_types=["linear_attention", "full_attention"], pad_token_id=0)).eval()
+    target = tiny_model("llama")
+    for model in (rwkv, minimax):
+        name = type(model).__name__
+        for pair, role in (((model,), "target"), ((model, target), "target"), ((target, model), "draft")):
+            with pytest.raises(ValueError, match=f"^{role} {name} keeps its context in a cache of its own kind, not the "
+                                                 "transformers DynamicCache this driver keeps: decode it with its own generate"):
+                SpeculativeDecoder(*pair)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=1, num_heads=4, d_kv=8)).eval()
+    with pytest.raises(ValueError, match="^target must be a decoder-only causal LM, got the encoder-decoder "
+                                         "T5ForConditionalGeneration$"):
+        SpeculativeDecoder(t5)
+
+
+def test_a_draft_whose_base_model_is_itself_is_refused():
+    # Llama-4's text model names its body "language_model" but keeps it in .model: base_model was the
+    # whole causal LM, whose prefill ran the head, and the first proposal crashed.
+    torch.manual_seed(0)
+    draft = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2, pad_token_id=0)).eval()
+    assert draft.base_model is draft
+    with pytest.raises(ValueError, match=r"^draft Llama4ForCausalLM's base_model is the causal LM itself \(base_model_prefix "
+                                         r"'language_model' names no submodule\)"):
+        SpeculativeDecoder(tiny_model("llama"), draft)
+    assert len(SpeculativeDecoder(draft).generate(prompt(0), mode="baseline", max_new_tokens=3).tokens) == 3  # as a target
+
+
+def test_a_target_with_active_dropout_warns_that_its_tokens_are_not_greedy():
+    torch.manual_seed(0)
+    config = _config("llama")[1]
+    config.attention_dropout = 0.5
+    target = transformers.LlamaForCausalLM(config)  # built in training mode
+    decoder = SpeculativeDecoder(target, early_exit_draft(target, 1), k=2)
+    with pytest.warns(UserWarning, match=r"^target is in training mode and its dropout is active, so its tokens are random, "
+                                         r"not its greedy ones: call target.eval\(\) first$") as caught:
+        decoder.generate(prompt(0), mode="deferred", max_new_tokens=3)
+    assert caught[0].filename == __file__
+    target.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        decoder.generate(prompt(0), mode="deferred", max_new_tokens=3)
+        config.attention_dropout = 0.0  # training mode with no dropout that draws: greedy all the same
+        SpeculativeDecoder(transformers.LlamaForCausalLM(config)).generate(prompt(0), mode="baseline", max_new_tokens=3)
+
+
+def test_input_ids_on_the_meta_device_are_named():
+    with pytest.raises(ValueError, match="^input_ids are on the meta device, which holds no values"):
+        SpeculativeDecoder(tiny_model("llama")).generate(prompt(0).to("meta"), mode="baseline")
+
+
+def test_make_draft_head_checks_the_flashhead_options_for_either_kind():
+    # A dense head took any FlashHead option without a word, bad ones included.
+    draft = tiny_model("llama")
+    good = dict(probes=3, cluster_size=4, kmeans_iters=2, seed=5, special_token_ids=[1], centroid_dtype=torch.float8_e4m3fn,
+                clustering=random_clustering(draft.get_output_embeddings().weight, 4))
+    assert isinstance(make_draft_head("dense", draft, **good), DenseHead)  # one call site may build either kind
+    for name, bad, error, message in (
+            ("probes", 0, ValueError, "probes must be at least 1, got 0"),
+            ("cluster_size", -3, ValueError, "cluster_size must be a positive int, got -3"),
+            ("kmeans_iters", 0, ValueError, "kmeans_iters must be >= 1, got 0"),
+            ("kmeans_iters", 1.5, TypeError, "kmeans_iters must be an int, got float"),
+            ("seed", "x", TypeError, "seed must be an int, got str"),
+            ("special_token_ids", [VOCAB], ValueError, "special_token_ids"),
+            ("centroid_dtype", torch.int8, TypeError, "centroid_dtype must be None"),
+            ("clustering", object(), TypeError, "clustering must have tensors .centroids [C, D] and .cluster_tokens [C, b]")):
+        for kind in ("dense", "flashhead"):
+            with pytest.raises(error, match=re.escape(message)):
+                make_draft_head(kind, draft, **{**good, name: bad})
+
+
 def _length_dependent_rope_target(rope_type: str):
     """A tiny target whose RoPE frequencies change once a forward reaches 16 positions."""
     torch.manual_seed(0)
@@ -646,6 +728,34 @@ def test_the_cli_refuses_a_rope_switch_before_it_clusters(tmp_path, monkeypatch,
     assert exit_info.value.code == 2
     assert ("error: question 1, mode deferred: the target's dynamic RoPE changes its frequencies once a forward's sequence "
             "passes 16 positions" in capsys.readouterr().err)
+
+
+def test_the_cli_refuses_a_prompt_of_no_tokens_before_it_clusters(tmp_path, monkeypatch, capsys):
+    # It crashed mid-run, after the clustering and the earlier prompts, with no question named.
+    from flashhead_ext.speculative import cli
+
+    _save_tiny_model_with_tokenizer(tmp_path / "model")  # a tokenizer without a chat template
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("\n".join(json.dumps(dict(question_id=i, category="a", turns=[turn]))
+                                   for i, turn in ((1, "w5 w6"), (3, "   "))))
+    monkeypatch.setattr(cli, "make_draft_head", lambda *args, **kwargs: pytest.fail("refused before clustering"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--prompts", str(questions),
+                  "--num-prompts", "2", "--device", "cpu", "--json", str(tmp_path / "spec.json")])
+    assert exit_info.value.code == 2
+    assert "error: question 3: its prompt encodes to no tokens" in capsys.readouterr().err
+
+
+def test_summary_leaves_decode_rates_empty_without_a_decoded_token():
+    # max_new_tokens 1: the first token only, whose bookkeeping time read as 0 tok/s and a loop of 100%.
+    from flashhead_ext.speculative.runner import RunConfig
+
+    records = [_summary_record("ordinary/dense", "dense", 0.01, new_tokens=1, decode_s=2e-6, rounds=0, proposed=0,
+                               accepted=0, verify_calls=0, host_syncs=0, draft_s=0.0, target_s=0.0, draft_head_s=0.0,
+                               phase_s=dict(propose=0.0))]
+    row = summarize(records, [RunConfig("ordinary", "dense")])[0]
+    assert [row[key] for key in ("decode_tok_s", "draft_share", "overhead_share", "speedup")] == [None] * 4
+    assert "propose_share" not in row and row["decode_s"] == 2e-6
 
 
 class _ScriptedDecoder:

@@ -9,7 +9,8 @@ from torch import nn
 
 from .. import ops
 from ..assets import default_probes, flash_head_for
-from ..head import DenseHead, FlashHead, centroid_dtype_option
+from ..clustering import check_kmeans_settings
+from ..head import DenseHead, FlashHead, centroid_dtype_option, special_token_list
 from ..hf import check_plain_output_head, output_embedding, uncompiled
 
 if TYPE_CHECKING:  # transformers is imported only when used
@@ -88,7 +89,9 @@ def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clusterin
     :meth:`~flashhead_ext.assets.FlashHeadAssets.head`) is used when given; otherwise one is built, or loaded from the user cache when it was built
     before (:func:`flashhead_ext.assets.flash_head_for`). ``probes`` defaults to C/16;
     ``special_token_ids`` (e.g. the EOS ids) are scored at every step; ``centroid_dtype`` is
-    :class:`FlashHead`'s (float8_e4m3fn halves the centroid bytes).
+    :class:`FlashHead`'s (float8_e4m3fn halves the centroid bytes). The FlashHead options are
+    checked whatever the kind, so that one call can build either (as the ``spec`` CLI's does)
+    without a bad value going unseen; a dense head uses none of them.
     """
     if kind not in HEADS:
         raise ValueError(f"kind must be one of {HEADS}, got {kind!r}")
@@ -99,9 +102,20 @@ def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clusterin
         check_plain_output_head(draft, "draft")
     if embedding.dtype == torch.float64:
         embedding = embedding.float()
+    # Before a clustering is built.
+    if probes is not None:
+        ops._require_probes(probes)
+    if clustering is not None and not all(isinstance(getattr(clustering, name, None), torch.Tensor)
+                                          for name in ("centroids", "cluster_tokens")):
+        raise TypeError(f"clustering must have tensors .centroids [C, D] and .cluster_tokens [C, b] (e.g. build_clusters' "
+                        f"Clustering), got {type(clustering).__name__}")
+    if not ops._is_int(cluster_size) or cluster_size < 1:  # its bound, the vocabulary, where a clustering is built
+        raise ValueError(f"cluster_size must be a positive int, got {cluster_size!r}")
+    check_kmeans_settings(kmeans_iters, seed, "kmeans_iters")
+    special_token_list(special_token_ids, embedding.shape[0])
+    centroid_dtype = centroid_dtype_option(centroid_dtype, embedding.dtype)
     if kind == "dense":
         return DenseHead(embedding)
-    centroid_dtype = centroid_dtype_option(centroid_dtype, embedding.dtype)  # before a clustering is built
     if clustering is None:
         return flash_head_for(embedding, cluster_size, probes, special_token_ids=special_token_ids,
                               iters=kmeans_iters, seed=seed, progress=progress, centroid_dtype=centroid_dtype)[0]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import numbers
 import time
+import warnings
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,7 @@ from torch import Tensor
 
 from .. import ops
 from ..head import DenseHead, FlashHead, _HeadBase
+from .._stacklevel import callers_stacklevel
 from ..hf import (check_plain_output_head, greedy_logit_settings, output_embedding, uncompiled,
                   warn_unapplied_generation_settings)
 from .draft import make_draft_head
@@ -176,6 +178,8 @@ def check_prompt(input_ids, device: torch.device, vocab_size: int) -> Tensor:
         raise ValueError(f"input_ids must be a non-empty [T] or [1, T] tensor, got shape {tuple(input_ids.shape)}")
     if input_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"input_ids must be int32 or int64 token ids, got {input_ids.dtype}")
+    if input_ids.is_meta:  # else torch's error when its values are read below
+        raise ValueError("input_ids are on the meta device, which holds no values: pass token ids on a CPU or CUDA device")
     # Out of range, the embedding lookup fails without naming the argument (on CUDA: a device assert).
     low, high = torch.stack(torch.aminmax(input_ids)).tolist()
     if low < 0 or high >= vocab_size:
@@ -304,6 +308,42 @@ def cache_keyword(module) -> str:
     raise TypeError("the installed transformers' causal LM forward takes neither cache= nor past_key_values=")
 
 
+def require_dynamic_cache(model, role: str) -> None:
+    """ValueError unless ``model`` (``role``: "target" or "draft") is a decoder-only model that keeps
+    its context in a transformers ``DynamicCache``, which this driver gives it: an encoder-decoder
+    failed deep in transformers; a model with a cache of its own kind (transformers'
+    ``_supports_default_dynamic_cache``: RWKV, xLSTM, MiniMax...) failed there or, taking
+    ``**kwargs``, ignored the cache and decoded every step without its context (RWKV), without a word."""
+    base = uncompiled(model)
+    if hasattr(base, "get_base_model"):  # a PEFT model
+        base = base.get_base_model()
+    name = type(base).__name__
+    if getattr(getattr(base, "config", None), "is_encoder_decoder", False):
+        raise ValueError(f"{role} must be a decoder-only causal LM, got the encoder-decoder {name}")
+    supports_dynamic_cache = getattr(base, "_supports_default_dynamic_cache", None)
+    from transformers import PreTrainedModel
+    # A transformers model's own forward names its cache; a wrapper's may pass **kwargs on (cache_keyword).
+    names_no_cache = isinstance(base, PreTrainedModel) and not {"cache", "past_key_values"} & set(
+        inspect.signature(base.forward).parameters)
+    if names_no_cache or (callable(supports_dynamic_cache) and not supports_dynamic_cache()):
+        raise ValueError(f"{role} {name} keeps its context in a cache of its own kind, not the transformers DynamicCache "
+                         f"this driver keeps: decode it with its own generate()")
+
+
+def warn_if_dropout_active(model, role: str) -> None:
+    """A warning when ``model`` is in training mode with a dropout that draws: its tokens are then
+    random, not the greedy ones the driver promises (a model built as ``Cls(config)`` starts so).
+    A dropout is a module or, applied functionally (Llama's attention), a config setting."""
+    if not model.training:
+        return
+    config = getattr(model, "config", None)
+    settings = config.to_dict() if hasattr(config, "to_dict") else {}
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in model.modules()) or any(
+            "dropout" in key and isinstance(value, numbers.Real) and value > 0 for key, value in settings.items()):
+        warnings.warn(f"{role} is in training mode and its dropout is active, so its tokens are random, not its greedy "
+                      f"ones: call {role}.eval() first", UserWarning, stacklevel=callers_stacklevel())
+
+
 def keeps_recurrent_state(model) -> bool:
     """Whether ``model`` keeps a recurrent state (Mamba, Jamba, Qwen3-Next...), which a cut of its
     cache back to the accepted tokens cannot undo: transformers' ``_is_stateful`` flag before 5.25;
@@ -390,6 +430,7 @@ class SpeculativeDecoder:
         # First: it names a target that is no causal LM (a model name, a tokenizer), which the
         # forward's signature and parameters below would not.
         self.vocab_size = vocab = _output_embedding(target, "target").shape[0]
+        require_dynamic_cache(target, "target")
         self._target_cache = cache_keyword(target)
         self.k = k
         self.device = next(target.parameters()).device
@@ -401,6 +442,7 @@ class SpeculativeDecoder:
         if draft is None:
             require_no_draft_options(draft_head)
             return
+        require_dynamic_cache(draft, "draft")
         for model, role in ((uncompiled(target), "target"), (uncompiled(draft), "draft")):
             if keeps_recurrent_state(model):
                 raise ValueError(f"{role} {type(model).__name__} keeps a recurrent state, which speculative decoding "
@@ -412,6 +454,10 @@ class SpeculativeDecoder:
         head = resolve_draft_head(draft_head, _output_embedding(draft, "draft"), vocab)
         self._head = None if self._attachment is not None else head  # else it kept a cast-away weight alive
         check_plain_output_head(draft, "draft")
+        if uncompiled(draft).base_model is uncompiled(draft):  # else its head ran in every draft step's body, then a crash
+            raise ValueError(f"draft {type(uncompiled(draft)).__name__}'s base_model is the causal LM itself "
+                             f"(base_model_prefix {uncompiled(draft).base_model_prefix!r} names no submodule), so its final "
+                             "hidden states cannot be read before its head")
         draft_device = next(draft.parameters()).device
         if draft_device != self.device:  # else torch's device error mid-generation
             raise ValueError(f"draft must be on the target's device {self.device}, got {draft_device} (this driver runs "
@@ -476,6 +522,8 @@ class SpeculativeDecoder:
         check_mode(mode, self.draft is not None)
         max_new_tokens = require_positive_int("max_new_tokens", max_new_tokens)
         prompt = check_prompt(input_ids, self.device, self.vocab_size)
+        # A draft's dropout costs acceptance only: the target decides every token.
+        warn_if_dropout_active(self.target, "target")
         problem = rope_switch_problem(self._rope_switch, prompt.shape[1], max_new_tokens, 0 if mode == "baseline" else self.k)
         if problem:
             raise ValueError(problem)

@@ -106,6 +106,9 @@ def summarize(records: list, configs: list) -> list:
         # The fast path cannot time the draft head apart from the captured draft step.
         head_s = None if any(r["draft_head_s"] is None for r in runs) else sum(r["draft_head_s"] for r in runs)
         decode_tokens = total["new_tokens"] - len(runs)
+        # The time the decode rates and shares divide: none without a decoded token (max_new_tokens
+        # 1), whose few microseconds of bookkeeping read as 0 tok/s and a loop of 100%.
+        per_decode_s = total["decode_s"] if decode_tokens > 0 else 0.0
         exact = [r["matches_baseline"] for r in runs if r["matches_baseline"] is not None]
         synthetic = {r.get("synthetic_acceptance") for r in runs} - {None}
         phases = {}
@@ -117,7 +120,7 @@ def summarize(records: list, configs: list) -> list:
         rows.append(dict(
             label=config.label, mode=config.mode, head=config.head, samples=len(runs),
             new_tokens=total["new_tokens"], rounds=total["rounds"], proposed=total["proposed"],
-            decode_tok_s=decode_tokens / total["decode_s"] if total["decode_s"] else None,
+            decode_tok_s=decode_tokens / per_decode_s if per_decode_s else None,
             ttft_ms=1000 * total["ttft_s"] / len(runs),
             decode_s=total["decode_s"],
             acceptance=total["accepted"] / total["proposed"] if total["proposed"] else None,
@@ -125,13 +128,13 @@ def summarize(records: list, configs: list) -> list:
             verify_calls=total["verify_calls"], append_calls=total["append_calls"],
             syncs_per_round=total["host_syncs"] / total["rounds"] if total["rounds"] else None,
             draft_s=total["draft_s"],
-            draft_share=total["draft_s"] / total["decode_s"] if total["decode_s"] else None,
+            draft_share=total["draft_s"] / per_decode_s if per_decode_s else None,
             head_share=head_s / total["draft_s"] if total["draft_s"] and head_s is not None else None,
             overhead_ms_round=1000 * loop_s / total["rounds"] if total["rounds"] and loop_s is not None else None,
-            overhead_share=loop_s / total["decode_s"] if total["decode_s"] and loop_s is not None else None,
+            overhead_share=loop_s / per_decode_s if per_decode_s and loop_s is not None else None,
             exact="synthetic" if synthetic else (f"{sum(exact)}/{len(exact)}" if exact else None),
             synthetic_acceptance=synthetic.pop() if len(synthetic) == 1 else None,
-            **{f"{phase}_share": seconds / total["decode_s"] for phase, seconds in phases.items() if total["decode_s"]},
+            **{f"{phase}_share": seconds / per_decode_s for phase, seconds in phases.items() if per_decode_s},
         ))
     base = next((r["decode_tok_s"] for r in rows if r["head"] is None), None)
     for row in rows:
