@@ -290,6 +290,12 @@ def _drop_last(cache, count: int) -> None:
         cache.crop(-count)
 
 
+def _unwrapped(module):
+    """The model ``module`` wraps: past torch.compile's wrapper and a PEFT model's."""
+    base = uncompiled(module)
+    return base.get_base_model() if hasattr(base, "get_base_model") else base
+
+
 def cache_keyword(module) -> str:
     """The keyword ``module``'s forward takes its KV cache by: ``cache`` from transformers 5.24,
     which deprecates ``past_key_values`` (removed in 5.40), ``past_key_values`` before. A wrapper
@@ -297,10 +303,7 @@ def cache_keyword(module) -> str:
     installed transformers' keyword."""
     from transformers import LlamaForCausalLM
 
-    base = uncompiled(module)
-    if hasattr(base, "get_base_model"):  # a PEFT model
-        base = base.get_base_model()
-    for forward in (base.forward, LlamaForCausalLM.forward):
+    for forward in (_unwrapped(module).forward, LlamaForCausalLM.forward):
         parameters = inspect.signature(forward).parameters
         for name in ("cache", "past_key_values"):
             if name in parameters:
@@ -314,9 +317,7 @@ def require_dynamic_cache(model, role: str) -> None:
     failed deep in transformers; a model with a cache of its own kind (transformers'
     ``_supports_default_dynamic_cache``: RWKV, xLSTM, MiniMax...) failed there or, taking
     ``**kwargs``, ignored the cache and decoded every step without its context (RWKV), without a word."""
-    base = uncompiled(model)
-    if hasattr(base, "get_base_model"):  # a PEFT model
-        base = base.get_base_model()
+    base = _unwrapped(model)
     name = type(base).__name__
     if getattr(getattr(base, "config", None), "is_encoder_decoder", False):
         raise ValueError(f"{role} must be a decoder-only causal LM, got the encoder-decoder {name}")
@@ -339,7 +340,8 @@ def warn_if_dropout_active(model, role: str) -> None:
     config = getattr(model, "config", None)
     settings = config.to_dict() if hasattr(config, "to_dict") else {}
     if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in model.modules()) or any(
-            "dropout" in key and isinstance(value, numbers.Real) and value > 0 for key, value in settings.items()):
+            "dropout" in key and isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
+            for key, value in settings.items()):
         warnings.warn(f"{role} is in training mode and its dropout is active, so its tokens are random, not its greedy "
                       f"ones: call {role}.eval() first", UserWarning, stacklevel=callers_stacklevel())
 
