@@ -412,11 +412,25 @@ def calibration_states(model, tokenizer, prompts=DEFAULT_PROMPTS, per_category: 
     category are recorded too (each batch cached on its own), until none are left.
 
     More states fit better: on SmolLM2 (C=3072, b=16, 192 probes, odd ids) 4, 8 and all (None)
-    prompts per category gave 98.9%, 99.3% and 99.4% top-1 agreement (docs/quality.md)."""
+    prompts per category gave 98.9%, 99.3% and 99.4% top-1 agreement (docs/quality.md). Prompts
+    that with ``max_new_tokens`` pass the model's ``config.max_position_embeddings`` are left out,
+    with a warning."""
     if not ops._is_int(min_states) or min_states < 0:
         raise ValueError(f"min_states must be a non-negative int, got {min_states!r}")
-    chosen = prompts_per_category(prompts, per_category, "even")
-    parts = [recorded_states(model, tokenizer, chosen, max_new_tokens, progress=progress)["hidden"]]
+    # Positions past the model's: a model with learned positions (GPT-2's 1,024) failed inside
+    # generate(), and a rotary one recorded states from beyond the context it was trained for.
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    too_long = []
+
+    def fitting(rows: list) -> list:
+        if not ops._is_int(limit):
+            return rows
+        lengths = [len(ids) for ids in _encode_prompts(tokenizer, [row["text"] for row in rows])["input_ids"]]
+        too_long.extend(row for row, length in zip(rows, lengths) if length + max_new_tokens > limit)
+        return [row for row, length in zip(rows, lengths) if length + max_new_tokens <= limit]
+
+    chosen = fitting(prompts_per_category(prompts, per_category, "even"))
+    parts = [recorded_states(model, tokenizer, chosen, max_new_tokens, progress=progress)["hidden"]] if chosen or not too_long else []
     wanted = per_category
     while per_category is not None and sum(len(part) for part in parts) < min_states:
         wanted += per_category
@@ -426,7 +440,15 @@ def calibration_states(model, tokenizer, prompts=DEFAULT_PROMPTS, per_category: 
         more = [row for _, rows in by_category for row in list(rows)[wanted - per_category:]]
         if not more:
             break
-        parts.append(recorded_states(model, tokenizer, more, max_new_tokens, progress=progress)["hidden"])
+        if more := fitting(more):
+            parts.append(recorded_states(model, tokenizer, more, max_new_tokens, progress=progress)["hidden"])
+    if too_long:
+        warnings.warn(f"{len(too_long)} calibration prompt(s) left out: with max_new_tokens ({max_new_tokens}) they pass "
+                      f"the model's {limit} positions (config.max_position_embeddings)", RuntimeWarning,
+                      stacklevel=callers_stacklevel())
+    if not parts:
+        raise ValueError(f"no calibration prompt fits the model's {limit} positions (config.max_position_embeddings) "
+                         f"with max_new_tokens ({max_new_tokens}) after it")
     return torch.cat(parts)
 
 
@@ -441,6 +463,17 @@ def _check_head_dtype(weight: Tensor) -> None:
 
 # torch.compiler.is_exporting arrived in torch 2.6 or 2.7; before it, exports take the eager path.
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
+def _eager_only(reason: str):
+    """``torch.compiler.disable``, with ``reason`` where torch takes one (2.7 and later), so that the
+    error of ``torch.compile(fullgraph=True)`` at the graph break says why and what to do."""
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        return torch.compiler.disable(reason=reason)
+    return torch.compiler.disable
+
+
+_BUILD_BEFORE_COMPILING = "call model.flash_head.head() once before compiling with fullgraph=True"
 
 
 class FlashHeadAttachment:
@@ -463,8 +496,10 @@ class FlashHeadAttachment:
     constraints, ``sequence_bias``) act on these logits: a token they allow that is no candidate
     stays ``-inf``, and at a step with no allowed candidate the token emitted is the processor's
     choice, unscored (transformers 5.25's ``prefix_allowed_tokens_fn`` gives its allowed tokens 0
-    when all are ``-inf``: greedy emits the first allowed one); for constrained generation set
-    ``enabled = False`` or probe every cluster.
+    when all are ``-inf``: greedy emits the first allowed one; processors that only remove tokens,
+    ``suppress_tokens``, ``bad_words_ids``, ``no_repeat_ngram_size``, leave all ``-inf`` when they
+    remove every candidate: greedy emits id 0, removed or not, and sampling fails in
+    ``torch.multinomial``); for constrained generation set ``enabled = False`` or probe every cluster.
     Under ``torch.autocast`` the hidden states are cast to the head's dtype (a float32
     head of a bfloat16 body takes the body's states as float32). ``head()`` is the FlashHead over
     the model's current output weight, rebuilt when ``model.to()`` moved or cast that weight.
@@ -587,14 +622,16 @@ class FlashHeadAttachment:
         been compared with yet."""
         return self._assets.records_weights and weight is not self._weights_checked_for
 
-    @torch.compiler.disable  # reads the weight's values on the host
+    @_eager_only(f"the attached FlashHead compares its output weight's values with its clustering's on the host (once "
+                 f"for each new weight): {_BUILD_BEFORE_COMPILING}")
     def _compare_weights(self, weight: Tensor) -> None:
         """Warns, once for each weight object, when ``weight`` is not the one the assets were clustered
         for (load_state_dict(assign=True), a Parameter set)."""
         self._assets.warn_if_built_for_other_weights(weight, "attached to this model")
         self._weights_checked_for = weight
 
-    @torch.compiler.disable  # clustering tables are checked on the host: a graph break, once per change
+    @_eager_only(f"the attached FlashHead is built on the host, where its clustering is checked (at a copied or "
+                 f"unpickled model's first call, and after its output weight was replaced or cast): {_BUILD_BEFORE_COMPILING}")
     def _rebuild(self, compare_weights: bool = True) -> FlashHead:
         weight = self.linear.weight
         _check_head_dtype(weight)
@@ -879,15 +916,30 @@ def _attach_to(model: nn.Module, linear: nn.Linear, assets, probes: Optional[int
 
 def detach(model: nn.Module) -> None:
     """Undoes :func:`attach`: the model's dense output head (and any forward it replaced) is back.
-    ``model`` is the model attached to or its ``torch.compile`` wrapper."""
-    attachment = uncompiled(model).__dict__.pop("flash_head", None)
+    ``model`` is the model attached to or its ``torch.compile`` wrapper. An accelerate hook added to
+    the head after attach stays, wrapping the dense forward; another wrapper put around FlashHead's
+    forward after attach is refused (remove it first)."""
+    model = uncompiled(model)
+    attachment = model.__dict__.get("flash_head")
     if attachment is None:
         raise ValueError("no FlashHead is attached to this model")
-    if attachment._replaced_forward is not None:
-        attachment.linear.forward = attachment._replaced_forward
-    else:
-        del attachment.linear.forward
-    del attachment.linear._apply
+    linear = attachment.linear
+    # The dense forward as the attachment found it: an instance one it replaced, or the class's.
+    dense_forward = attachment._replaced_forward
+    if linear.__dict__.get("forward") == attachment.forward:
+        if dense_forward is not None:
+            linear.forward = dense_forward
+        else:
+            del linear.forward
+    elif linear.__dict__.get("_old_forward") == attachment.forward:
+        # An accelerate hook added after attach (dispatch_model, cpu_offload) wraps FlashHead's
+        # forward and puts it back when removed: the hook stays, wrapping the dense forward now.
+        linear._old_forward = dense_forward if dense_forward is not None else type(linear).forward.__get__(linear)
+    else:  # deleting the forward there would drop that wrapper, and FlashHead would come back with it
+        raise ValueError(f"the output head's forward was wrapped after attach ({linear.__dict__.get('forward')!r}), around "
+                         "FlashHead's: remove that wrapper first, then detach")
+    del model.flash_head
+    del linear._apply
     attachment._model_hook.remove()
     attachment._head = attachment._built_for = None  # they hold the output weight; the attachment may outlive the model
 

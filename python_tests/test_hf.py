@@ -4,6 +4,7 @@ import dataclasses
 import datetime
 import gc
 import importlib.util
+import inspect
 import json
 import os
 import pickle
@@ -431,6 +432,42 @@ def test_a_head_shared_by_two_models_is_attached_once():
     detach(draft)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="needs accelerate (pip install accelerate)")
+def test_detach_keeps_an_accelerate_hook_added_after_attach():
+    # detach deleted the hook's forward, so the hook's work was lost, and removing the hook later put
+    # FlashHead's forward back on a model that reported no attachment and could not be detached.
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
+
+    model = _tiny_llama(tied=False)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        dense = model(ids).logits
+        attach(model, _tiny_assets(model))
+        add_hook_to_module(model.lm_head, AlignDevicesHook(execution_device="cpu", io_same_device=True))  # as cpu_offload
+        hooked_forward = model.lm_head.forward
+        assert torch.isinf(model(ids).logits).any()
+        detach(model)
+        assert model.lm_head.forward is hooked_forward  # the hook stays, around the dense forward
+        _same_logits(model(ids).logits, dense)
+        remove_hook_from_module(model.lm_head)
+        _same_logits(model(ids).logits, dense)
+        with pytest.raises(ValueError, match="no FlashHead is attached"):
+            detach(model)
+        attach(model, _tiny_assets(model)).enabled = False  # what it replaced is the dense forward
+        _same_logits(model(ids).logits, dense)
+        detach(model)
+        # A wrapper detach cannot reach into is named, and the attachment stays.
+        attach(model, _tiny_assets(model))
+        flash_forward = model.lm_head.forward
+        model.lm_head.forward = lambda hidden: flash_forward(hidden)
+        with pytest.raises(ValueError, match="the output head's forward was wrapped after attach .* remove that wrapper first"):
+            detach(model)
+        assert hasattr(model, "flash_head")
+        model.lm_head.forward = flash_forward
+        detach(model)
+        _same_logits(model(ids).logits, dense)
+
+
 def _saved_with_its_assets(tmp_path, monkeypatch):
     """A model attached to a clustering built for it, saved under tmp_path/model with the assets
     beside it (README: save_assets(dir, model.flash_head.assets)); returned attached."""
@@ -632,6 +669,27 @@ def test_calibration_states_record_more_questions_until_min_states(tmp_path, mon
     assert [i for batch in recorded for i in batch] == [2, 6, 4, 8, 10, 14, 12, 16, 18, 22, 20] and len(every) == 33
     with pytest.raises(ValueError, match="min_states must be a non-negative int, got -1"):
         states(-1)
+
+
+def test_calibration_states_leave_out_prompts_past_the_models_positions(tmp_path, monkeypatch):
+    # A model with learned positions failed inside generate() on a long calibration prompt (GPT-2's
+    # 1,024 positions against Spec-Bench prompts of over 1,100 tokens).
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    questions = tmp_path / "questions.jsonl"
+    turns = {2: "AB", 4: "ABCDEFGHIJ", 6: "ABC", 8: "ABCDEFGHIJKL"}  # with 3 new tokens: 5, 13, 6 and 15 positions
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [turn]}) + "\n"
+                                 for i, turn in turns.items()))
+    torch.manual_seed(3)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=97, n_positions=12, n_embd=16, n_layer=1,
+                                                                 n_head=2, eos_token_id=None)).eval()
+    with pytest.warns(RuntimeWarning, match=r"^2 calibration prompt\(s\) left out: with max_new_tokens \(3\) they pass "
+                                            r"the model's 12 positions \(config.max_position_embeddings\)$") as caught:
+        states = hf.calibration_states(model, char_tokenizer(), questions, per_category=4, max_new_tokens=3, progress=False)
+    assert caught[0].filename == __file__
+    assert len(states) == 6  # the two that fit, 3 states each
+    with pytest.raises(ValueError, match=r"^no calibration prompt fits the model's 12 positions .* with max_new_tokens \(11\)"):
+        with pytest.warns(RuntimeWarning, match="4 calibration prompt"):
+            hf.calibration_states(model, char_tokenizer(), questions, per_category=4, max_new_tokens=11, progress=False)
 
 
 def test_calibration_states_take_each_batch_by_place_not_by_question_id(tmp_path, monkeypatch):
@@ -970,6 +1028,21 @@ def test_attached_model_converted_after_attach_compiles_in_one_graph():
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
         _same_logits(compiled, model(ids).logits)
+
+
+@pytest.mark.skipif("reason" not in inspect.signature(torch.compiler.disable).parameters,
+                    reason="torch.compiler.disable takes a reason from torch 2.7")
+def test_a_copied_model_compiled_in_one_graph_is_told_to_build_its_head_first():
+    # The graph break at the head's build said "reason: None".
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        copied = copy.deepcopy(_attached_tiny_llama_compilable(ids))
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=re.escape("call model.flash_head.head() once before "
+                                                                          "compiling with fullgraph=True")):
+            torch.compile(copied, backend="eager", fullgraph=True)(ids)
+        copied.flash_head.head()
+        torch._dynamo.reset()
+        _same_logits(torch.compile(copied, backend="eager", fullgraph=True)(ids).logits, copied(ids).logits)
 
 
 class _Logits(torch.nn.Module):
