@@ -417,6 +417,7 @@ def calibration_states(model, tokenizer, prompts=DEFAULT_PROMPTS, per_category: 
     with a warning."""
     if not ops._is_int(min_states) or min_states < 0:
         raise ValueError(f"min_states must be a non-negative int, got {min_states!r}")
+    _check_tokenizer(tokenizer)  # before its first use, in fitting()
     # Positions past the model's: a model with learned positions (GPT-2's 1,024) failed inside
     # generate(), and a rotary one recorded states from beyond the context it was trained for.
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -432,7 +433,8 @@ def calibration_states(model, tokenizer, prompts=DEFAULT_PROMPTS, per_category: 
     chosen = fitting(prompts_per_category(prompts, per_category, "even"))
     parts = [recorded_states(model, tokenizer, chosen, max_new_tokens, progress=progress)["hidden"]] if chosen or not too_long else []
     wanted = per_category
-    while per_category is not None and sum(len(part) for part in parts) < min_states:
+    # Also while nothing fits yet: the next questions may.
+    while per_category is not None and (not parts or sum(len(part) for part in parts) < min_states):
         wanted += per_category
         # Each category's next questions by place (prompts_per_category lists them a category at a
         # time), not by question_id, which a file joined from several sources may repeat.
@@ -935,6 +937,9 @@ def detach(model: nn.Module) -> None:
         # An accelerate hook added after attach (dispatch_model, cpu_offload) wraps FlashHead's
         # forward and puts it back when removed: the hook stays, wrapping the dense forward now.
         linear._old_forward = dense_forward if dense_forward is not None else type(linear).forward.__get__(linear)
+    elif "forward" not in linear.__dict__ or linear.forward == type(linear).forward.__get__(linear) or hasattr(
+            linear, "_hf_hook"):
+        pass  # FlashHead's forward is out of the call chain already (an accelerate hook removed or replaced put its own back)
     else:  # deleting the forward there would drop that wrapper, and FlashHead would come back with it
         raise ValueError(f"the output head's forward was wrapped after attach ({linear.__dict__.get('forward')!r}), around "
                          "FlashHead's: remove that wrapper first, then detach")

@@ -466,6 +466,16 @@ def test_detach_keeps_an_accelerate_hook_added_after_attach():
         model.lm_head.forward = flash_forward
         detach(model)
         _same_logits(model(ids).logits, dense)
+        # A hook added before attach, then removed or replaced: accelerate puts back the forward it
+        # found, the dense one, so FlashHead is out of the call chain and detach only cleans up.
+        for after_attach in (remove_hook_from_module, lambda head: add_hook_to_module(head, AlignDevicesHook())):
+            add_hook_to_module(model.lm_head, AlignDevicesHook(execution_device="cpu", io_same_device=True))
+            attach(model, _tiny_assets(model))
+            after_attach(model.lm_head)
+            detach(model)
+            assert not hasattr(model, "flash_head") and "_apply" not in vars(model.lm_head)
+            _same_logits(model(ids).logits, dense)
+            remove_hook_from_module(model.lm_head)
 
 
 def _saved_with_its_assets(tmp_path, monkeypatch):
@@ -690,6 +700,14 @@ def test_calibration_states_leave_out_prompts_past_the_models_positions(tmp_path
     with pytest.raises(ValueError, match=r"^no calibration prompt fits the model's 12 positions .* with max_new_tokens \(11\)"):
         with pytest.warns(RuntimeWarning, match="4 calibration prompt"):
             hf.calibration_states(model, char_tokenizer(), questions, per_category=4, max_new_tokens=11, progress=False)
+    # A first batch that does not fit at all is followed by the next, which may (min_states 0 too).
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [turn]}) + "\n"
+                                 for i, turn in ((2, "ABCDEFGHIJ"), (4, "AB"))))
+    with pytest.warns(RuntimeWarning, match=r"^1 calibration prompt\(s\) left out"):
+        states = hf.calibration_states(model, char_tokenizer(), questions, per_category=1, max_new_tokens=3, progress=False)
+    assert len(states) == 3  # "AB"'s, from the second batch
+    with pytest.raises(TypeError, match="tokenizer must be the model's tokenizer object"):  # named before it is used
+        hf.calibration_states(model, "gpt2", questions, progress=False)
 
 
 def test_calibration_states_take_each_batch_by_place_not_by_question_id(tmp_path, monkeypatch):

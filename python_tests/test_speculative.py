@@ -647,6 +647,14 @@ def test_a_target_with_active_dropout_warns_that_its_tokens_are_not_greedy():
         decoder.generate(prompt(0), mode="deferred", max_new_tokens=3)
         config.attention_dropout = 0.0  # training mode with no dropout that draws: greedy all the same
         SpeculativeDecoder(transformers.LlamaForCausalLM(config)).generate(prompt(0), mode="baseline", max_new_tokens=3)
+        # Nor does a setting the causal LM does not apply (GPT-2's summary_first_dropout is 0.1).
+        gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4,
+                                                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        assert gpt2.training and gpt2.config.summary_first_dropout > 0
+        SpeculativeDecoder(gpt2).generate(prompt(0), mode="baseline", max_new_tokens=3)
+    gpt2.transformer.h[0].mlp.dropout.p = 0.1  # GPT-2 applies its rates through modules: one that draws
+    with pytest.warns(UserWarning, match="^target is in training mode and its dropout is active"):
+        SpeculativeDecoder(gpt2).generate(prompt(0), mode="baseline", max_new_tokens=3)
 
 
 def test_input_ids_on_the_meta_device_are_named():

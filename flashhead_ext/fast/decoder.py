@@ -609,8 +609,9 @@ class Decoder:
     def from_hf(cls, model: PreTrainedModel, *, max_len: int, num_layers: Optional[int] = None,
                 dtype: Optional[torch.dtype] = None, device: Union[str, torch.device, None] = None) -> "Decoder":
         """From a transformers Llama / Mistral / Ministral / Phi-3 / Granite / Qwen2 / Qwen3 / Gemma-2 /
-        Gemma-3 text causal LM (its first ``num_layers`` layers when given: an early-exit draft). Weights are
-        copied into the fused layout (see :meth:`from_state_dict`); ``eos_token_id`` is the model's
+        Gemma-3 text causal LM (its first ``num_layers`` layers when given: an early-exit draft). The layers'
+        weights are copied into the fused layout, and the embedding, head and final norm shared with the
+        model where no cast or move is needed (see :meth:`from_state_dict`); ``eos_token_id`` is the model's
         ``generation_config.eos_token_id``, ``generation_settings`` the logits processors it sets,
         which the runner does not apply (:func:`flashhead_ext.hf.greedy_logit_settings`). A
         FlashHead attached to ``model`` (:func:`flashhead_ext.hf.attach`) is not carried over (a
@@ -650,8 +651,12 @@ class Decoder:
         1 + weight, and Granite's o and down projections times its ``residual_multiplier``. In a
         16-bit model each is rounded once more than transformers rounds, an error the size of the
         output's own rounding. Every tensor must have the shape the config gives its key and a
-        floating dtype; each is copied (the decoder shares no memory with ``state_dict``) and cast to
-        ``dtype``, by default the input embedding's."""
+        floating dtype, and is cast to ``dtype``, by default the input embedding's. The layers are
+        copied into the fused layout; the embedding, the head and the final norm are ``state_dict``'s
+        own tensors where they need no cast, move or change (so that a target and an early-exit draft
+        built from one model hold one copy of the vocabulary matrices): an in-place change to those
+        weights of the model (``load_state_dict``, an optimizer step) reaches them and not the
+        layers, so build the decoder again after one."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping of weight names to torch.Tensors (a model's state_dict()), "
                             f"got {type(state_dict).__name__}")
@@ -698,16 +703,6 @@ class Decoder:
                 w = w.to(wide) * residual_multiplier
             return w.to(dtype)
 
-        def kept(key: str, shape: tuple) -> Tensor:
-            """``get(key, shape)`` in memory of its own, as the stacked layers are: a weight that
-            shared the model's (``.to()`` returns its input where nothing changes) would follow a
-            later in-place change to the model (load_state_dict, an optimizer step) that the rest
-            of the decoder does not."""
-            w = get(key, shape)
-            source = state_dict[key]
-            shares = w.device == source.device and w.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
-            return w.clone(memory_format=torch.contiguous_format) if shares else w.contiguous()
-
         d, hd, inter = c.hidden_size, c.head_dim, c.intermediate_size
         q_rows, kv_rows, vocab_rows = c.num_heads * hd, c.num_kv_heads * hd, (c.vocab_size, d)
         sources = dict(qkv=[("self_attn.q_proj.weight", (q_rows, d)), ("self_attn.k_proj.weight", (kv_rows, d)),
@@ -734,12 +729,12 @@ class Decoder:
         for name, keys in sources.items():
             for i in range(c.num_layers):
                 layers[name][i].copy_(torch.cat([get(f"{prefix}layers.{i}.{key}", shape) for key, shape in keys]))
-        embed = kept(embed_key, vocab_rows)
+        embed = get(embed_key, vocab_rows).contiguous()
         if not c.tie_word_embeddings and "lm_head.weight" not in state_dict:
             raise ValueError("state_dict has no 'lm_head.weight', and the config says the head is untied "
                              "(tie_word_embeddings=False); pass the causal LM's full state dict, not its body's")
-        lm_head = embed if c.tie_word_embeddings else kept("lm_head.weight", vocab_rows)
-        final_norm = kept(f"{prefix}norm.weight", (d,))
+        lm_head = embed if c.tie_word_embeddings else get("lm_head.weight", vocab_rows).contiguous()
+        final_norm = get(f"{prefix}norm.weight", (d,))
         _refuse_unread_weights(state_dict, read, prefix, c, hf_config.model_type)
         decoder = cls(c, dict(embed=embed, lm_head=lm_head, final_norm=final_norm, layers=layers), max_len=max_len)
         decoder.eos_token_id = getattr(hf_config, "eos_token_id", None)  # transformers' fallback without a generation config

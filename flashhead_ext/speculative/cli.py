@@ -189,7 +189,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     dtype = DTYPES[args.dtype]
     target, tokenizer = _load_model_or_exit(parser, "--target", args.target, dtype, args.device)
     prompts = [dict(p, input_ids=encode_prompt(tokenizer, p["text"])) for p in questions]
-    for prompt in prompts:  # before models load and clusters are built, not mid-run
+    for prompt in prompts:  # before the draft loads and clusters are built, not mid-run
         if len(prompt["input_ids"]) == 0:
             parser.error(f"question {prompt['question_id']}: its prompt encodes to no tokens (a blank turn, and the "
                          "tokenizer has no chat template to add any)")
