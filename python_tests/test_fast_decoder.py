@@ -1202,10 +1202,25 @@ def test_runner_bad_arguments_name_the_argument():
         FastSpeculativeDecoder(target, draft, head, k=0)
     with pytest.raises(ValueError, match="synthetic_acceptance must be a probability"):
         FastSpeculativeDecoder(target, draft, head, synthetic_acceptance=1.5)
+    for bad in (np.float32(0.5), torch.tensor(0.5), "0.5"):  # a probability all the same: named as a type
+        with pytest.raises(TypeError, match="synthetic_acceptance must be a Python float or int"):
+            FastSpeculativeDecoder(target, draft, head, synthetic_acceptance=bad)
+    for bad in ("false", [0], 1):  # read as truth values, "false" captured graphs
+        with pytest.raises(TypeError, match=re.escape(f"graphs must be True, False or None (when the target is on a GPU), "
+                                                      f"got {bad!r}")):
+            FastSpeculativeDecoder(target, draft, head, graphs=bad)
+    runner = FastSpeculativeDecoder(target, draft, head, k=3)
+    # Nor is k rebuilt under a generation in another thread (the claim it takes, held here).
+    from flashhead_ext.fast import runner as runner_module
+    with runner_module._GENERATING(runner):
+        with pytest.raises(RuntimeError, match="is generating in another thread"):
+            runner.k = 2
+    assert runner.k == 3
     # A draft's options without a draft would be silently ignored.
     for given, names in (((None, head), "draft_head"), ((None, "dense"), "synthetic_acceptance"),
                          ((None, head), "draft_head and synthetic_acceptance")):
-        with pytest.raises(ValueError, match=rf"^{names} apply to a draft, and no draft was given"):
+        verb = "apply" if " and " in names else "applies"
+        with pytest.raises(ValueError, match=rf"^{names} {verb} to a draft, and no draft was given"):
             FastSpeculativeDecoder(target, *given, synthetic_acceptance=None if names == "draft_head" else 0.5)
     with pytest.raises(TypeError, match="seed must be a Python int, got str"):
         FastSpeculativeDecoder(target, draft, head, seed="1")

@@ -531,7 +531,7 @@ def test_bad_inputs_name_the_argument():
         SpeculativeDecoder(target, eos_token_id=torch.tensor(3.0))
     with pytest.raises(ValueError, match="mode 'deferred' needs a draft model"):
         SpeculativeDecoder(target).generate(prompt(0), mode="deferred")
-    with pytest.raises(ValueError, match=r"draft_head apply to a draft, and no draft was given \(draft=None"):
+    with pytest.raises(ValueError, match=r"draft_head applies to a draft, and no draft was given \(draft=None"):
         SpeculativeDecoder(target, None, head)  # else silently ignored
     # A model name or a module that is no causal LM: named, not an AttributeError from its forward.
     for bad in ("HuggingFaceTB/SmolLM2-135M-Instruct", target.model):
@@ -542,7 +542,7 @@ def test_bad_inputs_name_the_argument():
     # Devices (meta stands in for another GPU): named when built, not by torch mid-generation.
     with pytest.raises(ValueError, match=r"draft_head must be on the draft's device cpu, got meta"):
         SpeculativeDecoder(target, target, DenseHead(target.lm_head.weight.detach().float().to("meta")))
-    with pytest.raises(ValueError, match=r"draft must be on the target's device cpu, got meta .*takes a draft_device"):
+    with pytest.raises(ValueError, match=r"draft must be on the target's device cpu, got meta .*takes a draft Decoder built on another device"):
         SpeculativeDecoder(target, copy.deepcopy(target).to("meta"))
 
 

@@ -173,9 +173,9 @@ class FastSpeculativeDecoder:
         self.eos = eos_ids(eos_token_id, target.eos_token_id, target.config.vocab_size)
         warn_unapplied_generation_settings(target.generation_settings)
         if synthetic_acceptance is not None:
-            if not ops._is_number(synthetic_acceptance) or not 0.0 <= synthetic_acceptance <= 1.0:
+            synthetic_acceptance = ops._require_float("synthetic_acceptance", synthetic_acceptance)
+            if not 0.0 <= synthetic_acceptance <= 1.0:
                 raise ValueError(f"synthetic_acceptance must be a probability in [0, 1] or None, got {synthetic_acceptance!r}")
-            synthetic_acceptance = float(synthetic_acceptance)
         self.synthetic = synthetic_acceptance
         if seed is not None:
             seed = ops._require_int("seed", seed)  # an int64: it is hashed as 8 signed bytes
@@ -183,7 +183,9 @@ class FastSpeculativeDecoder:
                 raise ValueError("seed seeds synthetic_acceptance's draws, and synthetic_acceptance is None (the exact "
                                  "verifier draws nothing): leave seed out or give synthetic_acceptance")
         self.seed = 0 if seed is None else seed
-        self.graphs = target.device.type == "cuda" if graphs is None else bool(graphs)
+        if graphs is not None and not isinstance(graphs, bool):  # "false" read as a truth value captured graphs
+            raise TypeError(f"graphs must be True, False or None (when the target is on a GPU), got {graphs!r}")
+        self.graphs = target.device.type == "cuda" if graphs is None else graphs
         if self.graphs and target.device.type != "cuda":
             raise ValueError(f"graphs=True needs the models on a CUDA device, the target is on {target.device}")
         self.head = None
@@ -191,7 +193,8 @@ class FastSpeculativeDecoder:
             require_no_draft_options(draft_head, synthetic_acceptance=synthetic_acceptance)
         else:
             self.head = self._check_draft(draft, draft_head)
-        self._build()
+        with _GENERATING(*self._models_if_capturing()):
+            self._build()
 
     @property
     def k(self) -> int:
@@ -205,13 +208,20 @@ class FastSpeculativeDecoder:
         value = require_positive_int("k", value)
         if value == self._k:
             return
-        old, self._k = self._k, value
-        try:
-            self._build()
-        except BaseException:
-            self._k = old
-            self._build()
-            raise
+        # A rebuild replaces the buffers and steps a generation in another thread may be using.
+        with _GENERATING(self, *self._models_if_capturing()):
+            old, self._k = self._k, value
+            try:
+                self._build()
+            except BaseException:
+                self._k = old
+                self._build()
+                raise
+
+    def _models_if_capturing(self) -> tuple:
+        """The models a build uses besides the driver's own buffers: capturing the steps' graphs
+        runs them and resets their caches, which a generation in another thread may be using."""
+        return (self.target, self.draft) if self.graphs else ()
 
     def _check_draft(self, draft: Decoder, head) -> _HeadBase:
         if draft.length is self.target.length:  # the same Decoder, or a copy of it
@@ -238,7 +248,8 @@ class FastSpeculativeDecoder:
         self.out_host = _HostCopy(self.out)
         self.send = torch.zeros(3, **i64)        # [a, next draft input pair], for the draft device
         self.round = torch.zeros((), **i64)
-        self.uniform = torch.zeros(t.max_len, k, dtype=torch.float32, device=dev)
+        # The synthetic verifier's draws, a row a round (max_len * k: none for the exact one).
+        self.uniform = torch.zeros(t.max_len if self.synthetic is not None else 0, k, dtype=torch.float32, device=dev)
         self._slots = torch.arange(k + 1, device=dev)
         self.steps = dict(append=_Step(self._append, dev), baseline=_Step(self._baseline_step, dev))
         self.one_propose = False

@@ -273,7 +273,8 @@ def require_no_draft_options(draft_head, **options) -> None:
     if not (draft_head is None or (isinstance(draft_head, str) and draft_head == "dense")):
         given.insert(0, "draft_head")
     if given:
-        raise ValueError(f"{' and '.join(given)} apply to a draft, and no draft was given (draft=None: baseline decoding only)")
+        raise ValueError(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to a draft, and no draft was "
+                         "given (draft=None: baseline decoding only)")
 
 
 def draft_input(ids: Tensor, draft_vocab: int, vocab: int) -> Tensor:
@@ -464,7 +465,7 @@ class SpeculativeDecoder:
         draft_device = next(draft.parameters()).device
         if draft_device != self.device:  # else torch's device error mid-generation
             raise ValueError(f"draft must be on the target's device {self.device}, got {draft_device} (this driver runs "
-                             "both on one device; flashhead_ext.fast's runner takes a draft_device)")
+                             "both on one device; flashhead_ext.fast's runner takes a draft Decoder built on another device)")
         if self.head.embedding.device != draft_device:
             raise ValueError(f"draft_head must be on the draft's device {draft_device}, got {self.head.embedding.device}")
         self._draft_cache = cache_keyword(draft.base_model)
