@@ -11,6 +11,7 @@ Recorded hidden states (:func:`recorded_states`, :func:`calibration_states`) are
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -408,8 +409,8 @@ def calibration_states(model, tokenizer, prompts=DEFAULT_PROMPTS, per_category: 
     """Final hidden states to calibrate a clustering on (:func:`~flashhead_ext.clustering.calibrate_clusters`):
     the model's greedy generations on ``per_category`` Spec-Bench questions of every category with
     an even ``question_id`` (odd ids are kept for evaluation), recorded once and cached. While
-    there are fewer than ``min_states`` states, the next ``per_category`` questions of every
-    category are recorded too (each batch cached on its own), until none are left.
+    there are fewer than ``min_states`` states (or none), the next ``per_category`` questions of
+    every category are recorded too (each batch cached on its own), until none are left.
 
     More states fit better: on SmolLM2 (C=3072, b=16, 192 probes, odd ids) 4, 8 and all (None)
     prompts per category gave 98.9%, 99.3% and 99.4% top-1 agreement (docs/quality.md). Prompts
@@ -904,7 +905,8 @@ def _attach_to(model: nn.Module, linear: nn.Linear, assets, probes: Optional[int
         raise TypeError(f"assets must be FlashHeadAssets, a path or None, got {type(assets).__name__}")
     build_options.pop("progress", None)  # changes no result
     if build_options:
-        raise TypeError(f"{sorted(build_options)} apply only when attach builds a clustering, not to given or found assets")
+        raise TypeError(f"{sorted(build_options)} {'applies' if len(build_options) == 1 else 'apply'} only when attach "
+                        "builds a clustering, not to given or found assets")
     if specials:  # on a copy: the caller's assets keep their own
         assets = dataclasses.replace(assets, special_token_ids=sorted(set(assets.special_token_ids) | set(specials)))
     attachment = FlashHeadAttachment(linear, assets, probes, centroid_dtype, weights_checked=weights_checked)
@@ -914,6 +916,21 @@ def _attach_to(model: nn.Module, linear: nn.Linear, assets, probes: Optional[int
     attachment._model_hook = model.register_forward_pre_hook(attachment.check_head_unchanged)
     model.flash_head = attachment
     return attachment
+
+
+def _flash_forward_dropped(linear: nn.Linear, attachment: FlashHeadAttachment) -> bool:
+    """Whether FlashHead's forward is out of ``linear``'s call chain already: an accelerate hook
+    added before attach and then removed put back the forward it had found (the class's, or an
+    instance one), and one added again replaced FlashHead's forward with its own around that."""
+    current = linear.__dict__.get("forward")
+    if current is None or current == type(linear).forward.__get__(linear):
+        return True
+    if current is getattr(attachment._replaced_forward, "__wrapped__", None):
+        return True
+    # accelerate's hooked forward, a partial of its new_forward over the module; its _old_forward is
+    # not FlashHead's (the caller's case before).
+    return (isinstance(current, functools.partial) and current.args[:1] == (linear,)
+            and getattr(current.func, "__module__", "").startswith("accelerate."))
 
 
 def detach(model: nn.Module) -> None:
@@ -937,9 +954,8 @@ def detach(model: nn.Module) -> None:
         # An accelerate hook added after attach (dispatch_model, cpu_offload) wraps FlashHead's
         # forward and puts it back when removed: the hook stays, wrapping the dense forward now.
         linear._old_forward = dense_forward if dense_forward is not None else type(linear).forward.__get__(linear)
-    elif "forward" not in linear.__dict__ or linear.forward == type(linear).forward.__get__(linear) or hasattr(
-            linear, "_hf_hook"):
-        pass  # FlashHead's forward is out of the call chain already (an accelerate hook removed or replaced put its own back)
+    elif _flash_forward_dropped(linear, attachment):
+        pass  # nothing of FlashHead's to take out of the call chain
     else:  # deleting the forward there would drop that wrapper, and FlashHead would come back with it
         raise ValueError(f"the output head's forward was wrapped after attach ({linear.__dict__.get('forward')!r}), around "
                          "FlashHead's: remove that wrapper first, then detach")

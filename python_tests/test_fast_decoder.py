@@ -1206,8 +1206,8 @@ def test_runner_bad_arguments_name_the_argument():
         with pytest.raises(TypeError, match="synthetic_acceptance must be a Python float or int"):
             FastSpeculativeDecoder(target, draft, head, synthetic_acceptance=bad)
     for bad in ("false", [0], 1):  # read as truth values, "false" captured graphs
-        with pytest.raises(TypeError, match=re.escape(f"graphs must be True, False or None (when the target is on a GPU), "
-                                                      f"got {bad!r}")):
+        with pytest.raises(TypeError, match=re.escape(f"graphs must be True, False or None (the default: graphs when the "
+                                                      f"target is on a GPU), got {bad!r}")):
             FastSpeculativeDecoder(target, draft, head, graphs=bad)
     runner = FastSpeculativeDecoder(target, draft, head, k=3)
     # Nor is k rebuilt under a generation in another thread (the claim it takes, held here).
@@ -1216,6 +1216,8 @@ def test_runner_bad_arguments_name_the_argument():
         with pytest.raises(RuntimeError, match="is generating in another thread"):
             runner.k = 2
     assert runner.k == 3
+    with pytest.raises(AttributeError):  # the steps and buffers are built for it
+        runner.synthetic = 0.5
     # A draft's options without a draft would be silently ignored.
     for given, names in (((None, head), "draft_head"), ((None, "dense"), "synthetic_acceptance"),
                          ((None, head), "draft_head and synthetic_acceptance")):
@@ -1953,6 +1955,25 @@ def test_no_host_sync_inside_captured_steps(arch, body):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_graph_capture_claims_the_models_another_thread_generates_with():
+    # Capturing runs the models and resets their caches, under a generation in another thread that
+    # holds them (held here as that generation holds them).
+    from flashhead_ext.fast import runner as runner_module
+
+    target, draft = _cuda_models("llama-aligned")
+    runner = FastSpeculativeDecoder(target, draft, head_for(draft, "dense"), k=3)
+    assert runner.graphs
+    with runner_module._GENERATING(target):
+        with pytest.raises(RuntimeError, match="is generating in another thread"):
+            FastSpeculativeDecoder(target, draft, head_for(draft, "dense"), k=2)
+        with pytest.raises(RuntimeError, match="is generating in another thread"):
+            runner.k = 2
+    assert runner.k == 3
+    runner.k = 2
+    assert tuple(runner.generate(prompt(5), mode="deferred", max_new_tokens=NEW).tokens) == reference("llama-aligned", 5)
 
 
 @pytest.mark.gpu

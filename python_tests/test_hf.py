@@ -2,6 +2,7 @@
 import copy
 import dataclasses
 import datetime
+import functools
 import gc
 import importlib.util
 import inspect
@@ -476,6 +477,25 @@ def test_detach_keeps_an_accelerate_hook_added_after_attach():
             assert not hasattr(model, "flash_head") and "_apply" not in vars(model.lm_head)
             _same_logits(model(ids).logits, dense)
             remove_hook_from_module(model.lm_head)
+        # The same with an instance forward of the user's under that hook: removed, the hook puts it back.
+        model.lm_head.forward = functools.partial(type(model.lm_head).forward, model.lm_head)
+        add_hook_to_module(model.lm_head, AlignDevicesHook(execution_device="cpu", io_same_device=True))
+        attach(model, _tiny_assets(model))
+        remove_hook_from_module(model.lm_head)
+        detach(model)
+        _same_logits(model(ids).logits, dense)
+        del model.lm_head.forward
+        # A wrapper of the user's around FlashHead's forward is refused under such a hook too: with the
+        # hook taken for accelerate's own, detach left FlashHead running unattached.
+        add_hook_to_module(model.lm_head, AlignDevicesHook(execution_device="cpu", io_same_device=True))
+        attach(model, _tiny_assets(model))
+        flash_forward = model.lm_head.forward
+        model.lm_head.forward = lambda hidden: flash_forward(hidden)
+        with pytest.raises(ValueError, match="the output head's forward was wrapped after attach"):
+            detach(model)
+        model.lm_head.forward = flash_forward
+        detach(model)
+        _same_logits(model(ids).logits, dense)
 
 
 def _saved_with_its_assets(tmp_path, monkeypatch):
@@ -809,7 +829,7 @@ def test_attach_adds_special_tokens_to_given_assets_and_refuses_options_it_would
         assert attachment.assets.special_token_ids == [3, 5, 66]
         detach(model)
     assert assets.special_token_ids == [5]  # the caller's assets keep their own
-    with pytest.raises(TypeError, match=r"\['cluster_size'\] apply only when attach builds a clustering"):
+    with pytest.raises(TypeError, match=r"\['cluster_size'\] applies only when attach builds a clustering"):
         attach(model, assets, cluster_size=8)
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['bogus'\]") as refused:
         attach(model, assets, bogus=1)

@@ -176,7 +176,7 @@ class FastSpeculativeDecoder:
             synthetic_acceptance = ops._require_float("synthetic_acceptance", synthetic_acceptance)
             if not 0.0 <= synthetic_acceptance <= 1.0:
                 raise ValueError(f"synthetic_acceptance must be a probability in [0, 1] or None, got {synthetic_acceptance!r}")
-        self.synthetic = synthetic_acceptance
+        self._synthetic = synthetic_acceptance
         if seed is not None:
             seed = ops._require_int("seed", seed)  # an int64: it is hashed as 8 signed bytes
             if synthetic_acceptance is None:  # else a seed meant to vary the timing runs changed nothing
@@ -184,7 +184,8 @@ class FastSpeculativeDecoder:
                                  "verifier draws nothing): leave seed out or give synthetic_acceptance")
         self.seed = 0 if seed is None else seed
         if graphs is not None and not isinstance(graphs, bool):  # "false" read as a truth value captured graphs
-            raise TypeError(f"graphs must be True, False or None (when the target is on a GPU), got {graphs!r}")
+            raise TypeError(f"graphs must be True, False or None (the default: graphs when the target is on a GPU), "
+                            f"got {graphs!r}")
         self.graphs = target.device.type == "cuda" if graphs is None else graphs
         if self.graphs and target.device.type != "cuda":
             raise ValueError(f"graphs=True needs the models on a CUDA device, the target is on {target.device}")
@@ -195,6 +196,11 @@ class FastSpeculativeDecoder:
             self.head = self._check_draft(draft, draft_head)
         with _GENERATING(*self._models_if_capturing()):
             self._build()
+
+    @property
+    def synthetic(self) -> Optional[float]:
+        """``synthetic_acceptance``, fixed at construction: the steps and buffers are built for it."""
+        return self._synthetic
 
     @property
     def k(self) -> int:
