@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from . import ops
 from .clustering import check_seed, cluster_sizes
 from .prompts import load_prompts
 
@@ -37,12 +38,9 @@ def device_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({error})") from None
     if device.type == "meta":
         raise argparse.ArgumentTypeError(f"{text!r} holds no values: a run needs a CPU or CUDA device")
-    if device.type == "cuda":
-        count = torch.cuda.device_count()
-        if count == 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device here (torch.cuda.is_available() is False)")
-        if device.index is not None and device.index >= count:
-            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {counted(count, 'CUDA device')}")
+    missing = ops._missing_cuda_device(device) if device.type == "cuda" else None
+    if missing:
+        raise argparse.ArgumentTypeError(f"{text!r}: {missing}")
     return "cpu" if device.type == "cpu" else text
 
 

@@ -111,6 +111,16 @@ def _is_number(value) -> bool:
     return _is_int(value) or isinstance(value, float)
 
 
+def _missing_cuda_device(device: torch.device) -> Optional[str]:
+    """Why this machine has no CUDA device ``device`` (none at all, or fewer than its index), or None."""
+    count = torch.cuda.device_count()
+    if count == 0:
+        return "no CUDA device here (torch.cuda.is_available() is False)"
+    if device.index is not None and device.index >= count:
+        return f"this machine has {count} CUDA device{'' if count == 1 else 's'}"
+    return None
+
+
 def _require_float(name: str, value) -> float:
     # numpy.float64 is a float subclass, but torch.compile traces it as an array like other numpy
     # scalars (see _require_int).

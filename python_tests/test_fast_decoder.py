@@ -828,7 +828,8 @@ def test_decoder_device_argument_is_named_when_unusable():
         Decoder.from_hf(model, max_len=8, device="mps")
     gpus = torch.cuda.device_count()
     if gpus:  # past the last GPU: named, not an invalid-ordinal error while weights are copied
-        with pytest.raises(ValueError, match=re.escape(f"device 'cuda:{gpus}': this machine has {gpus} CUDA device(s)")):
+        devices = "1 CUDA device" if gpus == 1 else f"{gpus} CUDA devices"
+        with pytest.raises(ValueError, match=re.escape(f"device 'cuda:{gpus}': this machine has {devices}")):
             Decoder.random(config, max_len=8, device=f"cuda:{gpus}")
 
 

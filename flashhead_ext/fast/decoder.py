@@ -493,11 +493,10 @@ def _usable_device(device, note: str = "") -> torch.device:
         raise ValueError(f"device {str(device)!r}{note}: a meta tensor holds no values to run; pass 'cpu' or 'cuda'")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device {str(device)!r}{note}: the fast decoder runs on 'cpu' or 'cuda' devices")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r}{note}: no CUDA device here (torch.cuda.is_available() is False); "
-                         "pass device='cpu'")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"device {str(device)!r}{note}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    missing = ops._missing_cuda_device(device) if device.type == "cuda" else None
+    if missing:
+        hint = "" if torch.cuda.is_available() else "; pass device='cpu'"
+        raise ValueError(f"device {str(device)!r}{note}: {missing}{hint}")
     return device
 
 

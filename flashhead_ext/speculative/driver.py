@@ -305,11 +305,16 @@ def cache_keyword(module) -> str:
     from transformers import LlamaForCausalLM
 
     for forward in (_unwrapped(module).forward, LlamaForCausalLM.forward):
-        parameters = inspect.signature(forward).parameters
-        for name in ("cache", "past_key_values"):
-            if name in parameters:
-                return name
+        name = _named_cache_keyword(forward)
+        if name is not None:
+            return name
     raise TypeError("the installed transformers' causal LM forward takes neither cache= nor past_key_values=")
+
+
+def _named_cache_keyword(forward) -> Optional[str]:
+    """The cache keyword ``forward``'s signature names (:func:`cache_keyword`'s two), or None."""
+    parameters = inspect.signature(forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
 def require_dynamic_cache(model, role: str) -> None:
@@ -325,8 +330,7 @@ def require_dynamic_cache(model, role: str) -> None:
     supports_dynamic_cache = getattr(base, "_supports_default_dynamic_cache", None)
     from transformers import PreTrainedModel
     # A transformers model's own forward names its cache; a wrapper's may pass **kwargs on (cache_keyword).
-    names_no_cache = isinstance(base, PreTrainedModel) and not {"cache", "past_key_values"} & set(
-        inspect.signature(base.forward).parameters)
+    names_no_cache = isinstance(base, PreTrainedModel) and _named_cache_keyword(base.forward) is None
     if names_no_cache or (callable(supports_dynamic_cache) and not supports_dynamic_cache()):
         raise ValueError(f"{role} {name} keeps its context in a cache of its own kind, not the transformers DynamicCache "
                          f"this driver keeps: decode it with its own generate()")
