@@ -356,7 +356,7 @@ def test_model_shapes_on_the_cpu_say_they_take_minutes(monkeypatch, capsys):
     monkeypatch.setattr(bench_head, "run", lambda *args: 0)  # the note, not minutes of CPU timing
     assert main(["head", "--shapes", "tiny,qwen3-0.6b", "--device", "cpu"]) == 0
     printed = capsys.readouterr()  # a note, on stderr: stdout holds the report alone
-    assert "on the CPU the large shapes (qwen3-0.6b) take minutes; --shapes tiny is quick" in printed.err
+    assert "on the CPU the large shapes (qwen3-0.6b) take minutes; --shapes tiny --samples 3 --calls 4 takes seconds" in printed.err
     assert "graph mode skipped: CUDA graphs need a CUDA device" in printed.err  # the default modes name it
     assert "take minutes" not in printed.out and "skipped" not in printed.out
     assert main(["head", "--shapes", "tiny,3001x48", "--device", "cpu"]) == 0
