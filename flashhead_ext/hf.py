@@ -693,8 +693,14 @@ class FlashHeadAttachment:
         # torch.compile(fullgraph=True) cannot trace on torch 2.11.
         kind = hidden.device.type
         cast = hidden.is_floating_point() and kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind)
-        ids, logits = head.candidate_logits(
-            hidden.to(device=head.embedding.device, dtype=head.embedding.dtype if cast else hidden.dtype))
+        rows = hidden.to(device=head.embedding.device, dtype=head.embedding.dtype if cast else hidden.dtype)
+        ids, logits = head.candidate_logits(rows)
+        weight = self.linear.weight
+        if torch.is_grad_enabled() and weight.requires_grad and not logits.requires_grad:
+            # The head reads a detached weight, so a trainable head over frozen states would get no
+            # gradient and no error: the op over the weight itself raises at backward, naming detach.
+            logits = ops.candidate_logits(rows.reshape(-1, rows.shape[-1]), weight,
+                                          ids.reshape(-1, ids.shape[-1])).reshape(logits.shape)
         out = logits.new_full((*logits.shape[:-1], head.vocab_size), float("-inf"))
         # Masked slots (-1) carry -inf; "amax" keeps them from overwriting token 0's real logit.
         out.scatter_reduce_(-1, ids.clamp(min=0).long(), logits, reduce="amax")

@@ -977,6 +977,30 @@ def test_a_head_built_in_inference_mode_serves_forwards_that_record_autograd():
         logits.logsumexp(-1).sum().backward()
 
 
+def test_training_only_the_head_of_an_attached_model_raises_at_backward():
+    # A frozen body gives states that need no grad, and the head reads its weight detached: without
+    # the check the loss needed no grad (torch's generic error), or, beside a term that does, the
+    # head silently got no gradient from it.
+    model = _tiny_llama(tied=False).train()
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.startswith("lm_head"))
+    attach(model, _tiny_assets(model, probes=17))  # every cluster: the dense head's logits
+    ids = torch.randint(0, 67, (2, 7), generator=torch.Generator().manual_seed(5))
+    loss = model(ids, labels=ids).loss
+    assert loss.requires_grad
+    with pytest.raises(RuntimeError, match=r"candidate_logits is not implemented: .*flashhead_ext\.detach\(model\)"):
+        (loss + model.lm_head.weight.square().sum()).backward()
+    with torch.no_grad():
+        attached = model(ids).logits
+    detach(model)
+    dense = model(ids, labels=ids)
+    torch.testing.assert_close(loss.detach(), dense.loss.detach())  # the same forward, autograd aside
+    dense.loss.backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0  # detached, it trains
+    with torch.no_grad():
+        torch.testing.assert_close(attached, model(ids).logits)
+
+
 def test_detach_restores_a_forward_attach_replaced():
     model = _tiny_llama(tied=False)
     calls = []
