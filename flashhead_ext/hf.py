@@ -212,6 +212,22 @@ GREEDY_LOGIT_SETTINGS = dict(repetition_penalty=1.0, encoder_repetition_penalty=
                              guidance_scale=1.0, watermarking_config=None)
 
 
+# What a generation_config can set that makes generate() search otherwise than greedily, one row per
+# prompt and one head call per token (beams, prompt lookup, an early-exit assistant, constraints...),
+# with each setting's greedy value: a recording overrides them, since its states pair with its tokens.
+GREEDY_SEARCH_SETTINGS = dict(num_beams=1, num_beam_groups=1, num_return_sequences=1, penalty_alpha=None,
+                              prompt_lookup_num_tokens=None, assistant_early_exit=None, constraints=None,
+                              force_words_ids=None, use_mtp=False, dola_layers=None)
+
+
+def _greedy_search_overrides(model) -> dict:
+    """The :data:`GREEDY_SEARCH_SETTINGS` ``model``'s generation_config sets otherwise (only those its
+    transformers knows: generate() refuses keywords it does not)."""
+    config = model.generation_config
+    return {name: greedy for name, greedy in GREEDY_SEARCH_SETTINGS.items()
+            if hasattr(config, name) and getattr(config, name) not in (None, greedy)}
+
+
 def greedy_logit_settings(model) -> dict:
     """The logits processors ``model``'s generation_config sets that greedy ``generate()`` applies
     (Qwen2.5-Instruct ships repetition_penalty 1.05), by name: what the drivers leave out."""
@@ -292,7 +308,8 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
 
     ``batch_size > 1`` generates that many prompts at once, left-padded (several times the tokens
     per second on a CPU); prompts are batched in order of length so little padding is computed.
-    A sequence's tokens end at its first EOS (the model's generation config). Padding changes the
+    A sequence's tokens end at its first EOS (the model's generation config), whose search settings
+    (beams, prompt lookup: :data:`GREEDY_SEARCH_SETTINGS`) are overridden, its logits processors kept. Padding changes the
     arithmetic slightly, so a batched run may pick a different token where two logits nearly tie;
     the recorded state is still the one that chose the recorded token. A tokenizer without a pad
     token pads with its EOS token for the run; one with neither records one prompt at a time, with a
@@ -327,12 +344,14 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
         if threading.get_ident() == recording:  # not the forwards another thread runs through the model
             captured.append(args[0][:, -1])
 
+    search = _greedy_search_overrides(model)
     hook = model.get_output_embeddings().register_forward_pre_hook(capture)
     try:
         for batch in tqdm(batches, desc="dense greedy generation", disable=not progress):
             captured.clear()
             inputs = _left_padded(_encode_prompts(tokenizer, [prompts[i] for i in batch])["input_ids"], pad_id, model.device)
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id,
+                                 **search)
             new = out[:, inputs["input_ids"].shape[1]:]
             # One head call per generated token: prefill's last position, then one per step.
             states = torch.stack(captured[: new.shape[1]], dim=1)
@@ -379,9 +398,11 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
     encoded = _encode_prompts(tokenizer, [p["text"] for p in prompts])["input_ids"]
     prompt_ids = [[p["question_id"], list(ids)] for p, ids in zip(prompts, encoded)]
     # And what generate() applies from the model's generation_config (a repetition penalty changes
-    # the tokens, so the states), but not the transformers version that wrote it.
+    # the tokens, so the states), but not the transformers version that wrote it, nor the search
+    # settings the recording overrides.
+    overridden = _greedy_search_overrides(model)
     generation = {key: value for key, value in model.generation_config.to_diff_dict().items()
-                  if key != "transformers_version"}
+                  if key != "transformers_version" and key not in overridden}
     prompt_key = hashlib.sha256(json.dumps([prompt_ids, generation], sort_keys=True, default=str).encode()).hexdigest()
     path = (user_cache_dir() / "hidden_states" /
             f"{digest[:16]}-p{prompt_key[:16]}-n{len(prompts)}-t{max_new_tokens}-v{RECORDING_VERSION}.safetensors")

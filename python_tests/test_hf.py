@@ -253,6 +253,27 @@ def test_recorded_states_are_keyed_by_the_generation_settings_generate_applies(t
     assert len(list((tmp_path / "hidden_states").glob("*.safetensors"))) == 2
 
 
+@pytest.mark.parametrize("search", [dict(num_beams=3), dict(num_beams=2, num_return_sequences=2),
+                                    dict(prompt_lookup_num_tokens=3)])
+def test_a_recording_is_greedy_whatever_search_the_generation_config_sets(tmp_path, monkeypatch, search):
+    # Beam search recorded reordered beams as prompts' states, prompt lookup several positions a
+    # head call (13 states for 24 tokens) or, batched, failed inside generate().
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    model, tokenizer, prompts = _recording(7)
+    greedy = hf.recorded_states(model, tokenizer, prompts, 9, progress=False)
+    for name, value in search.items():
+        setattr(model.generation_config, name, value)
+    texts = [p["text"] for p in prompts]
+    for batch_size in (1, 2):
+        hidden, tokens, index = record_hidden_states(model, tokenizer, texts, 9, progress=False, batch_size=batch_size)
+        assert torch.equal(tokens, greedy["tokens"]) and torch.equal(index, greedy["prompt_index"])
+        torch.testing.assert_close(hidden, greedy["hidden"], rtol=1e-4, atol=1e-4)
+        assert torch.equal(DenseHead(model.lm_head.weight.detach()).next_token(hidden), tokens)
+    # Settings the recording overrides do not key it: the greedy entry is read.
+    assert torch.equal(hf.recorded_states(model, tokenizer, prompts, 9, progress=False)["hidden"], greedy["hidden"])
+    assert len(list((tmp_path / "hidden_states").glob("*.safetensors"))) == 1
+
+
 def test_the_converted_smollm2_is_cached_readable_by_others_or_used_uncached(tmp_path, monkeypatch):
     # The GGUF's load stubbed by a tiny model: what is under test is the cache around it.
     gguf = tmp_path / "model.gguf"
