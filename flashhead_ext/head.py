@@ -59,16 +59,20 @@ def special_token_list(special_token_ids, vocab: int) -> list:
         return []
     if isinstance(special_token_ids, Tensor) and special_token_ids.is_meta:
         raise ValueError("special_token_ids is a meta tensor: its ids have no values (pass ints or a tensor on a real device)")
+    if isinstance(special_token_ids, Tensor):
+        ops._require_dense("special_token_ids", special_token_ids)
     expected = "special_token_ids must be integer token ids (a sequence or set of ints, or an integer tensor), got"
     try:
         if isinstance(special_token_ids, (set, frozenset)):  # torch.as_tensor takes no sets
             special_token_ids = sorted(special_token_ids)
+        if isinstance(special_token_ids, (list, tuple)) and any(isinstance(i, bool) for i in special_token_ids):
+            raise TypeError  # torch.as_tensor makes [True, 1] the ids [1, 1]
         ids = torch.as_tensor(special_token_ids).flatten()
     except (TypeError, ValueError, OverflowError, RuntimeError):
         raise TypeError(f"{expected} {special_token_ids!r}") from None
     if ids.numel() == 0:
         return []
-    if ids.is_floating_point() or ids.dtype == torch.bool:
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise TypeError(f"{expected} {ids.dtype}")
     ids = ids.to("cpu", torch.int64)
     if ((ids < 0) | (ids >= vocab)).any():
@@ -436,7 +440,7 @@ class FlashHead(_HeadBase):
         for name, given in (("centroids", centroids), ("sampling_centroids", sampling)):
             # Quantized from float32, so the values are rounded once.
             rows = self._as_centroids(name, given, embedding, torch.float32 if quantized else embedding.dtype)
-            rows, scale = ops.quantize_centroids(rows) if quantized else (rows, None)
+            rows, scale = ops._quantize_centroids(rows, name) if quantized else (rows, None)
             self.register_buffer(name, rows)
             if scale is None:  # a plain attribute: torch.export (non-strict) fails on None buffers
                 self.__dict__[self._SCALES[name]] = None

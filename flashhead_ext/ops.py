@@ -195,19 +195,25 @@ def quantize_centroids(centroids: Tensor) -> tuple[Tensor, Tensor]:
     finite and not all zero; this reads them on the host once (a sync), so quantize when a head
     is built, not per step.
     """
-    _require_tensor("centroids", centroids)
+    return _quantize_centroids(centroids)
+
+
+def _quantize_centroids(centroids: Tensor, name: str = "centroids") -> tuple[Tensor, Tensor]:
+    """:func:`quantize_centroids`, its errors naming the caller's argument ``name`` (a head's
+    sampling centroids)."""
+    _require_tensor(name, centroids)
     if centroids.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"centroids must be a float16, bfloat16 or float32 tensor, got {centroids.dtype}")
+        raise TypeError(f"{name} must be a float16, bfloat16 or float32 tensor, got {centroids.dtype}")
     if centroids.numel() == 0:
-        raise ValueError(f"centroids must not be empty, got shape {tuple(centroids.shape)}")
-    _require_values("centroids", centroids, ": quantizing reads them, so materialise them first")
+        raise ValueError(f"{name} must not be empty, got shape {tuple(centroids.shape)}")
+    _require_values(name, centroids, ": quantizing reads them, so materialise them first")
     peak = centroids.detach().abs().amax().float()
     if not torch.isfinite(peak) or peak == 0:
-        raise ValueError(f"centroids must be finite and not all zero to be quantized, got a largest magnitude of {float(peak)}")
+        raise ValueError(f"{name} must be finite and not all zero to be quantized, got a largest magnitude of {float(peak)}")
     _, exponent = torch.frexp(peak)  # peak = m * 2**exponent, m in [0.5, 1)
     scale = torch.ldexp(torch.ones(1, device=peak.device), exponent - 8)
     if scale == 0:  # below float32's smallest subnormal
-        raise ValueError(f"centroids are too small to quantize: their largest magnitude is {float(peak):g}")
+        raise ValueError(f"{name} are too small to quantize: their largest magnitude is {float(peak):g}")
     return (centroids.detach().float() / scale).to(torch.float8_e4m3fn), scale
 
 
