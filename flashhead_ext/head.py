@@ -329,7 +329,9 @@ class DenseHead(_HeadBase):
         # Gumbel-max: argmax(logits/T + G) is a draw from softmax(logits/T), with no host sync.
         # generator=None spelled out makes torch.compile and torch.export fail on a dynamic batch.
         draw = {} if generator is None else {"generator": generator}
-        uniform = torch.rand(scaled.shape, device=scaled.device, **draw).clamp_(min=torch.finfo(torch.float32).tiny)
+        # float32 whatever torch's default dtype: bfloat16 uniforms cut the noise's tail off, so tokens
+        # far below the top were never drawn.
+        uniform = torch.rand(scaled.shape, device=scaled.device, dtype=torch.float32, **draw).clamp_(min=torch.finfo(torch.float32).tiny)
         tokens = (scaled - torch.log(-torch.log(uniform))).argmax(dim=-1)
         logprobs = scaled.log_softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
         return tokens.reshape(hidden.shape[:-1]), logprobs.reshape(hidden.shape[:-1])
@@ -510,6 +512,9 @@ class FlashHead(_HeadBase):
                 if (incoming(name).dtype == FP8_CENTROIDS) != fp8:
                     raise ValueError(f"{prefix}{name} in the state dict is {incoming(name).dtype} and this head keeps "
                                      f"{self.centroid_dtype} centroids: build the head with the state's centroid_dtype")
+                if not incoming(name).is_floating_point():  # cast, integer values ranked other clusters
+                    raise TypeError(f"{prefix}{name} in the state dict must be a float16, bfloat16, float32 or float64 "
+                                    f"tensor, as the constructor takes, got {incoming(name).dtype}")
                 # As this head will hold them: a float16 head overflows values past 65504.
                 _check_finite(f"{prefix}{name} in the state dict",
                               incoming(name).to(torch.float32 if fp8 else self.centroid_dtype))
@@ -682,9 +687,12 @@ class FlashHead(_HeadBase):
         # call with an error about centroids, which the caller never passed. fp8 centroids take any.
         centroids = self._buffers["centroids"]
         if embedding.device != centroids.device or (centroids.dtype != FP8_CENTROIDS and embedding.dtype != centroids.dtype):
+            first = (f"give the head memory and its clusters first (head.to_empty(device='{embedding.device}'), then "
+                     "head.load_state_dict(...) with its centroids and cluster table)" if centroids.is_meta else
+                     f"convert the head first (head.to({embedding.dtype}) / head.to('{embedding.device}'))")
             raise TypeError(f"embedding must have the dtype and device of the head's centroids ({centroids.dtype} on "
-                            f"{centroids.device}), got {embedding.dtype} on {embedding.device}: convert the head first "
-                            f"(head.to({embedding.dtype}) / head.to('{embedding.device}')), then give it the weight")
+                            f"{centroids.device}), got {embedding.dtype} on {embedding.device}: {first}, then give it "
+                            "the weight")
         _warn_if_not_contiguous(embedding)
 
     def next_token(self, hidden: Tensor, *, out: Optional[Tensor] = None) -> Tensor:

@@ -211,7 +211,7 @@ def _quantize_centroids(centroids: Tensor, name: str = "centroids") -> tuple[Ten
     if not torch.isfinite(peak) or peak == 0:
         raise ValueError(f"{name} must be finite and not all zero to be quantized, got a largest magnitude of {float(peak)}")
     _, exponent = torch.frexp(peak)  # peak = m * 2**exponent, m in [0.5, 1)
-    scale = torch.ldexp(torch.ones(1, device=peak.device), exponent - 8)
+    scale = torch.ldexp(torch.ones(1, device=peak.device, dtype=torch.float32), exponent - 8)  # not the default dtype
     if scale == 0:  # below float32's smallest subnormal
         raise ValueError(f"{name} are too small to quantize: their largest magnitude is {float(peak):g}")
     return (centroids.detach().float() / scale).to(torch.float8_e4m3fn), scale

@@ -1,6 +1,7 @@
 """Shared test helpers: device list, problem factory, tolerances, comparators, frequency tests."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import zlib
@@ -527,3 +528,14 @@ class PerTokenScaledHead(torch.nn.Linear):
 
     def forward(self, hidden: Tensor) -> Tensor:
         return super().forward(hidden) * torch.linspace(0.5, 2.0, self.out_features, dtype=hidden.dtype)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to ``dtype`` inside (as a script building its models in bfloat16 sets it)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)

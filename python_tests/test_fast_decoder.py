@@ -34,7 +34,8 @@ from flashhead_ext.fast.decoder import BODIES
 from flashhead_ext.speculative import MODES
 from flashhead_ext.speculative.runner import plan_configs, run_interleaved, summarize
 from helpers import one_thread  # noqa: F401  (an autouse fixture)
-from helpers import DEVICES, TWO_GPUS, PerTokenScaledHead, check_counters, greedy_tokens, random_partition, random_prompt
+from helpers import (DEVICES, TWO_GPUS, PerTokenScaledHead, check_counters, default_dtype, greedy_tokens, random_partition,
+                     random_prompt)
 
 transformers = pytest.importorskip("transformers")
 
@@ -1092,6 +1093,10 @@ def test_synthetic_acceptance_rate_and_determinism():
     first = runner.generate(prompt(0), mode="deferred", max_new_tokens=40).stats.accepted_per_round
     assert again.generate(prompt(0), mode="deferred", max_new_tokens=40).stats.accepted_per_round == first
     assert again.generate(prompt(0), mode="ordinary", max_new_tokens=40).stats.accepted_per_round == first
+    draws = runner.uniform[:40].clone()
+    with default_dtype(torch.bfloat16):  # the draws were made in it: rounded to 8 bits, so other acceptances
+        assert runner.generate(prompt(0), mode="deferred", max_new_tokens=40).stats.accepted_per_round == first
+    assert torch.equal(runner.uniform[:40], draws)
     other = FastSpeculativeDecoder(target, draft, head_for(draft, "dense"), k=k, synthetic_acceptance=rate, seed=6)
     assert other.generate(prompt(0), mode="deferred", max_new_tokens=40).stats.accepted_per_round != first
     # The draws depend on the prompt too: seeded by the seed alone, every prompt would accept the

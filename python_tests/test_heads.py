@@ -13,7 +13,7 @@ import torch
 import reference as ref
 from flashhead_ext import DenseHead, FlashHead, ops
 from helpers import (DEVICES, P_VALUE, Shape, assert_same_ids, check_decoded_tokens, chi_square_pvalue, counts_of,
-                     exact_on, make_problem, softmax_np)
+                     default_dtype, exact_on, make_problem, softmax_np)
 
 device_params = pytest.mark.parametrize("device", DEVICES)
 SHAPE = Shape(B=17, D=64, C=37, b=16, p=3, pad=5, extras=True)
@@ -315,6 +315,39 @@ def test_load_state_dict_checks_what_it_loads(name, corrupt, fragment):
         assert torch.equal(tensor, before[key]), key
 
 
+@pytest.mark.parametrize("name", ["centroids", "sampling_centroids"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+def test_load_state_dict_refuses_centroids_the_constructor_refuses(name, dtype):
+    # They were cast: integer values ranked other clusters, with all keys matched.
+    problem = make_problem(SHAPE, seed=8)
+    head = flash_head(problem)
+    before = head.next_token(problem.hidden)
+    state = dict(head.state_dict())
+    state[name] = (state[name] * 3).to(dtype)
+    with pytest.raises(TypeError, match=re.escape(f"{name} in the state dict must be a float16, bfloat16, float32 or "
+                                                  f"float64 tensor, as the constructor takes, got {dtype}")):
+        head.load_state_dict(state)
+    assert torch.equal(head.next_token(problem.hidden), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_heads_sample_and_quantize_as_under_float32_whatever_the_default_dtype(dtype):
+    # DenseHead drew its Gumbel noise in the default dtype (bfloat16 never drew a token 8 nats below
+    # the top), and fp8 centroids' scale took it, which every later call refused.
+    problem = make_problem(SHAPE, seed=9)
+    dense, fp8 = DenseHead(problem.embedding), flash_head(problem, centroid_dtype=torch.float8_e4m3fn)
+    draws = [dense.sample(problem.hidden, 0.7, generator=torch.Generator().manual_seed(3)), fp8.next_token(problem.hidden),
+             fp8.sample(problem.hidden, 0.7, generator=torch.Generator().manual_seed(3))]
+    with default_dtype(dtype):
+        built = flash_head(problem, centroid_dtype=torch.float8_e4m3fn)
+        assert built.centroid_scale.dtype == torch.float32 and ops.quantize_centroids(problem.centroids)[1].dtype == torch.float32
+        again = [dense.sample(problem.hidden, 0.7, generator=torch.Generator().manual_seed(3)), built.next_token(problem.hidden),
+                 built.sample(problem.hidden, 0.7, generator=torch.Generator().manual_seed(3))]
+    for want, got in zip(draws, again):
+        for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (want, got))):
+            assert torch.equal(a, b)
+
+
 def test_state_dicts_from_before_extra_ids_was_always_saved_still_load():
     problem = make_problem(SHAPE, seed=7)
     head = flash_head(problem)
@@ -580,6 +613,20 @@ def test_a_head_loaded_onto_a_meta_model_takes_the_materialised_weight(kind):
     model.load_state_dict(source.state_dict(), assign=True)
     model.head.embedding = model.lm_head.weight.detach()
     assert torch.equal(model.head.next_token(problem.hidden), source.head.next_token(problem.hidden))
+
+
+def test_a_meta_head_given_a_weight_is_told_to_take_memory_first():
+    # It was told to head.to('cpu'), which torch refuses from meta.
+    problem = make_problem(SHAPE, seed=16)
+    head = flash_head(problem).to("meta")
+    with pytest.raises(TypeError, match=re.escape("got torch.float32 on cpu: give the head memory and its clusters first "
+                                                  "(head.to_empty(device='cpu'), then head.load_state_dict(...) with its "
+                                                  "centroids and cluster table), then give it the weight")):
+        head.embedding = problem.embedding
+    head.to_empty(device="cpu")
+    head.load_state_dict(flash_head(problem).state_dict())
+    head.embedding = problem.embedding
+    assert torch.equal(head.next_token(problem.hidden), flash_head(problem).next_token(problem.hidden))
 
 
 def test_heads_loaded_with_assign_from_one_state_keep_buffers_of_their_own():

@@ -414,7 +414,8 @@ class FastSpeculativeDecoder:
             # the same prompt. Drawn before the clock starts; rounds never outnumber the new tokens.
             # (One 32-bit hash: torch's CPU generator keeps only the low 32 bits of a seed.)
             key = zlib.crc32(prompt.cpu().numpy().tobytes(), zlib.crc32(self.seed.to_bytes(8, "little", signed=True)))
-            self.uniform[:max_new_tokens].copy_(torch.rand(max_new_tokens, k, generator=torch.Generator().manual_seed(key)))
+            draws = torch.rand(max_new_tokens, k, dtype=torch.float32, generator=torch.Generator().manual_seed(key))
+            self.uniform[:max_new_tokens].copy_(draws)
         steps = self.steps
         sync(t.device)
 
