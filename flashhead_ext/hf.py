@@ -20,6 +20,7 @@ import os
 import shutil
 import threading
 import warnings
+import weakref
 from itertools import groupby
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence, Union
@@ -538,7 +539,9 @@ class FlashHeadAttachment:
 
     def __init__(self, linear: nn.Linear, assets, probes: Optional[int], centroid_dtype: Optional[torch.dtype] = None,
                  *, weights_checked: bool = False):
-        self.linear = linear
+        # Weakly: the head's forward is this attachment's bound method, so a strong reference back
+        # made the model a reference cycle, which `del model` no longer freed (gc.collect() did).
+        self._linear = weakref.ref(linear)
         self._assets = assets
         self._centroid_dtype = centroid_dtype
         self.probes = assets.n_probes if probes is None else probes
@@ -556,7 +559,18 @@ class FlashHeadAttachment:
     def __getstate__(self):
         # Copies and pickles rebuild the head over their own weight on first use: pickled, it was a
         # second copy of the weight, and plain pickle cannot restore its fp8 centroids.
-        return {**self.__dict__, "_head": None, "_built_for": None}
+        return {**self.__dict__, "_linear": self.linear, "_head": None, "_built_for": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _linear=weakref.ref(state["_linear"]))
+
+    @property
+    def linear(self) -> nn.Linear:
+        """The output head attached to."""
+        linear = self._linear()
+        if linear is None:  # replaced and dropped by the model (or the model freed)
+            raise ValueError(HEAD_CHANGED)
+        return linear
 
     @property
     def enabled(self) -> bool:
@@ -686,10 +700,10 @@ class FlashHeadAttachment:
             self._compare_weights(weight)
         self._head = self._built_for = None
         converted = type(self.linear)._apply(self.linear, fn, *args, **kwargs)
-        if self._weights_checked_for is weight and not weight.is_meta and not self.linear.weight.is_meta:
-            # Its conversion: a new object where torch replaces parameters (not to or from meta,
-            # where the values are lost)
-            self._weights_checked_for = self.linear.weight
+        # Its conversion: a new object where torch replaces parameters. Not to or from meta, where
+        # the values are lost: none is then checked, and the old weight is not kept alive.
+        kept = self._weights_checked_for is weight and not weight.is_meta and not self.linear.weight.is_meta
+        self._weights_checked_for = self.linear.weight if kept else None
         # Rebuilt now, eagerly: left to the next forward, a torch.compile(fullgraph=True) of the
         # converted model broke on the rebuild (host checks). Where the head cannot be built (a meta
         # weight, a dtype it refuses), the next forward says why.
@@ -731,7 +745,7 @@ class FlashHeadAttachment:
         """The model's forward pre-hook: an untied head replaced by a new module (resize_token_embeddings,
         ``model.lm_head = ...``) no longer runs this forward, which would silently decode dense."""
         head = model.get_output_embeddings()
-        if head is self.linear or not self.enabled:  # disabled: whatever head the model has runs dense
+        if head is self._linear() or not self.enabled:  # disabled: whatever head the model has runs dense
             return
         if not isinstance(head, nn.Linear):  # attaching again would fail: say what can be done
             raise ValueError(f"the output head was replaced since attach by a {type(head).__name__}, not an nn.Linear "
@@ -969,10 +983,12 @@ def detach(model: nn.Module) -> None:
     attachment = model.__dict__.get("flash_head")
     if attachment is None:
         raise ValueError("no FlashHead is attached to this model")
-    linear = attachment.linear
+    linear = attachment._linear()
     # The dense forward as the attachment found it: an instance one it replaced, or the class's.
     dense_forward = attachment._replaced_forward
-    if linear.__dict__.get("forward") == attachment.forward:
+    if linear is None:
+        pass  # the head attached to was replaced and dropped: nothing of FlashHead's runs
+    elif linear.__dict__.get("forward") == attachment.forward:
         if dense_forward is not None:
             linear.forward = dense_forward
         else:
@@ -987,7 +1003,8 @@ def detach(model: nn.Module) -> None:
         raise ValueError(f"the output head's forward was wrapped after attach ({linear.__dict__.get('forward')!r}), around "
                          "FlashHead's: remove that wrapper first, then detach")
     del model.flash_head
-    del linear._apply
+    if linear is not None:
+        del linear._apply
     attachment._model_hook.remove()
     attachment._head = attachment._built_for = None  # they hold the output weight; the attachment may outlive the model
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from flashhead_ext import DenseHead, FlashHead
-from flashhead_ext.assets import CONFIG_NAME, FlashHeadAssets, save_assets
+from flashhead_ext.assets import CONFIG_NAME, FlashHeadAssets, embedding_fingerprint, save_assets
 from flashhead_ext.clustering import build_clusters
 from flashhead_ext import hf
 from flashhead_ext.hf import attach, detach, output_embedding, record_hidden_states
@@ -1020,6 +1020,31 @@ def test_training_only_the_head_of_an_attached_model_raises_at_backward():
     assert model.lm_head.weight.grad.abs().sum() > 0  # detached, it trains
     with torch.no_grad():
         torch.testing.assert_close(attached, model(ids).logits)
+
+
+def test_an_attached_model_is_freed_by_del_and_keeps_no_weight_it_moved_off():
+    # attach made the model a reference cycle (the head's forward is the attachment's bound method,
+    # which held the head): `del model; torch.cuda.empty_cache()` freed nothing until gc.collect().
+    model = _tiny_llama(tied=False)
+    assets = _tiny_assets(model)
+    assets.embedding_fingerprint = embedding_fingerprint(model.lm_head.weight)  # compared, so referenced
+    attach(model, assets)
+    weight = weakref.ref(model.lm_head.weight)
+    # to("meta") drops the weights; the attachment kept the old output weight (and pickled it).
+    model.to("meta")
+    assert weight() is None
+    model.to_empty(device="cpu")
+    copied = copy.deepcopy(model)  # copies attach to their own head, which they keep alive
+    assert copied.flash_head.linear is copied.lm_head and model.flash_head.linear is model.lm_head
+    weights = [weakref.ref(m.lm_head.weight) for m in (model, copied)]
+    was_enabled = gc.isenabled()
+    gc.disable()  # freed by reference counting, as a model never attached is
+    try:
+        del model, copied
+        assert [w() for w in weights] == [None, None]
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def test_detach_restores_a_forward_attach_replaced():
