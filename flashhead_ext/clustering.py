@@ -272,6 +272,7 @@ def _clustering_device(device, embedding: Tensor) -> torch.device:
     return target
 
 
+@ops._autocast_off
 def build_clusters(
     embedding: Tensor,
     cluster_size: Optional[int] = None,
@@ -364,6 +365,7 @@ def _on_one_cpu_thread(fn, *args):
         torch.set_num_threads(threads)
 
 
+@ops._autocast_off
 def best_member_logits(embedding: Tensor, hidden: Tensor, table: Tensor, rows_per_chunk: int = 256) -> Tensor:
     """float32 ``[N, C]``: for each state, each cluster's largest member logit ``max_t E_t . h``."""
     index, real = table.clamp(min=0).long(), table >= 0
@@ -374,6 +376,7 @@ def best_member_logits(embedding: Tensor, hidden: Tensor, table: Tensor, rows_pe
     return torch.cat(out)
 
 
+@ops._autocast_off
 def fit_max_logit_centroids(embedding: Tensor, hidden: Tensor, cluster_tokens: Tensor, ridge: float = 1e-3) -> Tensor:
     """float32 ``[C, D]``: per cluster, the vector ``g`` minimising ``sum_h (g . h - max_t E_t . h)^2``
     over the states plus ``ridge * mean(diag(H^T H)) * |g|^2``, ``t`` ranging over the cluster's
@@ -383,7 +386,7 @@ def fit_max_logit_centroids(embedding: Tensor, hidden: Tensor, cluster_tokens: T
     rows, states = embedding.detach().float(), hidden.detach().to(embedding.device, torch.float32)
     targets = best_member_logits(rows, states, cluster_tokens.to(rows.device))
     gram = _on_one_cpu_thread(torch.matmul, states.T, states)
-    regularised = gram + ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], device=gram.device)
+    regularised = gram + ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     moments = _on_one_cpu_thread(torch.matmul, states.T, targets)
     try:
         centroids = _on_one_cpu_thread(torch.linalg.solve, regularised, moments).T.contiguous()
@@ -398,6 +401,7 @@ def fit_max_logit_centroids(embedding: Tensor, hidden: Tensor, cluster_tokens: T
     return centroids
 
 
+@ops._autocast_off
 def calibrate_clusters(
     embedding: Tensor,
     hidden: Tensor,

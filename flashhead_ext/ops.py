@@ -31,6 +31,7 @@ kernels, so a captured step replays at any length.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -99,6 +100,20 @@ def _require_int(name: str, value) -> int:
     if not -2**63 <= value < 2**63:
         raise ValueError(f"{name} must fit in int64, got {value}")
     return value
+
+
+def _autocast_off(fn):
+    """``fn`` with autocast off on the CPU and CUDA: it computes in its tensors' own dtypes, as
+    documented, whatever a caller's ``torch.autocast`` asks (the clustering's products ran in
+    bfloat16, and the fast decoder's cache writes failed on bfloat16 keys)."""
+    def off(kind: str):
+        return torch.autocast(kind, enabled=False) if torch.is_autocast_enabled(kind) else contextlib.nullcontext()
+
+    @functools.wraps(fn)
+    def without_autocast(*args, **kwargs):
+        with off("cpu"), off("cuda"):
+            return fn(*args, **kwargs)
+    return without_autocast
 
 
 def _is_int(value) -> TypeGuard[int]:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from flashhead_ext import FlashHead
+from helpers import default_dtype
 from flashhead_ext import clustering as clustering_mod
 from flashhead_ext.clustering import (MIN_STATES_PER_DIM, build_clusters, calibrate_clusters, cluster_sizes, cluster_table,
                                    fit_max_logit_centroids)
@@ -224,6 +225,23 @@ def test_calibrated_is_deterministic_with_equal_clusters(vocab, size):
     _check_partition(first, vocab)
     # Same sizes and padding scheme as plain k-means.
     assert torch.equal(torch.bincount(first.cluster_assignments), cluster_sizes(vocab, size)[1])
+
+
+@pytest.mark.parametrize("setting", ["float64 default", "bfloat16 default", "autocast"])
+def test_clusterings_are_those_of_float32_whatever_the_callers_dtype_settings(setting):
+    # The fit's ridge took torch's default dtype (float64: a dtype error after k-means; bfloat16:
+    # other centroids), and under autocast the products ran in bfloat16 (10 of 330 tokens moved):
+    # the cache then served either to later callers.
+    emb, calibration, _ = _planted(99, states=37, seed=6)
+    want = [build_clusters(emb, 7, iters=3, seed=1, progress=False),
+            calibrate_clusters(emb, calibration, 7, iters=3, seed=1, progress=False)]
+    context = (torch.autocast("cpu", dtype=torch.bfloat16) if setting == "autocast"
+               else default_dtype(torch.float64 if setting.startswith("float64") else torch.bfloat16))
+    with context:
+        got = [build_clusters(emb, 7, iters=3, seed=1, progress=False),
+               calibrate_clusters(emb, calibration, 7, iters=3, seed=1, progress=False)]
+    for a, b in zip(want, got):
+        assert torch.equal(a.cluster_tokens, b.cluster_tokens) and torch.equal(a.raw_centroids, b.raw_centroids)
 
 
 def test_the_calibration_whitening_does_not_depend_on_the_thread_count():

@@ -542,6 +542,30 @@ def test_early_exit_layers_and_state_dict_loading():
     torch.testing.assert_close(compiled.forward(ids), expected, rtol=1e-6, atol=1e-6)
 
 
+def test_a_decoder_built_in_inference_mode_runs_outside_it_and_ignores_autocast():
+    # Its cache was made of inference tensors, which reset() and the eager layer's cache writes
+    # refused outside inference mode; under autocast those writes failed on bfloat16 keys, and its
+    # logits were autocast's.
+    config = DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                           head_dim=8)
+    ids = torch.randint(0, 97, (19,), generator=torch.Generator().manual_seed(4))  # past STEP_MAX_TOKENS: the eager layer
+    with torch.inference_mode():
+        built_there = Decoder.random(config, max_len=32, dtype=torch.float32, device="cpu", seed=3)
+    plain = Decoder.random(config, max_len=32, dtype=torch.float32, device="cpu", seed=3)
+    expected = plain.logits(plain.forward(ids))
+    built_there.reset(0)
+    assert torch.equal(built_there.logits(built_there.forward(ids)), expected)
+    plain.reset(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = plain.logits(plain.forward(ids))
+    assert under_autocast.dtype == torch.float32 and torch.equal(under_autocast, expected)
+    runner = FastSpeculativeDecoder(plain, Decoder.random(config.first_layers(1), max_len=32, dtype=torch.float32,
+                                                          device="cpu", seed=3), k=3)
+    tokens = runner.generate(ids, max_new_tokens=6).tokens
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert runner.generate(ids, max_new_tokens=6).tokens == tokens
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_nbytes_counts_every_weight_once(tied):
     config = DecoderConfig(vocab_size=23, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1,

@@ -576,9 +576,10 @@ class Decoder:
         self.body = "eager"
         c = config
         shape = (c.num_layers, c.num_kv_heads, max_len, c.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.length = torch.zeros((), dtype=torch.int64, device=self.device)
+        with torch.inference_mode(False):  # written in place: built in inference mode, they refused that outside it
+            self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.length = torch.zeros((), dtype=torch.int64, device=self.device)
         self._positions = torch.arange(max_len, device=self.device)
         inv_freq = _default_inv_freq(c.rope_theta, c.head_dim) if c.rope_inv_freq is None else c.rope_inv_freq
         self._cos, self._sin = self._rotary_tables(inv_freq, c.rope_attention_scaling)
@@ -773,6 +774,7 @@ class Decoder:
 
     # ---- the forward -------------------------------------------------------------------------
 
+    @ops._autocast_off
     def forward(self, ids: Tensor, *, start: Optional[Tensor] = None) -> Tensor:
         """Hidden states ``[n, D]`` (after the final norm) of ``ids`` at positions ``start ..``
         (an int64 0-d device tensor; default ``length``).
@@ -909,6 +911,7 @@ class Decoder:
             raise ValueError(f"attention must be one of {ATTENTION}, got {value!r}")
         self._attention = value
 
+    @ops._autocast_off
     def logits(self, hidden: Tensor) -> Tensor:
         c = self.config
         logits = F.linear(hidden, self.lm_head)

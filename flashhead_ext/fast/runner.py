@@ -396,6 +396,7 @@ class FastSpeculativeDecoder:
             return self._generate(input_ids, mode, max_new_tokens)
 
     @torch.inference_mode()
+    @ops._autocast_off
     def _generate(self, input_ids: Tensor, mode: str, max_new_tokens: int) -> Generation:
         check_mode(mode, self.draft is not None)
         self._check_model_settings()
