@@ -51,6 +51,12 @@ def _share_bytes(a: Tensor, b: Tensor) -> bool:
     return a_begin < b_end and b_begin < a_end
 
 
+def _holds_a_bool(values) -> bool:
+    """Whether nested lists or tuples hold a bool (also as a tensor)."""
+    return any(_holds_a_bool(v) if isinstance(v, (list, tuple)) else
+               isinstance(v, bool) or (isinstance(v, Tensor) and v.dtype == torch.bool) for v in values)
+
+
 def special_token_list(special_token_ids, vocab: int) -> list:
     """``special_token_ids`` (None, a sequence or set of ints or an integer tensor) as a list of ids in
     ``[0, vocab)``, or a TypeError / ValueError naming it (for a tokenizer without an EOS token,
@@ -65,7 +71,7 @@ def special_token_list(special_token_ids, vocab: int) -> list:
     try:
         if isinstance(special_token_ids, (set, frozenset)):  # torch.as_tensor takes no sets
             special_token_ids = sorted(special_token_ids)
-        if isinstance(special_token_ids, (list, tuple)) and any(isinstance(i, bool) for i in special_token_ids):
+        if isinstance(special_token_ids, (list, tuple)) and _holds_a_bool(special_token_ids):
             raise TypeError  # torch.as_tensor makes [True, 1] the ids [1, 1]
         ids = torch.as_tensor(special_token_ids).flatten()
     except (TypeError, ValueError, OverflowError, RuntimeError):
@@ -78,6 +84,13 @@ def special_token_list(special_token_ids, vocab: int) -> list:
     if ((ids < 0) | (ids >= vocab)).any():
         raise ValueError(f"special_token_ids must be in [0, {vocab}), got {ids.tolist()}")
     return ids.tolist()
+
+
+def _require_float_centroids(name: str, centroids: Tensor) -> None:
+    if centroids.dtype not in HEAD_DTYPES + (torch.float64,):
+        # fp8 ones would come without their scale: FlashHead quantizes float ones itself.
+        raise TypeError(f"{name} must be a float16, bfloat16, float32 or float64 tensor (centroid_dtype="
+                        f"torch.float8_e4m3fn quantizes them), got {centroids.dtype}")
 
 
 def _own_copy(tensor: Tensor, device, dtype) -> Tensor:
@@ -465,10 +478,7 @@ class FlashHead(_HeadBase):
         ops._require_dense(name, centroids)
         if centroids.dim() != 2 or centroids.shape[1] != embedding.shape[1] or centroids.shape[0] == 0:
             raise ValueError(f"{name} must have shape [num_clusters, {embedding.shape[1]}], got {tuple(centroids.shape)}")
-        if centroids.dtype not in HEAD_DTYPES + (torch.float64,):
-            # fp8 ones would come without their scale: FlashHead quantizes float ones itself.
-            raise TypeError(f"{name} must be a float16, bfloat16, float32 or float64 tensor (centroid_dtype="
-                            f"torch.float8_e4m3fn quantizes them), got {centroids.dtype}")
+        _require_float_centroids(name, centroids)
         _require_values(name, centroids)  # before the copy, which cannot read a meta tensor
         centroids = _own_copy(centroids, embedding.device, dtype)
         _check_finite(name, centroids)
@@ -512,9 +522,8 @@ class FlashHead(_HeadBase):
                 if (incoming(name).dtype == FP8_CENTROIDS) != fp8:
                     raise ValueError(f"{prefix}{name} in the state dict is {incoming(name).dtype} and this head keeps "
                                      f"{self.centroid_dtype} centroids: build the head with the state's centroid_dtype")
-                if not incoming(name).is_floating_point():  # cast, integer values ranked other clusters
-                    raise TypeError(f"{prefix}{name} in the state dict must be a float16, bfloat16, float32 or float64 "
-                                    f"tensor, as the constructor takes, got {incoming(name).dtype}")
+                if not fp8:  # cast, integer values ranked other clusters
+                    _require_float_centroids(f"{prefix}{name} in the state dict", incoming(name))
                 # As this head will hold them: a float16 head overflows values past 65504.
                 _check_finite(f"{prefix}{name} in the state dict",
                               incoming(name).to(torch.float32 if fp8 else self.centroid_dtype))

@@ -215,27 +215,31 @@ GREEDY_LOGIT_SETTINGS = dict(repetition_penalty=1.0, encoder_repetition_penalty=
 
 # What a generation_config can set that makes generate() search otherwise than greedily, one row per
 # prompt and one head call per token (beams, prompt lookup, an early-exit assistant, constraints...),
-# with each setting's greedy value: a recording overrides them, since its states pair with its tokens.
-GREEDY_SEARCH_SETTINGS = dict(num_beams=1, num_beam_groups=1, num_return_sequences=1, penalty_alpha=None,
-                              prompt_lookup_num_tokens=None, assistant_early_exit=None, constraints=None,
-                              force_words_ids=None, use_mtp=False, dola_layers=None)
+# or return other than the tokens, with each setting's plain value: a recording overrides them, since
+# its states pair with its tokens.
+RECORDING_GENERATE_SETTINGS = dict(num_beams=1, num_beam_groups=1, num_return_sequences=1, penalty_alpha=None,
+                                   prompt_lookup_num_tokens=None, assistant_early_exit=None, constraints=None,
+                                   force_words_ids=None, use_mtp=False, dola_layers=None, return_dict_in_generate=False)
 
 
-def _greedy_search_overrides(model) -> dict:
-    """The :data:`GREEDY_SEARCH_SETTINGS` ``model``'s generation_config sets otherwise (only those its
-    transformers knows: generate() refuses keywords it does not)."""
-    config = model.generation_config
-    return {name: greedy for name, greedy in GREEDY_SEARCH_SETTINGS.items()
-            if hasattr(config, name) and getattr(config, name) not in (None, greedy)}
+def _settings_set(model, neutral: dict) -> dict:
+    """The settings of ``neutral`` (name: neutral value) that ``model``'s generation_config sets
+    otherwise, with its values (not those its transformers lacks)."""
+    config = getattr(model, "generation_config", None)
+    settings = {name: getattr(config, name, None) for name in neutral}
+    return {name: value for name, value in settings.items()
+            if value is not None and value != neutral[name] and value != [] and value != {}}
+
+
+def _recording_overrides(model) -> dict:
+    """What a recording passes generate(): the :data:`RECORDING_GENERATE_SETTINGS` ``model`` sets otherwise."""
+    return {name: RECORDING_GENERATE_SETTINGS[name] for name in _settings_set(model, RECORDING_GENERATE_SETTINGS)}
 
 
 def greedy_logit_settings(model) -> dict:
     """The logits processors ``model``'s generation_config sets that greedy ``generate()`` applies
     (Qwen2.5-Instruct ships repetition_penalty 1.05), by name: what the drivers leave out."""
-    config = getattr(model, "generation_config", None)
-    settings = {name: getattr(config, name, None) for name in GREEDY_LOGIT_SETTINGS}
-    return {name: value for name, value in settings.items()
-            if value is not None and value != GREEDY_LOGIT_SETTINGS[name] and value != [] and value != {}}
+    return _settings_set(model, GREEDY_LOGIT_SETTINGS)
 
 
 def warn_unapplied_generation_settings(settings: dict) -> None:
@@ -310,7 +314,7 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     ``batch_size > 1`` generates that many prompts at once, left-padded (several times the tokens
     per second on a CPU); prompts are batched in order of length so little padding is computed.
     A sequence's tokens end at its first EOS (the model's generation config), whose search settings
-    (beams, prompt lookup: :data:`GREEDY_SEARCH_SETTINGS`) are overridden, its logits processors kept. Padding changes the
+    (beams, prompt lookup: :data:`RECORDING_GENERATE_SETTINGS`) are overridden, its logits processors kept. Padding changes the
     arithmetic slightly, so a batched run may pick a different token where two logits nearly tie;
     the recorded state is still the one that chose the recorded token. A tokenizer without a pad
     token pads with its EOS token for the run; one with neither records one prompt at a time, with a
@@ -345,7 +349,7 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
         if threading.get_ident() == recording:  # not the forwards another thread runs through the model
             captured.append(args[0][:, -1])
 
-    search = _greedy_search_overrides(model)
+    search = _recording_overrides(model)
     hook = model.get_output_embeddings().register_forward_pre_hook(capture)
     try:
         for batch in tqdm(batches, desc="dense greedy generation", disable=not progress):
@@ -401,7 +405,7 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
     # And what generate() applies from the model's generation_config (a repetition penalty changes
     # the tokens, so the states), but not the transformers version that wrote it, nor the search
     # settings the recording overrides.
-    overridden = _greedy_search_overrides(model)
+    overridden = _recording_overrides(model)
     generation = {key: value for key, value in model.generation_config.to_diff_dict().items()
                   if key != "transformers_version" and key not in overridden}
     prompt_key = hashlib.sha256(json.dumps([prompt_ids, generation], sort_keys=True, default=str).encode()).hexdigest()
@@ -501,6 +505,11 @@ def _eager_only(reason: str):
 _BUILD_BEFORE_COMPILING = "call model.flash_head.head() once before compiling with fullgraph=True"
 
 
+def _no_linear() -> None:
+    """A dead reference's answer, for an attachment copied after its head was dropped."""
+    return None
+
+
 class FlashHeadAttachment:
     """What :func:`attach` puts on a model (as ``model.flash_head``): the output head's new forward.
 
@@ -559,17 +568,20 @@ class FlashHeadAttachment:
     def __getstate__(self):
         # Copies and pickles rebuild the head over their own weight on first use: pickled, it was a
         # second copy of the weight, and plain pickle cannot restore its fp8 centroids.
-        return {**self.__dict__, "_linear": self.linear, "_head": None, "_built_for": None}
+        return {**self.__dict__, "_linear": self._linear(), "_head": None, "_built_for": None}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _linear=weakref.ref(state["_linear"]))
+        # "linear": pickled before the head was held weakly. None: the head was replaced and dropped.
+        linear = state.pop("linear", None) if "_linear" not in state else state["_linear"]
+        self.__dict__.update(state, _linear=_no_linear if linear is None else weakref.ref(linear))
 
     @property
     def linear(self) -> nn.Linear:
         """The output head attached to."""
         linear = self._linear()
-        if linear is None:  # replaced and dropped by the model (or the model freed)
-            raise ValueError(HEAD_CHANGED)
+        if linear is None:
+            raise ValueError("the output head FlashHead was attached to is gone (replaced since attach, e.g. by "
+                             "resize_token_embeddings, or its model freed): detach(model), and attach it again")
         return linear
 
     @property

@@ -36,7 +36,7 @@ import functools
 import inspect
 import math
 from collections.abc import Mapping, Sequence
-from typing import Optional, TypeGuard, Union
+from typing import Callable, Optional, ParamSpec, TypeGuard, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -102,7 +102,11 @@ def _require_int(name: str, value) -> int:
     return value
 
 
-def _autocast_off(fn):
+_Params = ParamSpec("_Params")
+_Result = TypeVar("_Result")
+
+
+def _autocast_off(fn: Callable[_Params, _Result]) -> Callable[_Params, _Result]:
     """``fn`` with autocast off on the CPU and CUDA: it computes in its tensors' own dtypes, as
     documented, whatever a caller's ``torch.autocast`` asks (the clustering's products ran in
     bfloat16, and the fast decoder's cache writes failed on bfloat16 keys)."""
@@ -110,7 +114,7 @@ def _autocast_off(fn):
         return torch.autocast(kind, enabled=False) if torch.is_autocast_enabled(kind) else contextlib.nullcontext()
 
     @functools.wraps(fn)
-    def without_autocast(*args, **kwargs):
+    def without_autocast(*args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
         with off("cpu"), off("cuda"):
             return fn(*args, **kwargs)
     return without_autocast
@@ -226,7 +230,8 @@ def _quantize_centroids(centroids: Tensor, name: str = "centroids") -> tuple[Ten
     if not torch.isfinite(peak) or peak == 0:
         raise ValueError(f"{name} must be finite and not all zero to be quantized, got a largest magnitude of {float(peak)}")
     _, exponent = torch.frexp(peak)  # peak = m * 2**exponent, m in [0.5, 1)
-    scale = torch.ldexp(torch.ones(1, device=peak.device, dtype=torch.float32), exponent - 8)  # not the default dtype
+    # float32 whatever torch's default dtype: the ops refuse a scale of another.
+    scale = torch.ldexp(torch.ones(1, device=peak.device, dtype=torch.float32), exponent - 8)
     if scale == 0:  # below float32's smallest subnormal
         raise ValueError(f"{name} are too small to quantize: their largest magnitude is {float(peak):g}")
     return (centroids.detach().float() / scale).to(torch.float8_e4m3fn), scale

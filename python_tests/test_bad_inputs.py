@@ -488,6 +488,8 @@ def head_args(device="cpu"):
     (dict(special_token_ids={1, "eos"}), TypeError, "special_token_ids must be integer token ids"),
     (dict(special_token_ids={1.5, 2}), TypeError, "special_token_ids must be integer token ids"),
     (dict(special_token_ids=[True, 1]), TypeError, "special_token_ids must be integer token ids"),
+    (dict(special_token_ids=[torch.tensor(True), 1]), TypeError, "special_token_ids must be integer token ids"),
+    (dict(special_token_ids=[(1, False)]), TypeError, "special_token_ids must be integer token ids"),
     (dict(special_token_ids=[3 + 5j]), TypeError, "special_token_ids must be integer token ids"),
     (dict(special_token_ids=torch.tensor([1.7 + 2j])), TypeError,
      "special_token_ids must be integer token ids (a sequence or set of ints, or an integer tensor), got torch.complex64"),

@@ -1720,6 +1720,18 @@ def test_graph_replay_equals_eager(mode, head, attention):
         assert tuple(runner.generate(prompt(6), mode=mode, max_new_tokens=NEW).tokens) == reference("qwen3", 6)
 
 
+@pytest.mark.gpu
+def test_graphs_captured_under_a_callers_autocast_replay_the_models_dtype():
+    # The steps' graphs were captured with autocast's bfloat16 products (a dense draft head's matmul),
+    # which every later replay kept.
+    target, draft = _cuda_models("qwen3")
+    want = FastSpeculativeDecoder(target, draft, head_for(draft, "dense"), k=3).generate(prompt(6), max_new_tokens=NEW)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        runner = FastSpeculativeDecoder(target, draft, head_for(draft, "dense"), k=3)
+    got = runner.generate(prompt(6), max_new_tokens=NEW)
+    assert (got.tokens, got.stats.accepted_per_round) == (want.tokens, want.stats.accepted_per_round)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_dropped_runner_is_freed_without_a_garbage_collection(device):
     """No reference cycle keeps a dropped runner (its steps, graphs and buffers) alive until a

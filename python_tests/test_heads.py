@@ -316,7 +316,7 @@ def test_load_state_dict_checks_what_it_loads(name, corrupt, fragment):
 
 
 @pytest.mark.parametrize("name", ["centroids", "sampling_centroids"])
-@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.float8_e5m2])
 def test_load_state_dict_refuses_centroids_the_constructor_refuses(name, dtype):
     # They were cast: integer values ranked other clusters, with all keys matched.
     problem = make_problem(SHAPE, seed=8)
@@ -325,7 +325,8 @@ def test_load_state_dict_refuses_centroids_the_constructor_refuses(name, dtype):
     state = dict(head.state_dict())
     state[name] = (state[name] * 3).to(dtype)
     with pytest.raises(TypeError, match=re.escape(f"{name} in the state dict must be a float16, bfloat16, float32 or "
-                                                  f"float64 tensor, as the constructor takes, got {dtype}")):
+                                                  f"float64 tensor (centroid_dtype=torch.float8_e4m3fn quantizes them), "
+                                                  f"got {dtype}")):
         head.load_state_dict(state)
     assert torch.equal(head.next_token(problem.hidden), before)
 

@@ -254,7 +254,7 @@ def test_recorded_states_are_keyed_by_the_generation_settings_generate_applies(t
 
 
 @pytest.mark.parametrize("search", [dict(num_beams=3), dict(num_beams=2, num_return_sequences=2),
-                                    dict(prompt_lookup_num_tokens=3)])
+                                    dict(prompt_lookup_num_tokens=3), dict(return_dict_in_generate=True)])
 def test_a_recording_is_greedy_whatever_search_the_generation_config_sets(tmp_path, monkeypatch, search):
     # Beam search recorded reordered beams as prompts' states, prompt lookup several positions a
     # head call (13 states for 24 tokens) or, batched, failed inside generate().
@@ -1047,6 +1047,18 @@ def test_an_attached_model_is_freed_by_del_and_keeps_no_weight_it_moved_off():
             gc.enable()
 
 
+def test_an_attachment_pickled_before_it_held_the_head_weakly_loads():
+    model = _tiny_llama(tied=False)
+    attachment = attach(model, _tiny_assets(model))
+    state = attachment.__getstate__()
+    state["linear"] = state.pop("_linear")  # the layout of 7922760 and before
+    restored = hf.FlashHeadAttachment.__new__(hf.FlashHeadAttachment)
+    restored.__setstate__(state)
+    assert restored.linear is model.lm_head
+    hidden = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(restored.forward(hidden), attachment.forward(hidden))
+
+
 def test_detach_restores_a_forward_attach_replaced():
     model = _tiny_llama(tied=False)
     calls = []
@@ -1297,6 +1309,11 @@ def test_a_replaced_untied_head_asks_to_attach_again(replace):
     model.flash_head.enabled = True
     with pytest.raises(ValueError, match="the output head changed since attach"):
         model(torch.tensor([[1, 2]]))
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # the dropped head is not needed
+        with pytest.raises(ValueError, match="the output head changed since attach"):
+            copied(torch.tensor([[1, 2]]))
+        detach(copied)
+        assert torch.equal(copied(torch.tensor([[1, 2]])).logits, model.lm_head(hidden))
     detach(model)
     model(torch.tensor([[1, 2]]))
     attach(model, _tiny_assets(model))

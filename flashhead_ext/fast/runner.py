@@ -244,6 +244,7 @@ class FastSpeculativeDecoder:
 
     # ---- static buffers and steps ------------------------------------------------------------
 
+    @ops._autocast_off  # its graphs capture the steps' products: not in a caller's autocast dtype
     def _build(self) -> None:
         t, k = self.target, self.k
         dev = t.device
