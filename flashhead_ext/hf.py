@@ -742,11 +742,11 @@ class FlashHeadAttachment:
         cast = hidden.is_floating_point() and kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind)
         rows = hidden.to(device=head.embedding.device, dtype=head.embedding.dtype if cast else hidden.dtype)
         ids, logits = head.candidate_logits(rows)
-        weight = self.linear.weight
-        if torch.is_grad_enabled() and weight.requires_grad and not logits.requires_grad:
-            # The head reads a detached weight, so a trainable head over frozen states would get no
-            # gradient and no error: the op over the weight itself raises at backward, naming detach.
-            logits = ops.candidate_logits(rows.reshape(-1, rows.shape[-1]), weight,
+        # The head reads a detached weight, so a trainable head over frozen states would get no
+        # gradient and no error: the op over the weight itself raises at backward, naming detach.
+        # (The weight is looked up only where grad is on: decoding runs under no_grad.)
+        if torch.is_grad_enabled() and not logits.requires_grad and self.linear.weight.requires_grad:
+            logits = ops.candidate_logits(rows.reshape(-1, rows.shape[-1]), self.linear.weight,
                                           ids.reshape(-1, ids.shape[-1])).reshape(logits.shape)
         out = logits.new_full((*logits.shape[:-1], head.vocab_size), float("-inf"))
         # Masked slots (-1) carry -inf; "amax" keeps them from overwriting token 0's real logit.
