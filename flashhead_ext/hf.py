@@ -323,8 +323,7 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     from tqdm.auto import tqdm
 
     _check_tokenizer(tokenizer)
-    if not ops._is_int(batch_size) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    ops._require_positive_int("batch_size", batch_size)
     lacks_pad = batch_size > 1 and getattr(tokenizer, "pad_token", "") is None
     if lacks_pad and getattr(tokenizer, "eos_token", None) is None:
         # Callers such as attach() and calibration_states() batch without exposing batch_size, so

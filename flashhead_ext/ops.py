@@ -102,6 +102,14 @@ def _require_int(name: str, value) -> int:
     return value
 
 
+def _require_positive_int(name: str, value) -> int:
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
 _Params = ParamSpec("_Params")
 _Result = TypeVar("_Result")
 

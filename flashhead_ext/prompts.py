@@ -53,8 +53,7 @@ def load_prompts(path, num_prompts: int, parity: str = "odd") -> list:
     reserved for calibrating data-aware clusterings), taken round-robin over the categories,
     largest first, in file order, so that a few prompts already span the categories, whose
     acceptance rates differ widely. The first turn is the prompt."""
-    if not ops._is_int(num_prompts) or num_prompts < 1:  # 2.5 would give 3 prompts, 0 an empty run
-        raise ValueError(f"num_prompts must be a positive int, got {num_prompts!r}")
+    ops._require_positive_int("num_prompts", num_prompts)  # 2.5 would give 3 prompts, 0 an empty run
     queues = sorted(questions_by_category(path, parity).values(), key=len, reverse=True)
     chosen: list = []
     while len(chosen) < num_prompts and any(queues):
@@ -66,6 +65,6 @@ def load_prompts(path, num_prompts: int, parity: str = "odd") -> list:
 
 def prompts_per_category(path, per_category: Optional[int], parity: str = "odd") -> list:
     """The first ``per_category`` questions of one ``parity`` from every category (all with None)."""
-    if per_category is not None and (not ops._is_int(per_category) or per_category < 1):
-        raise ValueError(f"per_category must be a positive int or None, got {per_category!r}")
+    if per_category is not None:
+        ops._require_positive_int("per_category", per_category)
     return [row for rows in questions_by_category(path, parity).values() for row in rows[:per_category]]

@@ -618,7 +618,7 @@ def test_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["quality", "--sampling-temperature", repr(high * 1.01)])
     assert "expected a temperature in [1e-06, 1e+06]" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="per_category must be a positive int or None, got 0"):
+    with pytest.raises(ValueError, match="per_category must be >= 1, got 0"):
         prompts_per_category(prompts, 0)
     with pytest.raises(ValueError, match="parity must be 'odd'"):
         prompts_per_category(prompts, 1, parity="all")
@@ -675,10 +675,12 @@ def test_prompt_files_skip_blank_lines_and_refuse_malformed_rows(tmp_path):
     assert [(r["question_id"], r["text"]) for r in load_prompts(path, 3)] == [(1, "first 1"), (3, "first 3"), (5, "first 5")]
     assert [r["question_id"] for r in load_prompts(path, 9)] == [1, 3, 5, 7]  # all the file holds
     assert [r["question_id"] for r in prompts_per_category(path, 2)] == [1, 5, 3]
-    with pytest.raises(ValueError, match="per_category must be a positive int or None, got True"):
+    with pytest.raises(TypeError, match="per_category must be an int, got bool"):
         prompts_per_category(path, True)
-    for count in (0, 2.5, True):
-        with pytest.raises(ValueError, match=f"num_prompts must be a positive int, got {count!r}"):
+    with pytest.raises(ValueError, match="num_prompts must be >= 1, got 0"):
+        load_prompts(path, 0)
+    for count in (2.5, True):
+        with pytest.raises(TypeError, match=f"num_prompts must be an int, got {type(count).__name__}"):
             load_prompts(path, count)
     for bad in (dict(question_id=9, category="a", turns=[]), dict(question_id="9", category="a", turns=["x"]),
                 dict(question_id=True, category="a", turns=["x"]), dict(question_id=9, turns=["x"]), [9, "a", ["x"]],

@@ -192,7 +192,7 @@ def test_batched_recording_matches_one_prompt_at_a_time():
     for one, many in zip(single[1:], batched[1:]):
         assert torch.equal(one, many)  # tokens and prompt order, whatever the batching
     torch.testing.assert_close(single[0], batched[0], rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         record_hidden_states(model, tokenizer, prompts, 7, batch_size=0)
 
 

@@ -670,7 +670,8 @@ def test_make_draft_head_checks_the_flashhead_options_for_either_kind():
     assert isinstance(make_draft_head("dense", draft, **good), DenseHead)  # one call site may build either kind
     for name, bad, error, message in (
             ("probes", 0, ValueError, "probes must be at least 1, got 0"),
-            ("cluster_size", -3, ValueError, "cluster_size must be a positive int, got -3"),
+            ("cluster_size", -3, ValueError, "cluster_size must be >= 1, got -3"),
+            ("cluster_size", 2.0, TypeError, "cluster_size must be an int, got float"),
             ("kmeans_iters", 0, ValueError, "kmeans_iters must be >= 1, got 0"),
             ("kmeans_iters", 1.5, TypeError, "kmeans_iters must be an int, got float"),
             ("seed", "x", TypeError, "seed must be an int, got str"),

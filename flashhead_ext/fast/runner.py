@@ -38,7 +38,7 @@ from ..graphs import capture_graph
 from ..head import DenseHead, FlashHead, _HeadBase
 from ..hf import warn_unapplied_generation_settings
 from ..speculative.driver import (Clock, Emitter, Generation, GenerationStats, check_mode, check_prompt, draft_input,
-                                  eos_ids, require_no_draft_options, require_positive_int, resolve_draft_head, sync)
+                                  eos_ids, require_no_draft_options, resolve_draft_head, sync)
 from .decoder import Decoder
 
 
@@ -169,7 +169,7 @@ class FastSpeculativeDecoder:
             raise TypeError(f"target must be a flashhead_ext.fast.Decoder, got {type(target).__name__}")
         if draft is not None and not isinstance(draft, Decoder):
             raise TypeError(f"draft must be a flashhead_ext.fast.Decoder or None, got {type(draft).__name__}")
-        self.target, self.draft, self._k = target, draft, require_positive_int("k", k)
+        self.target, self.draft, self._k = target, draft, ops._require_positive_int("k", k)
         self.eos = eos_ids(eos_token_id, target.eos_token_id, target.config.vocab_size)
         warn_unapplied_generation_settings(target.generation_settings)
         if synthetic_acceptance is not None:
@@ -211,7 +211,7 @@ class FastSpeculativeDecoder:
 
     @k.setter
     def k(self, value: int) -> None:
-        value = require_positive_int("k", value)
+        value = ops._require_positive_int("k", value)
         if value == self._k:
             return
         # A rebuild replaces the buffers and steps a generation in another thread may be using.
@@ -401,7 +401,7 @@ class FastSpeculativeDecoder:
     def _generate(self, input_ids: Tensor, mode: str, max_new_tokens: int) -> Generation:
         check_mode(mode, self.draft is not None)
         self._check_model_settings()
-        max_new_tokens = require_positive_int("max_new_tokens", max_new_tokens)
+        max_new_tokens = ops._require_positive_int("max_new_tokens", max_new_tokens)
         t, d, k = self.target, self.draft, self.k
         prompt = check_prompt(input_ids, t.device, t.config.vocab_size)[0]
         speculative = mode != "baseline"

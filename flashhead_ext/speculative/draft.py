@@ -109,8 +109,7 @@ def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clusterin
                                           for name in ("centroids", "cluster_tokens")):
         raise TypeError(f"clustering must have tensors .centroids [C, D] and .cluster_tokens [C, b] (e.g. build_clusters' "
                         f"Clustering), got {type(clustering).__name__}")
-    if not ops._is_int(cluster_size) or cluster_size < 1:  # its bound, the vocabulary, where a clustering is built
-        raise ValueError(f"cluster_size must be a positive int, got {cluster_size!r}")
+    ops._require_positive_int("cluster_size", cluster_size)  # its bound, the vocabulary, where a clustering is built
     check_kmeans_settings(kmeans_iters, seed, "kmeans_iters")
     special_token_list(special_token_ids, embedding.shape[0])
     centroid_dtype = centroid_dtype_option(centroid_dtype, embedding.dtype)

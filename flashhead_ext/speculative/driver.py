@@ -130,14 +130,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def require_positive_int(name: str, value) -> int:
-    if not ops._is_int(value):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
 def eos_ids(eos_token_id, default, vocab_size: int) -> frozenset:
     """``eos_token_id`` (an int, ints or an integer tensor) as a set of token ids; None: ``default``,
     the model's own setting (None: no EOS), whose ids outside the vocabulary are dropped as they
@@ -430,7 +422,7 @@ class SpeculativeDecoder:
 
     @k.setter
     def k(self, value: int) -> None:
-        self._k = require_positive_int("k", value)
+        self._k = ops._require_positive_int("k", value)
 
     def __init__(self, target, draft=None, draft_head: Union[str, DenseHead, FlashHead, None] = None, *, k: int = 6,
                  eos_token_id: Union[int, Sequence[int], None] = None):
@@ -451,20 +443,21 @@ class SpeculativeDecoder:
             require_no_draft_options(draft_head)
             return
         require_dynamic_cache(draft, "draft")
-        for model, role in ((uncompiled(target), "target"), (uncompiled(draft), "draft")):
+        plain_draft = uncompiled(draft)
+        for model, role in ((uncompiled(target), "target"), (plain_draft, "draft")):
             if keeps_recurrent_state(model):
                 raise ValueError(f"{role} {type(model).__name__} keeps a recurrent state, which speculative decoding "
                                  "cannot cut back to the accepted tokens; decode it without a draft (draft=None, mode='baseline')")
         if draft_head is None:  # the draft's own FlashHead: drafting dense instead misreported its head's time
-            attachment = getattr(uncompiled(draft), "flash_head", None)
+            attachment = getattr(plain_draft, "flash_head", None)
             if attachment is not None and attachment.enabled:
                 self._attachment, draft_head = attachment, attachment.head()
         head = resolve_draft_head(draft_head, _output_embedding(draft, "draft"), vocab)
         self._head = None if self._attachment is not None else head  # else it kept a cast-away weight alive
         check_plain_output_head(draft, "draft")
-        if uncompiled(draft).base_model is uncompiled(draft):  # else its head ran in every draft step's body, then a crash
-            raise ValueError(f"draft {type(uncompiled(draft)).__name__}'s base_model is the causal LM itself "
-                             f"(base_model_prefix {uncompiled(draft).base_model_prefix!r} names no submodule), so its final "
+        if plain_draft.base_model is plain_draft:  # else its head ran in every draft step's body, then a crash
+            raise ValueError(f"draft {type(plain_draft).__name__}'s base_model is the causal LM itself "
+                             f"(base_model_prefix {plain_draft.base_model_prefix!r} names no submodule), so its final "
                              "hidden states cannot be read before its head")
         draft_device = next(draft.parameters()).device
         if draft_device != self.device:  # else torch's device error mid-generation
@@ -528,7 +521,7 @@ class SpeculativeDecoder:
         Generation stops after ``max_new_tokens`` tokens or after an EOS token (which is emitted).
         """
         check_mode(mode, self.draft is not None)
-        max_new_tokens = require_positive_int("max_new_tokens", max_new_tokens)
+        max_new_tokens = ops._require_positive_int("max_new_tokens", max_new_tokens)
         prompt = check_prompt(input_ids, self.device, self.vocab_size)
         # A draft's dropout costs acceptance only: the target decides every token.
         warn_if_dropout_active(self.target, "target")
