@@ -44,11 +44,6 @@ def device_arg(text: str) -> str:
     return "cpu" if device.type == "cpu" else text
 
 
-def counted(count: int, noun: str) -> str:
-    """``count`` and ``noun``, plural unless ``count`` is 1: "1 prompt", "3 prompts"."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
 def output_file(text: str) -> str:
     """argparse ``type`` of a file a run writes once it is over (--json, --plot): a path that could
     not be written is a usage error before the run, which would otherwise be lost. Leaves nothing

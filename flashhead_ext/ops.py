@@ -138,13 +138,18 @@ def _is_number(value) -> bool:
     return _is_int(value) or isinstance(value, float)
 
 
+def _counted(count: int, noun: str) -> str:
+    """``count`` and ``noun``, plural unless ``count`` is 1: "1 prompt", "3 prompts"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _missing_cuda_device(device: torch.device) -> Optional[str]:
     """Why this machine has no CUDA device ``device`` (none at all, or fewer than its index), or None."""
     count = torch.cuda.device_count()
     if count == 0:
         return "no CUDA device here (torch.cuda.is_available() is False)"
     if device.index is not None and device.index >= count:
-        return f"this machine has {count} CUDA device{'' if count == 1 else 's'}"
+        return f"this machine has {_counted(count, 'CUDA device')}"
     return None
 
 

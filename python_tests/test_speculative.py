@@ -839,7 +839,7 @@ def _package_main(argv):
 
 
 def test_run_header_counts_in_the_singular_for_one():
-    from flashhead_ext._cli import counted
+    from flashhead_ext.ops import _counted as counted
     assert [counted(n, "prompt") for n in (0, 1, 2)] == ["0 prompts", "1 prompt", "2 prompts"]
     assert counted(1, "new token") == "1 new token"
 

@@ -14,8 +14,9 @@ from typing import Optional
 
 import torch
 
+from .. import ops
 from ..bench.timing import run_metadata
-from .._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count, counted,
+from .._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count,
                     device_arg, kmeans_seed, model_unavailable, note, output_file)
 from ..fast.decoder import BODIES, FAMILY_NAMES
 from ..hf import output_embedding
@@ -231,9 +232,9 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     meta = dict(vars(args), **run_metadata(args.device), torch_threads=count,  # --threads 0 leaves torch's count
                 probes_used=flash.head.probes if flash else None,
                 num_clusters=flash.head.num_clusters if flash else None)
-    threads = f", {counted(count, 'thread')}" if torch.device(args.device).type == "cpu" else ""
+    threads = f", {ops._counted(count, 'thread')}" if torch.device(args.device).type == "cpu" else ""
     flash_line = f", FlashHead {flash.head.probes} of {flash.head.num_clusters} clusters" if flash else ""
-    workload = f"{counted(len(prompts), 'prompt')} x {counted(args.max_new_tokens, 'new token')}"
+    workload = f"{ops._counted(len(prompts), 'prompt')} x {ops._counted(args.max_new_tokens, 'new token')}"
     print(f"target {args.target}, draft {args.draft}, K={args.k}, {workload}, {args.dtype} on {args.device}{threads}"
           f"{flash_line}, {'fast path' if args.fast else 'transformers driver'}")
     print(format_summary(rows))
