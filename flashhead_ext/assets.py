@@ -519,7 +519,7 @@ def embedding_fingerprint(embedding: Tensor) -> list:
 def _fingerprint_directions(dim: int) -> Tensor:
     """float32 ``[dim, 4]``, spread in [-1, 1): from arithmetic, not torch's random streams, which
     no release promises to keep."""
-    phases = torch.arange(dim * FINGERPRINT_DIRECTIONS, dtype=torch.float64).reshape(dim, FINGERPRINT_DIRECTIONS)
+    phases = torch.arange(dim * FINGERPRINT_DIRECTIONS, dtype=torch.float64, device="cpu").reshape(dim, FINGERPRINT_DIRECTIONS)
     return torch.frac(torch.sin(phases * 12.9898 + 1.0).abs() * 43758.5453).float() * 2 - 1
 
 

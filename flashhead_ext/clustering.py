@@ -132,7 +132,7 @@ def cluster_sizes(vocab_size: int, cluster_size: Optional[int] = None, n_cluster
             f"vocabulary size {vocab_size} is not a multiple of {given_name}={given} and strict=True; "
             f"pass strict=False to pad the last clusters with -1")
     # Missing slots dealt one per cluster from the last cluster backwards, wrapping when P > C.
-    pads = torch.full((count,), pad // count, dtype=torch.int64)
+    pads = torch.full((count,), pad // count, dtype=torch.int64, device="cpu")
     pads[count - pad % count:] += 1
     return size, size - pads
 
@@ -307,7 +307,7 @@ def build_clusters(
     rows = torch.nn.functional.normalize(embedding.detach().to(device, torch.float32), dim=1)
     # Seeds drawn on the CPU so the initial centroids do not depend on the device's generator.
     generator = torch.Generator().manual_seed(seed)
-    start = torch.randperm(vocab, generator=generator)[:count].to(rows.device)
+    start = torch.randperm(vocab, generator=generator, device="cpu")[:count].to(rows.device)
     centroids = rows[start]
     # Every score ties where every row is the same (a constant or all-zero embedding, e.g. an
     # untrained head): any equal-size split is as good, and the greedy would place only _CANDIDATES

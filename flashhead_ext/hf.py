@@ -71,7 +71,7 @@ def _file_digest(path: Path) -> str:
 
 def from_pretrained(source: PathLike, dtype: torch.dtype,
                     **kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """(model, tokenizer) from local files only: nothing is ever downloaded."""
+    """(model, tokenizer) from local files only: nothing is ever downloaded. The model is on the CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if "gguf_file" in kwargs:
@@ -80,7 +80,8 @@ def from_pretrained(source: PathLike, dtype: torch.dtype,
             raise ImportError(f"loading a GGUF model with transformers needs {' and '.join(missing)}: pip install {' '.join(missing)}")
 
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True, **kwargs)
+    with torch.device("cpu"):  # transformers loads onto a default device the caller set (set_default_device)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True, **kwargs)
     return model.eval(), tokenizer
 
 
@@ -367,7 +368,7 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
         hook.remove()
     hidden = [found[i][0] for i in range(len(prompts))]
     tokens = [found[i][1] for i in range(len(prompts))]
-    index = [torch.full((t.numel(),), i, dtype=torch.int64) for i, t in enumerate(tokens)]
+    index = [torch.full((t.numel(),), i, dtype=torch.int64, device=t.device) for i, t in enumerate(tokens)]
     return torch.cat(hidden), torch.cat(tokens), torch.cat(index)
 
 
@@ -422,7 +423,7 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
                           RuntimeWarning, stacklevel=2)
     hidden, tokens, index = record_hidden_states(model, tokenizer, [p["text"] for p in prompts], max_new_tokens,
                                                  progress=progress, batch_size=batch_size)
-    states = {"hidden": hidden.float().cpu().contiguous(), "tokens": tokens.cpu(), "prompt_index": index}
+    states = {"hidden": hidden.float().cpu().contiguous(), "tokens": tokens.cpu(), "prompt_index": index.cpu()}
     with uncached_on_failure("the recorded hidden states"):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_replacing(path, lambda partial: save_file(states, str(partial)))  # a killed run leaves no truncated entry

@@ -79,7 +79,7 @@ class _HostCopy:
 
     def __init__(self, src: Tensor):
         cuda = src.device.type == "cuda"
-        self.src, self.host = src, torch.zeros(src.shape, dtype=src.dtype, pin_memory=cuda)
+        self.src, self.host = src, torch.zeros(src.shape, dtype=src.dtype, device="cpu", pin_memory=cuda)
         self.ready = torch.cuda.Event() if cuda else None
 
     def start(self) -> None:
@@ -416,7 +416,8 @@ class FastSpeculativeDecoder:
             # the same prompt. Drawn before the clock starts; rounds never outnumber the new tokens.
             # (One 32-bit hash: torch's CPU generator keeps only the low 32 bits of a seed.)
             key = zlib.crc32(prompt.cpu().numpy().tobytes(), zlib.crc32(self.seed.to_bytes(8, "little", signed=True)))
-            draws = torch.rand(max_new_tokens, k, dtype=torch.float32, generator=torch.Generator().manual_seed(key))
+            draws = torch.rand(max_new_tokens, k, dtype=torch.float32, device="cpu",
+                               generator=torch.Generator().manual_seed(key))
             self.uniform[:max_new_tokens].copy_(draws)
         steps = self.steps
         sync(t.device)
