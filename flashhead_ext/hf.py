@@ -215,12 +215,14 @@ GREEDY_LOGIT_SETTINGS = dict(repetition_penalty=1.0, encoder_repetition_penalty=
 
 
 # What a generation_config can set that makes generate() search otherwise than greedily, one row per
-# prompt and one head call per token (beams, prompt lookup, an early-exit assistant, constraints...),
+# prompt and one head call per token (beams, prompt lookup, an early-exit assistant, constraints,
+# classifier-free guidance's unconditional forward...),
 # or return other than the tokens, with each setting's plain value: a recording overrides them, since
 # its states pair with its tokens.
 RECORDING_GENERATE_SETTINGS = dict(num_beams=1, num_beam_groups=1, num_return_sequences=1, penalty_alpha=None,
                                    prompt_lookup_num_tokens=None, assistant_early_exit=None, constraints=None,
-                                   force_words_ids=None, use_mtp=False, dola_layers=None, return_dict_in_generate=False)
+                                   force_words_ids=None, use_mtp=False, dola_layers=None, return_dict_in_generate=False,
+                                   guidance_scale=1.0)
 
 
 def _settings_set(model, neutral: dict) -> dict:
@@ -358,8 +360,13 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id,
                                  **search)
             new = out[:, inputs["input_ids"].shape[1]:]
-            # One head call per generated token: prefill's last position, then one per step.
-            states = torch.stack(captured[: new.shape[1]], dim=1)
+            # One head call per generated token: prefill's last position, then one per step. More
+            # (a second forward a step) would pair states with the wrong tokens.
+            if len(captured) != new.shape[1]:
+                raise RuntimeError(f"generate() ran the output head {len(captured)} times for {new.shape[1]} new tokens, "
+                                   "so the recorded states cannot be paired with the tokens; a generation_config "
+                                   "setting outside RECORDING_GENERATE_SETTINGS may add forwards: reset it for the recording")
+            states = torch.stack(captured, dim=1)
             for row, i in enumerate(batch):
                 eos = torch.isin(new[row], stops.to(new.device)).nonzero()
                 count = int(eos[0]) + 1 if eos.numel() else new.shape[1]
@@ -581,7 +588,8 @@ class FlashHeadAttachment:
         linear = self._linear()
         if linear is None:
             raise ValueError("the output head FlashHead was attached to is gone (replaced since attach, e.g. by "
-                             "resize_token_embeddings, or its model freed): detach(model), and attach it again")
+                             "resize_token_embeddings, or its model freed), or this attachment was copied or unpickled "
+                             "without its model: detach(model), and attach it again")
         return linear
 
     @property

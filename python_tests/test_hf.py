@@ -254,10 +254,12 @@ def test_recorded_states_are_keyed_by_the_generation_settings_generate_applies(t
 
 
 @pytest.mark.parametrize("search", [dict(num_beams=3), dict(num_beams=2, num_return_sequences=2),
-                                    dict(prompt_lookup_num_tokens=3), dict(return_dict_in_generate=True)])
+                                    dict(prompt_lookup_num_tokens=3), dict(return_dict_in_generate=True),
+                                    dict(guidance_scale=1.5)])
 def test_a_recording_is_greedy_whatever_search_the_generation_config_sets(tmp_path, monkeypatch, search):
     # Beam search recorded reordered beams as prompts' states, prompt lookup several positions a
-    # head call (13 states for 24 tokens) or, batched, failed inside generate().
+    # head call (13 states for 24 tokens) or, batched, failed inside generate(); guidance the
+    # unconditional forward's states, every second one.
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
     model, tokenizer, prompts = _recording(7)
     greedy = hf.recorded_states(model, tokenizer, prompts, 9, progress=False)
@@ -272,6 +274,20 @@ def test_a_recording_is_greedy_whatever_search_the_generation_config_sets(tmp_pa
     # Settings the recording overrides do not key it: the greedy entry is read.
     assert torch.equal(hf.recorded_states(model, tokenizer, prompts, 9, progress=False)["hidden"], greedy["hidden"])
     assert len(list((tmp_path / "hidden_states").glob("*.safetensors"))) == 1
+
+
+def test_a_recording_refuses_a_generate_that_runs_the_head_more_than_once_a_token(monkeypatch):
+    # Any setting that adds a forward a step paired states with the wrong tokens, silently.
+    model, tokenizer, prompts = _recording(8)
+    plain_generate = model.generate
+
+    def generate_with_an_extra_forward(*args, **kwargs):
+        model.lm_head(torch.randn(1, 1, 16))
+        return plain_generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", generate_with_an_extra_forward)
+    with pytest.raises(RuntimeError, match="generate\\(\\) ran the output head 10 times for 9 new tokens"):
+        record_hidden_states(model, tokenizer, [prompts[0]["text"]], 9, progress=False)
 
 
 def test_the_converted_smollm2_is_cached_readable_by_others_or_used_uncached(tmp_path, monkeypatch):
@@ -1036,6 +1052,8 @@ def test_an_attached_model_is_freed_by_del_and_keeps_no_weight_it_moved_off():
     model.to_empty(device="cpu")
     copied = copy.deepcopy(model)  # copies attach to their own head, which they keep alive
     assert copied.flash_head.linear is copied.lm_head and model.flash_head.linear is model.lm_head
+    with pytest.raises(ValueError, match="or this attachment was copied or unpickled without its model"):
+        copy.deepcopy(model.flash_head).linear  # it copied the head, which nothing else keeps
     weights = [weakref.ref(m.lm_head.weight) for m in (model, copied)]
     was_enabled = gc.isenabled()
     gc.disable()  # freed by reference counting, as a model never attached is
