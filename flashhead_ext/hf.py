@@ -557,7 +557,7 @@ class FlashHeadAttachment:
                  *, weights_checked: bool = False):
         # Weakly: the head's forward is this attachment's bound method, so a strong reference back
         # made the model a reference cycle, which `del model` no longer freed (gc.collect() did).
-        self._linear = weakref.ref(linear)
+        self._linear = self._weak_linear(linear)
         self._assets = assets
         self._centroid_dtype = centroid_dtype
         self.probes = assets.n_probes if probes is None else probes
@@ -580,7 +580,25 @@ class FlashHeadAttachment:
     def __setstate__(self, state):
         # "linear": pickled before the head was held weakly. None: the head was replaced and dropped.
         linear = state.pop("linear", None) if "_linear" not in state else state["_linear"]
-        self.__dict__.update(state, _linear=_no_linear if linear is None else weakref.ref(linear))
+        self.__dict__.update(state, _linear=_no_linear if linear is None else self._weak_linear(linear))
+
+    def _weak_linear(self, linear: nn.Linear) -> weakref.ref:
+        """A weak reference to ``linear`` that, when it is freed, drops what this attachment holds of its
+        weight (an attachment kept after its model was freed held the whole output weight)."""
+        attachment = weakref.ref(self)  # weakly: the callback must not keep the attachment alive either
+
+        def freed(_):
+            kept = attachment()
+            if kept is not None:
+                kept._forget_weights_other_than(None)
+        return weakref.ref(linear, freed)
+
+    def _forget_weights_other_than(self, current: Optional[Tensor]) -> None:
+        """Drops the head built over, and the record of having checked, a weight that is not ``current``."""
+        if self._built_for is not current:
+            self._head = self._built_for = None
+        if self._weights_checked_for is not current:
+            self._weights_checked_for = None
 
     @property
     def linear(self) -> nn.Linear:
@@ -765,7 +783,11 @@ class FlashHeadAttachment:
         """The model's forward pre-hook: an untied head replaced by a new module (resize_token_embeddings,
         ``model.lm_head = ...``) no longer runs this forward, which would silently decode dense."""
         head = model.get_output_embeddings()
-        if head is self._linear() or not self.enabled:  # disabled: whatever head the model has runs dense
+        if not self.enabled:  # whatever head the model has runs dense; a replaced weight is not kept alive
+            linear = self._linear()
+            self._forget_weights_other_than(None if linear is None else linear.weight)
+            return
+        if head is self._linear():
             return
         if not isinstance(head, nn.Linear):  # attaching again would fail: say what can be done
             raise ValueError(f"the output head was replaced since attach by a {type(head).__name__}, not an nn.Linear "
@@ -1026,7 +1048,7 @@ def detach(model: nn.Module) -> None:
     if linear is not None:
         del linear._apply
     attachment._model_hook.remove()
-    attachment._head = attachment._built_for = None  # they hold the output weight; the attachment may outlive the model
+    attachment._forget_weights_other_than(None)  # they hold the output weight; the attachment may outlive the model
 
 
 __all__ = [

@@ -1065,6 +1065,39 @@ def test_an_attached_model_is_freed_by_del_and_keeps_no_weight_it_moved_off():
             gc.enable()
 
 
+def test_an_attachment_kept_by_the_caller_keeps_no_output_weight_the_model_dropped():
+    # attach() returns the attachment; kept, it held the whole output weight after the model was
+    # freed (detached or not), and, disabled, a weight the model had replaced.
+    def attached():
+        model = _tiny_llama(tied=False)
+        assets = _tiny_assets(model)
+        assets.embedding_fingerprint = embedding_fingerprint(model.lm_head.weight)  # compared, so referenced
+        attachment = attach(model, assets)
+        model(torch.tensor([[1, 2]]))
+        return model, attachment, weakref.ref(model.lm_head.weight)
+
+    was_enabled = gc.isenabled()
+    gc.disable()  # freed by reference counting
+    try:
+        for detaching in (False, True):
+            model, attachment, weight = attached()
+            if detaching:
+                detach(model)
+            del model
+            assert weight() is None and attachment is not None
+        model, attachment, weight = attached()
+        attachment.enabled = False
+        model.load_state_dict({"lm_head.weight": torch.randn(67, 16)}, strict=False, assign=True)
+        model(torch.tensor([[1, 2]]))  # dense
+        assert weight() is None
+        attachment.enabled = True  # built over the new weight, which is compared with the clustering's
+        with pytest.warns(UserWarning, match="built for other output weights than these"):
+            assert attachment.head().embedding.data_ptr() == model.lm_head.weight.data_ptr()
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def test_an_attachment_pickled_before_it_held_the_head_weakly_loads():
     model = _tiny_llama(tied=False)
     attachment = attach(model, _tiny_assets(model))
