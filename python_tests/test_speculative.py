@@ -110,6 +110,24 @@ def test_exact_for_every_k_draft_and_head(arch, mode):
             break  # K and the draft play no part
 
 
+@pytest.mark.parametrize("mode", ["ordinary", "deferred"])
+def test_k_set_during_a_generation_takes_effect_at_the_next(mode, monkeypatch):
+    # Another request thread setting decoder.k mid-generation made rounds of two sizes: wrong
+    # tokens or an IndexError. Set here from inside the draft's first step, deterministically.
+    target = tiny_model("llama")
+    decoder = SpeculativeDecoder(target, make_draft("llama", "self"), "dense", k=4, eos_token_id=[])
+    draft_next = decoder._draft_next
+
+    def first_step_sets_k(*args):
+        decoder.k = 2
+        return draft_next(*args)
+
+    monkeypatch.setattr(decoder, "_draft_next", first_step_sets_k)
+    gen = decoder.generate(prompt(3), mode=mode, max_new_tokens=NEW)
+    assert tuple(gen.tokens) == reference("llama", 3) and gen.stats.k == 4
+    check_counters(gen, mode, 4, NEW)
+
+
 def test_models_get_their_cache_by_the_keyword_their_forward_takes():
     # transformers 5.24 renamed past_key_values to cache (a FutureWarning at every call; removed in 5.40).
     class Old(torch.nn.Module):

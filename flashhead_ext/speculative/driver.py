@@ -493,10 +493,10 @@ class SpeculativeDecoder:
             head = self.head
             return head.next_token(hidden[0, -1:].to(head.embedding.dtype))
 
-    def _propose(self, pending: Tensor, cache, clock) -> Tensor:
-        """K greedy proposals ``[K]``. The draft cache gains ``pending`` and the first K-1 proposals."""
+    def _propose(self, pending: Tensor, cache, clock, k: int) -> Tensor:
+        """``k`` greedy proposals ``[k]``. The draft cache gains ``pending`` and the first k-1 proposals."""
         tokens, ids = [], draft_input(pending, self.draft_vocab, self.vocab_size)
-        for _ in range(self.k):
+        for _ in range(k):
             ids = self._draft_next(ids, cache, clock)
             tokens.append(ids)
         return torch.cat(tokens)
@@ -525,10 +525,12 @@ class SpeculativeDecoder:
         prompt = check_prompt(input_ids, self.device, self.vocab_size)
         # A draft's dropout costs acceptance only: the target decides every token.
         warn_if_dropout_active(self.target, "target")
-        problem = rope_switch_problem(self._rope_switch, prompt.shape[1], max_new_tokens, 0 if mode == "baseline" else self.k)
+        # k read once: another thread setting it mid-generation gave rounds of two sizes (wrong tokens).
+        k = self.k if mode != "baseline" else 0
+        problem = rope_switch_problem(self._rope_switch, prompt.shape[1], max_new_tokens, k)
         if problem:
             raise ValueError(problem)
-        stats = GenerationStats(mode=mode, prompt_tokens=prompt.shape[1], k=self.k if mode != "baseline" else 0)
+        stats = GenerationStats(mode=mode, prompt_tokens=prompt.shape[1], k=k)
         output = Emitter(stats, self.eos, max_new_tokens)
         emit = output.emit
 
@@ -546,7 +548,6 @@ class SpeculativeDecoder:
 
         clock = Clock(self.device)
         decode_start = time.perf_counter()
-        k = self.k
         final = first  # the last emitted token, on the device
         known = None   # ordinary mode: the target's token after `final`, already computed
         pending_draft = first  # tokens the draft cache lacks, ending with `final`
@@ -571,7 +572,7 @@ class SpeculativeDecoder:
                 done = emit([int(known)], 0, 0)
                 continue
 
-            proposals = self._propose(pending_draft, draft_cache, clock)
+            proposals = self._propose(pending_draft, draft_cache, clock, k)
             verified = True
             if mode == "ordinary":
                 first_pair = torch.cat([known, proposals[:1]]).tolist()
