@@ -523,6 +523,9 @@ class FlashHeadAttachment:
     With ``enabled`` (the default) the head returns float32 logits ``[..., V]`` that are exact on
     FlashHead's candidates and ``-inf`` elsewhere; with ``enabled = False`` it is the dense head
     again, unchanged (also one that replaced it, as ``resize_token_embeddings`` does). ``probes`` may be changed at any time; ``assets`` carries it as ``n_probes``.
+    Several threads may run the model at once; set ``assets`` or ``centroid_dtype``, or replace the
+    weight, between their calls, not during them: the attachment's state is not locked (a forward
+    then running could pair the new probes with the old head and fail, or keep the old head).
 
     How it composes with ``generate()``: greedy decoding takes the argmax of those logits, which
     is exactly ``FlashHead.next_token`` (ties to the smaller token id). Sampling draws from
