@@ -247,10 +247,7 @@ def check_kmeans_settings(iters, seed, iters_name: str = "iters") -> None:
     """build_clusters' checks of its k-means ``iters`` and ``seed``: a TypeError or ValueError naming
     the argument (``iters_name`` where a caller calls it otherwise)."""
     check_seed(seed)
-    if not ops._is_int(iters):
-        raise TypeError(f"{iters_name} must be an int, got {type(iters).__name__}")
-    if iters < 1:
-        raise ValueError(f"{iters_name} must be >= 1, got {iters}")
+    ops._require_positive_int(iters_name, iters)
 
 
 def check_clustering_inputs(embedding, hidden=None, *, finite: bool = True) -> None:
