@@ -544,3 +544,42 @@ def test_the_selection_refuses_probes_past_2_to_the_29(op):
         lambda p: ops.sample_clusters(hidden, centroids, p, 1.0, seed=3))
     with pytest.raises(ValueError, match=rf"flashhead.{op}: probes is 536870913, above the CUDA selection's limit of 2\^29"):
         call(2**29 + 1)
+
+
+def _row(dim, dtype=torch.bfloat16):
+    return torch.ones(1, dim, device="cuda", dtype=dtype)
+
+
+def _ids(*shape):
+    return torch.zeros(1, device="cuda", dtype=torch.int32).view(*[1] * len(shape)).expand(*shape)
+
+
+KERNEL_COUNT_LIMIT = 2**30
+PAST = KERNEL_COUNT_LIMIT + 1
+# One case per count a kernel loop steps an int through (stride-0 inputs: the checks read sizes
+# only). Counts within about 10^4 of 2^31 wrapped those loops' counters on the H100 (session 100):
+# out-of-bounds writes in gather_candidates and candidate_logits (cluster_size, candidates and
+# hidden_dim), a silently wrong fused_linear (in_features) and a wrong selection (clusters).
+COUNT_LIMIT_CASES = {
+    "gather_candidates cluster_size": (lambda: ops.gather_candidates(_ids(1, 1), _ids(1, PAST)),
+                                       f"cluster_size (cluster_tokens.size(1)) is {PAST}"),
+    "gather_candidates probes": (lambda: ops.gather_candidates(_ids(1, 2**33 + 5), _ids(1, 2**31 - 1)),
+                                 f"probes (cluster_ids.size(1)) is {2**33 + 5}"),
+    "candidate_logits candidates": (lambda: ops.candidate_logits(_row(8), _row(8), _ids(1, PAST)),
+                                    f"the number of candidates per row (candidate_ids.size(1)) is {PAST}"),
+    "candidate_logits hidden_dim": (lambda: ops.candidate_logits(_row(1).expand(1, PAST), _row(1).expand(1, PAST),
+                                                                 _ids(1, 1)), f"hidden_dim (hidden.size(1)) is {PAST}"),
+    "select_clusters clusters": (lambda: ops.select_clusters(_row(1), _row(1).expand(PAST, 1), 1),
+                                 f"the number of clusters (centroids.size(0)) is {PAST}"),
+    "decode_greedy candidates": (lambda: ops.decode_greedy(_row(1), _row(1).expand(2, 1), _ids(2, 2**29 + 1),
+                                                           _row(1), 2), "the number of candidates per row"),
+    "fused_linear in_features": (lambda: ops.fused_linear(_row(1).expand(1, PAST), _row(1).expand(1, PAST)),
+                                 f"x.size(1) is {PAST}"),
+}
+
+
+@pytest.mark.parametrize("case", COUNT_LIMIT_CASES)
+def test_counts_past_2_to_the_30_are_refused_by_name(case):
+    call, fragment = COUNT_LIMIT_CASES[case]
+    with pytest.raises(ValueError, match=re.escape(fragment) + r".*above the CUDA kernels' limit of 2\^30"):
+        call()

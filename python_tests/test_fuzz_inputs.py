@@ -75,12 +75,13 @@ from test_random_shapes import DRAWS
 DRAWS_PER_RANDOM_DRAW = 12
 
 INT32_MAX = 2**31 - 1
+CUDA_COUNT_MAX = 2**30  # the CUDA kernels' limit on every count they loop over
 FLOAT32_MAX = torch.finfo(torch.float32).max
 ALL_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
               torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64)
-# Past fused_linear's CUDA grid (524,280 tokens), int32 (the CUDA kernels' indices), uint32, and
-# far past; 2**31 - 1 is the largest int32.
-HUGE = (524281, 2**31 - 1, 2**31, 2**32 + 1, 2**40)
+# Past fused_linear's CUDA grid (524,280 tokens), the CUDA kernels' counts (2^30), int32 (ids),
+# uint32, and far past; 2**31 - 1 is the largest int32.
+HUGE = (524281, 2**30 + 1, 2**31 - 1, 2**31, 2**32 + 1, 2**40)
 FUSED_LINEAR_CUDA_TOKENS = 524280
 ATTENTION_CUDA_ROWS = 65535 * 32  # a KV head's query rows: 65,535 tiles of at most 32
 RUNNABLE = 64  # the largest size a valid mutation may run at: larger valid sizes are not drawn
@@ -482,27 +483,27 @@ def head_op(op):
         def tensor(name, kind=FLOATS, free=None, **options):
             return Arg((name,), kind, shape=sizes(shape[name], free), **options)
 
-        # The sizes an op takes apart from the other arguments'. On CUDA each is below 2^31, and
+        # The sizes an op takes apart from the other arguments'. On CUDA each is at most 2^30, and
         # so is a row's candidates, probes * cluster_size + extras (the valid call's p and b).
-        batch = {0: Free(cuda_high=INT32_MAX)} if op in (*SELECTION_OPS, "decode_greedy", "decode_sample") else None
-        cluster_size = Free(low=1, cuda_high=(INT32_MAX - E) // HEAD.p)
+        batch = {0: Free(cuda_high=CUDA_COUNT_MAX)} if op in (*SELECTION_OPS, "decode_greedy", "decode_sample") else None
+        cluster_size = Free(low=1, cuda_high=(CUDA_COUNT_MAX - E) // HEAD.p)
         fp8 = "centroids" in args and args["centroids"].dtype == torch.float8_e4m3fn
         all_specs = {
             # fp8 centroids take hidden of any float dtype; an embedding must have hidden's.
             "hidden": lambda: tensor("hidden", free=batch, names=("hidden_dim",), nan=True,
                                      dtypes=ops.FLOAT_DTYPES if fp8 and "embedding" not in args else ()),
             "centroids": lambda: tensor("centroids", nan=True, dtypes=(torch.float32, torch.float8_e4m3fn),
-                                        free={0: Free(low=HEAD.p, high=INT32_MAX)} if op in SELECTION_OPS
+                                        free={0: Free(low=HEAD.p, high=INT32_MAX, cuda_high=CUDA_COUNT_MAX)} if op in SELECTION_OPS
                                         else None),  # the decodes' rows are cluster_tokens'
             "embedding": lambda: tensor("embedding", free={0: Free(low=1, high=INT32_MAX)}, nan=True),
             "cluster_tokens": lambda: tensor("cluster_tokens", IDS, {
-                **({0: Free(low=1, cuda_high=INT32_MAX)} if op == "gather_candidates" else {}), 1: cluster_size},
+                **({0: Free(low=1, cuda_high=CUDA_COUNT_MAX)} if op == "gather_candidates" else {}), 1: cluster_size},
                 bound=HEAD.V),
-            "cluster_ids": lambda: tensor("cluster_ids", IDS, {0: Free(cuda_high=INT32_MAX),
-                                                               1: Free(cuda_high=(INT32_MAX - E) // HEAD.b)}, bound=HEAD.C),
-            "extra_ids": lambda: tensor("extra_ids", IDS, {0: Free(cuda_high=INT32_MAX - HEAD.p * HEAD.b)}, none=ACCEPT,
+            "cluster_ids": lambda: tensor("cluster_ids", IDS, {0: Free(cuda_high=CUDA_COUNT_MAX),
+                                                               1: Free(cuda_high=(CUDA_COUNT_MAX - E) // HEAD.b)}, bound=HEAD.C),
+            "extra_ids": lambda: tensor("extra_ids", IDS, {0: Free(cuda_high=CUDA_COUNT_MAX - HEAD.p * HEAD.b)}, none=ACCEPT,
                                         bound=HEAD.V),
-            "candidate_ids": lambda: tensor("candidate_ids", IDS, {1: Free(cuda_high=INT32_MAX)}, bound=HEAD.V),
+            "candidate_ids": lambda: tensor("candidate_ids", IDS, {1: Free(cuda_high=CUDA_COUNT_MAX)}, bound=HEAD.V),
             "probes": lambda: Arg(("probes",), INT, valid=in_range(1, HEAD.C)),
             "temperature": lambda: Arg(("temperature",), FLOAT, valid=in_range(*ops.TEMPERATURE_RANGE)),
             "seed": lambda: Arg(("seed",), SEED_T, shape=one_value, none=ACCEPT),
@@ -540,15 +541,15 @@ def layer_op(op):
         all_specs = {
             # Any token count without a residual (none too), up to the CUDA grid's.
             "x": lambda: tensor("x", free=None if "residual" in args else {0: Free(cuda_high=FUSED_LINEAR_CUDA_TOKENS)}),
-            # Any out_features without a residual and a bias (at least one), on CUDA below 2^31.
+            # Any out_features without a residual and a bias (at least one), on CUDA up to 2^30.
             "weight": lambda: tensor("weight", free=None if {"residual", "bias"} & set(args) else {
-                0: Free(low=1, cuda_high=INT32_MAX)}),
+                0: Free(low=1, cuda_high=CUDA_COUNT_MAX)}),
             "norm_weight": lambda: tensor("norm_weight", none=ACCEPT), "residual": lambda: tensor("residual", none=ACCEPT),
             "bias": lambda: tensor("bias", none=ACCEPT),
             "eps": lambda: Arg(("eps",), FLOAT, valid=eps),
             "gated": lambda: Arg(("gated",), BOOL, valid=lambda v: not v),  # x is not [M, 2K]
             "static_weight": lambda: Arg(("static_weight",), BOOL, valid=lambda v: True),
-            "qkv": lambda: tensor("qkv", free={0: Free(low=1, cuda_high=INT32_MAX)}),  # any token count
+            "qkv": lambda: tensor("qkv", free={0: Free(low=1, cuda_high=CUDA_COUNT_MAX)}),  # any token count
             "cos": lambda: tensor("cos"), "sin": lambda: tensor("sin"),
             "length": lambda: Arg(("length",), LENGTH, shape=one_value),
             # Written in place by rotary_cache_write, read by decode_attention.
@@ -623,9 +624,9 @@ def head_call(kind, method):
 
     def specs(args):
         all_specs = {
-            # FlashHead's ops refuse rows past int32 on CUDA; DenseHead has no limit (none is drawn).
+            # FlashHead's ops refuse rows past 2^30 on CUDA; DenseHead has no limit (none is drawn).
             "hidden": Arg(("hidden",), FLOATS, shape=rows_of(HEAD.D, HEAD.B if "out" in args else None,
-                                                              INT32_MAX if kind == "FlashHead" else math.inf),
+                                                              CUDA_COUNT_MAX if kind == "FlashHead" else math.inf),
                           nan=kind == "FlashHead"),  # DenseHead's argmax has no documented order among NaNs
             "out": Arg(("out",), OUT, shape=sizes((HEAD.B,)), none=ACCEPT),
             "temperature": Arg(("temperature",), FLOAT, valid=in_range(*ops.TEMPERATURE_RANGE)),

@@ -53,13 +53,16 @@ const int32_t* optional_ids(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->numel() > 0 ? t->data_ptr<int32_t>() : nullptr;
 }
 
-// The kernels index with int; shapes beyond that are refused rather than silently wrapped. Every
-// such check reads sizes only and comes before the inputs' contiguous copies: a stride-0 input of a
-// huge size would otherwise be copied whole (or fail to allocate) before it is refused. `what`
-// names the arguments the size comes from.
+// The kernels index with int, and some loops step an int counter up to about 10^4 past a count
+// before testing it: a count within that of 2^31 wrapped (out-of-bounds writes, wrong answers; the
+// overflow audit of session 100). 2^30 leaves ample headroom. Every such check reads sizes only and
+// comes before the inputs' contiguous copies: a stride-0 input of a huge size would otherwise be
+// copied whole (or fail to allocate) before it is refused. `what` names the arguments the size
+// comes from.
+constexpr int64_t kMaxKernelCount = int64_t{1} << 30;
+
 void check_fits_int(const char* op, int64_t value, const char* what) {
-  FH_CHECK_VALUE(op, value <= std::numeric_limits<int32_t>::max(), what, " is ", num_str(value),
-                 ", above the CUDA kernels' limit of 2^31 - 1");
+  FH_CHECK_VALUE(op, value <= kMaxKernelCount, what, " is ", num_str(value), ", above the CUDA kernels' limit of 2^30");
 }
 
 at::Tensor workspace(size_t bytes, const at::Tensor& like) {
@@ -153,6 +156,8 @@ at::Tensor gather_candidates_cuda(const at::Tensor& cluster_ids_in, const at::Te
   check_extra_ids(op, extra_ids_in, cluster_ids_in, "cluster_ids");
   const int64_t batch = cluster_ids_in.size(0), probes = cluster_ids_in.size(1), extra = num_extra(extra_ids_in);
   check_fits_int(op, batch, "the batch size (cluster_ids.size(0))");
+  // Before the product below, which a huge probes could overflow even in int64.
+  check_fits_int(op, probes, "probes (cluster_ids.size(1))");
   check_fits_int(op, cluster_tokens_in.size(0), "the number of clusters (cluster_tokens.size(0))");
   check_fits_int(op, cluster_tokens_in.size(1), "cluster_size (cluster_tokens.size(1))");
   check_fits_int(op, probes * cluster_tokens_in.size(1) + extra,
