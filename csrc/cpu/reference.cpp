@@ -136,7 +136,10 @@ at::Tensor candidate_logits_cpu(const at::Tensor& hidden, const at::Tensor& embe
   auto hidden_rows = float_rows(hidden);
   // Rows in blocks of about 64 MB of gathered float32 embedding rows: at once, a forward over every
   // position of a sequence (HF labels, perplexity) took 7 MB a position at SmolLM2's shapes.
-  const int64_t block = std::max<int64_t>(1, (int64_t{1} << 24) / std::max<int64_t>(1, width * embedding.size(1)));
+  // Divided in turn rather than by width * hidden_dim, which overflows int64 for huge empty or stride-0
+  // inputs (batch 0): floor(floor(a / b) / c) == floor(a / (b * c)); hidden_dim >= 1 is checked.
+  const int64_t block =
+      std::max<int64_t>(1, width == 0 ? (int64_t{1} << 24) : (int64_t{1} << 24) / width / embedding.size(1));
   auto logits = at::empty({batch, width}, hidden.options().dtype(at::kFloat));
   for (int64_t start = 0; start < batch; start += block) {
     const int64_t n = std::min(block, batch - start);
