@@ -340,11 +340,10 @@ class DenseHead(_HeadBase):
         ops._require_generator_for(rows.device, generator)
         scaled = (rows @ self.embedding.t()).float() / temperature
         # Gumbel-max: argmax(logits/T + G) is a draw from softmax(logits/T), with no host sync.
-        # generator=None spelled out makes torch.compile and torch.export fail on a dynamic batch.
-        draw = {} if generator is None else {"generator": generator}
         # float32 whatever torch's default dtype: bfloat16 uniforms cut the noise's tail off, so tokens
         # far below the top were never drawn.
-        uniform = torch.rand(scaled.shape, device=scaled.device, dtype=torch.float32, **draw).clamp_(min=torch.finfo(torch.float32).tiny)
+        uniform = torch.rand(scaled.shape, device=scaled.device, dtype=torch.float32,
+                             **ops._generator_keyword(generator)).clamp_(min=torch.finfo(torch.float32).tiny)
         tokens = (scaled - torch.log(-torch.log(uniform))).argmax(dim=-1)
         logprobs = scaled.log_softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
         return tokens.reshape(hidden.shape[:-1]), logprobs.reshape(hidden.shape[:-1])

@@ -210,7 +210,13 @@ def make_seed(device: torch.device, seed: SeedLike = None, generator: Optional[t
     if seed is not None:
         return torch.full((), _require_int("seed", seed), dtype=torch.int64, device=device)
     _require_generator_for(device, generator)
-    return torch.randint(0, 2**62, (), dtype=torch.int64, device=device, generator=generator)
+    return torch.randint(0, 2**62, (), dtype=torch.int64, device=device, **_generator_keyword(generator))
+
+
+def _generator_keyword(generator: Optional[torch.Generator]) -> dict:
+    """``generator=`` for a torch draw, left out when None: spelled out as None, the draw becomes an
+    overload that AOTInductor, inductor's cpp_wrapper and export with a dynamic batch cannot run."""
+    return {} if generator is None else {"generator": generator}
 
 
 # The float dtypes of hidden, embedding and non-fp8 centroids.

@@ -106,6 +106,38 @@ def test_compile_dense_sample_on_a_dynamic_batch(device):
         torch.testing.assert_close(logprobs, expected)
 
 
+@pytest.mark.slow
+@device_params
+def test_unseeded_sampling_under_aot_inductor_and_cpp_wrapper(device, tmp_path):
+    # The seed's draw passed generator=None to torch.randint, which records an overload that an
+    # AOTInductor package failed to run (an internal assert) and inductor's cpp_wrapper to compile.
+    problem = make_problem(SHAPE, torch.float32, device)
+    head = flash_head(problem)
+
+    class Sample(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = head
+
+        def forward(self, hidden):
+            return self.head.sample(hidden, 0.8)
+
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(Sample(), (problem.hidden[:3],), dynamic_shapes=({0: batch},))
+    package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "sample.pt2"))
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(cpp_wrapper=True):
+        runs = {"aoti": torch._inductor.aoti_load_package(package),
+                "cpp_wrapper": torch.compile(Sample(), fullgraph=True)}
+        for name, run in runs.items():
+            for rows in (2, SHAPE.B):
+                hidden = problem.hidden[:rows]
+                tokens, logprobs = run(hidden)
+                assert tokens.shape == (rows,) and logprobs.shape == (rows,), name
+                assert ((0 <= tokens) & (tokens < problem.embedding.shape[0])).all(), name
+                assert torch.isfinite(logprobs).all() and (logprobs <= 0).all(), name
+
+
 @device_params
 @pytest.mark.parametrize("centroid_dtype", [None, torch.float8_e4m3fn], ids=str)
 def test_export_flash_head(centroid_dtype, device):
