@@ -885,3 +885,28 @@ def test_cuda_no_host_sync():
         ops.rotary_cache_write(**{**rotary, "q_norm": norm_weight[:64], "k_norm": norm_weight[64:128]})
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def write_layer_one(qkv, cos, sin, length, k_caches, v_caches):
+    return ops.rotary_cache_write(qkv, cos, sin, length, k_caches[1], v_caches[1], H_)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dynamic", [
+    False,
+    pytest.param(True, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason="pytorch/pytorch#198068: inductor drops a mutated "
+                                               "view's symbolic storage offset (the README's note; remove both once fixed)")),
+], ids=["static", "dynamic"])
+def test_compiled_cache_write_into_a_layer_view(dynamic):
+    # Stacked per-layer caches, one layer's view written (the fast decoder's fused body does this).
+    g = generator("cache-views")
+    args = valid_args("cpu")
+    stacked = {name: randn(g, 2, KV_, MAX_LEN_, HD_, dtype=torch.float32) for name in ("k_caches", "v_caches")}
+    expected = {name: cache.clone() for name, cache in stacked.items()}
+    inputs = [args[name] for name in ("qkv", "cos", "sin", "length")]
+    q_eager = write_layer_one(*inputs, expected["k_caches"], expected["v_caches"])
+    torch._dynamo.reset()
+    q = torch.compile(write_layer_one, fullgraph=True, dynamic=dynamic)(*inputs, stacked["k_caches"], stacked["v_caches"])
+    assert torch.equal(q, q_eager)
+    for name in stacked:
+        assert torch.equal(stacked[name], expected[name]), name
