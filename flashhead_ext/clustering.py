@@ -142,7 +142,20 @@ def cluster_table(assignments: Tensor, n_clusters: int, width: Optional[int] = N
 
     ``width`` defaults to the largest cluster. Raises ValueError if a cluster is larger than ``width``.
     """
+    ops._require_tensor("assignments", assignments)
+    n_clusters = ops._require_positive_int("n_clusters", n_clusters)
+    if width is not None:
+        width = ops._require_positive_int("width", width)
+    # A cast would truncate float ids and turn bools into 0/1 silently.
+    if assignments.dim() != 1 or assignments.is_floating_point() or assignments.is_complex() or assignments.dtype == torch.bool:
+        raise TypeError(f"assignments must be a 1-D integer tensor of cluster ids [vocab], got shape "
+                        f"{tuple(assignments.shape)} and dtype {assignments.dtype}")
+    ops._require_values("assignments", assignments)
     assignments = assignments.to(torch.int64)
+    bad = (assignments < 0) | (assignments >= n_clusters)
+    if bad.any():
+        token = int(bad.nonzero()[0])
+        raise ValueError(f"assignments[{token}] = {int(assignments[token])} is not a cluster id in [0, {n_clusters})")
     counts = torch.bincount(assignments, minlength=n_clusters)
     width = int(counts.max()) if width is None else width
     if int(counts.max()) > width:
@@ -365,6 +378,10 @@ def _on_one_cpu_thread(fn, *args):
 @ops._autocast_off
 def best_member_logits(embedding: Tensor, hidden: Tensor, table: Tensor, rows_per_chunk: int = 256) -> Tensor:
     """float32 ``[N, C]``: for each state, each cluster's largest member logit ``max_t E_t . h``."""
+    check_clustering_inputs(embedding, hidden, finite=False)
+    if hidden.dtype != embedding.dtype:
+        raise TypeError(f"hidden must have the embedding's dtype {embedding.dtype}, got {hidden.dtype}")
+    ops.validate_cluster_table(table, embedding.shape[0])
     index, real = table.clamp(min=0).long(), table >= 0
     out = []
     for rows in hidden.split(rows_per_chunk):
@@ -380,6 +397,7 @@ def fit_max_logit_centroids(embedding: Tensor, hidden: Tensor, cluster_tokens: T
     tokens in ``cluster_tokens`` ``[C, b]`` (-1 padding). Ranked raw, these estimate each
     cluster's best logit."""
     _check_ridge(ridge)
+    check_clustering_inputs(embedding, hidden, finite=False)
     rows, states = embedding.detach().float(), hidden.detach().to(embedding.device, torch.float32)
     targets = best_member_logits(rows, states, cluster_tokens.to(rows.device))
     gram = _on_one_cpu_thread(torch.matmul, states.T, states)

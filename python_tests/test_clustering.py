@@ -153,6 +153,43 @@ def test_cluster_table_from_assignments():
         cluster_table(assignments, 3, width=2)
 
 
+@pytest.mark.parametrize("assignments,n_clusters,width,error,match", [
+    # A cast had truncated these to [0, 1, 0, 1] and [1, 0, 1, 0] silently.
+    (torch.tensor([0.9, 1.7, 0.2, 1.1]), 2, None, TypeError, "assignments must be a 1-D integer tensor"),
+    (torch.tensor([True, False, True, False]), 2, None, TypeError, "assignments must be a 1-D integer tensor"),
+    (torch.tensor([[0, 1], [1, 0]]), 2, None, TypeError, r"assignments must be a 1-D integer tensor .* shape \(2, 2\)"),
+    (torch.tensor([0, 1, 2, 1]), 2, None, ValueError, r"assignments\[2\] = 2 is not a cluster id in \[0, 2\)"),
+    (torch.tensor([0, -1, 1]), 2, None, ValueError, r"assignments\[1\] = -1 is not a cluster id"),
+    ([0, 1], 2, None, TypeError, "assignments must be a torch.Tensor"),
+    (torch.tensor([0, 1]), 0, None, ValueError, "n_clusters must be >= 1"),
+    (torch.tensor([0, 1]), 2.0, None, TypeError, "n_clusters must be an int"),
+    (torch.tensor([0, 1]), 2, 0, ValueError, "width must be >= 1"),
+], ids=["float", "bool", "2-D", "id-past", "id-negative", "list", "no-clusters", "float-count", "zero-width"])
+def test_cluster_table_refuses_bad_input_by_name(assignments, n_clusters, width, error, match):
+    with pytest.raises(error, match=match):
+        cluster_table(assignments, n_clusters, width)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (lambda e, h, t: (e, h.bfloat16(), t), TypeError, "hidden must have the embedding's dtype torch.float32"),
+    (lambda e, h, t: (e, h.unsqueeze(1).expand(-1, 2, -1), t), ValueError, "hidden must be a non-empty 2-D float tensor"),
+    (lambda e, h, t: (e, h[:, :3], t), ValueError, "hidden must have the embedding's hidden size 4"),
+    (lambda e, h, t: (e, h, t.float()), TypeError, "cluster_tokens must hold integer token ids"),
+    (lambda e, h, t: (e, h, t + 1), ValueError, "cluster_tokens holds id 8"),
+], ids=["dtypes", "rank-3", "hidden-size", "float-table", "id-past"])
+def test_best_member_logits_refuses_bad_input_by_name(change, error, match):
+    embedding, hidden = _embedding(8, 4), _embedding(5, 4, seed=1)
+    table = cluster_table(torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), 4)
+    with pytest.raises(error, match=match):
+        clustering_mod.best_member_logits(*change(embedding, hidden, table))
+
+
+def test_fit_max_logit_centroids_refuses_a_rank_3_hidden():
+    table = cluster_table(torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), 4)
+    with pytest.raises(ValueError, match="hidden must be a non-empty 2-D float tensor"):
+        fit_max_logit_centroids(_embedding(8, 4), _embedding(5, 4, seed=1).unsqueeze(1).expand(-1, 2, -1), table)
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"embedding": [[1.0]]}, TypeError, "embedding must be a torch.Tensor"),
     ({"embedding": torch.zeros(4)}, ValueError, "2-D float tensor"),
