@@ -433,6 +433,9 @@ class FlashHead(_HeadBase):
     centroid_scale: Optional[Tensor]
     sampling_centroid_scale: Optional[Tensor]
 
+    # Buffers built inside inference mode would be inference tensors: a later load_state_dict outside
+    # it raised after copying the state in, so a load reported failed had been applied.
+    @torch.inference_mode(False)
     def __init__(
         self,
         embedding: Tensor,
@@ -543,7 +546,8 @@ class FlashHead(_HeadBase):
         # The count of special tokens is a setting, not a fixed shape: take the state's. The buffer is
         # kept when it fits, so what holds it (a captured graph) sees the new ids.
         if isinstance(ids, Tensor) and ids.shape != self.extra_ids.shape:
-            self.extra_ids = torch.empty_like(ids)
+            with torch.inference_mode(False):  # as in __init__
+                self.extra_ids = torch.empty_like(ids)
         # assign=True keeps the tensors given: copies, so that the buffers stay the head's own (two heads
         # loaded from one state would share them, and a later load into one would change the other).
         assign = local_metadata.get("assign_to_params_buffers", False)

@@ -145,6 +145,24 @@ def test_next_token_writes_an_out_made_in_inference_mode(device, make_head):
     assert torch.equal(out, head.next_token(problem.hidden))
 
 
+def test_flash_head_built_in_inference_mode_loads_states_outside_it():
+    # Its buffers were inference tensors: a load outside inference mode raised torch's "Inplace update
+    # to inference tensor" after copying the state in. A load inside it that changes the number of
+    # special tokens makes a new buffer, which must not be one either.
+    problem = make_problem(SHAPE, torch.float32, "cpu")
+    with torch.inference_mode():
+        head = FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, SHAPE.p)
+    other = FlashHead(problem.embedding, problem.centroids.flip(0), problem.cluster_tokens.flip(0), SHAPE.p,
+                      special_token_ids=[0, 1, 2])
+    with torch.inference_mode():
+        head.load_state_dict(other.state_dict())
+    assert not any(buffer.is_inference() for buffer in head.buffers())
+    head.load_state_dict(FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, SHAPE.p,
+                                   special_token_ids=[5]).state_dict())
+    expected = FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, SHAPE.p, special_token_ids=[5])
+    assert torch.equal(head.next_token(problem.hidden), expected.next_token(problem.hidden))
+
+
 def test_dense_next_token_refuses_a_bad_out():
     problem = make_problem(SHAPE, torch.float32, "cpu")
     head = DenseHead(problem.embedding)
