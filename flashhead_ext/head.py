@@ -294,6 +294,9 @@ class DenseHead(_HeadBase):
         _check_embedding(embedding)
         self._keep_embedding(embedding)
 
+    # Token ids have no gradient: recorded, the product saved its inputs for a backward that never
+    # comes, and an embedding made in inference mode was refused as one.
+    @torch.no_grad()
     def next_token(self, hidden: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
         """int64 ``hidden.shape[:-1]``: each row's argmax over the whole vocabulary. ``out``, as
         FlashHead's: an int64 ``[B]`` with ``B`` the rows of ``hidden`` (its leading dimensions

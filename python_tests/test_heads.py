@@ -145,6 +145,17 @@ def test_next_token_writes_an_out_made_in_inference_mode(device, make_head):
     assert torch.equal(out, head.next_token(problem.hidden))
 
 
+@either_head
+def test_next_token_over_an_inference_mode_embedding_on_hidden_that_requires_grad(make_head):
+    # DenseHead's product recorded autograd, and torch refused to save an inference tensor for it.
+    problem = make_problem(SHAPE, torch.float32, "cpu")
+    with torch.inference_mode():
+        embedding = problem.embedding.clone()
+    head = make_head(replace(problem, embedding=embedding))
+    hidden = problem.hidden.clone().requires_grad_()
+    assert torch.equal(head.next_token(hidden), make_head(problem).next_token(problem.hidden))
+
+
 def test_flash_head_built_in_inference_mode_loads_states_outside_it():
     # Its buffers were inference tensors: a load outside inference mode raised torch's "Inplace update
     # to inference tensor" after copying the state in. A load inside it that changes the number of
