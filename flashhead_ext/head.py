@@ -73,7 +73,7 @@ def special_token_list(special_token_ids, vocab: int) -> list:
             special_token_ids = sorted(special_token_ids)
         if isinstance(special_token_ids, (list, tuple)) and _holds_a_bool(special_token_ids):
             raise TypeError  # torch.as_tensor makes [True, 1] the ids [1, 1]
-        ids = torch.as_tensor(special_token_ids).flatten()
+        ids = torch.as_tensor(special_token_ids, device="cpu").flatten()  # read on the host, whatever the default device
     except (TypeError, ValueError, OverflowError, RuntimeError):
         raise TypeError(f"{expected} {special_token_ids!r}") from None
     if ids.numel() == 0:
@@ -492,7 +492,7 @@ class FlashHead(_HeadBase):
     @staticmethod
     def _as_extra_ids(special_token_ids, vocab: int, device) -> Tensor:
         ids = special_token_list(special_token_ids, vocab)
-        return torch.unique(torch.tensor(ids, dtype=torch.int64)).to(device, torch.int32)
+        return torch.unique(torch.tensor(ids, dtype=torch.int64, device="cpu")).to(device, torch.int32)
 
     @property
     def _extra_ids(self) -> Optional[Tensor]:

@@ -6,7 +6,7 @@ whole story; the GPU test runs the public entry points under a CUDA default."""
 import pytest
 import torch
 
-from flashhead_ext import attach, build_clusters, calibrate_clusters, flash_head_for, hf
+from flashhead_ext import FlashHead, attach, build_clusters, calibrate_clusters, flash_head_for, hf
 from flashhead_ext.assets import _fingerprint_directions, embedding_fingerprint
 from flashhead_ext.clustering import cluster_sizes
 from flashhead_ext.fast import Decoder, DecoderConfig, FastSpeculativeDecoder
@@ -40,6 +40,19 @@ def test_host_side_tensors_stay_on_the_cpu_under_another_default_device():
     assert sizes.device.type == directions.device.type == copy.host.device.type == "cpu"
     copy.start()
     assert copy.wait() == [0, 1, 2, 3]
+
+
+def test_flash_head_from_cpu_tensors_under_another_default_device():
+    # The special tokens' ids were made on the default device: there torch.unique (or the copy to
+    # the host that reads them) failed.
+    gen = torch.Generator().manual_seed(3)
+    embedding, centroids = torch.randn(64, 16, generator=gen), torch.randn(16, 16, generator=gen)
+    table = torch.randperm(64, generator=gen).to(torch.int32).view(16, 4)
+    for special in (None, [7, 1, 7], torch.tensor([2, 9])):
+        expected = FlashHead(embedding, centroids, table, 3, special_token_ids=special)
+        with torch.device("meta"):
+            head = FlashHead(embedding, centroids, table, 3, special_token_ids=special)
+        assert head.extra_ids.device.type == "cpu" and torch.equal(head.extra_ids, expected.extra_ids), special
 
 
 def test_synthetic_acceptances_are_drawn_on_the_cpu_under_another_default_device():
