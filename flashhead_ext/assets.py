@@ -511,7 +511,7 @@ def embedding_fingerprint(embedding: Tensor) -> list:
     come from arithmetic, not torch's random streams, which no release promises to keep. A
     fine-tune of a few rows only (new tokens) is seen where it changes one of them."""
     vocab, dim = embedding.shape
-    rows = torch.arange(FINGERPRINT_ROWS, dtype=torch.int64) * 2654435761 % vocab  # Knuth's multiplicative hash
+    rows = torch.arange(FINGERPRINT_ROWS, dtype=torch.int64, device="cpu") * 2654435761 % vocab  # Knuth's multiplicative hash
     sampled = embedding.detach()[rows.to(embedding.device)].to("cpu", torch.float32)
     return [float(f"{x:.6g}") for x in (sampled @ _fingerprint_directions(dim)).flatten().tolist()]
 
@@ -527,8 +527,8 @@ def fingerprint_change(stored: list, current: list) -> float:
     """How far fingerprint ``current`` is from ``stored``, as a fraction of the stored one's largest
     value (rounding moves it by well under FINGERPRINT_TOLERANCE, other weights by far more);
     infinite where ``current`` is not finite (a NaN weight made it NaN, which passed every tolerance)."""
-    stored_values = torch.tensor(stored, dtype=torch.float64)
-    change = float((torch.tensor(current, dtype=torch.float64) - stored_values).abs().max()
+    stored_values = torch.tensor(stored, dtype=torch.float64, device="cpu")
+    change = float((torch.tensor(current, dtype=torch.float64, device="cpu") - stored_values).abs().max()
                    / stored_values.abs().max().clamp(min=1e-30))
     return math.inf if math.isnan(change) else change
 

@@ -211,7 +211,7 @@ def _assign(rows: Tensor, centroids: Tensor, sizes: Tensor) -> Tensor:
     # Leftovers: their candidates filled up first. Retry against the clusters with room only;
     # each round assigns at least the best remaining pair, and total room equals the leftovers.
     while True:
-        free = torch.tensor([t for t, c in enumerate(assignment) if c < 0], dtype=torch.int64)
+        free = torch.tensor([t for t, c in enumerate(assignment) if c < 0], dtype=torch.int64, device="cpu")
         if free.numel() == 0:
             break
         open_ids = torch.tensor([c for c, room in enumerate(capacity) if room > 0], dtype=torch.int64, device=rows.device)

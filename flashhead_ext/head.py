@@ -519,7 +519,7 @@ class FlashHead(_HeadBase):
         # Saved by a version-1 head without special tokens. A dict without the metadata (rebuilt or
         # filtered, or read from safetensors) says no version: a missing extra_ids is then missing.
         if local_metadata.get("version", 2) < 2 and prefix + "extra_ids" not in state_dict:
-            state_dict[prefix + "extra_ids"] = torch.empty(0, dtype=torch.int32)
+            state_dict[prefix + "extra_ids"] = torch.empty(0, dtype=torch.int32, device="cpu")
         for name in ("centroids", "sampling_centroids"):
             if isinstance(incoming(name), Tensor):
                 # A copy between the two kinds would cast fp8 values without their scale, or drop one.
@@ -585,7 +585,7 @@ class FlashHead(_HeadBase):
 
         def covered(table: Tensor, extra_ids: Tensor) -> Tensor:
             tokens = torch.cat([table.flatten(), extra_ids.flatten()]).to("cpu", torch.int64)
-            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool, device="cpu")
             mask[tokens[tokens >= 0]] = True
             return mask
 

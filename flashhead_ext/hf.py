@@ -286,9 +286,9 @@ def _encode_prompts(tokenizer, texts: Sequence[str]):
 def _left_padded(rows, pad_id: Optional[int], device) -> dict:
     """``input_ids`` and ``attention_mask`` of token-id rows padded on the left with ``pad_id``:
     generation appends on the right, so every row's last column must be real."""
-    rows = [torch.as_tensor(row, dtype=torch.int64).flatten() for row in rows]
+    rows = [torch.as_tensor(row, dtype=torch.int64, device="cpu").flatten() for row in rows]
     width = max(row.numel() for row in rows)
-    ids = torch.full((len(rows), width), 0 if pad_id is None else pad_id, dtype=torch.int64)  # None: rows of one width
+    ids = torch.full((len(rows), width), 0 if pad_id is None else pad_id, dtype=torch.int64, device="cpu")  # None: one width
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):
         ids[i, width - row.numel():], mask[i, width - row.numel():] = row, 1
@@ -340,7 +340,7 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
     found: dict[int, tuple[Tensor, Tensor]] = {}
     # generate() stops a sequence at the model's EOS ids, then pads it; a batch of one just stops.
-    stops = torch.tensor(getattr(model.generation_config, "eos_token_id", None) or [], dtype=torch.int64).flatten()
+    stops = torch.tensor(getattr(model.generation_config, "eos_token_id", None) or [], dtype=torch.int64, device="cpu").flatten()
     # Padded here, not by the tokenizer: set to pad on the left, the caller's changed under other
     # threads using it (and some tokenizers cannot be copied).
     pad_id = tokenizer.eos_token_id if lacks_pad else getattr(tokenizer, "pad_token_id", None)

@@ -3,11 +3,13 @@
 
 On the CPU the "meta" device stands in for CUDA where a factory call without ``device=`` is the
 whole story; the GPU test runs the public entry points under a CUDA default."""
+import warnings
+
 import pytest
 import torch
 
 from flashhead_ext import FlashHead, attach, build_clusters, calibrate_clusters, flash_head_for, hf
-from flashhead_ext.assets import _fingerprint_directions, embedding_fingerprint
+from flashhead_ext.assets import _fingerprint_directions, embedding_fingerprint, fingerprint_change
 from flashhead_ext.clustering import cluster_sizes
 from flashhead_ext.fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from flashhead_ext.fast.runner import _HostCopy
@@ -55,6 +57,31 @@ def test_flash_head_from_cpu_tensors_under_another_default_device():
         assert head.extra_ids.device.type == "cpu" and torch.equal(head.extra_ids, expected.extra_ids), special
 
 
+def test_cpu_entry_points_under_another_default_device():
+    # Each made a host-side tensor on the default device: under "meta" they failed (cannot copy out
+    # of meta, or no kernel), and under CUDA they did host work on the GPU.
+    gen = torch.Generator().manual_seed(5)
+    embedding = torch.randn(97, 16, generator=gen)
+    expected_clusters = build_clusters(embedding, 8, progress=False)
+    expected_head = FlashHead(embedding, expected_clusters.centroids, expected_clusters.cluster_tokens, 3)
+    state = FlashHead(embedding, expected_clusters.centroids.flip(0), expected_clusters.cluster_tokens.flip(0), 3,
+                      special_token_ids=[4]).state_dict()
+    target, _ = _decoders("cpu")
+    ids = torch.tensor(PROMPT)
+    expected_hidden = target.forward(ids, start=torch.tensor(0))
+    with torch.device("meta"):
+        clusters = build_clusters(embedding, 8, progress=False)
+        expected_head.load_state_dict(state)
+        fingerprint = embedding_fingerprint(embedding)
+        change = fingerprint_change(fingerprint, fingerprint)
+        rebuilt, _ = _decoders("cpu")
+        hidden = rebuilt.forward(ids, start=torch.tensor(0, device="cpu"))
+    assert torch.equal(clusters.cluster_tokens, expected_clusters.cluster_tokens)
+    assert torch.equal(expected_head.cluster_tokens, state["cluster_tokens"])
+    assert change == 0.0 and fingerprint == embedding_fingerprint(embedding)
+    assert torch.equal(hidden, expected_hidden)
+
+
 def test_synthetic_acceptances_are_drawn_on_the_cpu_under_another_default_device():
     target, draft = _decoders("cpu")
     runner = FastSpeculativeDecoder(target, draft, "dense", k=3, synthetic_acceptance=0.5, seed=4)
@@ -72,6 +99,19 @@ def test_from_pretrained_loads_onto_the_cpu_under_another_default_device(tmp_pat
         loaded, _ = hf.from_pretrained(tmp_path, torch.float32)
     assert loaded.lm_head.weight.device.type == "cpu"
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+@pytest.mark.parametrize("pad", [None, "<unk>"], ids=["one-at-a-time", "batched"])
+def test_recording_under_another_default_device(pad):
+    # The EOS ids, and batched prompts' padding, were made on the default device.
+    model, tokenizer = _tiny_llama(3), _char_tokenizer()
+    tokenizer.pad_token = pad
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # no pad token: one prompt at a time
+        expected = hf.record_hidden_states(model, tokenizer, ["abc", "hello"], 4, progress=False, batch_size=2)
+        with torch.device("meta"):
+            recorded = hf.record_hidden_states(model, tokenizer, ["abc", "hello"], 4, progress=False, batch_size=2)
+    assert all(torch.equal(got, want) for got, want in zip(recorded, expected))
 
 
 def _char_tokenizer():

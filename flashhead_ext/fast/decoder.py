@@ -64,7 +64,7 @@ def _finite_positive(value) -> bool:
 def _positive_in_float32(value) -> bool:
     """A number that is positive and finite as a float32: one that rounds to 0 or overflows there
     (1e-50, 1e39) would make a kernel's products 0, inf or NaN."""
-    return _finite_positive(value) and 0 < torch.tensor(float(value), dtype=torch.float32).item() < math.inf
+    return _finite_positive(value) and 0 < torch.tensor(float(value), dtype=torch.float32, device="cpu").item() < math.inf
 
 
 def _check_float32_factor(name: str, value, none_means: Optional[str] = None) -> None:
@@ -326,7 +326,7 @@ def _rope_from_hf(config, head_dim: int, layer_type: Optional[str] = None) -> tu
 
 def _default_inv_freq(theta: float, head_dim: int) -> Tensor:
     """RoPE's default inverse frequencies, computed as transformers computes them (float32)."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
 
 
 def _require_config(config) -> None:
@@ -589,7 +589,7 @@ class Decoder:
         # transformers multiplies Gemma's embedding rows by the scale held in a float32 buffer, cast to
         # the model dtype, and Granite's by the float itself: as a Python float either value gives
         # transformers' products (decoder_step's input_scale takes it too, as float32).
-        self._embed_scale = (torch.tensor(c.embed_scale, dtype=torch.float32).to(self.dtype).item()
+        self._embed_scale = (torch.tensor(c.embed_scale, dtype=torch.float32, device="cpu").to(self.dtype).item()
                              if c.embed_scale_in_model_dtype else float(c.embed_scale))
         if not 0 < self._embed_scale < math.inf:
             raise ValueError(f"embed_scale {c.embed_scale!r} is {self._embed_scale} in the model's dtype {self.dtype}, "
@@ -598,7 +598,8 @@ class Decoder:
     def _rotary_tables(self, inv_freq, attention_scaling: float) -> tuple[Tensor, Tensor]:
         """cos and sin ``[max_len, head_dim]`` as transformers builds them: angles in float32, scaled
         by ``attention_scaling`` (yarn), then cast to the model dtype."""
-        angles = torch.outer(torch.arange(self.max_len, dtype=torch.float32), torch.as_tensor(inv_freq, dtype=torch.float32))
+        angles = torch.outer(torch.arange(self.max_len, dtype=torch.float32, device="cpu"),
+                             torch.as_tensor(inv_freq, dtype=torch.float32, device="cpu"))
         angles = torch.cat([angles, angles], dim=-1)
         return ((angles.cos() * attention_scaling).to(self.device, self.dtype),
                 (angles.sin() * attention_scaling).to(self.device, self.dtype))
