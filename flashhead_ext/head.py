@@ -515,6 +515,16 @@ class FlashHead(_HeadBase):
                               f"checkpoint, the shape in current model is {self._buffers[name].shape}."
                               for name in mismatched)
             return
+        # Buffers made inside inference mode (a head converted or loaded with assign=True there) take no
+        # copy outside it, and torch raised only after copying some of the state in.
+        frozen = [name for name, buffer in self._buffers.items()
+                  if buffer is not None and buffer.is_inference() and isinstance(incoming(name), Tensor)
+                  and name not in self._non_persistent_buffers_set]
+        if frozen and not torch.is_inference_mode_enabled():
+            error_msgs.extend(f"{prefix}{name} was made inside torch.inference_mode() (an inference tensor), so it takes "
+                              "no copy outside it: load the state inside inference mode, or convert the head outside it"
+                              for name in frozen)
+            return
 
         # Saved by a version-1 head without special tokens. A dict without the metadata (rebuilt or
         # filtered, or read from safetensors) says no version: a missing extra_ids is then missing.

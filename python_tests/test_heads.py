@@ -145,6 +145,29 @@ def test_next_token_writes_an_out_made_in_inference_mode(device, make_head):
     assert torch.equal(out, head.next_token(problem.hidden))
 
 
+@pytest.mark.parametrize("route", ["half", "assign"])
+def test_a_state_into_inference_tensor_buffers_is_refused_whole(route):
+    # Converted (or loaded with assign=True) inside inference mode, the buffers are inference tensors:
+    # a load outside it raised only after copying the table and special tokens in.
+    problem = make_problem(SHAPE, torch.float32, "cpu")
+    head = FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, SHAPE.p)
+    state = head.state_dict()
+    with torch.inference_mode():
+        if route == "half":
+            head.half().float()
+        else:
+            head.load_state_dict(state, assign=True)
+    before = {name: buffer.clone() for name, buffer in head.state_dict().items()}
+    other = FlashHead(problem.embedding, problem.centroids.flip(0), problem.cluster_tokens.flip(0), SHAPE.p,
+                      special_token_ids=[0, 1])
+    with pytest.raises(RuntimeError, match=re.escape("centroids was made inside torch.inference_mode()")):
+        head.load_state_dict(other.state_dict())
+    assert all(torch.equal(head.state_dict()[name], value) for name, value in before.items())
+    with torch.inference_mode():
+        head.load_state_dict(other.state_dict())
+    assert torch.equal(head.cluster_tokens, other.cluster_tokens) and torch.equal(head.extra_ids, other.extra_ids)
+
+
 @either_head
 def test_next_token_over_an_inference_mode_embedding_on_hidden_that_requires_grad(make_head):
     # DenseHead's product recorded autograd, and torch refused to save an inference tensor for it.
