@@ -573,6 +573,11 @@ COUNT_LIMIT_CASES = {
                                  f"the number of clusters (centroids.size(0)) is {PAST}"),
     "decode_greedy candidates": (lambda: ops.decode_greedy(_row(1), _row(1).expand(2, 1), _ids(2, 2**29 + 1),
                                                            _row(1), 2), "the number of candidates per row"),
+    # Far past: the outputs were allocated (8 TB) before this batch was checked.
+    "decode_greedy batch": (lambda: ops.decode_greedy(_row(1).expand(2**40, 1), _row(1).expand(2, 1), _ids(2, 1), _row(1), 2),
+                            f"the batch size (hidden.size(0)) is {2**40}"),
+    "decode_sample batch": (lambda: ops.decode_sample(_row(1).expand(2**40, 1), _row(1).expand(2, 1), _ids(2, 1), _row(1), 2,
+                                                      1.0, seed=3), f"the batch size (hidden.size(0)) is {2**40}"),
     "fused_linear in_features": (lambda: ops.fused_linear(_row(1).expand(1, PAST), _row(1).expand(1, PAST)),
                                  f"x.size(1) is {PAST}"),
 }

@@ -198,13 +198,21 @@ at::Tensor candidate_logits_cuda(const at::Tensor& hidden_in, const at::Tensor& 
   return logits;
 }
 
+// A fused decode's sizes, each checked against the kernels' limit: before its outputs are
+// allocated, which for a stride-0 hidden of a huge batch failed first, naming nothing.
+HeadShape decode_shape(const char* op, const at::Tensor& hidden, const at::Tensor& centroids,
+                       const at::Tensor& cluster_tokens, const at::Tensor& embedding, int64_t probes,
+                       const c10::optional<at::Tensor>& extra_ids) {
+  HeadShape shape = head_shape(op, hidden, centroids, probes);
+  add_candidates(op, shape, cluster_tokens, embedding, extra_ids);
+  return shape;
+}
+
 // The fused decode, greedy (sampling == nullptr) or sampling; checks already done by the caller.
-void decode(const char* op, const at::Tensor& hidden_in, const at::Tensor& centroids_in,
-            const at::Tensor& cluster_tokens_in, const at::Tensor& embedding_in, int64_t probes,
+void decode(const HeadShape& shape, const at::Tensor& hidden_in, const at::Tensor& centroids_in,
+            const at::Tensor& cluster_tokens_in, const at::Tensor& embedding_in,
             const c10::optional<at::Tensor>& extra_ids_in, const c10::optional<at::Tensor>& centroid_scale,
             const Sampling* sampling, at::Tensor& tokens, float* token_logprobs) {
-  HeadShape shape = head_shape(op, hidden_in, centroids_in, probes);
-  add_candidates(op, shape, cluster_tokens_in, embedding_in, extra_ids_in);
   const c10::cuda::CUDAGuard guard(hidden_in.device());
   const at::Tensor hidden = hidden_in.contiguous(), centroids = centroids_in.contiguous();
   const at::Tensor cluster_tokens = cluster_tokens_in.contiguous(), embedding = embedding_in.contiguous();
@@ -234,14 +242,18 @@ void decode_greedy_out_cuda(const at::Tensor& hidden, const at::Tensor& centroid
   constexpr const char* op = "decode_greedy";
   check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale);
   check_decode_out(op, out, hidden, centroids, cluster_tokens, embedding, extra_ids, centroid_scale);
-  decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale, nullptr, out, nullptr);
+  const HeadShape shape = decode_shape(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
+  decode(shape, hidden, centroids, cluster_tokens, embedding, extra_ids, centroid_scale, nullptr, out, nullptr);
 }
 
 at::Tensor decode_greedy_cuda(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
                               const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids,
                               const c10::optional<at::Tensor>& centroid_scale) {
+  constexpr const char* op = "decode_greedy";
+  check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale);
+  const HeadShape shape = decode_shape(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
   auto out = token_buffer(hidden);
-  decode_greedy_out_cuda(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out, centroid_scale);
+  decode(shape, hidden, centroids, cluster_tokens, embedding, extra_ids, centroid_scale, nullptr, out, nullptr);
   return out;
 }
 
@@ -253,10 +265,11 @@ std::tuple<at::Tensor, at::Tensor> decode_sample_cuda(const at::Tensor& hidden, 
   constexpr const char* op = "decode_sample";
   check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale);
   check_sampling(op, temperature, seed, hidden);
+  const HeadShape shape = decode_shape(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
   auto tokens = at::empty({hidden.size(0)}, hidden.options().dtype(at::kLong));
   auto token_logprobs = at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat));
   const Sampling sampling{static_cast<float>(temperature), seed.data_ptr<int64_t>()};
-  decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale, &sampling, tokens,
+  decode(shape, hidden, centroids, cluster_tokens, embedding, extra_ids, centroid_scale, &sampling, tokens,
          token_logprobs.data_ptr<float>());
   return {tokens, token_logprobs};
 }
