@@ -147,9 +147,10 @@ def cluster_table(assignments: Tensor, n_clusters: int, width: Optional[int] = N
     if width is not None:
         width = ops._require_positive_int("width", width)
     # A cast would truncate float ids and turn bools into 0/1 silently.
-    if assignments.dim() != 1 or assignments.is_floating_point() or assignments.is_complex() or assignments.dtype == torch.bool:
-        raise TypeError(f"assignments must be a 1-D integer tensor of cluster ids [vocab], got shape "
-                        f"{tuple(assignments.shape)} and dtype {assignments.dtype}")
+    if assignments.is_floating_point() or assignments.is_complex() or assignments.dtype == torch.bool:
+        raise TypeError(f"assignments must hold integer cluster ids, got {assignments.dtype}")
+    if assignments.dim() != 1:
+        raise ValueError(f"assignments must be 1-D [vocab], got shape {tuple(assignments.shape)}")
     ops._require_values("assignments", assignments)
     assignments = assignments.to(torch.int64)
     bad = (assignments < 0) | (assignments >= n_clusters)

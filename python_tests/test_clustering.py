@@ -155,9 +155,9 @@ def test_cluster_table_from_assignments():
 
 @pytest.mark.parametrize("assignments,n_clusters,width,error,match", [
     # A cast had truncated these to [0, 1, 0, 1] and [1, 0, 1, 0] silently.
-    (torch.tensor([0.9, 1.7, 0.2, 1.1]), 2, None, TypeError, "assignments must be a 1-D integer tensor"),
-    (torch.tensor([True, False, True, False]), 2, None, TypeError, "assignments must be a 1-D integer tensor"),
-    (torch.tensor([[0, 1], [1, 0]]), 2, None, TypeError, r"assignments must be a 1-D integer tensor .* shape \(2, 2\)"),
+    (torch.tensor([0.9, 1.7, 0.2, 1.1]), 2, None, TypeError, "assignments must hold integer cluster ids, got torch.float32"),
+    (torch.tensor([True, False, True, False]), 2, None, TypeError, "assignments must hold integer cluster ids, got torch.bool"),
+    (torch.tensor([[0, 1], [1, 0]]), 2, None, ValueError, r"assignments must be 1-D \[vocab\], got shape \(2, 2\)"),
     (torch.tensor([0, 1, 2, 1]), 2, None, ValueError, r"assignments\[2\] = 2 is not a cluster id in \[0, 2\)"),
     (torch.tensor([0, -1, 1]), 2, None, ValueError, r"assignments\[1\] = -1 is not a cluster id"),
     ([0, 1], 2, None, TypeError, "assignments must be a torch.Tensor"),

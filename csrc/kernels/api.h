@@ -20,7 +20,8 @@
 
 namespace flashhead {
 
-// Sizes of one head call. Ids are int32, so every count here is below 2^31.
+// Sizes of one head call. The ATen wrappers refuse any count above 2^30: some loops step an int
+// counter a few thousand past a count before testing it, which wrapped within that of 2^31.
 struct HeadShape {
   int batch = 0;         // B rows of hidden
   int hidden_dim = 0;    // D
