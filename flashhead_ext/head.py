@@ -215,7 +215,7 @@ class _HeadBase(nn.Module):
         # conversion (overwrite_module_params_on_conversion, moves to or from the meta device), the
         # buffer is the head's own from then on.
         dtype = self._buffers["embedding"].dtype
-        cast_to = fn(torch.empty(0, dtype=dtype)).dtype
+        cast_to = fn(torch.empty(0, dtype=dtype, device="cpu")).dtype
         if cast_to != dtype and cast_to.is_floating_point and cast_to.itemsize < 2:
             # Refused before the head's tensors convert: the call that followed advised a cast back, which
             # ran on the rounded weight (and a plain head's centroids flushed to zero) without a word.
@@ -516,10 +516,13 @@ class FlashHead(_HeadBase):
                               for name in mismatched)
             return
         # Buffers made inside inference mode (a head converted or loaded with assign=True there) take no
-        # copy outside it, and torch raised only after copying some of the state in.
+        # copy outside it, and torch raised only after copying some of the state in. assign=True
+        # replaces the buffers instead, as a new count of special tokens replaces extra_ids.
+        assign = local_metadata.get("assign_to_params_buffers", False)
         frozen = [name for name, buffer in self._buffers.items()
                   if buffer is not None and buffer.is_inference() and isinstance(incoming(name), Tensor)
-                  and name not in self._non_persistent_buffers_set]
+                  and name not in self._non_persistent_buffers_set and not assign
+                  and not (name == "extra_ids" and incoming(name).shape != buffer.shape)]
         if frozen and not torch.is_inference_mode_enabled():
             error_msgs.extend(f"{prefix}{name} was made inside torch.inference_mode() (an inference tensor), so it takes "
                               "no copy outside it: load the state inside inference mode, or convert the head outside it"
@@ -563,7 +566,6 @@ class FlashHead(_HeadBase):
                 self.extra_ids = torch.empty_like(ids)
         # assign=True keeps the tensors given: copies, so that the buffers stay the head's own (two heads
         # loaded from one state would share them, and a later load into one would change the other).
-        assign = local_metadata.get("assign_to_params_buffers", False)
         for name, buffer in self._buffers.items():
             # In the dtype and on the device the head keeps them (checked above): with
             # load_state_dict(assign=True) they would keep the state's, which the ops refuse.

@@ -168,6 +168,24 @@ def test_a_state_into_inference_tensor_buffers_is_refused_whole(route):
     assert torch.equal(head.cluster_tokens, other.cluster_tokens) and torch.equal(head.extra_ids, other.extra_ids)
 
 
+@pytest.mark.parametrize("assign", [True, False])
+def test_states_that_replace_inference_tensor_buffers_still_load(assign):
+    # assign=True replaces every buffer, and a new count of special tokens replaces extra_ids: no copy
+    # into an inference tensor happens, so neither load is refused.
+    problem = make_problem(SHAPE, torch.float32, "cpu")
+    head = FlashHead(problem.embedding, problem.centroids, problem.cluster_tokens, SHAPE.p)
+    with torch.inference_mode():
+        if assign:
+            head.half().float()
+        else:
+            head.extra_ids = torch.empty(0, dtype=torch.int32)
+    other = FlashHead(problem.embedding, problem.centroids.flip(0), problem.cluster_tokens.flip(0), SHAPE.p,
+                      special_token_ids=[0, 1])
+    head.load_state_dict(other.state_dict(), assign=assign)
+    assert torch.equal(head.cluster_tokens, other.cluster_tokens) and head.extra_ids.tolist() == [0, 1]
+    assert torch.equal(head.next_token(problem.hidden), other.next_token(problem.hidden))
+
+
 @either_head
 def test_next_token_over_an_inference_mode_embedding_on_hidden_that_requires_grad(make_head):
     # DenseHead's product recorded autograd, and torch refused to save an inference tensor for it.
