@@ -558,8 +558,8 @@ KERNEL_COUNT_LIMIT = 2**30
 PAST = KERNEL_COUNT_LIMIT + 1
 # One case per count a kernel loop steps an int through (stride-0 inputs: the checks read sizes
 # only). Counts within about 10^4 of 2^31 wrapped those loops' counters on the H100 (session 100):
-# out-of-bounds writes in gather_candidates and candidate_logits (cluster_size, candidates and
-# hidden_dim), a silently wrong fused_linear (in_features) and a wrong selection (clusters).
+# illegal addresses in gather_candidates (cluster_size), candidate_logits (candidates, hidden_dim) and
+# select_clusters (clusters), and a silently wrong fused_linear (in_features).
 COUNT_LIMIT_CASES = {
     "gather_candidates cluster_size": (lambda: ops.gather_candidates(_ids(1, 1), _ids(1, PAST)),
                                        f"cluster_size (cluster_tokens.size(1)) is {PAST}"),

@@ -20,8 +20,9 @@
 
 namespace flashhead {
 
-// Sizes of one head call. The ATen wrappers refuse any count above 2^30: some loops step an int
-// counter a few thousand past a count before testing it, which wrapped within that of 2^31.
+// Sizes of one head call. The ATen wrappers refuse any count a kernel loops over above 2^30: some
+// loops step an int counter a few thousand past a count before testing it, which wrapped within that
+// of 2^31. The vocabulary, only compared with ids, may reach 2^31 - 1.
 struct HeadShape {
   int batch = 0;         // B rows of hidden
   int hidden_dim = 0;    // D
