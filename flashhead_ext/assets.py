@@ -46,7 +46,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 from safetensors import SafetensorError
@@ -58,7 +58,7 @@ from .clustering import (ALGORITHM_VERSION, GREEDY_SCORINGS, Clustering, build_c
                          greedy_centroids)
 from . import ops
 from ._stacklevel import callers_stacklevel
-from .head import FlashHead, _check_embedding, centroid_dtype_option, special_token_list
+from .head import SpecialTokenIds, FlashHead, _check_embedding, centroid_dtype_option, special_token_list
 
 CONFIG_NAME = "flash_head_config.json"
 TENSORS_NAME = "clustering_cache.safetensors"
@@ -127,11 +127,11 @@ class FlashHeadAssets:
     cluster_assignments: Tensor
     cluster_tokens: Tensor
     n_probes: int
-    special_token_ids: list = field(default_factory=list)
+    special_token_ids: list[int] = field(default_factory=list)
     enforce_equal_cluster_sizes: bool = True
     cache_dir: str = DEFAULT_CACHE_DIR
     greedy_scoring: str = "normalized"
-    embedding_fingerprint: Optional[list] = None
+    embedding_fingerprint: Optional[list[float]] = None
     row_projections: Optional[Tensor] = None
 
     @property
@@ -145,7 +145,7 @@ class FlashHeadAssets:
 
     @classmethod
     def from_clustering(cls, clustering: Clustering, n_probes: Optional[int] = None,
-                        special_token_ids: Sequence[int] = (), cache_dir: str = DEFAULT_CACHE_DIR) -> "FlashHeadAssets":
+                        special_token_ids: Optional[SpecialTokenIds] = (), cache_dir: str = DEFAULT_CACHE_DIR) -> "FlashHeadAssets":
         table = clustering.cluster_tokens
         return cls(
             raw_centroids=clustering.raw_centroids.float().cpu(),
@@ -627,7 +627,7 @@ def flash_head_for(
     cluster_size: int = 16,
     probes: Optional[int] = None,
     *,
-    special_token_ids: Sequence[int] = (),
+    special_token_ids: Optional[SpecialTokenIds] = (),
     hidden: Optional[Tensor] = None,
     iters: int = 15,
     seed: int = 0,

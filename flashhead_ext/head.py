@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Optional, Sequence, Union
+from typing import AbstractSet, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +24,7 @@ from ._stacklevel import callers_stacklevel
 
 
 HEAD_DTYPES = ops.FLOAT_DTYPES  # what the heads and the ops take
+SpecialTokenIds = Union[Sequence[int], AbstractSet[int], Tensor]
 
 
 def _check_embedding(embedding) -> None:
@@ -445,7 +446,7 @@ class FlashHead(_HeadBase):
         centroids: Tensor,
         cluster_tokens: Tensor,
         probes: int,
-        special_token_ids: Union[Sequence[int], Tensor, None] = None,
+        special_token_ids: Optional[SpecialTokenIds] = None,
         sampling_centroids: Optional[Tensor] = None,
         *,
         centroid_dtype: Optional[torch.dtype] = None,

@@ -194,7 +194,7 @@ def _check_temperature(temperature) -> float:
     return value
 
 
-def make_seed(device: torch.device, seed: SeedLike = None, generator: Optional[torch.Generator] = None) -> Tensor:
+def make_seed(device: Union[str, torch.device], seed: SeedLike = None, generator: Optional[torch.Generator] = None) -> Tensor:
     """A one-element int64 seed tensor on ``device`` for the sampling ops.
 
     Drawn on the device from ``generator`` (or torch's default generator) when ``seed`` is None,

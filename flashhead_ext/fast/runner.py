@@ -27,7 +27,7 @@ import time
 import weakref
 import zlib
 from contextlib import nullcontext
-from typing import Optional, Sequence, Union
+from typing import AbstractSet, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -35,7 +35,7 @@ from torch import Tensor
 from .. import ops
 from .._exclusive import ExclusiveUse
 from ..graphs import capture_graph
-from ..head import DenseHead, FlashHead, _HeadBase
+from ..head import DenseHead, FlashHead
 from ..hf import warn_unapplied_generation_settings
 from ..speculative.driver import (Clock, Emitter, Generation, GenerationStats, check_mode, check_prompt, draft_input,
                                   eos_ids, require_no_draft_options, resolve_draft_head, sync)
@@ -163,7 +163,7 @@ class FastSpeculativeDecoder:
 
     def __init__(self, target: Decoder, draft: Optional[Decoder] = None,
                  draft_head: Union[str, DenseHead, FlashHead] = "dense", *, k: int = 6,
-                 eos_token_id: Union[int, Sequence[int], None] = None, synthetic_acceptance: Optional[float] = None,
+                 eos_token_id: Union[int, Sequence[int], AbstractSet[int], Tensor, None] = None, synthetic_acceptance: Optional[float] = None,
                  seed: Optional[int] = None, graphs: Optional[bool] = None):
         if not isinstance(target, Decoder):
             raise TypeError(f"target must be a flashhead_ext.fast.Decoder, got {type(target).__name__}")
@@ -189,7 +189,7 @@ class FastSpeculativeDecoder:
         self.graphs = target.device.type == "cuda" if graphs is None else graphs
         if self.graphs and target.device.type != "cuda":
             raise ValueError(f"graphs=True needs the models on a CUDA device, the target is on {target.device}")
-        self.head = None
+        self.head: Union[DenseHead, FlashHead, None] = None
         if draft is None:
             require_no_draft_options(draft_head, synthetic_acceptance=synthetic_acceptance)
         else:
@@ -229,7 +229,7 @@ class FastSpeculativeDecoder:
         runs them and resets their caches, which a generation in another thread may be using."""
         return (self.target, self.draft) if self.graphs else ()
 
-    def _check_draft(self, draft: Decoder, head) -> _HeadBase:
+    def _check_draft(self, draft: Decoder, head) -> Union[DenseHead, FlashHead]:
         if draft.length is self.target.length:  # the same Decoder, or a copy of it
             # The KV cache and its length live in the Decoder: the draft's steps would overwrite the target's.
             raise ValueError("draft must be another Decoder than target (each Decoder holds one KV cache and length); "

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 from torch import nn
@@ -10,7 +10,7 @@ from torch import nn
 from .. import ops
 from ..assets import default_probes, flash_head_for
 from ..clustering import check_kmeans_settings
-from ..head import DenseHead, FlashHead, centroid_dtype_option, special_token_list
+from ..head import DenseHead, FlashHead, SpecialTokenIds, centroid_dtype_option, special_token_list
 from ..hf import check_plain_output_head, output_embedding, uncompiled
 
 if TYPE_CHECKING:  # transformers is imported only when used
@@ -76,7 +76,7 @@ def _own_linear(module: nn.Module) -> nn.Module:
 
 
 def make_draft_head(kind: str, draft, *, probes: Optional[int] = None, clustering=None, cluster_size: int = 16,
-                    kmeans_iters: int = 15, seed: int = 0, special_token_ids: Sequence[int] = (),
+                    kmeans_iters: int = 15, seed: int = 0, special_token_ids: Optional[SpecialTokenIds] = (),
                     progress: bool = False, centroid_dtype: Optional[torch.dtype] = None) -> Union[DenseHead, FlashHead]:
     """The draft's head over its output embedding (shared, not copied; a float64 one is copied to
     float32, since the heads compute in float16 / bfloat16 / float32 and the drivers cast hidden

@@ -23,7 +23,7 @@ import warnings
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence, Union
+from typing import AbstractSet, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -71,9 +71,9 @@ class GenerationStats:
     draft_s: float = 0.0
     draft_head_s: Optional[float] = 0.0
     target_s: float = 0.0
-    accepted_per_round: list = field(default_factory=list)
-    emitted_per_round: list = field(default_factory=list)
-    phase_s: dict = field(default_factory=dict)
+    accepted_per_round: list[int] = field(default_factory=list)
+    emitted_per_round: list[int] = field(default_factory=list)
+    phase_s: dict[str, float] = field(default_factory=dict)
     synthetic_acceptance: Optional[float] = None
     # The draft ran on another GPU, concurrently with the target: wall time is then no sum of the
     # two models' times, and the loop's overhead cannot be derived from them.
@@ -85,7 +85,7 @@ class GenerationStats:
 
 @dataclass
 class Generation:
-    tokens: list
+    tokens: list[int]
     stats: GenerationStats
 
 
@@ -238,7 +238,7 @@ def check_draft_vocab(draft_rows: int, vocab: int) -> None:
                          f"more than the target's {vocab}")
 
 
-def resolve_draft_head(draft_head, embedding: Tensor, vocab: int) -> _HeadBase:
+def resolve_draft_head(draft_head, embedding: Tensor, vocab: int) -> Union[DenseHead, FlashHead]:
     """The draft's head, after the checks both drivers make: ``"dense"`` or None builds a DenseHead
     over the draft's output ``embedding [V, D]``; a DenseHead / FlashHead must cover the draft's V tokens and
     take its hidden size D (:func:`check_draft_vocab`: V at most ``vocab``)."""
@@ -425,7 +425,7 @@ class SpeculativeDecoder:
         self._k = ops._require_positive_int("k", value)
 
     def __init__(self, target, draft=None, draft_head: Union[str, DenseHead, FlashHead, None] = None, *, k: int = 6,
-                 eos_token_id: Union[int, Sequence[int], None] = None):
+                 eos_token_id: Union[int, Sequence[int], AbstractSet[int], Tensor, None] = None):
         self.target = target
         # First: it names a target that is no causal LM (a model name, a tokenizer), which the
         # forward's signature and parameters below would not.
@@ -469,7 +469,7 @@ class SpeculativeDecoder:
         self.draft_vocab = self.head.vocab_size
 
     @property
-    def head(self) -> Optional[_HeadBase]:
+    def head(self) -> Union[DenseHead, FlashHead, None]:
         """The draft's head; a draft's attached FlashHead's as the attachment has it at each call (its
         ``probes``, the draft's casts and moves; whether it is enabled or attached is read once, when
         the driver is built)."""
