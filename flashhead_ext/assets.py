@@ -54,8 +54,8 @@ from safetensors.torch import load as load_bytes, save as save_bytes
 from torch import Tensor
 
 from .clustering import (ALGORITHM_VERSION, GREEDY_SCORINGS, Clustering, build_clusters, calibrate_clusters,
-                         check_clustering_inputs, check_kmeans_settings, cluster_sizes, cluster_table,
-                         greedy_centroids)
+                         check_cluster_ids, check_clustering_inputs, check_kmeans_settings, cluster_sizes,
+                         cluster_table, greedy_centroids)
 from . import ops
 from ._stacklevel import callers_stacklevel
 from .head import SpecialTokenIds, FlashHead, _check_embedding, centroid_dtype_option, special_token_list
@@ -459,10 +459,7 @@ def _checked_assets(centroids: Tensor, assignments: Tensor, config: dict, where:
         raise ValueError(f"config says n_clusters={config['n_clusters']!r} but centroids in {where} have {count} clusters "
                          f"(shape {tuple(centroids.shape)}, expected [hidden, n_clusters])")
     assignments = assignments.long()
-    bad = (assignments < 0) | (assignments >= count)
-    if bad.any():
-        token = int(bad.nonzero()[0])
-        raise ValueError(f"cluster_assignments[{token}] = {int(assignments[token])} is not a cluster id in [0, {count})")
+    check_cluster_ids("cluster_assignments", assignments, count)
     counts = torch.bincount(assignments, minlength=count)
     if (counts == 0).any():
         raise ValueError(f"cluster {int((counts == 0).nonzero()[0])} has no tokens in cluster_assignments; every cluster needs one")

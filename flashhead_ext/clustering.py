@@ -137,6 +137,14 @@ def cluster_sizes(vocab_size: int, cluster_size: Optional[int] = None, n_cluster
     return size, size - pads
 
 
+def check_cluster_ids(name: str, assignments: Tensor, n_clusters: int) -> None:
+    """A ValueError naming the first token of integer ``assignments`` whose id is outside ``[0, n_clusters)``."""
+    bad = (assignments < 0) | (assignments >= n_clusters)
+    if bad.any():
+        token = int(bad.nonzero()[0])
+        raise ValueError(f"{name}[{token}] = {int(assignments[token])} is not a cluster id in [0, {n_clusters})")
+
+
 def cluster_table(assignments: Tensor, n_clusters: int, width: Optional[int] = None) -> Tensor:
     """int32 ``[C, width]`` table of each cluster's token ids, ascending, right-padded with -1.
 
@@ -153,10 +161,7 @@ def cluster_table(assignments: Tensor, n_clusters: int, width: Optional[int] = N
         raise ValueError(f"assignments must be 1-D [vocab], got shape {tuple(assignments.shape)}")
     ops._require_values("assignments", assignments)
     assignments = assignments.to(torch.int64)
-    bad = (assignments < 0) | (assignments >= n_clusters)
-    if bad.any():
-        token = int(bad.nonzero()[0])
-        raise ValueError(f"assignments[{token}] = {int(assignments[token])} is not a cluster id in [0, {n_clusters})")
+    check_cluster_ids("assignments", assignments, n_clusters)
     counts = torch.bincount(assignments, minlength=n_clusters)
     width = int(counts.max()) if width is None else width
     if int(counts.max()) > width:
@@ -383,6 +388,11 @@ def best_member_logits(embedding: Tensor, hidden: Tensor, table: Tensor, rows_pe
     if hidden.dtype != embedding.dtype:
         raise TypeError(f"hidden must have the embedding's dtype {embedding.dtype}, got {hidden.dtype}")
     ops.validate_cluster_table(table, embedding.shape[0])
+    return _best_member_logits(embedding, hidden, table, rows_per_chunk)
+
+
+def _best_member_logits(embedding: Tensor, hidden: Tensor, table: Tensor, rows_per_chunk: int = 256) -> Tensor:
+    """best_member_logits after its checks."""
     index, real = table.clamp(min=0).long(), table >= 0
     out = []
     for rows in hidden.split(rows_per_chunk):
@@ -399,8 +409,9 @@ def fit_max_logit_centroids(embedding: Tensor, hidden: Tensor, cluster_tokens: T
     cluster's best logit."""
     _check_ridge(ridge)
     check_clustering_inputs(embedding, hidden, finite=False)
+    ops.validate_cluster_table(cluster_tokens, embedding.shape[0])
     rows, states = embedding.detach().float(), hidden.detach().to(embedding.device, torch.float32)
-    targets = best_member_logits(rows, states, cluster_tokens.to(rows.device))
+    targets = _best_member_logits(rows, states, cluster_tokens.to(rows.device))
     gram = _on_one_cpu_thread(torch.matmul, states.T, states)
     regularised = gram + ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     moments = _on_one_cpu_thread(torch.matmul, states.T, targets)
