@@ -8,8 +8,9 @@ import torch
 from flashhead_ext.bench.__main__ import main
 from flashhead_ext import ops
 from flashhead_ext.bench import timing
-from flashhead_ext.bench.head import (SHAPES, CandidatesRead, HeadState, add_ratios, call_bytes, candidates_read,
-                                      copies_needed, copy_bytes, floor_bytes, plan, summary, warm_l2_warning)
+from flashhead_ext.bench.head import (SHAPES, CandidatesRead, HeadState, VocabShape, add_ratios, call_bytes, candidates_read,
+                                      copies_needed, copy_bytes, embedding_copies_needed, floor_bytes, plan, summary,
+                                      warm_l2_warning)
 from flashhead_ext.bench.timing import on_device, run_metadata
 from helpers import TWO_GPUS
 
@@ -19,7 +20,9 @@ def test_head_bench_cli_with_special_tokens(tmp_path, capsys):
     assert main(["head", "--shapes", "tiny", "--device", "cpu", "--dtype", "fp32", "--probes", "7,31",
                  "--batches", "1,3", "--samples", "2", "--calls", "2", "--special-tokens", "5", "--json", str(out)]) == 0
     assert "5 special tokens scored at every step" in capsys.readouterr().out
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["meta"]["warm_l2_shapes"] == []  # a CPU has no L2 to size copies by
     shape = SHAPES["tiny"]
     points = {(r["batch"], r["probes"]) for r in rows}
     batch_probes = min(256, shape.num_clusters)  # --batch-probes' default, capped
@@ -134,6 +137,28 @@ def test_copies_rotate_three_l2s_past_the_smallest_reader():
     assert warm_l2_warning("qwen3-0.6b", 1, bf16_copy, 0, 1) is None  # a CPU
 
 
+def test_an_embedding_that_could_stay_in_l2_is_rotated_too():
+    # SmolLM2's head (57 MB in bf16) fits an H200's 60 MiB L2: one copy of it, re-read call after call,
+    # timed the dense head from L2 even where --calls rotated enough copies of everything else.
+    l2 = 60 << 20
+    smollm2, qwen = VocabShape(49152, 576), SHAPES["qwen3-0.6b"]
+    assert embedding_copies_needed(smollm2, torch.bfloat16, 64, l2) == -(-3 * l2 // (49152 * 576 * 2)) == 4
+    assert embedding_copies_needed(smollm2, torch.bfloat16, 3, l2) == 3  # no more than a sample's calls
+    assert embedding_copies_needed(smollm2, torch.float32, 64, l2) == 2
+    assert embedding_copies_needed(qwen, torch.bfloat16, 64, l2) == 1  # 311 MB: reading it through evicts it
+    assert embedding_copies_needed(smollm2, torch.bfloat16, 64, 0) == 1  # no L2 (a CPU)
+    state = HeadState(SHAPES["tiny"], torch.float32, "cpu", max_batch=2, copies=2, embedding_copies=3)
+    assert len({e.data_ptr() for e in state.embeddings}) == 3
+    assert all(torch.equal(e, state.embeddings[0]) for e in state.embeddings)  # copies of one head
+    # Calls rotate over them: told apart here by giving each copy other values.
+    gen = torch.Generator().manual_seed(3)
+    for e in state.embeddings:
+        e.copy_(torch.randn(e.shape, generator=gen))
+    for i in range(5):
+        expected = (state.hidden[i % 2][:2] @ state.embeddings[i % 3].t()).argmax(-1)
+        assert torch.equal(state.head_call("dense", 2, 8, i)(), expected)
+
+
 def test_plain_torch_baseline_decodes_like_ours_with_special_tokens():
     state = HeadState(SHAPES["tiny"], torch.float32, "cpu", max_batch=3, copies=1, special_tokens=5)
     assert state.extra_ids.tolist() == list(range(SHAPES["tiny"].vocab - 5, SHAPES["tiny"].vocab))
@@ -188,6 +213,13 @@ def test_summary_names_a_baseline_that_was_not_run():
     assert "3.00x torch_flash (goal >= 4: not met)" in summary(rows, "qwen3-0.6b")
     assert "flash_greedy_fp8 16.80 us, 5.00x dense" in summary(rows, "qwen3-0.6b")
     assert "nothing to summarize" in summary([dict(r, mode="eager") for r in rows], "qwen3-0.6b")
+    # A run unlike the goals' (fp16, special tokens, a warm L2) is not judged against them.
+    rows.append(dict(point, impl="flash_greedy", us=14.0))
+    judged = summary(rows[-1:] + rows, "qwen3-0.6b")
+    assert "14.00 us (goal <= 15: met)" in judged
+    unjudged = summary(rows[-1:] + rows, "qwen3-0.6b", unlike_goals=("fp16 weights", "a warm L2"))
+    assert "14.00 us (goal <= 15: not judged, fp16 weights, a warm L2)" in unjudged
+    assert "met" not in unjudged
     # A batch sweep at other probes, without the summary's point, says that point is missing.
     elsewhere = [dict(r, probes=593) for r in rows]
     assert "the summary's point, qwen3-0.6b B=1 p=256 graph-replayed, was not run" in summary(elsewhere, "qwen3-0.6b", 593)
