@@ -1624,7 +1624,7 @@ def test_bench_clis_read_each_config_once_and_its_head_as_built(tmp_path, monkey
 
 
 def test_spec_reads_flashheads_gain_against_the_draft_steps_and_the_break_even_acceptance():
-    from flashhead_ext.bench.spec import break_even_acceptance, expected_emitted, head_gains
+    from flashhead_ext.bench.spec import accepted_share, break_even_acceptance, expected_emitted, head_gains
 
     assert expected_emitted(0.0, 6) == 1.0 and expected_emitted(1.0, 6) == 7.0
     assert expected_emitted(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
@@ -1644,6 +1644,11 @@ def test_spec_reads_flashheads_gain_against_the_draft_steps_and_the_break_even_a
     assert gain["break_even_acceptance"] == pytest.approx(break_even_acceptance(0.77, 6, 1.95 / 2.0))
     assert gain["reading"].startswith("deferred: FlashHead draft +2.56% decode speed over dense at equal (synthetic) acceptance")
     assert "predict +2.46% (104% of it measured)" in gain["reading"] and ">= 0.76" in gain["reading"]
+    # The table's accept column counts proposals after a rejection as unaccepted: 0.44 at R = 0.77, K = 6.
+    assert accepted_share(0.77, 6) == pytest.approx((0.77 + 0.77**2 + 0.77**3 + 0.77**4 + 0.77**5 + 0.77**6) / 6)
+    assert accepted_share(1.0, 6) == 1.0 and accepted_share(0.0, 6) == 0.0
+    assert gain["break_even_accept"] == pytest.approx(accepted_share(gain["break_even_acceptance"], 6))
+    assert f"(the tables' accept >= {gain['break_even_accept']:.3f} against 0.442)" in gain["reading"]
     assert "(dense 600.0, FlashHead 520.0 us, 600 proposed)" in gain["reading"]  # which step is which
     (slower,) = head_gains([row("deferred", "dense", 2.0), row("deferred", "flashhead", 2.1)], 6, 0.77, {})
     assert "predicted" not in slower and "break_even_acceptance" not in slower
