@@ -1699,6 +1699,19 @@ def _cuda_models(arch: str):
 
 
 @pytest.mark.gpu
+def test_spec_predicts_for_a_draft_device_spelled_otherwise_on_the_targets_gpu(tmp_path):
+    # "cuda:0" beside "cuda" is one GPU: compared as strings, the prediction was silently dropped.
+    from flashhead_ext.bench.__main__ import main
+
+    index = torch.cuda.current_device()
+    assert main(["spec", "--target", "tiny", "--draft", "tiny", "--device", "cuda", "--draft-device", f"cuda:{index}",
+                 "--num-prompts", "1", "--prompt-tokens", "5", "--max-new-tokens", "12", "--warmup-tokens", "2", "--k", "3",
+                 "--mode", "deferred", "--json", str(tmp_path / "spec.json")]) == 0
+    meta = json.loads((tmp_path / "spec.json").read_text())["meta"]
+    assert set(meta["draft_step_us"]) == {"dense", "flashhead"} and "predicted" in meta["head_gains"][0]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("head,attention", [("dense", "sdpa"), ("flashhead", "matmul")])
 def test_graph_replay_equals_eager(mode, head, attention):

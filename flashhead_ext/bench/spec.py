@@ -423,7 +423,8 @@ def _run_spec(parser: argparse.ArgumentParser, args, configs: list, target_shape
     records = run_interleaved(decoders, configs, prompts, args.max_new_tokens, warmup_tokens=args.warmup_tokens)
     rows = summarize(records, configs)
     step_us = {}
-    if draft_device == args.device:  # a draft on its own GPU overlaps the target: no sum of parts to predict from
+    # Decoders' devices, not the flags' spellings: --draft-device cuda:0 beside --device cuda is one GPU.
+    if draft.device == target.device:  # a draft on its own GPU overlaps the target: no sum of parts to predict from
         # The draft step of each head at the draft's mean length while generating, timed as draft-step times it.
         draft.reset(args.prompt_tokens + args.max_new_tokens // 2)
         timing = argparse.Namespace(calls=20, samples=10)
