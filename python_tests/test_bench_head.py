@@ -342,6 +342,7 @@ def test_head_bench_times_a_capped_probes_value_once(tmp_path):
     (["spec", "--draft", "tiny,"], "argument --draft: invalid choice: 'tiny,'"),
     (["spec", "--seed", str(2**64)], "argument --seed: seed must be in -2**63..2**64 - 1"),
     (["layer-ops", "--tokens", "1,x"], "argument --tokens: expected comma-separated integers"),
+    (["layer-ops", "--tokens", "1,9", "--context", "8"], "--tokens 9 exceeds --context 8: a call's tokens must fit in the cache"),
     (["layer-ops", "--shapes", "tiny-gemma3"], "--shapes tiny-gemma3: the fused body (these ops) runs the Llama / Qwen layer; this "
                                                "model's GELU, post-norms, sliding-window layers run on"),
     (["layer-ops", "--shapes", "gemma2-2b"], "--shapes gemma2-2b: the fused body (these ops) runs the Llama / Qwen layer; this "

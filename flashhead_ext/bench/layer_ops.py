@@ -133,6 +133,8 @@ def main(argv=None) -> int:
             hint = "; gemma3-270m-llama has Gemma-3-270M's sizes in a Llama layer" if name.startswith("gemma3-") else ""
             parser.error(f"--shapes {name}: the fused body (these ops) {limit}{hint}")
     tokens = args.tokens
+    if max(tokens) > args.context:  # else a traceback after the first shape's GEMV rows were timed
+        parser.error(f"--tokens {max(tokens)} exceeds --context {args.context}: a call's tokens must fit in the cache")
     if not torch.cuda.is_available():
         parser.error("layer-ops times CUDA kernels and needs a GPU")
     bandwidth = copy_bandwidth_gbs()
