@@ -10,7 +10,7 @@ from flashhead_ext import ops
 from flashhead_ext.bench import timing
 from flashhead_ext.bench.head import (SHAPES, CandidatesRead, HeadState, VocabShape, add_ratios, call_bytes, candidates_read,
                                       copies_needed, copy_bytes, embedding_copies_needed, floor_bytes, plan, summary,
-                                      warm_l2_warning)
+                                      warm_l2_warning, whole_rotations)
 from flashhead_ext.bench.timing import on_device, run_metadata
 from helpers import TWO_GPUS
 
@@ -125,9 +125,11 @@ def test_copies_rotate_three_l2s_past_the_smallest_reader():
     fp8_copy = shape.num_clusters * (shape.dim + 16 * 4) + shape.dim * 2
     assert copy_bytes(shape, torch.bfloat16, ["dense", "flash_greedy"], 1) == bf16_copy
     assert copy_bytes(shape, torch.bfloat16, ["flash_greedy", "flash_greedy_fp8"], 1) == fp8_copy
-    assert copies_needed(bf16_copy, 64, l2) == -(-3 * l2 // bf16_copy) + 1
-    assert copies_needed(fp8_copy, 64, l2) == -(-3 * l2 // fp8_copy) + 1
+    # 11 and 20 copies pass three L2s; the fewest at least that which divide the calls: 16 and 32.
+    assert -(-3 * l2 // bf16_copy) + 1 == 11 and copies_needed(bf16_copy, 64, l2) == 16
+    assert -(-3 * l2 // fp8_copy) + 1 == 20 and copies_needed(fp8_copy, 64, l2) == 32
     assert copies_needed(fp8_copy, 16, l2) == 16  # no more than a sample's calls
+    assert copies_needed(bf16_copy, 11, l2) == 11 and copies_needed(bf16_copy, 13, l2) == 13  # a prime: all of them
     assert copies_needed(bf16_copy, 16, 0) == 1  # no L2 (a CPU)
     # Fewer calls than copies to pass two L2s between uses time a warm L2: said, with the calls that suffice.
     assert warm_l2_warning("qwen3-0.6b", 16, fp8_copy, l2, 16) is None  # the default --calls
@@ -137,6 +139,18 @@ def test_copies_rotate_three_l2s_past_the_smallest_reader():
     assert warm_l2_warning("qwen3-0.6b", 1, bf16_copy, 0, 1) is None  # a CPU
 
 
+def test_a_replays_calls_end_a_rotation():
+    # Call i reads copy i % n and a replay runs calls 0..calls-1: unless n divides the calls, the next
+    # replay's first calls reused copies its last calls had just read (13 of 16: three, after 3 calls).
+    for copies, calls in ((13, 16), (3, 52), (4, 62), (1, 7), (5, 5), (9, 8)):
+        n = whole_rotations(copies, calls)
+        assert calls % n == 0 and min(copies, calls) <= n <= calls
+        uses = [i % n for i in range(calls)] * 2  # two replays back to back
+        next_use = [next(j for j in range(i + 1, 2 * calls) if uses[j] == uses[i]) - i for i in range(calls)]
+        assert min(next_use) >= min(copies, calls)
+    assert whole_rotations(13, 16) == 16 and whole_rotations(3, 52) == 4 and whole_rotations(4, 62) == 31
+
+
 def test_an_embedding_that_could_stay_in_l2_is_rotated_too():
     # SmolLM2's head (57 MB in bf16) fits an H200's 60 MiB L2: one copy of it, re-read call after call,
     # timed the dense head from L2 even where --calls rotated enough copies of everything else.
@@ -144,6 +158,7 @@ def test_an_embedding_that_could_stay_in_l2_is_rotated_too():
     smollm2, qwen = VocabShape(49152, 576), SHAPES["qwen3-0.6b"]
     assert embedding_copies_needed(smollm2, torch.bfloat16, 64, l2) == -(-3 * l2 // (49152 * 576 * 2)) == 4
     assert embedding_copies_needed(smollm2, torch.bfloat16, 3, l2) == 3  # no more than a sample's calls
+    assert embedding_copies_needed(smollm2, torch.bfloat16, 10, l2) == 5  # a whole number of rotations a sample
     assert embedding_copies_needed(smollm2, torch.float32, 64, l2) == 2
     assert embedding_copies_needed(qwen, torch.bfloat16, 64, l2) == 1  # 311 MB: reading it through evicts it
     assert embedding_copies_needed(smollm2, torch.bfloat16, 64, 0) == 1  # no L2 (a CPU)
@@ -157,6 +172,32 @@ def test_an_embedding_that_could_stay_in_l2_is_rotated_too():
     for i in range(5):
         expected = (state.hidden[i % 2][:2] @ state.embeddings[i % 3].t()).argmax(-1)
         assert torch.equal(state.head_call("dense", 2, 8, i)(), expected)
+
+
+def test_a_run_with_an_l2_rotates_the_embedding_records_warm_l2_and_judges_no_goal_unlike_its_own(tmp_path, monkeypatch,
+                                                                                                capsys):
+    # A CPU has no L2: given one (1 MiB), a CPU run goes the way a GPU run does.
+    from flashhead_ext.bench import head
+
+    with_l2 = head.run_metadata
+    monkeypatch.setattr(head, "run_metadata", lambda device: dict(with_l2(device), l2_bytes=1 << 20))
+    judged = []
+    monkeypatch.setattr(head, "summary", lambda *args, **kwargs: judged.append(args[4]) or "")
+    out = tmp_path / "head.json"
+    # tiny in fp32: a 1.0 MB embedding, under three L2s; --calls 2 leaves the other copies in L2.
+    assert main(["head", "--shapes", "tiny", "--device", "cpu", "--dtype", "fp32", "--probes", "7", "--batches", "1",
+                 "--samples", "1", "--calls", "2", "--special-tokens", "3", "--impls", "dense,flash_greedy",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["warm_l2_shapes"] == ["tiny"] and "warning: --calls 2" in capsys.readouterr().err
+    assert {(r["copies"], r["embedding_copies"]) for r in result["rows"]} == {(2, 2)}
+    assert judged == [("fp32 weights", "special tokens", "a warm L2")]
+    judged.clear()
+    assert main(["head", "--shapes", "tiny", "--device", "cpu", "--dtype", "bf16", "--probes", "7", "--batches", "1",
+                 "--samples", "1", "--calls", "64", "--impls", "dense,flash_greedy", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["warm_l2_shapes"] == [] and judged == [()]
+    assert {r["embedding_copies"] for r in result["rows"]} == {8}  # 0.5 MB: 7 pass three L2s, and 8 divide 64
 
 
 def test_plain_torch_baseline_decodes_like_ours_with_special_tokens():

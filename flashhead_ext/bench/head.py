@@ -9,10 +9,11 @@ with the dense head: the bytes it keeps (centroids, cluster table, special ids) 
 peak bytes one eager call allocates (workspace, intermediates, output). Weights are random (timing
 does not depend on trained values; never zeros). Each
 timed sample runs ``--calls`` head calls that rotate over
-several copies of the centroids and cluster table and over fresh hidden states, so, as in a
-real decode step where the model body flushes L2 between head calls, the head reads its bytes
-from device memory rather than from L2. The floor is the bytes the head must read over the
-measured copy bandwidth.
+several copies of the centroids and cluster table and over fresh hidden states (and over copies
+of the embedding where it is smaller than three L2s), so, as in a real decode step where the
+model body flushes L2 between head calls, the head reads its bytes from device memory rather
+than from L2. The floor is the bytes the head must read over the measured copy bandwidth. Every
+row's ``x dense`` is against the dense head's matmul + argmax, the sampling rows' too.
 """
 from __future__ import annotations
 
@@ -223,19 +224,26 @@ def copy_bytes(shape: VocabShape, dtype: torch.dtype, impls: list, max_batch: in
             + max_batch * shape.dim * torch.finfo(dtype).bits // 8)
 
 
+def whole_rotations(copies: int, calls: int) -> int:
+    """The fewest copies, at least ``copies`` (or all ``calls``), that divide ``calls``: each replay
+    then ends a rotation, and its next replay's first calls do not reuse copies that its last calls
+    read a few calls before (16 calls over 13 copies reused three after 3 calls)."""
+    return next(n for n in range(max(1, min(copies, calls)), calls + 1) if calls % n == 0)
+
+
 def copies_needed(per_copy: int, calls: int, l2: int) -> int:
-    """Copies to rotate over, so that at least three L2s' worth of them pass between two uses of
-    one copy; more than the calls a sample makes would go unused."""
-    return max(1, min(calls, math.ceil(3 * l2 / per_copy) + 1)) if l2 else 1
+    """Copies to rotate over, so that at least three L2s' worth of other copies pass between two
+    uses of one copy; more than the calls a sample makes would go unused."""
+    return whole_rotations(math.ceil(3 * l2 / per_copy) + 1, calls) if l2 else 1
 
 
 def embedding_copies_needed(shape: VocabShape, dtype: torch.dtype, calls: int, l2: int) -> int:
-    """Copies of the embedding to rotate over: one where it is three L2s or more (every preset), so
-    that reading it through evicts it; else enough that three L2s of them pass between two reads of
-    one copy. SmolLM2's 57 MB would otherwise stay in an H200's 63 MB L2, and the dense head, which
-    reads all of it, would be timed from there."""
+    """Copies of the embedding to rotate over, so that three L2s pass between two reads of one row
+    (the rest of its copy and the other copies): one where it is three L2s or more (every preset).
+    SmolLM2's 57 MB would otherwise stay in an H200's 63 MB L2, and the dense head, which reads all
+    of it, would be timed from there."""
     embedding_bytes = shape.vocab * shape.dim * torch.finfo(dtype).bits // 8
-    return max(1, min(calls, math.ceil(3 * l2 / embedding_bytes))) if l2 else 1
+    return whole_rotations(math.ceil(3 * l2 / embedding_bytes), calls) if l2 else 1
 
 
 def warm_l2_warning(shape_name: str, copies: int, per_copy: int, l2: int, calls: int):
@@ -350,10 +358,9 @@ def run(parser: argparse.ArgumentParser, args, impls: list, modes: list) -> int:
         if warning:
             note(warning)
             warm_l2_shapes.append(name)
-        embedding_copies = embedding_copies_needed(shape, dtype, args.calls, l2)
         with usage_error_past_memory(parser, f"--shapes {name}", args.device):
             state = HeadState(shape, dtype, args.device, max_batch, copies, special_tokens=args.special_tokens,
-                              embedding_copies=embedding_copies)
+                              embedding_copies=embedding_copies_needed(shape, dtype, args.calls, l2))
         for pt in points:
             read = candidates_read(state, pt["batch"], pt["probes"])
             for impl in impls:
@@ -363,8 +370,8 @@ def run(parser: argparse.ArgumentParser, args, impls: list, modes: list) -> int:
                     us = measure(state, impl, pt["batch"], pt["probes"], mode, args.calls, args.samples, args.device)
                     nbytes = floor_bytes(impl, shape, pt["batch"], dtype, read)
                     floor_us = nbytes / (bandwidth * 1e9) * 1e6 if bandwidth else None
-                    rows.append(dict(pt, special_tokens=args.special_tokens, impl=impl, mode=mode, us=us, copies=copies,
-                                     embedding_copies=embedding_copies,
+                    rows.append(dict(pt, special_tokens=args.special_tokens, impl=impl, mode=mode, us=us, copies=state.copies,
+                                     embedding_copies=len(state.embeddings),
                                      clusters_read=read.clusters, floor_bytes=nbytes, floor_us=floor_us, **memory,
                                      pct_of_floor=100.0 * floor_us / us if floor_us else None))
         del state
