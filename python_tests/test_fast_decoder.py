@@ -1699,16 +1699,22 @@ def _cuda_models(arch: str):
 
 
 @pytest.mark.gpu
-def test_spec_predicts_for_a_draft_device_spelled_otherwise_on_the_targets_gpu(tmp_path):
-    # "cuda:0" beside "cuda" is one GPU: compared as strings, the prediction was silently dropped.
+@pytest.mark.parametrize("draft_device", ["cuda:0", pytest.param("cuda:1", marks=TWO_GPUS)])
+def test_spec_predicts_from_draft_steps_for_a_draft_on_the_targets_gpu_however_spelled(tmp_path, capsys, draft_device):
+    # "cuda:0" beside "cuda" (with cuda:0 current) is one GPU: compared as strings, the prediction was
+    # silently dropped. A draft on its own GPU overlaps the target, and the run says why none is made.
     from flashhead_ext.bench.__main__ import main
 
-    index = torch.cuda.current_device()
-    assert main(["spec", "--target", "tiny", "--draft", "tiny", "--device", "cuda", "--draft-device", f"cuda:{index}",
-                 "--num-prompts", "1", "--prompt-tokens", "5", "--max-new-tokens", "12", "--warmup-tokens", "2", "--k", "3",
-                 "--mode", "deferred", "--json", str(tmp_path / "spec.json")]) == 0
+    with torch.cuda.device(0):
+        assert main(["spec", "--target", "tiny", "--draft", "tiny", "--device", "cuda", "--draft-device", draft_device,
+                     "--num-prompts", "1", "--prompt-tokens", "5", "--max-new-tokens", "12", "--warmup-tokens", "2",
+                     "--k", "3", "--mode", "deferred", "--json", str(tmp_path / "spec.json")]) == 0
     meta = json.loads((tmp_path / "spec.json").read_text())["meta"]
-    assert set(meta["draft_step_us"]) == {"dense", "flashhead"} and "predicted" in meta["head_gains"][0]
+    same_gpu = draft_device == "cuda:0"
+    assert set(meta["draft_step_us"]) == ({"dense", "flashhead"} if same_gpu else set())
+    assert ("predicted" in meta["head_gains"][0]) == same_gpu
+    assert ("no draft-step prediction of the gain: the draft on cuda:1 overlaps the target on cuda:0"
+            in capsys.readouterr().err) != same_gpu
 
 
 @pytest.mark.gpu

@@ -430,6 +430,8 @@ def _run_spec(parser: argparse.ArgumentParser, args, configs: list, target_shape
         timing = argparse.Namespace(calls=20, samples=10)
         step_us = {kind: _time_draft_step(draft, decoders[kind].head, timing, torch.device(args.device).type == "cuda")
                    for kind in decoders if kind is not None}
+    else:
+        note(f"no draft-step prediction of the gain: the draft on {draft.device} overlaps the target on {target.device}")
     gains = head_gains(rows, args.k, args.synthetic_acceptance, step_us)
     flash = decoders.get("flashhead")
     meta = dict(run_metadata(args.device), args=vars(args), synthetic_acceptance=args.synthetic_acceptance, clusters=CLUSTERS, max_len=max_len,
