@@ -38,7 +38,10 @@ def torch_requirement() -> str:
 
 
 def want_cuda() -> bool:
-    if os.environ.get("FLASHHEAD_SKIP_CUDA_BUILD", "0") == "1":
+    skip = os.environ.get("FLASHHEAD_SKIP_CUDA_BUILD") or "0"
+    if skip not in ("0", "1"):  # "yes" or "true" had started the full CUDA build without a word
+        raise SystemExit(f"FLASHHEAD_SKIP_CUDA_BUILD must be 1 (a CPU-only build) or 0, got {skip!r}")
+    if skip == "1":
         return False
     if CUDA_HOME is None or torch.version.cuda is None:
         return False
@@ -90,6 +93,10 @@ class BuildWithInfo(BuildExtension.with_options(use_ninja=True)):
     installed extension reported."""
 
     def run(self):
+        # Without ninja, setuptools skips a _C newer than its sources, so a rebuild under another torch
+        # (or with CUDA after a CPU-only build) kept the old _C beside new build info; ninja builds
+        # stay incremental.
+        self.force = True
         super().run()
         for ext in self.extensions:
             write_build_info(Path(self.get_ext_fullpath(ext.name)).parent, WITH_CUDA)
@@ -99,8 +106,9 @@ WITH_CUDA = want_cuda()
 
 
 def extension():
-    if WITH_CUDA:
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    if WITH_CUDA and not os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip():
+        # Set but empty counts as unset: torch would build for the GPU present, or fail without one.
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
 
     rel = lambda pattern: sorted(str(Path(p).relative_to(ROOT)) for p in glob.glob(str(ROOT / pattern)))
     sources = ["csrc/torch_bindings.cpp"] + rel("csrc/cpu/*.cpp")

@@ -1,4 +1,5 @@
 """The build records what it was compiled against, and import refuses a different torch."""
+import os
 import shutil
 import subprocess
 import sys
@@ -140,3 +141,48 @@ def test_an_empty_commit_variable_counts_as_unset(monkeypatch):
     monkeypatch.setenv("FLASHHEAD_COMMIT", "")
     monkeypatch.setattr(provenance, "checkout_commit", lambda tracked_file, mark_dirty: "fromgit")
     assert provenance.source_commit(Path("x.py"), mark_dirty=False) == "fromgit"
+
+
+def read_setup(monkeypatch) -> dict:
+    """setup.py's names, run as pip would but with setuptools.setup doing nothing."""
+    import runpy
+
+    import setuptools
+
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: None)
+    return runpy.run_path(str(Path(__file__).parents[1] / "setup.py"))
+
+
+@pytest.mark.skipif(not (Path(__file__).parents[1] / "setup.py").is_file(), reason="needs the checkout's setup.py")
+def test_setup_builds_every_time_and_reads_its_switches_strictly(monkeypatch):
+    monkeypatch.setenv("FLASHHEAD_SKIP_CUDA_BUILD", "1")
+    build = read_setup(monkeypatch)["BuildWithInfo"]
+    # Without ninja setuptools skipped a _C newer than its sources, so a rebuild under another torch
+    # kept the old _C beside new build info: the build is forced (ninja keeps it incremental).
+    from setuptools import Distribution
+    from torch.utils import cpp_extension
+    from torch.utils.cpp_extension import BuildExtension
+
+    forced = []
+    monkeypatch.setattr(BuildExtension, "run", lambda self: forced.append(self.force))
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)  # torch forces ninja builds itself
+    command = build(Distribution({"name": "probe", "ext_modules": []}))
+    command.ensure_finalized()
+    command.run()
+    assert forced == [True]
+    # "yes" and "true" had started the full CUDA build; an empty value is unset.
+    for value in ("yes", "true", " 1"):
+        monkeypatch.setenv("FLASHHEAD_SKIP_CUDA_BUILD", value)
+        with pytest.raises(SystemExit, match=f"FLASHHEAD_SKIP_CUDA_BUILD must be 1 .* or 0, got {value!r}"):
+            read_setup(monkeypatch)
+    monkeypatch.setenv("FLASHHEAD_SKIP_CUDA_BUILD", "")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)  # no toolkit: a CPU-only build, not a refusal
+    assert read_setup(monkeypatch)["WITH_CUDA"] is False
+    toolkit = Path("/usr/local/cuda")
+    if torch.version.cuda is None or not (toolkit / "include" / "cuda_runtime.h").is_file():
+        return  # the arch list is read only by a CUDA build
+    # An empty arch list is unset too: torch built for the GPU present, or failed without one.
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(toolkit))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", " ")
+    assert read_setup(monkeypatch)["WITH_CUDA"] is True
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0"
