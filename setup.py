@@ -105,10 +105,22 @@ class BuildWithInfo(BuildExtension.with_options(use_ninja=True)):
 WITH_CUDA = want_cuda()
 
 
+def check_arch_floor(arch_list: str) -> None:
+    """Refuses a numbered arch below 8.0 at once: the kernels use cp.async and bf16 arithmetic,
+    and 7.5 failed minutes into the build with thousands of ptxas errors."""
+    for arch in arch_list.replace(";", " ").split():
+        number = arch.split("+")[0].rstrip("af")
+        if number.replace(".", "", 1).isdigit() and float(number) < 8.0:
+            raise SystemExit(f"TORCH_CUDA_ARCH_LIST {arch_list!r}: the kernels need compute capability 8.0 or later, "
+                             f"got {arch}")
+
+
 def extension():
     if WITH_CUDA and not os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip():
         # Set but empty counts as unset: torch would build for the GPU present, or fail without one.
         os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+    if WITH_CUDA:
+        check_arch_floor(os.environ["TORCH_CUDA_ARCH_LIST"])
 
     rel = lambda pattern: sorted(str(Path(p).relative_to(ROOT)) for p in glob.glob(str(ROOT / pattern)))
     sources = ["csrc/torch_bindings.cpp"] + rel("csrc/cpu/*.cpp")

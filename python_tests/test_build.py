@@ -186,3 +186,11 @@ def test_setup_builds_every_time_and_reads_its_switches_strictly(monkeypatch):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", " ")
     assert read_setup(monkeypatch)["WITH_CUDA"] is True
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0"
+    # An arch below the kernels' 8.0 is refused at once (7.5 failed minutes in, in ptxas).
+    for arch_list in ("7.5", "8.0;7.0+PTX", "6.1 9.0"):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
+        with pytest.raises(SystemExit, match="the kernels need compute capability 8.0 or later, got [67]"):
+            read_setup(monkeypatch)
+    for arch_list in ("8.6", "9.0a", "8.0+PTX;10.0", "12.0f"):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
+        read_setup(monkeypatch)
