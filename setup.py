@@ -7,6 +7,7 @@ FLASHHEAD_SKIP_CUDA_BUILD=1 gives a CPU-only build. TORCH_CUDA_ARCH_LIST default
 import glob
 import importlib.util
 import os
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -43,7 +44,11 @@ def want_cuda() -> bool:
         raise SystemExit(f"FLASHHEAD_SKIP_CUDA_BUILD must be 1 (a CPU-only build) or 0, got {skip!r}")
     if skip == "1":
         return False
-    if CUDA_HOME is None or torch.version.cuda is None:
+    if torch.version.cuda is None:
+        return False
+    if CUDA_HOME is None:  # a CUDA torch without a toolkit: say so, or a user finds out at the first op
+        print("flashhead_ext: no CUDA toolkit found (no CUDA_HOME, no nvcc on the PATH), so the CUDA kernels are not "
+              "built, only the CPU references; set CUDA_HOME to build them", file=sys.stderr)
         return False
     # Where torch's build looks for the CUDA headers (and a conda toolkit keeps them).
     header_dirs = [Path(CUDA_HOME) / "include", *Path(CUDA_HOME).glob("targets/*/include")]

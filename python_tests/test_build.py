@@ -154,7 +154,7 @@ def read_setup(monkeypatch) -> dict:
 
 
 @pytest.mark.skipif(not (Path(__file__).parents[1] / "setup.py").is_file(), reason="needs the checkout's setup.py")
-def test_setup_builds_every_time_and_reads_its_switches_strictly(monkeypatch):
+def test_setup_builds_every_time_and_reads_its_switches_strictly(monkeypatch, capsys):
     monkeypatch.setenv("FLASHHEAD_SKIP_CUDA_BUILD", "1")
     build = read_setup(monkeypatch)["BuildWithInfo"]
     # Without ninja setuptools skipped a _C newer than its sources, so a rebuild under another torch
@@ -178,6 +178,7 @@ def test_setup_builds_every_time_and_reads_its_switches_strictly(monkeypatch):
     monkeypatch.setenv("FLASHHEAD_SKIP_CUDA_BUILD", "")
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)  # no toolkit: a CPU-only build, not a refusal
     assert read_setup(monkeypatch)["WITH_CUDA"] is False
+    assert ("no CUDA toolkit found" in capsys.readouterr().err) == (torch.version.cuda is not None)
     toolkit = Path("/usr/local/cuda")
     if torch.version.cuda is None or not (toolkit / "include" / "cuda_runtime.h").is_file():
         return  # the arch list is read only by a CUDA build
