@@ -21,8 +21,14 @@ pipq() { python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep
 
 # torch first: the extension is compiled against it (hence --no-build-isolation below). numpy
 # with it, or torch's first import warns that it is missing.
-pipq "torch==${FLASHHEAD_TORCH_VERSION:-2.14.1}" ninja numpy || true
+torch_version=${FLASHHEAD_TORCH_VERSION:-2.14.1}
+pipq "torch==$torch_version" ninja numpy || true
 python -c "import torch" || { echo "torch failed to install" >&2; exit 1; }
+# A torch pip could not install left the venv's own, which the build then compiled against unsaid.
+python -c "import sys, torch
+if sys.argv[1] not in (torch.__version__, torch.__version__.split('+')[0]):
+    sys.exit(f'torch {sys.argv[1]} was asked for, but the venv has {torch.__version__}: pip could not install it (above)')" \
+  "$torch_version"
 # The install compiles every CUDA kernel (minutes), so it is skipped when nothing it depends on
 # changed since the last one into this venv: the C++/CUDA sources, the build files, torch, nvcc
 # and the build's environment; the stamp also holds the hash of the extension that install
