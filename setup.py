@@ -64,9 +64,9 @@ def want_cuda() -> bool:
 
 def wheel_cuda_includes() -> list[str]:
     # /usr/local/cuda may lack cublas/cusparse headers that ATen's CUDA headers include;
-    # torch's nvidia-* wheels carry them.
-    site = Path(sysconfig.get_paths()["purelib"])
-    return [str(p) for p in sorted(site.glob("nvidia/cu*/include")) if p.is_dir()]
+    # torch's nvidia-* wheels carry them, beside torch (a --user or PYTHONPATH torch is not in purelib).
+    sites = dict.fromkeys([Path(torch.__file__).resolve().parents[1], Path(sysconfig.get_paths()["purelib"]).resolve()])
+    return [str(p) for site in sites for p in sorted(site.glob("nvidia/cu*/include")) if p.is_dir()]
 
 
 def built_commit():
@@ -126,6 +126,10 @@ def extension():
         os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
     if WITH_CUDA:
         check_arch_floor(os.environ["TORCH_CUDA_ARCH_LIST"])
+    # torch ignores a MAX_JOBS that is no number and passes 0 on: ninja -j 0 runs every nvcc at once.
+    max_jobs = os.environ.get("MAX_JOBS")
+    if max_jobs is not None and not (max_jobs.isdigit() and int(max_jobs) > 0):
+        raise SystemExit(f"MAX_JOBS must be a positive number of parallel compile jobs, got {max_jobs!r}")
 
     rel = lambda pattern: sorted(str(Path(p).relative_to(ROOT)) for p in glob.glob(str(ROOT / pattern)))
     sources = ["csrc/torch_bindings.cpp"] + rel("csrc/cpu/*.cpp")

@@ -175,6 +175,14 @@ def test_setup_builds_every_time_and_reads_its_switches_strictly(monkeypatch, ca
         monkeypatch.setenv("FLASHHEAD_SKIP_CUDA_BUILD", value)
         with pytest.raises(SystemExit, match=f"FLASHHEAD_SKIP_CUDA_BUILD must be 1 .* or 0, got {value!r}"):
             read_setup(monkeypatch)
+    monkeypatch.setenv("FLASHHEAD_SKIP_CUDA_BUILD", "1")
+    # torch ignored a MAX_JOBS of no number, and passed 0 to ninja, which then ran every job at once.
+    for value in ("0", "two", "-1", "2 "):
+        monkeypatch.setenv("MAX_JOBS", value)
+        with pytest.raises(SystemExit, match=f"MAX_JOBS must be a positive number of parallel compile jobs, got {value!r}"):
+            read_setup(monkeypatch)
+    monkeypatch.setenv("MAX_JOBS", "3")
+    read_setup(monkeypatch)
     monkeypatch.setenv("FLASHHEAD_SKIP_CUDA_BUILD", "")
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)  # no toolkit: a CPU-only build, not a refusal
     assert read_setup(monkeypatch)["WITH_CUDA"] is False
