@@ -121,10 +121,10 @@ def check_arch_floor(arch_list: str) -> None:
 
 
 def extension():
-    if WITH_CUDA and not os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip():
-        # Set but empty counts as unset: torch would build for the GPU present, or fail without one.
-        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
     if WITH_CUDA:
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip():
+            # Set but empty counts as unset: torch would build for the GPU present, or fail without one.
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
         check_arch_floor(os.environ["TORCH_CUDA_ARCH_LIST"])
     # torch ignores a MAX_JOBS that is no number and passes 0 on: ninja -j 0 runs every nvcc at once.
     max_jobs = os.environ.get("MAX_JOBS")
