@@ -2,7 +2,7 @@
 
 CUDA sources are compiled whenever nvcc (CUDA_HOME) and a CUDA build of torch are present,
 never gated on torch.cuda.is_available(): CI compiles every kernel on a machine with no GPU.
-FLASHHEAD_SKIP_CUDA_BUILD=1 gives a CPU-only build. TORCH_CUDA_ARCH_LIST defaults to 8.0;9.0.
+FLASHHEAD_SKIP_CUDA_BUILD=1 gives a CPU-only build. TORCH_CUDA_ARCH_LIST defaults to 8.0;9.0+PTX.
 """
 import glob
 import importlib.util
@@ -124,7 +124,9 @@ def extension():
     if WITH_CUDA:
         if not os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip():
             # Set but empty counts as unset: torch would build for the GPU present, or fail without one.
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+            # sm_90's PTX too, which newer GPUs (Blackwell) compile at load: without it they find no
+            # kernel. It costs no build time (nvcc emits the PTX it compiles the sm_90 code from).
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
         check_arch_floor(os.environ["TORCH_CUDA_ARCH_LIST"])
     # torch ignores a MAX_JOBS that is no number and passes 0 on: ninja -j 0 runs every nvcc at once.
     max_jobs = os.environ.get("MAX_JOBS")

@@ -194,7 +194,7 @@ def test_setup_builds_every_time_and_reads_its_switches_strictly(monkeypatch, ca
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(toolkit))
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", " ")
     assert read_setup(monkeypatch)["WITH_CUDA"] is True
-    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0"
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0+PTX"  # the PTX for GPUs newer than sm_90
     # An arch below the kernels' 8.0 is refused at once (7.5 failed minutes in, in ptxas).
     for arch_list in ("7.5", "8.0;7.0+PTX", "6.1 9.0"):
         monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
