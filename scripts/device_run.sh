@@ -10,7 +10,10 @@
 #     too (with them full ran past 600 s in session 67; racecheck did not finish 12 of them in 100 s);
 #   suite: the whole suite alone, CPU and GPU cases (the CPU ones under the device's torch, which
 #     CI's does not cover: session 52 found a torch.compile break there);
-#   quick: the GPU tests and the head benchmark.
+#   quick: the GPU tests and the head benchmark;
+#   jit: built as by default (sm_90 with its PTX), the head benchmark, then the ops' GPU tests with
+#     the driver forced to compile the PTX (CUDA_FORCE_PTX_JIT=1): what a GPU newer than the build's
+#     archs (Blackwell) runs.
 # With .whl/ carried (scripts/stage_transformers.sh), the transformers CI installs replaces the image's
 # first, and the summary names the versions tested.
 # A call runs at most 600 s and the build takes about 2 min, so the whole suite has its own mode.
@@ -22,7 +25,8 @@ OUT=${OUT:-results/device}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=$(nproc)
 mode=${1:-full}
-case "$mode" in full | suite | quick | sanitize) ;; *) echo "usage: $0 [full|suite|quick|sanitize], got '$mode'" >&2; exit 2 ;; esac
+case "$mode" in full | suite | quick | sanitize | jit) ;; *) echo "usage: $0 [full|suite|quick|sanitize|jit], got '$mode'" >&2; exit 2 ;; esac
+[ "$mode" = jit ] && TORCH_CUDA_ARCH_LIST="9.0+PTX"
 step() { echo; echo "=== $* ($(date +%T))"; }
 summary=()
 
@@ -96,11 +100,22 @@ if [ "$mode" = full ] || [ "$mode" = sanitize ]; then
   fi
 fi
 
-if [ "$mode" = full ] || [ "$mode" = quick ]; then  # the suite takes the rest of the call
+if [ "$mode" = full ] || [ "$mode" = quick ] || [ "$mode" = jit ]; then  # the suite takes the rest of the call
   step "head benchmark"
   rm -f "$OUT/bench_head.json"  # cpp_bench reads this run's bandwidth from it, never an earlier run's
   timeout 300 python3 -m flashhead_ext.bench head --json "$OUT/bench_head.json" 2>&1 | tee "$OUT/bench_head.log"
   summary+=("bench head: exit ${PIPESTATUS[0]}")
+fi
+
+if [ "$mode" = jit ]; then
+  step "op tests, the kernels compiled from their PTX at load"
+  so=$(python3 -c "import flashhead_ext._C as c; print(c.__file__)")
+  summary+=("PTX in the build: $(cuobjdump --list-ptx "$so" 2>/dev/null | grep -c 'sm_90') files")
+  CUDA_FORCE_PTX_JIT=1 timeout 330 python3 -m pytest python_tests/test_cuda_shapes.py python_tests/test_ops_equality.py \
+    python_tests/test_sampling.py python_tests/test_fp8_centroids.py python_tests/test_decoder_ops.py \
+    python_tests/test_layouts.py python_tests/test_compile_graphs.py -q -m gpu -n 12 -p no:cacheprovider \
+    2>&1 | tee "$OUT/tests_jit.log" | tail -8
+  summary+=("tests under CUDA_FORCE_PTX_JIT=1: $(progress_counts "$OUT/tests_jit.log")")
 fi
 
 # cpp_bench: the device image has no Google Benchmark, so the binaries are built on the host
@@ -125,4 +140,4 @@ fi
 step "summary"
 printf '%s\n' "${summary[@]}"
 # This run's benchmark only: $OUT may hold an earlier run's log.
-if [ "$mode" = full ] || [ "$mode" = quick ]; then sed -n '/^summary:/,$p' "$OUT/bench_head.log"; fi
+if [ "$mode" != suite ] && [ "$mode" != sanitize ]; then sed -n '/^summary:/,$p' "$OUT/bench_head.log"; fi
