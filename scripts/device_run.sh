@@ -11,9 +11,9 @@
 #   suite: the whole suite alone, CPU and GPU cases (the CPU ones under the device's torch, which
 #     CI's does not cover: session 52 found a torch.compile break there);
 #   quick: the GPU tests and the head benchmark;
-#   jit: built as by default (sm_90 with its PTX), the head benchmark, then the ops' GPU tests with
-#     the driver forced to compile the PTX (CUDA_FORCE_PTX_JIT=1): what a GPU newer than the build's
-#     archs (Blackwell) runs.
+#   jit: built for sm_80's PTX alone, the ops' GPU tests, each kernel compiled by the driver at load
+#     from an older arch's PTX, as a GPU newer than the build's archs (Blackwell) does with the
+#     default's sm_90 PTX (CUDA_FORCE_PTX_JIT=1 cannot show it: torch's own kernels have no such PTX).
 # With .whl/ carried (scripts/stage_transformers.sh), the transformers CI installs replaces the image's
 # first, and the summary names the versions tested.
 # A call runs at most 600 s and the build takes about 2 min, so the whole suite has its own mode.
@@ -26,7 +26,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=$(nproc)
 mode=${1:-full}
 case "$mode" in full | suite | quick | sanitize | jit) ;; *) echo "usage: $0 [full|suite|quick|sanitize|jit], got '$mode'" >&2; exit 2 ;; esac
-[ "$mode" = jit ] && TORCH_CUDA_ARCH_LIST="9.0+PTX"
+[ "$mode" = jit ] && TORCH_CUDA_ARCH_LIST="8.0+PTX"
 step() { echo; echo "=== $* ($(date +%T))"; }
 summary=()
 
@@ -100,7 +100,7 @@ if [ "$mode" = full ] || [ "$mode" = sanitize ]; then
   fi
 fi
 
-if [ "$mode" = full ] || [ "$mode" = quick ] || [ "$mode" = jit ]; then  # the suite takes the rest of the call
+if [ "$mode" = full ] || [ "$mode" = quick ]; then  # the suite takes the rest of the call
   step "head benchmark"
   rm -f "$OUT/bench_head.json"  # cpp_bench reads this run's bandwidth from it, never an earlier run's
   timeout 300 python3 -m flashhead_ext.bench head --json "$OUT/bench_head.json" 2>&1 | tee "$OUT/bench_head.log"
@@ -108,14 +108,16 @@ if [ "$mode" = full ] || [ "$mode" = quick ] || [ "$mode" = jit ]; then  # the s
 fi
 
 if [ "$mode" = jit ]; then
-  step "op tests, the kernels compiled from their PTX at load"
+  step "op tests, the kernels compiled from sm_80's PTX at load"
   so=$(python3 -c "import flashhead_ext._C as c; print(c.__file__)")
-  if command -v cuobjdump > /dev/null; then summary+=("sm_90 PTX files in _C: $(cuobjdump --list-ptx "$so" | grep -c 'sm_90')"); fi
-  CUDA_FORCE_PTX_JIT=1 timeout 330 python3 -m pytest python_tests/test_cuda_shapes.py python_tests/test_ops_equality.py \
+  if command -v cuobjdump > /dev/null; then
+    summary+=("_C holds $(cuobjdump --list-ptx "$so" | grep -c 'sm_80') sm_80 PTX files, $(cuobjdump --list-elf "$so" | grep -c 'sm_') cubins")
+  fi
+  timeout 330 python3 -m pytest python_tests/test_cuda_shapes.py python_tests/test_ops_equality.py \
     python_tests/test_sampling.py python_tests/test_fp8_centroids.py python_tests/test_decoder_ops.py \
     python_tests/test_layouts.py python_tests/test_compile_graphs.py -q -m gpu -n 12 -p no:cacheprovider \
     2>&1 | tee "$OUT/tests_jit.log" | tail -8
-  summary+=("tests under CUDA_FORCE_PTX_JIT=1: $(progress_counts "$OUT/tests_jit.log")")
+  summary+=("op tests from sm_80's PTX: $(progress_counts "$OUT/tests_jit.log")")
 fi
 
 # cpp_bench: the device image has no Google Benchmark, so the binaries are built on the host
@@ -140,4 +142,4 @@ fi
 step "summary"
 printf '%s\n' "${summary[@]}"
 # This run's benchmark only: $OUT may hold an earlier run's log.
-if [ "$mode" != suite ] && [ "$mode" != sanitize ]; then sed -n '/^summary:/,$p' "$OUT/bench_head.log"; fi
+if [ "$mode" = full ] || [ "$mode" = quick ]; then sed -n '/^summary:/,$p' "$OUT/bench_head.log"; fi
