@@ -175,6 +175,13 @@ def uncompiled(model: nn.Module) -> nn.Module:
     return model
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model ``model`` wraps: past torch.compile's wrapper and a PEFT model's (whose LoRA layers sit
+    in the model it wraps, so that model runs them)."""
+    model = uncompiled(model)
+    return uncompiled(model.get_base_model()) if hasattr(model, "get_base_model") else model
+
+
 def output_embedding(model: nn.Module) -> Tensor:
     """The output embedding ``[V, D]`` of a transformers causal LM (its lm_head weight, tied or not)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -512,6 +519,13 @@ def _eager_only(reason: str):
 _BUILD_BEFORE_COMPILING = "call model.flash_head.head() once before compiling with fullgraph=True"
 
 
+def _offloaded(linear: nn.Module) -> bool:
+    """Whether an accelerate hook offloads ``linear``'s weight: it is loaded for each call, a new
+    object each time, and put back on the meta device after it."""
+    hook = getattr(linear, "_hf_hook", None)
+    return any(getattr(each, "offload", False) for each in getattr(hook, "hooks", (hook,)))
+
+
 def _no_linear() -> None:
     """A dead reference's answer, for an attachment copied after its head was dropped."""
     return None
@@ -690,6 +704,12 @@ class FlashHeadAttachment:
         if (cached is None or self._built_for is not weight or cached.embedding.dtype != weight.dtype
                 or cached.embedding.device != weight.device
                 or (not torch.compiler.is_compiling() and cached.embedding.data_ptr() != weight.data_ptr())):
+            if _offloaded(self.linear):
+                # Loaded anew for each call, the weight made FlashHead rebuild (and compare it with
+                # the clustering) at every call: many times slower than the dense head.
+                raise ValueError("the output head was offloaded after attach (accelerate's cpu_offload, disk_offload or a "
+                                 "device_map offloading it), which FlashHead cannot run at speed: detach(model) before "
+                                 "offloading, or keep lm_head on a device (attach refuses an offloaded head too)")
             cached = self._rebuild()
         elif self._weights_unchecked(weight) and not torch.compiler.is_compiling():  # a graph break: left to eager
             self._compare_weights(weight)  # a weight to_empty() made, compared once loaded
@@ -793,9 +813,10 @@ class FlashHeadAttachment:
         if head is self._linear():
             return
         if not isinstance(head, nn.Linear):  # attaching again would fail: say what can be done
-            raise ValueError(f"the output head was replaced since attach by a {type(head).__name__}, not an nn.Linear "
-                             "(transformers' universal assisted generation with sampling prunes a draft's head so), "
-                             "which FlashHead cannot run: detach(model) to decode it dense")
+            raise ValueError(f"the output head was replaced since attach by a {type(head).__module__}.{type(head).__name__}, "
+                             "not an nn.Linear (PEFT's modules_to_save and LoRA wrap it so, transformers' universal "
+                             "assisted generation with sampling prunes a draft's head so), which FlashHead cannot run: "
+                             "detach(model) to decode it dense (and detach before wrapping the head)")
         raise ValueError(HEAD_CHANGED)
 
 
@@ -873,8 +894,9 @@ def attach(model: nn.Module, assets: Union[FlashHeadAssets, PathLike, None] = No
 
     Args:
         model: Llama, Qwen3, Gemma-3, SmolLM2, ... with a bias-free linear output head, tied or not,
-            whose weight is resident (not offloaded); or such a model compiled by ``torch.compile``,
-            whose wrapped module it attaches to (so ``detach`` takes either).
+            whose weight is resident (not offloaded); or such a model compiled by ``torch.compile`` or
+            wrapped by PEFT (adapters off the head), whose wrapped module it attaches to (so ``detach``
+            takes either).
         assets: a :class:`~flashhead_ext.assets.FlashHeadAssets`, a path to an assets directory, or
             None: the model's own assets when it is a published FlashHead checkpoint (its directory,
             or its snapshot in the local Hugging Face cache when loaded by hub id), else a
@@ -918,8 +940,9 @@ def attach(model: nn.Module, assets: Union[FlashHeadAssets, PathLike, None] = No
         ops._require_probes(probes)  # before minutes of clustering; the upper bound needs the clusters
     _check_tokenizer(tokenizer)  # before the clustering it would calibrate (None: no calibration)
     # The wrapped module, not the wrapper: its calls and the wrapper's both run the check hook, and
-    # detach finds the attachment whichever is given.
-    model = uncompiled(model)
+    # detach finds the attachment whichever is given. (On a PEFT model's wrapper the hook missed
+    # PEFT's generate, and merge_and_unload returned a model decoding FlashHead unattached.)
+    model = unwrapped(model)
     linear = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"model must be a transformers causal LM with an nn.Linear output head, got {type(model).__name__} "
@@ -1021,19 +1044,34 @@ def _flash_forward_dropped(linear: nn.Linear, attachment: FlashHeadAttachment) -
 
 def detach(model: nn.Module) -> None:
     """Undoes :func:`attach`: the model's dense output head (and any forward it replaced) is back.
-    ``model`` is the model attached to or its ``torch.compile`` wrapper. An accelerate hook added to
+    ``model`` is the model attached to or its ``torch.compile`` or PEFT wrapper. An accelerate hook added to
     the head after attach stays, wrapping the dense forward; another wrapper put around FlashHead's
     forward after attach is refused (remove it first)."""
-    model = uncompiled(model)
+    model = unwrapped(model)
     attachment = model.__dict__.get("flash_head")
     if attachment is None:
         raise ValueError("no FlashHead is attached to this model")
+    # Copies of the head made since attach run FlashHead too, through a copy of the attachment that
+    # no model holds: PEFT's modules_to_save deep-copies the head into its wrapper, which then kept
+    # decoding FlashHead after detach.
+    held = {id(module.__dict__.get("flash_head")) for module in model.modules()}
+    for module in model.modules():
+        copied = getattr(module.__dict__.get("_apply"), "__self__", None)
+        if isinstance(copied, FlashHeadAttachment) and copied is not attachment and id(copied) not in held:
+            _take_flash_head_out(module, copied)
     linear = attachment._linear()
-    # The dense forward as the attachment found it: an instance one it replaced, or the class's.
+    if linear is not None:  # else the head attached to was replaced and dropped: nothing of FlashHead's runs
+        _take_flash_head_out(linear, attachment)
+    del model.flash_head
+    attachment._model_hook.remove()
+
+
+def _take_flash_head_out(linear: nn.Linear, attachment: FlashHeadAttachment) -> None:
+    """Puts back the forward ``attachment`` replaced on ``linear`` (an instance one it found, or the
+    class's) and the class's ``_apply``; a ValueError, changing nothing, where a wrapper put around
+    FlashHead's forward since would be lost."""
     dense_forward = attachment._replaced_forward
-    if linear is None:
-        pass  # the head attached to was replaced and dropped: nothing of FlashHead's runs
-    elif linear.__dict__.get("forward") == attachment.forward:
+    if linear.__dict__.get("forward") == attachment.forward:
         if dense_forward is not None:
             linear.forward = dense_forward
         else:
@@ -1042,15 +1080,11 @@ def detach(model: nn.Module) -> None:
         # An accelerate hook added after attach (dispatch_model, cpu_offload) wraps FlashHead's
         # forward and puts it back when removed: the hook stays, wrapping the dense forward now.
         linear._old_forward = dense_forward if dense_forward is not None else type(linear).forward.__get__(linear)
-    elif _flash_forward_dropped(linear, attachment):
-        pass  # nothing of FlashHead's to take out of the call chain
-    else:  # deleting the forward there would drop that wrapper, and FlashHead would come back with it
+    elif not _flash_forward_dropped(linear, attachment):
+        # Deleting the forward there would drop that wrapper, and FlashHead would come back with it.
         raise ValueError(f"the output head's forward was wrapped after attach ({linear.__dict__.get('forward')!r}), around "
                          "FlashHead's: remove that wrapper first, then detach")
-    del model.flash_head
-    if linear is not None:
-        del linear._apply
-    attachment._model_hook.remove()
+    del linear._apply
     attachment._forget_weights_other_than(None)  # they hold the output weight; the attachment may outlive the model
 
 

@@ -1382,8 +1382,8 @@ def test_a_head_replaced_by_another_kind_of_module_asks_to_detach():
     model = _tiny_llama(tied=False)
     attach(model, _tiny_assets(model))
     model.lm_head = PrunedHead()
-    with pytest.raises(ValueError, match=r"^the output head was replaced since attach by a PrunedHead, not an nn.Linear .* "
-                                         r"detach\(model\) to decode it dense$"):
+    with pytest.raises(ValueError, match=r"^the output head was replaced since attach by a test_hf\.PrunedHead, not an "
+                                         r"nn.Linear .* detach\(model\) to decode it dense"):
         model(torch.tensor([[1, 2]]))
     detach(model)
     assert model(torch.tensor([[1, 2]])).logits.shape == (1, 2, 5)

@@ -560,8 +560,15 @@ def test_bad_inputs_name_the_argument():
     # Devices (meta stands in for another GPU): named when built, not by torch mid-generation.
     with pytest.raises(ValueError, match=r"draft_head must be on the draft's device cpu, got meta"):
         SpeculativeDecoder(target, target, DenseHead(target.lm_head.weight.detach().float().to("meta")))
-    with pytest.raises(ValueError, match=r"draft must be on the target's device cpu, got meta .*takes a draft Decoder built on another device"):
-        SpeculativeDecoder(target, copy.deepcopy(target).to("meta"))
+    # Weights offloaded to meta (accelerate): torch's "Cannot copy out of meta tensor" came mid-generate.
+    meta = copy.deepcopy(target).to("meta")
+    for role, args in (("draft", (target, meta)), ("target", (meta, target))):
+        with pytest.raises(ValueError, match=f"^{role}'s weights are on the meta device \\(offloaded, .*own generate\\(\\)$"):
+            SpeculativeDecoder(*args)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"draft must be on the target's device cpu, got cuda:0 .*takes a draft "
+                                             r"Decoder built on another device"):
+            SpeculativeDecoder(target, copy.deepcopy(target).to("cuda"))
 
 
 class _LowRankAdapted(torch.nn.Module):

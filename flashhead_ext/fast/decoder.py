@@ -618,6 +618,10 @@ class Decoder:
         FlashHead attached to ``model`` (:func:`flashhead_ext.hf.attach`) is not carried over (a
         warning says so): the decoder keeps the dense output weight."""
         model = uncompiled(model)  # a compiled model's state dict names every weight "_orig_mod."...
+        if hasattr(model, "get_base_model") or any(hasattr(module, "base_layer") for module in model.modules()):
+            # Else "state_dict has no ...": PEFT renames the weights it wraps (q_proj.base_layer.weight).
+            raise ValueError(f"model carries PEFT adapters ({type(model).__name__}: LoRA or other tuner layers), whose terms "
+                             "the Decoder's layers do not compute: merge them first, model = model.merge_and_unload()")
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "state_dict"):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
@@ -666,6 +670,11 @@ class Decoder:
         embed_key = f"{prefix}embed_tokens.weight"
         if embed_key not in state_dict:
             raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers {FAMILY_NAMES} causal LM")
+        offloaded = next((key for key, value in state_dict.items() if isinstance(value, Tensor) and value.is_meta), None)
+        if offloaded is not None:  # else a device hint for the meta default, then torch's "Cannot copy out of meta tensor"
+            raise ValueError(f"state_dict's {offloaded!r} is on the meta device, which holds no values (weights offloaded by "
+                             "accelerate, or a model built under init_empty_weights): the Decoder copies the weights, so "
+                             "load them first")
         if num_layers is None and any(key.startswith(f"{prefix}layers.{c.num_layers}.") for key in state_dict):
             # Building the config's layers only would silently drop the rest: another model's config?
             raise ValueError(f"state_dict holds layer {c.num_layers} but the config has {c.num_layers} layers "

@@ -31,7 +31,7 @@ from torch import Tensor
 from .. import ops
 from ..head import DenseHead, FlashHead, _HeadBase
 from .._stacklevel import callers_stacklevel
-from ..hf import (check_plain_output_head, greedy_logit_settings, output_embedding, uncompiled,
+from ..hf import (check_plain_output_head, greedy_logit_settings, output_embedding, unwrapped,
                   warn_unapplied_generation_settings)
 from .draft import make_draft_head
 
@@ -283,12 +283,6 @@ def _drop_last(cache, count: int) -> None:
         cache.crop(-count)
 
 
-def _unwrapped(module):
-    """The model ``module`` wraps: past torch.compile's wrapper and a PEFT model's."""
-    base = uncompiled(module)
-    return base.get_base_model() if hasattr(base, "get_base_model") else base
-
-
 def cache_keyword(module) -> str:
     """The keyword ``module``'s forward takes its KV cache by: ``cache`` from transformers 5.24,
     which deprecates ``past_key_values`` (removed in 5.40), ``past_key_values`` before. A wrapper
@@ -296,7 +290,7 @@ def cache_keyword(module) -> str:
     installed transformers' keyword."""
     from transformers import LlamaForCausalLM
 
-    for forward in (_unwrapped(module).forward, LlamaForCausalLM.forward):
+    for forward in (unwrapped(module).forward, LlamaForCausalLM.forward):
         name = _named_cache_keyword(forward)
         if name is not None:
             return name
@@ -309,13 +303,25 @@ def _named_cache_keyword(forward) -> Optional[str]:
     return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
+def resident_device(model, role: str) -> torch.device:
+    """The device of ``model``'s weights (``role``: "target" or "draft"); a ValueError where they are
+    offloaded to the meta device: torch's "Cannot copy out of meta tensor" came mid-generate, and
+    the offload was undone."""
+    device = next(model.parameters()).device
+    if device.type == "meta":
+        raise ValueError(f"{role}'s weights are on the meta device (offloaded, e.g. by accelerate's cpu_offload or a "
+                         "device_map with CPU or disk entries): this driver runs the target and the draft with their "
+                         "weights on one device; decode an offloaded model with its own generate()")
+    return device
+
+
 def require_dynamic_cache(model, role: str) -> None:
     """ValueError unless ``model`` (``role``: "target" or "draft") is a decoder-only model that keeps
     its context in a transformers ``DynamicCache``, which this driver gives it: an encoder-decoder
     failed deep in transformers; a model with a cache of its own kind (transformers'
     ``_supports_default_dynamic_cache``: RWKV, xLSTM, MiniMax...) failed there or, taking
     ``**kwargs``, ignored the cache and decoded every step without its context (RWKV), without a word."""
-    base = _unwrapped(model)
+    base = unwrapped(model)
     name = type(base).__name__
     if getattr(getattr(base, "config", None), "is_encoder_decoder", False):
         raise ValueError(f"{role} must be a decoder-only causal LM, got the encoder-decoder {name}")
@@ -433,7 +439,7 @@ class SpeculativeDecoder:
         require_dynamic_cache(target, "target")
         self._target_cache = cache_keyword(target)
         self.k = k
-        self.device = next(target.parameters()).device
+        self.device = resident_device(target, "target")
         self.eos = eos_ids(eos_token_id, getattr(getattr(target, "generation_config", None), "eos_token_id", None), vocab)
         warn_unapplied_generation_settings(greedy_logit_settings(target))
         self._rope_switch = length_dependent_rope(getattr(target, "config", None))
@@ -443,8 +449,8 @@ class SpeculativeDecoder:
             require_no_draft_options(draft_head)
             return
         require_dynamic_cache(draft, "draft")
-        plain_draft = uncompiled(draft)
-        for model, role in ((uncompiled(target), "target"), (plain_draft, "draft")):
+        plain_draft = unwrapped(draft)
+        for model, role in ((unwrapped(target), "target"), (plain_draft, "draft")):
             if keeps_recurrent_state(model):
                 raise ValueError(f"{role} {type(model).__name__} keeps a recurrent state, which speculative decoding "
                                  "cannot cut back to the accepted tokens; decode it without a draft (draft=None, mode='baseline')")
@@ -459,13 +465,16 @@ class SpeculativeDecoder:
             raise ValueError(f"draft {type(plain_draft).__name__}'s base_model is the causal LM itself "
                              f"(base_model_prefix {plain_draft.base_model_prefix!r} names no submodule), so its final "
                              "hidden states cannot be read before its head")
-        draft_device = next(draft.parameters()).device
+        draft_device = resident_device(draft, "draft")
         if draft_device != self.device:  # else torch's device error mid-generation
             raise ValueError(f"draft must be on the target's device {self.device}, got {draft_device} (this driver runs "
                              "both on one device; flashhead_ext.fast's runner takes a draft Decoder built on another device)")
         if self.head.embedding.device != draft_device:
             raise ValueError(f"draft_head must be on the draft's device {draft_device}, got {self.head.embedding.device}")
-        self._draft_cache = cache_keyword(draft.base_model)
+        # The body whose final hidden states the head scores: a PEFT model's base_model is PEFT's
+        # wrapper of the whole causal LM, which returned logits (a crash at the first proposal).
+        self._draft_body = plain_draft.base_model
+        self._draft_cache = cache_keyword(self._draft_body)
         self.draft_vocab = self.head.vocab_size
 
     @property
@@ -487,7 +496,7 @@ class SpeculativeDecoder:
     def _draft_next(self, ids: Tensor, cache, clock) -> Tensor:
         """The draft head's token after ``ids`` (int64 ``[1]``, on the device)."""
         with clock("draft_body"):
-            hidden = self.draft.base_model(input_ids=ids.view(1, -1), **{self._draft_cache: cache},
+            hidden = self._draft_body(input_ids=ids.view(1, -1), **{self._draft_cache: cache},
                                            use_cache=True).last_hidden_state
         with clock("draft_head"):
             head = self.head
@@ -541,7 +550,7 @@ class SpeculativeDecoder:
         if speculative:
             # The draft's prefill is part of the time to first token: a round cannot start without it.
             draft_cache = self._new_cache(self.draft, True)
-            self.draft.base_model(input_ids=draft_input(prompt, self.draft_vocab, self.vocab_size),
+            self._draft_body(input_ids=draft_input(prompt, self.draft_vocab, self.vocab_size),
                                   **{self._draft_cache: draft_cache}, use_cache=True)
         done = output.first(int(first))
         stats.ttft_s = time.perf_counter() - start

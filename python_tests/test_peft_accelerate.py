@@ -1,0 +1,160 @@
+"""FlashHead on models that PEFT wraps and accelerate offloads: each works, or is refused by name."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+accelerate = pytest.importorskip("accelerate")
+
+from flashhead_ext.assets import FlashHeadAssets  # noqa: E402
+from flashhead_ext.clustering import build_clusters  # noqa: E402
+from flashhead_ext.hf import attach, detach  # noqa: E402
+from flashhead_ext.fast import Decoder  # noqa: E402
+from flashhead_ext.speculative import SpeculativeDecoder  # noqa: E402
+
+VOCAB = 203  # not a multiple of the cluster size: a padded clustering
+
+
+def tiny_llama(seed: int = 0) -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                      max_position_embeddings=128)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def with_lora(model, seed: int, **options):
+    """``model`` under a LoRA adapter whose B matrices are drawn, not zero, so it changes the tokens."""
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, **options)
+    wrapped = peft.get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in wrapped.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return wrapped.eval()
+
+
+def every_cluster(model, cluster_size: int = 8) -> FlashHeadAssets:
+    """A clustering of the model's head probed whole: FlashHead's argmax is then the dense head's."""
+    clustering = build_clusters(model.lm_head.weight.detach(), cluster_size, iters=2, progress=False)
+    return FlashHeadAssets.from_clustering(clustering, n_probes=clustering.centroids.shape[0])
+
+
+def some_clusters(model) -> FlashHeadAssets:
+    """A clustering probed in part: most logits are -inf, so FlashHead is told from the dense head."""
+    return FlashHeadAssets.from_clustering(build_clusters(model.lm_head.weight.detach(), 8, iters=2, progress=False),
+                                           n_probes=2)
+
+
+def prompt(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model, ids: torch.Tensor, new_tokens: int = 12) -> list:
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_a_peft_draft_proposes_from_its_adapted_body():
+    # PEFT's base_model wraps the whole causal LM: the driver read logits as hidden states and
+    # crashed at the first proposal. The same adapted model as draft proposes the target's tokens.
+    target = with_lora(tiny_llama(), seed=1)
+    draft = with_lora(tiny_llama(), seed=1)
+    ids = prompt(3)
+    expected = greedy(target, ids)
+    assert expected != greedy(tiny_llama(), ids)  # the adapter changes the tokens
+    weight = draft.get_base_model().lm_head.weight.detach()
+    for draft_head in ("dense", every_cluster(draft.get_base_model()).head(weight)):
+        result = SpeculativeDecoder(target, draft, draft_head, k=3).generate(ids, mode="deferred", max_new_tokens=12)
+        assert result.tokens == expected
+        assert result.stats.accepted == result.stats.proposed > 0
+
+
+def test_attach_to_a_peft_model_goes_to_the_model_it_wraps():
+    wrapped = with_lora(tiny_llama(), seed=2)
+    base = wrapped.get_base_model()
+    ids = prompt(4)
+    dense_logits, dense_tokens = logits(wrapped, ids), greedy(wrapped, ids)
+    attachment = attach(wrapped, every_cluster(base))
+    assert base.flash_head is attachment and wrapped.flash_head is attachment
+    assert greedy(wrapped, ids) == dense_tokens
+    # PEFT's generate calls the wrapped model, whose check now runs: a replaced head is named, not
+    # decoded dense while the attachment said enabled.
+    wrapped.resize_token_embeddings(VOCAB + 5)
+    with pytest.raises(ValueError, match="the output head changed since attach"):
+        greedy(wrapped, ids)
+    detach(wrapped)
+    assert not hasattr(base, "flash_head")
+
+
+def test_detach_after_merge_and_unload_restores_the_dense_head():
+    # Attached on the wrapper, the merged model decoded FlashHead with no attachment to detach.
+    wrapped = with_lora(tiny_llama(), seed=5)
+    ids = prompt(6)
+    expected = logits(copy.deepcopy(wrapped).merge_and_unload(), ids)
+    attach(wrapped, some_clusters(wrapped.get_base_model()))
+    merged = wrapped.merge_and_unload()
+    del wrapped
+    assert torch.isinf(logits(merged, ids)).any()
+    detach(merged)
+    assert torch.equal(logits(merged, ids), expected)
+
+
+def test_detach_takes_flash_head_out_of_copies_peft_made_of_the_head():
+    # modules_to_save deep-copies the attached head into PEFT's wrapper, forward and all; detach
+    # left that copy decoding FlashHead (most logits -inf) with nothing attached.
+    base = tiny_llama()
+    ids = prompt(7)
+    dense = logits(base, ids)
+    attach(base, some_clusters(base))
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])).eval()
+    with pytest.raises(ValueError, match=r"replaced since attach by a peft\..*ModulesToSaveWrapper, .*PEFT's "
+                                         r"modules_to_save .* detach\(model\) to decode it dense"):
+        logits(wrapped, ids)
+    detach(wrapped)
+    # LoRA's B starts at zero, so the wrapped model computes the dense logits, exactly as before.
+    assert torch.equal(logits(wrapped, ids), dense)
+    attached_anywhere = [module for module in base.modules() if "_apply" in module.__dict__]
+    assert attached_anywhere == []
+
+
+def test_a_head_offloaded_after_attach_is_refused_and_detach_restores_it():
+    # Loaded anew at each call, the weight made FlashHead rebuild its head at every call.
+    model = tiny_llama()
+    ids = prompt(8)
+    dense = logits(model, ids)
+    attach(model, some_clusters(model))
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    assert model.lm_head.weight.is_meta
+    with pytest.raises(ValueError, match=r"^the output head was offloaded after attach .*detach\(model\) before offloading"):
+        logits(model, ids)
+    model.flash_head.enabled = False
+    assert torch.equal(logits(model, ids), dense)
+    detach(model)
+    assert torch.equal(logits(model, ids), dense)
+
+
+def test_the_fast_decoder_names_adapters_and_offloaded_weights():
+    wrapped = with_lora(tiny_llama(), seed=9)
+    for model in (wrapped, wrapped.get_base_model()):
+        with pytest.raises(ValueError, match=r"^model carries PEFT adapters .*model = model.merge_and_unload\(\)$"):
+            Decoder.from_hf(model, max_len=32)
+    merged = copy.deepcopy(wrapped).merge_and_unload()
+    ids = prompt(10)
+    decoder = Decoder.from_hf(merged, max_len=32)
+    torch.testing.assert_close(decoder.logits(decoder.forward(ids[0])), logits(wrapped, ids)[0], rtol=1e-4, atol=1e-4)
+    offloaded = tiny_llama()
+    accelerate.cpu_offload(offloaded, execution_device=torch.device("cpu"))
+    for device in (None, "cpu"):
+        with pytest.raises(ValueError, match=r"is on the meta device, which holds no values \(weights offloaded by accelerate"):
+            Decoder.from_hf(offloaded, max_len=32, device=device)
