@@ -179,7 +179,11 @@ def unwrapped(model: nn.Module) -> nn.Module:
     """The model ``model`` wraps: past torch.compile's wrapper and a PEFT model's (whose LoRA layers sit
     in the model it wraps, so that model runs them)."""
     model = uncompiled(model)
-    return uncompiled(model.get_base_model()) if hasattr(model, "get_base_model") else model
+    if hasattr(model, "get_base_model"):
+        return uncompiled(model.get_base_model())
+    if type(model).__module__.startswith("peft.") and isinstance(getattr(model.base_model, "model", None), nn.Module):
+        return uncompiled(model.base_model.model)  # a PeftMixedModel, which has no get_base_model
+    return model
 
 
 def output_embedding(model: nn.Module) -> Tensor:
@@ -955,10 +959,9 @@ def attach(model: nn.Module, assets: Union[FlashHeadAssets, PathLike, None] = No
 def _check_attachable(model: nn.Module, linear: nn.Linear) -> None:
     if hasattr(model, "flash_head"):
         raise ValueError("a FlashHead is already attached to this model; call detach(model) first")
-    if isinstance(getattr(linear.__dict__.get("_apply"), "__self__", None), FlashHeadAttachment):
+    if _running_attachment(linear) is not None:
         # Attached again, the second attachment's forward would wrap the first's, and detaching in
-        # attach order left one model decoding dense and the other unable to detach. Its _apply,
-        # not its forward, tells: accelerate's hooks wrap the forward.
+        # attach order left one model decoding dense and the other unable to detach.
         raise ValueError("the model's output head already runs a FlashHead attached to another model that shares it "
                          "(a model assembled from another's modules): detach that model first, or use its attachment")
 
@@ -1054,16 +1057,31 @@ def detach(model: nn.Module) -> None:
     # Copies of the head made since attach run FlashHead too, through a copy of the attachment that
     # no model holds: PEFT's modules_to_save deep-copies the head into its wrapper, which then kept
     # decoding FlashHead after detach.
-    held = {id(module.__dict__.get("flash_head")) for module in model.modules()}
     for module in model.modules():
-        copied = getattr(module.__dict__.get("_apply"), "__self__", None)
-        if isinstance(copied, FlashHeadAttachment) and copied is not attachment and id(copied) not in held:
+        copied = _running_attachment(module)
+        if copied is not None and copied is not attachment and not _held_by_a_model(copied):
             _take_flash_head_out(module, copied)
     linear = attachment._linear()
     if linear is not None:  # else the head attached to was replaced and dropped: nothing of FlashHead's runs
         _take_flash_head_out(linear, attachment)
     del model.flash_head
     attachment._model_hook.remove()
+
+
+def _running_attachment(module: nn.Module) -> Optional["FlashHeadAttachment"]:
+    """The attachment whose FlashHead ``module`` runs, or None. Its _apply, not its forward, tells:
+    accelerate's hooks wrap the forward."""
+    attachment = getattr(module.__dict__.get("_apply"), "__self__", None)
+    return attachment if isinstance(attachment, FlashHeadAttachment) else None
+
+
+def _held_by_a_model(attachment: FlashHeadAttachment) -> bool:
+    """Whether ``attachment``'s check hook is still registered on a model: a copy made of the head
+    alone holds a handle to a copy of the model's hooks that nothing keeps; another model's
+    attachment (a head shared with it), or one of a whole copied model, holds a live one."""
+    handle = attachment._model_hook
+    hooks = handle.hooks_dict_ref() if handle is not None else None
+    return hooks is not None and handle.id in hooks
 
 
 def _take_flash_head_out(linear: nn.Linear, attachment: FlashHeadAttachment) -> None:

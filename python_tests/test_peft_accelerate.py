@@ -161,3 +161,54 @@ def test_the_fast_decoder_names_adapters_and_offloaded_weights():
     for device in (None, "cpu"):
         with pytest.raises(ValueError, match=r"is on the meta device, which holds no values \(weights offloaded by accelerate"):
             Decoder.from_hf(offloaded, max_len=32, device=device)
+
+
+def test_prompt_learning_models_are_refused_by_the_driver():
+    # PEFT adds the virtual tokens in its own forward: a draft's body call skipped them (it proposed
+    # the untuned model's tokens) and a target's cached calls would repeat or drop them.
+    plain = tiny_llama()
+    tuned = peft.get_peft_model(tiny_llama(), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)).eval()
+    for role, args in (("draft", (plain, tuned)), ("target", (tuned, plain))):
+        with pytest.raises(ValueError, match=f"^{role} is a PEFT prompt-learning model \\(PROMPT_TUNING\\)"):
+            SpeculativeDecoder(*args)
+
+
+def test_a_mixed_peft_model_is_unwrapped_too():
+    # PeftMixedModel has no get_base_model: the attachment went on the wrapper, and the merged model
+    # decoded FlashHead with nothing to detach.
+    base = tiny_llama()
+    ids = prompt(11)
+    dense = logits(base, ids)
+    mixed = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"]), mixed=True).eval()
+    assert attach(mixed, some_clusters(base)) is base.flash_head
+    merged = mixed.merge_and_unload()
+    assert torch.isinf(logits(merged, ids)).any()
+    detach(merged)
+    assert torch.equal(logits(merged, ids), dense)  # LoRA's B starts at zero: the merge changed nothing
+
+
+def test_detach_leaves_another_models_head_registered_under_it():
+    # Only copies no model holds are taken out: B's head, also a submodule of A, keeps B's FlashHead.
+    a, b = tiny_llama(0), tiny_llama(1)
+    attach(a, some_clusters(a))
+    attach(b, some_clusters(b))
+    ids = prompt(12)
+    flash = logits(b, ids)
+    assert torch.isinf(flash).any()
+    a.verifier_head = b.lm_head
+    detach(a)
+    assert torch.equal(logits(b, ids), flash)
+    detach(b)
+    assert not torch.isinf(logits(b, ids)).any()
+
+
+def test_an_early_exit_reads_only_its_layers_so_later_ones_may_be_offloaded():
+    model = tiny_llama()
+    state = {key: value.to("meta") if key.startswith("model.layers.1.") else value
+             for key, value in model.state_dict().items()}
+    early = Decoder.from_state_dict(model.config, state, max_len=16, num_layers=1)
+    full = Decoder.from_state_dict(model.config, model.state_dict(), max_len=16, num_layers=1)
+    ids = prompt(13)[0]
+    assert torch.equal(early.logits(early.forward(ids)), full.logits(full.forward(ids)))
+    with pytest.raises(ValueError, match=r"^state_dict's 'model.layers.1.self_attn.q_proj.weight' is on the meta device"):
+        Decoder.from_state_dict(model.config, state, max_len=16)

@@ -41,7 +41,7 @@ versions=$(python3 -c "import torch, sys, transformers; print('torch', torch.__v
 echo "$versions"
 summary+=("$versions")
 
-step "build (sm_90, $MAX_JOBS jobs)"
+step "build ($TORCH_CUDA_ARCH_LIST, $MAX_JOBS jobs)"
 start=$(date +%s)
 if python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
   summary+=("build: ok in $(( $(date +%s) - start )) s")

@@ -480,6 +480,15 @@ def _require_max_len(max_len) -> None:
         raise ValueError(f"max_len must be an int in 1..2**63 - 1, got {max_len!r}")
 
 
+def _refuse_meta(key: str, weight) -> None:
+    """A ValueError where the state dict's ``weight`` is on the meta device: torch's "Cannot copy out of
+    meta tensor" named nothing."""
+    if isinstance(weight, Tensor) and weight.is_meta:
+        raise ValueError(f"state_dict's {key!r} is on the meta device, which holds no values (weights offloaded by "
+                         "accelerate, or a model built under init_empty_weights): the Decoder copies the weights, so "
+                         "load them first")
+
+
 def _usable_device(device, note: str = "") -> torch.device:
     """``device`` as a torch.device the decoder runs on, the CPU or a CUDA device this machine has;
     else a ValueError naming it, not torch's error once weights are being copied (which may only
@@ -670,11 +679,6 @@ class Decoder:
         embed_key = f"{prefix}embed_tokens.weight"
         if embed_key not in state_dict:
             raise ValueError(f"state_dict has no {embed_key!r}; expected the keys of a transformers {FAMILY_NAMES} causal LM")
-        offloaded = next((key for key, value in state_dict.items() if isinstance(value, Tensor) and value.is_meta), None)
-        if offloaded is not None:  # else a device hint for the meta default, then torch's "Cannot copy out of meta tensor"
-            raise ValueError(f"state_dict's {offloaded!r} is on the meta device, which holds no values (weights offloaded by "
-                             "accelerate, or a model built under init_empty_weights): the Decoder copies the weights, so "
-                             "load them first")
         if num_layers is None and any(key.startswith(f"{prefix}layers.{c.num_layers}.") for key in state_dict):
             # Building the config's layers only would silently drop the rest: another model's config?
             raise ValueError(f"state_dict holds layer {c.num_layers} but the config has {c.num_layers} layers "
@@ -682,6 +686,8 @@ class Decoder:
         if dtype is not None:
             _require_dtype(dtype)
         dtype = dtype or state_dict[embed_key].dtype
+        if device is None:  # the embedding's, which on meta was refused as a device to pass
+            _refuse_meta(embed_key, state_dict[embed_key])
         device = _usable_device(device if device is not None else state_dict[embed_key].device)
         # Gemma's RMSNorms scale by 1 + weight, formed in float32 as transformers forms it; Granite's
         # residual branches are the o and down outputs times residual_multiplier, a factor of their weights.
@@ -701,6 +707,7 @@ class Decoder:
             # broadcasts a smaller one without a word, and a cast rounds integers into weights.
             if not isinstance(source, Tensor):
                 raise TypeError(f"state_dict's {key!r} must be a torch.Tensor {list(shape)}, got {type(source).__name__}")
+            _refuse_meta(key, source)  # only the weights read: an early exit's offloaded later layers are no matter
             if tuple(source.shape) != shape or not source.is_floating_point():
                 raise ValueError(f"state_dict's {key!r} must be a floating-point tensor of shape {list(shape)} (the "
                                  f"config's sizes), got {source.dtype} {list(source.shape)}")

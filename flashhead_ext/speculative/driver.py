@@ -31,7 +31,7 @@ from torch import Tensor
 from .. import ops
 from ..head import DenseHead, FlashHead, _HeadBase
 from .._stacklevel import callers_stacklevel
-from ..hf import (check_plain_output_head, greedy_logit_settings, output_embedding, unwrapped,
+from ..hf import (check_plain_output_head, greedy_logit_settings, output_embedding, uncompiled, unwrapped,
                   warn_unapplied_generation_settings)
 from .draft import make_draft_head
 
@@ -315,6 +315,18 @@ def resident_device(model, role: str) -> torch.device:
     return device
 
 
+def refuse_prompt_learning(model, role: str) -> None:
+    """ValueError where ``model`` is a PEFT prompt-learning model (prompt, prefix or P-tuning): PEFT adds
+    its virtual tokens in its own forward, which a draft's body call skipped (its proposals were the
+    untuned model's) and a target's cached calls do not reproduce."""
+    config = getattr(uncompiled(model), "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        kind = getattr(config, "peft_type", None)
+        raise ValueError(f"{role} is a PEFT prompt-learning model ({getattr(kind, 'value', kind)}), "
+                         "whose virtual tokens PEFT adds in its own forward, which this driver's calls do not "
+                         "reproduce; adapters in the weights (LoRA) work, or decode it with its own generate()")
+
+
 def require_dynamic_cache(model, role: str) -> None:
     """ValueError unless ``model`` (``role``: "target" or "draft") is a decoder-only model that keeps
     its context in a transformers ``DynamicCache``, which this driver gives it: an encoder-decoder
@@ -437,6 +449,7 @@ class SpeculativeDecoder:
         # forward's signature and parameters below would not.
         self.vocab_size = vocab = _output_embedding(target, "target").shape[0]
         require_dynamic_cache(target, "target")
+        refuse_prompt_learning(target, "target")
         self._target_cache = cache_keyword(target)
         self.k = k
         self.device = resident_device(target, "target")
@@ -449,6 +462,7 @@ class SpeculativeDecoder:
             require_no_draft_options(draft_head)
             return
         require_dynamic_cache(draft, "draft")
+        refuse_prompt_learning(draft, "draft")
         plain_draft = unwrapped(draft)
         for model, role in ((unwrapped(target), "target"), (plain_draft, "draft")):
             if keeps_recurrent_state(model):
