@@ -12,7 +12,7 @@ from flashhead_ext.assets import FlashHeadAssets  # noqa: E402
 from flashhead_ext.clustering import build_clusters  # noqa: E402
 from flashhead_ext.hf import attach, detach  # noqa: E402
 from flashhead_ext.fast import Decoder  # noqa: E402
-from flashhead_ext.speculative import SpeculativeDecoder  # noqa: E402
+from flashhead_ext.speculative import SpeculativeDecoder, early_exit_draft  # noqa: E402
 
 # peft 0.21 calls an API transformers 5.2x deprecates: its warning, not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -212,3 +212,13 @@ def test_an_early_exit_reads_only_its_layers_so_later_ones_may_be_offloaded():
     assert torch.equal(early.logits(early.forward(ids)), full.logits(full.forward(ids)))
     with pytest.raises(ValueError, match=r"^state_dict's 'model.layers.1.self_attn.q_proj.weight' is on the meta device"):
         Decoder.from_state_dict(model.config, state, max_len=16)
+
+
+def test_an_early_exit_draft_of_a_peft_model_shares_its_adapted_layers():
+    # It refused the PEFT wrapper (no .layers in its base_model), though the layers are the model's.
+    wrapped = with_lora(tiny_llama(), seed=14)
+    draft = early_exit_draft(wrapped, 1)
+    assert draft.model.layers[0] is wrapped.get_base_model().model.layers[0]
+    ids = prompt(14)
+    result = SpeculativeDecoder(wrapped, draft, k=3).generate(ids, mode="deferred", max_new_tokens=12)
+    assert result.tokens == greedy(wrapped, ids)

@@ -11,7 +11,7 @@ from .. import ops
 from ..assets import default_probes, flash_head_for
 from ..clustering import check_kmeans_settings
 from ..head import DenseHead, FlashHead, SpecialTokenIds, centroid_dtype_option, special_token_list
-from ..hf import check_plain_output_head, output_embedding, uncompiled
+from ..hf import check_plain_output_head, output_embedding, unwrapped
 
 if TYPE_CHECKING:  # transformers is imported only when used
     from transformers import PreTrainedModel
@@ -32,7 +32,8 @@ def early_exit_draft(target: nn.Module, num_layers: int) -> PreTrainedModel:
     """
     if not ops._is_int(num_layers):
         raise TypeError(f"num_layers must be an int, got {type(num_layers).__name__}")
-    target = uncompiled(target)  # the draft shares the modules, not the compiled wrapper
+    # The draft shares the modules, not a compiled or PEFT wrapper (whose LoRA layers sit in them).
+    target = unwrapped(target)
     body = getattr(target, "base_model", None)
     layers = getattr(body, "layers", None)
     if body is None or body is target or not isinstance(layers, nn.ModuleList):
