@@ -117,9 +117,12 @@ def _convert_gguf(gguf: Path, target: Path):
 
 
 def _unreadable(directory: Path) -> Optional[str]:
-    """Why a converted model directory cannot be read (its config or its weights' header), or None."""
+    """Why a converted model directory cannot be read (its config, its weights' header or its
+    tokenizer), or None. The tokenizer is read here, not left to transformers: 5.0, without
+    tokenizer.json, tried another tokenizer format and raised an ImportError (no protobuf)."""
     try:
         json.loads((directory / "config.json").read_text())
+        json.loads((directory / "tokenizer.json").read_text())
         with safe_open(str(directory / "model.safetensors"), "pt") as weights:
             weights.keys()
     except (SafetensorError, OSError, ValueError) as error:
@@ -150,7 +153,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, *,
     if cached and damage is None:
         try:
             return from_pretrained(directory, dtype)
-        except (SafetensorError, OSError, ValueError) as error:  # a tokenizer file cut short or lost
+        except (SafetensorError, OSError, ValueError) as error:  # damage the reading above did not see
             damage = " ".join(str(error).split())  # tokenizers' message spans lines
     if damage is not None:  # a copy cut short, a full disk: moved aside first, so no reader sees half of it
         warnings.warn(f"the cached SmolLM2 at {directory} is unreadable ({damage}); converting it again",

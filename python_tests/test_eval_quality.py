@@ -466,8 +466,9 @@ def test_a_model_whose_head_has_a_bias_is_a_usage_error_before_recording(tmp_pat
     calls = _record_spy(monkeypatch)
     tokenizer = char_tokenizer()
     torch.manual_seed(0)
-    model = transformers.PhiForCausalLM(transformers.PhiConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    model = transformers.PhiForCausalLM(transformers.PhiConfig(  # pad_token_id: transformers 5.0's Phi has no default
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        pad_token_id=0))
     model.save_pretrained(tmp_path / "phi")
     tokenizer.save_pretrained(tmp_path / "phi")
     with pytest.raises(SystemExit) as exit_info:

@@ -671,8 +671,12 @@ def names(message: str, arg: Arg) -> bool:
     return any(re.search(rf"(?<!\w){re.escape(name)}(?!\w)", message) for name in arg.aliases)
 
 
+# torch.AcceleratorError is newer than torch 2.6, whose CUDA errors are RuntimeErrors, told by their message.
+ACCELERATOR_ERRORS = tuple(getattr(torch, name) for name in ("AcceleratorError",) if hasattr(torch, name))
+
+
 def is_cuda_error(error: Exception) -> bool:
-    return isinstance(error, torch.AcceleratorError) or "CUDA error" in str(error)
+    return isinstance(error, ACCELERATOR_ERRORS) or "CUDA error" in str(error)
 
 
 def tensors(result) -> list:

@@ -585,8 +585,9 @@ def test_drafts_the_heads_cannot_serve_are_refused():
     # An output-head bias: the heads score hidden . embedding only, so their tokens would not be the
     # draft's own (a model drafting for itself would accept nothing).
     torch.manual_seed(0)
-    biased = transformers.PhiForCausalLM(transformers.PhiConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)).eval()
+    biased = transformers.PhiForCausalLM(transformers.PhiConfig(  # pad_token_id: transformers 5.0's Phi has no default
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        pad_token_id=0)).eval()
     assert biased.lm_head.bias is not None
     for make in (lambda: SpeculativeDecoder(biased, biased), lambda: SpeculativeDecoder(biased, early_exit_draft(biased, 1)),
                  lambda: make_draft_head("dense", biased)):
