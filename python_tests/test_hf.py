@@ -1225,6 +1225,8 @@ class _Logits(torch.nn.Module):
         return self.model(input_ids=ids, use_cache=False).logits
 
 
+@pytest.mark.skipif(not hasattr(torch.compiler, "is_exporting"),
+                    reason="the head learns it is being exported from torch.compiler.is_exporting, newer than torch 2.6")
 def test_attached_model_exports_in_non_strict_mode():
     # Non-strict tracing hands the head stand-ins for the weight, whose values the rebuild's host
     # checks read: every export failed on a data-dependent guard.
