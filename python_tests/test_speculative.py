@@ -618,7 +618,12 @@ def test_drafts_the_heads_cannot_serve_are_refused():
         with pytest.raises(ValueError, match=f"{role} MambaForCausalLM keeps (a recurrent state, which speculative decoding"
                                              "|its context in a cache of its own kind)"):
             SpeculativeDecoder(*pair)
-    assert len(SpeculativeDecoder(recurrent).generate(prompt(0), mode="baseline", max_new_tokens=3).tokens) == 3
+    try:
+        alone = SpeculativeDecoder(recurrent)
+    except ValueError as error:  # transformers 5.0's Mamba: its own cache, which no mode can give it
+        assert "keeps its context in a cache of its own kind" in str(error)
+    else:
+        assert len(alone.generate(prompt(0), mode="baseline", max_new_tokens=3).tokens) == 3
 
 
 def test_models_whose_cache_is_no_dynamic_cache_are_refused_when_built():
