@@ -511,8 +511,15 @@ def _check_head_dtype(weight: Tensor) -> None:
                         "float32 weights: cast the model (e.g. model.float()) or detach(model)")
 
 
-# torch.compiler.is_exporting arrived in torch 2.6 or 2.7; before it, exports take the eager path.
-_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+def _is_exporting() -> bool:
+    """Whether torch.export is tracing: the flag ``torch.compiler.is_exporting()`` returns, read
+    directly, since torch 2.11's dynamo folds that call to True in every ``torch.compile`` (a copied
+    model compiled with fullgraph=True was told to call head() before *exporting*). Without
+    either (torch 2.6), exports take the eager path."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    if isinstance(flag, bool):
+        return flag
+    return bool(getattr(torch.compiler, "is_exporting", lambda: False)())
 
 
 def _eager_only(reason: str):
