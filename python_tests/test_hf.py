@@ -1234,7 +1234,7 @@ def test_attached_model_exports_in_non_strict_mode():
     model = _tiny_llama(tied=False)
     attach(model, _tiny_assets(model))
     with torch.no_grad():
-        # strict=False: the default from torch 2.7 on (2.6's default, strict, fails in transformers' code).
+        # strict=False: newer torch's default (torch 2.6's, strict, fails in transformers' code).
         exported = torch.export.export(_Logits(model), (ids,), dynamic_shapes=({0: torch.export.Dim("batch", max=8)},),
                                        strict=False)
         other = torch.tensor([[9, 2, 6], [5, 3, 5], [8, 9, 7]])

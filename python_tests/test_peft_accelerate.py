@@ -40,16 +40,12 @@ def with_lora(model, seed: int, **options):
     return wrapped.eval()
 
 
-def every_cluster(model, cluster_size: int = 8) -> FlashHeadAssets:
-    """A clustering of the model's head probed whole: FlashHead's argmax is then the dense head's."""
-    clustering = build_clusters(model.lm_head.weight.detach(), cluster_size, iters=2, progress=False)
-    return FlashHeadAssets.from_clustering(clustering, n_probes=clustering.centroids.shape[0])
-
-
-def some_clusters(model) -> FlashHeadAssets:
-    """A clustering probed in part: most logits are -inf, so FlashHead is told from the dense head."""
-    return FlashHeadAssets.from_clustering(build_clusters(model.lm_head.weight.detach(), 8, iters=2, progress=False),
-                                           n_probes=2)
+def clustering(model, probes=None) -> FlashHeadAssets:
+    """A clustering of the model's head in clusters of 8, probed at ``probes``: by default every
+    cluster, so FlashHead's argmax is the dense head's; a few, and most logits are -inf, so FlashHead
+    is told from the dense head."""
+    built = build_clusters(model.lm_head.weight.detach(), 8, iters=2, progress=False)
+    return FlashHeadAssets.from_clustering(built, n_probes=built.centroids.shape[0] if probes is None else probes)
 
 
 def prompt(seed: int) -> torch.Tensor:
@@ -77,7 +73,7 @@ def test_a_peft_draft_proposes_from_its_adapted_body():
     expected = greedy(target, ids)
     assert expected != greedy(tiny_llama(), ids)  # the adapter changes the tokens
     weight = draft.get_base_model().lm_head.weight.detach()
-    for draft_head in ("dense", every_cluster(draft.get_base_model()).head(weight)):
+    for draft_head in ("dense", clustering(draft.get_base_model()).head(weight)):
         result = SpeculativeDecoder(target, draft, draft_head, k=3).generate(ids, mode="deferred", max_new_tokens=12)
         assert result.tokens == expected
         assert result.stats.accepted == result.stats.proposed > 0
@@ -88,7 +84,7 @@ def test_attach_to_a_peft_model_goes_to_the_model_it_wraps():
     base = wrapped.get_base_model()
     ids = prompt(4)
     dense_logits, dense_tokens = logits(wrapped, ids), greedy(wrapped, ids)
-    attachment = attach(wrapped, every_cluster(base))
+    attachment = attach(wrapped, clustering(base))
     assert base.flash_head is attachment and wrapped.flash_head is attachment
     assert greedy(wrapped, ids) == dense_tokens
     # PEFT's generate calls the wrapped model, whose check now runs: a replaced head is named, not
@@ -105,7 +101,7 @@ def test_detach_after_merge_and_unload_restores_the_dense_head():
     wrapped = with_lora(tiny_llama(), seed=5)
     ids = prompt(6)
     expected = logits(copy.deepcopy(wrapped).merge_and_unload(), ids)
-    attach(wrapped, some_clusters(wrapped.get_base_model()))
+    attach(wrapped, clustering(wrapped.get_base_model(), probes=2))
     merged = wrapped.merge_and_unload()
     del wrapped
     assert torch.isinf(logits(merged, ids)).any()
@@ -119,7 +115,7 @@ def test_detach_takes_flash_head_out_of_copies_peft_made_of_the_head():
     base = tiny_llama()
     ids = prompt(7)
     dense = logits(base, ids)
-    attach(base, some_clusters(base))
+    attach(base, clustering(base, probes=2))
     wrapped = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])).eval()
     with pytest.raises(ValueError, match=r"replaced since attach by a peft\..*ModulesToSaveWrapper, .*PEFT's "
                                          r"modules_to_save .* detach\(model\) to decode it dense"):
@@ -136,7 +132,7 @@ def test_a_head_offloaded_after_attach_is_refused_and_detach_restores_it():
     model = tiny_llama()
     ids = prompt(8)
     dense = logits(model, ids)
-    attach(model, some_clusters(model))
+    attach(model, clustering(model, probes=2))
     accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
     assert model.lm_head.weight.is_meta
     with pytest.raises(ValueError, match=r"^the output head was offloaded after attach .*detach\(model\) before offloading"):
@@ -180,7 +176,7 @@ def test_a_mixed_peft_model_is_unwrapped_too():
     ids = prompt(11)
     dense = logits(base, ids)
     mixed = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"]), mixed=True).eval()
-    assert attach(mixed, some_clusters(base)) is base.flash_head
+    assert attach(mixed, clustering(base, probes=2)) is base.flash_head
     merged = mixed.merge_and_unload()
     assert torch.isinf(logits(merged, ids)).any()
     detach(merged)
@@ -190,8 +186,8 @@ def test_a_mixed_peft_model_is_unwrapped_too():
 def test_detach_leaves_another_models_head_registered_under_it():
     # Only copies no model holds are taken out: B's head, also a submodule of A, keeps B's FlashHead.
     a, b = tiny_llama(0), tiny_llama(1)
-    attach(a, some_clusters(a))
-    attach(b, some_clusters(b))
+    attach(a, clustering(a, probes=2))
+    attach(b, clustering(b, probes=2))
     ids = prompt(12)
     flash = logits(b, ids)
     assert torch.isinf(flash).any()

@@ -511,7 +511,7 @@ class SpeculativeDecoder:
         """The draft head's token after ``ids`` (int64 ``[1]``, on the device)."""
         with clock("draft_body"):
             hidden = self._draft_body(input_ids=ids.view(1, -1), **{self._draft_cache: cache},
-                                           use_cache=True).last_hidden_state
+                                      use_cache=True).last_hidden_state
         with clock("draft_head"):
             head = self.head
             return head.next_token(hidden[0, -1:].to(head.embedding.dtype))
@@ -565,7 +565,7 @@ class SpeculativeDecoder:
             # The draft's prefill is part of the time to first token: a round cannot start without it.
             draft_cache = self._new_cache(self.draft, True)
             self._draft_body(input_ids=draft_input(prompt, self.draft_vocab, self.vocab_size),
-                                  **{self._draft_cache: draft_cache}, use_cache=True)
+                             **{self._draft_cache: draft_cache}, use_cache=True)
         done = output.first(int(first))
         stats.ttft_s = time.perf_counter() - start
 
