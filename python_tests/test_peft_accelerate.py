@@ -12,7 +12,8 @@ from flashhead_ext.assets import FlashHeadAssets  # noqa: E402
 from flashhead_ext.clustering import build_clusters  # noqa: E402
 from flashhead_ext.hf import attach, detach  # noqa: E402
 from flashhead_ext.fast import Decoder  # noqa: E402
-from flashhead_ext.speculative import SpeculativeDecoder, early_exit_draft  # noqa: E402
+from flashhead_ext.speculative import MODES, SpeculativeDecoder, early_exit_draft  # noqa: E402
+from helpers import TWO_GPUS, greedy_tokens  # noqa: E402
 
 # peft 0.21 calls an API transformers 5.2x deprecates: its warning, not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -218,3 +219,49 @@ def test_an_early_exit_draft_of_a_peft_model_shares_its_adapted_layers():
     ids = prompt(14)
     result = SpeculativeDecoder(wrapped, draft, k=3).generate(ids, mode="deferred", max_new_tokens=12)
     assert result.tokens == greedy(wrapped, ids)
+
+
+def offloaded(model, how: str, directory, execution_device):
+    """``model`` with accelerate's hooks loading its weights at each forward: all of them (``cpu_offload``),
+    or its embedding and first layer from disk (a ``device_map``), run on ``execution_device``."""
+    if how == "cpu_offload":
+        return accelerate.cpu_offload(model, execution_device=execution_device)
+    on_device = execution_device if isinstance(execution_device, int) else str(execution_device)
+    device_map = {"model.embed_tokens": "disk", "model.layers.0": "disk", "model.layers.1": on_device,
+                  "model.norm": on_device, "model.rotary_emb": on_device, "lm_head": on_device}
+    return accelerate.dispatch_model(model, device_map=device_map, offload_dir=str(directory), main_device=on_device)
+
+
+def check_driver_decodes(target, draft, expected: tuple) -> None:
+    """Every mode of the eager driver emits ``expected``, the target's greedy tokens."""
+    decoder = SpeculativeDecoder(target, draft, k=3, eos_token_id=[])
+    for mode in MODES:
+        tokens = decoder.generate(prompt(12), mode=mode, max_new_tokens=len(expected)).tokens
+        assert tuple(tokens) == expected, mode
+
+
+@pytest.mark.parametrize("how", ["cpu_offload", "device_map"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param(0, marks=pytest.mark.gpu)])  # accelerate names a GPU by index
+def test_the_eager_driver_decodes_a_target_accelerate_offloads(how, device, tmp_path):
+    # A large target offloaded beside a resident draft: the driver took the target's device for the
+    # meta device and refused it; it now feeds the target where accelerate runs it. float64: exact.
+    on = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    target = tiny_llama().double().to(on)
+    expected = greedy_tokens(target, prompt(12).to(on), 10)
+    offloaded(target, how, tmp_path, device)
+    assert target.model.embed_tokens.weight.is_meta
+    check_driver_decodes(target, tiny_llama(seed=1).double().to(on), expected)
+    assert target.model.embed_tokens.weight.is_meta and target.model.layers[0].mlp.up_proj.weight.is_meta  # still offloaded
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+def test_the_eager_driver_decodes_a_target_split_over_two_gpus():
+    # The target's logits came on its head's GPU, the draft's proposals on the first: cat() failed.
+    target = tiny_llama().double().to("cuda:0")
+    expected = greedy_tokens(target, prompt(12).to("cuda:0"), 10)
+    device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1,
+                  "model.rotary_emb": 1, "lm_head": 1}
+    accelerate.dispatch_model(target, device_map=device_map)
+    assert target.lm_head.weight.device == torch.device("cuda:1")
+    check_driver_decodes(target, tiny_llama(seed=1).double().to("cuda:0"), expected)

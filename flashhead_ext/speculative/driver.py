@@ -303,16 +303,39 @@ def _named_cache_keyword(forward) -> Optional[str]:
     return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
-def resident_device(model, role: str) -> torch.device:
-    """The device of ``model``'s weights (``role``: "target" or "draft"); a ValueError where they are
-    offloaded to the meta device: torch's "Cannot copy out of meta tensor" came mid-generate, and
-    the offload was undone."""
-    device = next(model.parameters()).device
+def resident_draft_device(draft) -> torch.device:
+    """The device of ``draft``'s weights; a ValueError where they are offloaded to the meta device: the
+    draft's head reads its output weights at every step."""
+    device = next(draft.parameters()).device
     if device.type == "meta":
-        raise ValueError(f"{role}'s weights are on the meta device (offloaded, e.g. by accelerate's cpu_offload or a "
-                         "device_map with CPU or disk entries): this driver runs the target and the draft with their "
-                         "weights on one device; decode an offloaded model with its own generate()")
+        raise ValueError("draft's weights are on the meta device (offloaded, e.g. by accelerate's cpu_offload or a "
+                         "device_map with CPU or disk entries): the draft's head reads them at every proposal, so keep "
+                         "the draft on the device that runs it")
     return device
+
+
+def target_input_device(target) -> torch.device:
+    """Where ``target`` takes its input ids: its input embedding's device, or, where accelerate offloads
+    that embedding (its weight on the meta device between forwards), the device accelerate's hook runs
+    it on. A ValueError for meta weights with no hook to load them."""
+    base = unwrapped(target)
+    try:
+        embedding = base.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a module wrapping a model: its first weight takes the ids
+        embedding = None
+    weight = getattr(embedding, "weight", None)
+    if not isinstance(weight, Tensor):
+        weight = next(base.parameters())
+    if not weight.is_meta:
+        return weight.device
+    hook = getattr(embedding, "_hf_hook", None)
+    for each in getattr(hook, "hooks", (hook,)):  # a SequentialHook holds several
+        device = getattr(each, "execution_device", None)
+        if device is not None:  # accelerate names a GPU by its index
+            return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    raise ValueError("target's input embedding is on the meta device with no accelerate hook to load it, so it holds "
+                     "no weights: load them, or offload the model with accelerate (cpu_offload, a device_map), whose "
+                     "hooks this driver's calls run through")
 
 
 def refuse_prompt_learning(model, role: str) -> None:
@@ -418,8 +441,9 @@ class SpeculativeDecoder:
 
     Args:
         target: a transformers causal LM (``model(input_ids, cache=...)`` gives logits;
-            ``past_key_values=`` before transformers 5.24).
-        draft: a transformers causal LM with the target's tokenizer, or None for baseline only (its
+            ``past_key_values=`` before transformers 5.24), resident, or offloaded or split over GPUs
+            by accelerate (a ``device_map``): it is fed on the device that runs its input embedding.
+        draft: a transformers causal LM with the target's tokenizer on that device, or None for baseline only (its
             vocabulary may lack padding rows the target has: see :func:`draft_input`). Its body
             (``draft.base_model``) gives the final hidden states; ``draft_head`` turns them into tokens.
         draft_head: None (the default: the head of a FlashHead attached to the draft by
@@ -452,7 +476,9 @@ class SpeculativeDecoder:
         refuse_prompt_learning(target, "target")
         self._target_cache = cache_keyword(target)
         self.k = k
-        self.device = resident_device(target, "target")
+        # A device_map may split the target over GPUs or offload it: its inputs go where it embeds them,
+        # and its logits are brought there.
+        self.device = target_input_device(target)
         self.eos = eos_ids(eos_token_id, getattr(getattr(target, "generation_config", None), "eos_token_id", None), vocab)
         warn_unapplied_generation_settings(greedy_logit_settings(target))
         self._rope_switch = length_dependent_rope(getattr(target, "config", None))
@@ -479,7 +505,7 @@ class SpeculativeDecoder:
             raise ValueError(f"draft {type(plain_draft).__name__}'s base_model is the causal LM itself "
                              f"(base_model_prefix {plain_draft.base_model_prefix!r} names no submodule), so its final "
                              "hidden states cannot be read before its head")
-        draft_device = resident_device(draft, "draft")
+        draft_device = resident_draft_device(draft)
         if draft_device != self.device:  # else torch's device error mid-generation
             raise ValueError(f"draft must be on the target's device {self.device}, got {draft_device} (this driver runs "
                              "both on one device; flashhead_ext.fast's runner takes a draft Decoder built on another device)")
@@ -505,7 +531,9 @@ class SpeculativeDecoder:
         with clock("target"):
             logits = self.target(input_ids=ids.view(1, -1), **{self._target_cache: cache}, use_cache=True,
                                  logits_to_keep=0 if every_position else 1).logits
-            return logits[0].argmax(dim=-1)
+            # A target split over GPUs (a device_map) returns its logits on its head's GPU, not on
+            # the one its inputs and the draft's proposals are on: cat() with those failed.
+            return logits[0].argmax(dim=-1).to(self.device)
 
     def _draft_next(self, ids: Tensor, cache, clock) -> Tensor:
         """The draft head's token after ``ids`` (int64 ``[1]``, on the device)."""
