@@ -10,6 +10,7 @@ Recorded hidden states (:func:`recorded_states`, :func:`calibration_states`) are
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -317,11 +318,24 @@ def _check_tokenizer(tokenizer) -> None:
                         f"got {type(tokenizer).__name__} {tokenizer!r}")
 
 
+@contextlib.contextmanager
+def _evaluating(model: nn.Module):
+    """``model`` in eval mode for the block, each module's own mode back after it."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 @torch.no_grad()
 def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, progress: bool = True,
                          batch_size: int = 1):
     """Greedy dense generation from each prompt (one user turn in the tokenizer's chat template;
-    the plain text when it has none).
+    the plain text when it has none), in eval mode: a model in training mode (one built as
+    ``Cls(config)`` starts so) has its modes back after it.
 
     Returns ``(hidden [N, D], tokens int64 [N], prompt_index int64 [N])``: for every generated token,
     the final hidden state that chose it and the prompt it came from. The states are what the
@@ -368,23 +382,25 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     search = _recording_overrides(model)
     hook = model.get_output_embeddings().register_forward_pre_hook(capture)
     try:
-        for batch in tqdm(batches, desc="dense greedy generation", disable=not progress):
-            captured.clear()
-            inputs = _left_padded(_encode_prompts(tokenizer, [prompts[i] for i in batch])["input_ids"], pad_id, model.device)
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id,
-                                 **search)
-            new = out[:, inputs["input_ids"].shape[1]:]
-            # One head call per generated token: prefill's last position, then one per step. More
-            # (a second forward a step) would pair states with the wrong tokens.
-            if len(captured) != new.shape[1]:
-                raise RuntimeError(f"generate() ran the output head {len(captured)} times for {new.shape[1]} new tokens, "
-                                   "so the recorded states cannot be paired with the tokens; a generation_config "
-                                   "setting outside RECORDING_GENERATE_SETTINGS may add forwards: reset it for the recording")
-            states = torch.stack(captured, dim=1)
-            for row, i in enumerate(batch):
-                eos = torch.isin(new[row], stops.to(new.device)).nonzero()
-                count = int(eos[0]) + 1 if eos.numel() else new.shape[1]
-                found[i] = states[row, :count], new[row, :count]
+        # Dropout made the states and tokens random, and recorded_states cached them for the eval-mode model.
+        with _evaluating(model):
+            for batch in tqdm(batches, desc="dense greedy generation", disable=not progress):
+                captured.clear()
+                inputs = _left_padded(_encode_prompts(tokenizer, [prompts[i] for i in batch])["input_ids"], pad_id, model.device)
+                out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id,
+                                     **search)
+                new = out[:, inputs["input_ids"].shape[1]:]
+                # One head call per generated token: prefill's last position, then one per step. More
+                # (a second forward a step) would pair states with the wrong tokens.
+                if len(captured) != new.shape[1]:
+                    raise RuntimeError(f"generate() ran the output head {len(captured)} times for {new.shape[1]} new tokens, "
+                                       "so the recorded states cannot be paired with the tokens; a generation_config "
+                                       "setting outside RECORDING_GENERATE_SETTINGS may add forwards: reset it for the recording")
+                states = torch.stack(captured, dim=1)
+                for row, i in enumerate(batch):
+                    eos = torch.isin(new[row], stops.to(new.device)).nonzero()
+                    count = int(eos[0]) + 1 if eos.numel() else new.shape[1]
+                    found[i] = states[row, :count], new[row, :count]
     finally:
         hook.remove()
     hidden = [found[i][0] for i in range(len(prompts))]

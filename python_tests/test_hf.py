@@ -205,6 +205,21 @@ def _recording(seed):
     return transformers.LlamaForCausalLM(config).eval(), char_tokenizer(), prompts
 
 
+def test_a_model_in_training_mode_is_recorded_in_eval_mode_and_keeps_its_modes(tmp_path, monkeypatch):
+    # A model built as Cls(config) starts in training mode: its dropout made the recording random, and
+    # recorded_states cached that under a key without the mode, for the model in eval mode too.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    model, tokenizer, prompts = _recording(7)
+    model.model.layers[0].self_attn.attention_dropout = 0.5
+    greedy = record_hidden_states(model, tokenizer, [p["text"] for p in prompts], 6, progress=False, batch_size=8)
+    model.train()
+    model.model.layers[0].mlp.eval()  # a mix of modes, each kept
+    modes = [module.training for module in model.modules()]
+    recorded = hf.recorded_states(model, tokenizer, prompts, 6, progress=False)
+    assert [module.training for module in model.modules()] == modes
+    assert torch.equal(recorded["tokens"], greedy[1]) and torch.equal(recorded["hidden"], greedy[0].float())
+
+
 def test_recorded_states_where_the_cache_cannot_be_written_warn_and_are_returned(tmp_path, monkeypatch):
     blocked = tmp_path / "not_a_directory"
     blocked.write_text("")
