@@ -37,7 +37,7 @@ from .assets import (CONFIG_NAME, TENSORS_NAME, FlashHeadAssets, PathLike, cache
 from . import ops
 from ._exclusive import ExclusiveUse
 from ._stacklevel import callers_stacklevel
-from .clustering import MIN_STATES_PER_DIM
+from .clustering import MIN_STATES_PER_DIM, Clustering
 from .head import HEAD_DTYPES, FlashHead, centroid_dtype_option, special_token_list
 from .prompts import DEFAULT_PROMPTS, prompts_per_category
 
@@ -917,7 +917,7 @@ def _published_assets_dir(model) -> Optional[Path]:
     return tensors.parents[len(Path(cache_dir).parts)]
 
 
-def attach(model: nn.Module, assets: Union[FlashHeadAssets, PathLike, None] = None, probes: Optional[int] = None, *,
+def attach(model: nn.Module, assets: Union[FlashHeadAssets, Clustering, PathLike, None] = None, probes: Optional[int] = None, *,
            build_if_missing: bool = True, tokenizer: Optional[PreTrainedTokenizerBase] = None,
            centroid_dtype: Optional[torch.dtype] = None, **build_options) -> FlashHeadAttachment:
     """Makes a transformers causal LM choose its next token through FlashHead.
@@ -927,7 +927,9 @@ def attach(model: nn.Module, assets: Union[FlashHeadAssets, PathLike, None] = No
             whose weight is resident (not offloaded); or such a model compiled by ``torch.compile`` or
             wrapped by PEFT (adapters off the head), whose wrapped module it attaches to (so ``detach``
             takes either).
-        assets: a :class:`~flashhead_ext.assets.FlashHeadAssets`, a path to an assets directory, or
+        assets: a :class:`~flashhead_ext.assets.FlashHeadAssets`, a
+            :class:`~flashhead_ext.clustering.Clustering` (``build_clusters``' or
+            ``calibrate_clusters``' result, its probes the default's), a path to an assets directory, or
             None: the model's own assets when it is a published FlashHead checkpoint (its directory,
             or its snapshot in the local Hugging Face cache when loaded by hub id), else a
             clustering built for its output embedding and cached
@@ -1039,8 +1041,10 @@ def _attach_to(model: nn.Module, linear: nn.Linear, assets, probes: Optional[int
                                                              min_states=MIN_STATES_PER_DIM * embedding.shape[1])
             assets = flash_head_for(embedding, special_token_ids=specials, **build_options)[1]
             build_options, specials = {}, []
+    elif isinstance(assets, Clustering):
+        assets = FlashHeadAssets.from_clustering(assets)
     elif not isinstance(assets, FlashHeadAssets):
-        raise TypeError(f"assets must be FlashHeadAssets, a path or None, got {type(assets).__name__}")
+        raise TypeError(f"assets must be FlashHeadAssets, a Clustering, a path or None, got {type(assets).__name__}")
     build_options.pop("progress", None)  # changes no result
     if build_options:
         raise TypeError(f"{sorted(build_options)} {'applies' if len(build_options) == 1 else 'apply'} only when attach "

@@ -801,9 +801,21 @@ def test_calibration_states_take_each_batch_by_place_not_by_question_id(tmp_path
     assert len(states) == 12
 
 
+def test_attach_takes_a_clustering_as_its_assets_at_the_default_probes():
+    # What build_clusters and calibrate_clusters return, which make_draft_head and save_assets take, attach refused.
+    model = _tiny_llama(tied=False)
+    clustering = build_clusters(output_embedding(model), 4, iters=2, progress=False)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    expected = copy.deepcopy(model)
+    attach(expected, FlashHeadAssets.from_clustering(clustering))
+    attachment = attach(model, clustering, probes=None)
+    assert attachment.probes == expected.flash_head.probes
+    assert torch.equal(model(ids).logits, expected(ids).logits) and torch.isinf(model(ids).logits).any()
+
+
 def test_attach_bad_input(tmp_path):
     model = _tiny_llama(tied=False)
-    with pytest.raises(TypeError, match="assets must be FlashHeadAssets, a path or None, got int"):
+    with pytest.raises(TypeError, match="assets must be FlashHeadAssets, a Clustering, a path or None, got int"):
         attach(model, 3)
     with pytest.raises(ValueError, match=r"probes must be in 1..17"):
         attach(model, _tiny_assets(model), probes=18)
