@@ -432,7 +432,9 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
     while recording (a repetition penalty changes the tokens) and ``max_new_tokens``, not by
     ``batch_size``: batched and one-by-one recordings differ only where two logits nearly tie, and
     either's states are those that chose its tokens. ``cache=False`` records again and overwrites it. Returns ``hidden`` float32 ``[N, D]``,
-    ``tokens`` int64 ``[N]`` and ``prompt_index`` int64 ``[N]`` (into ``prompts``).
+    ``tokens`` int64 ``[N]`` and ``prompt_index`` int64 ``[N]`` (into ``prompts``), and the ``batch_size``
+    and ``torch_threads`` they were recorded with (int64 scalars; absent from entries cached before
+    they were kept).
     """
     _check_tokenizer(tokenizer)
     digest = digest or model_digest(model)
@@ -460,11 +462,32 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
                           RuntimeWarning, stacklevel=2)
     hidden, tokens, index = record_hidden_states(model, tokenizer, [p["text"] for p in prompts], max_new_tokens,
                                                  progress=progress, batch_size=batch_size)
-    states = {"hidden": hidden.float().cpu().contiguous(), "tokens": tokens.cpu(), "prompt_index": index.cpu()}
+    # And how they were recorded, which changes their last bits, for the reports of runs that read them.
+    states = {"hidden": hidden.float().cpu().contiguous(), "tokens": tokens.cpu(), "prompt_index": index.cpu(),
+              "batch_size": torch.tensor(batch_size), "torch_threads": torch.tensor(torch.get_num_threads())}
     with uncached_on_failure("the recorded hidden states"):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_replacing(path, lambda partial: save_file(states, str(partial)))  # a killed run leaves no truncated entry
     return states
+
+
+def position_limit(model) -> Optional[int]:
+    """The positions ``model`` was built for (``config.max_position_embeddings``), or None."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return limit if ops._is_int(limit) else None
+
+
+def split_by_positions(model, tokenizer, rows: list, max_new_tokens: int) -> tuple[list, list]:
+    """``rows`` (dicts with ``text``) split into those whose prompt, with ``max_new_tokens`` after it,
+    fits :func:`position_limit` (all, where there is none) and those that pass it: a model with
+    learned positions (GPT-2's 1,024) failed inside generate(), and a rotary one recorded states from
+    beyond the context it was trained for."""
+    limit = position_limit(model)
+    if limit is None or not rows:
+        return rows, []
+    lengths = [len(ids) for ids in _encode_prompts(tokenizer, [row["text"] for row in rows])["input_ids"]]
+    return ([row for row, length in zip(rows, lengths) if length + max_new_tokens <= limit],
+            [row for row, length in zip(rows, lengths) if length + max_new_tokens > limit])
 
 
 def calibration_states(model, tokenizer, prompts=DEFAULT_PROMPTS, per_category: Optional[int] = 8,
@@ -482,17 +505,13 @@ def calibration_states(model, tokenizer, prompts=DEFAULT_PROMPTS, per_category: 
     if not ops._is_int(min_states) or min_states < 0:
         raise ValueError(f"min_states must be a non-negative int, got {min_states!r}")
     _check_tokenizer(tokenizer)  # before its first use, in fitting()
-    # Positions past the model's: a model with learned positions (GPT-2's 1,024) failed inside
-    # generate(), and a rotary one recorded states from beyond the context it was trained for.
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    limit = position_limit(model)
     too_long = []
 
     def fitting(rows: list) -> list:
-        if not ops._is_int(limit):
-            return rows
-        lengths = [len(ids) for ids in _encode_prompts(tokenizer, [row["text"] for row in rows])["input_ids"]]
-        too_long.extend(row for row, length in zip(rows, lengths) if length + max_new_tokens > limit)
-        return [row for row, length in zip(rows, lengths) if length + max_new_tokens <= limit]
+        fits, past = split_by_positions(model, tokenizer, rows, max_new_tokens)
+        too_long.extend(past)
+        return fits
 
     chosen = fitting(prompts_per_category(prompts, per_category, "even"))
     parts = [recorded_states(model, tokenizer, chosen, max_new_tokens, progress=progress)["hidden"]] if chosen or not too_long else []

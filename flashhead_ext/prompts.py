@@ -35,12 +35,14 @@ def questions_by_category(path, parity: str = "odd") -> dict:
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{line_no}: not a JSON line ({error})") from None
             # The types too: a list category failed as an unhashable key, a string turns gave its
-            # first character as the prompt, and a number as the first turn failed in tokenisation.
+            # first character as the prompt, and a number as the first turn failed in tokenisation;
+            # an empty turn is no tokens without a chat template (a recording of padding, or a failure).
             if not isinstance(row, dict) or not {"question_id", "category", "turns"} <= row.keys() \
                     or not ops._is_int(row["question_id"]) or not isinstance(row["category"], str) \
-                    or not isinstance(row["turns"], list) or not row["turns"] or not isinstance(row["turns"][0], str):
+                    or not isinstance(row["turns"], list) or not row["turns"] or not isinstance(row["turns"][0], str) \
+                    or not row["turns"][0].strip():
                 raise ValueError(f"{path}:{line_no}: expected fields question_id (an int), category (a string) and a "
-                                 "non-empty turns list whose first turn is a string")
+                                 "non-empty turns list whose first turn is a string that is not blank")
             if row["question_id"] % 2 == (parity == "odd"):
                 by_category[row["category"]].append(dict(question_id=row["question_id"], category=row["category"], text=row["turns"][0]))
     if not by_category:

@@ -688,8 +688,83 @@ def test_prompt_files_skip_blank_lines_and_refuse_malformed_rows(tmp_path):
                 # Types of the fields: a list category is no key, a string turns no list of turns,
                 # and a first turn that is no string no prompt.
                 dict(question_id=9, category=["a"], turns=["x"]), dict(question_id=9, category="a", turns="hello"),
-                dict(question_id=9, category="a", turns=[123])):
+                dict(question_id=9, category="a", turns=[123]), dict(question_id=9, category="a", turns=[" \n"])):
         path.write_text(json.dumps(rows[0]) + "\n" + json.dumps(bad) + "\n")
         with pytest.raises(ValueError, match=r"q.jsonl:2: expected fields question_id \(an int\), category \(a string\) "
-                                             r"and a non-empty turns list whose first turn is a string$"):
+                                             r"and a non-empty turns list whose first turn is a string that is not blank$"):
             questions_by_category(path)
+
+
+@pytest.mark.filterwarnings("ignore:calibrate_clusters")
+def test_prompts_past_the_models_positions_are_left_out_before_recording(tmp_path, monkeypatch, capsys):
+    # A model with learned positions (GPT-2's 1,024; Spec-Bench's longest prompts pass 1,700 tokens)
+    # failed with an IndexError inside generate() at the longest prompts, recorded last, after every
+    # other prompt's work, none of it cached.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=40, eos_token_id=1, bos_token_id=1,
+        pad_token_id=1)).eval()
+    model.save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    # 4 + 6 positions with 6 new tokens, but ids 5 and 8 (odd: evaluation, even: calibration) 45 + 6.
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": CATEGORIES[i % 3],
+                                           "turns": [f"q{i:02d}" + ("x" * 41 if i in (5, 8) else "")]}) + "\n"
+                               for i in range(1, 13)))
+    argv = _argv(tmp_path, tmp_path / "gpt2", prompts, "--methods", "kmeans,calibrated", "--cluster-sizes", "4",
+                 "--probes", "2")
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    for role, question in (("evaluation", 5), ("calibration", 8)):
+        assert (f"--max-new-tokens 6: 1 of the 6 {role} prompts (question_id {question}) pass the model's 40 positions "
+                "(config.max_position_embeddings) with it: left out") in err
+    result = json.loads((tmp_path / "out" / "quality.json").read_text())
+    assert sorted(result["evaluation"]["question_ids"]) == [1, 3, 7, 9, 11]
+    assert sorted(result["calibration"]["question_ids"]) == [2, 4, 6, 10, 12]
+    with pytest.raises(SystemExit) as stopped:  # none left: a usage error, before any recording
+        main(argv[:argv.index("--max-new-tokens") + 1] + ["40"] + argv[argv.index("--max-new-tokens") + 2:])
+    assert stopped.value.code == 2
+    assert "and none is left: lower --max-new-tokens or give --prompts shorter ones" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:calibrate_clusters")
+def test_the_json_says_how_the_states_it_scored_were_recorded(tmp_path, monkeypatch, tiny_model_dir, capsys):
+    # The recordings' cache is keyed without the batch size or the thread count, both of which change
+    # the states' last bits; a run reading another's recording reported its own batch size.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    argv = _argv(tmp_path, tiny_model_dir, _questions(tmp_path / "q.jsonl"), "--methods", "kmeans,calibrated",
+                 "--cluster-sizes", "4", "--probes", "2")  # --batch-size 3
+    assert main(argv) == 0
+    threads = torch.get_num_threads()
+    assert "read from the cache" not in capsys.readouterr().err
+    assert main(argv + ["--batch-size", "1"]) == 0  # the same recordings, from the cache
+    err = capsys.readouterr().err
+    result = json.loads((tmp_path / "out" / "quality.json").read_text())
+    assert result["batch_size"] == 1
+    for role in ("evaluation", "calibration"):
+        assert result[role]["recorded_with"] == {"batch_size": 3, "torch_threads": threads}
+        assert (f"the {role} states were read from the cache, recorded with batch size 3 on {threads} torch threads "
+                f"(this run: 1, {threads};") in err
+
+
+def test_logits_processors_the_recording_applies_are_named(tmp_path, monkeypatch, capsys):
+    # The recording keeps generation_config's logits processors (Qwen2.5-Instruct ships
+    # repetition_penalty 1.05), so the continuation scored is not the dense head's argmax one.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, eos_token_id=1, bos_token_id=1, pad_token_id=1)).eval()
+    model.generation_config.repetition_penalty = 3.0
+    model.save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    argv = _argv(tmp_path, tmp_path / "llama", _questions(tmp_path / "q.jsonl"), "--methods", "kmeans",
+                 "--cluster-sizes", "4", "--probes", "2")
+    assert main(argv) == 0
+    assert ("the model's generation_config sets repetition_penalty=3.0, which generate() applies while recording"
+            in capsys.readouterr().err)
+    evaluation = json.loads((tmp_path / "out" / "quality.json").read_text())["evaluation"]
+    assert evaluation["logits_processors"] == {"repetition_penalty": "3.0"} and evaluation["dense_matches_generate"] < 1

@@ -33,7 +33,7 @@ from ..assets import FlashHeadAssets, flash_head_for
 from ..bench.timing import source_commit, utc_stamp
 from ..clustering import fit_max_logit_centroids
 from ..head import FlashHead
-from ..hf import model_digest, recorded_states
+from ..hf import greedy_logit_settings, model_digest, position_limit, recorded_states, split_by_positions
 from ..prompts import prompts_per_category
 
 # What --methods accepts: plain k-means (published behaviour), the same clusters with fitted
@@ -366,6 +366,34 @@ def note_short_categories(flag: str, per_category: Optional[int], prompts: list)
              f"({listed}); {len(prompts)} prompts in all")
 
 
+def within_positions(role: str, prompts: list, model, tokenizer, max_new_tokens: int) -> list:
+    """``prompts`` without those that, with ``max_new_tokens`` after them, pass the model's positions
+    (:func:`~flashhead_ext.hf.split_by_positions`), named in a note; an ArgumentValueError where none
+    is left. Checked before the recording: the longest prompts are recorded last, and generate()
+    failed there (learned positions), after minutes of work, none of it cached."""
+    fits, past = split_by_positions(model, tokenizer, prompts, max_new_tokens)
+    if past:
+        ids = ", ".join(str(p["question_id"]) for p in past[:8]) + (", ..." if len(past) > 8 else "")
+        message = (f"--max-new-tokens {max_new_tokens}: {len(past)} of the {len(prompts)} {role} prompts (question_id {ids}) "
+                   f"pass the model's {position_limit(model)} positions (config.max_position_embeddings) with it")
+        if not fits:
+            raise ArgumentValueError(f"{message}, and none is left: lower --max-new-tokens or give --prompts shorter ones")
+        note(f"{message}: left out")
+    return fits
+
+
+def recording_settings(role: str, states: dict, args) -> dict:
+    """How ``states`` were recorded (batch size, torch threads: both change their last bits), None for
+    an entry cached before that was kept; a note where a cached recording's differ from this run's."""
+    recorded = {name: int(states[name]) if name in states else None for name in ("batch_size", "torch_threads")}
+    this_run = {"batch_size": args.batch_size, "torch_threads": torch.get_num_threads()}
+    if recorded != this_run:
+        note(f"the {role} states were read from the cache, recorded with batch size {recorded['batch_size']} on "
+             f"{recorded['torch_threads']} torch threads (this run: {args.batch_size}, {this_run['torch_threads']}; None: "
+             "not kept then); --no-cache records them again")
+    return recorded
+
+
 def run_quality(args, model=None, tokenizer=None, description: Optional[str] = None) -> dict:
     """The whole evaluation for parsed CLI ``args`` (a model may be passed in instead of ``--model``)."""
     from ..hf import check_plain_output_head, output_embedding
@@ -396,6 +424,14 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
     embedding = head_embedding.float()  # what the clusterings are built from
     vocab = embedding.shape[0]
     check_vocab_args(args, vocab)
+    evaluation = within_positions("evaluation", evaluation, model, tokenizer, args.max_new_tokens)
+    calibration_prompts = within_positions("calibration", calibration_prompts, model, tokenizer, args.max_new_tokens)
+    # Applied while recording, so the continuation scored is not the dense head's plain argmax one.
+    processors = greedy_logit_settings(model)
+    if processors:
+        note(f"the model's generation_config sets {', '.join(f'{k}={v!r}' for k, v in processors.items())}, which "
+             "generate() applies while recording: the tokens scored follow that continuation, not the dense head's "
+             "plain argmax one (dense_matches_generate in the JSON)")
     digest = model_digest(model)  # of the weights in dtype: a bfloat16 model's recordings are its own
     record = dict(batch_size=args.batch_size, cache=not args.no_cache, progress=not args.quiet, digest=digest)
     held_out = [m for m in args.methods if m != "kmeans"] if args.holdout_categories else []
@@ -405,6 +441,8 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
                                  f"{calibration_categories}")
     states = recorded_states(model, tokenizer, evaluation, args.max_new_tokens, **record)
     calibration = recorded_states(model, tokenizer, calibration_prompts, args.max_new_tokens, **record) if needs_calibration else None
+    recorded_with = {"evaluation": recording_settings("evaluation", states, args),
+                     "calibration": None if calibration is None else recording_settings("calibration", calibration, args)}
 
     # Recorded states are stored as float32; those of a bfloat16 model convert back exactly.
     hidden = states["hidden"].to(dtype)
@@ -469,13 +507,16 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
         "probes_requested": args.probes,
         "evaluation": {"parity": "odd", "prompts": len(evaluation), "tokens": int(states["tokens"].numel()),
                        "question_ids": [p["question_id"] for p in evaluation],
+                       "recorded_with": recorded_with["evaluation"],
+                       "logits_processors": {name: repr(value) for name, value in processors.items()},
                        "dense_matches_generate": float((dense[0][:, 0] == states["tokens"]).float().mean()),
                        # How often rounding the logits alone changes the dense head's token.
                        "dense_matches_float32_logits": None if dtype == torch.float32 else float(
                            (dense[0][:, 0] == dense_reference(embedding, hidden.float(), 1)[0][:, 0]).float().mean())},
         "calibration": None if calibration is None else {
             "parity": "even", "prompts": len(calibration_prompts), "tokens": int(calibration["tokens"].numel()),
-            "question_ids": [p["question_id"] for p in calibration_prompts]},
+            "question_ids": [p["question_id"] for p in calibration_prompts],
+            "recorded_with": recorded_with["calibration"]},
         "iters": args.iters,
         "seeds": args.seeds,
         "sampling": None if sampling is None else {
