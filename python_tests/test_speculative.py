@@ -991,6 +991,13 @@ def test_cli_options_at_their_bounds(tmp_path, monkeypatch, capsys):
                        "--synthetic-acceptance", "1"]) == 0
     summary = {row["label"]: row for row in json.loads(out.read_text())["summary"]}
     assert summary["baseline"]["exact"] == "2/2" and summary["deferred/dense"]["exact"] == "synthetic"
+    # A head named for the baseline alone, which runs no draft: said, not dropped silently.
+    capsys.readouterr()
+    assert _spec_main([*model, "--head", "flashhead", "--mode", "baseline"]) == 0
+    assert ("--head flashhead: draft heads run in the speculative modes only, and --mode baseline names none"
+            in capsys.readouterr().err)
+    assert _spec_main([*model, "--mode", "baseline"]) == 0  # the default heads: nothing to say
+    assert "draft heads run" not in capsys.readouterr().err
     missing = ["--target", str(tmp_path / "missing"), "--prompts", str(questions)]
     for bad, message in ((["--k", "0"], "--k must be >= 1, got 0"),
                          (["--synthetic-acceptance", "0.5"], "--draft-device, --draft-body and --synthetic-acceptance need --fast"),
