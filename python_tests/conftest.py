@@ -52,6 +52,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
         if reason is not None and item.get_closest_marker("gpu") is not None:
             item.add_marker(pytest.mark.skip(reason=SKIP_PREFIX + reason))
+        elif item.get_closest_marker("two_gpus") is not None and torch.cuda.device_count() < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs two GPUs, torch sees {torch.cuda.device_count()}"))
 
 
 def pytest_report_header(config):

@@ -21,8 +21,9 @@ from flashhead_ext.graphs import capture_graph
 # "cuda" entries are marked gpu here; conftest also marks any test whose parameters name a CUDA
 # device, and skips them when there is no GPU or no CUDA build.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-# Tests of placement across GPUs (with pytest.mark.gpu).
-TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+# Tests of placement across GPUs (with pytest.mark.gpu): conftest skips them with fewer, and
+# `pytest -m two_gpus` picks them (scripts/device_run.sh two).
+TWO_GPUS = pytest.mark.two_gpus
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 # Tolerance between an op's float32 scores/logits and the reference's, relative to |h|.|e| (the sum

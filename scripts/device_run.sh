@@ -13,9 +13,13 @@
 #   quick: the GPU tests and the head benchmark;
 #   jit: built for sm_80's PTX alone, the ops' GPU tests, each kernel compiled by the driver at load
 #     from an older arch's PTX, as a GPU newer than the build's archs (Blackwell) does with the
-#     default's sm_90 PTX (CUDA_FORCE_PTX_JIT=1 cannot show it: torch's own kernels have no such PTX).
-# With .whl/ carried (scripts/stage_transformers.sh), the transformers CI installs replaces the image's
-# first, and the summary names the versions tested.
+#     default's sm_90 PTX (CUDA_FORCE_PTX_JIT=1 cannot show it: torch's own kernels have no such PTX);
+#   two (on a two-GPU kind): the tests of placement across GPUs (marked two_gpus) and the
+#     PEFT/accelerate tests (their GPU cases: a target accelerate splits over the GPUs or offloads).
+# With .whl/ carried, its wheels are installed first: scripts/stage_transformers.sh stages the
+# transformers CI installs, which replaces the image's (the summary names the versions tested);
+# wheels of accelerate, peft and psutil (pip download --no-deps) let the PEFT/accelerate tests run
+# there (the image has neither, and those tests skip without them).
 # A call runs at most 600 s and the build takes about 2 min, so the whole suite has its own mode.
 # On one H200 the GPU cases took 375 s on 8 workers (8,566 tests, session 70), while 14 workers had
 # 16 of 3,272 tests left after 440 s (session 54): more workers most likely contend for the GPU.
@@ -25,19 +29,26 @@ OUT=${OUT:-results/device}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=$(nproc)
 mode=${1:-full}
-case "$mode" in full | suite | quick | sanitize | jit) ;; *) echo "usage: $0 [full|suite|quick|sanitize|jit], got '$mode'" >&2; exit 2 ;; esac
+case "$mode" in full | suite | quick | sanitize | jit | two) ;; *) echo "usage: $0 [full|suite|quick|sanitize|jit|two], got '$mode'" >&2; exit 2 ;; esac
 [ "$mode" = jit ] && TORCH_CUDA_ARCH_LIST="8.0+PTX"
 step() { echo; echo "=== $* ($(date +%T))"; }
 summary=()
 
 step "device"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-wheel=$(ls .whl/transformers-*.whl 2>/dev/null | head -1)
-if [ -n "$wheel" ]; then
-  python3 -m pip install -q --no-index --find-links .whl "$wheel" > "$OUT/transformers_install.log" 2>&1 ||
-    { tail -20 "$OUT/transformers_install.log"; echo "the staged transformers did not install"; exit 1; }
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --find-links .whl .whl/*.whl > "$OUT/wheels_install.log" 2>&1 ||
+    { tail -20 "$OUT/wheels_install.log"; echo "the staged wheels did not install"; exit 1; }
 fi
-versions=$(python3 -c "import torch, sys, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'python', sys.version.split()[0])")
+versions=$(python3 -c "
+import importlib.metadata as m, sys, torch, transformers
+def version(name):
+    try:
+        return m.version(name)
+    except m.PackageNotFoundError:
+        return 'none'
+print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', version('accelerate'),
+      'peft', version('peft'), 'python', sys.version.split()[0])")
 echo "$versions"
 summary+=("$versions")
 
@@ -105,6 +116,14 @@ if [ "$mode" = full ] || [ "$mode" = quick ]; then  # the suite takes the rest o
   rm -f "$OUT/bench_head.json"  # cpp_bench reads this run's bandwidth from it, never an earlier run's
   timeout 300 python3 -m flashhead_ext.bench head --json "$OUT/bench_head.json" 2>&1 | tee "$OUT/bench_head.log"
   summary+=("bench head: exit ${PIPESTATUS[0]}")
+fi
+
+if [ "$mode" = two ]; then
+  step "tests across two GPUs, and the PEFT/accelerate tests"
+  nvidia-smi -L
+  timeout 400 python3 -m pytest python_tests -q -n 4 -p no:cacheprovider -rs \
+    -k "two_gpus or test_peft_accelerate" 2>&1 | tee "$OUT/tests_two.log" | tail -12
+  summary+=("two GPUs: $(grep -E '(passed|failed|error)' "$OUT/tests_two.log" | tail -1)")
 fi
 
 if [ "$mode" = jit ]; then
