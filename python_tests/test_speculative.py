@@ -781,13 +781,21 @@ def test_the_cli_refuses_a_prompt_of_no_tokens_before_it_clusters(tmp_path, monk
     _save_tiny_model_with_tokenizer(tmp_path / "model")  # a tokenizer without a chat template
     questions = tmp_path / "questions.jsonl"
     questions.write_text("\n".join(json.dumps(dict(question_id=i, category="a", turns=[turn]))
-                                   for i, turn in ((1, "w5 w6"), (3, "   "))))
+                                   for i, turn in ((1, "w5 w6"), (3, "dropped"))))
+    encode = cli.encode_prompt  # a tokenizer that drops all of one prompt's text (a blank turn is refused as read)
+    monkeypatch.setattr(cli, "encode_prompt", lambda tokenizer, text: encode(tokenizer, "" if text == "dropped" else text))
     monkeypatch.setattr(cli, "make_draft_head", lambda *args, **kwargs: pytest.fail("refused before clustering"))
+    argv = ["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--prompts", str(questions),
+            "--num-prompts", "2", "--device", "cpu", "--json", str(tmp_path / "spec.json")]
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--prompts", str(questions),
-                  "--num-prompts", "2", "--device", "cpu", "--json", str(tmp_path / "spec.json")])
+        cli.main(argv)
     assert exit_info.value.code == 2
-    assert "error: question 3: its prompt encodes to no tokens" in capsys.readouterr().err
+    assert "error: question 3: its prompt encodes to no tokens (the tokenizer drops its text" in capsys.readouterr().err
+    questions.write_text(questions.read_text().replace('"dropped"', '"   "'))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert "questions.jsonl:2: expected fields question_id" in capsys.readouterr().err
 
 
 def test_summary_leaves_decode_rates_empty_without_a_decoded_token():

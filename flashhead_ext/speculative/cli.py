@@ -195,8 +195,8 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     prompts = [dict(p, input_ids=encode_prompt(tokenizer, p["text"])) for p in questions]
     for prompt in prompts:  # before the draft loads and clusters are built, not mid-run
         if len(prompt["input_ids"]) == 0:
-            parser.error(f"question {prompt['question_id']}: its prompt encodes to no tokens (a blank turn, and the "
-                         "tokenizer has no chat template to add any)")
+            parser.error(f"question {prompt['question_id']}: its prompt encodes to no tokens (the tokenizer drops its "
+                         "text and has no chat template to add any)")
     vocab = output_embedding(target).shape[0]
     eos = sorted(eos_ids(None, getattr(getattr(target, "generation_config", None), "eos_token_id", None), vocab))  # the target's own
     if not args.fast:  # the fast decoder refuses such a target itself
