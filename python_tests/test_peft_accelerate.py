@@ -223,9 +223,12 @@ def test_an_early_exit_draft_of_a_peft_model_shares_its_adapted_layers():
 
 def offloaded(model, how: str, directory, execution_device):
     """``model`` with accelerate's hooks loading its weights at each forward: all of them (``cpu_offload``),
-    or its embedding and first layer from disk (a ``device_map``), run on ``execution_device``."""
+    its embedding and first layer from disk (a ``device_map``), or the whole model from the CPU, where its
+    weights stay (``cpu_offload_with_hook``, whose hook is on the model), run on ``execution_device``."""
     if how == "cpu_offload":
         return accelerate.cpu_offload(model, execution_device=execution_device)
+    if how == "cpu_offload_with_hook":
+        return accelerate.cpu_offload_with_hook(model.cpu(), execution_device=execution_device)[0]
     on_device = execution_device if isinstance(execution_device, int) else str(execution_device)
     device_map = {"model.embed_tokens": "disk", "model.layers.0": "disk", "model.layers.1": on_device,
                   "model.norm": on_device, "model.rotary_emb": on_device, "lm_head": on_device}
@@ -240,18 +243,43 @@ def check_driver_decodes(target, draft, expected: tuple) -> None:
         assert tuple(tokens) == expected, mode
 
 
-@pytest.mark.parametrize("how", ["cpu_offload", "device_map"])
+@pytest.mark.parametrize("how", ["cpu_offload", "device_map", "cpu_offload_with_hook"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param(0, marks=pytest.mark.gpu)])  # accelerate names a GPU by index
 def test_the_eager_driver_decodes_a_target_accelerate_offloads(how, device, tmp_path):
     # A large target offloaded beside a resident draft: the driver took the target's device for the
-    # meta device and refused it; it now feeds the target where accelerate runs it. float64: exact.
+    # meta device and refused it (or, its weights kept on the CPU, fed it there); it now feeds the
+    # target where accelerate runs it. float64: exact.
     on = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     target = tiny_llama().double().to(on)
     expected = greedy_tokens(target, prompt(12).to(on), 10)
     offloaded(target, how, tmp_path, device)
-    assert target.model.embed_tokens.weight.is_meta
+    between_calls = "cpu" if how == "cpu_offload_with_hook" else "meta"
+    assert target.model.embed_tokens.weight.device.type == between_calls
     check_driver_decodes(target, tiny_llama(seed=1).double().to(on), expected)
-    assert target.model.embed_tokens.weight.is_meta and target.model.layers[0].mlp.up_proj.weight.is_meta  # still offloaded
+    if how != "cpu_offload_with_hook":  # which leaves the model where it last ran, until its hook's offload()
+        assert target.model.layers[0].mlp.up_proj.weight.is_meta  # still offloaded
+
+
+def test_an_offloaded_target_is_fed_where_accelerate_runs_its_first_weight(monkeypatch):
+    # Without get_input_embeddings (transformers raises NotImplementedError where it finds none) the
+    # driver took the first weight, but looked for accelerate's hook on no module: refused.
+    target = tiny_llama().double()
+    expected = greedy_tokens(target, prompt(12), 10)
+    accelerate.cpu_offload(target, execution_device="cpu")
+
+    def no_input_embeddings():
+        raise NotImplementedError("no input embedding found")
+
+    head = target.lm_head  # which transformers finds through the input embeddings' lookup
+    monkeypatch.setattr(target, "get_input_embeddings", no_input_embeddings)
+    monkeypatch.setattr(target, "get_output_embeddings", lambda: head)
+    check_driver_decodes(target, tiny_llama(seed=1).double(), expected)
+    # accelerate keeps an execution device as given: "cuda" is the current GPU, as torch runs it there.
+    for module in target.modules():
+        if getattr(getattr(module, "_hf_hook", None), "execution_device", None) is not None:
+            module._hf_hook.execution_device = "cuda"
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert SpeculativeDecoder(target).device == torch.device("cuda", 1)
 
 
 @pytest.mark.gpu

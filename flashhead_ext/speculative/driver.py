@@ -314,10 +314,22 @@ def resident_draft_device(draft) -> torch.device:
     return device
 
 
+def _hooked_execution_device(module) -> Optional[torch.device]:
+    """The device an accelerate hook on ``module`` runs it on (a SequentialHook's first that names
+    one), as torch names it: an int is the accelerator's index, and "cuda" the current GPU; or None."""
+    hook = getattr(module, "_hf_hook", None)
+    for each in getattr(hook, "hooks", (hook,)):
+        device = getattr(each, "execution_device", None)
+        if device is not None:
+            device = torch.device(device)
+            return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+    return None
+
+
 def target_input_device(target) -> torch.device:
-    """Where ``target`` takes its input ids: its input embedding's device, or, where accelerate offloads
-    that embedding (its weight on the meta device between forwards), the device accelerate's hook runs
-    it on. A ValueError for meta weights with no hook to load them."""
+    """Where ``target`` takes its input ids: where accelerate's hooks run its input embedding (or the
+    model: ``cpu_offload_with_hook`` keeps the weights on the CPU and moves the model at each call),
+    else the embedding's own device. A ValueError for meta weights with no hook to load them."""
     base = unwrapped(target)
     try:
         embedding = base.get_input_embeddings()
@@ -326,13 +338,14 @@ def target_input_device(target) -> torch.device:
     weight = getattr(embedding, "weight", None)
     if not isinstance(weight, Tensor):
         weight = next(base.parameters())
+    # The hook is on the module owning the weight (a PEFT LoRA embedding's base_layer, not the wrapper).
+    owners = [module for module in base.modules() if any(p is weight for p in module.parameters(recurse=False))]
+    for module in (*owners, base):
+        device = _hooked_execution_device(module)
+        if device is not None:
+            return device
     if not weight.is_meta:
         return weight.device
-    hook = getattr(embedding, "_hf_hook", None)
-    for each in getattr(hook, "hooks", (hook,)):  # a SequentialHook holds several
-        device = getattr(each, "execution_device", None)
-        if device is not None:  # accelerate names a GPU by its index
-            return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     raise ValueError("target's input embedding is on the meta device with no accelerate hook to load it, so it holds "
                      "no weights: load them, or offload the model with accelerate (cpu_offload, a device_map), whose "
                      "hooks this driver's calls run through")
@@ -477,7 +490,7 @@ class SpeculativeDecoder:
         self._target_cache = cache_keyword(target)
         self.k = k
         # A device_map may split the target over GPUs or offload it: its inputs go where it embeds them,
-        # and its logits are brought there.
+        # and accelerate's hook on the model brings its logits back there.
         self.device = target_input_device(target)
         self.eos = eos_ids(eos_token_id, getattr(getattr(target, "generation_config", None), "eos_token_id", None), vocab)
         warn_unapplied_generation_settings(greedy_logit_settings(target))
@@ -531,9 +544,7 @@ class SpeculativeDecoder:
         with clock("target"):
             logits = self.target(input_ids=ids.view(1, -1), **{self._target_cache: cache}, use_cache=True,
                                  logits_to_keep=0 if every_position else 1).logits
-            # A target split over GPUs (a device_map) returns its logits on its head's GPU, not on
-            # the one its inputs and the draft's proposals are on: cat() with those failed.
-            return logits[0].argmax(dim=-1).to(self.device)
+            return logits[0].argmax(dim=-1)
 
     def _draft_next(self, ids: Tensor, cache, clock) -> Tensor:
         """The draft head's token after ``ids`` (int64 ``[1]``, on the device)."""
