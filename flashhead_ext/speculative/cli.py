@@ -169,7 +169,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         early_exit = _early_exit_layers(args.draft) is not None  # checked before any model is loaded
     except ValueError as error:
         parser.error(str(error))
-    if not any(c.head for c in configs) and args.head != _comma_list(parser.get_default("head")):
+    if not any(c.head for c in configs) and set(args.head) != set(_comma_list(parser.get_default("head"))):
         note(f"--head {','.join(args.head)}: draft heads run in the speculative modes only, and --mode "
              f"{','.join(args.mode)} names none")
     loaded = [("--target", args.target)] + ([("--draft", args.draft)] if any(c.head for c in configs) and not early_exit else [])
