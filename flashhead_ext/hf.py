@@ -330,7 +330,7 @@ def _evaluating(model: nn.Module):
     """``model`` in eval mode for the block, each module's own mode back after it; a recording of the
     same model in another thread waits for it."""
     with _RECORDING_GUARD:
-        lock = _RECORDING.setdefault(model, threading.Lock())
+        lock = _RECORDING.setdefault(model, threading.RLock())  # a recording within one, in its thread, nests
     with lock:
         modes = [(module, module.training) for module in model.modules()]
         model.eval()

@@ -256,6 +256,31 @@ def test_overlapping_recordings_of_a_model_leave_its_modes_as_they_were():
     assert all(module.training for module in model.modules())
 
 
+def test_a_recording_started_within_a_recording_of_the_same_model_does_not_hang():
+    # The lock that keeps recordings of a model apart, taken again by the thread that held it, waited forever.
+    model, tokenizer, _ = _recording(7)
+    model.train()
+    generate, errors = model.generate, []
+
+    def recording_inside(*args, **kwargs):
+        model.generate = generate
+        record_hidden_states(model, tokenizer, ["cd"], 2, progress=False)
+        return generate(*args, **kwargs)
+
+    def outer():
+        try:
+            record_hidden_states(model, tokenizer, ["ab"], 2, progress=False)
+        except RuntimeError as error:  # the outer recording's head calls include the inner one's
+            errors.append(error)
+
+    model.generate = recording_inside
+    thread = threading.Thread(target=outer, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive() and "ran the output head" in str(errors[0])
+    assert all(module.training for module in model.modules())
+
+
 def test_recordings_keep_the_batch_size_they_ran_with(tmp_path, monkeypatch):
     # A tokenizer that cannot pad records one prompt at a time, and a batch larger than the prompts
     # is all of them at once: the batch size asked for was stored.
