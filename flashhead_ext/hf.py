@@ -591,11 +591,16 @@ def _eager_only(reason: str):
 _BUILD_BEFORE_COMPILING = "call model.flash_head.head() once before compiling with fullgraph=True"
 
 
+def accelerate_hooks(module: nn.Module) -> tuple:
+    """The accelerate hooks on ``module``: its hook, or a SequentialHook's several; none without one."""
+    hook = getattr(module, "_hf_hook", None)
+    return () if hook is None else tuple(getattr(hook, "hooks", (hook,)))
+
+
 def _offloaded(linear: nn.Module) -> bool:
     """Whether an accelerate hook offloads ``linear``'s weight: it is loaded for each call, a new
     object each time, and put back on the meta device after it."""
-    hook = getattr(linear, "_hf_hook", None)
-    return any(getattr(each, "offload", False) for each in getattr(hook, "hooks", (hook,)))
+    return any(getattr(each, "offload", False) for each in accelerate_hooks(linear))
 
 
 def _no_linear() -> None:

@@ -31,8 +31,8 @@ from torch import Tensor
 from .. import ops
 from ..head import DenseHead, FlashHead, _HeadBase
 from .._stacklevel import callers_stacklevel
-from ..hf import (check_plain_output_head, greedy_logit_settings, output_embedding, uncompiled, unwrapped,
-                  warn_unapplied_generation_settings)
+from ..hf import (accelerate_hooks, check_plain_output_head, greedy_logit_settings, output_embedding, uncompiled,
+                  unwrapped, warn_unapplied_generation_settings)
 from .draft import make_draft_head
 
 MODES = ("baseline", "ordinary", "deferred")
@@ -317,8 +317,7 @@ def resident_draft_device(draft) -> torch.device:
 def _hooked_execution_device(module) -> Optional[torch.device]:
     """The device an accelerate hook on ``module`` runs it on (a SequentialHook's first that names
     one), as torch names it: an int is the accelerator's index, and "cuda" the current GPU; or None."""
-    hook = getattr(module, "_hf_hook", None)
-    for each in getattr(hook, "hooks", (hook,)):
+    for each in accelerate_hooks(module):
         device = getattr(each, "execution_device", None)
         if device is not None:
             device = torch.device(device)
