@@ -411,8 +411,13 @@ def fit_max_logit_centroids(embedding: Tensor, hidden: Tensor, cluster_tokens: T
     check_clustering_inputs(embedding, hidden, finite=False)
     ops.validate_cluster_table(cluster_tokens, embedding.shape[0])
     rows, states = embedding.detach().float(), hidden.detach().to(embedding.device, torch.float32)
+    return _fit_max_logit_centroids(rows, states, cluster_tokens, ridge, _on_one_cpu_thread(torch.matmul, states.T, states))
+
+
+def _fit_max_logit_centroids(rows: Tensor, states: Tensor, cluster_tokens: Tensor, ridge: float, gram: Tensor) -> Tensor:
+    """fit_max_logit_centroids after its checks, on float32 rows and states of one device, given the
+    states' Gram matrix ``states.T @ states`` (calibrate_clusters has it already)."""
     targets = _best_member_logits(rows, states, cluster_tokens.to(rows.device))
-    gram = _on_one_cpu_thread(torch.matmul, states.T, states)
     regularised = gram + ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     moments = _on_one_cpu_thread(torch.matmul, states.T, targets)
     try:
@@ -471,7 +476,8 @@ def calibrate_clusters(
     device = _clustering_device(device, embedding)
     rows = embedding.detach().to(device, torch.float32)
     states = hidden.detach().to(device, torch.float32)
-    moment = _on_one_cpu_thread(torch.matmul, states.T, states) / states.shape[0]
+    gram = _on_one_cpu_thread(torch.matmul, states.T, states)
+    moment = gram / states.shape[0]
     if not torch.isfinite(moment).all():  # else LAPACK's "failed to converge"
         raise ValueError("the second moment of hidden (its states' squares, summed) overflows float32: states this "
                          f"large (up to {float(states.abs().max()):.3g}) are no final hidden states; pass the states the "
@@ -480,7 +486,7 @@ def calibrate_clusters(
     root = (vectors * values.clamp(min=0).sqrt()) @ vectors.T
     clustering = build_clusters(rows @ root, cluster_size, n_clusters=n_clusters, iters=iters, seed=seed,
                                 device=device, strict=strict, progress=progress)
-    centroids = fit_max_logit_centroids(rows, states, clustering.cluster_tokens, ridge)
+    centroids = _fit_max_logit_centroids(rows, states, clustering.cluster_tokens, ridge, gram)
     return Clustering(raw_centroids=centroids, cluster_tokens=clustering.cluster_tokens,
                       cluster_assignments=clustering.cluster_assignments, iterations=clustering.iterations,
                       method="calibrated", greedy_scoring="raw")

@@ -349,6 +349,16 @@ def test_fitted_centroids_solve_the_ridge_least_squares():
     torch.testing.assert_close(fitted, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_calibrated_centroids_are_the_fit_on_their_own_clusters():
+    # calibrate_clusters hands the fit the Gram matrix it computed for the whitening; a scaled
+    # one (the moment) would change the ridge's weight, not the checks.
+    gen = torch.Generator().manual_seed(6)
+    emb = torch.randn(203, 40, generator=gen)
+    states = torch.randn(150, 40, generator=gen) * torch.linspace(0.2, 2.0, 40)
+    calibrated = calibrate_clusters(emb, states, 7, iters=2, ridge=0.3, progress=False)
+    assert torch.equal(calibrated.raw_centroids, fit_max_logit_centroids(emb, states, calibrated.cluster_tokens, ridge=0.3))
+
+
 def test_calibration_with_fewer_states_than_the_hidden_size_warns():
     emb = _embedding(24, 6)
     with pytest.warns(UserWarning, match="5 states for hidden size 6; their second moment has rank at most 5, .* "
