@@ -11,6 +11,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import setuptools
 from setuptools import setup
 
 try:
@@ -152,7 +153,16 @@ def extension():
     )
 
 
+def license_metadata() -> dict:
+    # An SPDX expression needs setuptools 77; the older table form is deprecated from it on and
+    # unsupported after 2027-02-18. The build is not isolated, so either setuptools can run it.
+    if int(setuptools.__version__.split(".")[0]) >= 77:
+        return {"license_expression": "Apache-2.0"}
+    return {"license": "Apache-2.0"}
+
+
 setup(
+    **license_metadata(),
     install_requires=[torch_requirement(), "numpy", "tqdm", "safetensors"],
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildWithInfo},

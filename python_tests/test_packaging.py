@@ -62,6 +62,17 @@ def test_the_package_requires_the_torch_it_is_built_against(tmp_path):
     assert [name for name in runtime if name.startswith("torch")] == [runtime[0]]
 
 
+def test_the_package_states_its_licence_without_a_deprecated_form(tmp_path):
+    env = {**os.environ, "FLASHHEAD_SKIP_CUDA_BUILD": "1"}
+    built = subprocess.run([sys.executable, "-W", "always", "setup.py", "egg_info", "--egg-base", str(tmp_path)], cwd=ROOT,
+                           check=True, capture_output=True, text=True, env=env)
+    (info,) = tmp_path.glob("*.egg-info/PKG-INFO")
+    fields = info.read_text().split("\n\n")[0].splitlines()
+    assert "License-Expression: Apache-2.0" in fields or "License: Apache-2.0" in fields
+    assert "License-File: LICENSE" in fields
+    assert "license" not in "".join(line for line in built.stderr.splitlines() if "Deprecat" in line).lower()
+
+
 def test_a_torch_older_than_2_6_is_refused():
     old_torch = "import runpy, torch; torch.__version__ = '2.5.1+cu124'; runpy.run_path('setup.py')"
     env = {**os.environ, "FLASHHEAD_SKIP_CUDA_BUILD": "1"}
