@@ -63,12 +63,12 @@ fi
 # xdist workers: a crashing test fails alone instead of ending the run.
 if [ "$mode" = suite ]; then
   step "tests (CPU and GPU cases)"
-  timeout 460 python3 -m pytest python_tests -q -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
+  timeout 460 python3 -m pytest python_tests -q -rs -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
 elif [ "$mode" = quick ]; then
   step "tests (GPU cases)"
   # 316 s on one H200 with 12 workers (session 79; 8 workers passed 410 s on a machine whose build took
   # 133 s, the head benchmark about 40 s).
-  timeout 410 python3 -m pytest python_tests -q -m gpu -n 12 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
+  timeout 410 python3 -m pytest python_tests -q -rs -m gpu -n 12 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
 fi
 # Counts from pytest's progress lines (. s F E x X): pytest's own summary is lost when the timeout
 # stops it, even after every test has reported (session 82's quick run: 100%, then no summary).
