@@ -439,6 +439,31 @@ def test_flash_head_for_caches_the_clustering(tmp_path, monkeypatch, embedding):
         flash_head_for(embedding * 2, SIZE, iters=2, progress=False)
 
 
+def test_a_cache_hit_takes_the_entrys_row_projections_and_computes_only_missing_ones(tmp_path, monkeypatch, embedding):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    _, built = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    computed = assets_mod.embedding_row_projections
+    assert torch.equal(built.row_projections, computed(embedding))
+    # The entry's name is the embedding's digest, so its projections are this embedding's: reading
+    # every row again (most of a hit's time on a large head) would give the same values.
+    monkeypatch.setattr(assets_mod, "embedding_row_projections", lambda *a: pytest.fail("computed the entry's projections"))
+    _, hit = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    assert torch.equal(hit.row_projections, built.row_projections)
+    # An entry cached before projections were recorded gets them.
+    (entry,) = (tmp_path / "clusters").iterdir()
+    tensors = entry / "flash_head_assets" / TENSORS_NAME
+    stored = load_file(str(tensors))
+    del stored["embedding_row_projections"]
+    save_file(stored, str(tensors))
+    config = json.loads((entry / CONFIG_NAME).read_text())
+    del config["flash_head_tensors_sha256"]
+    (entry / CONFIG_NAME).write_text(json.dumps(config))
+    monkeypatch.setattr(assets_mod, "embedding_row_projections", computed)
+    monkeypatch.setattr(assets_mod, "build_clusters", lambda *a, **k: pytest.fail("rebuilt a readable entry"))
+    _, old = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    assert torch.equal(old.row_projections, built.row_projections)
+
+
 def test_flash_head_for_caches_each_seed_apart(tmp_path, monkeypatch, embedding):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
     _, first = flash_head_for(embedding, SIZE, seed=0, iters=2, progress=False)
