@@ -439,29 +439,16 @@ def test_flash_head_for_caches_the_clustering(tmp_path, monkeypatch, embedding):
         flash_head_for(embedding * 2, SIZE, iters=2, progress=False)
 
 
-def test_a_cache_hit_takes_the_entrys_row_projections_and_computes_only_missing_ones(tmp_path, monkeypatch, embedding):
+def test_a_cache_hit_takes_the_entrys_row_projections(tmp_path, monkeypatch, embedding):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
     _, built = flash_head_for(embedding, SIZE, iters=2, progress=False)
-    computed = assets_mod.embedding_row_projections
-    assert torch.equal(built.row_projections, computed(embedding))
+    assert torch.equal(built.row_projections, assets_mod.embedding_row_projections(embedding))
     # The entry's name is the embedding's digest, so its projections are this embedding's: reading
-    # every row again (most of a hit's time on a large head) would give the same values.
+    # every row again (most of a hit's time on a large head) would give the same values. An entry
+    # without them gets them (test_a_cache_entry_saved_before_row_projections_gets_them).
     monkeypatch.setattr(assets_mod, "embedding_row_projections", lambda *a: pytest.fail("computed the entry's projections"))
     _, hit = flash_head_for(embedding, SIZE, iters=2, progress=False)
     assert torch.equal(hit.row_projections, built.row_projections)
-    # An entry cached before projections were recorded gets them.
-    (entry,) = (tmp_path / "clusters").iterdir()
-    tensors = entry / "flash_head_assets" / TENSORS_NAME
-    stored = load_file(str(tensors))
-    del stored["embedding_row_projections"]
-    save_file(stored, str(tensors))
-    config = json.loads((entry / CONFIG_NAME).read_text())
-    del config["flash_head_tensors_sha256"]
-    (entry / CONFIG_NAME).write_text(json.dumps(config))
-    monkeypatch.setattr(assets_mod, "embedding_row_projections", computed)
-    monkeypatch.setattr(assets_mod, "build_clusters", lambda *a, **k: pytest.fail("rebuilt a readable entry"))
-    _, old = flash_head_for(embedding, SIZE, iters=2, progress=False)
-    assert torch.equal(old.row_projections, built.row_projections)
 
 
 def test_flash_head_for_caches_each_seed_apart(tmp_path, monkeypatch, embedding):
@@ -608,7 +595,11 @@ def test_a_cache_entry_that_is_not_what_its_name_says_is_built_again(tmp_path, m
     for wrong, reason in ((flash_head_for(other, SIZE, iters=2, progress=False, cache=False)[1],
                            r"it was built for other output weights: sampled rows differ by \d+% of their scale"),
                           (build_clusters(embedding, SIZE // 2, iters=2, progress=False),
-                           rf"it holds {2 * VOCAB // SIZE} clusters, not the {VOCAB // SIZE} of its cluster size")):
+                           rf"it holds {2 * VOCAB // SIZE} clusters, not the {VOCAB // SIZE} of its cluster size"),
+                          # Same vocabulary and cluster sizes and no fingerprint to tell (saved without one):
+                          # only its hidden size shows it, else the head built over it failed.
+                          (build_clusters(embedding[:, :DIM - 3].contiguous(), SIZE, iters=2, progress=False),
+                           f"assets have centroids of hidden size {DIM - 3} but the embedding has hidden size {DIM}")):
         save_assets(entry, wrong) if isinstance(wrong, FlashHeadAssets) else save_assets(entry, wrong, n_probes=2)
         with pytest.warns(RuntimeWarning, match=f"the cached clustering at {re.escape(str(entry))} is unreadable or "
                                                 f"not what its name says \\({reason}\\); building it again"):
@@ -666,11 +657,34 @@ def test_loading_a_clustering_for_other_weights_warns(tmp_path, monkeypatch, emb
     with pytest.warns(UserWarning, match=r"sampled rows differ by more than 1000% of their scale"):
         load_assets(tmp_path / "saved", embedding)
     # Published checkpoints carry no fingerprint; a malformed one is named.
-    for malformed in ([1.0, float("nan")], [1.0] * 257):
+    # NaN, inf (JSON writes both) or a bool at the right length too: NaN made every weight look other.
+    for malformed in ([1.0, float("nan")], [1.0] * 257, [1.0] * 255 + [float("nan")], [1.0] * 255 + [float("inf")],
+                      [1.0] * 255 + [True]):
         config["flash_head_embedding_fingerprint"] = malformed
         (tmp_path / "saved" / CONFIG_NAME).write_text(json.dumps(config))
         with pytest.raises(ValueError, match="flash_head_embedding_fingerprint must be a list of 256 finite numbers"):
             load_assets(tmp_path / "saved", embedding)
+
+
+def test_fingerprints_keep_the_values_configs_saved_before_hold():
+    # A fingerprint is saved in configs: its rows, directions and rounding are a file format, and a
+    # change to any of them made every clustering saved before warn for its own weights.
+    weights = torch.sin(torch.arange(97 * 5, dtype=torch.float64)).reshape(97, 5).float()  # no random stream
+    fingerprint = assets_mod.embedding_fingerprint(weights)
+    assert len(fingerprint) == 256
+    assert [fingerprint[i] for i in (0, 1, 2, 3, 129, 254, 255)] == pytest.approx(
+        [0.013056, 0.613742, -0.681464, 0.3318, 0.652933, 1.07957, 1.17321], abs=2e-5)
+
+
+def _drop_row_projections(directory: Path) -> None:
+    """Makes the assets at ``directory`` as saved before the rows were recorded (no digest to update)."""
+    path = directory / "flash_head_assets" / TENSORS_NAME
+    stored = load_file(str(path))
+    del stored["embedding_row_projections"]
+    save_file(stored, str(path))
+    config = json.loads((directory / CONFIG_NAME).read_text())
+    del config["flash_head_tensors_sha256"]
+    (directory / CONFIG_NAME).write_text(json.dumps(config))
 
 
 def _llama3_like(seed: int, vocab: int = 389, dim: int = 40) -> torch.Tensor:
@@ -715,15 +729,38 @@ def test_a_fine_tune_of_a_few_rows_warns_and_casts_do_not(tmp_path, monkeypatch)
         with pytest.warns(UserWarning, match=message):
             assets.head(tuned)
     # Assets saved before the rows were recorded load as they did: the fingerprint alone, blind to it.
-    stored = load_file(str(tmp_path / "saved" / "flash_head_assets" / TENSORS_NAME))
-    del stored["embedding_row_projections"]
-    save_file(stored, str(tmp_path / "saved" / "flash_head_assets" / TENSORS_NAME))
-    config = json.loads((tmp_path / "saved" / CONFIG_NAME).read_text())
-    del config["flash_head_tensors_sha256"]
-    (tmp_path / "saved" / CONFIG_NAME).write_text(json.dumps(config))
+    _drop_row_projections(tmp_path / "saved")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_assets(tmp_path / "saved", tuned).row_projections is None
+
+
+def test_a_cache_entry_saved_before_row_projections_gets_them(tmp_path, monkeypatch, embedding):
+    # The entry's name is this embedding's digest, so its rows are recorded on the hit: without them
+    # a later fine-tune of a few rows went unseen by the head built from the cached clustering.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    flash_head_for(embedding, SIZE, iters=2, progress=False)
+    (entry,) = (tmp_path / "clusters").iterdir()
+    _drop_row_projections(entry)
+    assert load_assets(entry).row_projections is None
+    _, assets = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    assert assets.records_weights and torch.equal(assets.row_projections, assets_mod.embedding_row_projections(embedding))
+    assert dataclasses.replace(assets, embedding_fingerprint=None).records_weights  # the rows alone record them too
+
+
+def test_a_warning_names_the_first_eight_changed_rows_and_counts_them_all(tmp_path, monkeypatch, embedding):
+    # Rows outside the fingerprint's 64, so the row comparison speaks; "..." tells that more follow.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    _, assets = flash_head_for(embedding, SIZE, iters=2, progress=False)
+    sampled = set((torch.arange(assets_mod.FINGERPRINT_ROWS) * 2654435761 % VOCAB).tolist())
+    rows = sorted(set(range(VOCAB)) - sampled)[:9]
+    first_eight = ", ".join(map(str, rows[:8]))
+    for count, shown in ((8, f"{first_eight};"), (9, f"{first_eight}, ...;")):
+        tuned = embedding.clone()
+        tuned[rows[:count]] += 0.5
+        with pytest.warns(UserWarning, match=re.escape(f"({count} of their {VOCAB} rows differ by more than a cast's "
+                                                       f"rounding: {shown} tokens")):
+            assets.head(tuned)
 
 
 def test_a_row_that_is_not_finite_any_more_warns(tmp_path, monkeypatch, embedding):
@@ -756,6 +793,8 @@ def test_rows_are_projected_and_compared_a_slice_at_a_time(monkeypatch, slice_va
     whole = (weights.double() @ assets_mod._fingerprint_directions(weights.shape[1]).double()).float()
     monkeypatch.setattr(assets_mod, "ROW_SLICE_VALUES", slice_values)
     assert torch.equal(assets_mod.embedding_row_projections(weights), whole)
+    # A slice holds at most ROW_SLICE_VALUES values (one row where a row holds more).
+    assert max(rows.numel() for _, rows in assets_mod._row_slices(weights)) <= max(slice_values, weights.shape[1])
     tuned = weights.clone()
     tuned[[0, 17, 200, weights.shape[0] - 1]] += 0.01
     assert assets_mod.changed_rows(whole, tuned).tolist() == [0, 17, 200, weights.shape[0] - 1]
@@ -813,6 +852,14 @@ def test_malformed_row_projections_are_named(tmp_path, monkeypatch, embedding):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dataclasses.replace(assets, row_projections=assets.row_projections.double()).head(embedding)
+    # float64 ones are kept, saved and compared as float32: one past float32's range is named.
+    huge = assets.row_projections.double()
+    huge[3, 1] = 1e300
+    with pytest.raises(ValueError, match=re.escape("assets.row_projections hold NaN or infinite values (as float32")):
+        dataclasses.replace(assets, row_projections=huge).head(embedding)
+    save_assets(tmp_path / "doubled", dataclasses.replace(assets, row_projections=assets.row_projections.double()))
+    assert load_file(str(tmp_path / "doubled" / "flash_head_assets" / TENSORS_NAME))[
+        "embedding_row_projections"].dtype == torch.float32
     save_assets(tmp_path / "saved", assets)
     path = tmp_path / "saved" / "flash_head_assets" / TENSORS_NAME
     stored = load_file(str(path))

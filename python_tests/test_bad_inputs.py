@@ -204,6 +204,8 @@ def test_temperature_not_a_number(op, device):
     args = valid_args(device)
     args["temperature"] = "warm"
     expect(TypeError, "temperature must be a Python float or int", op, args)
+    args["temperature"] = True  # an int to Python, but no temperature
+    expect(TypeError, "temperature must be a Python float or int, got bool", op, args)
 
 
 @pytest.mark.parametrize("op", [op for op in CALLS if "temperature" in USES[op]])

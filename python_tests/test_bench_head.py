@@ -1,6 +1,7 @@
 """The head benchmark's CLI on a tiny shape (CPU): its rows, floors and special tokens."""
 import argparse
 import json
+import re
 
 import pytest
 import torch
@@ -131,6 +132,8 @@ def test_copies_rotate_three_l2s_past_the_smallest_reader():
     assert copies_needed(fp8_copy, 16, l2) == 16  # no more than a sample's calls
     assert copies_needed(bf16_copy, 11, l2) == 11 and copies_needed(bf16_copy, 13, l2) == 13  # a prime: all of them
     assert copies_needed(bf16_copy, 16, 0) == 1  # no L2 (a CPU)
+    # n copies pass n - 1 others between two uses of one: 10 copies' bytes pass three L2s, so 11, then 12 to divide 60.
+    assert -(-3 * l2 // bf16_copy) == 10 and copies_needed(bf16_copy, 60, l2) == 12
     # Fewer calls than copies to pass two L2s between uses time a warm L2: said, with the calls that suffice.
     assert warm_l2_warning("qwen3-0.6b", 16, fp8_copy, l2, 16) is None  # the default --calls
     warning = warm_l2_warning("qwen3-0.6b", 3, bf16_copy, l2, 3)
@@ -159,6 +162,7 @@ def test_an_embedding_that_could_stay_in_l2_is_rotated_too():
     assert embedding_copies_needed(smollm2, torch.bfloat16, 64, l2) == -(-3 * l2 // (49152 * 576 * 2)) == 4
     assert embedding_copies_needed(smollm2, torch.bfloat16, 3, l2) == 3  # no more than a sample's calls
     assert embedding_copies_needed(smollm2, torch.bfloat16, 10, l2) == 5  # a whole number of rotations a sample
+    assert embedding_copies_needed(smollm2, torch.bfloat16, 63, l2) == 7  # 3 would pass only two L2s, though 3 divide 63
     assert embedding_copies_needed(smollm2, torch.float32, 64, l2) == 2
     assert embedding_copies_needed(qwen, torch.bfloat16, 64, l2) == 1  # 311 MB: reading it through evicts it
     assert embedding_copies_needed(smollm2, torch.bfloat16, 64, 0) == 1  # no L2 (a CPU)
@@ -193,11 +197,13 @@ def test_a_run_with_an_l2_rotates_the_embedding_records_warm_l2_and_judges_no_go
     assert {(r["copies"], r["embedding_copies"]) for r in result["rows"]} == {(2, 2)}
     assert judged == [("fp32 weights", "special tokens", "a warm L2")]
     judged.clear()
-    assert main(["head", "--shapes", "tiny", "--device", "cpu", "--dtype", "bf16", "--probes", "7", "--batches", "1",
-                 "--samples", "1", "--calls", "64", "--impls", "dense,flash_greedy", "--json", str(out)]) == 0
+    # A second shape in a warm L2 (its 64 copies fit in one) leaves the first, the goals', judged.
+    assert main(["head", "--shapes", "tiny,256x8x16", "--device", "cpu", "--dtype", "bf16", "--probes", "7", "--batches",
+                 "1", "--samples", "1", "--calls", "64", "--impls", "dense,flash_greedy", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["meta"]["warm_l2_shapes"] == [] and judged == [()]
-    assert {r["embedding_copies"] for r in result["rows"]} == {8}  # 0.5 MB: 7 pass three L2s, and 8 divide 64
+    assert result["meta"]["warm_l2_shapes"] == ["256x8x16"] and judged == [()]
+    # 0.5 MB: 7 pass three L2s, and 8 divide 64
+    assert {r["embedding_copies"] for r in result["rows"] if r["shape"] == "tiny"} == {8}
 
 
 def test_plain_torch_baseline_decodes_like_ours_with_special_tokens():
@@ -528,6 +534,20 @@ def test_on_device_makes_a_cuda_device_current_for_its_block():
         with on_device("cuda:1"):
             assert torch.cuda.current_device() == 1
         assert torch.cuda.current_device() == 0
+
+
+def test_a_cuda_device_this_machine_lacks_is_a_usage_error(monkeypatch):
+    # Counted at the call, so any machine (this one has none) can stand in for one with 0, 1 or 2 GPUs.
+    from flashhead_ext._cli import device_arg
+
+    for count, missing, present in ((0, "cuda", None), (1, "cuda:1", "cuda:0"), (2, "cuda:2", "cuda:1")):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        why = ("no CUDA device here (torch.cuda.is_available() is False)" if count == 0 else
+               f"this machine has {count} CUDA device{'' if count == 1 else 's'}")
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"'{missing}': {why}")):
+            device_arg(missing)
+        if present:
+            assert device_arg(present) == present
 
 
 @pytest.mark.parametrize("bench", ["head", "clusters"])

@@ -66,18 +66,25 @@ def test_cpu_entry_points_under_another_default_device():
     expected_head = FlashHead(embedding, expected_clusters.centroids, expected_clusters.cluster_tokens, 3)
     state = FlashHead(embedding, expected_clusters.centroids.flip(0), expected_clusters.cluster_tokens.flip(0), 3,
                       special_token_ids=[4]).state_dict()
+    old = FlashHead(embedding, expected_clusters.centroids, expected_clusters.cluster_tokens, 3).state_dict()
+    del old["extra_ids"]  # as a version-1 head without special tokens saved it
+    old._metadata[""]["version"] = 1
+    old_head = FlashHead(embedding, expected_clusters.centroids, expected_clusters.cluster_tokens, 3, special_token_ids=[4])
     target, _ = _decoders("cpu")
     ids = torch.tensor(PROMPT)
     expected_hidden = target.forward(ids, start=torch.tensor(0))
     with torch.device("meta"):
         clusters = build_clusters(embedding, 8, progress=False)
         expected_head.load_state_dict(state)
+        old_head.load_state_dict(old)  # its missing extra_ids stood in for on the default device
+        expected_head.to("cpu")  # a conversion tries its cast on an empty tensor of the default device
         fingerprint = embedding_fingerprint(embedding)
         change = fingerprint_change(fingerprint, fingerprint)
         rebuilt, _ = _decoders("cpu")
         hidden = rebuilt.forward(ids, start=torch.tensor(0, device="cpu"))
     assert torch.equal(clusters.cluster_tokens, expected_clusters.cluster_tokens)
     assert torch.equal(expected_head.cluster_tokens, state["cluster_tokens"])
+    assert old_head.extra_ids.device.type == "cpu" and old_head.extra_ids.numel() == 0
     assert change == 0.0 and fingerprint == embedding_fingerprint(embedding)
     assert torch.equal(hidden, expected_hidden)
 

@@ -715,9 +715,11 @@ def test_prompts_past_the_models_positions_are_left_out_before_recording(tmp_pat
                                            "turns": [f"q{i:02d}" + ("x" * 41 if i in (5, 8, 11) else "")]}) + "\n"
                                for i in range(1, 13)))
     argv = _argv(tmp_path, tmp_path / "gpt2", prompts, "--methods", "kmeans,calibrated", "--cluster-sizes", "4",
-                 "--probes", "2")
+                 "--probes", "2", "--per-category", "3")
     assert main(argv) == 0
     err = capsys.readouterr().err
+    # Categories short of --per-category are counted in the prompts that fit: rag's are gone.
+    assert "--per-category 3: 2 of 2 categories hold fewer and give all of theirs (qa 2, translation 2); 4 prompts in all" in err
     assert ("--max-new-tokens 6: 2 of the 6 evaluation prompts (question_id 5, 11) pass the model's 40 positions "
             "(config.max_position_embeddings) with it: left out, and with them every prompt of rag\n") in err
     assert ("--max-new-tokens 6: 1 of the 6 calibration prompts (question_id 8) pass the model's 40 positions "
@@ -750,6 +752,31 @@ def test_the_json_says_how_the_states_it_scored_were_recorded(tmp_path, monkeypa
         assert result[role]["recorded_with"] == {"batch_size": 3, "torch_threads": threads}
         assert (f"the {role} states were read from the cache, recorded 3 prompts at once on {threads} torch threads "
                 f"(this run: 1, {threads}); --no-cache records them again") in err
+
+
+def test_prompts_past_the_positions_are_named_by_their_first_eight_ids(monkeypatch, capsys):
+    # A long list is cut to its first eight ids, "..." telling that more follow; the count is of all.
+    prompts = [dict(question_id=i, category="qa" if i < 12 else "rag", text=f"q{i}") for i in range(1, 14)]
+    monkeypatch.setattr(quality, "position_limit", lambda model: 40)
+    for left_out, ids in ((8, "1, 2, 3, 4, 5, 6, 7, 8"), (9, "1, 2, 3, 4, 5, 6, 7, 8, ...")):
+        monkeypatch.setattr(quality, "split_by_positions", lambda model, tokenizer, rows, new: (rows[left_out:], rows[:left_out]))
+        fits, past = quality.within_positions("evaluation", prompts, None, None, 6)
+        assert (len(fits), len(past)) == (13 - left_out, left_out)
+        assert (f"--max-new-tokens 6: {left_out} of the 13 evaluation prompts (question_id {ids}) pass the model's 40 "
+                "positions") in capsys.readouterr().err
+
+
+def test_a_cached_recording_made_on_other_threads_is_named(monkeypatch, capsys):
+    # The thread count changes a recording's last bits as the batch size does: a cached one made on
+    # other threads is named, with this run's.
+    monkeypatch.setattr(quality, "recording_batch_size", lambda tokenizer, batch_size, prompts: batch_size)
+    args, threads = SimpleNamespace(batch_size=3), torch.get_num_threads()
+    assert quality.recording_settings("evaluation", {"batch_size": 3, "torch_threads": threads}, 6, None, args) == {
+        "batch_size": 3, "torch_threads": threads}
+    assert capsys.readouterr().err == ""
+    quality.recording_settings("evaluation", {"batch_size": 3, "torch_threads": threads + 2}, 6, None, args)
+    assert (f"the evaluation states were read from the cache, recorded 3 prompts at once on {threads + 2} torch threads "
+            f"(this run: 3, {threads})") in capsys.readouterr().err
 
 
 def test_logits_processors_the_recording_applies_are_named(tmp_path, monkeypatch, capsys):

@@ -401,6 +401,21 @@ def test_load_state_dict_refuses_centroids_the_constructor_refuses(name, dtype):
     assert torch.equal(head.next_token(problem.hidden), before)
 
 
+@pytest.mark.parametrize("centroid_dtype", [None, torch.float8_e4m3fn], ids=["plain", "fp8"])
+def test_float64_centroids_are_taken_in_the_constructor_and_a_state(centroid_dtype):
+    # float64 centroids (a clustering fitted in float64) are float ones: cast as the head keeps them,
+    # not refused with the integer dtypes.
+    problem = make_problem(SHAPE, seed=8)
+    head = flash_head(problem, centroid_dtype=centroid_dtype)
+    built = flash_head(replace(problem, centroids=problem.centroids.double()), centroid_dtype=centroid_dtype)
+    assert built.centroids.dtype == head.centroids.dtype and torch.equal(built.centroids, head.centroids)
+    if centroid_dtype is None:  # an fp8 head's state holds fp8 centroids
+        state = dict(head.state_dict())
+        state["centroids"] = state["centroids"].flip(0).double()
+        built.load_state_dict(state)
+        assert built.centroids.dtype == torch.float32 and torch.equal(built.centroids, head.centroids.flip(0))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_heads_sample_and_quantize_as_under_float32_whatever_the_default_dtype(dtype):
     # DenseHead drew its Gumbel noise in the default dtype (bfloat16 never drew a token 8 nats below

@@ -696,6 +696,21 @@ def test_a_saved_model_whose_new_tokens_were_trained_warns_of_its_old_clustering
         reloaded(torch.tensor([[3, 1, 4]]))
 
 
+def test_assets_that_record_rows_only_compare_a_new_weight(tmp_path, monkeypatch):
+    # Rows without a fingerprint still record the weights: a new weight with two rows trained is
+    # compared with them at the next call, not taken unseen.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    model = _tiny_llama(tied=False)
+    attach(model, cluster_size=4, iters=2, progress=False)
+    model.flash_head.assets.embedding_fingerprint = None
+    tuned = model.lm_head.weight.detach().clone()
+    tuned[[2, 7]] += 0.5
+    model.load_state_dict({"lm_head.weight": tuned}, strict=False, assign=True)
+    with pytest.warns(UserWarning, match=r"clustering attached to this model was built for other output weights than "
+                                         r"these \(2 of their 67 rows differ by more than a cast's rounding: 2, 7;"):
+        model(torch.tensor([[3, 1, 4]]))
+
+
 def test_a_weight_of_another_vocabulary_is_not_compared_row_by_row(tmp_path, monkeypatch):
     # Assets that record rows only: the compare before a conversion raised about their shape from
     # model.to(); the head's own check names the change at the next forward.
