@@ -13,6 +13,7 @@ from flashhead_ext.clustering import build_clusters  # noqa: E402
 from flashhead_ext.hf import attach, detach  # noqa: E402
 from flashhead_ext.fast import Decoder  # noqa: E402
 from flashhead_ext.speculative import MODES, SpeculativeDecoder, early_exit_draft  # noqa: E402
+from flashhead_ext.speculative.driver import cache_keyword  # noqa: E402
 from helpers import TWO_GPUS, greedy_tokens  # noqa: E402
 
 # peft 0.21 calls an API transformers 5.2x deprecates: its warning, not ours.
@@ -160,6 +161,21 @@ def test_the_fast_decoder_names_adapters_and_offloaded_weights():
             Decoder.from_hf(offloaded, max_len=32, device=device)
 
 
+def test_a_peft_wrapped_model_gets_the_cache_keyword_of_the_model_it_wraps():
+    # PEFT's forward passes **kwargs on: the installed transformers' keyword (cache=) went to a model
+    # (remote code of an older transformers) whose forward takes past_key_values only.
+    class Old(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            pass
+
+    wrapped = peft.get_peft_model(Old(), peft.LoraConfig(r=2, target_modules=["proj"]))
+    assert cache_keyword(wrapped) == "past_key_values"
+
+
 def test_prompt_learning_models_are_refused_by_the_driver():
     # PEFT adds the virtual tokens in its own forward: a draft's body call skipped them (it proposed
     # the untuned model's tokens) and a target's cached calls would repeat or drop them.
@@ -279,6 +295,24 @@ def test_an_offloaded_target_is_fed_where_accelerate_runs_its_first_weight(monke
         if getattr(getattr(module, "_hf_hook", None), "execution_device", None) is not None:
             module._hf_hook.execution_device = "cuda"
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert SpeculativeDecoder(target).device == torch.device("cuda", 1)
+
+
+def test_the_driver_takes_the_device_accelerate_runs_the_target_on_not_where_its_weights_wait():
+    # Only building the driver: the devices are named, never used, so GPUs are named without one.
+    # cpu_offload_with_hook keeps the weights on the CPU and its one hook sits on the model it was
+    # given: on a PEFT wrapper the driver looked past the wrapper, missed it and fed the CPU.
+    for wrap in (lambda model: model, lambda model: with_lora(model, seed=15)):
+        model = accelerate.cpu_offload_with_hook(wrap(tiny_llama()), execution_device=torch.device("cuda", 0))[0]
+        assert SpeculativeDecoder(model).device == torch.device("cuda", 0)
+    # The draft is not moved by the driver: one left on the CPU is named when built, not mid-generation.
+    with pytest.raises(ValueError, match=r"^draft must be on the target's device cuda:0, got cpu"):
+        SpeculativeDecoder(model, tiny_llama(seed=1))
+    # A device_map's model-level hook names its main_device; the ids go where the embedding runs
+    # (the device_map {"model.embed_tokens": 1, ...} with main_device=0, set on a CPU dispatch).
+    target = accelerate.cpu_offload(tiny_llama(), execution_device="cpu")
+    target._hf_hook.execution_device = torch.device("cuda", 0)
+    target.model.embed_tokens._hf_hook.execution_device = torch.device("cuda", 1)
     assert SpeculativeDecoder(target).device == torch.device("cuda", 1)
 
 

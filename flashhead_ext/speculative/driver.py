@@ -337,9 +337,10 @@ def target_input_device(target) -> torch.device:
     weight = getattr(embedding, "weight", None)
     if not isinstance(weight, Tensor):
         weight = next(base.parameters())
-    # The hook is on the module owning the weight (a PEFT LoRA embedding's base_layer, not the wrapper).
+    # The hook is on the module owning the weight (a PEFT LoRA embedding's base_layer, not the wrapper),
+    # or on the model: cpu_offload_with_hook's on the one it was given, which may be a PEFT wrapper.
     owners = [module for module in base.modules() if any(p is weight for p in module.parameters(recurse=False))]
-    for module in (*owners, base):
+    for module in (*owners, base, target):
         device = _hooked_execution_device(module)
         if device is not None:
             return device
