@@ -1122,6 +1122,8 @@ def test_synthetic_acceptance_rate_and_determinism():
         assert runner.generate(prompt(0), mode="deferred", max_new_tokens=40).stats.accepted_per_round == first
     assert torch.equal(runner.uniform[:40], draws)
     other = FastSpeculativeDecoder(target, draft, head_for(draft, "dense"), k=k, synthetic_acceptance=rate, seed=6)
+    # The draws take max_len x k floats, which the exact verifier, drawing nothing, does without.
+    assert runner.uniform.shape == (312, k) and FastSpeculativeDecoder(target, draft, "dense", k=k).uniform.numel() == 0
     assert other.generate(prompt(0), mode="deferred", max_new_tokens=40).stats.accepted_per_round != first
     # The draws depend on the prompt too: seeded by the seed alone, every prompt would accept the
     # same rounds, and a timing over many prompts would average one sequence of draws.
@@ -1240,12 +1242,14 @@ def test_runner_bad_arguments_name_the_argument():
                                                       f"target is on a GPU), got {bad!r}")):
             FastSpeculativeDecoder(target, draft, head, graphs=bad)
     runner = FastSpeculativeDecoder(target, draft, head, k=3)
+    steps = runner.steps
     # Nor is k rebuilt under a generation in another thread (the claim it takes, held here).
     from flashhead_ext.fast import runner as runner_module
     with runner_module._GENERATING(runner):
+        runner.k = 3  # the value it has: nothing to rebuild (on a GPU: no recapture), so nothing refused
         with pytest.raises(RuntimeError, match="is generating in another thread"):
             runner.k = 2
-    assert runner.k == 3
+    assert runner.k == 3 and runner.steps is steps
     with pytest.raises(AttributeError):  # the steps and buffers are built for it
         runner.synthetic = 0.5
     # A draft's options without a draft would be silently ignored.

@@ -149,7 +149,12 @@ def test_models_get_their_cache_by_the_keyword_their_forward_takes():
         def get_output_embeddings(self):
             return self.model.get_output_embeddings()
 
-    assert (cache_keyword(Old()), cache_keyword(New())) == ("past_key_values", "cache")
+    class Both(torch.nn.Module):  # a forward that takes either keyword
+        def forward(self, input_ids, past_key_values=None, cache=None, use_cache=None):
+            pass
+
+    # Both named: the current keyword, not the deprecated one (a FutureWarning at every call).
+    assert (cache_keyword(Old()), cache_keyword(New()), cache_keyword(Both())) == ("past_key_values", "cache", "cache")
     target = tiny_model("llama")
     # Wrappers whose forward names neither keyword get the installed transformers' one.
     installed = cache_keyword(target)
@@ -645,6 +650,13 @@ def test_models_whose_cache_is_no_dynamic_cache_are_refused_when_built():
             with pytest.raises(ValueError, match=f"^{role} {name} keeps its context in a cache of its own kind, not the "
                                                  "transformers DynamicCache this driver keeps: decode it with its own generate"):
                 SpeculativeDecoder(*pair)
+    # Known by its forward, not its name: the same model under another class name (as remote code
+    # names its own) passes transformers' list of names, and its forward still takes no cache.
+    renamed = type("RecurrentForCausalLM", (transformers.RwkvForCausalLM,), {})(rwkv.config).eval()
+    assert renamed._supports_default_dynamic_cache()
+    for pair, role in (((renamed,), "target"), ((target, renamed), "draft")):
+        with pytest.raises(ValueError, match=f"^{role} RecurrentForCausalLM keeps its context in a cache of its own kind"):
+            SpeculativeDecoder(*pair)
     t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=1, num_heads=4, d_kv=8)).eval()
     with pytest.raises(ValueError, match="^target must be a decoder-only causal LM, got the encoder-decoder "
@@ -681,6 +693,7 @@ def test_a_target_with_active_dropout_warns_that_its_tokens_are_not_greedy():
         warnings.simplefilter("error")
         decoder.generate(prompt(0), mode="deferred", max_new_tokens=3)
         config.attention_dropout = 0.0  # training mode with no dropout that draws: greedy all the same
+        config.token_dropout = True  # a flag, no rate (ESM's and Evolla's: a deterministic rescale)
         SpeculativeDecoder(transformers.LlamaForCausalLM(config)).generate(prompt(0), mode="baseline", max_new_tokens=3)
         # Nor does a setting the causal LM does not apply (GPT-2's summary_first_dropout is 0.1).
         gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4,
@@ -689,6 +702,10 @@ def test_a_target_with_active_dropout_warns_that_its_tokens_are_not_greedy():
         SpeculativeDecoder(gpt2).generate(prompt(0), mode="baseline", max_new_tokens=3)
     gpt2.transformer.h[0].mlp.dropout.p = 0.1  # GPT-2 applies its rates through modules: one that draws
     with pytest.warns(UserWarning, match="^target is in training mode and its dropout is active"):
+        SpeculativeDecoder(gpt2).generate(prompt(0), mode="baseline", max_new_tokens=3)
+    gpt2.transformer.h[0].mlp.dropout.eval()  # that module alone put in eval mode: it draws no more
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         SpeculativeDecoder(gpt2).generate(prompt(0), mode="baseline", max_new_tokens=3)
 
 
@@ -712,7 +729,9 @@ def test_make_draft_head_checks_the_flashhead_options_for_either_kind():
             ("seed", "x", TypeError, "seed must be an int, got str"),
             ("special_token_ids", [VOCAB], ValueError, "special_token_ids"),
             ("centroid_dtype", torch.int8, TypeError, "centroid_dtype must be None"),
-            ("clustering", object(), TypeError, "clustering must have tensors .centroids [C, D] and .cluster_tokens [C, b]")):
+            ("clustering", object(), TypeError, "clustering must have tensors .centroids [C, D] and .cluster_tokens [C, b]"),
+            # Each tensor is needed: centroids alone are no clustering.
+            ("clustering", SimpleNamespace(centroids=good["clustering"].centroids), TypeError, "clustering must have tensors")):
         for kind in ("dense", "flashhead"):
             with pytest.raises(error, match=re.escape(message)):
                 make_draft_head(kind, draft, **{**good, name: bad})
@@ -984,7 +1003,9 @@ def test_cli_options_at_their_bounds(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     _save_tiny_model_with_tokenizer(tmp_path / "model")
     questions = tmp_path / "questions.jsonl"
-    questions.write_text("\n".join(json.dumps(dict(question_id=q, category="a", turns=[f"w{q} w7 w19"])) for q in (1, 3)))
+    # The second prompt is one token, the shortest there is (the fast path then prefills no draft entry).
+    questions.write_text("\n".join(json.dumps(dict(question_id=q, category="a", turns=[text]))
+                                   for q, text in ((1, "w1 w7 w19"), (3, "w3"))))
     threads = []
     monkeypatch.setattr(torch, "set_num_threads", threads.append)  # asked for, not changed under the other tests
     out = tmp_path / "spec.json"
@@ -994,6 +1015,8 @@ def test_cli_options_at_their_bounds(tmp_path, monkeypatch, capsys):
     assert _spec_main([*model, "--k", "1", "--probes", "7", "--head", "flashhead", "--mode", "ordinary", "--threads", "2"]) == 0
     meta = json.loads(out.read_text())["meta"]
     assert (meta["probes_used"], meta["num_clusters"], meta["num_prompts"]) == (7, 7, 2) and threads == [2]
+    # The header counts in the plural, torch's threads (one here: set_num_threads was only asked for).
+    assert "2 prompts x 3 new tokens, fp32 on cpu, 1 thread, FlashHead 7 of 7 clusters" in capsys.readouterr().out
     # The fast path's synthetic acceptance at 1: the baseline stays exact, every proposal is accepted.
     assert _spec_main([*model, "--k", "2", "--head", "dense", "--mode", "baseline,deferred", "--fast",
                        "--synthetic-acceptance", "1"]) == 0
@@ -1004,8 +1027,10 @@ def test_cli_options_at_their_bounds(tmp_path, monkeypatch, capsys):
     assert _spec_main([*model, "--head", "flashhead", "--mode", "baseline"]) == 0
     assert ("--head flashhead: draft heads run in the speculative modes only, and --mode baseline names none"
             in capsys.readouterr().err)
-    assert _spec_main([*model, "--mode", "baseline"]) == 0  # the default heads: nothing to say
-    assert "draft heads run" not in capsys.readouterr().err
+    # The default heads: nothing to say. One prompt of one new token, the least a run takes, counted in the singular.
+    assert _spec_main([*model, "--mode", "baseline", "--num-prompts", "1", "--max-new-tokens", "1"]) == 0
+    printed = capsys.readouterr()
+    assert "draft heads run" not in printed.err and "1 prompt x 1 new token, fp32 on cpu" in printed.out
     missing = ["--target", str(tmp_path / "missing"), "--prompts", str(questions)]
     for bad, message in ((["--k", "0"], "--k must be >= 1, got 0"),
                          (["--synthetic-acceptance", "0.5"], "--draft-device, --draft-body and --synthetic-acceptance need --fast"),
