@@ -592,9 +592,15 @@ _BUILD_BEFORE_COMPILING = "call model.flash_head.head() once before compiling wi
 
 
 def accelerate_hooks(module: nn.Module) -> tuple:
-    """The accelerate hooks on ``module``: its hook, or a SequentialHook's several; none without one."""
+    """The accelerate hooks on ``module``: its hook, or a SequentialHook's several, through every
+    nesting (``add_hook_to_module(append=True)`` on a SequentialHook nests it in another); none without one."""
     hook = getattr(module, "_hf_hook", None)
-    return () if hook is None else tuple(getattr(hook, "hooks", (hook,)))
+    return () if hook is None else _unnested(hook)
+
+
+def _unnested(hook) -> tuple:
+    inner = getattr(hook, "hooks", None)
+    return (hook,) if inner is None else tuple(each for part in inner for each in _unnested(part))
 
 
 def _offloaded(linear: nn.Module) -> bool:

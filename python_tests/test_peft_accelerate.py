@@ -145,6 +145,27 @@ def test_a_head_offloaded_after_attach_is_refused_and_detach_restores_it():
     assert torch.equal(logits(model, ids), dense)
 
 
+def test_an_offload_under_another_hook_is_refused_and_a_hook_that_does_not_offload_is_not():
+    # A hook added with append=True makes a SequentialHook, whose hooks each count, nested or not; one
+    # that does not offload (a plain ModelHook: no offload attribute) leaves FlashHead running over a new weight.
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    model = tiny_llama()
+    ids = prompt(8)
+    attach(model, clustering(model, probes=2))
+    add_hook_to_module(model.lm_head, ModelHook())
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # the head is built again
+    flash = logits(model, ids)
+    assert torch.isinf(flash).any()
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))  # appended to the ModelHook
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"^the output head was offloaded after attach"):
+            logits(model, ids)
+        # Appended to again, that SequentialHook is nested in another, which hid the offload: the head
+        # was rebuilt at every call.
+        add_hook_to_module(model.lm_head, ModelHook(), append=True)
+
+
 def test_the_fast_decoder_names_adapters_and_offloaded_weights():
     wrapped = with_lora(tiny_llama(), seed=9)
     for model in (wrapped, wrapped.get_base_model()):
