@@ -25,6 +25,7 @@ from flashhead_ext.assets import CONFIG_NAME, FlashHeadAssets, embedding_fingerp
 from flashhead_ext.clustering import build_clusters
 from flashhead_ext import hf
 from flashhead_ext.hf import attach, detach, output_embedding, record_hidden_states
+from safetensors.torch import save_file
 from helpers import DEVICES, PerTokenScaledHead
 
 transformers = pytest.importorskip("transformers")
@@ -106,9 +107,11 @@ def test_attach_routes_next_token_choice_through_flashhead():
     states, tokens, _ = record_hidden_states(model, _Tokenizer(), ["flash head"], 9, progress=False)
     assert torch.equal(head.next_token(states), tokens)
 
+    built = attachment.head()
     attachment.enabled = False
     torch.testing.assert_close(model(torch.tensor([[3, 1, 4, 1, 5]])).logits, dense_logits)
     attachment.enabled = True
+    assert attachment.head() is built  # a dense pass drops only a head built over a weight the model no longer has
     for bad in ("no", 0, None):  # read as a truth value, "no" kept FlashHead on
         with pytest.raises(TypeError, match="enabled must be a bool"):
             attachment.enabled = bad
@@ -287,10 +290,29 @@ def test_recordings_keep_the_batch_size_they_ran_with(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
     model, tokenizer, prompts = _recording(7)
     assert int(hf.recorded_states(model, tokenizer, prompts, 3, progress=False, batch_size=8)["batch_size"]) == 2
+    # A pad token or an EOS token alone is enough to pad with: batched, without a warning.
+    for missing in ("pad_token", "eos_token"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            alone = copy.deepcopy(tokenizer)
+            setattr(alone, missing, None)
+            assert int(hf.recorded_states(model, alone, prompts, 3, progress=False, batch_size=8, cache=False)["batch_size"]) == 2
     tokenizer.pad_token = tokenizer.eos_token = None
     with pytest.warns(RuntimeWarning, match="recording one prompt at a time"):
         states = hf.recorded_states(model, tokenizer, prompts, 3, progress=False, batch_size=8, cache=False)
     assert int(states["batch_size"]) == 1
+
+
+def test_recordings_cached_by_recording_version_1_are_not_read(tmp_path, monkeypatch):
+    # Version 1 recorded a model built as Cls(config) in training mode, with its dropout: its entries
+    # must not be read for the same model, prompts and length.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
+    model, tokenizer, prompts = _recording(4)
+    states = hf.recorded_states(model, tokenizer, prompts, 3, progress=False)
+    (entry,) = (tmp_path / "hidden_states").glob("*.safetensors")
+    stale = {**states, "hidden": torch.zeros_like(states["hidden"])}
+    save_file(stale, str(entry.with_name(re.sub(r"-v\d+\.safetensors$", "-v1.safetensors", entry.name))))
+    assert torch.equal(hf.recorded_states(model, tokenizer, prompts, 3, progress=False)["hidden"], states["hidden"])
 
 
 def test_recorded_states_where_the_cache_cannot_be_written_warn_and_are_returned(tmp_path, monkeypatch):
@@ -364,6 +386,25 @@ def test_a_recording_is_greedy_whatever_search_the_generation_config_sets(tmp_pa
     assert len(list((tmp_path / "hidden_states").glob("*.safetensors"))) == 1
 
 
+def test_a_recording_overrides_searches_that_need_the_hub_or_an_early_exit():
+    # Each overridden setting left on its own: transformers 5 fetches contrastive search, DoLa and
+    # constrained beam search from the hub (offline: an error), has no MTP layers here, and an
+    # early-exit assistant runs the head several times a token. (Two layers: an early exit needs a later one.)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=None)
+    torch.manual_seed(9)
+    model, tokenizer = transformers.LlamaForCausalLM(config).eval(), char_tokenizer()
+    texts = ["ab", "a longer one"]
+    greedy = record_hidden_states(model, tokenizer, texts, 7, progress=False)
+    for name, value in dict(penalty_alpha=0.6, top_k=4, dola_layers="low", force_words_ids=[[5, 6]], use_mtp=True,
+                            assistant_early_exit=1).items():
+        setattr(model.generation_config, name, value)
+    for batch_size in (1, 2):
+        hidden, tokens, index = record_hidden_states(model, tokenizer, texts, 7, progress=False, batch_size=batch_size)
+        assert torch.equal(tokens, greedy[1]) and torch.equal(index, greedy[2])
+        torch.testing.assert_close(hidden, greedy[0], rtol=1e-4, atol=1e-4)
+
+
 def test_a_recording_refuses_a_generate_that_runs_the_head_more_than_once_a_token(monkeypatch):
     # Any setting that adds a forward a step paired states with the wrong tokens, silently.
     model, tokenizer, prompts = _recording(8)
@@ -375,6 +416,10 @@ def test_a_recording_refuses_a_generate_that_runs_the_head_more_than_once_a_toke
 
     monkeypatch.setattr(model, "generate", generate_with_an_extra_forward)
     with pytest.raises(RuntimeError, match="generate\\(\\) ran the output head 10 times for 9 new tokens"):
+        record_hidden_states(model, tokenizer, [prompts[0]["text"]], 9, progress=False)
+    # And fewer: prompt lookup accepts several tokens a head call, which left tokens without their states.
+    monkeypatch.setattr(model, "generate", lambda *args, **kwargs: plain_generate(*args, prompt_lookup_num_tokens=3, **kwargs))
+    with pytest.raises(RuntimeError, match="generate\\(\\) ran the output head 6 times for 9 new tokens"):
         record_hidden_states(model, tokenizer, [prompts[0]["text"]], 9, progress=False)
 
 
@@ -589,6 +634,10 @@ def test_detach_keeps_an_accelerate_hook_added_after_attach():
         with pytest.raises(ValueError, match="the output head's forward was wrapped after attach .* remove that wrapper first"):
             detach(model)
         assert hasattr(model, "flash_head")
+        # Also a partial over the head, as accelerate's hook is, but of the user's own function.
+        model.lm_head.forward = functools.partial(lambda head, hidden: flash_forward(hidden), model.lm_head)
+        with pytest.raises(ValueError, match="the output head's forward was wrapped after attach"):
+            detach(model)
         model.lm_head.forward = flash_forward
         detach(model)
         _same_logits(model(ids).logits, dense)
@@ -773,7 +822,9 @@ def test_attach_builds_or_refuses_when_no_assets(tmp_path, monkeypatch):
 def test_attach_with_a_tokenizer_calibrates_on_even_ids_only(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     questions = tmp_path / "questions.jsonl"
-    questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"q{i}"]}) + "\n" for i in range(1, 9)))
+    # q8 is too long for the model's 70 positions with calibration's 64 new tokens.
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"q{i}" + "x" * 10 * (i == 8)]}) + "\n"
+                                 for i in range(1, 9)))
     seen = []
     real = hf.prompts_per_category
 
@@ -785,9 +836,12 @@ def test_attach_with_a_tokenizer_calibrates_on_even_ids_only(tmp_path, monkeypat
     monkeypatch.setattr(hf, "prompts_per_category", small_set)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=1, pad_token_id=1)
+                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=1, pad_token_id=1,
+                                      max_position_embeddings=70)
     model = transformers.LlamaForCausalLM(config).eval()
-    attachment = attach(model, tokenizer=char_tokenizer(), cluster_size=8, iters=2, progress=False)
+    with pytest.warns(RuntimeWarning, match=r"1 calibration prompt\(s\) left out") as caught:
+        attachment = attach(model, tokenizer=char_tokenizer(), cluster_size=8, iters=2, progress=False)
+    assert [w.filename for w in caught if "calibration prompt" in str(w.message)] == [__file__]  # attach's caller
     assert seen == [2, 4, 6, 8]
     assert attachment.assets.greedy_scoring == "raw" and attachment.head().num_clusters == 13
     assert torch.equal(attachment.head().centroids, attachment.assets.raw_centroids)
@@ -866,6 +920,16 @@ def test_calibration_states_leave_out_prompts_past_the_models_positions(tmp_path
     with pytest.warns(RuntimeWarning, match=r"^1 calibration prompt\(s\) left out"):
         states = hf.calibration_states(model, char_tokenizer(), questions, per_category=1, max_new_tokens=3, progress=False)
     assert len(states) == 3  # "AB"'s, from the second batch
+    # And a later batch none of which fits is skipped, not recorded empty (min_states asks for more).
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [turn]}) + "\n"
+                                 for i, turn in ((2, "AB"), (4, "ABCDEFGHIJ"))))
+    with pytest.warns(RuntimeWarning, match=r"^1 calibration prompt\(s\) left out"):
+        states = hf.calibration_states(model, char_tokenizer(), questions, per_category=1, max_new_tokens=3, progress=False,
+                                       min_states=100)
+    assert len(states) == 3
+    # The boundary: a prompt that with max_new_tokens fills every position fits, one token longer does not.
+    rows = [{"text": "ABCDEFGHI"}, {"text": "ABCDEFGHIJ"}]  # 9 + 3 and 10 + 3 positions
+    assert hf.split_by_positions(model, char_tokenizer(), rows, 3) == (rows[:1], rows[1:])
     with pytest.raises(TypeError, match="tokenizer must be the model's tokenizer object"):  # named before it is used
         hf.calibration_states(model, "gpt2", questions, progress=False)
 
@@ -892,12 +956,12 @@ def test_calibration_states_take_each_batch_by_place_not_by_question_id(tmp_path
 def test_attach_takes_a_clustering_as_its_assets_at_the_default_probes():
     # What build_clusters and calibrate_clusters return, which make_draft_head and save_assets take, attach refused.
     model = _tiny_llama(tied=False)
-    clustering = build_clusters(output_embedding(model), 4, iters=2, progress=False)
+    clustering = build_clusters(output_embedding(model), 2, iters=2, progress=False)  # 34 clusters: 2 probes, not 1
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     expected = copy.deepcopy(model)
     attach(expected, FlashHeadAssets.from_clustering(clustering))
     attachment = attach(model, clustering, probes=None)
-    assert attachment.probes == expected.flash_head.probes
+    assert attachment.probes == expected.flash_head.probes == 2
     assert torch.equal(model(ids).logits, expected(ids).logits) and torch.isinf(model(ids).logits).any()
 
 
@@ -1153,6 +1217,21 @@ def test_training_only_the_head_of_an_attached_model_raises_at_backward():
         torch.testing.assert_close(attached, model(ids).logits)
 
 
+def test_decoding_and_a_frozen_head_score_the_candidates_once(monkeypatch):
+    # The second scoring over the weight itself is for a trainable head under autograd only; under
+    # no_grad (generate) or over a frozen model it scored every candidate twice.
+    model = _tiny_llama(tied=False)
+    attach(model, _tiny_assets(model))
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    calls, scored = [], hf.ops.candidate_logits
+    monkeypatch.setattr(hf.ops, "candidate_logits", lambda *args: calls.append(args[1]) or scored(*args))
+    with torch.no_grad():
+        model(ids)
+    model.requires_grad_(False)
+    model(ids)
+    assert len(calls) == 2 and not any(weight is model.lm_head.weight for weight in calls)
+
+
 def test_an_attached_model_is_freed_by_del_and_keeps_no_weight_it_moved_off():
     # attach made the model a reference cycle (the head's forward is the attachment's bound method,
     # which held the head): `del model; torch.cuda.empty_cache()` freed nothing until gc.collect().
@@ -1175,6 +1254,11 @@ def test_an_attached_model_is_freed_by_del_and_keeps_no_weight_it_moved_off():
     try:
         del model, copied
         assert [w() for w in weights] == [None, None]
+        # A detached attachment goes too, while its model lives on (with its clustering).
+        model = _tiny_llama(tied=False)
+        attachment = weakref.ref(attach(model, _tiny_assets(model)))
+        detach(model)
+        assert attachment() is None
     finally:
         if was_enabled:
             gc.enable()
@@ -1200,6 +1284,10 @@ def test_an_attachment_kept_by_the_caller_keeps_no_output_weight_the_model_dropp
                 detach(model)
             del model
             assert weight() is None and attachment is not None
+        model, attachment, weight = attached()
+        detach(model)
+        model.lm_head.weight = torch.nn.Parameter(torch.randn(67, 16))  # the model lives on, with another weight
+        assert weight() is None
         model, attachment, weight = attached()
         attachment.enabled = False
         model.load_state_dict({"lm_head.weight": torch.randn(67, 16)}, strict=False, assign=True)
@@ -1405,7 +1493,9 @@ def test_a_tokenizer_with_nothing_to_pad_with_records_one_prompt_at_a_time():
     with pytest.warns(RuntimeWarning, match="neither a pad token nor an EOS token.*one prompt at a time") as caught:
         batched = record_hidden_states(model, tokenizer, prompts, 3, progress=False, batch_size=2)
     assert caught[0].filename == __file__
-    unbatched = record_hidden_states(model, tokenizer, prompts, 3, progress=False, batch_size=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one prompt at a time was asked for: nothing to warn of
+        unbatched = record_hidden_states(model, tokenizer, prompts, 3, progress=False, batch_size=1)
     for got, expected in zip(batched, unbatched):
         assert torch.equal(got, expected)
     assert not model.lm_head._forward_pre_hooks
