@@ -817,6 +817,14 @@ def test_from_state_dict_checks_every_layers_weights():
         with pytest.raises(TypeError, match=re.escape(f"state_dict's {key!r} must be a torch.Tensor [{d}], got "
                                                       f"{type(bad).__name__}")):
             Decoder.from_state_dict(model.config, {**state, key: bad}, max_len=8)
+    # The embedding's dtype and device are the defaults: read from a numpy array (a state dict of
+    # safetensors.numpy) or a list, they gave torch's "empty(): argument 'dtype' must be torch.dtype"
+    # or an AttributeError.
+    key, shape = "model.embed_tokens.weight", [model.config.vocab_size, d]
+    for bad_state in ({name: w.numpy() for name, w in state.items()}, {**state, key: state[key].tolist()}):
+        with pytest.raises(TypeError, match=re.escape(f"state_dict's {key!r} must be a torch.Tensor {shape}, got "
+                                                      f"{type(bad_state[key]).__name__}")):
+            Decoder.from_state_dict(model.config, bad_state, max_len=8)
     for bad in (None, list(state.items())):
         with pytest.raises(TypeError, match=f"state_dict must be a mapping of weight names to torch.Tensors .*, got "
                                             f"{type(bad).__name__}"):

@@ -683,6 +683,9 @@ class Decoder:
             # Building the config's layers only would silently drop the rest: another model's config?
             raise ValueError(f"state_dict holds layer {c.num_layers} but the config has {c.num_layers} layers "
                              f"(num_hidden_layers); pass num_layers={c.num_layers} to keep only its first layers (an early exit)")
+        if not isinstance(state_dict[embed_key], Tensor):  # before its dtype and device are read as the defaults
+            raise TypeError(f"state_dict's {embed_key!r} must be a torch.Tensor {[c.vocab_size, c.hidden_size]}, "
+                            f"got {type(state_dict[embed_key]).__name__}")
         if dtype is not None:
             _require_dtype(dtype)
         dtype = dtype or state_dict[embed_key].dtype
