@@ -191,6 +191,16 @@ def unwrapped(model: nn.Module) -> nn.Module:
     return model
 
 
+def prompt_learning_kind(model: nn.Module) -> Optional[str]:
+    """The PEFT type (``PROMPT_TUNING``, ``PREFIX_TUNING``, ``P_TUNING``...) where ``model`` is a PEFT
+    prompt-learning model, whose virtual tokens PEFT adds in its own forward; else None."""
+    config = getattr(uncompiled(model), "active_peft_config", None)
+    if not getattr(config, "is_prompt_learning", False):
+        return None
+    kind = getattr(config, "peft_type", None)
+    return str(getattr(kind, "value", kind))
+
+
 def output_embedding(model: nn.Module) -> Tensor:
     """The output embedding ``[V, D]`` of a transformers causal LM (its lm_head weight, tied or not)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -171,6 +171,12 @@ def test_the_fast_decoder_names_adapters_and_offloaded_weights():
     for model in (wrapped, wrapped.get_base_model()):
         with pytest.raises(ValueError, match=r"^model carries PEFT adapters .*model = model.merge_and_unload\(\)$"):
             Decoder.from_hf(model, max_len=32)
+    # A prompt-learning wrapper has no tuner layers to merge, only virtual tokens, which the Decoder would drop.
+    tuned = peft.get_peft_model(tiny_llama(), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)).eval()
+    with pytest.raises(ValueError, match=r"^model is a PEFT prompt-learning model \(PROMPT_TUNING\), .*, or pass "
+                                         r"model.get_base_model\(\) to decode without them$"):
+        Decoder.from_hf(tuned, max_len=32)
+    Decoder.from_hf(tuned.get_base_model(), max_len=32)  # as that message says
     merged = copy.deepcopy(wrapped).merge_and_unload()
     ids = prompt(10)
     decoder = Decoder.from_hf(merged, max_len=32)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import ops
-from ..hf import check_plain_output_head, greedy_logit_settings, uncompiled
+from ..hf import check_plain_output_head, greedy_logit_settings, prompt_learning_kind, uncompiled
 
 if TYPE_CHECKING:  # transformers is imported only when used
     from transformers import PretrainedConfig, PreTrainedModel
@@ -627,6 +627,11 @@ class Decoder:
         FlashHead attached to ``model`` (:func:`flashhead_ext.hf.attach`) is not carried over (a
         warning says so): the decoder keeps the dense output weight."""
         model = uncompiled(model)  # a compiled model's state dict names every weight "_orig_mod."...
+        kind = prompt_learning_kind(model)
+        if kind is not None:  # it has no tuner layers to merge
+            raise ValueError(f"model is a PEFT prompt-learning model ({kind}), whose virtual tokens PEFT adds in its own "
+                             "forward, which the Decoder does not: decode it with its own generate(), or pass "
+                             "model.get_base_model() to decode without them")
         if hasattr(model, "get_base_model") or any(hasattr(module, "base_layer") for module in model.modules()):
             # Else "state_dict has no ...": PEFT renames the weights it wraps (q_proj.base_layer.weight).
             raise ValueError(f"model carries PEFT adapters ({type(model).__name__}: LoRA or other tuner layers), whose terms "

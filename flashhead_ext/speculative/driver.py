@@ -31,8 +31,8 @@ from torch import Tensor
 from .. import ops
 from ..head import DenseHead, FlashHead, _HeadBase
 from .._stacklevel import callers_stacklevel
-from ..hf import (accelerate_hooks, check_plain_output_head, greedy_logit_settings, output_embedding, uncompiled,
-                  unwrapped, warn_unapplied_generation_settings)
+from ..hf import (accelerate_hooks, check_plain_output_head, greedy_logit_settings, output_embedding,
+                  prompt_learning_kind, uncompiled, unwrapped, warn_unapplied_generation_settings)
 from .draft import make_draft_head
 
 MODES = ("baseline", "ordinary", "deferred")
@@ -355,10 +355,9 @@ def refuse_prompt_learning(model, role: str) -> None:
     """ValueError where ``model`` is a PEFT prompt-learning model (prompt, prefix or P-tuning): PEFT adds
     its virtual tokens in its own forward, which a draft's body call skipped (its proposals were the
     untuned model's) and a target's cached calls do not reproduce."""
-    config = getattr(uncompiled(model), "active_peft_config", None)
-    if getattr(config, "is_prompt_learning", False):
-        kind = getattr(config, "peft_type", None)
-        raise ValueError(f"{role} is a PEFT prompt-learning model ({getattr(kind, 'value', kind)}), "
+    kind = prompt_learning_kind(model)
+    if kind is not None:
+        raise ValueError(f"{role} is a PEFT prompt-learning model ({kind}), "
                          "whose virtual tokens PEFT adds in its own forward, which this driver's calls do not "
                          "reproduce; adapters in the weights (LoRA) work, or decode it with its own generate()")
 
