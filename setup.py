@@ -111,12 +111,17 @@ class BuildWithInfo(BuildExtension.with_options(use_ninja=True)):
 WITH_CUDA = want_cuda()
 
 
+# torch's names for archs below 8.0 (with "+Tegra" or "+Tesla" for some), which it expands to numbers.
+ARCH_NAMES_BELOW_SM80 = ("Kepler", "Maxwell", "Pascal", "Volta", "Turing")
+
+
 def check_arch_floor(arch_list: str) -> None:
-    """Refuses a numbered arch below 8.0 at once: the kernels use cp.async and bf16 arithmetic,
-    and 7.5 failed minutes into the build with thousands of ptxas errors."""
+    """Refuses an arch below 8.0, by number or by torch's name, at once: the kernels use cp.async and
+    bf16 arithmetic, and 7.5 failed minutes into the build with thousands of ptxas errors."""
     for arch in arch_list.replace(";", " ").split():
-        number = arch.split("+")[0].rstrip("af")
-        if number.replace(".", "", 1).isdigit() and float(number) < 8.0:
+        name = arch.split("+")[0]
+        number = name.rstrip("af")  # 9.0a, 12.0f: the arch-specific and family variants
+        if name in ARCH_NAMES_BELOW_SM80 or number.replace(".", "", 1).isdigit() and float(number) < 8.0:
             raise SystemExit(f"TORCH_CUDA_ARCH_LIST {arch_list!r}: the kernels need compute capability 8.0 or later, "
                              f"got {arch}")
 

@@ -1,5 +1,6 @@
 """The build records what it was compiled against, and import refuses a different torch."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -195,11 +196,67 @@ def test_setup_builds_every_time_and_reads_its_switches_strictly(monkeypatch, ca
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", " ")
     assert read_setup(monkeypatch)["WITH_CUDA"] is True
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0+PTX"  # the PTX for GPUs newer than sm_90
-    # An arch below the kernels' 8.0 is refused at once (7.5 failed minutes in, in ptxas).
-    for arch_list in ("7.5", "8.0;7.0+PTX", "6.1 9.0"):
+    # An arch below the kernels' 8.0 is refused at once (7.5 failed minutes in, in ptxas), by number
+    # or by the name torch expands.
+    for arch_list, named in (("7.5", "7.5"), ("8.0;7.0+PTX", "7.0+PTX"), ("6.1 9.0", "6.1"), ("Turing", "Turing"),
+                             ("Hopper;Volta+Tegra", "Volta+Tegra"), ("Kepler+Tesla", "Kepler+Tesla"), ("Pascal", "Pascal")):
         monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
-        with pytest.raises(SystemExit, match="the kernels need compute capability 8.0 or later, got [67]"):
+        with pytest.raises(SystemExit, match=re.escape(f"the kernels need compute capability 8.0 or later, got {named}")):
             read_setup(monkeypatch)
-    for arch_list in ("8.6", "9.0a", "8.0+PTX;10.0", "12.0f"):
+    for arch_list in ("8.6", "9.0a", "8.0+PTX;10.0", "12.0f", "Ampere;Ada", "Hopper", "Ampere+Tegra", "Blackwell"):
         monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
         read_setup(monkeypatch)
+
+
+@pytest.mark.skipif(not (Path(__file__).parents[1] / "setup.py").is_file(), reason="needs the checkout's setup.py")
+def test_setup_builds_no_cuda_with_a_cpu_torch_even_beside_a_toolkit(tmp_path, monkeypatch, capsys):
+    # A CPU build of torch compiles no CUDA sources, whatever toolkit the machine has (here one with
+    # the header the toolkit check looks for).
+    from torch.utils import cpp_extension
+
+    toolkit = tmp_path / "cuda"
+    (toolkit / "include").mkdir(parents=True)
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    monkeypatch.setenv("FLASHHEAD_SKIP_CUDA_BUILD", "0")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(toolkit))
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert read_setup(monkeypatch)["WITH_CUDA"] is False
+    assert "no CUDA toolkit found" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (Path(__file__).parents[1] / "setup.py").is_file(), reason="needs the checkout's setup.py")
+def test_setup_takes_the_nvidia_wheel_headers_beside_torch_and_in_purelib(tmp_path, monkeypatch):
+    # A --user or PYTHONPATH torch has its nvidia-* wheels beside it, not in purelib: both are searched,
+    # each directory once, and only the include directories that are directories.
+    import sysconfig
+
+    monkeypatch.setenv("FLASHHEAD_SKIP_CUDA_BUILD", "1")
+    wheel_cuda_includes = read_setup(monkeypatch)["wheel_cuda_includes"]
+    beside, purelib = tmp_path.resolve() / "user-site", tmp_path.resolve() / "site-packages"
+    for site, names in ((beside, ("cu13", "cu12")), (purelib, ("cu11",))):
+        for name in names:
+            (site / "nvidia" / name / "include").mkdir(parents=True)
+    (beside / "nvidia" / "cu9").mkdir()
+    (beside / "nvidia" / "cu9" / "include").write_text("")  # a file, not a directory of headers
+    (beside / "torch").mkdir()
+    (beside / "torch" / "__init__.py").write_text("")
+    monkeypatch.setattr(torch, "__file__", str(beside / "torch" / "__init__.py"))
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"purelib": str(purelib)})
+    found = [beside / "nvidia" / "cu12" / "include", beside / "nvidia" / "cu13" / "include"]
+    assert wheel_cuda_includes() == [str(p) for p in (*found, purelib / "nvidia" / "cu11" / "include")]
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"purelib": str(beside)})  # torch in purelib
+    assert wheel_cuda_includes() == [str(p) for p in found]
+
+
+@pytest.mark.skipif(not (Path(__file__).parents[1] / "setup.py").is_file(), reason="needs the checkout's setup.py")
+def test_setup_states_the_licence_in_the_form_its_setuptools_takes(monkeypatch):
+    # setuptools 77 took PEP 639's SPDX license_expression and deprecated the license field; an
+    # older setuptools knows only the field.
+    import setuptools
+
+    monkeypatch.setenv("FLASHHEAD_SKIP_CUDA_BUILD", "1")
+    license_metadata = read_setup(monkeypatch)["license_metadata"]
+    for version, key in (("61.0.0", "license"), ("76.1.0", "license"), ("77.0.0", "license_expression"),
+                         ("77.0.3", "license_expression"), ("84.2.1", "license_expression"), ("100.1", "license_expression")):
+        monkeypatch.setattr(setuptools, "__version__", version)
+        assert license_metadata() == {key: "Apache-2.0"}, version
