@@ -606,6 +606,12 @@ def test_layer_ops_without_a_gpu_is_a_usage_error(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         main(["layer-ops", "--shapes", "tiny", "--tokens", "1", "--samples", "1", "--calls", "1"])
     assert exit_info.value.code == 2 and "layer-ops times CUDA kernels and needs a GPU" in capsys.readouterr().err
+    # As many tokens as the cache holds fit in it (the rows' call starts at position 0): past the
+    # token check, to the GPU's.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["layer-ops", "--shapes", "tiny", "--tokens", "1,7", "--context", "7", "--samples", "1", "--calls", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "needs a GPU" in err and "exceeds --context" not in err
 
 
 @pytest.mark.gpu

@@ -164,7 +164,14 @@ def test_cluster_table_from_assignments():
     (torch.tensor([0, 1]), 0, None, ValueError, "n_clusters must be >= 1"),
     (torch.tensor([0, 1]), 2.0, None, TypeError, "n_clusters must be an int"),
     (torch.tensor([0, 1]), 2, 0, ValueError, "width must be >= 1"),
-], ids=["float", "bool", "2-D", "id-past", "id-negative", "list", "no-clusters", "float-count", "zero-width"])
+    # A cast dropped the imaginary parts; a 0-d tensor and a meta tensor reached bincount and the
+    # id check, whose errors named no argument.
+    (torch.tensor([0, 1, 1, 0], dtype=torch.complex64), 2, None, TypeError,
+     "assignments must hold integer cluster ids, got torch.complex64"),
+    (torch.tensor(1), 2, None, ValueError, r"assignments must be 1-D \[vocab\], got shape \(\)"),
+    (torch.zeros(5, dtype=torch.int64, device="meta"), 2, None, ValueError, "assignments is on the meta device"),
+], ids=["float", "bool", "2-D", "id-past", "id-negative", "list", "no-clusters", "float-count", "zero-width", "complex",
+        "0-d", "meta"])
 def test_cluster_table_refuses_bad_input_by_name(assignments, n_clusters, width, error, match):
     with pytest.raises(error, match=match):
         cluster_table(assignments, n_clusters, width)
@@ -188,6 +195,65 @@ def test_fit_max_logit_centroids_refuses_a_rank_3_hidden():
     table = cluster_table(torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), 4)
     with pytest.raises(ValueError, match="hidden must be a non-empty 2-D float tensor"):
         fit_max_logit_centroids(_embedding(8, 4), _embedding(5, 4, seed=1).unsqueeze(1).expand(-1, 2, -1), table)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (lambda t: t.float(), TypeError, "cluster_tokens must hold integer token ids"),
+    (lambda t: t + 1, ValueError, "cluster_tokens holds id 9"),
+    (lambda t: torch.cat([t, torch.full((1, t.shape[1]), -1, dtype=t.dtype)]), ValueError,
+     "cluster 4 of cluster_tokens holds only padding"),
+], ids=["float-table", "id-past", "empty-cluster"])
+def test_fit_max_logit_centroids_refuses_a_bad_table_by_name(change, error, match):
+    # An id past the vocabulary reached the gather of the member logits, an index error naming nothing.
+    table = cluster_table(torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 2]), 4)
+    with pytest.raises(error, match=match):
+        fit_max_logit_centroids(_embedding(9, 4), _embedding(13, 4, seed=1), change(table))
+
+
+def test_best_member_logits_computes_in_float64_beyond_float32s_range():
+    # Only the clustering runs in float32: the member logits of float64 inputs are float64 products,
+    # so rows past float32's range are no error, and scaling the rows by 2**200 and the states by
+    # 2**-200 (exact in float64) gives the same logits.
+    gen = torch.Generator().manual_seed(21)
+    embedding = torch.randn(37, 6, generator=gen, dtype=torch.float64)
+    hidden = torch.randn(11, 6, generator=gen, dtype=torch.float64)
+    table = cluster_table(torch.randperm(37, generator=gen) % 5, 5)
+    expected = clustering_mod.best_member_logits(embedding, hidden, table)
+    scaled = clustering_mod.best_member_logits(embedding * 2.0**200, hidden * 2.0**-200, table)
+    assert torch.equal(scaled, expected)
+
+
+def test_a_float64_embedding_at_float32s_largest_value_is_clustered_as_its_float32_copy():
+    # float32's largest finite value is in range: only values past it are refused.
+    embedding = _embedding(99, 8, seed=23).double()
+    embedding[5, 3], embedding[40, 1] = torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max
+    got, want = (build_clusters(e, 7, iters=3, progress=False) for e in (embedding, embedding.float()))
+    assert torch.equal(got.cluster_tokens, want.cluster_tokens) and torch.equal(got.raw_centroids, want.raw_centroids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_an_embedding_of_another_dtype_is_clustered_in_float32(dtype):
+    # As documented: k-means runs on the rows cast to float32, and gives float32 centroids.
+    embedding = _embedding(131, 9, seed=24).to(dtype)
+    got, want = (build_clusters(e, 6, iters=4, seed=3, progress=False) for e in (embedding, embedding.float()))
+    assert got.raw_centroids.dtype == torch.float32
+    assert torch.equal(got.cluster_tokens, want.cluster_tokens) and torch.equal(got.raw_centroids, want.raw_centroids)
+
+
+def test_each_public_clustering_function_ignores_a_callers_autocast():
+    # Each computes in its tensors' own dtypes (build_clusters' candidate scores, the member logits'
+    # and the fit's products ran in bfloat16 under autocast); calibrate_clusters is pinned above.
+    gen = torch.Generator().manual_seed(25)
+    embedding, hidden = torch.randn(331, 24, generator=gen), torch.randn(97, 24, generator=gen)
+    table = cluster_table(torch.randperm(331, generator=gen) % 41, 41)
+    calls = [lambda: build_clusters(embedding, 7, iters=3, seed=2, progress=False).cluster_tokens,
+             lambda: clustering_mod.best_member_logits(embedding, hidden, table),
+             lambda: fit_max_logit_centroids(embedding, hidden, table)]
+    expected = [call() for call in calls]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = [call() for call in calls]
+    for index, (a, b) in enumerate(zip(expected, got)):
+        assert a.dtype == b.dtype and torch.equal(a, b), index
 
 
 @pytest.mark.parametrize("kwargs,error,match", [

@@ -686,9 +686,10 @@ def test_decoder_bad_arguments_name_the_argument():
     with pytest.raises(TypeError, match=r"dtype must be a torch.dtype .*, got str 'cpu'"):
         Decoder.random(decoder.config, max_len=8, dtype="cpu", device="cpu")
     if not torch.cuda.is_available():  # the default device is "cuda": named, not a driver error from torch
-        with pytest.raises(ValueError, match=r"device 'cuda' \(the default is 'cuda'\): no CUDA device here"):
+        with pytest.raises(ValueError, match=r"device 'cuda' \(the default is 'cuda'\): no CUDA device here .*; pass "
+                                             r"device='cpu'$"):
             Decoder.random(decoder.config, max_len=8, dtype=torch.float32)
-        with pytest.raises(ValueError, match=r"device 'cuda': no CUDA device here"):
+        with pytest.raises(ValueError, match=r"device 'cuda': no CUDA device here .*; pass device='cpu'$"):
             Decoder.from_hf(model, max_len=8, device="cuda")
     for dtype, std in ((torch.float32, 0), (torch.float32, -1.0), (torch.float32, float("nan")), (torch.float32, "0.02"),
                        (torch.float32, 1e39), (torch.float32, 1e-50), (torch.float16, 1e4), (torch.float16, 1e-9),
@@ -795,6 +796,15 @@ def test_from_hf_shares_the_vocabulary_matrices_and_copies_the_layers():
     assert not {w.untyped_storage().data_ptr() for w in [*target.stacked.values(), *draft.stacked.values()]} & model_storages
     # A cast or move makes them the decoder's own.
     assert Decoder.from_hf(model, max_len=16, dtype=torch.float32).embed.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    # So does a view that is not contiguous: the heads and ops take contiguous rows (a DenseHead over
+    # such a head warns that every call copies it).
+    state = model.state_dict()
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        state[key] = state[key].T.contiguous().T
+        assert not state[key].is_contiguous() and torch.equal(state[key], model.state_dict()[key])
+    from_views = Decoder.from_state_dict(model.config, state, max_len=16)
+    for name, weight in (("embed", model.model.embed_tokens.weight), ("lm_head", model.lm_head.weight)):
+        assert getattr(from_views, name).is_contiguous() and torch.equal(getattr(from_views, name), weight), name
 
 
 def test_from_state_dict_checks_every_layers_weights():
@@ -846,6 +856,7 @@ def test_decoder_over_parameters_keeps_its_cache_out_of_autograd():
         hidden = over_parameters.forward(token.view(1))
         over_parameters.length += 1
     assert not hidden.requires_grad and not over_parameters.k_cache.requires_grad and over_parameters.k_cache.grad_fn is None
+    assert not over_parameters.logits(hidden).requires_grad  # the untied head too
     torch.testing.assert_close(hidden, decoder.forward(prompt(4, length=3))[-1:], rtol=1e-12, atol=1e-12)
 
 
