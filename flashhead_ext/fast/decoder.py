@@ -480,6 +480,12 @@ def _require_max_len(max_len) -> None:
         raise ValueError(f"max_len must be an int in 1..2**63 - 1, got {max_len!r}")
 
 
+def _require_state_tensor(key: str, weight, shape: tuple) -> None:
+    """A TypeError naming ``key`` where the state dict's ``weight`` is no tensor (a numpy array, a list)."""
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"state_dict's {key!r} must be a torch.Tensor {list(shape)}, got {type(weight).__name__}")
+
+
 def _refuse_meta(key: str, weight) -> None:
     """A ValueError where the state dict's ``weight`` is on the meta device: torch's "Cannot copy out of
     meta tensor" named nothing."""
@@ -688,9 +694,8 @@ class Decoder:
             # Building the config's layers only would silently drop the rest: another model's config?
             raise ValueError(f"state_dict holds layer {c.num_layers} but the config has {c.num_layers} layers "
                              f"(num_hidden_layers); pass num_layers={c.num_layers} to keep only its first layers (an early exit)")
-        if not isinstance(state_dict[embed_key], Tensor):  # before its dtype and device are read as the defaults
-            raise TypeError(f"state_dict's {embed_key!r} must be a torch.Tensor {[c.vocab_size, c.hidden_size]}, "
-                            f"got {type(state_dict[embed_key]).__name__}")
+        # Before its dtype and device are read as the defaults.
+        _require_state_tensor(embed_key, state_dict[embed_key], (c.vocab_size, c.hidden_size))
         if dtype is not None:
             _require_dtype(dtype)
         dtype = dtype or state_dict[embed_key].dtype
@@ -713,8 +718,7 @@ class Decoder:
             source = state_dict[key]
             # Checked for each key: stacking copies a layer's weights into layer 0's shape, which
             # broadcasts a smaller one without a word, and a cast rounds integers into weights.
-            if not isinstance(source, Tensor):
-                raise TypeError(f"state_dict's {key!r} must be a torch.Tensor {list(shape)}, got {type(source).__name__}")
+            _require_state_tensor(key, source, shape)
             _refuse_meta(key, source)  # only the weights read: an early exit's offloaded later layers are no matter
             if tuple(source.shape) != shape or not source.is_floating_point():
                 raise ValueError(f"state_dict's {key!r} must be a floating-point tensor of shape {list(shape)} (the "

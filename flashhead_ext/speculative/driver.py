@@ -32,7 +32,7 @@ from .. import ops
 from ..head import DenseHead, FlashHead, _HeadBase
 from .._stacklevel import callers_stacklevel
 from ..hf import (accelerate_hooks, check_plain_output_head, greedy_logit_settings, output_embedding,
-                  prompt_learning_kind, uncompiled, unwrapped, warn_unapplied_generation_settings)
+                  prompt_learning_kind, unwrapped, warn_unapplied_generation_settings)
 from .draft import make_draft_head
 
 MODES = ("baseline", "ordinary", "deferred")
