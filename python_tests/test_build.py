@@ -144,6 +144,9 @@ def test_an_empty_commit_variable_counts_as_unset(monkeypatch):
     assert provenance.source_commit(Path("x.py"), mark_dirty=False) == "fromgit"
 
 
+SETUP_PY = Path(__file__).parents[1] / "setup.py"
+
+
 def read_setup(monkeypatch) -> dict:
     """setup.py's names, run as pip would but with setuptools.setup doing nothing."""
     import runpy
@@ -151,10 +154,13 @@ def read_setup(monkeypatch) -> dict:
     import setuptools
 
     monkeypatch.setattr(setuptools, "setup", lambda **kwargs: None)
-    return runpy.run_path(str(Path(__file__).parents[1] / "setup.py"))
+    return runpy.run_path(str(SETUP_PY))
 
 
-@pytest.mark.skipif(not (Path(__file__).parents[1] / "setup.py").is_file(), reason="needs the checkout's setup.py")
+needs_setup_py = pytest.mark.skipif(not SETUP_PY.is_file(), reason="needs the checkout's setup.py")
+
+
+@needs_setup_py
 def test_setup_builds_every_time_and_reads_its_switches_strictly(monkeypatch, capsys):
     monkeypatch.setenv("FLASHHEAD_SKIP_CUDA_BUILD", "1")
     build = read_setup(monkeypatch)["BuildWithInfo"]
@@ -208,7 +214,7 @@ def test_setup_builds_every_time_and_reads_its_switches_strictly(monkeypatch, ca
         read_setup(monkeypatch)
 
 
-@pytest.mark.skipif(not (Path(__file__).parents[1] / "setup.py").is_file(), reason="needs the checkout's setup.py")
+@needs_setup_py
 def test_setup_builds_no_cuda_with_a_cpu_torch_even_beside_a_toolkit(tmp_path, monkeypatch, capsys):
     # A CPU build of torch compiles no CUDA sources, whatever toolkit the machine has (here one with
     # the header the toolkit check looks for).
@@ -224,7 +230,7 @@ def test_setup_builds_no_cuda_with_a_cpu_torch_even_beside_a_toolkit(tmp_path, m
     assert "no CUDA toolkit found" not in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not (Path(__file__).parents[1] / "setup.py").is_file(), reason="needs the checkout's setup.py")
+@needs_setup_py
 def test_setup_takes_the_nvidia_wheel_headers_beside_torch_and_in_purelib(tmp_path, monkeypatch):
     # A --user or PYTHONPATH torch has its nvidia-* wheels beside it, not in purelib: both are searched,
     # each directory once, and only the include directories that are directories.
@@ -248,7 +254,7 @@ def test_setup_takes_the_nvidia_wheel_headers_beside_torch_and_in_purelib(tmp_pa
     assert wheel_cuda_includes() == [str(p) for p in found]
 
 
-@pytest.mark.skipif(not (Path(__file__).parents[1] / "setup.py").is_file(), reason="needs the checkout's setup.py")
+@needs_setup_py
 def test_setup_states_the_licence_in_the_form_its_setuptools_takes(monkeypatch):
     # setuptools 77 took PEP 639's SPDX license_expression and deprecated the license field; an
     # older setuptools knows only the field.
