@@ -24,18 +24,10 @@
 #include <string>
 #include <vector>
 
+#include "cuda_check.cuh"
 #include "kernels/api.h"
 
 namespace fhbench {
-
-#define FHB_CHECK(call)                                                                                  \
-  do {                                                                                                   \
-    const cudaError_t err_ = (call);                                                                     \
-    if (err_ != cudaSuccess) {                                                                           \
-      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                                      \
-    }                                                                                                    \
-  } while (0)
 
 struct Flags {
   double peak_gbps = 0.0;

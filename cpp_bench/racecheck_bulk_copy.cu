@@ -7,7 +7,7 @@
 // was flagged: this loop alone does not raise the warnings.
 // Built with cpp_bench (CMakeLists.txt, sm_90 only). Run: racecheck_bulk_copy VARIANT DIVERGE [GROUPS]
 // under compute-sanitizer --tool racecheck --racecheck-report all; exit status 1 when a logit of
-// variants 0-3 differs from the host's.
+// variants 0-3 differs from the host's or a CUDA call fails (named on stderr), 2 on bad arguments or a GPU older than sm_90.
 // VARIANT 0: as the kernel (lane 0 arrives and copies row 0, lane 1 copies row 1); 1: lane 31
 // arrives, lanes 0 and 1 copy; 2: lane 0 arrives and copies both rows (decoder_step's pattern);
 // 3: as 0 without the proxy fence before a refill; 4: a positive control, one buffer refilled
@@ -23,6 +23,7 @@
 #include <random>
 #include <vector>
 
+#include "cuda_check.cuh"
 #include "kernels/candidate_logits.cuh"
 
 using namespace flashhead::detail;
@@ -128,18 +129,9 @@ template <int kVariant, bool kDiverge>
 void launch(int blocks, size_t smem, const bf16* e, int vocab, int dim, const bf16* h, const int32_t* t, int n,
             const int32_t* x, uint32_t* rep, float* out, float* best) {
   auto kernel = staged_rows_kernel<kVariant, kDiverge>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  FHB_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   kernel<<<blocks, kCandThreads, smem>>>(e, vocab, dim, h, t, n, x, rep, out, best);
 }
-
-#define CHECK(call)                                                                           \
-  do {                                                                                        \
-    cudaError_t err_ = (call);                                                                \
-    if (err_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(err_));                      \
-      return 2;                                                                               \
-    }                                                                                         \
-  } while (0)
 
 int main(int argc, char** argv) {
   if (argc < 3) {
@@ -153,8 +145,8 @@ int main(int argc, char** argv) {
   }
   const int vocab = 5003, dim = 1024;
   int sms = 0, major = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  FHB_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  FHB_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   if (major < 9) {
     std::fprintf(stderr, "bulk copies need sm_90 or later, this GPU is sm_%d\n", major * 10);
     return 2;
@@ -176,18 +168,18 @@ int main(int argc, char** argv) {
   uint32_t* d_repeated;
   float *d_logits, *d_best;
   const int lanes = blocks * kWarps * kRows;
-  CHECK(cudaMalloc(&d_embedding, embedding.size() * sizeof(bf16)));
-  CHECK(cudaMalloc(&d_hidden, hidden.size() * sizeof(bf16)));
-  CHECK(cudaMalloc(&d_tokens, n * sizeof(int32_t)));
-  CHECK(cudaMalloc(&d_extras, kExtras * sizeof(int32_t)));
-  CHECK(cudaMalloc(&d_repeated, kExtras * sizeof(uint32_t)));
-  CHECK(cudaMalloc(&d_logits, n * sizeof(float)));
-  CHECK(cudaMalloc(&d_best, lanes * sizeof(float)));
-  CHECK(cudaMemcpy(d_embedding, embedding.data(), embedding.size() * sizeof(bf16), cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_hidden, hidden.data(), hidden.size() * sizeof(bf16), cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_tokens, tokens.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_extras, extras.data(), kExtras * sizeof(int32_t), cudaMemcpyHostToDevice));
-  CHECK(cudaMemset(d_repeated, 0, kExtras * sizeof(uint32_t)));
+  FHB_CHECK(cudaMalloc(&d_embedding, embedding.size() * sizeof(bf16)));
+  FHB_CHECK(cudaMalloc(&d_hidden, hidden.size() * sizeof(bf16)));
+  FHB_CHECK(cudaMalloc(&d_tokens, n * sizeof(int32_t)));
+  FHB_CHECK(cudaMalloc(&d_extras, kExtras * sizeof(int32_t)));
+  FHB_CHECK(cudaMalloc(&d_repeated, kExtras * sizeof(uint32_t)));
+  FHB_CHECK(cudaMalloc(&d_logits, n * sizeof(float)));
+  FHB_CHECK(cudaMalloc(&d_best, lanes * sizeof(float)));
+  FHB_CHECK(cudaMemcpy(d_embedding, embedding.data(), embedding.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+  FHB_CHECK(cudaMemcpy(d_hidden, hidden.data(), hidden.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+  FHB_CHECK(cudaMemcpy(d_tokens, tokens.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice));
+  FHB_CHECK(cudaMemcpy(d_extras, extras.data(), kExtras * sizeof(int32_t), cudaMemcpyHostToDevice));
+  FHB_CHECK(cudaMemset(d_repeated, 0, kExtras * sizeof(uint32_t)));
 
   using Launch = void (*)(int, size_t, const bf16*, int, int, const bf16*, const int32_t*, int, const int32_t*,
                           uint32_t*, float*, float*);
@@ -198,11 +190,11 @@ int main(int argc, char** argv) {
                                  {launch<4, false>, launch<4, true>}};
   launches[variant][diverge](blocks, smem, d_embedding, vocab, dim, d_hidden, d_tokens, n, d_extras, d_repeated,
                              d_logits, d_best);
-  CHECK(cudaGetLastError());
-  CHECK(cudaDeviceSynchronize());
+  FHB_CHECK(cudaGetLastError());
+  FHB_CHECK(cudaDeviceSynchronize());
 
   std::vector<float> want(n, -INFINITY), got(diverge ? n : lanes), want_best(lanes, -INFINITY);
-  CHECK(cudaMemcpy(got.data(), diverge ? d_logits : d_best, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  FHB_CHECK(cudaMemcpy(got.data(), diverge ? d_logits : d_best, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
   const int stride = blocks * kCandSlotsPerBlock;
   for (int i = 0; i < n; ++i) {
     if (tokens[i] >= 0 && tokens[i] < vocab) {
