@@ -230,7 +230,9 @@ class _HeadBase(nn.Module):
             raise TypeError(f"{type(self).__name__}.to({cast_to}) would round the output weight to 8 bits, which no "
                             "later cast restores; fp8 is for FlashHead's centroids only: build the head with "
                             f"centroid_dtype=torch.float8_e4m3fn.{rounded}")
-        tied = (self._buffer_at(self.__dict__.get("_shared_at"))
+        # Or still the weight's memory: share_memory() moves a storage in place, the weight's and so
+        # the buffer's, away from the address noted.
+        tied = ((self._buffer_at(self.__dict__.get("_shared_at")) or self._tied())
                 and not torch.__future__.get_overwrite_module_params_on_conversion())
         was_meta = self._buffers["embedding"].is_meta
         super()._apply(fn, recurse)

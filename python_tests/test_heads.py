@@ -541,6 +541,21 @@ def test_a_head_follows_its_models_weight_through_copies_and_conversions(kind):
         assert torch.equal(converted.head.next_token(problem.hidden), want)
 
 
+@pytest.mark.parametrize("kind", ["dense", "flash", "flash-fp8"])
+def test_a_head_follows_its_models_weight_through_share_memory(kind):
+    # share_memory() moved the weight's storage, and the buffer's with it, away from the address the
+    # head had noted: the head let the weight go, and the next half() gave it a copy of its own.
+    fp8 = {"centroid_dtype": torch.float8_e4m3fn} if kind == "flash-fp8" else {}
+    problem = make_problem(SHAPE, seed=14)
+    model = _WithHead(problem, kind[:5], **fp8)
+    assert _shares_weight(model.share_memory()) and model.lm_head.weight.is_shared()
+    assert _shares_weight(model.half())
+    with torch.no_grad():
+        model.lm_head.weight.neg_()
+    assert torch.equal(model.head.next_token(problem.hidden.half()),
+                       _WithHead(problem, kind[:5], **fp8).half().head.next_token(-problem.hidden.half()))
+
+
 @pytest.mark.parametrize("kind", ["dense", "flash"])
 def test_a_weight_given_as_a_parameter_is_followed_as_the_constructors_is(kind):
     # Assigned as given, the Parameter became a parameter of the head's: in its state dict (which a
