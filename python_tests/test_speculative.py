@@ -760,11 +760,20 @@ def test_a_target_whose_rope_changes_with_the_length_is_decoded_only_where_it_do
     ids = random_prompt(3, VOCAB, 5)
     decoder = SpeculativeDecoder(target, copy.deepcopy(target), k=3, eos_token_id=[])
     for mode in MODES:
-        budget = 16 - 5 + 1 - (0 if mode == "baseline" else 3)  # the longest forward is then 16
+        # The longest forward is then 16: a round proposes only while two tokens are left to emit
+        # (a bound of prompt + budget - 1 + k refused the budget one short of the switch).
+        budget = 16 - 5 + (1 if mode == "baseline" else 2 - 3)
         assert tuple(decoder.generate(ids, mode=mode, max_new_tokens=budget).tokens) == greedy_tokens(target, ids, budget)
         with pytest.raises(ValueError, match=f"the target's {rope_type} RoPE changes its frequencies once a forward's "
                                              r"sequence passes 16 positions.* must be at most 16"):
             decoder.generate(ids, mode=mode, max_new_tokens=budget + 1)
+    # Two new tokens need no round: their longest forward is prompt + 1, also with proposals.
+    edge_prompt = random_prompt(5, VOCAB, 15)
+    for mode in MODES:
+        assert tuple(decoder.generate(edge_prompt, mode=mode, max_new_tokens=2).tokens) == greedy_tokens(target, edge_prompt, 2)
+        if mode != "baseline":
+            with pytest.raises(ValueError, match=re.escape("prompt (15) + max_new_tokens (3) - 2 + k (3) must be at most 16")):
+                decoder.generate(edge_prompt, mode=mode, max_new_tokens=3)
     # longrope picks one of two sets: a prompt already past the switch uses the long one in every forward.
     long_prompt = random_prompt(4, VOCAB, 17)
     for mode in MODES:
@@ -787,7 +796,7 @@ def test_the_cli_refuses_a_rope_switch_before_it_clusters(tmp_path, monkeypatch,
     argv = ["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--k", "3", "--prompts", str(questions),
             "--num-prompts", "1", "--mode", "baseline,deferred", "--device", "cpu", "--json", str(tmp_path / "spec.json")]
     with pytest.raises(SystemExit) as exit_info:
-        cli.main([*argv, "--max-new-tokens", "12"])  # baseline's longest forward is 4 + 12 - 1 = 15; deferred's 18
+        cli.main([*argv, "--max-new-tokens", "12"])  # baseline's longest forward is 4 + 12 - 1 = 15; deferred's 17
     assert exit_info.value.code == 2
     assert ("error: question 1, mode deferred: the target's dynamic RoPE changes its frequencies once a forward's sequence "
             "passes 16 positions" in capsys.readouterr().err)

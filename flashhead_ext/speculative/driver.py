@@ -433,19 +433,21 @@ def rope_switch_problem(rope_switch: Optional[tuple], prompt_tokens: int, max_ne
     """Why a generation of ``max_new_tokens`` after ``prompt_tokens`` (``k`` proposals a round; 0
     in baseline) would not give the target's greedy tokens under ``rope_switch``
     (:func:`length_dependent_rope`), or None. Its forwards' sequences reach at most prompt +
-    max_new_tokens - 1 + k. ``longrope`` picks one of two sets: a prompt already past the switch
-    uses the long set in every forward. ``dynamic`` rescales at every length past it."""
+    max_new_tokens - 1, and where rounds propose (k > 0, from 3 new tokens: a round proposes only
+    while two are left to emit) prompt + max_new_tokens - 2 + k. ``longrope`` picks one of two sets: a prompt already past
+    the switch uses the long set in every forward. ``dynamic`` rescales at every length past it."""
     if rope_switch is None:
         return None
     rope_type, switch = rope_switch
-    longest = prompt_tokens + max_new_tokens - 1 + k
+    rounds = k > 0 and max_new_tokens >= 3
+    longest = prompt_tokens + max_new_tokens + (k - 2 if rounds else -1)
     if longest <= switch or (rope_type == "longrope" and prompt_tokens > switch):
         return None
-    proposals = f" + k ({k})" if k else ""
+    proposals = f" - 2 + k ({k})" if rounds else " - 1"
     past = " (or a prompt longer than that)" if rope_type == "longrope" else ""
     return (f"the target's {rope_type} RoPE changes its frequencies once a forward's sequence passes {switch} positions, "
             f"which a cache kept across the change does not reproduce: prompt ({prompt_tokens}) + max_new_tokens "
-            f"({max_new_tokens}) - 1{proposals} must be at most {switch}{past}")
+            f"({max_new_tokens}){proposals} must be at most {switch}{past}")
 
 
 class SpeculativeDecoder:
