@@ -144,14 +144,25 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def kmeans_seed(text: str) -> int:
-    """argparse ``type`` of a seed (a clustering's, a run's): one torch.Generator.manual_seed takes."""
+def _seed(text: str, check) -> int:
     value = int(text)
     try:
-        check_seed(value)
+        check(value)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return value
+
+
+def kmeans_seed(text: str) -> int:
+    """argparse ``type`` of a clustering's seed: one torch.Generator.manual_seed takes."""
+    return _seed(text, check_seed)
+
+
+def run_seed(text: str) -> int:
+    """argparse ``type`` of a speculative run's seed, which k-means takes and the fast path's random
+    weights and synthetic acceptances take as an int64: one that fails only there failed
+    mid-run, after the models loaded and the clustering was built."""
+    return _seed(text, lambda value: ops._require_int("seed", value))
 
 
 def positive_int_list(text: str) -> list[int]:

@@ -28,8 +28,8 @@ import torch
 
 from ..assets import default_probes
 from ..clustering import greedy_centroids, member_means
-from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, is_config_path, kmeans_seed, model_config, note,
-                    note_shadowed_paths, output_file, positive_int, shape_names, write_output)
+from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, is_config_path, model_config, note,
+                    note_shadowed_paths, output_file, positive_int, run_seed, shape_names, write_output)
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
@@ -353,7 +353,7 @@ def spec_main(argv=None) -> int:
     parser.add_argument("--draft-device", type=device_arg, default=None, help="e.g. cuda:1 for the draft on a second GPU (None: the target's)")
     parser.add_argument("--synthetic-acceptance", type=float, default=0.77,
                         help="probability that the verifier accepts each proposal (random weights never agree)")
-    parser.add_argument("--seed", type=kmeans_seed, default=0, help="seed of the random weights, the synthetic acceptances and the prompts")
+    parser.add_argument("--seed", type=run_seed, default=0, help="seed of the random weights, the synthetic acceptances and the prompts")
     parser.add_argument("--head", default="dense,flashhead", help="comma list of draft heads, each run in every speculative mode")
     parser.add_argument("--mode", default="baseline,ordinary,deferred", help="comma list of schedules (docs/speculative.md)")
     parser.add_argument("--k", type=int, default=6, help="proposals a round")

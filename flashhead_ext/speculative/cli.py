@@ -17,7 +17,7 @@ import torch
 from .. import ops
 from ..bench.timing import run_metadata
 from .._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count,
-                    device_arg, kmeans_seed, model_unavailable, note, output_file)
+                    device_arg, model_unavailable, note, output_file, run_seed)
 from ..fast.decoder import BODIES, FAMILY_NAMES
 from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster-size", type=int, default=16, help="tokens per FlashHead cluster, when a clustering is built")
     parser.add_argument("--kmeans-iters", "--iters", type=int, default=15,
                         help="k-means iterations, when a clustering is built (--iters, as compare-heads and eval call it)")
-    parser.add_argument("--seed", type=kmeans_seed, default=0,
+    parser.add_argument("--seed", type=run_seed, default=0,
                         help="seed of the FlashHead k-means clustering and, with --synthetic-acceptance, of the acceptance draws")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="models' dtype")
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu", help="models' device")
