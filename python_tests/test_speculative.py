@@ -1035,12 +1035,18 @@ def test_cli_options_at_their_bounds(tmp_path, monkeypatch, capsys):
     # A head named for the baseline alone, which runs no draft: said, not dropped silently.
     capsys.readouterr()
     assert _spec_main([*model, "--head", "flashhead", "--mode", "baseline"]) == 0
-    assert ("--head flashhead: draft heads run in the speculative modes only, and --mode baseline names none"
+    assert ("--head flashhead: the draft runs in the speculative modes only, and --mode baseline names none"
             in capsys.readouterr().err)
+    # So are the fast draft's options, which the JSON recorded as if a synthetic run had used them.
+    assert _spec_main([*model, "--mode", "baseline", "--fast", "--synthetic-acceptance", "0.5", "--draft-body", "eager"]) == 0
+    assert ("--draft-body, --synthetic-acceptance: the draft runs in the speculative modes only, and --mode baseline "
+            "names none" in capsys.readouterr().err)
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["synthetic_acceptance"] is None and meta["draft_body"] is None
     # The default heads: nothing to say. One prompt of one new token, the least a run takes, counted in the singular.
     assert _spec_main([*model, "--mode", "baseline", "--num-prompts", "1", "--max-new-tokens", "1"]) == 0
     printed = capsys.readouterr()
-    assert "draft heads run" not in printed.err and "1 prompt x 1 new token, fp32 on cpu" in printed.out
+    assert "the draft runs" not in printed.err and "1 prompt x 1 new token, fp32 on cpu" in printed.out
     missing = ["--target", str(tmp_path / "missing"), "--prompts", str(questions)]
     for bad, message in ((["--k", "0"], "--k must be >= 1, got 0"),
                          (["--synthetic-acceptance", "0.5"], "--draft-device, --draft-body and --synthetic-acceptance need --fast"),

@@ -434,7 +434,9 @@ def _run_spec(parser: argparse.ArgumentParser, args, configs: list, target_shape
         note(f"no draft-step prediction of the gain: the draft on {draft.device} overlaps the target on {target.device}")
     gains = head_gains(rows, args.k, args.synthetic_acceptance, step_us)
     flash = decoders.get("flashhead")
-    meta = dict(run_metadata(args.device), args=vars(args), synthetic_acceptance=args.synthetic_acceptance, clusters=CLUSTERS, max_len=max_len,
+    # Synthetic where a draft ran: a baseline alone verifies nothing.
+    synthetic = args.synthetic_acceptance if any(c.head for c in configs) else None
+    meta = dict(run_metadata(args.device), args=vars(args), synthetic_acceptance=synthetic, clusters=CLUSTERS, max_len=max_len,
                 target_gb=target.nbytes / 1e9, draft_gb=draft.nbytes / 1e9,
                 probes_used=flash.head.probes if flash else None, num_clusters=flash.head.num_clusters if flash else None,
                 graphs=decoders[None].graphs, draft_step_us=step_us, head_gains=gains)

@@ -169,9 +169,6 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         early_exit = _early_exit_layers(args.draft) is not None  # checked before any model is loaded
     except ValueError as error:
         parser.error(str(error))
-    if not any(c.head for c in configs) and set(args.head) != set(_comma_list(parser.get_default("head"))):
-        note(f"--head {','.join(args.head)}: draft heads run in the speculative modes only, and --mode "
-             f"{','.join(args.mode)} names none")
     loaded = [("--target", args.target)] + ([("--draft", args.draft)] if any(c.head for c in configs) and not early_exit else [])
     for flag, name in loaded:
         problem = model_unavailable(flag, name)
@@ -182,6 +179,16 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         parser.error("--draft-device, --draft-body and --synthetic-acceptance need --fast")
     if args.synthetic_acceptance is not None and not 0.0 <= args.synthetic_acceptance <= 1.0:
         parser.error(f"--synthetic-acceptance must be in [0, 1], got {args.synthetic_acceptance}")
+    if not any(c.head for c in configs):
+        unused = [f"--{name.replace('_', '-')}" for name in ("draft_device", "draft_body", "synthetic_acceptance")
+                  if getattr(args, name) is not None]
+        if set(args.head) != set(_comma_list(parser.get_default("head"))):
+            unused.insert(0, f"--head {','.join(args.head)}")
+        if unused:
+            note(f"{', '.join(unused)}: the draft runs in the speculative modes only, and --mode {','.join(args.mode)} "
+                 "names none")
+        # The JSON records what ran: no run was synthetic, no draft body ran.
+        args.draft_device = args.draft_body = args.synthetic_acceptance = None
     # What can be checked before a model loads.
     try:
         questions = cli_prompts(args.prompts, args.num_prompts)
