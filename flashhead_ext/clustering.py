@@ -356,8 +356,10 @@ def build_clusters(
 
 
 def _check_ridge(ridge) -> None:
+    if not ops._is_number(ridge):  # a numpy float32 or a tensor was told it was not finite and > 0
+        raise TypeError(f"ridge must be a Python float or int, got {ops._type_name(ridge)} (convert it with float())")
     try:
-        valid = ops._is_number(ridge) and math.isfinite(ridge) and ridge > 0
+        valid = math.isfinite(ridge) and ridge > 0
     except OverflowError:  # an int past float's range
         valid = False
     if not valid:

@@ -461,6 +461,9 @@ def test_calibration_with_few_states_per_hidden_dimension_warns():
     ({"ridge": float("inf")}, ValueError, "ridge must be a finite number > 0"),
     ({"ridge": 1e300}, ValueError, r"the fitted centroids are not finite: ridge \(1e\+300\)"),
     ({"ridge": 10**400}, ValueError, "ridge must be a finite number > 0"),  # past float's range
+    # Told it was not finite and > 0.
+    ({"ridge": torch.tensor(1e-3)}, TypeError, r"ridge must be a Python float or int, got torch.Tensor \(convert it with float\(\)\)"),
+    ({"ridge": "0.001"}, TypeError, "ridge must be a Python float or int, got str"),
     ({"cluster_size": 0}, ValueError, r"cluster_size must be in 1..12"),
     ({"device": torch.device("meta")}, ValueError, "device 'meta' holds no values"),
 ])
