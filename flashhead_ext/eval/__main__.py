@@ -47,8 +47,10 @@ def _seeds_list(text: str) -> list:
         values = [kmeans_seed(v) for v in text.split(",") if v.strip()]
     except (ValueError, argparse.ArgumentTypeError) as error:
         raise argparse.ArgumentTypeError(f"expected comma-separated k-means seeds, got {text!r} ({error})") from None
-    if not values or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated distinct k-means seeds, got {text!r}")
+    # torch.Generator takes a negative seed as seed + 2**64: -1 and 2**64 - 1 are one clustering.
+    if not values or len({value % 2**64 for value in values}) != len(values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated distinct k-means seeds (a negative seed is the seed + "
+                                         f"2**64), got {text!r}")
     return values
 
 
