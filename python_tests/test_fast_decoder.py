@@ -1011,6 +1011,26 @@ def test_fast_runner_follows_a_changed_k(mode):
     assert runner.k == 4
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fast_runner_follows_a_changed_probes_of_its_draft_head(device):
+    # A captured graph replays the probes it was captured with: on a GPU a head's new probes were
+    # ignored until k changed.
+    model = hf_model("qwen3", dtype=torch.float32)
+    target = Decoder.from_hf(model, max_len=48, device=device)
+    draft = Decoder.from_hf(model, max_len=48, num_layers=1, device=device)
+    head = random_flash_head(draft.lm_head.float(), probes=1)
+    runner = FastSpeculativeDecoder(target, draft, head, k=3)
+
+    def accepted(driver) -> list:
+        gen = driver.generate(prompt(6), mode="deferred", max_new_tokens=NEW)
+        assert tuple(gen.tokens) == reference("qwen3", 6)
+        return gen.stats.accepted_per_round
+
+    with_one_probe = accepted(runner)
+    head.probes = head.num_clusters
+    assert accepted(runner) == accepted(FastSpeculativeDecoder(target, draft, head, k=3)) != with_one_probe
+
+
 def padded_target_and_short_draft(device: str, dtype: torch.dtype):
     """A Llama target whose last 3 output rows (padding beyond the draft's vocabulary, as Qwen2.5-7B's
     beyond Qwen2.5-0.5B's) are scaled up so that a quarter of its greedy tokens after prompt 5 land

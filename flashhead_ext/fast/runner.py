@@ -139,7 +139,8 @@ class FastSpeculativeDecoder:
             head) on the other one (the CLIs' ``--draft-device`` does this). With graphs, both
             need ``max_len >= 3 * (k + 2)``.
         draft_head: ``"dense"`` (the draft's own output embedding; a float32 copy of a float64 one)
-            or a DenseHead / FlashHead on the draft's device.
+            or a DenseHead / FlashHead on the draft's device. A FlashHead's ``probes`` may be changed
+            between generations (on a GPU the next one captures the steps' graphs again for them).
         k: proposals per round; it may be changed later (the steps are rebuilt for it).
         eos_token_id: int or ints that end a generation (emitted, then stop). None: the target's
             ``eos_token_id`` (``Decoder.from_hf``: the model's ``generation_config.eos_token_id``, as
@@ -287,6 +288,11 @@ class FastSpeculativeDecoder:
             for step in self.steps.values():
                 step.capture(self._warmup_state)
         self._built_for = self._model_settings()
+        self._built_for_probes = self._head_probes()
+
+    def _head_probes(self) -> Optional[int]:
+        """The draft head's probes (a FlashHead's; None for a DenseHead or no draft)."""
+        return getattr(self.head, "probes", None)
 
     def _model_settings(self) -> dict:
         """The models' settings that the steps were built (on a GPU: captured) for."""
@@ -394,13 +400,17 @@ class FastSpeculativeDecoder:
         stats. One generation at a time: the driver's buffers and graphs and the models' caches
         serve one, so a call while another thread generates with this driver or its models raises."""
         with _GENERATING(self, self.target, self.draft):
+            self._check_model_settings()
+            if self.graphs and self._head_probes() != self._built_for_probes:
+                # A captured graph replays the probes it was captured with: the head's new ones (set
+                # after the build) would be ignored until k changed. Captured again, as for a new k.
+                self._build()
             return self._generate(input_ids, mode, max_new_tokens)
 
     @torch.inference_mode()
     @ops._autocast_off
     def _generate(self, input_ids: Tensor, mode: str, max_new_tokens: int) -> Generation:
         check_mode(mode, self.draft is not None)
-        self._check_model_settings()
         max_new_tokens = ops._require_positive_int("max_new_tokens", max_new_tokens)
         t, d, k = self.target, self.draft, self.k
         prompt = check_prompt(input_ids, t.device, t.config.vocab_size)[0]
