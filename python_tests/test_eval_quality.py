@@ -587,12 +587,13 @@ def test_bad_input(tmp_path, capsys):
         (["quality", "--seed", str(2**64)], "argument --seed: seed must be in -2**63..2**64 - 1"),
         (["quality", "--seeds", f"0,{2**64}"], "argument --seeds: expected comma-separated k-means seeds, got '0,18446744073709551616' "
                                                "(seed must be in -2**63..2**64 - 1"),
-        (["quality", "--seeds", "0,1,0"], "argument --seeds: expected comma-separated distinct k-means seeds (a negative seed "
-                                          "is the seed + 2**64), got '0,1,0'"),
-        (["quality", "--seeds", ","], "argument --seeds: expected comma-separated distinct k-means seeds (a negative seed is "
-                                      "the seed + 2**64), got ','"),
-        # One clustering reported as two seeds' (torch.Generator takes -1 as 2**64 - 1).
-        (["quality", f"--seeds=-1,{2**64 - 1}"], "argument --seeds: expected comma-separated distinct k-means seeds"),
+        (["quality", "--seeds", "0,1,0"], "argument --seeds: expected comma-separated distinct k-means seeds (torch's CPU "
+                                          "generator keeps a seed's low 32 bits), got '0,1,0'"),
+        (["quality", "--seeds", ","], "argument --seeds: expected comma-separated distinct k-means seeds (torch's CPU "
+                                      "generator keeps a seed's low 32 bits), got ','"),
+        # One clustering reported as two seeds' (the CPU generator takes -1 as 2**64 - 1, and 2**32 as 0).
+        *[(["quality", f"--seeds={seeds}"], "argument --seeds: expected comma-separated distinct k-means seeds")
+          for seeds in (f"-1,{2**64 - 1}", f"0,{2**32}")],
         (["quality", "--seeds", "0,1", "--seed", "2"], "argument --seed: not allowed with argument --seeds"),
         (["quality", "--dtype", "float16"], "argument --dtype: invalid choice: 'float16' (choose from 'float32', 'bfloat16')"),
         (["quality", "--holdout-categories", "--methods", "kmeans"],

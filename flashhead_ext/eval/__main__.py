@@ -47,10 +47,11 @@ def _seeds_list(text: str) -> list:
         values = [kmeans_seed(v) for v in text.split(",") if v.strip()]
     except (ValueError, argparse.ArgumentTypeError) as error:
         raise argparse.ArgumentTypeError(f"expected comma-separated k-means seeds, got {text!r} ({error})") from None
-    # torch.Generator takes a negative seed as seed + 2**64: -1 and 2**64 - 1 are one clustering.
-    if not values or len({value % 2**64 for value in values}) != len(values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated distinct k-means seeds (a negative seed is the seed + "
-                                         f"2**64), got {text!r}")
+    # k-means draws its starts from torch's CPU generator, which keeps a seed's low 32 bits: 0 and
+    # 2**32, or -1 and 2**64 - 1, are one clustering.
+    if not values or len({value % 2**32 for value in values}) != len(values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated distinct k-means seeds (torch's CPU generator keeps a "
+                                         f"seed's low 32 bits), got {text!r}")
     return values
 
 
