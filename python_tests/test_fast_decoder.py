@@ -1491,11 +1491,16 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
     assert set(result["meta"]["draft_step_us"]) == {"dense", "flashhead"}
     assert [g["mode"] for g in result["meta"]["head_gains"]] == ["ordinary", "deferred"]
     assert all("predicted" in g and g["reading"] in printed for g in result["meta"]["head_gains"])
-    # A baseline alone verifies nothing: it was recorded as synthetic at the default 0.77.
-    assert main(["spec", "--target", "tiny", "--draft", "tiny", "--dtype", "fp32", "--device", "cpu", "--num-prompts", "1",
-                 "--prompt-tokens", "5", "--max-new-tokens", "3", "--warmup-tokens", "1", "--mode", "baseline",
-                 "--json", str(tmp_path / "baseline.json")]) == 0
-    assert json.loads((tmp_path / "baseline.json").read_text())["meta"]["synthetic_acceptance"] is None
+    # A baseline alone verifies nothing: it was recorded as synthetic at the default 0.77 (or as given).
+    capsys.readouterr()
+    for given in ([], ["--synthetic-acceptance", "0.5"]):
+        assert main(["spec", "--target", "tiny", "--draft", "tiny", "--dtype", "fp32", "--device", "cpu", "--num-prompts", "1",
+                     "--prompt-tokens", "5", "--max-new-tokens", "3", "--warmup-tokens", "1", "--mode", "baseline", *given,
+                     "--json", str(tmp_path / "baseline.json")]) == 0
+        meta = json.loads((tmp_path / "baseline.json").read_text())["meta"]
+        assert meta["synthetic_acceptance"] is None and meta["args"]["synthetic_acceptance"] is None
+        assert ("--synthetic-acceptance 0.5: the draft runs in the speculative modes only, and --mode baseline names none"
+                in capsys.readouterr().err) == bool(given)
     for bad, message in ((["--synthetic-acceptance", "2"], "--synthetic-acceptance must be in [0, 1], got 2.0"),
                          (["--draft", "tiny-gemma3", "--target", "tiny-gemma3", "--body", "fused"],
                           "--body 'fused' runs the Llama / Qwen layer; this model's GELU, post-norms, sliding-window layers"),

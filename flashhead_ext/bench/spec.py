@@ -382,6 +382,11 @@ def spec_main(argv=None) -> int:
         configs = plan_configs([h for h in args.head.split(",") if h], [m for m in args.mode.split(",") if m])
     except ValueError as error:
         parser.error(str(error))
+    if not any(c.head for c in configs):
+        if args.synthetic_acceptance != parser.get_default("synthetic_acceptance"):
+            note(f"--synthetic-acceptance {args.synthetic_acceptance:g}: the draft runs in the speculative modes only, and "
+                 f"--mode {args.mode} names none")
+        args.synthetic_acceptance = None  # the JSON records what ran: a baseline alone verifies nothing
     try:  # fewer rows are allowed: the target's padding (docs/speculative.md)
         check_draft_vocab(draft_shape.vocab_size, target_shape.vocab_size)
     except ValueError as error:
@@ -434,9 +439,7 @@ def _run_spec(parser: argparse.ArgumentParser, args, configs: list, target_shape
         note(f"no draft-step prediction of the gain: the draft on {draft.device} overlaps the target on {target.device}")
     gains = head_gains(rows, args.k, args.synthetic_acceptance, step_us)
     flash = decoders.get("flashhead")
-    # Synthetic where a draft ran: a baseline alone verifies nothing.
-    synthetic = args.synthetic_acceptance if any(c.head for c in configs) else None
-    meta = dict(run_metadata(args.device), args=vars(args), synthetic_acceptance=synthetic, clusters=CLUSTERS, max_len=max_len,
+    meta = dict(run_metadata(args.device), args=vars(args), synthetic_acceptance=args.synthetic_acceptance, clusters=CLUSTERS, max_len=max_len,
                 target_gb=target.nbytes / 1e9, draft_gb=draft.nbytes / 1e9,
                 probes_used=flash.head.probes if flash else None, num_clusters=flash.head.num_clusters if flash else None,
                 graphs=decoders[None].graphs, draft_step_us=step_us, head_gains=gains)
