@@ -1012,9 +1012,10 @@ def test_fast_runner_follows_a_changed_k(mode):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fast_runner_follows_a_changed_probes_of_its_draft_head(device):
-    # A captured graph replays the probes it was captured with: on a GPU a head's new probes were
-    # ignored until k changed.
+def test_fast_runner_follows_its_draft_heads_new_probes_and_special_tokens(device):
+    # A captured graph replays the probes and reads the tensors it was captured with: on a GPU a
+    # head's new probes were ignored until k changed, and special tokens loaded with a state dict of
+    # another count (a new tensor) were read from the old one.
     model = hf_model("qwen3", dtype=torch.float32)
     target = Decoder.from_hf(model, max_len=48, device=device)
     draft = Decoder.from_hf(model, max_len=48, num_layers=1, device=device)
@@ -1026,9 +1027,15 @@ def test_fast_runner_follows_a_changed_probes_of_its_draft_head(device):
         assert tuple(gen.tokens) == reference("qwen3", 6)
         return gen.stats.accepted_per_round
 
-    with_one_probe = accepted(runner)
+    before = accepted(runner)
+    # The target's own tokens as special tokens: always candidates, so the proposals change.
+    with_specials = FlashHead(head.embedding, head.centroids, head.cluster_tokens, 1,
+                              special_token_ids=sorted(set(reference("qwen3", 6))))
+    head.load_state_dict(with_specials.state_dict())
+    with_special_tokens = accepted(runner)
+    assert with_special_tokens == accepted(FastSpeculativeDecoder(target, draft, head, k=3)) != before
     head.probes = head.num_clusters
-    assert accepted(runner) == accepted(FastSpeculativeDecoder(target, draft, head, k=3)) != with_one_probe
+    assert accepted(runner) == accepted(FastSpeculativeDecoder(target, draft, head, k=3)) != with_special_tokens
 
 
 def padded_target_and_short_draft(device: str, dtype: torch.dtype):

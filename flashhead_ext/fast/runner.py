@@ -139,8 +139,9 @@ class FastSpeculativeDecoder:
             head) on the other one (the CLIs' ``--draft-device`` does this). With graphs, both
             need ``max_len >= 3 * (k + 2)``.
         draft_head: ``"dense"`` (the draft's own output embedding; a float32 copy of a float64 one)
-            or a DenseHead / FlashHead on the draft's device. A FlashHead's ``probes`` may be changed
-            between generations (on a GPU the next one captures the steps' graphs again for them).
+            or a DenseHead / FlashHead on the draft's device. A FlashHead's ``probes`` and special
+            tokens may be changed between generations (on a GPU the next one captures the steps'
+            graphs again for them).
         k: proposals per round; it may be changed later (the steps are rebuilt for it).
         eos_token_id: int or ints that end a generation (emitted, then stop). None: the target's
             ``eos_token_id`` (``Decoder.from_hf``: the model's ``generation_config.eos_token_id``, as
@@ -247,6 +248,9 @@ class FastSpeculativeDecoder:
 
     @ops._autocast_off  # its graphs capture the steps' products: not in a caller's autocast dtype
     def _build(self) -> None:
+        # Read before the captures, and recorded only once all succeed: a capture that fails leaves
+        # the next generate to build again, and a change during the captures is not taken as built.
+        head_state, self._built_for_head = self._head_state(), None
         t, k = self.target, self.k
         dev = t.device
         i64 = dict(dtype=torch.int64, device=dev)
@@ -288,11 +292,14 @@ class FastSpeculativeDecoder:
             for step in self.steps.values():
                 step.capture(self._warmup_state)
         self._built_for = self._model_settings()
-        self._built_for_probes = self._head_probes()
+        self._built_for_head = head_state
 
-    def _head_probes(self) -> Optional[int]:
-        """The draft head's probes (a FlashHead's; None for a DenseHead or no draft)."""
-        return getattr(self.head, "probes", None)
+    def _head_state(self) -> tuple:
+        """What the draft head's captured calls depend on: its probes (a FlashHead's) and the memory
+        of its tensors."""
+        if self.head is None:
+            return ()
+        return (getattr(self.head, "probes", None), *(tensor.data_ptr() for tensor in self.head.buffers()))
 
     def _model_settings(self) -> dict:
         """The models' settings that the steps were built (on a GPU: captured) for."""
@@ -401,9 +408,10 @@ class FastSpeculativeDecoder:
         serve one, so a call while another thread generates with this driver or its models raises."""
         with _GENERATING(self, self.target, self.draft):
             self._check_model_settings()
-            if self.graphs and self._head_probes() != self._built_for_probes:
-                # A captured graph replays the probes it was captured with: the head's new ones (set
-                # after the build) would be ignored until k changed. Captured again, as for a new k.
+            if self.graphs and self._head_state() != self._built_for_head:
+                # A captured graph replays the probes and reads the tensors it was captured with: the
+                # head's new probes (or special tokens, loaded with a state dict of another count)
+                # were ignored until k changed. Captured again, as for a new k.
                 self._build()
             return self._generate(input_ids, mode, max_new_tokens)
 
