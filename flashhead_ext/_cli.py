@@ -202,6 +202,13 @@ def note(text: str) -> None:
     print(text, file=sys.stderr)
 
 
+def note_unused_draft_options(options: list, modes: str) -> None:
+    """Says that ``options`` (flags as given, e.g. "--head flashhead") go unused: the modes of
+    ``modes`` (a comma list) run no draft."""
+    if options:
+        note(f"{', '.join(options)}: the draft runs in the speculative modes only, and --mode {modes} names none")
+
+
 def note_shadowed_paths(flag: str, names: list, is_named) -> None:
     """Says where a shape's name is both a name ``is_named`` takes (a preset; ``4000x64``) and a path
     (a model downloaded to a directory named so): the name is what runs."""

@@ -29,7 +29,8 @@ import torch
 from ..assets import default_probes
 from ..clustering import greedy_centroids, member_means
 from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, is_config_path, model_config, note,
-                    note_shadowed_paths, output_file, positive_int, run_seed, shape_names, write_output)
+                    note_shadowed_paths, note_unused_draft_options, output_file, positive_int, run_seed, shape_names,
+                    write_output)
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
@@ -383,9 +384,8 @@ def spec_main(argv=None) -> int:
     except ValueError as error:
         parser.error(str(error))
     if not any(c.head for c in configs):
-        if args.synthetic_acceptance != parser.get_default("synthetic_acceptance"):
-            note(f"--synthetic-acceptance {args.synthetic_acceptance:g}: the draft runs in the speculative modes only, and "
-                 f"--mode {args.mode} names none")
+        given = args.synthetic_acceptance != parser.get_default("synthetic_acceptance")
+        note_unused_draft_options([f"--synthetic-acceptance {args.synthetic_acceptance:g}"] if given else [], args.mode)
         args.synthetic_acceptance = None  # the JSON records what ran: a baseline alone verifies nothing
     try:  # fewer rows are allowed: the target's padding (docs/speculative.md)
         check_draft_vocab(draft_shape.vocab_size, target_shape.vocab_size)

@@ -17,7 +17,8 @@ import torch
 from .. import ops
 from ..bench.timing import run_metadata
 from .._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count,
-                    device_arg, model_unavailable, note, output_file, run_seed)
+                    device_arg, model_unavailable, note, note_unused_draft_options, output_file,
+                    run_seed)
 from ..fast.decoder import BODIES, FAMILY_NAMES
 from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS
@@ -184,9 +185,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
                   if getattr(args, name) is not None]
         if set(args.head) != set(_comma_list(parser.get_default("head"))):
             unused.insert(0, f"--head {','.join(args.head)}")
-        if unused:
-            note(f"{', '.join(unused)}: the draft runs in the speculative modes only, and --mode {','.join(args.mode)} "
-                 "names none")
+        note_unused_draft_options(unused, ",".join(args.mode))
         # The JSON records what ran: no run was synthetic, no draft body ran.
         args.draft_device = args.draft_body = args.synthetic_acceptance = None
     # What can be checked before a model loads.

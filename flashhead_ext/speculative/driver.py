@@ -434,8 +434,9 @@ def rope_switch_problem(rope_switch: Optional[tuple], prompt_tokens: int, max_ne
     in baseline) would not give the target's greedy tokens under ``rope_switch``
     (:func:`length_dependent_rope`), or None. Its forwards' sequences reach at most prompt +
     max_new_tokens - 1, and where rounds propose (k > 0, from 3 new tokens: a round proposes only
-    while two are left to emit) prompt + max_new_tokens - 2 + k. ``longrope`` picks one of two sets: a prompt already past
-    the switch uses the long set in every forward. ``dynamic`` rescales at every length past it."""
+    while two are left to emit) prompt + max_new_tokens - 2 + k. ``longrope`` picks one of two
+    sets: a prompt already past the switch uses the long set in every forward. ``dynamic`` rescales
+    at every length past it."""
     if rope_switch is None:
         return None
     rope_type, switch = rope_switch
