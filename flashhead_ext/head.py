@@ -76,6 +76,10 @@ def special_token_list(special_token_ids, vocab: int) -> list:
             raise TypeError  # torch.as_tensor makes [True, 1] the ids [1, 1]
         ids = torch.as_tensor(special_token_ids, device="cpu").flatten()  # read on the host, whatever the default device
     except (TypeError, ValueError, OverflowError, RuntimeError):
+        # Python ints past int64 are ids out of range, not ids of another type.
+        listed = [special_token_ids] if isinstance(special_token_ids, int) else special_token_ids
+        if isinstance(listed, (list, tuple)) and listed and all(type(i) is int for i in listed):
+            raise ValueError(f"special_token_ids must be in [0, {vocab}), got {list(listed)}") from None
         raise TypeError(f"{expected} {special_token_ids!r}") from None
     if ids.numel() == 0:
         return []
@@ -627,6 +631,7 @@ class FlashHead(_HeadBase):
         return self.centroids.dtype
 
     def _apply(self, fn, recurse=True):
+        self._require_centroids_fit(fn)
         tables_were_meta = self.cluster_tokens.is_meta
         self._apply_keeping_fp8(fn, recurse)
         # to_empty() leaves the clusters without values until a state dict or an assignment fills
@@ -643,6 +648,26 @@ class FlashHead(_HeadBase):
         unset = self.__dict__.get("_unset_buffers")
         if unset and isinstance(value, Tensor) and name in unset:
             self.__dict__["_unset_buffers"] = {other: why for other, why in unset.items() if other != name}
+
+    def _require_centroids_fit(self, fn) -> None:
+        """Refuses, before anything converts, a cast (model.half()) that would turn finite float
+        centroids into inf: their clusters would silently rank last, as a head built or loaded with
+        them in that dtype is refused for."""
+        if self.centroid_scale is not None:  # fp8 centroids keep their dtype
+            return
+        cast_to = fn(torch.empty(0, dtype=self.centroid_dtype, device="cpu")).dtype
+        if cast_to == self.centroid_dtype or not cast_to.is_floating_point or cast_to.itemsize < 2:
+            return  # 8-bit casts are refused by name in _HeadBase._apply
+        unset = self.__dict__.get("_unset_buffers", {})
+        for name in self._SCALES:
+            centroids = self._buffers[name]
+            if centroids is not None and not centroids.is_meta and name not in unset:
+                # A sync, once per cast, as at build and load.
+                if not torch.isfinite(centroids.to(cast_to)).all():
+                    raise ValueError(f"{type(self).__name__}.to({cast_to}) would turn {name} past {cast_to}'s range "
+                                     f"(±{torch.finfo(cast_to).max:g}) into inf, and their clusters would never be "
+                                     "chosen: keep the head in its dtype, or build it with centroid_dtype="
+                                     "torch.float8_e4m3fn, whose scale keeps them in range")
 
     def _apply_keeping_fp8(self, fn, recurse):
         # Module casts (head.half(), model.to(dtype)) cast every float buffer. fp8 centroids and

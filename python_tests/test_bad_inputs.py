@@ -486,7 +486,10 @@ def head_args(device="cpu"):
     (dict(special_token_ids=[-1, 3]), ValueError, "special_token_ids must be in [0, 27)"),
     (dict(special_token_ids=[1.5]), TypeError, "special_token_ids must be integer token ids"),
     (dict(special_token_ids="eos"), TypeError, "special_token_ids must be integer token ids"),
-    (dict(special_token_ids=[2**64]), TypeError, "special_token_ids must be integer token ids"),
+    # Past int64 still an id out of range, not ids of another type.
+    (dict(special_token_ids=[2**64]), ValueError, "special_token_ids must be in [0, 27), got [18446744073709551616]"),
+    (dict(special_token_ids=(3, -2**63 - 1)), ValueError, "special_token_ids must be in [0, 27), got [3, -9223372036854775809]"),
+    (dict(special_token_ids=2**63), ValueError, "special_token_ids must be in [0, 27), got [9223372036854775808]"),
     (dict(special_token_ids={1, "eos"}), TypeError, "special_token_ids must be integer token ids"),
     (dict(special_token_ids={1.5, 2}), TypeError, "special_token_ids must be integer token ids"),
     (dict(special_token_ids=[True, 1]), TypeError, "special_token_ids must be integer token ids"),

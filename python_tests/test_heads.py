@@ -307,6 +307,25 @@ def test_half_precision_head(device, dtype):
     assert torch.equal(head.next_token(problem.hidden), ops.decode_greedy(*problem.args()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["centroids", "sampling_centroids"])
+def test_a_cast_that_would_turn_centroids_into_inf_is_refused_before_anything_converts(name, dtype):
+    # Their clusters then ranked last, silently, where a head built or loaded so is refused.
+    problem = make_problem(SHAPE, seed=21)
+    head = flash_head(problem)
+    # Finite in float32, inf once rounded to dtype (bfloat16's range is float32's, less its top).
+    big = min(torch.finfo(dtype).max * 1.01, torch.finfo(torch.float32).max)
+    getattr(head, name)[4, 2] = big
+    before = head.state_dict()
+    model = torch.nn.Sequential(head)
+    with pytest.raises(ValueError, match=re.escape(f"FlashHead.to({dtype}) would turn {name} past {dtype}'s range")):
+        model.to(dtype)
+    assert all(torch.equal(tensor, before[key]) and tensor.dtype == before[key].dtype
+               for key, tensor in head.state_dict().items())
+    getattr(head, name)[4, 2] = big / 1.02  # in range: converts
+    assert model.to(dtype) is model and getattr(head, name)[4, 2].isfinite() and head.centroids.dtype == dtype
+
+
 def test_head_buffers():
     problem = make_problem(SHAPE)
     head = flash_head(problem)
