@@ -115,6 +115,8 @@ def cluster_sizes(vocab_size: int, cluster_size: Optional[int] = None, n_cluster
                   strict: bool = False) -> tuple[int, Tensor]:
     """``(b, sizes)``: the table width b and each cluster's token count (int64 ``[C]``) under the
     padding scheme of this module."""
+    ops._require_positive_int("vocab_size", vocab_size)
+    ops._require_bool("strict", strict)  # "false" read as truthy had refused a padded split
     if (cluster_size is None) == (n_clusters is None):
         raise ValueError("give exactly one of cluster_size and n_clusters")
     given_name, given = ("cluster_size", cluster_size) if cluster_size is not None else ("n_clusters", n_clusters)
@@ -282,10 +284,30 @@ def check_clustering_inputs(embedding, hidden=None, *, finite: bool = True) -> N
 
 def _clustering_device(device, embedding: Tensor) -> torch.device:
     """Where the clustering runs: ``device``, or the embedding's with None."""
-    target = embedding.device if device is None else torch.device(device)
-    if target.type == "meta":  # torch's error came from the first value read there, naming nothing
-        raise ValueError(f"device {str(target)!r} holds no values; clustering needs a CPU or CUDA device")
-    return target
+    # Else torch's error came from the first value read there, naming nothing (or only a driver).
+    return ops._runnable_device(embedding.device if device is None else device, "clustering")
+
+
+def _checked_sizes(vocab: int, cluster_size, n_clusters, iters, seed, strict, progress) -> Tensor:
+    """build_clusters' checks of its settings, before any work: each cluster's token count
+    (:func:`cluster_sizes`; clusters of 16 where neither size is given)."""
+    check_kmeans_settings(iters, seed)
+    ops._require_bool("progress", progress)
+    if cluster_size is None and n_clusters is None:
+        cluster_size = 16
+    return cluster_sizes(vocab, cluster_size, n_clusters, strict)[1]
+
+
+def _unit_rows(rows: Tensor) -> Tensor:
+    """float32 ``rows`` scaled to unit length. A row whose length overflows float32 (past about
+    1.8e19) or falls under normalize's 1e-12 is divided by its largest value first: else it became
+    a zero row (or stayed short), and a row's scale is not to change its cluster."""
+    lengths = torch.linalg.vector_norm(rows, dim=1)
+    largest = rows.abs().amax(dim=1)
+    rescale = (~torch.isfinite(lengths) | (lengths < 1e-12)) & (largest > 0)
+    if rescale.any():  # out of place: rows may be the caller's tensor
+        rows = rows.index_put((rescale,), rows[rescale] / largest[rescale, None])
+    return torch.nn.functional.normalize(rows, dim=1)
 
 
 @ops._autocast_off
@@ -311,16 +333,13 @@ def build_clusters(
     zero rows added took 8x as long an iteration on a CPU.
     """
     check_clustering_inputs(embedding)
-    check_kmeans_settings(iters, seed)
     device = _clustering_device(device, embedding)
-    if cluster_size is None and n_clusters is None:
-        cluster_size = 16
+    sizes = _checked_sizes(embedding.shape[0], cluster_size, n_clusters, iters, seed, strict, progress)
     vocab = embedding.shape[0]
-    sizes = cluster_sizes(vocab, cluster_size, n_clusters, strict)[1]
     width = int(sizes.max())
     count = sizes.numel()
 
-    rows = torch.nn.functional.normalize(embedding.detach().to(device, torch.float32), dim=1)
+    rows = _unit_rows(embedding.detach().to(device, torch.float32))
     # Seeds drawn on the CPU so the initial centroids do not depend on the device's generator.
     generator = torch.Generator().manual_seed(seed)
     start = torch.randperm(vocab, generator=generator, device="cpu")[:count].to(rows.device)
@@ -390,6 +409,7 @@ def best_member_logits(embedding: Tensor, hidden: Tensor, table: Tensor, rows_pe
     if hidden.dtype != embedding.dtype:
         raise TypeError(f"hidden must have the embedding's dtype {embedding.dtype}, got {hidden.dtype}")
     ops.validate_cluster_table(table, embedding.shape[0])
+    ops._require_positive_int("rows_per_chunk", rows_per_chunk)
     return _best_member_logits(embedding, hidden, table, rows_per_chunk)
 
 
@@ -461,7 +481,10 @@ def calibrate_clusters(
     fewer than about 2 D calibrated worse than plain k-means (:func:`build_clusters`).
     """
     check_clustering_inputs(embedding, hidden)
-    _check_ridge(ridge)  # before k-means, not after it
+    # Before the whitening, minutes on a large vocabulary, not after it.
+    _check_ridge(ridge)
+    device = _clustering_device(device, embedding)
+    _checked_sizes(embedding.shape[0], cluster_size, n_clusters, iters, seed, strict, progress)
     count, dim = hidden.shape
     enough = MIN_STATES_PER_DIM * dim
     if count < dim:
@@ -475,7 +498,6 @@ def calibrate_clusters(
                       f"it ({enough}); with about 2x the hidden size or fewer, a calibrated clustering was measured "
                       "to agree with the dense head less often than plain k-means. Record more states, or use "
                       "build_clusters.", stacklevel=2)
-    device = _clustering_device(device, embedding)
     rows = embedding.detach().to(device, torch.float32)
     states = hidden.detach().to(device, torch.float32)
     gram = _on_one_cpu_thread(torch.matmul, states.T, states)

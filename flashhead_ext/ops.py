@@ -153,6 +153,26 @@ def _missing_cuda_device(device: torch.device) -> Optional[str]:
     return None
 
 
+def _runnable_device(device, runs: str, note: str = "") -> torch.device:
+    """``device`` as a torch.device that ``runs`` (the work, e.g. "clustering") can run on, the CPU or a
+    CUDA device this machine has; else a ValueError naming it, not torch's error once tensors are
+    being copied (which may only speak of drivers or backends)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or 'cuda:0'{note}, "
+                         f"got {device!r}") from None
+    if device.type == "meta":
+        raise ValueError(f"device {str(device)!r}{note}: a meta device holds no values; {runs} runs on 'cpu' or 'cuda'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r}{note}: {runs} runs on 'cpu' or 'cuda' devices")
+    missing = _missing_cuda_device(device) if device.type == "cuda" else None
+    if missing:
+        hint = "" if torch.cuda.is_available() else "; pass device='cpu'"
+        raise ValueError(f"device {str(device)!r}{note}: {missing}{hint}")
+    return device
+
+
 def _require_float(name: str, value) -> float:
     # numpy.float64 is a float subclass, but torch.compile traces it as an array like other numpy
     # scalars (see _require_int).

@@ -183,12 +183,26 @@ def test_cluster_table_refuses_bad_input_by_name(assignments, n_clusters, width,
     (lambda e, h, t: (e, h[:, :3], t), ValueError, "hidden must have the embedding's hidden size 4"),
     (lambda e, h, t: (e, h, t.float()), TypeError, "cluster_tokens must hold integer token ids"),
     (lambda e, h, t: (e, h, t + 1), ValueError, "cluster_tokens holds id 8"),
-], ids=["dtypes", "rank-3", "hidden-size", "float-table", "id-past"])
+    # torch's split errors had named no argument.
+    (lambda e, h, t: (e, h, t, 0), ValueError, "rows_per_chunk must be >= 1, got 0"),
+    (lambda e, h, t: (e, h, t, 2.5), TypeError, "rows_per_chunk must be an int, got float"),
+], ids=["dtypes", "rank-3", "hidden-size", "float-table", "id-past", "no-rows-a-chunk", "float-rows-a-chunk"])
 def test_best_member_logits_refuses_bad_input_by_name(change, error, match):
     embedding, hidden = _embedding(8, 4), _embedding(5, 4, seed=1)
     table = cluster_table(torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), 4)
     with pytest.raises(error, match=match):
         clustering_mod.best_member_logits(*change(embedding, hidden, table))
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((10.5, 4), TypeError, "vocab_size must be an int, got float"),
+    (("10", 4), TypeError, "vocab_size must be an int, got str"),
+    ((0, 4), ValueError, "vocab_size must be >= 1, got 0"),
+    ((10, 4, None, "false"), TypeError, "strict must be a bool, got str"),
+])
+def test_cluster_sizes_refuses_bad_input_by_name(args, error, match):
+    with pytest.raises(error, match=match):
+        cluster_sizes(*args)
 
 
 def test_fit_max_logit_centroids_refuses_a_rank_3_hidden():
@@ -231,6 +245,32 @@ def test_a_float64_embedding_at_float32s_largest_value_is_clustered_as_its_float
     assert torch.equal(got.cluster_tokens, want.cluster_tokens) and torch.equal(got.raw_centroids, want.raw_centroids)
 
 
+@pytest.mark.parametrize("scale", [1e25, 1e-25], ids=["length-overflows", "length-underflows"])
+@pytest.mark.parametrize("rows", ["all", "one"])
+def test_rows_are_clustered_whatever_their_scale(scale, rows):
+    # Rows are L2-normalised: a row whose length overflowed float32 became a zero row, and one
+    # under 1e-12 stayed short, so the clusters depended on the scale.
+    embedding = _embedding(97, 8, seed=29)
+    scaled = embedding.clone()
+    picked = slice(None) if rows == "all" else slice(40, 41)
+    scaled[picked] *= scale
+    got, want = (build_clusters(e, 6, iters=4, seed=5, progress=False) for e in (scaled, embedding))
+    assert torch.equal(got.cluster_tokens, want.cluster_tokens)
+    torch.testing.assert_close(got.raw_centroids, want.raw_centroids, rtol=1e-5, atol=1e-6)
+
+
+def test_unit_rows_leave_the_callers_embedding_and_zero_rows_alone():
+    embedding = _embedding(10, 4, seed=30)
+    embedding[2] *= 1e30
+    embedding[7] = 0
+    before = embedding.clone()
+    unit = clustering_mod._unit_rows(embedding)
+    assert torch.equal(embedding, before)
+    lengths = torch.linalg.vector_norm(unit, dim=1)
+    assert torch.equal(unit[7], torch.zeros(4))
+    torch.testing.assert_close(lengths[torch.arange(10) != 7], torch.ones(9))
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
 def test_an_embedding_of_another_dtype_is_clustered_in_float32(dtype):
     # As documented: k-means runs on the rows cast to float32, and gives float32 centroids.
@@ -271,7 +311,14 @@ def test_each_public_clustering_function_ignores_a_callers_autocast():
     ({"seed": 2**64}, ValueError, r"seed must be in -2\*\*63..2\*\*64 - 1"),
     ({"seed": -2**63 - 1}, ValueError, r"seed must be in -2\*\*63..2\*\*64 - 1"),
     ({"embedding": torch.ones(12, 3, device="meta")}, ValueError, "embedding is on the meta device"),
-    ({"device": "meta"}, ValueError, "device 'meta' holds no values; clustering needs a CPU or CUDA device"),
+    ({"device": "meta"}, ValueError, "device 'meta': a meta device holds no values; clustering runs on 'cpu' or 'cuda'"),
+    # torch's errors had named no argument ("Found no NVIDIA driver", "Torch not compiled with XPU").
+    ({"device": "xpu"}, ValueError, "device 'xpu': clustering runs on 'cpu' or 'cuda' devices"),
+    ({"device": "cuda:99"}, ValueError, "device 'cuda:99': (no CUDA device here|this machine has)"),
+    ({"device": "gpu0"}, ValueError, "device must be a torch.device or a device string such as 'cpu' or 'cuda:0', got 'gpu0'"),
+    ({"device": 3.5}, ValueError, "device must be a torch.device or a device string such as 'cpu' or 'cuda:0', got 3.5"),
+    ({"strict": "false"}, TypeError, "strict must be a bool, got str"),
+    ({"progress": "no"}, TypeError, "progress must be a bool, got str"),
     ({"embedding": torch.full((12, 3), float("nan")), "cluster_size": 4}, ValueError, "NaN or infinite"),
     # float64 values past float32's range are infinite where it clusters: NaN centroids before.
     ({"embedding": _embedding(12, 3).double().index_fill(0, torch.tensor([5]), -1e39), "cluster_size": 4}, ValueError,
@@ -465,7 +512,13 @@ def test_calibration_with_few_states_per_hidden_dimension_warns():
     ({"ridge": torch.tensor(1e-3)}, TypeError, r"ridge must be a Python float or int, got torch.Tensor \(convert it with float\(\)\)"),
     ({"ridge": "0.001"}, TypeError, "ridge must be a Python float or int, got str"),
     ({"cluster_size": 0}, ValueError, r"cluster_size must be in 1..12"),
-    ({"device": torch.device("meta")}, ValueError, "device 'meta' holds no values"),
+    ({"device": torch.device("meta")}, ValueError, "device 'meta': a meta device holds no values"),
+    # Checked before the whitening too, not by build_clusters after it.
+    ({"iters": 0}, ValueError, "iters must be >= 1"),
+    ({"seed": "1"}, TypeError, "seed must be an int"),
+    ({"cluster_size": 5, "strict": True}, ValueError, "not a multiple of cluster_size=5 and strict=True"),
+    ({"strict": 1}, TypeError, "strict must be a bool, got int"),
+    ({"device": "xpu"}, ValueError, "device 'xpu': clustering runs on 'cpu' or 'cuda' devices"),
 ])
 def test_calibrated_bad_input(kwargs, error, match):
     args = {"hidden": _embedding(9, 3, seed=1), "cluster_size": 4, "progress": False, **kwargs}

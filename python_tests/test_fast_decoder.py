@@ -702,7 +702,7 @@ def test_decoder_bad_arguments_name_the_argument():
             Decoder.random(decoder.config, max_len=8, device="cpu", dtype=dtype)
     with pytest.raises(ValueError, match="max_len must be an int in 1..2"):  # before the weights are drawn
         Decoder.random(DecoderConfig(10**9, 8, 8, 1, 4, 4, 2), max_len=0, device="cpu")
-    with pytest.raises(ValueError, match="device 'meta' .*: a meta tensor holds no values to run; pass 'cpu' or 'cuda'"):
+    with pytest.raises(ValueError, match="device 'meta' .*: a meta device holds no values; the fast decoder runs on 'cpu' or 'cuda'"):
         Decoder.random(decoder.config, max_len=8, device="meta")
     # A scale finite in float32 but inf in a float16 model, which Gemma's embed_scale_in_model_dtype rounds it to.
     with pytest.raises(ValueError, match=r"embed_scale 100000.0 is inf in the model's dtype torch.float16"):

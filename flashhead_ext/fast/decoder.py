@@ -495,26 +495,6 @@ def _refuse_meta(key: str, weight) -> None:
                          "load them first")
 
 
-def _usable_device(device, note: str = "") -> torch.device:
-    """``device`` as a torch.device the decoder runs on, the CPU or a CUDA device this machine has;
-    else a ValueError naming it, not torch's error once weights are being copied (which may only
-    speak of drivers or backends)."""
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or 'cuda:0'{note}, "
-                         f"got {device!r}") from None
-    if device.type == "meta":
-        raise ValueError(f"device {str(device)!r}{note}: a meta tensor holds no values to run; pass 'cpu' or 'cuda'")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {str(device)!r}{note}: the fast decoder runs on 'cpu' or 'cuda' devices")
-    missing = ops._missing_cuda_device(device) if device.type == "cuda" else None
-    if missing:
-        hint = "" if torch.cuda.is_available() else "; pass device='cpu'"
-        raise ValueError(f"device {str(device)!r}{note}: {missing}{hint}")
-    return device
-
-
 def _refuse_unread_weights(state_dict: Mapping[str, Tensor], read: set, prefix: str, config: DecoderConfig,
                            model_type: str) -> None:
     """ValueError for weights of the built layers, the final norm or the head that the config left
@@ -701,7 +681,7 @@ class Decoder:
         dtype = dtype or state_dict[embed_key].dtype
         if device is None:  # the embedding's, which on meta was refused as a device to pass
             _refuse_meta(embed_key, state_dict[embed_key])
-        device = _usable_device(device if device is not None else state_dict[embed_key].device)
+        device = ops._runnable_device(device if device is not None else state_dict[embed_key].device, "the fast decoder")
         # Gemma's RMSNorms scale by 1 + weight, formed in float32 as transformers forms it; Granite's
         # residual branches are the o and down outputs times residual_multiplier, a factor of their weights.
         norm_offset = 1.0 if hf_config.model_type in ("gemma2", "gemma3_text") else 0.0
@@ -779,7 +759,7 @@ class Decoder:
         if dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {dtype}")
         _require_max_len(max_len)  # before gigabytes of weights are drawn
-        device = _usable_device(device, " (the default is 'cuda')")
+        device = ops._runnable_device(device, "the fast decoder", " (the default is 'cuda')")
         seed = ops._require_int("seed", seed)
         info = torch.finfo(dtype)
         # From the smallest normal value to where a draw of 64 std would overflow: weights never zeros nor inf.
