@@ -644,6 +644,8 @@ def flash_head_for(
     are this head's (``assets.head(embedding)`` makes more such heads cheaply).
     """
     _check_embedding(embedding)  # the head's checks, before minutes of clustering
+    ops._require_bool("cache", cache)  # "no" read as truthy read and wrote the cache
+    ops._require_bool("progress", progress)
     # Before the digests, which read their values. Finiteness is left to the clustering on a miss: a
     # cached entry was built, so checked, from the values its key digests.
     check_clustering_inputs(embedding, hidden, finite=False)

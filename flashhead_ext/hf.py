@@ -221,8 +221,10 @@ def check_plain_output_head(model: nn.Module, role: str = "the model") -> None:
         return
     head = uncompiled(head)  # torch.compile(lm_head) keeps its forward
     if not isinstance(head, nn.Linear):  # a wrapper's own forward (peft's LoRA layers add a low-rank term)
-        raise ValueError(f"{role}'s output head is a {type(head).__name__}, not an nn.Linear; FlashHead and DenseHead "
-                         "score plain linear heads only")
+        kind = type(head)
+        merge = ": merge its adapters into the weights first, model = model.merge_and_unload()"
+        raise ValueError(f"{role}'s output head is a {kind.__name__} ({kind.__module__}), not an nn.Linear; FlashHead and "
+                         f"DenseHead score plain linear heads only{merge if kind.__module__.startswith('peft.') else ''}")
     if head.bias is not None:
         raise ValueError(f"{role}'s output head has a bias; FlashHead and DenseHead score bias-free heads only")
     # The class's forward: an instance's own (accelerate's hooks) wraps the class's and is no sign.
@@ -324,7 +326,10 @@ def _left_padded(rows, pad_id: Optional[int], device) -> dict:
 def _check_tokenizer(tokenizer) -> None:
     # A name or path (AutoTokenizer.from_pretrained's argument) passed for the tokenizer had failed
     # on a missing attribute deep inside the recording.
-    if isinstance(tokenizer, (str, bytes, os.PathLike)):
+    # Nor another object (an int, a dict), which had failed there too: a tokenizer is called on the
+    # prompts' texts, or renders them in its chat template.
+    if isinstance(tokenizer, (str, bytes, os.PathLike)) or (
+            tokenizer is not None and not callable(tokenizer) and not hasattr(tokenizer, "apply_chat_template")):
         raise TypeError(f"tokenizer must be the model's tokenizer object (e.g. AutoTokenizer.from_pretrained(...)), "
                         f"got {type(tokenizer).__name__} {tokenizer!r}")
 
@@ -337,18 +342,27 @@ _RECORDING_GUARD = threading.Lock()
 
 @contextlib.contextmanager
 def _evaluating(model: nn.Module):
-    """``model`` in eval mode for the block, each module's own mode back after it; a recording of the
-    same model in another thread waits for it."""
+    """``model`` in eval mode and decoding with its dense head for the block (a FlashHead its output
+    head runs switched off), each module's own mode and the attachment's back after it; a recording
+    of the same model in another thread waits for it."""
     with _RECORDING_GUARD:
         lock = _RECORDING.setdefault(model, threading.RLock())  # a recording within one, in its thread, nests
     with lock:
         modes = [(module, module.training) for module in model.modules()]
+        # Else the recording was FlashHead's tokens, cached under the model's digest, which knows no
+        # attachment, and read back as the dense model's once detached.
+        attachment = _running_attachment(model.get_output_embeddings())
+        enabled = attachment is not None and attachment.enabled
         model.eval()
         try:
+            if enabled:
+                attachment.enabled = False
             yield
         finally:
             for module, training in modes:
                 module.training = training
+            if enabled:
+                attachment.enabled = True
 
 
 def _pads_batches(tokenizer) -> bool:
@@ -386,6 +400,8 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     from tqdm.auto import tqdm
 
     _check_tokenizer(tokenizer)
+    if isinstance(prompts, (str, bytes)):  # else each character was recorded as a prompt
+        raise TypeError(f"prompts must be a sequence of prompt texts, got one {type(prompts).__name__}: pass [prompt]")
     ops._require_positive_int("batch_size", batch_size)
     if batch_size > 1 and not _pads_batches(tokenizer):
         # Callers such as attach() and calibration_states() batch without exposing batch_size, so
@@ -869,6 +885,8 @@ class FlashHeadAttachment:
         return converted
 
     def forward(self, hidden: Tensor) -> Tensor:
+        if not isinstance(hidden, Tensor):  # as nn.Linear's TypeError, not an AttributeError from below
+            raise TypeError(f"the output head's input must be a torch.Tensor, got {type(hidden).__name__}")
         if not self.enabled:
             if self._replaced_forward is not None:
                 return self._replaced_forward(hidden)
@@ -1031,6 +1049,7 @@ def attach(model: nn.Module, assets: Union[FlashHeadAssets, Clustering, PathLike
     if unknown:
         raise TypeError(f"attach() got unexpected keyword arguments {sorted(unknown)}; "
                         f"it takes {sorted(_BUILD_OPTIONS)} besides its own")
+    ops._require_bool("build_if_missing", build_if_missing)  # "no" read as truthy built a clustering (minutes)
     if probes is not None:
         ops._require_probes(probes)  # before minutes of clustering; the upper bound needs the clusters
     _check_tokenizer(tokenizer)  # before the clustering it would calibrate (None: no calibration)
@@ -1039,10 +1058,11 @@ def attach(model: nn.Module, assets: Union[FlashHeadAssets, Clustering, PathLike
     # PEFT's generate, and merge_and_unload returned a model decoding FlashHead unattached.)
     model = unwrapped(model)
     linear = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if linear is not None:
+        check_plain_output_head(model)  # first: it names an adapter layer (peft's own "Linear") as such
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"model must be a transformers causal LM with an nn.Linear output head, got {type(model).__name__} "
                          f"whose get_output_embeddings() is {type(linear).__name__}")
-    check_plain_output_head(model)
     with _ATTACHING(model, linear, check=lambda: _check_attachable(model, linear)):
         return _attach_to(model, linear, assets, probes, build_if_missing, tokenizer, centroid_dtype, build_options)
 
@@ -1195,7 +1215,8 @@ def _take_flash_head_out(linear: nn.Linear, attachment: FlashHeadAttachment) -> 
         # Deleting the forward there would drop that wrapper, and FlashHead would come back with it.
         raise ValueError(f"the output head's forward was wrapped after attach ({linear.__dict__.get('forward')!r}), around "
                          "FlashHead's: remove that wrapper first, then detach")
-    del linear._apply
+    if _running_attachment(linear) is attachment:  # else taken out already, by a detach of a shallow copy
+        del linear._apply
     attachment._forget_weights_other_than(None)  # they hold the output weight; the attachment may outlive the model
 
 

@@ -104,8 +104,12 @@ def test_attach_routes_next_token_choice_through_flashhead():
     assert torch.equal(logits.argmax(-1), head.next_token(hidden))
 
     # generate() greedy picks FlashHead's token at every step.
-    states, tokens, _ = record_hidden_states(model, _Tokenizer(), ["flash head"], 9, progress=False)
-    assert torch.equal(head.next_token(states), tokens)
+    states = []
+    hook = model.lm_head.register_forward_pre_hook(lambda _module, args: states.append(args[0][:, -1]))
+    prompt = torch.tensor([[3, 1, 4]])
+    new = model.generate(prompt, max_new_tokens=9, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:]
+    hook.remove()
+    assert torch.equal(head.next_token(torch.cat(states)), new)
 
     built = attachment.head()
     attachment.enabled = False
@@ -121,6 +125,68 @@ def test_attach_routes_next_token_choice_through_flashhead():
     detach(model)
     assert "forward" not in vars(model.lm_head) and not hasattr(model, "flash_head")
     torch.testing.assert_close(model(torch.tensor([[3, 1, 4, 1, 5]])).logits, dense_logits)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_recording_of_an_attached_model_is_the_dense_models(enabled):
+    # It had recorded FlashHead's tokens, which recorded_states cached under the model's digest (which
+    # knows no attachment) and read back as the dense model's once detached.
+    model = _tiny_llama(tied=False)
+    dense = record_hidden_states(model, _Tokenizer(), ["flash head"], 9, progress=False)
+    attachment = attach(model, _tiny_assets(model, probes=1))
+    assert not torch.equal(attachment.head().next_token(dense[0]), dense[1])  # FlashHead picks otherwise here
+    attachment.enabled = enabled
+    recorded = record_hidden_states(model, _Tokenizer(), ["flash head"], 9, progress=False)
+    assert all(torch.equal(got, want) for got, want in zip(recorded, dense))
+    assert attachment.enabled is enabled
+
+
+def test_a_recording_refuses_a_single_prompt_text_and_an_object_for_a_tokenizer():
+    model = _tiny_llama(tied=False)
+    with pytest.raises(TypeError, match=r"prompts must be a sequence of prompt texts, got one str: pass \[prompt\]"):
+        record_hidden_states(model, _Tokenizer(), "flash head", 4, progress=False)  # had recorded 10 one-letter prompts
+    for not_a_tokenizer in (5, {"eos_token_id": 1}):  # had failed on a missing attribute mid-recording
+        with pytest.raises(TypeError, match=f"tokenizer must be the model's tokenizer object .* got "
+                                            f"{type(not_a_tokenizer).__name__}"):
+            record_hidden_states(model, not_a_tokenizer, ["flash head"], 4, progress=False)
+        with pytest.raises(TypeError, match="tokenizer must be the model's tokenizer object"):
+            attach(model, tokenizer=not_a_tokenizer)
+    assert not hasattr(model, "flash_head")
+
+
+def test_attach_refuses_a_build_if_missing_that_is_no_bool(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    model = _tiny_llama(tied=True)
+    with pytest.raises(TypeError, match="build_if_missing must be a bool, got str"):  # "no" had built a clustering
+        attach(model, build_if_missing="no")
+    for option in ("cache", "progress"):
+        with pytest.raises(TypeError, match=f"{option} must be a bool, got str"):
+            attach(model, **{option: "no"})
+    assert not hasattr(model, "flash_head") and not (tmp_path / "cache").exists()
+
+
+def test_an_attached_head_called_with_no_tensor_names_its_input():
+    model = _tiny_llama(tied=False)
+    attach(model, _tiny_assets(model))
+    for enabled in (True, False):
+        model.flash_head.enabled = enabled
+        with pytest.raises(TypeError, match="the output head's input must be a torch.Tensor, got list"):
+            model.lm_head([0.0] * 16)
+
+
+def test_detaching_a_shallow_copy_leaves_the_original_free_to_detach_and_attach():
+    # Both hold the attachment over one lm_head: detaching the original then failed inside detach
+    # (AttributeError), and it could not be attached again either.
+    model = _tiny_llama(tied=False)
+    assets = _tiny_assets(model)
+    dense_logits = model(torch.tensor([[3, 1, 4]])).logits
+    attach(model, assets)
+    detach(copy.copy(model))
+    detach(model)
+    assert not hasattr(model, "flash_head") and "_apply" not in vars(model.lm_head)
+    torch.testing.assert_close(model(torch.tensor([[3, 1, 4]])).logits, dense_logits)
+    attach(model, assets)
+    assert torch.isinf(model(torch.tensor([[3, 1, 4]])).logits).any()
 
 
 def test_a_recording_keeps_its_first_eos_and_nothing_after_it():

@@ -98,6 +98,18 @@ def test_attach_to_a_peft_model_goes_to_the_model_it_wraps():
     assert not hasattr(base, "flash_head")
 
 
+def test_attach_over_a_lora_output_head_names_peft_and_the_merge():
+    # It had said the head must be an nn.Linear and that it "is Linear" (peft's class name).
+    wrapped = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["lm_head"], lora_dropout=0.0))
+    with pytest.raises(ValueError, match=r"the model's output head is a Linear \(peft\.tuners\.lora\.layer\), not an "
+                                         r"nn\.Linear; .*: merge its adapters into the weights first, "
+                                         r"model = model\.merge_and_unload\(\)"):
+        attach(wrapped, clustering(wrapped.get_base_model()))
+    merged = wrapped.merge_and_unload()
+    attach(merged, clustering(merged))
+    assert hasattr(merged, "flash_head")
+
+
 def test_detach_after_merge_and_unload_restores_the_dense_head():
     # Attached on the wrapper, the merged model decoded FlashHead with no attachment to detach.
     wrapped = with_lora(tiny_llama(), seed=5)
