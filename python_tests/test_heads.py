@@ -317,11 +317,13 @@ def test_a_cast_that_would_turn_centroids_into_inf_is_refused_before_anything_co
     big = min(torch.finfo(dtype).max * 1.01, torch.finfo(torch.float32).max)
     getattr(head, name)[4, 2] = big
     before = head.state_dict()
-    model = torch.nn.Sequential(head)
-    with pytest.raises(ValueError, match=re.escape(f"FlashHead.to({dtype}) would turn {name} past {dtype}'s range")):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), head)
+    with pytest.raises(ValueError, match=re.escape(f"FlashHead.to({dtype}) would turn {name} past {dtype}'s range")
+                       + f".* The head is unchanged, but in a model the modules registered before it are {dtype} already"):
         model.to(dtype)
     assert all(torch.equal(tensor, before[key]) and tensor.dtype == before[key].dtype
                for key, tensor in head.state_dict().items())
+    assert model[0].weight.dtype == dtype  # as the error says
     getattr(head, name)[4, 2] = big / 1.02  # in range: converts
     assert model.to(dtype) is model and getattr(head, name)[4, 2].isfinite() and head.centroids.dtype == dtype
 

@@ -127,25 +127,39 @@ def test_attach_routes_next_token_choice_through_flashhead():
     torch.testing.assert_close(model(torch.tensor([[3, 1, 4, 1, 5]])).logits, dense_logits)
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_a_recording_of_an_attached_model_is_the_dense_models(enabled):
+def test_a_model_decoding_through_flash_head_is_not_recorded(tmp_path, monkeypatch):
     # It had recorded FlashHead's tokens, which recorded_states cached under the model's digest (which
-    # knows no attachment) and read back as the dense model's once detached.
+    # knows no attachment) and read back as the dense model's once detached. Refused, not switched
+    # off for the recording: other threads may decode through the attachment meanwhile.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
     model = _tiny_llama(tied=False)
     dense = record_hidden_states(model, _Tokenizer(), ["flash head"], 9, progress=False)
     attachment = attach(model, _tiny_assets(model, probes=1))
     assert not torch.equal(attachment.head().next_token(dense[0]), dense[1])  # FlashHead picks otherwise here
-    attachment.enabled = enabled
+    for record in (lambda: record_hidden_states(model, _Tokenizer(), ["flash head"], 9, progress=False),
+                   lambda: hf.recorded_states(model, _Tokenizer(), [{"question_id": 1, "text": "flash head"}], 9,
+                                              progress=False)):
+        with pytest.raises(ValueError, match=r"model decodes through an attached FlashHead, so generate\(\) would "
+                                             r"record FlashHead's tokens, not the dense model's: set "
+                                             r"model.flash_head.enabled = False for the recording, or detach\(model\)"):
+            record()
+    assert attachment.enabled and not any(tmp_path.rglob("*.safetensors"))
+    attachment.enabled = False
     recorded = record_hidden_states(model, _Tokenizer(), ["flash head"], 9, progress=False)
-    assert all(torch.equal(got, want) for got, want in zip(recorded, dense))
-    assert attachment.enabled is enabled
+    assert all(torch.equal(got, want) for got, want in zip(recorded, dense)) and not attachment.enabled
 
 
 def test_a_recording_refuses_a_single_prompt_text_and_an_object_for_a_tokenizer():
     model = _tiny_llama(tied=False)
     with pytest.raises(TypeError, match=r"prompts must be a sequence of prompt texts, got one str: pass \[prompt\]"):
         record_hidden_states(model, _Tokenizer(), "flash head", 4, progress=False)  # had recorded 10 one-letter prompts
-    for not_a_tokenizer in (5, {"eos_token_id": 1}):  # had failed on a missing attribute mid-recording
+    class CalledOnly:  # callable, but with a chat template it renders in none
+        chat_template = "{{ messages }}"
+
+        def __call__(self, texts):
+            raise AssertionError("not reached")
+
+    for not_a_tokenizer in (5, {"eos_token_id": 1}, CalledOnly()):  # had failed on a missing attribute mid-recording
         with pytest.raises(TypeError, match=f"tokenizer must be the model's tokenizer object .* got "
                                             f"{type(not_a_tokenizer).__name__}"):
             record_hidden_states(model, not_a_tokenizer, ["flash head"], 4, progress=False)
@@ -159,10 +173,22 @@ def test_attach_refuses_a_build_if_missing_that_is_no_bool(tmp_path, monkeypatch
     model = _tiny_llama(tied=True)
     with pytest.raises(TypeError, match="build_if_missing must be a bool, got str"):  # "no" had built a clustering
         attach(model, build_if_missing="no")
+    monkeypatch.setattr(hf, "calibration_states", lambda *args, **kwargs: pytest.fail("calibrated before the check"))
     for option in ("cache", "progress"):
-        with pytest.raises(TypeError, match=f"{option} must be a bool, got str"):
-            attach(model, **{option: "no"})
+        for tokenizer in (None, char_tokenizer()):
+            with pytest.raises(TypeError, match=f"{option} must be a bool, got str"):
+                attach(model, tokenizer=tokenizer, **{option: "no"})
     assert not hasattr(model, "flash_head") and not (tmp_path / "cache").exists()
+    prompts = [{"question_id": 1, "text": "flash head"}]
+    for record, options in ((hf.recorded_states, ("cache", "progress")), (record_hidden_states, ("progress",))):
+        for option in options:
+            with pytest.raises(TypeError, match=f"{option} must be a bool, got str"):
+                record(model, _Tokenizer(), prompts if record is hf.recorded_states else ["flash head"], 4,
+                       **{option: "no"})
+    monkeypatch.undo()
+    with pytest.raises(TypeError, match="progress must be a bool, got str"):
+        hf.calibration_states(model, _Tokenizer(), progress="no")
+    assert not (tmp_path / "cache").exists()
 
 
 def test_an_attached_head_called_with_no_tensor_names_its_input():
