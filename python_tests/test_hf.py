@@ -72,6 +72,19 @@ def char_tokenizer():
     return tokenizer
 
 
+def _greedy_states_and_tokens(model, input_ids, max_new_tokens: int):
+    """generate()'s greedy new tokens from one prompt, and the states its output head got for them:
+    record_hidden_states refuses a model decoding through FlashHead."""
+    states = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _module, args: states.append(args[0][:, -1]))
+    try:
+        new = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0)[0, input_ids.shape[1]:]
+    finally:
+        hook.remove()
+    return torch.cat(states)[:new.numel()], new
+
+
 class _Tokenizer:
     """Just enough of a tokenizer for record_hidden_states on the tiny model."""
     eos_token_id = 0
@@ -104,12 +117,8 @@ def test_attach_routes_next_token_choice_through_flashhead():
     assert torch.equal(logits.argmax(-1), head.next_token(hidden))
 
     # generate() greedy picks FlashHead's token at every step.
-    states = []
-    hook = model.lm_head.register_forward_pre_hook(lambda _module, args: states.append(args[0][:, -1]))
-    prompt = torch.tensor([[3, 1, 4]])
-    new = model.generate(prompt, max_new_tokens=9, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:]
-    hook.remove()
-    assert torch.equal(head.next_token(torch.cat(states)), new)
+    states, new = _greedy_states_and_tokens(model, torch.tensor([[3, 1, 4]]), 9)
+    assert torch.equal(head.next_token(states), new)
 
     built = attachment.head()
     attachment.enabled = False
@@ -1791,5 +1800,6 @@ def test_smollm2_greedy_and_full_probe_flashhead_match_dense():
 
     # Attached to the model, generate() picks FlashHead's token at every step.
     attachment = attach(model, FlashHeadAssets.from_clustering(clustering))
-    states, chosen, _ = record_hidden_states(model, tokenizer, ["What is the capital of France?"], 6, progress=False)
-    assert torch.equal(attachment.head().next_token(states), chosen)
+    prompt = torch.tensor([hf._encode_prompts(tokenizer, ["What is the capital of France?"])["input_ids"][0]])
+    states, chosen = _greedy_states_and_tokens(model, prompt, 6)
+    assert chosen.numel() == 6 and torch.equal(attachment.head().next_token(states), chosen)
