@@ -1455,9 +1455,11 @@ def test_spec_head_gains_of_ordinary_equal_steps_and_empty_runs():
     (even,) = head_gains([row("deferred", "dense", 2.0, 600), row("deferred", "flashhead", 1.9, 600)], 6, 0.77,
                          {"dense": 500.0, "flashhead": 500.0})
     assert even["predicted"] == 0 and even["of_predicted"] is None and "of it measured" not in even["reading"]
-    # A run that took no decode time is no ratio.
-    for dense_s, flash_s in ((0.0, 1.9), (2.0, 0.0)):
-        assert head_gains([row("deferred", "dense", dense_s, 600), row("deferred", "flashhead", flash_s, 600)], 6, 0.77, {}) == []
+    # A run that took no decode time is no ratio, nor one that proposed nothing (max_new_tokens 1 or 2:
+    # its decode time is the target's and bookkeeping only).
+    for dense_s, flash_s, proposed in ((0.0, 1.9, 600), (2.0, 0.0, 600), (2.0, 1.7, 0)):
+        assert head_gains([row("deferred", "dense", dense_s, proposed), row("deferred", "flashhead", flash_s, proposed)],
+                          6, 0.77, {"dense": 600.0, "flashhead": 520.0}) == []
 
 
 def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
@@ -1520,6 +1522,22 @@ def test_bench_clis_on_tiny_shapes(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["spec", "--device", "cpu", *bad])
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
+
+
+def test_bench_spec_takes_a_body_the_built_model_refuses_as_a_usage_error(monkeypatch, capsys):
+    # On a GPU the persistent body's kernel limits are known only once the model is built (the
+    # decoder asks the kernel); they had ended the run in a traceback. Simulated: CI has no GPU.
+    from flashhead_ext.bench import spec
+    from flashhead_ext.bench.__main__ import main
+
+    refusal = "cannot run this model on cuda: hidden_size must be a multiple of 8"
+    monkeypatch.setattr(spec.Decoder, "_body_limit", lambda self, body: refusal if body == "persistent" else None)
+    for flag in ("--body", "--target-body"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["spec", "--target", "tiny", "--draft", "tiny", "--dtype", "fp32", "--device", "cpu", "--num-prompts", "1",
+                  "--prompt-tokens", "5", "--max-new-tokens", "3", flag, "persistent"])
+        assert exit_info.value.code == 2
+        assert f"spec: error: {flag}: body 'persistent' {refusal}" in capsys.readouterr().err
 
 
 def test_bench_clis_time_a_model_of_ones_own_from_its_config(tmp_path, monkeypatch, capsys):
