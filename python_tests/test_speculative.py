@@ -1058,6 +1058,33 @@ def test_cli_options_at_their_bounds(tmp_path, monkeypatch, capsys):
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
 
 
+def test_a_pair_the_driver_refuses_is_a_usage_error_before_any_clustering(tmp_path, monkeypatch, capsys):
+    # A recurrent draft (or a biased head) was refused by the driver only after the FlashHead draft's
+    # clustering (minutes), in a traceback; an early exit of a recurrent target failed on its config.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    _save_tiny_model_with_tokenizer(tmp_path / "llama")
+    _save_tiny_model_with_tokenizer(tmp_path / "mamba")  # its tokenizer, then a Mamba's weights and config over it
+    torch.manual_seed(0)
+    transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8,
+                                                           num_hidden_layers=2)).save_pretrained(tmp_path / "mamba")
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps(dict(question_id=1, category="a", turns=["w1 w7 w19"])))
+    run = ["--prompts", str(questions), "--num-prompts", "1", "--max-new-tokens", "2"]
+    # (transformers 5.0's Mamba keeps a cache of its own kind, refused first.)
+    for argv, message in (
+            (["--target", str(tmp_path / "llama"), "--draft", str(tmp_path / "mamba"), "--head", "flashhead"],
+             f"--draft '{tmp_path / 'mamba'}' with --target '{tmp_path / 'llama'}': draft MambaForCausalLM keeps "
+             "(a recurrent state, which speculative decoding|its context in a cache of its own kind)"),
+            (["--target", str(tmp_path / "mamba"), "--draft", "early-exit:1", "--head", "dense"],
+             "--draft 'early-exit:1': target MambaForCausalLM keeps a recurrent state, which speculative decoding "
+             "cannot cut back to the accepted tokens, so no draft serves it")):
+        with pytest.raises(SystemExit) as exit_info:
+            _spec_main([*argv, *run])
+        assert exit_info.value.code == 2
+        assert re.search(f"spec: error: {message}", capsys.readouterr().err), argv
+    assert not (tmp_path / "cache" / "clusters").exists()
+
+
 def test_more_prompts_than_the_file_holds_is_a_usage_error(tmp_path, capsys):
     questions = tmp_path / "questions.jsonl"
     questions.write_text("\n".join(json.dumps(dict(question_id=q, category=c, turns=[f"w{q}"]))

@@ -213,6 +213,11 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             if problem:
                 parser.error(f"question {prompt['question_id']}, mode {config.mode}: {problem}")
     draft = _load_draft(parser, args.draft, target, tokenizer, dtype, args.device) if any(c.head for c in configs) else None
+    if draft is not None and not args.fast:
+        try:  # the driver's checks of the pair (a recurrent state, a head bias), before minutes of clustering
+            _decoder(args, target, draft, None, eos)
+        except (ValueError, TypeError) as error:
+            parser.error(f"--draft {args.draft!r} with --target {args.target!r}: {error}")
     if any(c.head == "flashhead" for c in configs):
         # Before minutes of clustering the draft's rows: C = ceil(rows / --cluster-size).
         try:

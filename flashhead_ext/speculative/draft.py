@@ -19,6 +19,22 @@ if TYPE_CHECKING:  # transformers is imported only when used
 HEADS = ("dense", "flashhead")
 
 
+def keeps_recurrent_state(model) -> bool:
+    """Whether ``model`` keeps a recurrent state (Mamba, Jamba, Qwen3-Next...), which a cut of its
+    cache back to the accepted tokens cannot undo: transformers' ``_is_stateful`` flag before 5.25;
+    from 5.25, which dropped it, a layer of its cache that holds such a state."""
+    if getattr(model, "_is_stateful", False):
+        return True
+    config = getattr(model, "config", None)
+    try:
+        from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+    except ImportError:  # before 5.25: the flag above says it all
+        return False
+    if config is None:
+        return False
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in DynamicCache(config=config).layers)
+
+
 def early_exit_draft(target: nn.Module, num_layers: int) -> PreTrainedModel:
     """A draft made of ``target``'s first ``num_layers`` decoder layers, its final norm and its head.
 
@@ -40,6 +56,9 @@ def early_exit_draft(target: nn.Module, num_layers: int) -> PreTrainedModel:
         raise TypeError(f"target must be a transformers causal LM whose body keeps its decoder layers in .layers, got {type(target).__name__}")
     if not 1 <= num_layers <= len(layers):
         raise ValueError(f"num_layers must be in 1..{len(layers)} (the target's decoder layers), got {num_layers}")
+    if keeps_recurrent_state(target):  # else transformers' error on its config (a read-only layer_types)
+        raise ValueError(f"target {type(target).__name__} keeps a recurrent state, which speculative decoding cannot cut "
+                         "back to the accepted tokens, so no draft serves it: decode it without one (mode='baseline')")
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None) is not None:

@@ -33,7 +33,7 @@ from ..head import DenseHead, FlashHead, _HeadBase
 from .._stacklevel import callers_stacklevel
 from ..hf import (accelerate_hooks, check_plain_output_head, greedy_logit_settings, output_embedding,
                   prompt_learning_kind, unwrapped, warn_unapplied_generation_settings)
-from .draft import make_draft_head
+from .draft import keeps_recurrent_state, make_draft_head
 
 MODES = ("baseline", "ordinary", "deferred")
 
@@ -395,22 +395,6 @@ def warn_if_dropout_active(model, role: str) -> None:
             and not isinstance(value, bool) and value > 0 for key, value in settings.items()):
         warnings.warn(f"{role} is in training mode and its dropout is active, so its tokens are random, not its greedy "
                       f"ones: call {role}.eval() first", UserWarning, stacklevel=callers_stacklevel())
-
-
-def keeps_recurrent_state(model) -> bool:
-    """Whether ``model`` keeps a recurrent state (Mamba, Jamba, Qwen3-Next...), which a cut of its
-    cache back to the accepted tokens cannot undo: transformers' ``_is_stateful`` flag before 5.25;
-    from 5.25, which dropped it, a layer of its cache that holds such a state."""
-    if getattr(model, "_is_stateful", False):
-        return True
-    config = getattr(model, "config", None)
-    try:
-        from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
-    except ImportError:  # before 5.25: the flag above says it all
-        return False
-    if config is None:
-        return False
-    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in DynamicCache(config=config).layers)
 
 
 def length_dependent_rope(config) -> Optional[tuple]:
