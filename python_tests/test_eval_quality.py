@@ -478,6 +478,22 @@ def test_a_model_whose_head_has_a_bias_is_a_usage_error_before_recording(tmp_pat
     assert calls == []
 
 
+def test_a_model_directory_without_weights_or_a_tokenizer_is_a_usage_error(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    # transformers' OSError (no weights) and ValueError (no tokenizer) had ended the run in a traceback.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "no_weights").mkdir()
+    (tmp_path / "config_only").mkdir()
+    for name in tiny_model_dir.iterdir():
+        if not name.name.endswith(".safetensors"):
+            (tmp_path / "no_weights" / name.name).write_bytes(name.read_bytes())
+    (tmp_path / "config_only" / "config.json").write_bytes((tiny_model_dir / "config.json").read_bytes())
+    for directory in ("no_weights", "config_only"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(_argv(tmp_path, tmp_path / directory, _questions(tmp_path / "q.jsonl")))
+        assert exit_info.value.code == 2
+        assert f"quality: error: --model '{tmp_path / directory}': " in capsys.readouterr().err
+
+
 def test_unreadable_prompts_or_a_missing_model_package_are_usage_errors_before_the_model_loads(tmp_path, monkeypatch, capsys,
                                                                                               tiny_model_dir):
     monkeypatch.setattr(hf, "from_pretrained", lambda *args, **kwargs: pytest.fail("refused before the model loads"))
@@ -605,6 +621,7 @@ def test_bad_input(tmp_path, capsys):
         (["quality", "--sampling-states", "-1"], "argument --sampling-states: expected an integer >= 0"),
         (["quality", "--sampling-draws", "0"], "argument --sampling-draws: expected a positive integer"),
         (["quality", "--threads", "0"], "argument --threads: expected a positive integer"),
+        (["quality", "--threads", "1025"], "argument --threads: expected at most 1024 threads, got '1025'"),
         (["quality", "--batch-size", "0"], "argument --batch-size: expected a positive integer"),
         (["quality", "--iters", "0"], "argument --iters: expected a positive integer"),
         (["quality", "--max-new-tokens", "0"], "argument --max-new-tokens: expected a positive integer"),

@@ -1051,6 +1051,7 @@ def test_cli_options_at_their_bounds(tmp_path, monkeypatch, capsys):
     for bad, message in ((["--k", "0"], "--k must be >= 1, got 0"),
                          (["--synthetic-acceptance", "0.5"], "--draft-device, --draft-body and --synthetic-acceptance need --fast"),
                          (["--draft-body", "eager"], "--draft-device, --draft-body and --synthetic-acceptance need --fast"),
+                         (["--threads", "100000"], "--threads must be at most 1024, got 100000"),
                          (["--fast", "--synthetic-acceptance", "1.5"], "--synthetic-acceptance must be in [0, 1], got 1.5"),
                          (["--fast", "--synthetic-acceptance", "1"], f"--target '{tmp_path / 'missing'}': no such directory")):
         with pytest.raises(SystemExit):

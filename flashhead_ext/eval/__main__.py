@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .._cli import (ArgumentValueError, doc_summary, kmeans_seed, non_negative_int, note, output_file,
-                    positive_int, positive_int_list, write_output)
+                    positive_int, positive_int_list, thread_count, write_output)
 from ..ops import TEMPERATURE_RANGE
 from ..prompts import DEFAULT_PROMPTS
 from .quality import DTYPES, METHODS, format_table, model_problem, plot, run_quality
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the model generates and both heads run in this dtype; fp32 and bf16 as the other tools "
                               "spell them are taken too (default: %(default)s)")
     quality.add_argument("--batch-size", type=positive_int, default=8, help="prompts generated at once while recording (default: %(default)s)")
-    quality.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
+    quality.add_argument("--threads", type=thread_count, default=None, help="CPU threads for torch (default: torch's choice)")
     quality.add_argument("--no-cache", action="store_true", help="record states and build clusterings again, overwriting the cache")
     quality.add_argument("--quiet", action="store_true", help="no progress bars")
     quality.add_argument("--json", type=output_file, default="results/quality.json", help="output JSON (default: %(default)s)")

