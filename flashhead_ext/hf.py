@@ -428,7 +428,7 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
             captured.append(args[0][:, -1])
 
     search = _recording_overrides(model)
-    hook = model.get_output_embeddings().register_forward_pre_hook(capture)
+    hook = head.register_forward_pre_hook(capture)
     try:
         # Dropout made the states and tokens random, and recorded_states cached them for the eval-mode model.
         with _evaluating(model):
