@@ -162,6 +162,7 @@ def test_public_entry_points_under_a_cuda_default_device(tmp_path, monkeypatch):
         assert synthetic.generate(fast_prompt, max_new_tokens=8).tokens == expected_synthetic
         attach(model, progress=False)  # builds its clustering through flash_head_for
         assert model(llama_prompt).logits.isfinite().any()
+        model.flash_head.enabled = False  # a recording is the dense model's: an enabled attachment is refused
         _, tokens, index = hf.record_hidden_states(model, _char_tokenizer(), ["ab", "cde"], 3, progress=False)
         assert index.device == tokens.device and index.tolist() == [0, 0, 0, 1, 1, 1]
 
