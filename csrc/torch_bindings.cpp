@@ -213,8 +213,25 @@ void autograd_without_derivative(const c10::OperatorHandle& op, c10::DispatchKey
   for (size_t i = stack->size() - schema.returns().size(); i < stack->size(); ++i)
     if ((*stack)[i].toTensor().is_floating_point()) torch::autograd::set_history((*stack)[i].toTensor(), node);
 }
+
+#ifndef FLASHHEAD_WITH_CUDA
+// A CPU-only build on a machine with a GPU: torch's own error for a missing CUDA kernel says the op
+// "may not exist for this backend", not why, nor what to do.
+void no_cuda_kernels(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack*) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, op.schema().name(),
+                              " got CUDA tensors, but this flashhead_ext build has no CUDA kernels "
+                              "(flashhead_ext.cuda_kernels_built() is False: it was built with "
+                              "FLASHHEAD_SKIP_CUDA_BUILD=1 or without a CUDA toolkit): run on the CPU, or reinstall "
+                              "flashhead_ext with CUDA_HOME set to a CUDA toolkit");
+}
+#endif
 }  // namespace
 
+#ifndef FLASHHEAD_WITH_CUDA
+TORCH_LIBRARY_IMPL(flashhead, CUDA, m) {
+  for (const char* op : kOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
+}
+#endif
 TORCH_LIBRARY_IMPL(flashhead, CompositeExplicitAutograd, m) { m.impl("no_derivative", &no_derivative); }
 TORCH_LIBRARY_IMPL(flashhead, Autograd, m) {
   for (const char* op : kOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&autograd_without_derivative>());

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from ._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count, device_arg,
-                   kmeans_seed, note, output_file, positive_int, positive_int_list, thread_count, write_output)
+                   kmeans_seed, note, output_file, positive_int, positive_int_list,
+                   refuse_missing_cuda_kernels, thread_count, write_output)
 from .prompts import DEFAULT_PROMPTS
 
 def next_tokens(head, hidden: Tensor, rows_per_call: int = 16) -> Tensor:
@@ -52,6 +53,7 @@ def compare_heads(args) -> dict:
     from .head import DenseHead
     from .hf import load_smollm2, output_embedding, record_hidden_states
 
+    refuse_missing_cuda_kernels(args.command_parser, args, "FlashHead needs")
     started = time.perf_counter()
     if args.threads is not None:
         torch.set_num_threads(args.threads)

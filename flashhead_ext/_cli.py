@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from . import ops
+from ._loader import build_info
 from .clustering import check_seed, cluster_sizes
 from .prompts import load_prompts
 
@@ -45,6 +46,22 @@ def device_arg(text: str) -> str:
     if missing:
         raise argparse.ArgumentTypeError(f"{text!r}: {missing}")
     return "cpu" if device.type == "cpu" else text
+
+
+# Why a CPU-only build cannot run the flashhead ops on a GPU, and what to do.
+NO_CUDA_KERNELS = ("flashhead_ext's CUDA kernels, and this build has none (built with FLASHHEAD_SKIP_CUDA_BUILD=1 or "
+                   "without a CUDA toolkit): reinstall flashhead_ext with CUDA_HOME set to a CUDA toolkit")
+
+
+def refuse_missing_cuda_kernels(parser: argparse.ArgumentParser, args, needs: str) -> None:
+    """A usage error where ``needs`` (a run of the flashhead ops) is asked of a GPU, as --device or
+    --draft-device, that this CPU-only build has no kernels for; else the first op raised mid-run."""
+    if build_info().WITH_CUDA:
+        return
+    for flag in ("--device", "--draft-device"):
+        device = getattr(args, flag[2:].replace("-", "_"), None)
+        if device is not None and torch.device(device).type == "cuda":
+            parser.error(f"{flag} {device}: {needs} {NO_CUDA_KERNELS}, or pass {flag} cpu")
 
 
 def output_file(text: str) -> str:

@@ -266,3 +266,24 @@ def test_setup_states_the_licence_in_the_form_its_setuptools_takes(monkeypatch):
                          ("77.0.3", "license_expression"), ("84.2.1", "license_expression"), ("100.1", "license_expression")):
         monkeypatch.setattr(setuptools, "__version__", version)
         assert license_metadata() == {key: "Apache-2.0"}, version
+
+
+@pytest.mark.skipif(flashhead_ext.cuda_kernels_built(), reason="a CPU-only build's CUDA kernels are the refusals tested")
+def test_a_cpu_only_build_refuses_cuda_inputs_saying_why():
+    # torch's own error for an op without a CUDA kernel says it "may not exist for this backend".
+    # The CUDA key is dispatched to directly: this machine may have no GPU to make CUDA tensors on.
+    ops = [name for name in torch._C._dispatch_get_all_op_names()
+           if name.startswith("flashhead::") and name != "flashhead::no_derivative"]
+    assert len(ops) >= 10
+    for name in ops:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"), name
+    generator = torch.Generator().manual_seed(0)
+    hidden, centroids = torch.randn(3, 40, generator=generator), torch.randn(11, 40, generator=generator)
+    select = torch.ops.flashhead.select_clusters.default
+    cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+    with pytest.raises(NotImplementedError, match=r"flashhead::select_clusters got CUDA tensors, but this flashhead_ext "
+                                                  r"build has no CUDA kernels .*FLASHHEAD_SKIP_CUDA_BUILD=1"):
+        select.redispatch(cuda, hidden, centroids, 4, None)
+    if torch.cuda.is_available():  # a GPU machine: through the Python API, on CUDA tensors
+        with pytest.raises(NotImplementedError, match="flashhead::select_clusters got CUDA tensors"):
+            flashhead_ext.ops.select_clusters(hidden.cuda(), centroids.cuda(), 4)

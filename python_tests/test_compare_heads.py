@@ -101,6 +101,31 @@ def test_version_names_the_build(capsys):
     assert ("CUDA" in printed) == flashhead_ext.cuda_kernels_built()
 
 
+def test_a_cpu_only_build_on_a_gpu_is_a_usage_error_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    # The first FlashHead call raised, after SmolLM2 was loaded and its clustering built. Any machine
+    # stands in for a GPU one with a CPU-only build.
+    import argparse
+
+    import torch
+
+    import flashhead_ext._cli as cli
+    from flashhead_ext import hf
+    from flashhead_ext.__main__ import main
+
+    def no_model():
+        raise AssertionError("refused before the model loads")
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cli, "build_info", lambda: argparse.Namespace(WITH_CUDA=False))
+    monkeypatch.setattr(hf, "load_smollm2", no_model)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare-heads", "--device", "cuda", "--json", str(tmp_path / "out.json")])
+    assert exit_info.value.code == 2
+    assert ("compare-heads: error: --device cuda: FlashHead needs flashhead_ext's CUDA kernels, and this build has none"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_a_cluster_size_past_the_vocabulary_is_a_usage_error_once_the_model_loads(tmp_path, monkeypatch, capsys):
     pytest.importorskip("transformers")
     from flashhead_ext import hf

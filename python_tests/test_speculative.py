@@ -1086,6 +1086,32 @@ def test_a_pair_the_driver_refuses_is_a_usage_error_before_any_clustering(tmp_pa
     assert not (tmp_path / "cache" / "clusters").exists()
 
 
+@pytest.mark.parametrize("argv, refused", [
+    (["--head", "flashhead"], "--device cuda: --fast and FlashHead drafts need"),
+    (["--head", "dense", "--fast"], "--device cuda: --fast and FlashHead drafts need"),
+    (["--head", "dense", "--fast", "--device", "cpu", "--draft-device", "cuda"], "--draft-device cuda: --fast and FlashHead drafts need"),
+    (["--head", "dense"], None),  # the transformers driver with a dense draft runs no flashhead op
+])
+def test_spec_on_a_gpu_with_a_cpu_only_build(argv, refused, tmp_path, monkeypatch, capsys):
+    # The first flashhead op raised mid-run. Any machine stands in for a GPU one with a CPU-only build.
+    import flashhead_ext._cli as cli
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "build_info", lambda: SimpleNamespace(WITH_CUDA=False))
+    _save_tiny_model_with_tokenizer(tmp_path / "llama")
+    missing_prompts = tmp_path / "missing.jsonl"  # the usage error the checks after this one give
+    with pytest.raises(SystemExit) as exit_info:
+        _spec_main(["--target", str(tmp_path / "llama"), "--draft", "early-exit:1", "--prompts", str(missing_prompts),
+                    "--mode", "ordinary", "--device", "cuda", *argv])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    if refused:
+        assert f"spec: error: {refused} flashhead_ext's CUDA kernels, and this build has none" in error
+    else:
+        assert "CUDA kernels" not in error and "--prompts: " in error and "missing.jsonl" in error
+
+
 def test_more_prompts_than_the_file_holds_is_a_usage_error(tmp_path, capsys):
     questions = tmp_path / "questions.jsonl"
     questions.write_text("\n".join(json.dumps(dict(question_id=q, category=c, turns=[f"w{q}"]))

@@ -28,7 +28,7 @@ import torch
 from .. import ops
 from ..assets import default_probes
 from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, doc_summary, first_of_each, model_config, note,
-                    output_file, positive_int, positive_int_list, shape_names, write_output)
+                    output_file, positive_int, positive_int_list, refuse_missing_cuda_kernels, shape_names, write_output)
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, on_device, run_metadata, time_calls, usage_error_past_memory
 
@@ -326,6 +326,9 @@ def main(argv=None) -> int:
             parser.error(f"--special-tokens must be in [0, {shape_of(name).vocab}) for {name}, got {args.special_tokens}")
     impls = choices_list(parser, args.impls, IMPLS, "implementation")
     modes = choices_list(parser, args.modes, MODES, "mode")
+    ours = [impl for impl in impls if impl.startswith("flash_")]
+    if ours:
+        refuse_missing_cuda_kernels(parser, args, f"--impls {','.join(ours)} need")
     if args.device == "cpu" and "graph" in modes:
         if modes == ["graph"]:
             parser.error("--modes graph needs a CUDA device (CUDA graphs); on the CPU use --modes eager")

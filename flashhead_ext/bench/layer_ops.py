@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from .. import ops
 from ..fast.decoder import Decoder, _fused_layer, _layer
 from ..graphs import capture_graph
-from .._cli import DefaultsHelpFormatter, output_file, positive_int, positive_int_list
+from .._cli import NO_CUDA_KERNELS, DefaultsHelpFormatter, output_file, positive_int, positive_int_list
+from .._loader import build_info
 from .spec import CONFIG_SHAPE_HELP, SHAPES, _write, cache_read_bytes, decoder_shape_list
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
@@ -137,6 +138,8 @@ def main(argv=None) -> int:
         parser.error(f"--tokens {max(tokens)} exceeds --context {args.context}: a call's tokens must fit in the cache")
     if not torch.cuda.is_available():
         parser.error("layer-ops times CUDA kernels and needs a GPU")
+    if not build_info().WITH_CUDA:
+        parser.error(f"layer-ops times {NO_CUDA_KERNELS}")
     bandwidth = copy_bandwidth_gbs()
     rows = [row for name, config in zip(shapes, configs) for m in tokens for row in _layer_rows(name, config, m, args, bandwidth)]
     print(f"decoder-layer ops, bf16, CUDA graph replay, weights rotated past L2, context {args.context}, "

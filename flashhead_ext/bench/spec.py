@@ -29,8 +29,8 @@ import torch
 from ..assets import default_probes
 from ..clustering import greedy_centroids, member_means
 from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, is_config_path, model_config, note,
-                    note_shadowed_paths, note_unused_draft_options, output_file, positive_int, run_seed, shape_names,
-                    write_output)
+                    note_shadowed_paths, note_unused_draft_options, output_file, positive_int, refuse_missing_cuda_kernels,
+                    run_seed, shape_names, write_output)
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES
 from ..head import DenseHead, FlashHead
@@ -255,6 +255,7 @@ def draft_step_main(argv=None) -> int:
     shapes, configs = decoder_shape_list(parser, "--shapes", args.shapes)
     bodies = choices_list(parser, args.bodies, BODIES, "body")
     check_clusters(parser, args, shapes, configs)
+    refuse_missing_cuda_kernels(parser, args, "the fast path's steps need")
     with on_device(args.device):
         return _run_draft_step(parser, args, dict(zip(shapes, configs)), bodies)
 
@@ -372,6 +373,7 @@ def spec_main(argv=None) -> int:
     args = parser.parse_args(argv)
     target_shape, draft_shape = one_shape(parser, "--target", args.target), one_shape(parser, "--draft", args.draft)
     check_clusters(parser, args, [args.draft], [draft_shape])
+    refuse_missing_cuda_kernels(parser, args, "the fast path's steps need")
     if args.target_body is None:
         args.target_body = "compiled" if torch.device(args.device).type == "cuda" else "eager"
     if not 0.0 <= args.synthetic_acceptance <= 1.0:
