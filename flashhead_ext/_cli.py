@@ -64,6 +64,21 @@ def refuse_missing_cuda_kernels(parser: argparse.ArgumentParser, args, needs: st
             parser.error(f"{flag} {device}: {needs} {NO_CUDA_KERNELS}, or pass {flag} cpu")
 
 
+def refuse_shared_files(parser: argparse.ArgumentParser, inputs: dict, outputs: dict) -> None:
+    """A usage error where an output flag names the file an input flag reads or another output flag
+    writes, under any name (``{flag: path or None}``): the run overwrote its prompts, or the JSON
+    with the plot."""
+    users = {}
+    for role, files in (("reads", inputs), ("writes", outputs)):
+        for flag, path in files.items():
+            if path is None:
+                continue
+            real = os.path.realpath(path)
+            if role == "writes" and real in users:
+                parser.error(f"{flag} {path}: the file {users[real]}, which the run would overwrite: name another")
+            users.setdefault(real, f"{flag} {role}")
+
+
 def output_file(text: str) -> str:
     """argparse ``type`` of a file a run writes once it is over (--json, --plot): a path that could
     not be written is a usage error before the run, which would otherwise be lost. Leaves nothing

@@ -89,6 +89,26 @@ def test_clusters_bench_builds_a_head_of_ones_own(tmp_path):
     assert 1 <= json.loads(out.read_text())["rows"][0]["iters"] < 50
 
 
+def test_clusters_bench_records_the_commit_the_run_started_with(tmp_path, monkeypatch):
+    # Read when the JSON was written, a commit made (or a branch checked out) mid-run named the result.
+    from flashhead_ext.bench import clusters
+
+    checkout = ["before"]
+    monkeypatch.setattr(timing, "source_commit", lambda mark_dirty=False: checkout[0])
+    real = clusters.build_clusters
+
+    def build_then_commit(*args, **kwargs):
+        checkout[0] = "after"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(clusters, "build_clusters", build_then_commit)
+    out = tmp_path / "clusters.json"
+    assert main(["clusters", "--shapes", "100x8x30", "--iters", "1", "--device", "cpu", "--json", str(out)]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert checkout == ["after"] and meta["commit"] == "before"
+    assert meta["build_commit"] == timing.build_commit()
+
+
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
                                    RuntimeError("[enforce fail at alloc_cpu.cpp:127] . DefaultCPUAllocator: can't allocate "
                                                 "memory: you tried to allocate 33554432000 bytes.")])

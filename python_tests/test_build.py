@@ -70,6 +70,9 @@ def test_an_installed_copy_names_the_commit_it_was_built_from(monkeypatch):
     monkeypatch.setattr(provenance, "checkout_commit", lambda tracked_file, mark_dirty: None)
     monkeypatch.setattr(flashhead_ext.BUILD_INFO, "SOURCE_COMMIT", "0123abc", raising=False)
     assert run_metadata("cpu")["commit"] == "0123abc" and run_metadata("cpu")["version"] == flashhead_ext.__version__
+    monkeypatch.setattr(provenance, "checkout_commit", lambda tracked_file, mark_dirty: "4567def")  # an editable install
+    assert (run_metadata("cpu")["commit"], run_metadata("cpu")["build_commit"]) == ("4567def", "0123abc")
+    monkeypatch.setattr(provenance, "checkout_commit", lambda tracked_file, mark_dirty: None)
     monkeypatch.setattr(flashhead_ext.BUILD_INFO, "SOURCE_COMMIT", None)  # built outside a checkout (an sdist)
     assert run_metadata("cpu")["commit"] == "unknown"
 

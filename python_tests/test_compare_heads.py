@@ -126,6 +126,21 @@ def test_a_cpu_only_build_on_a_gpu_is_a_usage_error_before_the_model_loads(tmp_p
     assert not (tmp_path / "out.json").exists()
 
 
+def test_json_at_the_prompts_file_is_a_usage_error_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    from flashhead_ext import hf
+    from flashhead_ext.__main__ import main
+
+    monkeypatch.setattr(hf, "load_smollm2", lambda: pytest.fail("refused before the model loads"))
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text(json.dumps(dict(question_id=1, category="a", turns=["hi"])) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare-heads", "--device", "cpu", "--prompts", str(prompts), "--json", str(tmp_path / "." / "q.jsonl")])
+    assert exit_info.value.code == 2
+    assert (f"compare-heads: error: --json {tmp_path / 'q.jsonl'}: the file --prompts reads, which the run would "
+            "overwrite: name another") in capsys.readouterr().err
+    assert json.loads(prompts.read_text())["turns"] == ["hi"]
+
+
 def test_a_cluster_size_past_the_vocabulary_is_a_usage_error_once_the_model_loads(tmp_path, monkeypatch, capsys):
     pytest.importorskip("transformers")
     from flashhead_ext import hf

@@ -517,6 +517,45 @@ def test_unreadable_prompts_or_a_missing_model_package_are_usage_errors_before_t
     assert not (tmp_path / "out").exists()
 
 
+def test_outputs_that_name_the_prompts_or_each_other_are_usage_errors_before_the_run(tmp_path, monkeypatch, capsys,
+                                                                                     tiny_model_dir):
+    # --json at the prompts file overwrote them with the results; --json and --plot at one file left the plot.
+    monkeypatch.setattr(hf, "from_pretrained", lambda *args, **kwargs: pytest.fail("refused before the model loads"))
+    prompts = _questions(tmp_path / "q.jsonl")
+    before = prompts.read_text()
+    (tmp_path / "link.jsonl").symlink_to(prompts)
+    out = tmp_path / "out" / "same.png"
+    cases = [(["--json", str(tmp_path / "link.jsonl")], f"--json {tmp_path / 'link.jsonl'}: the file --prompts reads")]
+    if importlib.util.find_spec("matplotlib") is not None:
+        cases.append((["--json", str(out), "--plot", str(out)], f"--plot {out}: the file --json writes"))
+    for extra, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*_argv(tmp_path, tiny_model_dir, prompts, plot=False), *extra])
+        assert exit_info.value.code == 2
+        assert f"quality: error: {message}, which the run would overwrite: name another" in capsys.readouterr().err
+    assert prompts.read_text() == before and not (tmp_path / "out").exists()
+
+
+def test_the_result_names_the_commit_the_run_started_with(tmp_path, monkeypatch, tiny_model_dir):
+    # Read when the result was written, a commit made (or a branch checked out) mid-run named it.
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # where the default plot goes
+    checkout = ["before"]
+    monkeypatch.setattr(quality, "source_commit", lambda mark_dirty=False: checkout[0])
+    real = hf.record_hidden_states
+
+    def record_then_commit(*args, **kwargs):
+        checkout[0] = "after"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "record_hidden_states", record_then_commit)
+    assert main(_argv(tmp_path, tiny_model_dir, _questions(tmp_path / "q.jsonl"), "--methods", "kmeans",
+                      "--per-category", "1", plot=False)) == 0
+    result = json.loads((tmp_path / "out" / "quality.json").read_text())
+    assert checkout == ["after"] and result["git_commit"] == "before"
+    assert result["build_commit"] == flashhead_ext.BUILD_INFO.SOURCE_COMMIT
+
+
 def test_plain_kmeans_needs_no_calibration_and_no_matplotlib(tmp_path, monkeypatch, capsys, tiny_model_dir):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     calls = _record_spy(monkeypatch)

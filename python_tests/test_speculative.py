@@ -1112,6 +1112,17 @@ def test_spec_on_a_gpu_with_a_cpu_only_build(argv, refused, tmp_path, monkeypatc
         assert "CUDA kernels" not in error and "--prompts: " in error and "missing.jsonl" in error
 
 
+def test_json_at_the_prompts_file_is_a_usage_error_before_the_run(tmp_path, capsys):
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps(dict(question_id=1, category="a", turns=["w1"])) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        _spec_main(["--target", str(tmp_path / "missing"), "--prompts", str(questions), "--json", str(questions)])
+    assert exit_info.value.code == 2
+    assert (f"spec: error: --json {questions}: the file --prompts reads, which the run would overwrite: name another"
+            in capsys.readouterr().err)
+    assert json.loads(questions.read_text())["turns"] == ["w1"]
+
+
 def test_more_prompts_than_the_file_holds_is_a_usage_error(tmp_path, capsys):
     questions = tmp_path / "questions.jsonl"
     questions.write_text("\n".join(json.dumps(dict(question_id=q, category=c, turns=[f"w{q}"]))

@@ -39,6 +39,7 @@ def main(argv=None) -> int:
                         help="where the result JSON is written")
     args = parser.parse_args(argv)
     names = vocab_shape_list(parser, args.shapes, SHAPES)
+    meta = dict(run_metadata(args.device), args=vars(args))  # the code and date the run started with
 
     gen = torch.Generator(device=args.device).manual_seed(0)
     tiny = SHAPES["tiny"]
@@ -66,6 +67,6 @@ def main(argv=None) -> int:
                               ("clusters", "C", "d"),
                               ("iters", "iters run", "d"), ("device", "device", ""), ("threads", "threads", "d"),
                               ("seconds", "seconds", ".1f"), ("seconds_per_iter", "s/iter", ".2f"), ("equal_sizes", "equal", "")]))
-    out = write_output(args.json, json.dumps({"meta": dict(run_metadata(args.device), args=vars(args)), "rows": rows}, indent=1))
+    out = write_output(args.json, json.dumps({"meta": meta, "rows": rows}, indent=1))
     note(f"wrote {out}")
     return 0

@@ -140,10 +140,11 @@ def main(argv=None) -> int:
         parser.error("layer-ops times CUDA kernels and needs a GPU")
     if not build_info().WITH_CUDA:
         parser.error(f"layer-ops times {NO_CUDA_KERNELS}")
+    started = run_metadata("cuda")  # the code and date the run started with
     bandwidth = copy_bandwidth_gbs()
     rows = [row for name, config in zip(shapes, configs) for m in tokens for row in _layer_rows(name, config, m, args, bandwidth)]
     print(f"decoder-layer ops, bf16, CUDA graph replay, weights rotated past L2, context {args.context}, "
           f"copy bandwidth {bandwidth:.0f} GB/s")
     print(format_table(rows, COLUMNS))
-    _write(args.json, dict(meta=dict(run_metadata("cuda"), copy_bandwidth_gbs=bandwidth, args=vars(args)), rows=rows))
+    _write(args.json, dict(meta=dict(started, copy_bandwidth_gbs=bandwidth, args=vars(args)), rows=rows))
     return 0

@@ -410,6 +410,7 @@ def _run_spec(parser: argparse.ArgumentParser, args, configs: list, target_shape
         limit = shape.body_limit(body, dtype)
         if limit:
             parser.error(f"{flag} {body!r} {limit}")
+    started = run_metadata(args.device)  # the code and date the run started with
     max_len = args.prompt_tokens + args.max_new_tokens + args.k + 1
     max_len = max(8 * math.ceil(max_len / 8), 3 * (args.k + 2))  # a multiple of 8 keeps SDPA's mask aligned
     target = _random_decoder(parser, "--target", args.target, target_shape, max_len=max_len, dtype=dtype,
@@ -445,7 +446,7 @@ def _run_spec(parser: argparse.ArgumentParser, args, configs: list, target_shape
         note(f"no draft-step prediction of the gain: the draft on {draft.device} overlaps the target on {target.device}")
     gains = head_gains(rows, args.k, args.synthetic_acceptance, step_us)
     flash = decoders.get("flashhead")
-    meta = dict(run_metadata(args.device), args=vars(args), synthetic_acceptance=args.synthetic_acceptance, clusters=CLUSTERS, max_len=max_len,
+    meta = dict(started, args=vars(args), synthetic_acceptance=args.synthetic_acceptance, clusters=CLUSTERS, max_len=max_len,
                 target_gb=target.nbytes / 1e9, draft_gb=draft.nbytes / 1e9,
                 probes_used=flash.head.probes if flash else None, num_clusters=flash.head.num_clusters if flash else None,
                 graphs=decoders[None].graphs, draft_step_us=step_us, head_gains=gains)

@@ -6,7 +6,7 @@ import datetime
 import statistics
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -33,7 +33,14 @@ def source_commit(mark_dirty: bool = False) -> str:
     the installed copy was built; else "unknown"."""
     # Resolved: a strict editable install runs the package through links outside the checkout.
     return (provenance.source_commit(Path(__file__).resolve().parents[1] / "__init__.py", mark_dirty)
-            or getattr(BUILD_INFO, "SOURCE_COMMIT", None) or "unknown")
+            or build_commit() or "unknown")
+
+
+def build_commit() -> Optional[str]:
+    """The commit the loaded extension was built from ("+dirty" for uncommitted code; None for a build
+    outside a checkout): an editable install runs the checkout's Python code, but its kernels are
+    those of the last build."""
+    return getattr(BUILD_INFO, "SOURCE_COMMIT", None)
 
 
 def utc_stamp() -> str:
@@ -47,6 +54,7 @@ def run_metadata(device: str) -> dict:
     meta = {
         "date": utc_stamp(),
         "commit": source_commit(mark_dirty=True),  # a run of uncommitted code says so
+        "build_commit": build_commit(),
         "version": __version__,
         "torch": torch.__version__,
         "device": "cpu",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .._cli import (ArgumentValueError, doc_summary, kmeans_seed, non_negative_int, note, output_file,
-                    positive_int, positive_int_list, thread_count, write_output)
+                    positive_int, positive_int_list, refuse_shared_files, thread_count, write_output)
 from ..ops import TEMPERATURE_RANGE
 from ..prompts import DEFAULT_PROMPTS
 from .quality import DTYPES, METHODS, format_table, model_problem, plot, run_quality
@@ -154,6 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.plot = output_file(DEFAULT_PLOT)
         except argparse.ArgumentTypeError as error:
             command_parser.error(f"the default --plot: {error}")
+    refuse_shared_files(command_parser, {"--prompts": args.prompts}, {"--json": args.json, "--plot": args.plot if plotting else None})
     try:
         result = run_quality(args)
     except ArgumentValueError as error:

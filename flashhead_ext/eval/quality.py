@@ -30,7 +30,7 @@ from torch import Tensor
 from .. import __version__, ops
 from .._cli import ArgumentValueError, cluster_count, model_unavailable, note
 from ..assets import FlashHeadAssets, flash_head_for
-from ..bench.timing import source_commit, utc_stamp
+from ..bench.timing import build_commit, source_commit, utc_stamp
 from ..clustering import fit_max_logit_centroids
 from ..head import FlashHead
 from ..hf import (greedy_logit_settings, model_digest, position_limit, recorded_states, recording_batch_size,
@@ -403,6 +403,7 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
     from ..hf import check_plain_output_head, output_embedding
 
     started = time.perf_counter()
+    provenance = {"date": utc_stamp(), "git_commit": source_commit(mark_dirty=True), "build_commit": build_commit()}
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -500,8 +501,7 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
                 add(f"{method}+holdout", by_seed[0], score_held_out(without, hidden, dense, categories,
                                                                     states["prompt_index"], args.probes, **options))
     return {
-        "date": utc_stamp(),
-        "git_commit": source_commit(mark_dirty=True),
+        **provenance,  # as the run started: a checkout may change during an hour's evaluation
         "version": __version__,
         "machine": {"cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                     "torch": torch.__version__},

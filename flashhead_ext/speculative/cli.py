@@ -18,7 +18,7 @@ from .. import ops
 from ..bench.timing import run_metadata
 from .._cli import (DEFAULT_NUM_PROMPTS, MAX_THREADS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count,
                     device_arg, model_unavailable, note, note_unused_draft_options, output_file,
-                    refuse_missing_cuda_kernels, run_seed)
+                    refuse_missing_cuda_kernels, refuse_shared_files, run_seed)
 from ..fast.decoder import BODIES, FAMILY_NAMES
 from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS
@@ -167,6 +167,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= {lowest}, got {getattr(args, name)}")
     if args.threads > MAX_THREADS:
         parser.error(f"--threads must be at most {MAX_THREADS}, got {args.threads}")
+    refuse_shared_files(parser, {"--prompts": args.prompts}, {"--json": args.json})
     try:
         configs = plan_configs(args.head, args.mode)
         early_exit = _early_exit_layers(args.draft) is not None  # checked before any model is loaded
@@ -198,6 +199,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     except ArgumentValueError as error:
         parser.error(str(error))
     args.num_prompts = len(questions)  # what the run's JSON records
+    started = run_metadata(args.device)  # the code and date the run started with
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -247,7 +249,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     flash = decoders.get("flashhead")
     # The arguments first: run_metadata's device (the GPU's name) must not give way to --device's "cuda".
     count = torch.get_num_threads()
-    meta = dict(vars(args), **run_metadata(args.device), torch_threads=count,  # --threads 0 leaves torch's count
+    meta = dict(vars(args), **started, torch_threads=count,  # --threads 0 leaves torch's count
                 probes_used=flash.head.probes if flash else None,
                 num_clusters=flash.head.num_clusters if flash else None)
     threads = f", {ops._counted(count, 'thread')}" if torch.device(args.device).type == "cpu" else ""
