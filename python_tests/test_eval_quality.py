@@ -756,6 +756,22 @@ def test_prompt_files_skip_blank_lines_and_refuse_malformed_rows(tmp_path):
             questions_by_category(path)
 
 
+def test_prompt_files_refuse_a_repeated_question_and_bytes_that_are_not_utf8(tmp_path):
+    # A question given twice (two files concatenated) was evaluated twice, narrowing the intervals;
+    # bytes that are not UTF-8 were reported by the codec, naming no file.
+    path = tmp_path / "q.jsonl"
+    rows = [json.dumps(dict(question_id=q, category="a", turns=[f"first {q}"])) for q in (1, 2, 3)]
+    path.write_text("\r\n".join(rows + [rows[1]]) + "\r\n")  # even ids too: the two parities are one file's
+    for parity in ("odd", "even"):
+        with pytest.raises(ValueError, match=r"q.jsonl:4: question_id 2 again \(first on line 2\): each question is counted once"):
+            questions_by_category(path, parity)
+    path.write_bytes(("\n".join(rows) + "\n").encode() + b'{"question_id": 5, "category": "a", "turns": ["caf\xe9"]}\n')
+    with pytest.raises(ValueError, match=r"q.jsonl:4: not UTF-8 text \(invalid continuation byte at byte 51 of the line\)"):
+        load_prompts(path, 1)
+    path.write_text("\r\n".join(rows) + "\r\n")  # Windows line ends, as before
+    assert [r["text"] for r in load_prompts(path, 2)] == ["first 1", "first 3"]
+
+
 @pytest.mark.filterwarnings("ignore:calibrate_clusters")
 def test_prompts_past_the_models_positions_are_left_out_before_recording(tmp_path, monkeypatch, capsys):
     # A model with learned positions (GPT-2's 1,024; Spec-Bench's longest prompts pass 1,700 tokens)
