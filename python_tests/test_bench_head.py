@@ -465,6 +465,17 @@ def test_model_shapes_on_the_cpu_say_they_take_minutes(monkeypatch, capsys):
     assert "take minutes" not in capsys.readouterr().err
     assert main(["head", "--shapes", "49152x576", "--device", "cpu"]) == 0
     assert "the large shapes (49152x576) take minutes" in capsys.readouterr().err
+    # The clustering bench's default shapes: 15-25 minutes on two cores, nothing printed.
+    from flashhead_ext.bench import clusters
+
+    def stop(device):
+        raise InterruptedError("the note, not minutes of clustering")
+
+    monkeypatch.setattr(clusters, "run_metadata", stop)
+    with pytest.raises(InterruptedError):
+        main(["clusters", "--device", "cpu"])
+    assert ("on the CPU the large shapes (qwen3-0.6b, smollm2) take minutes; --shapes tiny --iters 2 takes seconds"
+            in capsys.readouterr().err)
 
 
 def test_a_value_named_twice_in_a_comma_list_runs_once(capsys):

@@ -16,7 +16,7 @@ import torch
 from .._cli import (DefaultsHelpFormatter, device_arg, doc_summary, note, output_file, positive_int,
                     write_output)
 from ..clustering import build_clusters
-from .head import SHAPES_HELP, VocabShape, shape_of, vocab_shape_list
+from .head import SHAPES_HELP, VocabShape, note_slow_on_the_cpu, shape_of, vocab_shape_list
 from .timing import format_table, run_metadata, usage_error_past_memory
 
 # The heads issue 4 names, in clusters of 16: 9,496 and 3,072 of them.
@@ -39,6 +39,7 @@ def main(argv=None) -> int:
                         help="where the result JSON is written")
     args = parser.parse_args(argv)
     names = vocab_shape_list(parser, args.shapes, SHAPES)
+    note_slow_on_the_cpu(args.device, names, "--shapes tiny --iters 2", SHAPES)
     meta = dict(run_metadata(args.device), args=vars(args))  # the code and date the run started with
 
     gen = torch.Generator(device=args.device).manual_seed(0)

@@ -84,6 +84,14 @@ def config_head(parser: argparse.ArgumentParser, path: str) -> VocabShape:
     return VocabShape(*weight.shape)
 
 
+def note_slow_on_the_cpu(device: str, names: list[str], quick_flags: str, presets: dict = SHAPES) -> None:
+    """A note where a CPU run would take minutes with nothing printed: one of ``names`` has over a
+    million embedding elements (tiny's four times over, a real model's several hundred times)."""
+    large = [name for name in names if shape_of(name, presets).vocab * shape_of(name, presets).dim > 2**20]
+    if device == "cpu" and large:
+        note(f"on the CPU the large shapes ({', '.join(large)}) take minutes; {quick_flags} takes seconds")
+
+
 def vocab_shape_list(parser: argparse.ArgumentParser, names: str, presets: dict = SHAPES) -> list[str]:
     """``--shapes``: each name a preset, a ``VOCABxDIM[xCLUSTER_SIZE]`` head or a model's config
     file (its output head, in clusters of 16), with token ids that fit int32 and clusters no larger
@@ -333,11 +341,7 @@ def main(argv=None) -> int:
             parser.error("--modes graph needs a CUDA device (CUDA graphs); on the CPU use --modes eager")
         modes = [m for m in modes if m != "graph"]
         note("graph mode skipped: CUDA graphs need a CUDA device")
-    # A million embedding elements: tiny's four times over, a real model's several hundred times.
-    large_shapes = [name for name in args.shapes if shape_of(name).vocab * shape_of(name).dim > 2**20]
-    if args.device == "cpu" and large_shapes:  # else minutes with nothing printed
-        note(f"on the CPU the large shapes ({', '.join(large_shapes)}) take minutes; "
-             "--shapes tiny --samples 3 --calls 4 takes seconds")
+    note_slow_on_the_cpu(args.device, args.shapes, "--shapes tiny --samples 3 --calls 4")
     with on_device(args.device):
         return run(parser, args, impls, modes)
 
