@@ -355,6 +355,11 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir):
         assert set(row["per_category"]) == set(CATEGORIES)
         assert 0 <= row["top1_agreement"] <= 1 and 0 <= row["top5_recall"] <= 1
     assert result["evaluation"]["dense_matches_generate"] > 0.9  # batched recording, same greedy choices
+    # The columns line up past the longest method name (calibrated+frequent3+fp8: 24 characters).
+    table = quality.format_table(result).splitlines()
+    clusters_end = table[1].index(" C ") + 2
+    for line, row in zip(table[2:], result["results"]):
+        assert line[:clusters_end].split()[-1] == str(row["num_clusters"]) and line[clusters_end] == " ", line
 
     # Second run: states and clusterings come from the cache, the numbers are the same.
     def no_recording(*args, **kwargs):

@@ -555,13 +555,15 @@ def _interval(bounds: Optional[list]) -> str:
 def format_table(result: dict) -> str:
     """The result as a fixed-width text table, one row per method, cluster size and probes value."""
     seeds = result["seeds"]
+    # As wide as the longest method name ("kmeans-fit+frequent64+fp8"), or the columns after it shift.
+    method_width = max([22] + [len(row["method"]) for row in result["results"]])
     lines = [
         f"{result['model']}, {result['dtype']}: {result['evaluation']['tokens']} greedy tokens from "
         f"{result['evaluation']['prompts']} odd-id Spec-Bench prompts" + ("" if result["calibration"] is None else
                                         f"; calibration: {result['calibration']['tokens']} tokens from "
                                         f"{result['calibration']['prompts']} even-id prompts")
         + f"; k-means seeds {','.join(map(str, seeds))}",
-        f"{'method':<22} {'C':>5} {'b':>3} {'probes':>6} {'cand.':>6} {'scored':>7} {'top-1':>7} {'seed range':>13} "
+        f"{'method':<{method_width}} {'C':>5} {'b':>3} {'probes':>6} {'cand.':>6} {'scored':>7} {'top-1':>7} {'seed range':>13} "
         f"{'95% interval':>13} {'no miss':>7} {'ties max':>8} {'top-5 rec.':>10}"
         + (f" {'sample TV':>9} {'95% interval':>12} {'max':>6}" if result.get("sampling") else "") + "  worst category",
     ]
@@ -570,7 +572,7 @@ def format_table(result: dict) -> str:
         low, high = row["top1_interval"]
         worst_seed, best_seed = row["top1_min"], row["top1_max"]
         lines.append(
-            f"{row['method']:<22} {row['num_clusters']:>5} {row['cluster_size']:>3} {row['probes']:>6} {row['candidates']:>6} "
+            f"{row['method']:<{method_width}} {row['num_clusters']:>5} {row['cluster_size']:>3} {row['probes']:>6} {row['candidates']:>6} "
             f"{100 * row['fraction_scored']:>6.2f}% {100 * row['top1_agreement']:>6.2f}% "
             f"{f'{100 * worst_seed:.2f}-{100 * best_seed:.2f}%':>13} {f'{100 * low:.2f}-{100 * high:.2f}%':>13} "
             f"{100 * row['prompts_without_miss']:>6.1f}% {100 * row['top1_ties_max']:>7.2f}% {100 * row['top5_recall']:>9.2f}%"
