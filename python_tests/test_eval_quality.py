@@ -91,6 +91,24 @@ def test_sampling_distance_is_that_of_the_exact_law():
     assert float(everything.max()) < 1e-6  # float32 logits summed in another order
 
 
+def test_sampling_distance_draws_a_bounded_batch_a_call_each_with_a_seed_of_its_own(monkeypatch):
+    # All of a state's draws were one call: --sampling-draws 100000 on SmolLM2 at p = 512 asked about 20 GB.
+    g = torch.Generator().manual_seed(5)
+    emb, hidden = torch.randn(40, 6, generator=g), torch.randn(2, 6, generator=g)
+    head = FlashHeadAssets.from_clustering(build_clusters(emb, 4, iters=2, progress=False)).head(emb, 3)
+    calls = []
+    real = quality.ops.sample_clusters
+
+    def spy(rows, *args, **kwargs):
+        calls.append((rows.shape[0], kwargs["seed"]))
+        return real(rows, *args, **kwargs)
+
+    monkeypatch.setattr(quality.ops, "sample_clusters", spy)
+    monkeypatch.setattr(quality, "DRAWS_PER_CALL", 4)
+    quality.sampling_distance(head, hidden, 1.0, draws=10, seed=7)
+    assert calls == [(4, 7), (4, 9), (2, 11), (4, 8), (4, 10), (2, 12)]  # row i's k-th call: seed + i + 2k
+
+
 @pytest.mark.parametrize("method,vocab,size", [("kmeans", 99, 7), ("calibrated", 99, 7), ("kmeans", 96, 8)])
 def test_scores_match_flashhead_itself(method, vocab, size):
     g = torch.Generator().manual_seed(vocab + size)
@@ -631,6 +649,23 @@ def test_defaults_are_those_the_help_names():
     assert args.per_category is None and args.calibration_per_category is None and args.plot is None
     assert args.json == "results/quality.json" and args.prompts == DEFAULT_PROMPTS
     assert not (args.fp8_centroids or args.holdout_categories or args.no_cache or args.quiet)
+
+
+def test_flags_whose_work_does_not_run_are_named(capsys):
+    # They were dropped in silence: the JSON said "sampling": null, and no calibration was recorded.
+    sampling_note = "{}: unused, as --sampling-states is 0 (no sampling is measured)"
+    calibration_note = "--calibration-per-category: unused, as nothing calibrates (--methods kmeans, no --frequent-tokens)"
+    for argv, notes in [
+        (["--sampling-draws", "64", "--sampling-temperature", "0.5"],
+         [sampling_note.format("--sampling-temperature, --sampling-draws")]),
+        (["--sampling-draws", "64", "--sampling-states", "3"], []),
+        (["--methods", "kmeans", "--calibration-per-category", "2", "--sampling-temperature", "2"],
+         [sampling_note.format("--sampling-temperature"), calibration_note]),
+        (["--methods", "kmeans", "--calibration-per-category", "2", "--frequent-tokens", "4"], []),
+        (["--calibration-per-category", "2"], []),  # calibrated, by default
+    ]:
+        parse_args(["quality", *argv])
+        assert capsys.readouterr().err.splitlines() == notes, argv
 
 
 def test_bad_input(tmp_path, capsys):

@@ -16,7 +16,7 @@ from .._cli import (ArgumentValueError, doc_summary, kmeans_seed, non_negative_i
                     positive_int, positive_int_list, refuse_shared_files, thread_count, write_output)
 from ..ops import TEMPERATURE_RANGE
 from ..prompts import DEFAULT_PROMPTS
-from .quality import DTYPES, METHODS, format_table, model_problem, plot, run_quality
+from .quality import DTYPES, METHODS, calibrates, format_table, model_problem, plot, run_quality
 
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}  # the spec and bench tools' names
 
@@ -122,6 +122,13 @@ def _parse(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, argparse.
     if args.holdout_categories and args.methods == ["kmeans"]:
         command_parser.error("--holdout-categories needs a data-aware method in --methods (kmeans-fit or calibrated): "
                              "plain k-means uses no calibration")
+    # Flags whose work does not run: said, not dropped in silence.
+    sampling_only = [flag for flag in ("--sampling-temperature", "--sampling-draws")
+                     if getattr(args, flag[2:].replace("-", "_")) != command_parser.get_default(flag[2:].replace("-", "_"))]
+    if sampling_only and not args.sampling_states:
+        note(f"{', '.join(sampling_only)}: unused, as --sampling-states is 0 (no sampling is measured)")
+    if args.calibration_per_category is not None and not calibrates(args):
+        note("--calibration-per-category: unused, as nothing calibrates (--methods kmeans, no --frequent-tokens)")
     seed = args.__dict__.pop("seed")
     if args.seeds is None:
         args.seeds = [0 if seed is None else seed]

@@ -161,6 +161,11 @@ def flash_tokens(head: FlashHead, hidden: Tensor, rows_per_chunk: int = 4) -> Te
     return torch.cat([head.next_token(rows) for rows in hidden.split(rows_per_chunk)])
 
 
+# Cluster draws a sample_clusters call in sampling_distance: a draw holds p * b candidates' float64
+# weights (SmolLM2 at p = 512: 100,000 draws were about 20 GB at once).
+DRAWS_PER_CALL = 256
+
+
 def sampling_distance(head: FlashHead, hidden: Tensor, temperature: float, draws: int, seed: int = 0) -> Tensor:
     """float64 ``[N]``: for each row of ``hidden``, the total variation distance between the law of
     ``head.sample``'s token and the dense head's, ``softmax(hidden . embedding / T)`` (logits in
@@ -168,19 +173,22 @@ def sampling_distance(head: FlashHead, hidden: Tensor, temperature: float, draws
     ``draws`` cluster draws a row (``sample_clusters``, the head's sampling centroids, ``seed``), each
     weighted by the exact softmax over its candidates, so the only noise is the cluster draw's
     (which biases the distance up, by under 0.003 at 256 draws on SmolLM2; the choice of states
-    moves a mean over them far more). Row i's draws are seeded ``seed + i``."""
+    moves a mean over them far more). The draws are made ``DRAWS_PER_CALL`` at a time, so that memory
+    does not grow with ``draws``; row i's k-th call is seeded ``seed + i + k * len(hidden)``."""
     distances = []
     for index, row in enumerate(hidden):
-        rows = row.unsqueeze(0).expand(draws, -1).contiguous()
-        clusters, _ = ops.sample_clusters(rows, head.sampling_centroids, head.probes, temperature, seed=seed + index,
-                                          centroid_scale=head.sampling_centroid_scale)
-        candidates = ops.gather_candidates(clusters, head.cluster_tokens, head._extra_ids)
         # The row's float32 logits once, indexed by each draw's candidates (the op gathered them a draw).
         logits = (row.float() @ head.embedding.float().T).double() / temperature
-        valid = candidates >= 0
-        within = torch.softmax(logits[candidates.clamp(min=0).long()].masked_fill(~valid, float("-inf")), dim=1)
         law = torch.zeros(head.vocab_size, dtype=torch.float64)
-        law.index_add_(0, candidates[valid].long(), within[valid] / draws)
+        for call, start in enumerate(range(0, draws, DRAWS_PER_CALL)):
+            rows = row.unsqueeze(0).expand(min(DRAWS_PER_CALL, draws - start), -1).contiguous()
+            clusters, _ = ops.sample_clusters(rows, head.sampling_centroids, head.probes, temperature,
+                                              seed=seed + index + call * len(hidden),
+                                              centroid_scale=head.sampling_centroid_scale)
+            candidates = ops.gather_candidates(clusters, head.cluster_tokens, head._extra_ids)
+            valid = candidates >= 0
+            within = torch.softmax(logits[candidates.clamp(min=0).long()].masked_fill(~valid, float("-inf")), dim=1)
+            law.index_add_(0, candidates[valid].long(), within[valid] / draws)
         dense = torch.softmax((row @ head.embedding.T).double() / temperature, dim=0)
         distances.append(0.5 * (law - dense).abs().sum())
     return torch.stack(distances)
@@ -398,6 +406,11 @@ def recording_settings(role: str, states: dict, prompts: int, tokenizer, args) -
     return recorded
 
 
+def calibrates(args) -> bool:
+    """Whether the run records calibration states: for a data-aware method or frequent tokens."""
+    return any(m != "kmeans" for m in args.methods) or args.frequent_tokens > 0
+
+
 def run_quality(args, model=None, tokenizer=None, description: Optional[str] = None) -> dict:
     """The whole evaluation for parsed CLI ``args`` (a model may be passed in instead of ``--model``)."""
     from ..hf import check_plain_output_head, output_embedding
@@ -407,7 +420,7 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    needs_calibration = any(m != "kmeans" for m in args.methods) or args.frequent_tokens
+    needs_calibration = calibrates(args)
     try:  # before minutes of loading and recording
         evaluation = prompts_per_category(args.prompts, args.per_category, "odd")
         calibration_prompts = prompts_per_category(args.prompts, args.calibration_per_category, "even") if needs_calibration else []
