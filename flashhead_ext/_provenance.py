@@ -3,6 +3,7 @@ record the commit when it builds, before the package can be imported."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Optional
@@ -29,4 +30,9 @@ def checkout_commit(tracked_file: Path, mark_dirty: bool) -> Optional[str]:
 def source_commit(tracked_file: Path, mark_dirty: bool) -> Optional[str]:
     """The FLASHHEAD_COMMIT variable where set (the device gets a copy whose .git may be stale),
     else ``checkout_commit``."""
-    return os.environ.get("FLASHHEAD_COMMIT") or checkout_commit(tracked_file, mark_dirty)
+    given = os.environ.get("FLASHHEAD_COMMIT")
+    # Recorded as the code's name in every result: a typo or a blank was recorded as given.
+    if given and not re.fullmatch(r"[0-9a-fA-F]{7,40}(\+dirty)?", given):
+        raise ValueError(f"FLASHHEAD_COMMIT must name a commit by its hex sha (7 to 40 digits, '+dirty' allowed), "
+                         f"got {given!r}")
+    return given or checkout_commit(tracked_file, mark_dirty)

@@ -147,6 +147,18 @@ def test_an_empty_commit_variable_counts_as_unset(monkeypatch):
     assert provenance.source_commit(Path("x.py"), mark_dirty=False) == "fromgit"
 
 
+def test_a_commit_variable_that_names_no_commit_is_refused(monkeypatch):
+    # Recorded as given in every result: a blank hid the checkout's "+dirty", a typo named no commit.
+    for given in (" ", "unknown", "abc12", "5a078ab 29aa3a9", "5a078abz", "5a078ab+clean"):
+        monkeypatch.setenv("FLASHHEAD_COMMIT", given)
+        with pytest.raises(ValueError, match=re.escape(f"FLASHHEAD_COMMIT must name a commit by its hex sha (7 to 40 "
+                                                       f"digits, '+dirty' allowed), got {given!r}")):
+            provenance.source_commit(Path("x.py"), mark_dirty=False)
+    for given in ("5a078ab", "5a078ab+dirty", "5A078AB", "0" * 40):
+        monkeypatch.setenv("FLASHHEAD_COMMIT", given)
+        assert provenance.source_commit(Path("x.py"), mark_dirty=False) == given
+
+
 SETUP_PY = Path(__file__).parents[1] / "setup.py"
 
 
