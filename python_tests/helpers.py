@@ -540,3 +540,18 @@ def default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(before)
+
+
+def commit_made_during(monkeypatch, commits, stages, stage: str) -> list:
+    """Makes ``commits.source_commit`` name "before" until ``stages.<stage>`` is first called and
+    "after" from then on, as a commit made mid-run would; returns the list whose one item it names."""
+    checkout = ["before"]
+    monkeypatch.setattr(commits, "source_commit", lambda mark_dirty=False: checkout[0])
+    real = getattr(stages, stage)
+
+    def stage_then_commit(*args, **kwargs):
+        checkout[0] = "after"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stages, stage, stage_then_commit)
+    return checkout

@@ -13,7 +13,7 @@ from flashhead_ext.bench.head import (SHAPES, CandidatesRead, HeadState, VocabSh
                                       copies_needed, copy_bytes, embedding_copies_needed, floor_bytes, plan, summary,
                                       warm_l2_warning, whole_rotations)
 from flashhead_ext.bench.timing import on_device, run_metadata
-from helpers import TWO_GPUS
+from helpers import TWO_GPUS, commit_made_during
 
 
 def test_head_bench_cli_with_special_tokens(tmp_path, capsys):
@@ -93,15 +93,7 @@ def test_clusters_bench_records_the_commit_the_run_started_with(tmp_path, monkey
     # Read when the JSON was written, a commit made (or a branch checked out) mid-run named the result.
     from flashhead_ext.bench import clusters
 
-    checkout = ["before"]
-    monkeypatch.setattr(timing, "source_commit", lambda mark_dirty=False: checkout[0])
-    real = clusters.build_clusters
-
-    def build_then_commit(*args, **kwargs):
-        checkout[0] = "after"
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(clusters, "build_clusters", build_then_commit)
+    checkout = commit_made_during(monkeypatch, timing, clusters, "build_clusters")
     out = tmp_path / "clusters.json"
     assert main(["clusters", "--shapes", "100x8x30", "--iters", "1", "--device", "cpu", "--json", str(out)]) == 0
     meta = json.loads(out.read_text())["meta"]

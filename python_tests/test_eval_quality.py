@@ -17,6 +17,7 @@ from flashhead_ext.eval import quality
 from flashhead_ext.eval.__main__ import main, parse_args
 from flashhead_ext.ops import TEMPERATURE_RANGE
 from flashhead_ext.prompts import DEFAULT_PROMPTS, load_prompts, prompts_per_category, questions_by_category
+from helpers import commit_made_during
 from test_hf import char_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -563,15 +564,7 @@ def test_the_result_names_the_commit_the_run_started_with(tmp_path, monkeypatch,
     # Read when the result was written, a commit made (or a branch checked out) mid-run named it.
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)  # where the default plot goes
-    checkout = ["before"]
-    monkeypatch.setattr(quality, "source_commit", lambda mark_dirty=False: checkout[0])
-    real = hf.record_hidden_states
-
-    def record_then_commit(*args, **kwargs):
-        checkout[0] = "after"
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(hf, "record_hidden_states", record_then_commit)
+    checkout = commit_made_during(monkeypatch, quality, hf, "record_hidden_states")
     assert main(_argv(tmp_path, tiny_model_dir, _questions(tmp_path / "q.jsonl"), "--methods", "kmeans",
                       "--per-category", "1", plot=False)) == 0
     result = json.loads((tmp_path / "out" / "quality.json").read_text())
