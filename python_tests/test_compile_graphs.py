@@ -110,22 +110,23 @@ def test_compile_dense_sample_on_a_dynamic_batch(device):
         torch.testing.assert_close(logprobs, expected)
 
 
-# A package of a plain nn.Linear, compiled and loaded in a process of its own.
-PLAIN_CUDA_PACKAGE = """
+# A package of a plain nn.Linear on the device argv[2] names, compiled and loaded in a process of its own.
+PLAIN_PACKAGE = """
 import sys, torch
-linear = torch.nn.Linear(8, 8, device="cuda")
-program = torch.export.export(linear, (torch.randn(2, 8, device="cuda"),))
+linear = torch.nn.Linear(8, 8, device=sys.argv[2])
+program = torch.export.export(linear, (torch.randn(2, 8, device=sys.argv[2]),))
 package = torch._inductor.aoti_compile_and_package(program, package_path=sys.argv[1])
-torch._inductor.aoti_load_package(package)(torch.randn(2, 8, device="cuda"))
+torch._inductor.aoti_load_package(package)(torch.randn(2, 8, device=sys.argv[2]))
 """
 
 
 @functools.cache
-def aot_inductor_loads_cuda_packages() -> bool:
-    """Whether this torch loads an AOTInductor CUDA package at all: torch 2.11.0+cu130 on a lent
-    H100 crashed (a segfault, no error) loading any, a plain nn.Linear's too (session 101)."""
+def aot_inductor_loads_packages(device: str) -> bool:
+    """Whether this torch loads an AOTInductor package for ``device`` at all: torch 2.11.0+cu130 on a
+    lent H100 crashed (a segfault, no error) loading any CUDA package, a plain nn.Linear's too
+    (session 101), and in session 112 a CPU one of the head's, in the whole suite's run there."""
     with tempfile.TemporaryDirectory() as directory:
-        probe = subprocess.run([sys.executable, "-c", PLAIN_CUDA_PACKAGE, f"{directory}/linear.pt2"], capture_output=True,
+        probe = subprocess.run([sys.executable, "-c", PLAIN_PACKAGE, f"{directory}/linear.pt2", device], capture_output=True,
                                timeout=600)
     return probe.returncode == 0
 
@@ -135,9 +136,9 @@ def aot_inductor_loads_cuda_packages() -> bool:
 def test_unseeded_sampling_under_aot_inductor_and_cpp_wrapper(device, tmp_path):
     # The seed's draw passed generator=None to torch.randint, which records an overload that an
     # AOTInductor package failed to run (an internal assert) and inductor's cpp_wrapper to compile.
-    if device == "cuda" and not aot_inductor_loads_cuda_packages():
-        pytest.skip(f"torch {torch.__version__}'s AOTInductor cannot load a CUDA package here: a plain nn.Linear's "
-                    "crashes its process")
+    if not aot_inductor_loads_packages(device):
+        pytest.skip(f"torch {torch.__version__}'s AOTInductor cannot load a {device} package here: a plain "
+                    "nn.Linear's crashes its process")
     problem = make_problem(SHAPE, torch.float32, device)
     head = flash_head(problem)
 
