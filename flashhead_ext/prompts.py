@@ -26,7 +26,9 @@ def questions_by_category(path, parity: str = "odd") -> dict:
         raise FileNotFoundError(f"no Spec-Bench prompts at {path}: expected a jsonl file with question_id, category "
                                 f"and turns, such as {DEFAULT_PROMPTS}")
     by_category = defaultdict(list)
-    first_line = {}  # of each question_id: a question given twice was counted twice
+    # Of each question: one given twice (a file concatenated to itself) was counted twice. Its id
+    # alone does not name it: sources merged into one file may number theirs alike.
+    first_line = {}
     with open(path, "rb") as f:  # decoded a line at a time, so that bytes that are not UTF-8 have a line number
         for line_no, raw in enumerate(f, 1):
             try:
@@ -48,10 +50,10 @@ def questions_by_category(path, parity: str = "odd") -> dict:
                     or not row["turns"][0].strip():
                 raise ValueError(f"{path}:{line_no}: expected fields question_id (an int), category (a string) and a "
                                  "non-empty turns list whose first turn is a string that is not blank")
-            repeated = first_line.setdefault(row["question_id"], line_no)
+            repeated = first_line.setdefault((row["question_id"], row["category"], row["turns"][0]), line_no)
             if repeated != line_no:
-                raise ValueError(f"{path}:{line_no}: question_id {row['question_id']} again (first on line {repeated}): "
-                                 "each question is counted once")
+                raise ValueError(f"{path}:{line_no}: the question of line {repeated} again (question_id "
+                                 f"{row['question_id']}, its category and first turn): each question is counted once")
             if row["question_id"] % 2 == (parity == "odd"):
                 by_category[row["category"]].append(dict(question_id=row["question_id"], category=row["category"], text=row["turns"][0]))
     if not by_category:

@@ -790,14 +790,19 @@ def test_prompt_files_skip_blank_lines_and_refuse_malformed_rows(tmp_path):
 
 
 def test_prompt_files_refuse_a_repeated_question_and_bytes_that_are_not_utf8(tmp_path):
-    # A question given twice (two files concatenated) was evaluated twice, narrowing the intervals;
-    # bytes that are not UTF-8 were reported by the codec, naming no file.
+    # A question given twice (a file concatenated to itself) was evaluated twice, narrowing the
+    # intervals; bytes that are not UTF-8 were reported by the codec, naming no file.
     path = tmp_path / "q.jsonl"
     rows = [json.dumps(dict(question_id=q, category="a", turns=[f"first {q}"])) for q in (1, 2, 3)]
     path.write_text("\r\n".join(rows + [rows[1]]) + "\r\n")  # even ids too: the two parities are one file's
     for parity in ("odd", "even"):
-        with pytest.raises(ValueError, match=r"q.jsonl:4: question_id 2 again \(first on line 2\): each question is counted once"):
+        with pytest.raises(ValueError, match=r"q.jsonl:4: the question of line 2 again \(question_id 2, its category and "
+                                             r"first turn\): each question is counted once"):
             questions_by_category(path, parity)
+    # Merged sources may number their questions alike: an id again, in another question, is no repeat.
+    path.write_text("\n".join(rows + [json.dumps(dict(question_id=2, category="b", turns=["first 2"])),
+                                       json.dumps(dict(question_id=2, category="a", turns=["another"]))]) + "\n")
+    assert [r["text"] for r in prompts_per_category(path, None, "even")] == ["first 2", "another", "first 2"]
     path.write_bytes(("\n".join(rows) + "\n").encode() + b'{"question_id": 5, "category": "a", "turns": ["caf\xe9"]}\n')
     with pytest.raises(ValueError, match=r"q.jsonl:4: not UTF-8 text \(invalid continuation byte at byte 51 of the line\)"):
         load_prompts(path, 1)
