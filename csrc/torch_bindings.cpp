@@ -222,7 +222,7 @@ void no_cuda_kernels(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::
                               " got CUDA tensors, but this flashhead_ext build has no CUDA kernels "
                               "(flashhead_ext.cuda_kernels_built() is False: it was built with "
                               "FLASHHEAD_SKIP_CUDA_BUILD=1 or without a CUDA toolkit): run on the CPU, or reinstall "
-                              "flashhead_ext with CUDA_HOME set to a CUDA toolkit");
+                              "flashhead_ext with FLASHHEAD_SKIP_CUDA_BUILD unset and CUDA_HOME set to a CUDA toolkit");
 }
 #endif
 }  // namespace

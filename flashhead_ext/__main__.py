@@ -54,7 +54,7 @@ def compare_heads(args) -> dict:
     from .head import DenseHead
     from .hf import load_smollm2, output_embedding, record_hidden_states
 
-    refuse_missing_cuda_kernels(args.command_parser, args, "FlashHead needs")
+    refuse_missing_cuda_kernels(args.command_parser, "--device", args.device, "FlashHead needs")
     refuse_shared_files(args.command_parser, {"--prompts": args.prompts}, {"--json": args.json})
     started = time.perf_counter()
     metadata = run_metadata(str(args.device))  # the code and date the run started with

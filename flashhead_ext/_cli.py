@@ -50,18 +50,30 @@ def device_arg(text: str) -> str:
 
 # Why a CPU-only build cannot run the flashhead ops on a GPU, and what to do.
 NO_CUDA_KERNELS = ("flashhead_ext's CUDA kernels, and this build has none (built with FLASHHEAD_SKIP_CUDA_BUILD=1 or "
-                   "without a CUDA toolkit): reinstall flashhead_ext with CUDA_HOME set to a CUDA toolkit")
+                   "without a CUDA toolkit): reinstall flashhead_ext with FLASHHEAD_SKIP_CUDA_BUILD unset and CUDA_HOME "
+                   "set to a CUDA toolkit")
 
 
-def refuse_missing_cuda_kernels(parser: argparse.ArgumentParser, args, needs: str) -> None:
-    """A usage error where ``needs`` (a run of the flashhead ops) is asked of a GPU, as --device or
-    --draft-device, that this CPU-only build has no kernels for; else the first op raised mid-run."""
-    if build_info().WITH_CUDA:
-        return
-    for flag in ("--device", "--draft-device"):
-        device = getattr(args, flag[2:].replace("-", "_"), None)
-        if device is not None and torch.device(device).type == "cuda":
-            parser.error(f"{flag} {device}: {needs} {NO_CUDA_KERNELS}, or pass {flag} cpu")
+def refuse_missing_cuda_kernels(parser: argparse.ArgumentParser, flag: str, device, needs: str,
+                                instead: Optional[str] = None) -> None:
+    """A usage error where ``needs`` (a run of the flashhead ops) is asked of a GPU, ``flag``'s
+    ``device``, that this CPU-only build has no kernels for; else the first op raised mid-run."""
+    if torch.device(device).type == "cuda" and not build_info().WITH_CUDA:
+        parser.error(f"{flag} {device}: {needs} {NO_CUDA_KERNELS}; or {instead or f'pass {flag} cpu'}")
+
+
+def refuse_draft_without_kernels(parser: argparse.ArgumentParser, args, heads: list, body: Optional[str],
+                                 body_flag: str) -> None:
+    """``refuse_missing_cuda_kernels`` for the draft's device (--draft-device, else --device) where it
+    runs the flashhead ops: for a FlashHead head, or for a ``body`` (None: no fast-path draft) that
+    runs the decoder-layer ops; dense drafts of the other bodies are torch's alone."""
+    from .fast.decoder import KERNEL_BODIES
+
+    flag, device = ("--draft-device", args.draft_device) if args.draft_device else ("--device", args.device)
+    if "flashhead" in heads:
+        refuse_missing_cuda_kernels(parser, flag, device, "a FlashHead draft needs")
+    elif heads and body in KERNEL_BODIES:
+        refuse_missing_cuda_kernels(parser, flag, device, f"{body_flag} {body} needs", f"pass {body_flag} compiled")
 
 
 def refuse_shared_files(parser: argparse.ArgumentParser, inputs: dict, outputs: dict) -> None:

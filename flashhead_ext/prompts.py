@@ -5,6 +5,7 @@ loader here takes one ``parity`` and returns nothing of the other, so the two se
 """
 from __future__ import annotations
 
+import io
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -29,36 +30,43 @@ def questions_by_category(path, parity: str = "odd") -> dict:
     # Of each question: one given twice (a file concatenated to itself) was counted twice. Its id
     # alone does not name it: sources merged into one file may number theirs alike.
     first_line = {}
-    with open(path, "rb") as f:  # decoded a line at a time, so that bytes that are not UTF-8 have a line number
-        for line_no, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise ValueError(f"{path}:{line_no}: not UTF-8 text ({error.reason} at byte {error.start + 1} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_no}: not a JSON line ({error})") from None
-            # The types too: a list category failed as an unhashable key, a string turns gave its
-            # first character as the prompt, and a number as the first turn failed in tokenisation;
-            # an empty turn is no tokens without a chat template (a recording of padding, or a failure).
-            if not isinstance(row, dict) or not {"question_id", "category", "turns"} <= row.keys() \
-                    or not ops._is_int(row["question_id"]) or not isinstance(row["category"], str) \
-                    or not isinstance(row["turns"], list) or not row["turns"] or not isinstance(row["turns"][0], str) \
-                    or not row["turns"][0].strip():
-                raise ValueError(f"{path}:{line_no}: expected fields question_id (an int), category (a string) and a "
-                                 "non-empty turns list whose first turn is a string that is not blank")
-            repeated = first_line.setdefault((row["question_id"], row["category"], row["turns"][0]), line_no)
-            if repeated != line_no:
-                raise ValueError(f"{path}:{line_no}: the question of line {repeated} again (question_id "
-                                 f"{row['question_id']}, its category and first turn): each question is counted once")
-            if row["question_id"] % 2 == (parity == "odd"):
-                by_category[row["category"]].append(dict(question_id=row["question_id"], category=row["category"], text=row["turns"][0]))
+    for line_no, line in enumerate(io.StringIO(_utf8_text(path), newline=None), 1):  # \n, \r\n or \r ends a line
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{line_no}: not a JSON line ({error})") from None
+        # The types too: a list category failed as an unhashable key, a string turns gave its
+        # first character as the prompt, and a number as the first turn failed in tokenisation;
+        # an empty turn is no tokens without a chat template (a recording of padding, or a failure).
+        if not isinstance(row, dict) or not {"question_id", "category", "turns"} <= row.keys() \
+                or not ops._is_int(row["question_id"]) or not isinstance(row["category"], str) \
+                or not isinstance(row["turns"], list) or not row["turns"] or not isinstance(row["turns"][0], str) \
+                or not row["turns"][0].strip():
+            raise ValueError(f"{path}:{line_no}: expected fields question_id (an int), category (a string) and a "
+                             "non-empty turns list whose first turn is a string that is not blank")
+        repeated = first_line.setdefault((row["question_id"], row["category"], row["turns"][0]), line_no)
+        if repeated != line_no:
+            raise ValueError(f"{path}:{line_no}: the question of line {repeated} again (question_id "
+                             f"{row['question_id']}, its category and first turn): each question is counted once")
+        if row["question_id"] % 2 == (parity == "odd"):
+            by_category[row["category"]].append(dict(question_id=row["question_id"], category=row["category"], text=row["turns"][0]))
     if not by_category:
         raise ValueError(f"{path} holds no prompts with an {parity} question_id")
     return dict(by_category)
+
+
+def _utf8_text(path) -> str:
+    """The file's text; bytes that are not UTF-8 are a ValueError naming the file and line, not the
+    codec's error alone."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        lines = io.StringIO(data[:error.start].decode("utf-8"), newline=None).readlines()
+        line_no = len(lines) + (not lines or lines[-1].endswith("\n"))
+        raise ValueError(f"{path}:{line_no}: not UTF-8 text ({error.reason})") from None
 
 
 def load_prompts(path, num_prompts: int, parity: str = "odd") -> list:

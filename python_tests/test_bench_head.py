@@ -673,20 +673,28 @@ def test_a_note_comes_after_what_stdout_printed_before_it(monkeypatch):
     assert combined.getvalue() == "the table\nwrote out.json\n"
 
 
-CPU_ONLY_BUILD_REFUSALS = [
+SPEC = ["spec", "--target", "tiny", "--draft", "tiny", "--target-layers", "9"]  # refused last, for --target-layers
+# Where each run calls flashhead ops: bench head's floors and draft-step's FlashHead rows always, bench
+# spec's target for a fused or persistent --target-body, its draft for a FlashHead head or such a --body.
+CPU_ONLY_BUILD_RUNS = [
     (["head", "--shapes", "tiny", "--impls", "dense,torch_flash", "--device", "cuda"], "--device cuda: bench head needs"),
-    (["draft-step", "--shapes", "tiny", "--device", "cuda"], "--device cuda: the fast path's steps need"),
-    (["spec", "--target", "tiny", "--draft", "tiny", "--device", "cuda"], "--device cuda: the fast path's steps need"),
-    (["spec", "--target", "tiny", "--draft", "tiny", "--device", "cpu", "--draft-device", "cuda"],
-     "--draft-device cuda: the fast path's steps need"),
+    (["draft-step", "--shapes", "tiny", "--device", "cuda"], "--device cuda: draft-step's FlashHead rows need"),
+    ([*SPEC, "--device", "cuda"], "--device cuda: a FlashHead draft needs"),
+    ([*SPEC, "--device", "cpu", "--draft-device", "cuda"], "--draft-device cuda: a FlashHead draft needs"),
+    ([*SPEC, "--device", "cuda", "--head", "dense"], "--device cuda: --body persistent needs"),
+    ([*SPEC, "--device", "cuda", "--mode", "baseline", "--target-body", "fused"], "--device cuda: --target-body fused needs"),
+    ([*SPEC, "--device", "cuda", "--head", "dense", "--body", "compiled"], None),
+    ([*SPEC, "--device", "cuda", "--mode", "baseline"], None),  # the compiled target
+    ([*SPEC, "--device", "cuda", "--draft-device", "cpu"], None),
     (["layer-ops", "--shapes", "tiny"], "layer-ops times"),
 ]
 
 
-@pytest.mark.parametrize("argv, refusal", CPU_ONLY_BUILD_REFUSALS)
-def test_a_cpu_only_build_on_a_gpu_is_a_usage_error(argv, refusal, monkeypatch, capsys):
-    # The first op raised mid-run (torch's "may not exist for this backend"). Any machine stands in for
-    # a GPU one with a CPU-only build: the GPU and the build are what these read.
+@pytest.mark.parametrize("argv, refusal", CPU_ONLY_BUILD_RUNS)
+def test_a_cpu_only_build_on_a_gpu_refuses_the_runs_that_need_its_kernels(argv, refusal, monkeypatch, capsys):
+    # The first op raised mid-run (torch's "may not exist for this backend"); runs of torch's ops alone
+    # go on. Any machine stands in for a GPU one with a CPU-only build: the GPU and the build are what
+    # these read.
     import flashhead_ext._cli as cli
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -697,5 +705,9 @@ def test_a_cpu_only_build_on_a_gpu_is_a_usage_error(argv, refusal, monkeypatch, 
         main(argv)
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
-    assert refusal in error and "flashhead_ext's CUDA kernels, and this build has none (built with " \
-                                "FLASHHEAD_SKIP_CUDA_BUILD=1 or without a CUDA toolkit)" in error
+    if refusal is None:
+        assert "CUDA kernels" not in error and "--target-layers: num_layers must be an int in 1..2" in error
+    else:
+        assert refusal in error and ("flashhead_ext's CUDA kernels, and this build has none (built with "
+                                     "FLASHHEAD_SKIP_CUDA_BUILD=1 or without a CUDA toolkit): reinstall flashhead_ext "
+                                     "with FLASHHEAD_SKIP_CUDA_BUILD unset") in error

@@ -192,6 +192,11 @@ def test_setup_builds_every_time_and_reads_its_switches_strictly(monkeypatch, ca
     command.ensure_finalized()
     command.run()
     assert forced == [True]
+    monkeypatch.setenv("FLASHHEAD_COMMIT", "5a078ab-dirty")  # refused before the build, not minutes into it
+    with pytest.raises(SystemExit, match=r"FLASHHEAD_COMMIT must name a commit by its hex sha .* got '5a078ab-dirty'"):
+        command.run()
+    assert forced == [True]
+    monkeypatch.delenv("FLASHHEAD_COMMIT")
     # "yes" and "true" had started the full CUDA build; an empty value is unset.
     for value in ("yes", "true", " 1"):
         monkeypatch.setenv("FLASHHEAD_SKIP_CUDA_BUILD", value)

@@ -1087,10 +1087,15 @@ def test_a_pair_the_driver_refuses_is_a_usage_error_before_any_clustering(tmp_pa
 
 
 @pytest.mark.parametrize("argv, refused", [
-    (["--head", "flashhead"], "--device cuda: --fast and FlashHead drafts need"),
-    (["--head", "dense", "--fast"], "--device cuda: --fast and FlashHead drafts need"),
-    (["--head", "dense", "--fast", "--device", "cpu", "--draft-device", "cuda"], "--draft-device cuda: --fast and FlashHead drafts need"),
-    (["--head", "dense"], None),  # the transformers driver with a dense draft runs no flashhead op
+    (["--head", "flashhead"], "--device cuda: a FlashHead draft needs"),
+    (["--head", "flashhead", "--fast", "--device", "cpu", "--draft-device", "cuda"], "--draft-device cuda: a FlashHead draft needs"),
+    (["--head", "dense", "--fast"], "--device cuda: --draft-body persistent needs"),  # the fast draft's default
+    (["--head", "dense", "--fast", "--draft-body", "fused"], "--device cuda: --draft-body fused needs"),
+    # Torch's ops alone: a dense draft on the transformers driver, or on the fast path's compiled body,
+    # the fast path's (eager) target, and a FlashHead draft on the CPU.
+    (["--head", "dense"], None),
+    (["--head", "dense", "--fast", "--draft-body", "compiled"], None),
+    (["--head", "flashhead", "--fast", "--draft-device", "cpu"], None),
 ])
 def test_spec_on_a_gpu_with_a_cpu_only_build(argv, refused, tmp_path, monkeypatch, capsys):
     # The first flashhead op raised mid-run. Any machine stands in for a GPU one with a CPU-only build.
@@ -1108,6 +1113,7 @@ def test_spec_on_a_gpu_with_a_cpu_only_build(argv, refused, tmp_path, monkeypatc
     error = capsys.readouterr().err
     if refused:
         assert f"spec: error: {refused} flashhead_ext's CUDA kernels, and this build has none" in error
+        assert error.rstrip().endswith("; or pass --draft-body compiled" if "draft-body" in refused else " cpu")
     else:
         assert "CUDA kernels" not in error and "--prompts: " in error and "missing.jsonl" in error
 

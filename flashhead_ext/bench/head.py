@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     impls = choices_list(parser, args.impls, IMPLS, "implementation")
     modes = choices_list(parser, args.modes, MODES, "mode")
     # Every run's floors take the candidates the ops select, whichever --impls are timed.
-    refuse_missing_cuda_kernels(parser, args, "bench head needs")
+    refuse_missing_cuda_kernels(parser, "--device", args.device, "bench head needs")
     if args.device == "cpu" and "graph" in modes:
         if modes == ["graph"]:
             parser.error("--modes graph needs a CUDA device (CUDA graphs); on the CPU use --modes eager")

@@ -29,10 +29,10 @@ import torch
 from ..assets import default_probes
 from ..clustering import greedy_centroids, member_means
 from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, is_config_path, model_config, note,
-                    note_shadowed_paths, note_unused_draft_options, output_file, positive_int, refuse_missing_cuda_kernels,
-                    run_seed, shape_names, write_output)
+                    note_shadowed_paths, note_unused_draft_options, output_file, positive_int, refuse_draft_without_kernels,
+                    refuse_missing_cuda_kernels, run_seed, shape_names, write_output)
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
-from ..fast.decoder import ATTENTION, BODIES
+from ..fast.decoder import ATTENTION, BODIES, KERNEL_BODIES
 from ..head import DenseHead, FlashHead
 from ..speculative.driver import check_draft_vocab
 from ..speculative.runner import format_summary, plan_configs, reading, run_interleaved, summarize, write_json
@@ -255,7 +255,7 @@ def draft_step_main(argv=None) -> int:
     shapes, configs = decoder_shape_list(parser, "--shapes", args.shapes)
     bodies = choices_list(parser, args.bodies, BODIES, "body")
     check_clusters(parser, args, shapes, configs)
-    refuse_missing_cuda_kernels(parser, args, "the fast path's steps need")
+    refuse_missing_cuda_kernels(parser, "--device", args.device, "draft-step's FlashHead rows need")
     with on_device(args.device):
         return _run_draft_step(parser, args, dict(zip(shapes, configs)), bodies)
 
@@ -373,7 +373,6 @@ def spec_main(argv=None) -> int:
     args = parser.parse_args(argv)
     target_shape, draft_shape = one_shape(parser, "--target", args.target), one_shape(parser, "--draft", args.draft)
     check_clusters(parser, args, [args.draft], [draft_shape])
-    refuse_missing_cuda_kernels(parser, args, "the fast path's steps need")
     if args.target_body is None:
         args.target_body = "compiled" if torch.device(args.device).type == "cuda" else "eager"
     if not 0.0 <= args.synthetic_acceptance <= 1.0:
@@ -385,6 +384,10 @@ def spec_main(argv=None) -> int:
         configs = plan_configs([h for h in args.head.split(",") if h], [m for m in args.mode.split(",") if m])
     except ValueError as error:
         parser.error(str(error))
+    if args.target_body in KERNEL_BODIES:
+        refuse_missing_cuda_kernels(parser, "--device", args.device, f"--target-body {args.target_body} needs",
+                                    "pass --target-body compiled")
+    refuse_draft_without_kernels(parser, args, [c.head for c in configs if c.head], args.body, "--body")
     if not any(c.head for c in configs):
         given = args.synthetic_acceptance != parser.get_default("synthetic_acceptance")
         note_unused_draft_options([f"--synthetic-acceptance {args.synthetic_acceptance:g}"] if given else [], args.mode)

@@ -447,6 +447,7 @@ def _fused_layer(x: Tensor, w: dict, k_cache: Tensor, v_cache: Tensor, length: T
 # "fused" (a model the fused ops cannot run, such as Gemma-3: one ``decoder_step`` a token).
 # Longer forwards (prefills of longer prompts, whose length varies) always run eager.
 BODIES = ("eager", "compiled", "fused", "persistent")
+KERNEL_BODIES = ("fused", "persistent")  # those that run flashhead ops (a CPU-only build has no CUDA ones)
 STEP_MAX_TOKENS = 16
 # Graphs dynamo may keep for the compiled layer: one per token count and model shape. Its default of
 # 8 per function is soon passed by a target and a draft with a few short prompt lengths, and a

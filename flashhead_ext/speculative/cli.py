@@ -18,7 +18,7 @@ from .. import ops
 from ..bench.timing import run_metadata
 from .._cli import (DEFAULT_NUM_PROMPTS, MAX_THREADS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count,
                     device_arg, model_unavailable, note, note_unused_draft_options, output_file,
-                    refuse_missing_cuda_kernels, refuse_shared_files, run_seed)
+                    refuse_draft_without_kernels, refuse_shared_files, run_seed)
 from ..fast.decoder import BODIES, FAMILY_NAMES
 from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS
@@ -183,8 +183,10 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         parser.error("--draft-device, --draft-body and --synthetic-acceptance need --fast")
     if args.synthetic_acceptance is not None and not 0.0 <= args.synthetic_acceptance <= 1.0:
         parser.error(f"--synthetic-acceptance must be in [0, 1], got {args.synthetic_acceptance}")
-    if args.fast or any(c.head == "flashhead" for c in configs):
-        refuse_missing_cuda_kernels(parser, args, "--fast and FlashHead drafts need")
+    # The fast path's draft runs persistent unless --draft-body says otherwise (or compiled, for a draft the
+    # persistent kernel cannot run, which this refuses too).
+    refuse_draft_without_kernels(parser, args, [c.head for c in configs if c.head],
+                                 (args.draft_body or "persistent") if args.fast else None, "--draft-body")
     if not any(c.head for c in configs):
         unused = [f"--{name.replace('_', '-')}" for name in ("draft_device", "draft_body", "synthetic_acceptance")
                   if getattr(args, name) is not None]
