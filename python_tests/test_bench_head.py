@@ -457,6 +457,12 @@ def test_model_shapes_on_the_cpu_say_they_take_minutes(monkeypatch, capsys):
     assert "take minutes" not in capsys.readouterr().err
     assert main(["head", "--shapes", "49152x576", "--device", "cpu"]) == 0
     assert "the large shapes (49152x576) take minutes" in capsys.readouterr().err
+    # Past a million elements, on the CPU only.
+    from flashhead_ext.bench.head import note_slow_on_the_cpu
+
+    for device, names, noted in (("cpu", ["1024x1024"], False), ("cpu", ["1025x1024"], True), ("cuda", ["qwen3-0.6b"], False)):
+        note_slow_on_the_cpu(device, names, "--shapes tiny")
+        assert ("take minutes" in capsys.readouterr().err) == noted, (device, names)
     # The clustering bench's default shapes: 15-25 minutes on two cores, nothing printed.
     from flashhead_ext.bench import clusters
 
@@ -683,6 +689,8 @@ CPU_ONLY_BUILD_RUNS = [
     ([*SPEC, "--device", "cpu", "--draft-device", "cuda"], "--draft-device cuda: a FlashHead draft needs"),
     ([*SPEC, "--device", "cuda", "--head", "dense"], "--device cuda: --body persistent needs"),
     ([*SPEC, "--device", "cuda", "--mode", "baseline", "--target-body", "fused"], "--device cuda: --target-body fused needs"),
+    ([*SPEC, "--device", "cuda", "--mode", "baseline", "--target-body", "persistent"],
+     "--device cuda: --target-body persistent needs"),
     ([*SPEC, "--device", "cuda", "--head", "dense", "--body", "compiled"], None),
     ([*SPEC, "--device", "cuda", "--mode", "baseline"], None),  # the compiled target
     ([*SPEC, "--device", "cuda", "--draft-device", "cpu"], None),

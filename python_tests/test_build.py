@@ -149,7 +149,7 @@ def test_an_empty_commit_variable_counts_as_unset(monkeypatch):
 
 def test_a_commit_variable_that_names_no_commit_is_refused(monkeypatch):
     # Recorded as given in every result: a blank hid the checkout's "+dirty", a typo named no commit.
-    for given in (" ", "unknown", "abc12", "5a078ab 29aa3a9", "5a078abz", "5a078ab+clean"):
+    for given in (" ", "unknown", "abc12", "abc123", "0" * 41, "5a078ab 29aa3a9", "5a078abz", "5a078ab+clean"):
         monkeypatch.setenv("FLASHHEAD_COMMIT", given)
         with pytest.raises(ValueError, match=re.escape(f"FLASHHEAD_COMMIT must name a commit by its hex sha (7 to 40 "
                                                        f"digits, '+dirty' allowed), got {given!r}")):

@@ -108,6 +108,13 @@ def test_sampling_distance_draws_a_bounded_batch_a_call_each_with_a_seed_of_its_
     monkeypatch.setattr(quality, "DRAWS_PER_CALL", 4)
     quality.sampling_distance(head, hidden, 1.0, draws=10, seed=7)
     assert calls == [(4, 7), (4, 9), (2, 11), (4, 8), (4, 10), (2, 12)]  # row i's k-th call: seed + i + 2k
+    calls.clear()
+    quality.sampling_distance(head, hidden[:1], 1.0, draws=9)
+    assert [size for size, _ in calls] == [4, 4, 1]
+    calls.clear()
+    monkeypatch.setattr(quality, "DRAWS_PER_CALL", 256)  # the default's: 256 draws, one call a row, as before
+    quality.sampling_distance(head, hidden, 1.0, draws=256, seed=7)
+    assert calls == [(256, 7), (256, 8)]
 
 
 @pytest.mark.parametrize("method,vocab,size", [("kmeans", 99, 7), ("calibrated", 99, 7), ("kmeans", 96, 8)])
@@ -656,6 +663,7 @@ def test_flags_whose_work_does_not_run_are_named(capsys):
          [sampling_note.format("--sampling-temperature"), calibration_note]),
         (["--methods", "kmeans", "--calibration-per-category", "2", "--frequent-tokens", "4"], []),
         (["--calibration-per-category", "2"], []),  # calibrated, by default
+        (["--methods", "kmeans"], []),
     ]:
         parse_args(["quality", *argv])
         assert capsys.readouterr().err.splitlines() == notes, argv
@@ -803,6 +811,11 @@ def test_prompt_files_refuse_a_repeated_question_and_bytes_that_are_not_utf8(tmp
     path.write_text("\n".join(rows + [json.dumps(dict(question_id=2, category="b", turns=["first 2"])),
                                        json.dumps(dict(question_id=2, category="a", turns=["another"]))]) + "\n")
     assert [r["text"] for r in prompts_per_category(path, None, "even")] == ["first 2", "another", "first 2"]
+    path.write_text("\n".join(json.dumps(dict(question_id=q, category="a", turns=["same"])) for q in (1, 3)) + "\n")
+    assert [r["question_id"] for r in load_prompts(path, 2)] == [1, 3]  # another id: another question
+    path.write_bytes(b'\xff' + rows[0].encode())
+    with pytest.raises(ValueError, match=r"q.jsonl:1: not UTF-8 text \(invalid start byte\)$"):
+        load_prompts(path, 1)
     path.write_bytes(("\n".join(rows) + "\n").encode() + b'{"question_id": 5, "category": "a", "turns": ["caf\xe9"]}\n')
     with pytest.raises(ValueError, match=r"q.jsonl:4: not UTF-8 text \(invalid continuation byte\)$"):
         load_prompts(path, 1)
