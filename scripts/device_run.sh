@@ -8,9 +8,10 @@
 #     session 70: with the fuzz's CUDA cases they take 375 s, and full passed 600 s);
 #   sanitize: the sanitizers alone, and memcheck and initcheck over random configurations of the ops
 #     too (with them full ran past 600 s in session 67; racecheck did not finish 12 of them in 100 s);
-#   suite: the whole suite alone, CPU and GPU cases (the CPU ones under the device's torch, which
-#     CI's does not cover: session 52 found a torch.compile break there);
 #   quick: the GPU tests and the head benchmark;
+#   cpu: the CPU cases alone, under the device's torch, which CI's does not cover (session 52 found a
+#     torch.compile break there); with quick's GPU cases the whole suite, which no longer fits one
+#     call (session 112: 16,536 tests done in 460 s);
 #   jit: built for sm_80's PTX alone, the ops' GPU tests, each kernel compiled by the driver at load
 #     from an older arch's PTX, as a GPU newer than the build's archs (Blackwell) does with the
 #     default's sm_90 PTX (CUDA_FORCE_PTX_JIT=1 cannot show it: torch's own kernels have no such PTX);
@@ -20,7 +21,7 @@
 # transformers CI installs, which replaces the image's (the summary names the versions tested);
 # wheels of accelerate, peft and psutil (pip download --no-deps) let the PEFT/accelerate tests run
 # there (the image has neither, and those tests skip without them).
-# A call runs at most 600 s and the build takes about 2 min, so the whole suite has its own mode.
+# A call runs at most 600 s and the build takes about 2 min, so the whole suite takes two calls.
 # On one H200 the GPU cases took 375 s on 8 workers (8,566 tests, session 70), while 14 workers had
 # 16 of 3,272 tests left after 440 s (session 54): more workers most likely contend for the GPU.
 set -uo pipefail
@@ -29,7 +30,7 @@ OUT=${OUT:-results/device}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=$(nproc)
 mode=${1:-full}
-case "$mode" in full | suite | quick | sanitize | jit | two) ;; *) echo "usage: $0 [full|suite|quick|sanitize|jit|two], got '$mode'" >&2; exit 2 ;; esac
+case "$mode" in full | cpu | quick | sanitize | jit | two) ;; *) echo "usage: $0 [full|cpu|quick|sanitize|jit|two], got '$mode'" >&2; exit 2 ;; esac
 [ "$mode" = jit ] && TORCH_CUDA_ARCH_LIST="8.0+PTX"
 step() { echo; echo "=== $* ($(date +%T))"; }
 summary=()
@@ -61,9 +62,9 @@ else
 fi
 
 # xdist workers: a crashing test fails alone instead of ending the run.
-if [ "$mode" = suite ]; then
-  step "tests (CPU and GPU cases)"
-  timeout 460 python3 -m pytest python_tests -q -rs -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
+if [ "$mode" = cpu ]; then
+  step "tests (CPU cases)"
+  timeout 460 python3 -m pytest python_tests -q -rs -m "not gpu" -n 14 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
 elif [ "$mode" = quick ]; then
   step "tests (GPU cases)"
   # 316 s on one H200 with 12 workers (session 79; 8 workers passed 410 s on a machine whose build took
@@ -77,7 +78,7 @@ progress_counts() {
     awk '{n[$2] = $1} END {printf "%d passed, %d skipped, %d failed, %d errors, %d xfailed, %d xpassed",
       n["."], n["s"], n["F"], n["E"], n["x"], n["X"]}'
 }
-if [ "$mode" = suite ] || [ "$mode" = quick ]; then
+if [ "$mode" = cpu ] || [ "$mode" = quick ]; then
   if grep -qE '(passed|failed|error|skipped).* in [0-9.]+s' "$OUT/tests.log"; then
     summary+=("tests: $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1)")
   else
@@ -111,7 +112,7 @@ if [ "$mode" = full ] || [ "$mode" = sanitize ]; then
   fi
 fi
 
-if [ "$mode" = full ] || [ "$mode" = quick ]; then  # the suite takes the rest of the call
+if [ "$mode" = full ] || [ "$mode" = quick ]; then  # cpu's tests take the whole call
   step "head benchmark"
   rm -f "$OUT/bench_head.json"  # cpp_bench reads this run's bandwidth from it, never an earlier run's
   timeout 300 python3 -m flashhead_ext.bench head --json "$OUT/bench_head.json" 2>&1 | tee "$OUT/bench_head.log"
