@@ -472,6 +472,9 @@ def test_sizes_past_the_vocabulary_or_its_clusters_are_usage_errors_before_recor
     calls = _record_spy(monkeypatch)
     prompts = _questions(tmp_path / "q.jsonl")
     for extra, message in ((["--cluster-sizes", "4,100000"], "quality: error: --cluster-sizes: cluster_size must be in 1.."),
+                           # 2 clusters, 23 padding slots: a table 49 wide, its rows labelled b = 49
+                           (["--cluster-sizes", "4,60"], "quality: error: --cluster-sizes 60: 97 vocabulary rows make 2 "
+                                                         "clusters of at most 49 tokens (23 padding slots spread over them)"),
                            (["--frequent-tokens", "100000"], "quality: error: --frequent-tokens 100000 exceeds the model's"),
                            # 15 fits the 25 clusters of b=4, neither value the 14 of b=7, which would have no rows
                            (["--probes", "40,15"], "quality: error: --probes 40,15: every value exceeds the 14 clusters "

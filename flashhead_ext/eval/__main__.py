@@ -123,8 +123,8 @@ def _parse(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, argparse.
         command_parser.error("--holdout-categories needs a data-aware method in --methods (kmeans-fit or calibrated): "
                              "plain k-means uses no calibration")
     # Flags whose work does not run: said, not dropped in silence.
-    sampling_only = [flag for flag in ("--sampling-temperature", "--sampling-draws")
-                     if getattr(args, flag[2:].replace("-", "_")) != command_parser.get_default(flag[2:].replace("-", "_"))]
+    sampling_only = ["--" + dest.replace("_", "-") for dest in ("sampling_temperature", "sampling_draws")
+                     if getattr(args, dest) != command_parser.get_default(dest)]
     if sampling_only and not args.sampling_states:
         note(f"{', '.join(sampling_only)}: unused, as --sampling-states is 0 (no sampling is measured)")
     if args.calibration_per_category is not None and not calibrates(args):
