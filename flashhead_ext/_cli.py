@@ -77,18 +77,31 @@ def refuse_draft_without_kernels(parser: argparse.ArgumentParser, args, heads: l
 
 
 def refuse_shared_files(parser: argparse.ArgumentParser, inputs: dict, outputs: dict) -> None:
-    """A usage error where an output flag names the file an input flag reads or another output flag
-    writes, under any name (``{flag: path or None}``): the run overwrote its prompts, or the JSON
-    with the plot."""
+    """A usage error where an output flag names a file an input flag reads or another output flag
+    writes, under any name, hard links too (``{flag: path, list of paths or None}``): the run
+    overwrote its prompts, a model's config.json, or the JSON with the plot."""
     users = {}
     for role, files in (("reads", inputs), ("writes", outputs)):
-        for flag, path in files.items():
-            if path is None:
-                continue
-            real = os.path.realpath(path)
-            if role == "writes" and real in users:
-                parser.error(f"{flag} {path}: the file {users[real]}, which the run would overwrite: name another")
-            users.setdefault(real, f"{flag} {role}")
+        for flag, paths in files.items():
+            for path in [] if paths is None else paths if isinstance(paths, list) else [paths]:
+                identity = _file_identity(path)
+                if role == "writes" and identity in users:
+                    parser.error(f"{flag} {path}: the file {users[identity]}, which the run would overwrite: name another")
+                users.setdefault(identity, f"{flag} {role}")
+
+
+def _file_identity(path) -> object:
+    """An existing file's device and inode (one for all its names and links), else its real path."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return status.st_dev, status.st_ino
+
+
+def config_inputs(names: list, is_config) -> list:
+    """The config files the shapes ``names`` read: those ``is_config`` takes, as refuse_shared_files' input."""
+    return [str(config_file(name)) for name in names if is_config(name)]
 
 
 def output_file(text: str) -> str:

@@ -1540,6 +1540,35 @@ def test_bench_spec_takes_a_body_the_built_model_refuses_as_a_usage_error(monkey
         assert f"spec: error: {flag}: body 'persistent' {refusal}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["head", "clusters", "layer-ops", "draft-step", "spec --target", "spec --draft"])
+def test_bench_json_at_a_shape_config_file_is_a_usage_error_before_the_run(tmp_path, capsys, command):
+    # The result overwrote the model's config.json (through its directory's name or a hard link).
+    from transformers import Qwen3Config
+
+    from flashhead_ext.bench.__main__ import main
+
+    Qwen3Config(vocab_size=997, hidden_size=48, intermediate_size=80, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16).save_pretrained(tmp_path / "mine")
+    config = tmp_path / "mine" / "config.json"
+    before = config.read_text()
+    (tmp_path / "hard.json").hardlink_to(config)
+    subcommand, *flag = command.split()
+    shape_flags = [flag[0], str(tmp_path / "mine"), "--draft" if flag == ["--target"] else "--target", "qwen3-0.6b"] \
+        if flag else ["--shapes", f"tiny,{tmp_path / 'mine'}"]
+    for output in (config, tmp_path / "hard.json"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([subcommand, *shape_flags, *([] if subcommand == "layer-ops" else ["--device", "cpu"]), "--json", str(output)])
+        assert exit_info.value.code == 2
+        assert (f"error: --json {output}: the file {flag[0] if flag else '--shapes'} reads, which the run would overwrite"
+                in capsys.readouterr().err)
+    assert config.read_text() == before
+    # Results beside the config file are written as ever.
+    if subcommand == "clusters":
+        assert main([subcommand, "--shapes", "tiny", "--iters", "1", "--device", "cpu",
+                     "--json", str(tmp_path / "mine" / "results.json")]) == 0
+        assert json.loads((tmp_path / "mine" / "results.json").read_text())["rows"]
+
+
 def test_bench_clis_time_a_model_of_ones_own_from_its_config(tmp_path, monkeypatch, capsys):
     # A transformers config.json, or the model directory holding it: its shape, random weights.
     from transformers import GPT2Config, Qwen3Config

@@ -1121,11 +1121,13 @@ def test_spec_on_a_gpu_with_a_cpu_only_build(argv, refused, tmp_path, monkeypatc
 def test_json_at_the_prompts_file_is_a_usage_error_before_the_run(tmp_path, capsys):
     questions = tmp_path / "questions.jsonl"
     questions.write_text(json.dumps(dict(question_id=1, category="a", turns=["w1"])) + "\n")
-    with pytest.raises(SystemExit) as exit_info:
-        _spec_main(["--target", str(tmp_path / "missing"), "--prompts", str(questions), "--json", str(questions)])
-    assert exit_info.value.code == 2
-    assert (f"spec: error: --json {questions}: the file --prompts reads, which the run would overwrite: name another"
-            in capsys.readouterr().err)
+    (tmp_path / "hard.jsonl").hardlink_to(questions)
+    for output in (questions, tmp_path / "hard.jsonl"):  # a hard link is the same file under another name
+        with pytest.raises(SystemExit) as exit_info:
+            _spec_main(["--target", str(tmp_path / "missing"), "--prompts", str(questions), "--json", str(output)])
+        assert exit_info.value.code == 2
+        assert (f"spec: error: --json {output}: the file --prompts reads, which the run would overwrite: name another"
+                in capsys.readouterr().err)
     assert json.loads(questions.read_text())["turns"] == ["w1"]
 
 

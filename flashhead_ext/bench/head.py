@@ -27,8 +27,9 @@ import torch
 
 from .. import ops
 from ..assets import default_probes
-from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, doc_summary, first_of_each, model_config, note,
-                    output_file, positive_int, positive_int_list, refuse_missing_cuda_kernels, shape_names, write_output)
+from .._cli import (DefaultsHelpFormatter, choices_list, config_inputs, device_arg, doc_summary, first_of_each, model_config,
+                    note, output_file, positive_int, positive_int_list, refuse_missing_cuda_kernels, refuse_shared_files,
+                    shape_names, write_output)
 from ..graphs import capture_graph
 from .timing import copy_bandwidth_gbs, format_table, on_device, run_metadata, time_calls, usage_error_past_memory
 
@@ -329,6 +330,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=output_file, default="results/bench_head.json", help="where the result JSON is written")
     args = parser.parse_args(argv)
     args.shapes = vocab_shape_list(parser, args.shapes)
+    refuse_shared_files(parser, {"--shapes": config_inputs(args.shapes, CONFIG_HEADS.__contains__)}, {"--json": args.json})
     for name in args.shapes:
         if not 0 <= args.special_tokens < shape_of(name).vocab:
             parser.error(f"--special-tokens must be in [0, {shape_of(name).vocab}) for {name}, got {args.special_tokens}")

@@ -28,9 +28,9 @@ import torch
 
 from ..assets import default_probes
 from ..clustering import greedy_centroids, member_means
-from .._cli import (DefaultsHelpFormatter, choices_list, device_arg, is_config_path, model_config, note,
+from .._cli import (DefaultsHelpFormatter, choices_list, config_inputs, device_arg, is_config_path, model_config, note,
                     note_shadowed_paths, note_unused_draft_options, output_file, positive_int, refuse_draft_without_kernels,
-                    refuse_missing_cuda_kernels, run_seed, shape_names, write_output)
+                    refuse_missing_cuda_kernels, refuse_shared_files, run_seed, shape_names, write_output)
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES, KERNEL_BODIES
 from ..head import DenseHead, FlashHead
@@ -150,6 +150,11 @@ def decoder_shape_list(parser: argparse.ArgumentParser, flag: str, text: str) ->
     return names, shape_configs(parser, flag, names)
 
 
+def is_decoder_config(name: str) -> bool:
+    """Whether a decoder shape's name (a preset or a config path, as parsed) is a config path."""
+    return name not in SHAPES
+
+
 def one_shape(parser: argparse.ArgumentParser, flag: str, name: str) -> DecoderConfig:
     if name not in SHAPES and not is_config_path(name):
         parser.error(f"argument {flag}: invalid choice: {name!r} (choose from {sorted(SHAPES)} or {CONFIG_SHAPE_HELP})")
@@ -253,6 +258,7 @@ def draft_step_main(argv=None) -> int:
     _common(parser, "results/bench_draft_step.json")
     args = parser.parse_args(argv)
     shapes, configs = decoder_shape_list(parser, "--shapes", args.shapes)
+    refuse_shared_files(parser, {"--shapes": config_inputs(shapes, is_decoder_config)}, {"--json": args.json})
     bodies = choices_list(parser, args.bodies, BODIES, "body")
     check_clusters(parser, args, shapes, configs)
     refuse_missing_cuda_kernels(parser, "--device", args.device, "draft-step's FlashHead rows need")
@@ -372,6 +378,8 @@ def spec_main(argv=None) -> int:
     _common(parser, "results/bench_spec.json")
     args = parser.parse_args(argv)
     target_shape, draft_shape = one_shape(parser, "--target", args.target), one_shape(parser, "--draft", args.draft)
+    refuse_shared_files(parser, {"--target": config_inputs([args.target], is_decoder_config),
+                                 "--draft": config_inputs([args.draft], is_decoder_config)}, {"--json": args.json})
     check_clusters(parser, args, [args.draft], [draft_shape])
     if args.target_body is None:
         args.target_body = "compiled" if torch.device(args.device).type == "cuda" else "eager"
