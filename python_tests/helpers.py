@@ -544,9 +544,11 @@ def default_dtype(dtype: torch.dtype):
 
 def commit_made_during(monkeypatch, commits, stages, stage: str) -> list:
     """Makes ``commits.source_commit`` name "before" until ``stages.<stage>`` is first called and
-    "after" from then on, as a commit made mid-run would; returns the list whose one item it names."""
+    "after" from then on, as a commit made mid-run would, and ``commits.utc_stamp`` give "before UTC"
+    then "after UTC", as the clock moves on; returns the list whose one item it names."""
     checkout = ["before"]
     monkeypatch.setattr(commits, "source_commit", lambda mark_dirty=False: checkout[0])
+    monkeypatch.setattr(commits, "utc_stamp", lambda: f"{checkout[0]} UTC")
     real = getattr(stages, stage)
 
     def stage_then_commit(*args, **kwargs):

@@ -97,8 +97,22 @@ def test_clusters_bench_records_the_commit_the_run_started_with(tmp_path, monkey
     out = tmp_path / "clusters.json"
     assert main(["clusters", "--shapes", "100x8x30", "--iters", "1", "--device", "cpu", "--json", str(out)]) == 0
     meta = json.loads(out.read_text())["meta"]
-    assert checkout == ["after"] and meta["commit"] == "before"
+    assert checkout == ["after"] and (meta["commit"], meta["date"]) == ("before", "before UTC")
     assert meta["build_commit"] == timing.build_commit()
+
+
+def test_spec_bench_records_the_commit_and_date_the_run_started_with(tmp_path, monkeypatch):
+    # As clusters': read when the JSON was written, a commit made mid-run (or the clock) named the result.
+    from flashhead_ext.bench import spec
+
+    checkout = commit_made_during(monkeypatch, timing, spec, "run_interleaved")
+    out = tmp_path / "spec.json"
+    assert main(["spec", "--target", "tiny", "--draft", "tiny", "--dtype", "fp32", "--device", "cpu", "--num-prompts", "1",
+                 "--prompt-tokens", "5", "--max-new-tokens", "3", "--warmup-tokens", "1", "--mode", "baseline",
+                 "--seed", "3", "--json", str(out)]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert checkout == ["after"] and (meta["commit"], meta["date"]) == ("before", "before UTC")
+    assert meta["build_commit"] == timing.build_commit() and meta["args"]["seed"] == 3
 
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),

@@ -235,6 +235,36 @@ def test_setup_builds_every_time_and_reads_its_switches_strictly(monkeypatch, ca
 
 
 @needs_setup_py
+def test_setup_records_the_checked_commit_beside_the_extension(tmp_path, monkeypatch):
+    # _build_info.py names the commit the build checked before it started: FLASHHEAD_COMMIT as given,
+    # or, unset or empty, the checkout's ("+dirty" for uncommitted code), not the raw variable.
+    import runpy
+
+    from setuptools import Distribution, Extension
+    from torch.utils import cpp_extension
+    from torch.utils.cpp_extension import BuildExtension
+
+    monkeypatch.setenv("FLASHHEAD_SKIP_CUDA_BUILD", "1")
+    build = read_setup(monkeypatch)["BuildWithInfo"]
+    # No compiler run: the build only makes the directory its extension goes to, as a real one does.
+    monkeypatch.setattr(BuildExtension, "run", lambda self: Path(self.get_ext_fullpath("flashhead_ext._C")).parent.mkdir(
+        parents=True, exist_ok=True))
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)  # torch forces ninja builds itself
+    checkout = provenance.checkout_commit(SETUP_PY.resolve(), mark_dirty=True)  # None outside a checkout
+    for given, recorded in (("5A078AB+dirty", "5A078AB+dirty"), ("0" * 40, "0" * 40), ("", checkout), (None, checkout)):
+        if given is None:
+            monkeypatch.delenv("FLASHHEAD_COMMIT", raising=False)
+        else:
+            monkeypatch.setenv("FLASHHEAD_COMMIT", given)
+        command = build(Distribution({"name": "probe", "ext_modules": [Extension("flashhead_ext._C", [])]}))
+        command.build_lib = str(tmp_path / f"lib-{given}")
+        command.ensure_finalized()
+        command.run()
+        info = runpy.run_path(str(tmp_path / f"lib-{given}" / "flashhead_ext" / "_build_info.py"))
+        assert (info["SOURCE_COMMIT"], info["TORCH_VERSION"], info["WITH_CUDA"]) == (recorded, torch.__version__, False), given
+
+
+@needs_setup_py
 def test_setup_builds_no_cuda_with_a_cpu_torch_even_beside_a_toolkit(tmp_path, monkeypatch, capsys):
     # A CPU build of torch compiles no CUDA sources, whatever toolkit the machine has (here one with
     # the header the toolkit check looks for).

@@ -232,14 +232,13 @@ def test_prompts_past_the_file_or_unreadable_are_usage_errors_before_the_model_l
     assert not (tmp_path / "out.json").exists()
 
 
-def test_the_json_names_the_code_and_the_settings_of_the_run(tmp_path, monkeypatch, capsys):
-    # It recorded neither commit, version, date nor its own arguments, unlike every benchmark's.
+def _tiny_smollm2(tmp_path, monkeypatch):
+    """compare-heads on test_hf's tiny Llama (67 rows) in place of SmolLM2, its recording 9 seeded
+    states of which the dense head picks all but one's generated token; returns the model and the states."""
     pytest.importorskip("transformers")
     import torch
 
-    import flashhead_ext
     from flashhead_ext import hf
-    from flashhead_ext.__main__ import main
     from test_hf import _tiny_llama
 
     class Tokenizer:
@@ -254,9 +253,18 @@ def test_the_json_names_the_code_and_the_settings_of_the_run(tmp_path, monkeypat
         return hidden, generated, torch.arange(9) % len(prompts)
 
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("FLASHHEAD_COMMIT", "feed123")
     monkeypatch.setattr(hf, "load_smollm2", lambda: (model, Tokenizer()))
     monkeypatch.setattr(hf, "record_hidden_states", recorded)
+    return model, hidden
+
+
+def test_the_json_names_the_code_and_the_settings_of_the_run(tmp_path, monkeypatch, capsys):
+    # It recorded neither commit, version, date nor its own arguments, unlike every benchmark's.
+    import flashhead_ext
+    from flashhead_ext.__main__ import main
+
+    model, hidden = _tiny_smollm2(tmp_path, monkeypatch)
+    monkeypatch.setenv("FLASHHEAD_COMMIT", "feed123")
     out = tmp_path / "out.json"
     assert main(["compare-heads", "--device", "cpu", "--num-prompts", "3", "--max-new-tokens", "5", "--probes", "2,5,40",
                  "--cluster-size", "4", "--iters", "2", "--seed", "7", "--repeats", "3", "--json", str(out)]) == 0
@@ -288,3 +296,20 @@ def test_the_json_names_the_code_and_the_settings_of_the_run(tmp_path, monkeypat
         assert row["top1_agreement"] == pytest.approx(agree.mean().item())
         assert row["fraction_scored"] == pytest.approx((17 + flash.num_candidates) / 67)
         assert row["per_category"] == pytest.approx({c: agree[j::3].mean().item() for j, c in enumerate(categories)})
+
+
+def test_the_json_names_the_commit_and_date_the_run_started_with(tmp_path, monkeypatch):
+    # Read when the JSON was written, a commit made (or a branch checked out) mid-run named the result.
+    from flashhead_ext import hf
+    from flashhead_ext.__main__ import main
+    from flashhead_ext.bench import timing
+    from helpers import commit_made_during
+
+    _tiny_smollm2(tmp_path, monkeypatch)
+    checkout = commit_made_during(monkeypatch, timing, hf, "record_hidden_states")
+    out = tmp_path / "out.json"
+    assert main(["compare-heads", "--device", "cpu", "--num-prompts", "3", "--max-new-tokens", "5", "--probes", "2",
+                 "--cluster-size", "4", "--iters", "2", "--repeats", "1", "--json", str(out)]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert checkout == ["after"] and (meta["commit"], meta["date"]) == ("before", "before UTC")
+    assert meta["build_commit"] == timing.build_commit() and meta["args"]["probes"] == [2]

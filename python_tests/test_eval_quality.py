@@ -400,6 +400,32 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir):
         main(argv[:6] + ["7"] + argv[7:])
 
 
+def test_the_table_sizes_the_method_column_to_the_longest_name_and_no_wider():
+    # The column is 22 characters, or as wide as the longest method name: one more or one less and
+    # every column after it shifts, which the end-to-end check (relative to the header) cannot see.
+    def row(method, clusters, size, probes, top1, worst):
+        return dict(method=method, num_clusters=clusters, cluster_size=size, probes=probes, candidates=probes * size,
+                    fraction_scored=(clusters + probes * size) / 100, top1_agreement=top1,
+                    top1_interval=[top1 - 0.05, top1 + 0.03], top1_min=top1 - 0.01, top1_max=top1 + 0.02,
+                    prompts_without_miss=0.5, top1_ties_max=top1 + 0.001, top5_recall=0.99,
+                    worst_category=dict(name=worst, top1_agreement=top1 - 0.1))
+
+    result = dict(model="tiny", dtype="float32", seeds=[0, 3], evaluation=dict(tokens=36, prompts=6), calibration=None,
+                  holdout=None, sampling=None,
+                  results=[row("kmeans", 25, 4, 1, 0.875, "qa"), row("calibrated+frequent3+fp8", 14, 7, 3, 0.9, "rag")])
+    columns = ("     C   b probes  cand.  scored   top-1    seed range  95% interval no miss ties max top-5 rec.  "
+               "worst category")
+    kmeans = "    25   4      1      4  29.00%  87.50%  86.50-89.50%  82.50-90.50%   50.0%   87.60%     99.00%  qa 77.5%"
+    longest = "    14   7      3     21  35.00%  90.00%  89.00-92.00%  85.00-93.00%   50.0%   90.10%     99.00%  rag 80.0%"
+    # calibrated+frequent3+fp8: 24 characters, the column's width.
+    assert quality.format_table(result).splitlines()[1:4] == [
+        "method" + " " * 18 + columns, "kmeans" + " " * 18 + kmeans, "calibrated+frequent3+fp8" + longest]
+    # Names all shorter than 22 characters: 22.
+    result["results"] = [result["results"][0], dict(result["results"][1], method="calibrated+frequent30")]
+    assert quality.format_table(result).splitlines()[1:4] == [
+        "method" + " " * 16 + columns, "kmeans" + " " * 16 + kmeans, "calibrated+frequent30 " + longest]
+
+
 @pytest.mark.filterwarnings("ignore:calibrate_clusters")
 def test_cli_seeds_held_out_categories_and_bfloat16_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir, capsys):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
@@ -570,7 +596,7 @@ def test_outputs_that_name_the_prompts_or_each_other_are_usage_errors_before_the
     assert prompts.read_text() == before and not (tmp_path / "out").exists()
 
 
-def test_the_result_names_the_commit_the_run_started_with(tmp_path, monkeypatch, tiny_model_dir):
+def test_the_result_names_the_commit_and_date_the_run_started_with(tmp_path, monkeypatch, tiny_model_dir):
     # Read when the result was written, a commit made (or a branch checked out) mid-run named it.
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)  # where the default plot goes
@@ -578,7 +604,7 @@ def test_the_result_names_the_commit_the_run_started_with(tmp_path, monkeypatch,
     assert main(_argv(tmp_path, tiny_model_dir, _questions(tmp_path / "q.jsonl"), "--methods", "kmeans",
                       "--per-category", "1", plot=False)) == 0
     result = json.loads((tmp_path / "out" / "quality.json").read_text())
-    assert checkout == ["after"] and result["git_commit"] == "before"
+    assert checkout == ["after"] and (result["git_commit"], result["date"]) == ("before", "before UTC")
     assert result["build_commit"] == flashhead_ext.BUILD_INFO.SOURCE_COMMIT
 
 

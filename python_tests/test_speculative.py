@@ -27,7 +27,7 @@ from flashhead_ext.hf import greedy_logit_settings
 from flashhead_ext.speculative.driver import Generation, GenerationStats, cache_keyword, eos_ids
 from flashhead_ext.speculative.runner import plan_configs, run_interleaved, summarize
 from helpers import one_thread  # noqa: F401  (an autouse fixture)
-from helpers import PerTokenScaledHead, check_counters, greedy_tokens, random_partition, random_prompt
+from helpers import PerTokenScaledHead, check_counters, commit_made_during, greedy_tokens, random_partition, random_prompt
 
 transformers = pytest.importorskip("transformers")
 
@@ -1006,6 +1006,24 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, entry):
     assert re.search(r"--kmeans-iters( KMEANS_ITERS)?, --iters KMEANS_ITERS", help_text), help_text
     # A default of None is not printed: its help says what it stands for ("default: 8, or all the file holds").
     assert "(default: None)" not in help_text and "(default: 0)" in help_text
+
+
+def test_cli_records_the_commit_and_date_the_run_started_with(tmp_path, monkeypatch):
+    # Read when the JSON was written, a commit made (or a branch checked out) mid-run named the result.
+    from flashhead_ext.bench import timing
+    from flashhead_ext.speculative import cli
+
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    _save_tiny_model_with_tokenizer(tmp_path / "model")
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("\n".join(json.dumps(dict(question_id=q, category="a", turns=[f"w{q} w7 w19"])) for q in (1, 3)))
+    checkout = commit_made_during(monkeypatch, timing, cli, "run_interleaved")
+    out = tmp_path / "spec.json"
+    assert _package_main(["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--prompts", str(questions),
+                          "--mode", "baseline", "--max-new-tokens", "2", "--device", "cpu", "--json", str(out)]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert checkout == ["after"] and (meta["commit"], meta["date"]) == ("before", "before UTC")
+    assert meta["build_commit"] == timing.build_commit() and meta["num_prompts"] == 2
 
 
 def test_cli_options_at_their_bounds(tmp_path, monkeypatch, capsys):
