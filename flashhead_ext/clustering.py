@@ -122,7 +122,7 @@ def cluster_sizes(vocab_size: int, cluster_size: Optional[int] = None, n_cluster
         raise ValueError("give exactly one of cluster_size and n_clusters")
     given_name, given = ("cluster_size", cluster_size) if cluster_size is not None else ("n_clusters", n_clusters)
     if not ops._is_int(given):
-        raise TypeError(f"{given_name} must be an int, got {type(given).__name__}")
+        raise TypeError(f"{given_name} must be an int, got {ops._type_name(given)}")
     if not 1 <= given <= vocab_size:
         raise ValueError(f"{given_name} must be in 1..{vocab_size} (the vocabulary size), got {given}")
     if cluster_size is not None:
@@ -260,7 +260,7 @@ def _check_matrix(name: str, value, shape: str, finite: bool = True) -> None:
 def check_seed(seed) -> None:
     """A k-means seed: an int that torch.Generator.manual_seed takes, or a TypeError / ValueError."""
     if not ops._is_int(seed):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        raise TypeError(f"seed must be an int, got {ops._type_name(seed)}")
     if not -2**63 <= seed < 2**64:
         raise ValueError(f"seed must be in -2**63..2**64 - 1 (what torch.Generator.manual_seed takes), got {seed}")
 

@@ -83,7 +83,7 @@ def _require_values(name: str, value: Tensor, detail: str = ": materialise it fi
 
 def _require_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a bool, got {_type_name(value)}")
     return value
 
 
@@ -104,7 +104,7 @@ def _require_int(name: str, value) -> int:
 
 def _require_positive_int(name: str, value) -> int:
     if not _is_int(value):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int, got {_type_name(value)}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return value

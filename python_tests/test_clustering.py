@@ -1,6 +1,7 @@
 """build_clusters and calibrate_clusters: equal sizes, padding, determinism, recovery of planted clusters, bad input."""
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -199,6 +200,10 @@ def test_best_member_logits_refuses_bad_input_by_name(change, error, match):
     (("10", 4), TypeError, "vocab_size must be an int, got str"),
     ((0, 4), ValueError, "vocab_size must be >= 1, got 0"),
     ((10, 4, None, "false"), TypeError, "strict must be a bool, got str"),
+    # numpy's scalars are named with their module: "must be a bool, got bool" read as a contradiction
+    ((10, 4, None, np.bool_(False)), TypeError, r"strict must be a bool, got numpy\.bool"),
+    ((np.int64(10), 4), TypeError, r"vocab_size must be an int, got numpy\.int64$"),
+    ((10, np.int32(4)), TypeError, r"cluster_size must be an int, got numpy\.int32$"),
 ])
 def test_cluster_sizes_refuses_bad_input_by_name(args, error, match):
     with pytest.raises(error, match=match):

@@ -47,7 +47,7 @@ def early_exit_draft(target: nn.Module, num_layers: int) -> PreTrainedModel:
     most transformers decoders).
     """
     if not ops._is_int(num_layers):
-        raise TypeError(f"num_layers must be an int, got {type(num_layers).__name__}")
+        raise TypeError(f"num_layers must be an int, got {ops._type_name(num_layers)}")
     # The draft shares the modules, not a compiled or PEFT wrapper (whose LoRA layers sit in them).
     target = unwrapped(target)
     body = getattr(target, "base_model", None)
