@@ -1096,8 +1096,9 @@ def _attach_to(model: nn.Module, linear: nn.Linear, assets, probes: Optional[int
     centroid_dtype = centroid_dtype_option(centroid_dtype, linear.weight.dtype)
     embedding = linear.weight.detach()
     if embedding.device.type == "meta":
-        raise ValueError("the model's output head weight is on the meta device (offloaded, e.g. by a device_map "
-                         "with CPU or disk offload); FlashHead needs it resident: keep lm_head on a device")
+        raise ValueError("the model's output head weight is on the meta device, which holds no values (a model built "
+                         "there and not loaded yet, or offloaded by a device_map with CPU or disk offload); FlashHead "
+                         "needs it resident: load the weights, or keep lm_head on a device")
     specials = special_token_list(build_options.pop("special_token_ids", None), embedding.shape[0])
     # Assets loaded for this embedding were compared with it already; built ones fit it.
     weights_checked = assets is None or isinstance(assets, (str, os.PathLike))
