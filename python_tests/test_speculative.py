@@ -568,7 +568,9 @@ def test_bad_inputs_name_the_argument():
     # Weights on meta: torch's "Cannot copy out of meta tensor" came mid-generate. A draft's head reads its
     # weights at every proposal; a target without accelerate's hooks (test_peft_accelerate) holds none.
     meta = copy.deepcopy(target).to("meta")
-    with pytest.raises(ValueError, match=r"^draft's weights are on the meta device \(offloaded, .*keep the draft on the device that runs it$"):
+    with pytest.raises(ValueError, match=r"^draft's weights are on the meta device, which holds no values \(a model "
+                                         r"built there and not loaded yet, or offloaded, .*load the draft and keep it "
+                                         r"on the device that runs it$"):
         SpeculativeDecoder(target, meta)
     with pytest.raises(ValueError, match=r"^target's input embedding is on the meta device with no accelerate hook to load it"):
         SpeculativeDecoder(meta, target)

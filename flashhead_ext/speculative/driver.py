@@ -304,13 +304,14 @@ def _named_cache_keyword(forward) -> Optional[str]:
 
 
 def resident_draft_device(draft) -> torch.device:
-    """The device of ``draft``'s weights; a ValueError where they are offloaded to the meta device: the
-    draft's head reads its output weights at every step."""
+    """The device of ``draft``'s weights; a ValueError where they are on the meta device (not loaded,
+    or offloaded): the draft's head reads its output weights at every step."""
     device = next(draft.parameters()).device
     if device.type == "meta":
-        raise ValueError("draft's weights are on the meta device (offloaded, e.g. by accelerate's cpu_offload or a "
-                         "device_map with CPU or disk entries): the draft's head reads them at every proposal, so keep "
-                         "the draft on the device that runs it")
+        raise ValueError("draft's weights are on the meta device, which holds no values (a model built there and not "
+                         "loaded yet, or offloaded, e.g. by accelerate's cpu_offload or a device_map with CPU or disk "
+                         "entries): the draft's head reads them at every proposal, so load the draft and keep it on the "
+                         "device that runs it")
     return device
 
 
