@@ -99,9 +99,19 @@ def _file_identity(path) -> object:
     return status.st_dev, status.st_ino
 
 
-def config_inputs(names: list, is_config) -> list:
-    """The config files the shapes ``names`` read: those ``is_config`` takes, as refuse_shared_files' input."""
-    return [str(config_file(name)) for name in names if is_config(name)]
+# The files transformers reads by name from a model directory: a result written over one broke the model.
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "model.safetensors",
+               "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def model_files(name: str) -> list:
+    """The files of MODEL_FILES in the model directory ``name``, as refuse_shared_files' input; none
+    where it names no directory (smollm2, a Hub name, an early-exit draft)."""
+    try:
+        return [Path(name) / file for file in MODEL_FILES if (Path(name) / file).exists()]
+    except OSError:  # a name too long for a path
+        return []
 
 
 def output_file(text: str) -> str:

@@ -114,8 +114,9 @@ def greedy_centroids(raw_centroids: Tensor, greedy_scoring: str) -> Tensor:
 
 def cluster_sizes(vocab_size: int, cluster_size: Optional[int] = None, n_clusters: Optional[int] = None,
                   strict: bool = False) -> tuple[int, Tensor]:
-    """``(b, sizes)``: the table width b and each cluster's token count (int64 ``[C]``) under the
-    padding scheme of this module."""
+    """``(b, sizes)``: the cluster size b (given, or made from ``n_clusters``) and each cluster's token
+    count (int64 ``[C]``) under the padding scheme of this module. A table built on it is ``sizes.max()``
+    wide: b unless every cluster gets a padding slot."""
     ops._require_positive_int("vocab_size", vocab_size)
     ops._require_bool("strict", strict)  # "false" read as truthy had refused a padded split
     if (cluster_size is None) == (n_clusters is None):

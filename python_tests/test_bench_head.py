@@ -498,7 +498,7 @@ def test_a_value_named_twice_in_a_comma_list_runs_once(capsys):
     assert choices_list(None, " tiny, qwen3-0.6b ,tiny", SHAPES, "shape") == ["tiny", "qwen3-0.6b"]  # as --probes "32, 256"
     # A head under two names runs once, under the first.
     from flashhead_ext.bench.head import vocab_shape_list
-    assert vocab_shape_list(None, "tiny,4000x64,100x8,100x8x16,151936x1024,qwen3-0.6b") == ["tiny", "100x8", "151936x1024"]
+    assert vocab_shape_list(None, "tiny,4000x64,100x8,100x8x16,151936x1024,qwen3-0.6b", {}) == ["tiny", "100x8", "151936x1024"]
     assert capsys.readouterr().err.splitlines() == ["--shapes 4000x64: the same head as tiny, run once under that name",
                                                     "--shapes 100x8x16: the same head as 100x8, run once under that name",
                                                     "--shapes qwen3-0.6b: the same head as 151936x1024, run once under that name"]

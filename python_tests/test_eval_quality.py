@@ -496,13 +496,17 @@ def test_cli_seeds_held_out_categories_and_bfloat16_on_a_tiny_model(tmp_path, mo
 def test_a_cluster_size_whose_every_cluster_gets_padding_is_noted_with_the_b_its_rows_have(capsys):
     from types import SimpleNamespace
 
-    from flashhead_ext.eval.quality import check_vocab_args
+    from flashhead_ext.eval.quality import build_method, check_vocab_args
 
     # 97 rows: clusters of 4 are 25 (3 padding slots), of 33 three (2), of 34 three (5: every one padded), of 60 two (23).
     check_vocab_args(SimpleNamespace(cluster_sizes=[4, 33, 34, 60], probes=[1], frequent_tokens=0), 97)
     assert capsys.readouterr().err.splitlines() == [
         "--cluster-sizes 34: the model's 97 vocabulary rows make 3 clusters of at most 33 tokens, so its rows have b = 33",
         "--cluster-sizes 60: the model's 97 vocabulary rows make 2 clusters of at most 49 tokens, so its rows have b = 49"]
+    embedding = torch.randn(97, 8, generator=torch.Generator().manual_seed(5))
+    for size, width in ((4, 4), (33, 33), (34, 33), (60, 49)):  # the b the rows report: the built table's width
+        table = build_method("kmeans", embedding, size, None, iters=1, seed=0, cache=False).cluster_tokens
+        assert table.shape == (-(-97 // size), width)
 
 
 def test_sizes_past_the_vocabulary_or_its_clusters_are_usage_errors_before_recording(tmp_path, monkeypatch, capsys, tiny_model_dir):
@@ -591,10 +595,11 @@ def test_outputs_that_name_the_prompts_or_each_other_are_usage_errors_before_the
     # --json at the prompts file overwrote them with the results; --json and --plot at one file left the plot.
     monkeypatch.setattr(hf, "from_pretrained", lambda *args, **kwargs: pytest.fail("refused before the model loads"))
     prompts = _questions(tmp_path / "q.jsonl")
-    before = prompts.read_text()
+    before, config = prompts.read_text(), (tiny_model_dir / "config.json").read_text()
     (tmp_path / "link.jsonl").symlink_to(prompts)
     out = tmp_path / "out" / "same.png"
-    cases = [(["--json", str(tmp_path / "link.jsonl")], f"--json {tmp_path / 'link.jsonl'}: the file --prompts reads")]
+    cases = [(["--json", str(tmp_path / "link.jsonl")], f"--json {tmp_path / 'link.jsonl'}: the file --prompts reads"),
+             (["--json", str(tiny_model_dir / "config.json")], f"--json {tiny_model_dir / 'config.json'}: the file --model reads")]
     if importlib.util.find_spec("matplotlib") is not None:
         cases.append((["--json", str(out), "--plot", str(out)], f"--plot {out}: the file --json writes"))
     for extra, message in cases:
@@ -603,6 +608,7 @@ def test_outputs_that_name_the_prompts_or_each_other_are_usage_errors_before_the
         assert exit_info.value.code == 2
         assert f"quality: error: {message}, which the run would overwrite: name another" in capsys.readouterr().err
     assert prompts.read_text() == before and not (tmp_path / "out").exists()
+    assert (tiny_model_dir / "config.json").read_text() == config
 
 
 def test_the_result_names_the_commit_and_date_the_run_started_with(tmp_path, monkeypatch, tiny_model_dir):

@@ -1542,7 +1542,8 @@ def test_bench_spec_takes_a_body_the_built_model_refuses_as_a_usage_error(monkey
 
 @pytest.mark.parametrize("command", ["head", "clusters", "layer-ops", "draft-step", "spec --target", "spec --draft"])
 def test_bench_json_at_a_shape_config_file_is_a_usage_error_before_the_run(tmp_path, capsys, command):
-    # The result overwrote the model's config.json (through its directory's name or a hard link).
+    # The result overwrote the model's config.json (through its directory's name or a hard link), also
+    # where its head is a shape named before it (997x48), which runs in its stead.
     from transformers import Qwen3Config
 
     from flashhead_ext.bench.__main__ import main
@@ -1554,7 +1555,7 @@ def test_bench_json_at_a_shape_config_file_is_a_usage_error_before_the_run(tmp_p
     (tmp_path / "hard.json").hardlink_to(config)
     subcommand, *flag = command.split()
     shape_flags = [flag[0], str(tmp_path / "mine"), "--draft" if flag == ["--target"] else "--target", "qwen3-0.6b"] \
-        if flag else ["--shapes", f"tiny,{tmp_path / 'mine'}"]
+        if flag else ["--shapes", f"{'997x48' if subcommand in ('head', 'clusters') else 'tiny'},{tmp_path / 'mine'}"]
     for output in (config, tmp_path / "hard.json"):
         with pytest.raises(SystemExit) as exit_info:
             main([subcommand, *shape_flags, *([] if subcommand == "layer-ops" else ["--device", "cpu"]), "--json", str(output)])

@@ -1151,6 +1151,25 @@ def test_json_at_the_prompts_file_is_a_usage_error_before_the_run(tmp_path, caps
     assert json.loads(questions.read_text())["turns"] == ["w1"]
 
 
+def test_json_at_a_file_the_models_load_is_a_usage_error_before_the_run(tmp_path, capsys):
+    # --json model/config.json replaced the target's config with the results.
+    _save_tiny_model_with_tokenizer(tmp_path / "llama")
+    config = (tmp_path / "llama" / "config.json").read_text()
+    missing_prompts = str(tmp_path / "missing.jsonl")  # the usage error the checks after this one give
+    for flag, output in (("--target", "config.json"), ("--target", "tokenizer_config.json"), ("--draft", "config.json")):
+        with pytest.raises(SystemExit) as exit_info:
+            _spec_main(["--target", str(tmp_path / ("llama" if flag == "--target" else "other")), "--draft",
+                        str(tmp_path / "llama") if flag == "--draft" else "early-exit:1", "--prompts", missing_prompts,
+                        "--json", str(tmp_path / "llama" / output)])
+        assert exit_info.value.code == 2
+        assert f"--json {tmp_path / 'llama' / output}: the file {flag} reads, which the run would overwrite" in capsys.readouterr().err
+    # Another file in the directory is the run's to write: the prompts' error comes next.
+    with pytest.raises(SystemExit):
+        _spec_main(["--target", str(tmp_path / "llama"), "--prompts", missing_prompts, "--json", str(tmp_path / "llama" / "r.json")])
+    assert "which the run would overwrite" not in capsys.readouterr().err
+    assert (tmp_path / "llama" / "config.json").read_text() == config
+
+
 def test_more_prompts_than_the_file_holds_is_a_usage_error(tmp_path, capsys):
     questions = tmp_path / "questions.jsonl"
     questions.write_text("\n".join(json.dumps(dict(question_id=q, category=c, turns=[f"w{q}"]))

@@ -13,10 +13,9 @@ import time
 
 import torch
 
-from .._cli import (DefaultsHelpFormatter, config_inputs, device_arg, doc_summary, note, output_file, positive_int,
-                    refuse_shared_files, write_output)
+from .._cli import DefaultsHelpFormatter, device_arg, doc_summary, note, output_file, positive_int, write_output
 from ..clustering import build_clusters
-from .head import CONFIG_HEADS, SHAPES_HELP, VocabShape, note_slow_on_the_cpu, shape_of, vocab_shape_list
+from .head import SHAPES_HELP, VocabShape, note_slow_on_the_cpu, shape_of, vocab_shape_list
 from .timing import format_table, run_metadata, usage_error_past_memory
 
 # The heads issue 4 names, in clusters of 16: 9,496 and 3,072 of them.
@@ -38,8 +37,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=output_file, default="results/bench_clusters.json",
                         help="where the result JSON is written")
     args = parser.parse_args(argv)
-    names = vocab_shape_list(parser, args.shapes, SHAPES)
-    refuse_shared_files(parser, {"--shapes": config_inputs(names, CONFIG_HEADS.__contains__)}, {"--json": args.json})
+    names = vocab_shape_list(parser, args.shapes, {"--json": args.json}, SHAPES)
     note_slow_on_the_cpu(args.device, names, "--shapes tiny --iters 2", SHAPES)
     meta = dict(run_metadata(args.device), args=vars(args))  # the code and date the run started with
 

@@ -27,7 +27,7 @@ import torch
 
 from .. import ops
 from ..assets import default_probes
-from .._cli import (DefaultsHelpFormatter, choices_list, config_inputs, device_arg, doc_summary, first_of_each, model_config,
+from .._cli import (DefaultsHelpFormatter, choices_list, config_file, device_arg, doc_summary, first_of_each, model_config,
                     note, output_file, positive_int, positive_int_list, refuse_missing_cuda_kernels, refuse_shared_files,
                     shape_names, write_output)
 from ..graphs import capture_graph
@@ -93,14 +93,18 @@ def note_slow_on_the_cpu(device: str, names: list[str], quick_flags: str, preset
         note(f"on the CPU the large shapes ({', '.join(large)}) take minutes; {quick_flags} takes seconds")
 
 
-def vocab_shape_list(parser: argparse.ArgumentParser, names: str, presets: dict = SHAPES) -> list[str]:
+def vocab_shape_list(parser: argparse.ArgumentParser, names: str, outputs: dict, presets: dict = SHAPES) -> list[str]:
     """``--shapes``: each name a preset, a ``VOCABxDIM[xCLUSTER_SIZE]`` head or a model's config
     file (its output head, in clusters of 16), with token ids that fit int32 and clusters no larger
-    than the vocabulary; a head named twice (``tiny,4000x64``) runs once, under its first name."""
+    than the vocabulary; a head named twice (``tiny,4000x64``) runs once, under its first name. A
+    usage error where one of ``outputs`` (as refuse_shared_files') would overwrite a config file
+    named, one whose head runs under an earlier name too."""
     picked = shape_names(parser, "--shapes", names, presets, SHAPES_HELP, lambda name: custom_shape(name) is not None)
+    configs = [name for name in picked if name not in presets and custom_shape(name) is None]
+    refuse_shared_files(parser, {"--shapes": [config_file(name) for name in configs]}, outputs)
+    for name in configs:
+        CONFIG_HEADS[name] = config_head(parser, name)
     for name in picked:
-        if name not in presets and custom_shape(name) is None:
-            CONFIG_HEADS[name] = config_head(parser, name)
         shape = shape_of(name, presets)
         if not (1 <= shape.cluster_size <= shape.vocab < 2**31 and 1 <= shape.dim < 2**31):
             parser.error(f"shape {name!r}: the vocabulary must be in 1..2**31 - 1 (int32 token ids), the hidden size in "
@@ -329,8 +333,7 @@ def main(argv=None) -> int:
                         help="where it runs (a GPU when there is one; the CPU runs the references, slowly)")
     parser.add_argument("--json", type=output_file, default="results/bench_head.json", help="where the result JSON is written")
     args = parser.parse_args(argv)
-    args.shapes = vocab_shape_list(parser, args.shapes)
-    refuse_shared_files(parser, {"--shapes": config_inputs(args.shapes, CONFIG_HEADS.__contains__)}, {"--json": args.json})
+    args.shapes = vocab_shape_list(parser, args.shapes, {"--json": args.json})
     for name in args.shapes:
         if not 0 <= args.special_tokens < shape_of(name).vocab:
             parser.error(f"--special-tokens must be in [0, {shape_of(name).vocab}) for {name}, got {args.special_tokens}")

@@ -20,10 +20,9 @@ import torch.nn.functional as F
 from .. import ops
 from ..fast.decoder import Decoder, _fused_layer, _layer
 from ..graphs import capture_graph
-from .._cli import (NO_CUDA_KERNELS, DefaultsHelpFormatter, config_inputs, output_file, positive_int, positive_int_list,
-                    refuse_shared_files)
+from .._cli import NO_CUDA_KERNELS, DefaultsHelpFormatter, output_file, positive_int, positive_int_list
 from .._loader import build_info
-from .spec import CONFIG_SHAPE_HELP, SHAPES, _write, cache_read_bytes, decoder_shape_list, is_decoder_config
+from .spec import CONFIG_SHAPE_HELP, SHAPES, _write, cache_read_bytes, decoder_shape_list
 from .timing import copy_bandwidth_gbs, format_table, run_metadata, time_calls
 
 COLUMNS = [("shape", "shape", "s"), ("tokens", "M", "d"), ("op", "op", "s"), ("ours_us", "ours us", ".1f"),
@@ -126,8 +125,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=output_file, default="results/bench_layer_ops.json",
                         help="where the result JSON is written")
     args = parser.parse_args(argv)
-    shapes, configs = decoder_shape_list(parser, "--shapes", args.shapes)
-    refuse_shared_files(parser, {"--shapes": config_inputs(shapes, is_decoder_config)}, {"--json": args.json})
+    shapes, configs = decoder_shape_list(parser, "--shapes", args.shapes, {"--json": args.json})
     for name, config in zip(shapes, configs):
         # The rows time the fused ops, the Llama / Qwen layer: a gemma2-* or gemma3-* shape's own layer
         # failed building its one-layer model, and its sliding window set a floor its attention does not keep.

@@ -28,7 +28,7 @@ import torch
 
 from ..assets import default_probes
 from ..clustering import greedy_centroids, member_means
-from .._cli import (DefaultsHelpFormatter, choices_list, config_inputs, device_arg, is_config_path, model_config, note,
+from .._cli import (DefaultsHelpFormatter, choices_list, config_file, device_arg, is_config_path, model_config, note,
                     note_shadowed_paths, note_unused_draft_options, output_file, positive_int, refuse_draft_without_kernels,
                     refuse_missing_cuda_kernels, refuse_shared_files, run_seed, shape_names, write_output)
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
@@ -121,10 +121,12 @@ CONFIG_SHAPE_HELP = ("a transformers config.json, or a model directory holding o
                      "weights")
 
 
-def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> list:
+def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list, outputs: dict) -> list:
     """Each name's DecoderConfig, a preset's or a config file's; a usage error where one cannot be
     built, or where building one needs transformers (Gemma's own layers, a config file), which
-    the benchmarks over Decoder.random do not otherwise need."""
+    the benchmarks over Decoder.random do not otherwise need, or where one of ``outputs`` (as
+    refuse_shared_files') would overwrite a config file read."""
+    refuse_shared_files(parser, {flag: [config_file(name) for name in names if name not in SHAPES]}, outputs)
     configs = []
     for name in names:
         if name in SHAPES:
@@ -143,23 +145,18 @@ def shape_configs(parser: argparse.ArgumentParser, flag: str, names: list) -> li
     return configs
 
 
-def decoder_shape_list(parser: argparse.ArgumentParser, flag: str, text: str) -> tuple[list, list]:
+def decoder_shape_list(parser: argparse.ArgumentParser, flag: str, text: str, outputs: dict) -> tuple[list, list]:
     """The names of a comma list of shapes (presets or config files; one named twice runs once) and
-    their DecoderConfigs."""
+    their DecoderConfigs (shape_configs)."""
     names = shape_names(parser, flag, text, SHAPES, CONFIG_SHAPE_HELP)
-    return names, shape_configs(parser, flag, names)
+    return names, shape_configs(parser, flag, names, outputs)
 
 
-def is_decoder_config(name: str) -> bool:
-    """Whether a decoder shape's name (a preset or a config path, as parsed) is a config path."""
-    return name not in SHAPES
-
-
-def one_shape(parser: argparse.ArgumentParser, flag: str, name: str) -> DecoderConfig:
+def one_shape(parser: argparse.ArgumentParser, flag: str, name: str, outputs: dict) -> DecoderConfig:
     if name not in SHAPES and not is_config_path(name):
         parser.error(f"argument {flag}: invalid choice: {name!r} (choose from {sorted(SHAPES)} or {CONFIG_SHAPE_HELP})")
     note_shadowed_paths(flag, [name], lambda preset: preset in SHAPES)
-    (config,) = shape_configs(parser, flag, [name])
+    (config,) = shape_configs(parser, flag, [name], outputs)
     return config
 
 
@@ -257,8 +254,7 @@ def draft_step_main(argv=None) -> int:
                         help=f"comma list of {BODIES}: how the layers run (Decoder.body), each timed in this run")
     _common(parser, "results/bench_draft_step.json")
     args = parser.parse_args(argv)
-    shapes, configs = decoder_shape_list(parser, "--shapes", args.shapes)
-    refuse_shared_files(parser, {"--shapes": config_inputs(shapes, is_decoder_config)}, {"--json": args.json})
+    shapes, configs = decoder_shape_list(parser, "--shapes", args.shapes, {"--json": args.json})
     bodies = choices_list(parser, args.bodies, BODIES, "body")
     check_clusters(parser, args, shapes, configs)
     refuse_missing_cuda_kernels(parser, "--device", args.device, "draft-step's FlashHead rows need")
@@ -377,9 +373,8 @@ def spec_main(argv=None) -> int:
                         help="how the target runs its layers (None: compiled on a GPU, eager on the CPU)")
     _common(parser, "results/bench_spec.json")
     args = parser.parse_args(argv)
-    target_shape, draft_shape = one_shape(parser, "--target", args.target), one_shape(parser, "--draft", args.draft)
-    refuse_shared_files(parser, {"--target": config_inputs([args.target], is_decoder_config),
-                                 "--draft": config_inputs([args.draft], is_decoder_config)}, {"--json": args.json})
+    target_shape = one_shape(parser, "--target", args.target, {"--json": args.json})
+    draft_shape = one_shape(parser, "--draft", args.draft, {"--json": args.json})
     check_clusters(parser, args, [args.draft], [draft_shape])
     if args.target_body is None:
         args.target_body = "compiled" if torch.device(args.device).type == "cuda" else "eager"

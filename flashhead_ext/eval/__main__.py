@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .._cli import (ArgumentValueError, doc_summary, kmeans_seed, non_negative_int, note, output_file,
+from .._cli import (ArgumentValueError, doc_summary, kmeans_seed, model_files, non_negative_int, note, output_file,
                     positive_int, positive_int_list, refuse_shared_files, thread_count, write_output)
 from ..ops import TEMPERATURE_RANGE
 from ..prompts import DEFAULT_PROMPTS
@@ -161,7 +161,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.plot = output_file(DEFAULT_PLOT)
         except argparse.ArgumentTypeError as error:
             command_parser.error(f"the default --plot: {error}")
-    refuse_shared_files(command_parser, {"--prompts": args.prompts}, {"--json": args.json, "--plot": args.plot if plotting else None})
+    refuse_shared_files(command_parser, {"--prompts": args.prompts, "--model": model_files(args.model)},
+                        {"--json": args.json, "--plot": args.plot if plotting else None})
     try:
         result = run_quality(args)
     except ArgumentValueError as error:

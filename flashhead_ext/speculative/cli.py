@@ -17,7 +17,7 @@ import torch
 from .. import ops
 from ..bench.timing import run_metadata
 from .._cli import (DEFAULT_NUM_PROMPTS, MAX_THREADS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count,
-                    device_arg, model_unavailable, note, note_unused_draft_options, output_file,
+                    device_arg, model_files, model_unavailable, note, note_unused_draft_options, output_file,
                     refuse_draft_without_kernels, refuse_shared_files, run_seed)
 from ..fast.decoder import BODIES, FAMILY_NAMES
 from ..hf import output_embedding
@@ -167,7 +167,8 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= {lowest}, got {getattr(args, name)}")
     if args.threads > MAX_THREADS:
         parser.error(f"--threads must be at most {MAX_THREADS}, got {args.threads}")
-    refuse_shared_files(parser, {"--prompts": args.prompts}, {"--json": args.json})
+    refuse_shared_files(parser, {"--prompts": args.prompts, "--target": model_files(args.target), "--draft": model_files(args.draft)},
+                        {"--json": args.json})
     try:
         configs = plan_configs(args.head, args.mode)
         early_exit = _early_exit_layers(args.draft) is not None  # checked before any model is loaded
