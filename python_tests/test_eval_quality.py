@@ -351,13 +351,15 @@ def _argv(tmp_path, model_dir, prompts, *extra, plot=True):
 # 6 prompts of 6 tokens calibrate the tiny model (hidden size 16) on 36 states, fewer than calibrate_clusters
 # wants: the CLI's plumbing is under test here, not the quality that warning is about.
 @pytest.mark.filterwarnings("ignore:calibrate_clusters")
-def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, tiny_model_dir):
+def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys, tiny_model_dir):
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
     prompts = _questions(tmp_path / "questions.jsonl")
     calls = _record_spy(monkeypatch)
     argv = _argv(tmp_path, tiny_model_dir, prompts, "--methods", "kmeans,kmeans-fit,calibrated,kmeans", "--frequent-tokens", "3",
                  "--fp8-centroids")
     assert main(argv) == 0
+    # --quiet: no progress bars, transformers' weight loading's neither (and those are on again after).
+    assert "Loading weights" not in capsys.readouterr().err and transformers.utils.logging.is_progress_bar_enabled()
     result = json.loads((tmp_path / "out" / "quality.json").read_text())
     # What the run read and asked for; a method named twice ran once (it was scored twice).
     assert (result["prompts_file"], result["batch_size"], result["probes_requested"]) == (str(prompts), 3, [1, 2, 3, 40])

