@@ -167,13 +167,20 @@ class ArgumentValueError(ValueError):
     prompts file): the CLI makes it a usage error."""
 
 
-def cluster_count(flag: str, vocab: int, cluster_size: int) -> int:
-    """C, the clusters ``vocab`` rows make in clusters of ``cluster_size`` (``flag``'s value), or an
+def cluster_layout(flag: str, vocab: int, cluster_size: int) -> tuple[int, int]:
+    """(C, b): the clusters ``vocab`` rows make in clusters of ``cluster_size`` (``flag``'s value)
+    and the largest one's size, narrower than asked where every cluster gets a padding slot; or an
     ArgumentValueError naming ``flag``."""
     try:
-        return cluster_sizes(vocab, cluster_size)[1].numel()
+        sizes = cluster_sizes(vocab, cluster_size)[1]
     except ValueError as error:
         raise ArgumentValueError(f"{flag}: {error}") from None
+    return sizes.numel(), int(sizes.max())
+
+
+def cluster_count(flag: str, vocab: int, cluster_size: int) -> int:
+    """C, as cluster_layout."""
+    return cluster_layout(flag, vocab, cluster_size)[0]
 
 
 def model_unavailable(subject: str, name: str) -> Optional[str]:

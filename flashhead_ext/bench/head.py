@@ -67,8 +67,13 @@ def custom_shape(name: str) -> VocabShape | None:
     return VocabShape(int(vocab), int(dim), int(cluster_size or 16))
 
 
+def named_shape(name: str, presets: dict = SHAPES) -> VocabShape | None:
+    """The head a preset or ``VOCABxDIM[xCLUSTER_SIZE]`` names, or None (a config path)."""
+    return presets[name] if name in presets else custom_shape(name)
+
+
 def shape_of(name: str, presets: dict = SHAPES) -> VocabShape | None:
-    return presets[name] if name in presets else custom_shape(name) or CONFIG_HEADS.get(name)
+    return named_shape(name, presets) or CONFIG_HEADS.get(name)
 
 
 def config_head(parser: argparse.ArgumentParser, path: str) -> VocabShape:
@@ -99,8 +104,8 @@ def vocab_shape_list(parser: argparse.ArgumentParser, names: str, outputs: dict,
     than the vocabulary; a head named twice (``tiny,4000x64``) runs once, under its first name. A
     usage error where one of ``outputs`` (as refuse_shared_files') would overwrite a config file
     named, one whose head runs under an earlier name too."""
-    picked = shape_names(parser, "--shapes", names, presets, SHAPES_HELP, lambda name: custom_shape(name) is not None)
-    configs = [name for name in picked if name not in presets and custom_shape(name) is None]
+    picked = shape_names(parser, "--shapes", names, presets, SHAPES_HELP, lambda name: named_shape(name, presets) is not None)
+    configs = [name for name in picked if named_shape(name, presets) is None]
     refuse_shared_files(parser, {"--shapes": [config_file(name) for name in configs]}, outputs)
     for name in configs:
         CONFIG_HEADS[name] = config_head(parser, name)

@@ -28,10 +28,10 @@ import torch
 from torch import Tensor
 
 from .. import __version__, ops
-from .._cli import ArgumentValueError, cluster_count, model_unavailable, note
+from .._cli import ArgumentValueError, cluster_layout, model_unavailable, note
 from ..assets import FlashHeadAssets, flash_head_for
 from ..bench.timing import build_commit, source_commit, utc_stamp
-from ..clustering import cluster_sizes, fit_max_logit_centroids
+from ..clustering import fit_max_logit_centroids
 from ..head import FlashHead
 from ..hf import (greedy_logit_settings, model_digest, position_limit, recorded_states, recording_batch_size,
                   split_by_positions)
@@ -366,8 +366,7 @@ def check_vocab_args(args, vocab: int) -> None:
     loaded, before minutes of recording. A note where a size's every cluster gets a padding slot:
     its table, and the rows' b, are narrower than the size asked."""
     for size in args.cluster_sizes:
-        clusters = cluster_count("--cluster-sizes", vocab, size)
-        width = int(cluster_sizes(vocab, size)[1].max())
+        clusters, width = cluster_layout("--cluster-sizes", vocab, size)
         if width != size:
             note(f"--cluster-sizes {size}: the model's {vocab} vocabulary rows make {clusters} clusters of at most {width} "
                  f"tokens, so its rows have b = {width}")
