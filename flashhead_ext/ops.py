@@ -53,6 +53,8 @@ TEMPERATURE_RANGE = (1e-6, 1e6)
 ATTENTION_SCALE_MAX = 1e6
 # The most query heads the decoder-layer ops take (kMaxHeads in csrc/ops/decoder_checks.h).
 NUM_HEADS_MAX = 2**16
+# The largest count (B, D, C, b, p, ...) a CUDA kernel loops over (kMaxKernelCount in csrc/ops/cuda_ops.cpp).
+CUDA_COUNT_MAX = 2**30
 
 
 def _require_tensor(name: str, value) -> None:
@@ -728,6 +730,6 @@ def _no_derivative_fake(op, grad, like):
 __all__ = [
     "select_clusters", "sample_clusters", "gather_candidates", "candidate_logits",
     "decode_greedy", "decode_sample", "make_seed", "quantize_centroids", "validate_cluster_table", "TEMPERATURE_RANGE", "ATTENTION_SCALE_MAX",
-    "NUM_HEADS_MAX",
+    "NUM_HEADS_MAX", "CUDA_COUNT_MAX",
     "fused_linear", "rotary_cache_write", "decode_attention", "decoder_step",
 ]

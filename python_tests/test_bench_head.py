@@ -397,11 +397,12 @@ def test_head_bench_times_a_capped_probes_value_once(tmp_path):
                                               "for a head of one's own")
       for bench, presets in (("head", "['gemma3-1b', 'llama3', 'qwen3-0.6b', 'tiny']"), ("clusters", "['qwen3-0.6b', 'smollm2', 'tiny']"))
       for shape in ("4000x64x", "4000X64", "4000x64x8x2", "-4000x64", "4000 x64")],
-    # Token ids are int32; a cluster is no larger than the vocabulary.
-    *[([bench, "--shapes", f"tiny, {shape}"], f"shape {shape!r}: the vocabulary must be in 1..2**31 - 1 (int32 token ids), "
-                                               "the hidden size in 1..2**31 - 1 and the cluster size in 1..the vocabulary")
+    # The CUDA kernels loop over counts up to 2^30; a cluster is no larger than the vocabulary.
+    *[([bench, "--shapes", f"tiny, {shape}"], f"shape {shape!r}: the vocabulary and the hidden size must be in 1..2**30 (the "
+                                               "CUDA kernels' limit on a count) and the cluster size in 1..the vocabulary")
       for bench in ("head", "clusters")
-      for shape in ("0x64", "4000x0", "4000x64x0", "100x8x101", "2147483648x8", "99999999999999999999x2", "8x2147483648")],
+      for shape in ("0x64", "4000x0", "4000x64x0", "100x8x101", "1073741825x8", "2147483648x8", "99999999999999999999x2",
+                    "8x1073741825", "8x2147483648")],
     (["clusters", "--iters", "0"], "argument --iters: expected a positive integer"),
     (["clusters", "--device", "meta"], "argument --device: 'meta' holds no values"),
     (["draft-step", "--context", "0"], "argument --context: expected a positive integer"),
@@ -502,6 +503,8 @@ def test_a_value_named_twice_in_a_comma_list_runs_once(capsys):
     assert capsys.readouterr().err.splitlines() == ["--shapes 4000x64: the same head as tiny, run once under that name",
                                                     "--shapes 100x8x16: the same head as 100x8, run once under that name",
                                                     "--shapes qwen3-0.6b: the same head as 151936x1024, run once under that name"]
+    # The largest counts the CUDA kernels take are taken (one past them is refused: test_bench_refuses_bad_options).
+    assert vocab_shape_list(None, "1073741824x1073741824x1073741824", {}) == ["1073741824x1073741824x1073741824"]
 
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),

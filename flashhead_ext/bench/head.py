@@ -100,7 +100,7 @@ def note_slow_on_the_cpu(device: str, names: list[str], quick_flags: str, preset
 
 def vocab_shape_list(parser: argparse.ArgumentParser, names: str, outputs: dict, presets: dict = SHAPES) -> list[str]:
     """``--shapes``: each name a preset, a ``VOCABxDIM[xCLUSTER_SIZE]`` head or a model's config
-    file (its output head, in clusters of 16), with token ids that fit int32 and clusters no larger
+    file (its output head, in clusters of 16), with counts the CUDA kernels take and clusters no larger
     than the vocabulary; a head named twice (``tiny,4000x64``) runs once, under its first name. A
     usage error where one of ``outputs`` (as refuse_shared_files') would overwrite a config file
     named, one whose head runs under an earlier name too."""
@@ -111,9 +111,10 @@ def vocab_shape_list(parser: argparse.ArgumentParser, names: str, outputs: dict,
         CONFIG_HEADS[name] = config_head(parser, name)
     for name in picked:
         shape = shape_of(name, presets)
-        if not (1 <= shape.cluster_size <= shape.vocab < 2**31 and 1 <= shape.dim < 2**31):
-            parser.error(f"shape {name!r}: the vocabulary must be in 1..2**31 - 1 (int32 token ids), the hidden size in "
-                         "1..2**31 - 1 and the cluster size in 1..the vocabulary")
+        # Past the CUDA kernels' counts the ops refused such a head only once its tensors were made.
+        if not (1 <= shape.cluster_size <= shape.vocab <= ops.CUDA_COUNT_MAX and 1 <= shape.dim <= ops.CUDA_COUNT_MAX):
+            parser.error(f"shape {name!r}: the vocabulary and the hidden size must be in 1..2**30 (the CUDA kernels' limit "
+                         "on a count) and the cluster size in 1..the vocabulary")
     return first_of_each("--shapes", picked, lambda name: shape_of(name, presets), "the same head")
 
 
