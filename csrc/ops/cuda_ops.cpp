@@ -59,7 +59,7 @@ const int32_t* optional_ids(const c10::optional<at::Tensor>& t) {
 // comes before the inputs' contiguous copies: a stride-0 input of a huge size would otherwise be
 // copied whole (or fail to allocate) before it is refused. `what` names the arguments the size
 // comes from.
-constexpr int64_t kMaxKernelCount = int64_t{1} << 30;
+constexpr int64_t kMaxKernelCount = int64_t{1} << 30;  // flashhead_ext.ops.CUDA_COUNT_MAX: keep them equal
 
 void check_fits_int(const char* op, int64_t value, const char* what) {
   FH_CHECK_VALUE(op, value <= kMaxKernelCount, what, " is ", num_str(value), ", above the CUDA kernels' limit of 2^30");
