@@ -576,7 +576,7 @@ def test_nbytes_counts_every_weight_once(tied):
     assert decoder.nbytes == layers + final_norm + embedding * (1 if tied else 2)  # a tied head is the embedding
 
 
-def test_decoder_bad_arguments_name_the_argument():
+def test_decoder_bad_arguments_name_the_argument(monkeypatch):
     model = hf_model("llama")
     for bad in (0, 2**63, 1.0):
         with pytest.raises(ValueError, match=rf"max_len must be an int in 1..2\*\*63 - 1, got {bad!r}"):
@@ -685,7 +685,11 @@ def test_decoder_bad_arguments_name_the_argument():
         Decoder.from_hf(model, max_len=8, dtype="float32")
     with pytest.raises(TypeError, match=r"dtype must be a torch.dtype .*, got str 'cpu'"):
         Decoder.random(decoder.config, max_len=8, dtype="cpu", device="cpu")
-    if not torch.cuda.is_available():  # the default device is "cuda": named, not a driver error from torch
+    # The default device is "cuda": named, not a driver error from torch. A machine without GPUs is
+    # stood in for on any machine, so GPU machines check it too.
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda, "device_count", lambda: 0)
+        patch.setattr(torch.cuda, "is_available", lambda: False)
         with pytest.raises(ValueError, match=r"device 'cuda' \(the default is 'cuda'\): no CUDA device here .*; pass "
                                              r"device='cpu'$"):
             Decoder.random(decoder.config, max_len=8, dtype=torch.float32)
@@ -702,7 +706,7 @@ def test_decoder_bad_arguments_name_the_argument():
             Decoder.random(decoder.config, max_len=8, device="cpu", dtype=dtype)
     with pytest.raises(ValueError, match="max_len must be an int in 1..2"):  # before the weights are drawn
         Decoder.random(DecoderConfig(10**9, 8, 8, 1, 4, 4, 2), max_len=0, device="cpu")
-    with pytest.raises(ValueError, match="device 'meta' .*: a meta device holds no values; the fast decoder runs on 'cpu' or 'cuda'"):
+    with pytest.raises(ValueError, match="^device 'meta': a meta device holds no values; the fast decoder runs on 'cpu' or 'cuda'$"):
         Decoder.random(decoder.config, max_len=8, device="meta")
     # A scale finite in float32 but inf in a float16 model, which Gemma's embed_scale_in_model_dtype rounds it to.
     with pytest.raises(ValueError, match=r"embed_scale 100000.0 is inf in the model's dtype torch.float16"):
@@ -871,11 +875,11 @@ def test_decoder_device_argument_is_named_when_unusable(monkeypatch):
     with pytest.raises(ValueError, match=re.escape("runs on 'cpu' or 'cuda' devices")):
         Decoder.from_hf(model, max_len=8, device="mps")
     # Past the last GPU: named, not an invalid-ordinal error while weights are copied. GPUs are counted at
-    # the call, so any machine stands in for one with 1 or 2 (only GPU machines had run this, and it had
-    # expected the message without Decoder.random's note on its default).
+    # the call, so any machine stands in for one with 1 or 2 (only GPU machines had run this). A device
+    # the caller chose carries no note on the default, which it is not.
     for gpus, devices in ((1, "1 CUDA device"), (2, "2 CUDA devices")):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-        with pytest.raises(ValueError, match=re.escape(f"device 'cuda:{gpus}' (the default is 'cuda'): this machine has {devices}")):
+        with pytest.raises(ValueError, match=re.escape(f"device 'cuda:{gpus}': this machine has {devices}")):
             Decoder.random(config, max_len=8, device=f"cuda:{gpus}")
 
 

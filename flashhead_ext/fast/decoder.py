@@ -760,7 +760,9 @@ class Decoder:
         if dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {dtype}")
         _require_max_len(max_len)  # before gigabytes of weights are drawn
-        device = ops._runnable_device(device, "the fast decoder", " (the default is 'cuda')")
+        # The note explains a device the caller may not have chosen, so only the default carries it.
+        default_note = " (the default is 'cuda')" if isinstance(device, str) and device == "cuda" else ""
+        device = ops._runnable_device(device, "the fast decoder", default_note)
         seed = ops._require_int("seed", seed)
         info = torch.finfo(dtype)
         # From the smallest normal value to where a draw of 64 std would overflow: weights never zeros nor inf.
