@@ -577,8 +577,10 @@ class FlashHead(_HeadBase):
             # In the dtype and on the device the head keeps them (checked above): with
             # load_state_dict(assign=True) they would keep the state's, which the ops refuse.
             if buffer is not None and name not in self._non_persistent_buffers_set and isinstance(incoming(name), Tensor):
-                state_dict[prefix + name] = incoming(name).to(None if buffer.is_meta else buffer.device, buffer.dtype,
-                                                              copy=assign)
+                # Detached: a state of tensors that need grad (centroids refined as Parameters) tied the
+                # assigned buffers to their graph, and the head's calls built graphs from then on.
+                state_dict[prefix + name] = incoming(name).detach().to(None if buffer.is_meta else buffer.device,
+                                                                       buffer.dtype, copy=assign)
         awaited = dict(self.__dict__.get("_unset_buffers", {}))  # before assign=True's setattr clears names
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
@@ -631,6 +633,7 @@ class FlashHead(_HeadBase):
         return self.centroids.dtype
 
     def _apply(self, fn, recurse=True):
+        self._require_token_ids_kept(fn)
         self._require_centroids_fit(fn)
         tables_were_meta = self.cluster_tokens.is_meta
         self._apply_keeping_fp8(fn, recurse)
@@ -648,6 +651,16 @@ class FlashHead(_HeadBase):
         unset = self.__dict__.get("_unset_buffers")
         if unset and isinstance(value, Tensor) and name in unset:
             self.__dict__["_unset_buffers"] = {other: why for other, why in unset.items() if other != name}
+
+    def _require_token_ids_kept(self, fn) -> None:
+        """Refuses, before the head converts, a cast of every tensor (``Module.type()``): it would turn
+        the int32 token ids into floats, which round ids past their mantissa (2048 in float16), and a
+        cast back to int32 would keep the rounded ids."""
+        cast_to = fn(torch.empty(0, dtype=torch.int32, device="cpu")).dtype
+        if cast_to != torch.int32:
+            raise TypeError(f"{type(self).__name__}.type({cast_to}) would cast cluster_tokens and extra_ids, the head's "
+                            f"int32 token ids, to {cast_to}: convert the head with .to(dtype) or .half(), which cast "
+                            "only its float tensors. The head is unchanged")
 
     def _require_centroids_fit(self, fn) -> None:
         """Refuses, before the head converts, a cast (model.half()) that would turn finite float

@@ -394,6 +394,8 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     _check_tokenizer(tokenizer)
     if isinstance(prompts, (str, bytes)):  # else each character was recorded as a prompt
         raise TypeError(f"prompts must be a sequence of prompt texts, got one {type(prompts).__name__}: pass [prompt]")
+    if len(prompts) == 0:  # else torch.cat's error on the empty recording, naming no argument
+        raise ValueError("prompts must hold at least one prompt text, got an empty sequence")
     ops._require_positive_int("batch_size", batch_size)
     ops._require_bool("progress", progress)
     head = model.get_output_embeddings()

@@ -502,6 +502,40 @@ def test_load_state_dict_with_assign_keeps_the_heads_dtypes():
         embedding=problem.embedding.bfloat16(), centroids=problem.centroids.bfloat16())).next_token(problem.hidden.bfloat16()))
 
 
+def test_a_state_of_tensors_that_need_grad_loads_as_the_heads_own_leaves():
+    # Centroids refined as Parameters elsewhere: assign=True tied the buffers to their graph, so every
+    # call built one and copy.deepcopy refused the head.
+    problem = make_problem(SHAPE, seed=29)
+    state = {name: value.clone().requires_grad_() if value.is_floating_point() else value
+             for name, value in flash_head(problem).state_dict().items()}
+    for assign in (False, True):
+        head = flash_head(make_problem(SHAPE, seed=30).with_(embedding=problem.embedding))
+        head.load_state_dict(state, assign=assign)
+        for name, buffer in head.named_buffers():
+            assert buffer.is_leaf and not buffer.requires_grad, (assign, name)
+        tokens, logprobs = copy.deepcopy(head).sample(problem.hidden, 0.9, torch.Generator().manual_seed(3))
+        assert logprobs.grad_fn is None
+        assert torch.equal(head.next_token(problem.hidden), flash_head(problem).next_token(problem.hidden))
+
+
+def test_a_cast_of_every_tensor_is_refused_before_it_rounds_the_token_ids():
+    # Module.type() casts integer buffers too: float16 rounds token ids past 2048, and the error the
+    # next call gave advised a cast back, which kept the rounded ids.
+    problem = make_problem(SHAPE, seed=31)
+    head = flash_head(problem)
+    want = head.next_token(problem.hidden)
+    for dtype in (torch.float16, torch.float64, torch.int64):
+        with pytest.raises(TypeError, match=re.escape(f"FlashHead.type({dtype}) would cast cluster_tokens and extra_ids, "
+                                                      f"the head's int32 token ids, to {dtype}: convert the head with "
+                                                      ".to(dtype) or .half(), which cast only its float tensors. The "
+                                                      "head is unchanged")):
+            head.type(dtype)
+        assert all(buffer.dtype == problem.embedding.dtype for buffer in (head.centroids, head.embedding))
+        assert head.cluster_tokens.dtype == head.extra_ids.dtype == torch.int32
+    assert torch.equal(head.next_token(problem.hidden), want)
+    assert head.half().cluster_tokens.dtype == torch.int32  # the float casts go on
+
+
 def test_a_non_contiguous_embedding_warns():
     # The ops read contiguous rows, so each call would copy the whole embedding.
     problem = make_problem(SHAPE, seed=14)

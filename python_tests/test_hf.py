@@ -158,10 +158,13 @@ def test_a_model_decoding_through_flash_head_is_not_recorded(tmp_path, monkeypat
     assert all(torch.equal(got, want) for got, want in zip(recorded, dense)) and not attachment.enabled
 
 
-def test_a_recording_refuses_a_single_prompt_text_and_an_object_for_a_tokenizer():
+def test_a_recording_refuses_a_single_prompt_text_no_prompts_and_an_object_for_a_tokenizer():
     model = _tiny_llama(tied=False)
     with pytest.raises(TypeError, match=r"prompts must be a sequence of prompt texts, got one str: pass \[prompt\]"):
         record_hidden_states(model, _Tokenizer(), "flash head", 4, progress=False)  # had recorded 10 one-letter prompts
+    for none in ([], ()):  # had failed in torch.cat, naming no argument
+        with pytest.raises(ValueError, match=r"^prompts must hold at least one prompt text, got an empty sequence$"):
+            record_hidden_states(model, _Tokenizer(), none, 4, progress=False)
     class CalledOnly:  # callable, but with a chat template it renders in none
         chat_template = "{{ messages }}"
 
