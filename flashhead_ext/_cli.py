@@ -133,6 +133,8 @@ def _writable_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is a symbolic link to {os.readlink(path)!r}, which does not exist")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory")
+    if text.endswith(("/", os.sep)):  # Path drops the slash: the run wrote a file of the directory's name
+        raise argparse.ArgumentTypeError(f"{text!r} ends in a slash, so it names a directory, not a file")
     if path.exists():
         if not path.is_file():  # opening a FIFO or device could block or act
             raise argparse.ArgumentTypeError(f"{text!r} exists and is not a regular file")

@@ -72,13 +72,19 @@ def test_head_bench_times_a_head_of_ones_own(tmp_path):
     assert (shape_of("49152x576").num_clusters, shape_of("49152x576x32").num_clusters) == (3072, 1536)
 
 
-def test_clusters_bench_builds_a_head_of_ones_own(tmp_path):
+def test_clusters_bench_builds_a_head_of_ones_own(tmp_path, capsys):
     out = tmp_path / "clusters.json"
     assert main(["clusters", "--shapes", "301x16x8,100x8x30", "--iters", "2", "--device", "cpu", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    # Clusters of the size given (build_clusters' cluster_size), not of the vocabulary over their count.
-    assert [(r["shape"], r["vocab"], r["dim"], r["cluster_size"], r["clusters"], r["equal_sizes"]) for r in rows] == [
-        ("301x16x8", 301, 16, 8, 38, True), ("100x8x30", 100, 8, 30, 4, True)]
+    # Clusters of the size given (build_clusters' cluster_size), not of the vocabulary over their count;
+    # the width is the table's: 100 rows make 4 clusters of 25, which the row had reported as 30.
+    assert [(r["shape"], r["vocab"], r["dim"], r["cluster_size"], r["cluster_size_asked"], r["clusters"], r["equal_sizes"])
+            for r in rows] == [("301x16x8", 301, 16, 8, 8, 38, True), ("100x8x30", 100, 8, 25, 30, 4, True)]
+    captured = capsys.readouterr()
+    assert "--shapes 100x8x30: 100 rows make 4 clusters of at most 25 tokens, so b is 25, not 30\n" in captured.err
+    assert "--shapes 301x16x8:" not in captured.err
+    table_row = next(line.split() for line in captured.out.splitlines() if line.split()[:1] == ["100x8x30"])
+    assert table_row[1:5] == ["100", "8", "25", "4"]
     result = json.loads(out.read_text())
     assert result["meta"]["args"]["iters"] == 2
     for r in rows:  # the iterations run (at most --iters), the time of one, the threads and device it ran on

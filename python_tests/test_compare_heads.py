@@ -60,6 +60,9 @@ def test_an_unwritable_json_is_a_usage_error(tmp_path, capsys):
     dangling.symlink_to(tmp_path / "no" / "such" / "x.json")
     cases.append((dangling, f"argument --json: '{dangling}' is a symbolic link to '{tmp_path / 'no' / 'such' / 'x.json'}', "
                             "which does not exist"))
+    # A directory not made yet: the slash was dropped and the run wrote a file of its name.
+    cases.append((f"{tmp_path / 'out'}/", f"argument --json: '{tmp_path / 'out'}/' ends in a slash, so it names a "
+                                          "directory, not a file"))
     too_long = tmp_path / ("a" * 300) / "x.json"
     cases.append((too_long, f"argument --json: '{too_long}': File name too long"))
     for path, message in cases:

@@ -58,9 +58,14 @@ def main(argv=None) -> int:
             sync()
         seconds = time.perf_counter() - start
         sizes = (result.cluster_tokens >= 0).sum(1)
+        clusters, width = result.cluster_tokens.shape
+        # The table built, which is narrower than asked where the rows leave every cluster a padding slot.
+        if width != shape.cluster_size:
+            note(f"--shapes {name}: {shape.vocab} rows make {clusters} clusters of at most {width} tokens, "
+                 f"so b is {width}, not {shape.cluster_size}")
         # k-means stops early once no token moves, so report the iterations it ran.
-        rows.append(dict(shape=name, vocab=shape.vocab, dim=shape.dim, cluster_size=shape.cluster_size,
-                         clusters=result.cluster_tokens.shape[0], iters=result.iterations, device=args.device,
+        rows.append(dict(shape=name, vocab=shape.vocab, dim=shape.dim, cluster_size=width,
+                         cluster_size_asked=shape.cluster_size, clusters=clusters, iters=result.iterations, device=args.device,
                          threads=torch.get_num_threads(), seconds=seconds, seconds_per_iter=seconds / result.iterations,
                          equal_sizes=bool(sizes.min() >= sizes.max() - 1)))
     print(format_table(rows, [("shape", "shape", ""), ("vocab", "V", "d"), ("dim", "D", "d"), ("cluster_size", "b", "d"),
