@@ -25,6 +25,7 @@ from torch import Tensor
 from ._cli import (DEFAULT_NUM_PROMPTS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count, device_arg,
                    kmeans_seed, note, output_file, positive_int, positive_int_list,
                    refuse_missing_cuda_kernels, refuse_shared_files, thread_count, write_output)
+from .ops import _counted
 from .prompts import DEFAULT_PROMPTS
 
 def next_tokens(head, hidden: Tensor, rows_per_call: int = 16) -> Tensor:
@@ -133,8 +134,9 @@ def probes_points(requested: Sequence[int], clusters: int) -> dict:
 def format_table(result: dict) -> str:
     dense_ms = result["dense"]["latency_ms"]
     lines = [
-        f"{result['model']} on {result['device']}: {result['tokens']} greedy tokens from {result['prompts']['count']} "
-        f"Spec-Bench prompts; C={result['num_clusters']} clusters of b={result['cluster_size']}",
+        f"{result['model']} on {result['device']}: {result['tokens']} greedy tokens from "
+        f"{_counted(result['prompts']['count'], 'Spec-Bench prompt')}; C={result['num_clusters']} clusters of "
+        f"b={result['cluster_size']}",
         f"{'head':<10} {'probes':>6} {'scored':>8} {'top-1 agree':>12} {'ms/call':>8} {'speedup':>8}",
         f"{'dense':<10} {'-':>6} {100.0:>7.1f}% {100 * result['dense_matches_generate']:>11.1f}% {dense_ms:>8.3f} {1.0:>7.2f}x",
     ]

@@ -20,6 +20,8 @@ def test_table_rows_and_the_clamped_probes_note():
     assert lines[0] == "tiny on cpu: 12 greedy tokens from 2 Spec-Bench prompts; C=64 clusters of b=16"
     assert [line.split()[:2] for line in lines[3:5]] == [["flashhead", "8"], ["flashhead", "64"]]
     assert "exceed" not in lines[-1]
+    one_prompt = dict(_result([(8, [8])]), prompts=dict(count=1))  # had said "from 1 Spec-Bench prompts"
+    assert format_table(one_prompt).splitlines()[0] == "tiny on cpu: 12 greedy tokens from 1 Spec-Bench prompt; C=64 clusters of b=16"
     clamped = format_table(_result([(8, [8]), (64, [500, 100])])).splitlines()
     assert clamped[-1].startswith("probes 100, 500 exceed the 64 clusters: run with every cluster probed")
     assert clamped[4].split()[1] == "64"  # one row, the probes actually used

@@ -1461,6 +1461,17 @@ def test_spec_head_gains_of_ordinary_equal_steps_and_empty_runs():
     (even,) = head_gains([row("deferred", "dense", 2.0, 600), row("deferred", "flashhead", 1.9, 600)], 6, 0.77,
                          {"dense": 500.0, "flashhead": 500.0})
     assert even["predicted"] == 0 and even["of_predicted"] is None and "of it measured" not in even["reading"]
+    # Steps timed apart that would save more than the dense draft took in the run predict nothing (the
+    # formula had read -1287% where the saving passed the decode time, +19205% just under it).
+    for dense_draft_s in (0.5, 0.05):
+        (apart,) = head_gains([dict(row("deferred", "dense", 2.0, 600), draft_s=dense_draft_s),
+                               row("deferred", "flashhead", 1.9, 600)], 6, 0.77, {"dense": 900.0, "flashhead": 50.0})
+        assert apart["predicted"] is None and apart["of_predicted"] is None
+        assert (f"; no prediction: the draft steps (dense 900.0, FlashHead 50.0 us, 600 proposed) would save 0.51 s, "
+                f"not less than the dense draft's {dense_draft_s:.3g} s in this run") in apart["reading"]
+    (fits,) = head_gains([dict(row("deferred", "dense", 2.0, 600), draft_s=0.6), row("deferred", "flashhead", 1.9, 600)],
+                         6, 0.77, {"dense": 900.0, "flashhead": 50.0})
+    assert fits["predicted"] == pytest.approx(2.0 / (2.0 - 0.51) - 1)
     # A run that took no decode time is no ratio, nor one that proposed nothing (max_new_tokens 1 or 2:
     # its decode time is the target's and bookkeeping only).
     for dense_s, flash_s, proposed in ((0.0, 1.9, 600), (2.0, 0.0, 600), (2.0, 1.7, 0)):

@@ -509,12 +509,20 @@ def head_gains(rows: list, k: int, acceptance: float, step_us: dict) -> list:
         text = f"{mode}: FlashHead draft {gain['measured']:+.2%} decode speed over dense at equal (synthetic) acceptance"
         if step_us.get("dense") and step_us.get("flashhead"):
             saved_s = flash["proposed"] * (step_us["dense"] - step_us["flashhead"]) * 1e-6
-            gain["predicted"] = dense["decode_s"] / (dense["decode_s"] - saved_s) - 1
-            gain["of_predicted"] = gain["measured"] / gain["predicted"] if gain["predicted"] else None
-            text += (f"; the draft steps (dense {step_us['dense']:.1f}, FlashHead {step_us['flashhead']:.1f} us, "
-                     f"{flash['proposed']} proposed) predict {gain['predicted']:+.2%}")
-            if gain["of_predicted"] is not None:
-                text += f" ({gain['of_predicted']:.0%} of it measured)"
+            steps = f"the draft steps (dense {step_us['dense']:.1f}, FlashHead {step_us['flashhead']:.1f} us, {flash['proposed']} proposed)"
+            # A saving past the dense draft's own time in the run means the steps timed apart are not
+            # this run's (small models on a busy CPU): the formula gave -1287% or +19205%.
+            dense_draft_s = dense.get("draft_s") or dense["decode_s"]
+            if saved_s < dense_draft_s:
+                gain["predicted"] = dense["decode_s"] / (dense["decode_s"] - saved_s) - 1
+                gain["of_predicted"] = gain["measured"] / gain["predicted"] if gain["predicted"] else None
+                text += f"; {steps} predict {gain['predicted']:+.2%}"
+                if gain["of_predicted"] is not None:
+                    text += f" ({gain['of_predicted']:.0%} of it measured)"
+            else:
+                gain["predicted"] = gain["of_predicted"] = None
+                text += (f"; no prediction: {steps} would save {saved_s:.3g} s, not less than the dense draft's "
+                         f"{dense_draft_s:.3g} s in this run, so they were not timed as it ran")
         if mode == "deferred" and gain["measured"] > 0:
             gain["break_even_acceptance"] = break_even_acceptance(acceptance, k, flash["decode_s"] / dense["decode_s"])
             # Also in the table's units, which a user compares with their own draft's accept column.
