@@ -1055,16 +1055,27 @@ def test_cli_options_at_their_bounds(tmp_path, monkeypatch, capsys):
     # A head named for the baseline alone, which runs no draft: said, not dropped silently.
     capsys.readouterr()
     assert _spec_main([*model, "--head", "flashhead", "--mode", "baseline"]) == 0
-    assert ("--head flashhead: the draft runs in the speculative modes only, and --mode baseline names none"
-            in capsys.readouterr().err)
+    assert ("--head flashhead, --draft early-exit:1, --kmeans-iters 2: the draft runs in the speculative modes only, and "
+            "--mode baseline names none" in capsys.readouterr().err)
     # So are the fast draft's options, which the JSON recorded as if a synthetic run had used them.
     assert _spec_main([*model, "--mode", "baseline", "--fast", "--synthetic-acceptance", "0.5", "--draft-body", "eager"]) == 0
-    assert ("--draft-body, --synthetic-acceptance: the draft runs in the speculative modes only, and --mode baseline "
-            "names none" in capsys.readouterr().err)
+    assert ("--draft early-exit:1, --kmeans-iters 2, --draft-body, --synthetic-acceptance: the draft runs in the "
+            "speculative modes only, and --mode baseline names none" in capsys.readouterr().err)
     meta = json.loads(out.read_text())["meta"]
     assert meta["synthetic_acceptance"] is None and meta["draft_body"] is None
-    # The default heads: nothing to say. One prompt of one new token, the least a run takes, counted in the singular.
-    assert _spec_main([*model, "--mode", "baseline", "--num-prompts", "1", "--max-new-tokens", "1"]) == 0
+    # So are the draft, its K and FlashHead's options: a baseline ran them not (early-exit:99 unchecked).
+    assert _spec_main([*model, "--mode", "baseline", "--draft", "early-exit:99", "--k", "3", "--probes", "5"]) == 0
+    assert ("--draft early-exit:99, --k 3, --probes 5, --kmeans-iters 2: the draft runs in the speculative modes only, "
+            "and --mode baseline names none" in capsys.readouterr().err)
+    # A dense draft alone leaves FlashHead's options unused, and nothing else.
+    assert _spec_main([*model, "--k", "1", "--head", "dense", "--mode", "ordinary", "--probes", "99999"]) == 0
+    printed = capsys.readouterr()
+    assert ("--probes 99999, --kmeans-iters 2: FlashHead's options, and --head dense runs no FlashHead draft\n" in printed.err
+            and "the draft runs" not in printed.err)
+    # Every draft option at its default: nothing to say. One prompt of one new token, the least a run takes,
+    # counted in the singular.
+    target_only = [flag for flag in model if flag not in ("--draft", "early-exit:1", "--kmeans-iters", "2")]
+    assert _spec_main([*target_only, "--mode", "baseline", "--num-prompts", "1", "--max-new-tokens", "1"]) == 0
     printed = capsys.readouterr()
     assert "the draft runs" not in printed.err and "1 prompt x 1 new token, fp32 on cpu" in printed.out
     missing = ["--target", str(tmp_path / "missing"), "--prompts", str(questions)]

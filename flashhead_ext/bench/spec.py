@@ -392,8 +392,11 @@ def spec_main(argv=None) -> int:
                                     "pass --target-body compiled")
     refuse_draft_without_kernels(parser, args, [c.head for c in configs if c.head], args.body, "--body")
     if not any(c.head for c in configs):
-        given = args.synthetic_acceptance != parser.get_default("synthetic_acceptance")
-        note_unused_draft_options([f"--synthetic-acceptance {args.synthetic_acceptance:g}"] if given else [], args.mode)
+        # Said, as given, where set otherwise than by default: a baseline alone builds no draft.
+        note_unused_draft_options([f"--{name.replace('_', '-')} {getattr(args, name)}"
+                                   for name in ("draft", "draft_device", "synthetic_acceptance", "head", "k", "body",
+                                                "probes", "cluster_size", "centroid_dtype")
+                                   if getattr(args, name) != parser.get_default(name)], args.mode)
         args.synthetic_acceptance = None  # the JSON records what ran: a baseline alone verifies nothing
     try:  # fewer rows are allowed: the target's padding (docs/speculative.md)
         check_draft_vocab(draft_shape.vocab_size, target_shape.vocab_size)
@@ -412,7 +415,9 @@ def spec_main(argv=None) -> int:
 def _run_spec(parser: argparse.ArgumentParser, args, configs: list, target_shape: DecoderConfig,
               draft_shape: DecoderConfig) -> int:
     dtype = DTYPES[args.dtype]
-    for flag, shape, body in (("--target-body", target_shape, args.target_body), ("--body", draft_shape, args.body)):
+    drafting = any(c.head for c in configs)
+    bodies = [("--target-body", target_shape, args.target_body)] + ([("--body", draft_shape, args.body)] if drafting else [])
+    for flag, shape, body in bodies:
         limit = shape.body_limit(body, dtype)
         if limit:
             parser.error(f"{flag} {body!r} {limit}")
@@ -422,10 +427,12 @@ def _run_spec(parser: argparse.ArgumentParser, args, configs: list, target_shape
     target = _random_decoder(parser, "--target", args.target, target_shape, max_len=max_len, dtype=dtype,
                              device=args.device, seed=args.seed)
     draft_device = args.draft_device or args.device
-    draft = _random_decoder(parser, "--draft", args.draft, draft_shape, max_len=max_len, dtype=dtype,
-                            device=draft_device, seed=args.seed ^ 1)  # not the target's, and in range at every --seed
-    target.attention = draft.attention = args.attention
-    for flag, model, body in (("--target-body", target, args.target_body), ("--body", draft, args.body)):
+    # A baseline alone runs no draft: not built, its gigabytes not allocated.
+    draft = _random_decoder(parser, "--draft", args.draft, draft_shape, max_len=max_len, dtype=dtype, device=draft_device,
+                            seed=args.seed ^ 1) if drafting else None  # not the target's, and in range at every --seed
+    models = [("--target-body", target, args.target_body)] + ([("--body", draft, args.body)] if drafting else [])
+    for flag, model, body in models:
+        model.attention = args.attention
         try:
             model.body = body
         except ValueError as error:  # on a GPU, the persistent kernel's own limits, asked of the built model
@@ -442,23 +449,26 @@ def _run_spec(parser: argparse.ArgumentParser, args, configs: list, target_shape
     rows = summarize(records, configs)
     step_us = {}
     # Decoders' devices, not the flags' spellings: --draft-device cuda:0 beside --device cuda is one GPU.
-    if draft.device == target.device:  # a draft on its own GPU overlaps the target: no sum of parts to predict from
+    if drafting and draft.device == target.device:  # a draft on its own GPU overlaps the target: no sum of parts to predict from
         # The draft step of each head at the draft's mean length while generating, timed as draft-step times it.
         draft.reset(args.prompt_tokens + args.max_new_tokens // 2)
         timing = argparse.Namespace(calls=20, samples=10)
         step_us = {kind: _time_draft_step(draft, decoders[kind].head, timing, torch.device(args.device).type == "cuda")
                    for kind in decoders if kind is not None}
-    else:
+    elif drafting:
         note(f"no draft-step prediction of the gain: the draft on {draft.device} overlaps the target on {target.device}")
     gains = head_gains(rows, args.k, args.synthetic_acceptance, step_us)
     flash = decoders.get("flashhead")
     meta = dict(started, args=vars(args), synthetic_acceptance=args.synthetic_acceptance, clusters=CLUSTERS, max_len=max_len,
-                target_gb=target.nbytes / 1e9, draft_gb=draft.nbytes / 1e9,
+                target_gb=target.nbytes / 1e9, draft_gb=draft.nbytes / 1e9 if drafting else None,
                 probes_used=flash.head.probes if flash else None, num_clusters=flash.head.num_clusters if flash else None,
                 graphs=decoders[None].graphs, draft_step_us=step_us, head_gains=gains)
-    print(f"target {args.target}" + (f" ({args.target_layers} layers)" if args.target_layers else "") +
-          f" {meta['target_gb']:.1f} GB, draft {args.draft} on {draft_device}, K={args.k}, {args.dtype}, "
-          f"draft body {args.body}, target body {args.target_body}, attention {args.attention}, FlashHead {CLUSTERS}, graphs={meta['graphs']}")
+    layers = f" ({args.target_layers} layers)" if args.target_layers else ""
+    header = [f"target {args.target}{layers} {meta['target_gb']:.1f} GB",
+              f"draft {args.draft} on {draft_device}, K={args.k}" if drafting else "no draft", args.dtype,
+              f"draft body {args.body}" if drafting else None, f"target body {args.target_body}",
+              f"attention {args.attention}", f"FlashHead {CLUSTERS}" if drafting else None, f"graphs={meta['graphs']}"]
+    print(", ".join(part for part in header if part))
     print(format_summary(rows))
     print(reading(rows))
     for gain in gains:

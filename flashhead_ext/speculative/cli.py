@@ -188,14 +188,21 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     # persistent kernel cannot run, which this refuses too).
     refuse_draft_without_kernels(parser, args, [c.head for c in configs if c.head],
                                  (args.draft_body or "persistent") if args.fast else None, "--draft-body")
+
+    def given(names):  # flags set otherwise than by default, as given
+        return [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in names
+                if getattr(args, name) != parser.get_default(name)]
+
+    flash_options = ("probes", "cluster_size", "kmeans_iters")
     if not any(c.head for c in configs):
-        unused = [f"--{name.replace('_', '-')}" for name in ("draft_device", "draft_body", "synthetic_acceptance")
-                  if getattr(args, name) is not None]
-        if set(args.head) != set(_comma_list(parser.get_default("head"))):
-            unused.insert(0, f"--head {','.join(args.head)}")
-        note_unused_draft_options(unused, ",".join(args.mode))
+        heads = [f"--head {','.join(args.head)}"] if set(args.head) != set(_comma_list(parser.get_default("head"))) else []
+        fast = [f"--{name.replace('_', '-')}" for name in ("draft_device", "draft_body", "synthetic_acceptance")
+                if getattr(args, name) is not None]
+        note_unused_draft_options(heads + given(("draft", "k", *flash_options)) + fast, ",".join(args.mode))
         # The JSON records what ran: no run was synthetic, no draft body ran.
         args.draft_device = args.draft_body = args.synthetic_acceptance = None
+    elif "flashhead" not in args.head and given(flash_options):
+        note(f"{', '.join(given(flash_options))}: FlashHead's options, and --head {','.join(args.head)} runs no FlashHead draft")
     # What can be checked before a model loads.
     try:
         questions = cli_prompts(args.prompts, args.num_prompts)
