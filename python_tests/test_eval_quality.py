@@ -415,10 +415,10 @@ def test_the_table_sizes_the_method_column_to_the_longest_name_and_no_wider():
     result = dict(model="tiny", dtype="float32", seeds=[0, 3], evaluation=dict(tokens=36, prompts=6), calibration=None,
                   holdout=None, sampling=None,
                   results=[row("kmeans", 25, 4, 1, 0.875, "qa"), row("calibrated+frequent3+fp8", 14, 7, 3, 0.9, "rag")])
-    columns = ("     C   b probes  cand.  scored   top-1    seed range  95% interval no miss ties max top-5 rec.  "
+    columns = ("     C   b probes  cand.  scored   top-1     seed range   95% interval no miss ties max top-5 rec.  "
                "worst category")
-    kmeans = "    25   4      1      4  29.00%  87.50%  86.50-89.50%  82.50-90.50%   50.0%   87.60%     99.00%  qa 77.5%"
-    longest = "    14   7      3     21  35.00%  90.00%  89.00-92.00%  85.00-93.00%   50.0%   90.10%     99.00%  rag 80.0%"
+    kmeans = "    25   4      1      4  29.00%  87.50%   86.50-89.50%   82.50-90.50%   50.0%   87.60%     99.00%  qa 77.5%"
+    longest = "    14   7      3     21  35.00%  90.00%   89.00-92.00%   85.00-93.00%   50.0%   90.10%     99.00%  rag 80.0%"
     # calibrated+frequent3+fp8: 24 characters, the column's width.
     assert quality.format_table(result).splitlines()[1:4] == [
         "method" + " " * 18 + columns, "kmeans" + " " * 18 + kmeans, "calibrated+frequent3+fp8" + longest]
@@ -426,6 +426,12 @@ def test_the_table_sizes_the_method_column_to_the_longest_name_and_no_wider():
     result["results"] = [result["results"][0], dict(result["results"][1], method="calibrated+frequent30")]
     assert quality.format_table(result).splitlines()[1:4] == [
         "method" + " " * 16 + columns, "kmeans" + " " * 16 + kmeans, "calibrated+frequent30 " + longest]
+    # Every token agreeing fills the seed-range and interval columns: they keep their place.
+    perfect = dict(row("kmeans", 25, 4, 1, 1.0, "qa"), top1_interval=[1.0, 1.0], top1_min=1.0, top1_max=1.0)
+    result["results"] = [perfect]
+    header, line = quality.format_table(result).splitlines()[1:3]
+    assert line.index("100.00-100.00%") + len("100.00-100.00%") == header.index("seed range") + len("seed range")
+    assert line.rindex("100.00-100.00%") + len("100.00-100.00%") == header.index("95% interval") + len("95% interval")
 
 
 @pytest.mark.filterwarnings("ignore:calibrate_clusters")

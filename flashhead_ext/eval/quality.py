@@ -589,8 +589,8 @@ def format_table(result: dict) -> str:
                                         f"; calibration: {result['calibration']['tokens']} tokens from "
                                         f"{result['calibration']['prompts']} even-id prompts")
         + f"; k-means seeds {','.join(map(str, seeds))}",
-        f"{'method':<{method_width}} {'C':>5} {'b':>3} {'probes':>6} {'cand.':>6} {'scored':>7} {'top-1':>7} {'seed range':>13} "
-        f"{'95% interval':>13} {'no miss':>7} {'ties max':>8} {'top-5 rec.':>10}"
+        f"{'method':<{method_width}} {'C':>5} {'b':>3} {'probes':>6} {'cand.':>6} {'scored':>7} {'top-1':>7} {'seed range':>14} "
+        f"{'95% interval':>14} {'no miss':>7} {'ties max':>8} {'top-5 rec.':>10}"
         + (f" {'sample TV':>9} {'95% interval':>12} {'max':>6}" if result.get("sampling") else "") + "  worst category",
     ]
     for row in result["results"]:
@@ -600,7 +600,8 @@ def format_table(result: dict) -> str:
         lines.append(
             f"{row['method']:<{method_width}} {row['num_clusters']:>5} {row['cluster_size']:>3} {row['probes']:>6} {row['candidates']:>6} "
             f"{100 * row['fraction_scored']:>6.2f}% {100 * row['top1_agreement']:>6.2f}% "
-            f"{f'{100 * worst_seed:.2f}-{100 * best_seed:.2f}%':>13} {f'{100 * low:.2f}-{100 * high:.2f}%':>13} "
+            # 14 wide: "100.00-100.00%" had shifted the columns after it.
+            f"{f'{100 * worst_seed:.2f}-{100 * best_seed:.2f}%':>14} {f'{100 * low:.2f}-{100 * high:.2f}%':>14} "
             f"{100 * row['prompts_without_miss']:>6.1f}% {100 * row['top1_ties_max']:>7.2f}% {100 * row['top5_recall']:>9.2f}%"
             + (f" {_number(row.get('sampling_tv')):>9} {_interval(row.get('sampling_tv_interval')):>12} "
                f"{_number(row.get('sampling_tv_max')):>6}" if result.get("sampling") else "")
