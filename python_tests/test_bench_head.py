@@ -374,6 +374,9 @@ def test_summary_gives_the_memory_of_each_path():
     assert ("memory, qwen3-0.6b B=1 p=256: flash_greedy keeps 20.1 MB besides the embedding (10.3 MB with fp8 "
             "centroids); one eager call allocates: dense 0.311 MB, flash_greedy 0.066 MB") in text
     assert "allocates" not in summary([dict(r, call_bytes=None) for r in rows], "qwen3-0.6b")
+    # A small head's kept memory in three decimals: it had read "keeps 0.0 MB".
+    small = [dict(r, kept_bytes=r["kept_bytes"] // 400) for r in rows]
+    assert "flash_greedy keeps 0.050 MB besides the embedding (0.026 MB with fp8 centroids)" in summary(small, "qwen3-0.6b")
 
 
 def test_head_bench_times_a_capped_probes_value_once(tmp_path):

@@ -471,9 +471,12 @@ def summary(rows: list[dict], main_shape: str, batch_probes: int = 256, probes: 
     # Rows that lack the memory columns print no memory line.
     memory = {impl: pick(shape=main_shape, batch=1, probes=probes, impl=impl) for impl in IMPLS}
     if memory["flash_greedy"] and "kept_bytes" in memory["flash_greedy"]:
-        kept = f"flash_greedy keeps {memory['flash_greedy']['kept_bytes'] / 1e6:.1f} MB besides the embedding"
+        def megabytes(count: int) -> str:  # a small shape's 0.05 MB had read "0.0 MB"
+            return f"{count / 1e6:.1f}" if count >= 1e6 else f"{count / 1e6:.3f}"
+
+        kept = f"flash_greedy keeps {megabytes(memory['flash_greedy']['kept_bytes'])} MB besides the embedding"
         if memory["flash_greedy_fp8"]:
-            kept += f" ({memory['flash_greedy_fp8']['kept_bytes'] / 1e6:.1f} MB with fp8 centroids)"
+            kept += f" ({megabytes(memory['flash_greedy_fp8']['kept_bytes'])} MB with fp8 centroids)"
         calls = [f"{impl} {row['call_bytes'] / 1e6:.3f} MB" for impl, row in memory.items()
                  if row and row.get("call_bytes") is not None]
         lines.append(f"  memory, {main_shape} B=1 p={probes}: {kept}"
