@@ -304,6 +304,13 @@ def note(text: str) -> None:
     print(text, file=sys.stderr)
 
 
+def options_given(parser: argparse.ArgumentParser, args, names) -> list:
+    """Each of ``names`` (argparse dests) that ``args`` sets otherwise than by default, as given:
+    "--k 3"; for a note that says they go unused."""
+    return [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in names
+            if getattr(args, name) != parser.get_default(name)]
+
+
 def note_unused_draft_options(options: list, modes: str) -> None:
     """Says that ``options`` (flags as given, e.g. "--head flashhead") go unused: the modes of
     ``modes`` (a comma list) run no draft."""

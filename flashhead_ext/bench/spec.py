@@ -29,8 +29,9 @@ import torch
 from ..assets import default_probes
 from ..clustering import greedy_centroids, member_means
 from .._cli import (DefaultsHelpFormatter, choices_list, config_file, device_arg, is_config_path, model_config, note,
-                    note_shadowed_paths, note_unused_draft_options, output_file, positive_int, refuse_draft_without_kernels,
-                    refuse_missing_cuda_kernels, refuse_shared_files, run_seed, shape_names, write_output)
+                    note_shadowed_paths, note_unused_draft_options, options_given, output_file, positive_int,
+                    refuse_draft_without_kernels, refuse_missing_cuda_kernels, refuse_shared_files, run_seed, shape_names,
+                    write_output)
 from ..fast import Decoder, DecoderConfig, FastSpeculativeDecoder
 from ..fast.decoder import ATTENTION, BODIES, KERNEL_BODIES
 from ..head import DenseHead, FlashHead
@@ -393,10 +394,9 @@ def spec_main(argv=None) -> int:
     refuse_draft_without_kernels(parser, args, [c.head for c in configs if c.head], args.body, "--body")
     if not any(c.head for c in configs):
         # Said, as given, where set otherwise than by default: a baseline alone builds no draft.
-        note_unused_draft_options([f"--{name.replace('_', '-')} {getattr(args, name)}"
-                                   for name in ("draft", "draft_device", "synthetic_acceptance", "head", "k", "body",
-                                                "probes", "cluster_size", "centroid_dtype")
-                                   if getattr(args, name) != parser.get_default(name)], args.mode)
+        note_unused_draft_options(options_given(parser, args, ("draft", "draft_device", "synthetic_acceptance", "head", "k",
+                                                               "body", "probes", "cluster_size", "centroid_dtype")),
+                                  args.mode)
         args.synthetic_acceptance = None  # the JSON records what ran: a baseline alone verifies nothing
     try:  # fewer rows are allowed: the target's padding (docs/speculative.md)
         check_draft_vocab(draft_shape.vocab_size, target_shape.vocab_size)

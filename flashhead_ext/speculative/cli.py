@@ -17,7 +17,7 @@ import torch
 from .. import ops
 from ..bench.timing import run_metadata
 from .._cli import (DEFAULT_NUM_PROMPTS, MAX_THREADS, ArgumentValueError, DefaultsHelpFormatter, cli_prompts, cluster_count,
-                    device_arg, model_files, model_unavailable, note, note_unused_draft_options, output_file,
+                    device_arg, model_files, model_unavailable, note, note_unused_draft_options, options_given, output_file,
                     refuse_draft_without_kernels, refuse_shared_files, run_seed)
 from ..fast.decoder import BODIES, FAMILY_NAMES
 from ..hf import output_embedding
@@ -188,21 +188,18 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     # persistent kernel cannot run, which this refuses too).
     refuse_draft_without_kernels(parser, args, [c.head for c in configs if c.head],
                                  (args.draft_body or "persistent") if args.fast else None, "--draft-body")
-
-    def given(names):  # flags set otherwise than by default, as given
-        return [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in names
-                if getattr(args, name) != parser.get_default(name)]
-
     flash_options = ("probes", "cluster_size", "kmeans_iters")
+    flash_given = options_given(parser, args, flash_options)
     if not any(c.head for c in configs):
         heads = [f"--head {','.join(args.head)}"] if set(args.head) != set(_comma_list(parser.get_default("head"))) else []
         fast = [f"--{name.replace('_', '-')}" for name in ("draft_device", "draft_body", "synthetic_acceptance")
                 if getattr(args, name) is not None]
-        note_unused_draft_options(heads + given(("draft", "k", *flash_options)) + fast, ",".join(args.mode))
+        note_unused_draft_options(heads + options_given(parser, args, ("draft", "k")) + flash_given + fast,
+                                  ",".join(args.mode))
         # The JSON records what ran: no run was synthetic, no draft body ran.
         args.draft_device = args.draft_body = args.synthetic_acceptance = None
-    elif "flashhead" not in args.head and given(flash_options):
-        note(f"{', '.join(given(flash_options))}: FlashHead's options, and --head {','.join(args.head)} runs no FlashHead draft")
+    elif "flashhead" not in args.head and flash_given:
+        note(f"{', '.join(flash_given)}: FlashHead's options, and --head {','.join(args.head)} runs no FlashHead draft")
     # What can be checked before a model loads.
     try:
         questions = cli_prompts(args.prompts, args.num_prompts)
