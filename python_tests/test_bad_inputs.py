@@ -389,6 +389,20 @@ def test_batch_and_out_mismatch(name, value, error, fragment, device):
 
 
 @device_params
+def test_each_greedy_op_names_itself(device):
+    # The out form's checks had named decode_greedy on CPU and CUDA, and decode_greedy_out on meta.
+    args = valid_args(device)
+    args["probes"] = SHAPE.C + 1
+    for op in ("decode_greedy", "decode_greedy_out"):
+        expect(ValueError, f"flashhead.{op}: probes must be", op, args)
+    args = valid_args(device)
+    args["out"] = args["out"][:2]
+    expect(ValueError, f"flashhead.decode_greedy_out: out must have batch {SHAPE.B}", "decode_greedy_out", args)
+    args["out"] = valid_args(device)["out"].to("meta")  # sent to the fake kernel, whose device check names it
+    expect(ValueError, "flashhead.decode_greedy_out: out must be on the same device as hidden", "decode_greedy_out", args)
+
+
+@device_params
 def test_out_back_to_back_with_an_input_is_apart(device):
     # Byte ranges that touch without overlapping share nothing: out right after hidden in one buffer.
     args = valid_args(device)

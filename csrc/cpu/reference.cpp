@@ -151,25 +151,31 @@ at::Tensor candidate_logits_cpu(const at::Tensor& hidden, const at::Tensor& embe
   return logits.masked_fill(~valid, kNegInf);
 }
 
-void decode_greedy_out_cpu(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
-                           const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids,
-                           at::Tensor& out, const c10::optional<at::Tensor>& centroid_scale) {
-  constexpr const char* op = "decode_greedy";
-  check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale);
-  check_decode_out(op, out, hidden, centroids, cluster_tokens, embedding, extra_ids, centroid_scale);
+// The greedy path's tokens, int64 [B], for arguments already checked.
+at::Tensor greedy_tokens(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
+                         const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids,
+                         const c10::optional<at::Tensor>& centroid_scale) {
   auto cluster_ids = std::get<0>(select_clusters_cpu(hidden, centroids, probes, centroid_scale));
   auto candidates = gather_candidates_cpu(cluster_ids, cluster_tokens, extra_ids);
   auto logits = candidate_logits_cpu(hidden, embedding, candidates);
   auto valid = valid_candidates(candidates, embedding.size(0));
-  out.copy_(tokens_at(candidates, valid, best_position(logits, candidates, valid)));
+  return tokens_at(candidates, valid, best_position(logits, candidates, valid));
+}
+
+void decode_greedy_out_cpu(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
+                           const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids,
+                           at::Tensor& out, const c10::optional<at::Tensor>& centroid_scale) {
+  constexpr const char* op = "decode_greedy_out";
+  check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale);
+  check_decode_out(op, out, hidden, centroids, cluster_tokens, embedding, extra_ids, centroid_scale);
+  out.copy_(greedy_tokens(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale));
 }
 
 at::Tensor decode_greedy_cpu(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
                              const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids,
                              const c10::optional<at::Tensor>& centroid_scale) {
-  auto out = token_buffer(hidden);
-  decode_greedy_out_cpu(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, out, centroid_scale);
-  return out;
+  check_decode("decode_greedy", hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale);
+  return greedy_tokens(hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale);
 }
 
 // Gumbel-max over the candidates: argmax of logits/T + noise (indexed by token id) is a draw from

@@ -239,12 +239,4 @@ inline void check_decode_out(const char* op, const at::Tensor& out, const at::Te
   }
 }
 
-// decode_greedy's functional form allocates what decode_greedy_out writes: int64 [B]. On the CPU a
-// hidden of the wrong rank gets an empty buffer here and a missing one none, both rejected by
-// decode_greedy_out's checks (the CUDA op checks hidden first).
-inline at::Tensor token_buffer(const at::Tensor& hidden) {
-  if (!hidden.defined()) return {};
-  return at::empty({hidden.dim() > 0 ? hidden.size(0) : 0}, hidden.options().dtype(at::kLong));
-}
-
 }  // namespace flashhead

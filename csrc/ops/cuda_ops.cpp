@@ -239,7 +239,7 @@ void decode(const HeadShape& shape, const at::Tensor& hidden_in, const at::Tenso
 void decode_greedy_out_cuda(const at::Tensor& hidden, const at::Tensor& centroids, const at::Tensor& cluster_tokens,
                             const at::Tensor& embedding, int64_t probes, const c10::optional<at::Tensor>& extra_ids,
                             at::Tensor& out, const c10::optional<at::Tensor>& centroid_scale) {
-  constexpr const char* op = "decode_greedy";
+  constexpr const char* op = "decode_greedy_out";
   check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale);
   check_decode_out(op, out, hidden, centroids, cluster_tokens, embedding, extra_ids, centroid_scale);
   const HeadShape shape = decode_shape(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
@@ -252,7 +252,7 @@ at::Tensor decode_greedy_cuda(const at::Tensor& hidden, const at::Tensor& centro
   constexpr const char* op = "decode_greedy";
   check_decode(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids, centroid_scale);
   const HeadShape shape = decode_shape(op, hidden, centroids, cluster_tokens, embedding, probes, extra_ids);
-  auto out = token_buffer(hidden);
+  auto out = at::empty({hidden.size(0)}, hidden.options().dtype(at::kLong));  // what decode_greedy_out writes
   decode(shape, hidden, centroids, cluster_tokens, embedding, extra_ids, centroid_scale, nullptr, out, nullptr);
   return out;
 }
