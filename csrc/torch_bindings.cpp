@@ -164,9 +164,14 @@ struct NoDerivative : public torch::autograd::Node {
   std::vector<std::pair<std::vector<c10::SymInt>, at::TensorOptions>> inputs;  // those that require grad
 };
 
+// The op's name without its namespace, as the ops' own messages write it after "flashhead.".
+std::string short_name(const c10::FunctionSchema& schema) {
+  return schema.name().substr(std::string("flashhead::").size());
+}
+
 // A NoDerivative node of op over `inputs` (its edges to their present history).
 NodePtr no_derivative_node(const c10::FunctionSchema& schema, const std::vector<at::Tensor>& inputs) {
-  NodePtr node = make_node<NoDerivative>(schema.name().substr(std::string("flashhead::").size()));
+  NodePtr node = make_node<NoDerivative>(short_name(schema));
   for (const at::Tensor& input : inputs)
     static_cast<NoDerivative&>(*node).inputs.emplace_back(input.sym_sizes().vec(), input.options());
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
@@ -194,7 +199,12 @@ void autograd_without_derivative(const c10::OperatorHandle& op, c10::DispatchKey
   std::vector<at::Tensor> written;
   for (size_t i = 0; i < arguments; ++i)
     if (argument(i).isTensor() && schema.is_mutable({c10::SchemaArgType::input, i})) {
-      torch::autograd::check_inplace(argument(i).toTensor(), !tracked.empty());
+      try {
+        torch::autograd::check_inplace(argument(i).toTensor(), !tracked.empty());
+      } catch (const c10::Error& refusal) {  // torch's words name no argument
+        TORCH_CHECK(false, "flashhead.", short_name(schema), ": ", schema.arguments()[i].name(),
+                    " is written in place: ", refusal.what_without_backtrace());
+      }
       written.push_back(argument(i).toTensor());
     }
   const bool record = !tracked.empty() && at::GradMode::is_enabled();
