@@ -245,13 +245,13 @@ GREEDY_LOGIT_SETTINGS = dict(repetition_penalty=1.0, encoder_repetition_penalty=
 
 # What a generation_config can set that makes generate() search otherwise than greedily, one row per
 # prompt and one head call per token (beams, prompt lookup, an early-exit assistant, constraints,
-# classifier-free guidance's unconditional forward...),
-# or return other than the tokens, with each setting's plain value: a recording overrides them, since
-# its states pair with its tokens.
+# classifier-free guidance's unconditional forward, a prefill in chunks...), return other than the
+# tokens, or ask for the tokenizer the recording does not pass it (stop strings, token healing), with
+# each setting's plain value: a recording overrides them, since its states pair with its tokens.
 RECORDING_GENERATE_SETTINGS = dict(num_beams=1, num_beam_groups=1, num_return_sequences=1, penalty_alpha=None,
                                    prompt_lookup_num_tokens=None, assistant_early_exit=None, constraints=None,
                                    force_words_ids=None, use_mtp=False, dola_layers=None, return_dict_in_generate=False,
-                                   guidance_scale=1.0)
+                                   guidance_scale=1.0, prefill_chunk_size=None, stop_strings=None, token_healing=False)
 
 
 def _settings_set(model, neutral: dict) -> dict:
@@ -383,7 +383,7 @@ def record_hidden_states(model, tokenizer, prompts: Sequence[str], max_new_token
     ``batch_size > 1`` generates that many prompts at once, left-padded (several times the tokens
     per second on a CPU); prompts are batched in order of length so little padding is computed.
     A sequence's tokens end at its first EOS (the model's generation config), whose search settings
-    (beams, prompt lookup: :data:`RECORDING_GENERATE_SETTINGS`) are overridden, its logits processors kept. Padding changes the
+    (beams, prompt lookup, stop strings: :data:`RECORDING_GENERATE_SETTINGS`) are overridden, its logits processors kept. Padding changes the
     arithmetic slightly, so a batched run may pick a different token where two logits nearly tie;
     the recorded state is still the one that chose the recorded token. A tokenizer without a pad
     token pads with its EOS token for the run; one with neither records one prompt at a time, with a
@@ -663,7 +663,9 @@ class FlashHeadAttachment:
     with ``next_token``); it samples the head's own logits, before any rescaling the model applies
     after its head (Granite's ``logits_scaling``: pass ``T * logits_scaling`` to match ``generate``). Classifier-free guidance (``generate(guidance_scale=...)``) subtracts two passes'
     log-probabilities, and DoLa (``generate(dola_layers=...)``) an early layer's from the last's;
-    their candidate sets differ (a token only the last layer's clusters hold gets ``+inf``), so
+    their candidate sets differ (guidance makes every token outside the unconditional pass's
+    candidates NaN, so greedy decoding emits the smallest such id and sampling fails in
+    ``torch.multinomial``; DoLa gives a token only the last layer's clusters hold ``+inf``), so
     both need every cluster probed (or the dense head). Logits processors that mask or bias tokens (``prefix_allowed_tokens_fn``, grammar
     constraints, ``sequence_bias``) act on these logits: a token they allow that is no candidate
     stays ``-inf``, and at a step with no allowed candidate the token emitted is the processor's

@@ -469,11 +469,13 @@ def test_recorded_states_are_keyed_by_the_generation_settings_generate_applies(t
 
 @pytest.mark.parametrize("search", [dict(num_beams=3), dict(num_beams=2, num_return_sequences=2),
                                     dict(prompt_lookup_num_tokens=3), dict(return_dict_in_generate=True),
-                                    dict(guidance_scale=1.5)])
+                                    dict(guidance_scale=1.5), dict(prefill_chunk_size=2), dict(stop_strings=["b"]),
+                                    dict(token_healing=True)])
 def test_a_recording_is_greedy_whatever_search_the_generation_config_sets(tmp_path, monkeypatch, search):
     # Beam search recorded reordered beams as prompts' states, prompt lookup several positions a
     # head call (13 states for 24 tokens) or, batched, failed inside generate(); guidance the
-    # unconditional forward's states, every second one.
+    # unconditional forward's states, every second one; a chunked prefill ran the head once a chunk;
+    # stop strings and token healing failed in generate() for want of the tokenizer it is not passed.
     monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path))
     model, tokenizer, prompts = _recording(7)
     greedy = hf.recorded_states(model, tokenizer, prompts, 9, progress=False)
