@@ -292,8 +292,11 @@ class DenseHead(_HeadBase):
     Its argmax is ``torch.argmax``'s over logits rounded to the model dtype, as in HF's greedy
     decoding: a NaN logit wins, and of two logits that round to one bfloat16 or float16 value the
     smaller id wins. FlashHead ranks by float32 logits and a NaN like -inf (docs/kernels.md),
-    so with every cluster probed the two differ on rows holding a NaN and, in half precision, where
-    the top two logits tie after rounding (about 1.5% of random bfloat16 rows at V = 4096).
+    so with every cluster probed the two differ on rows holding a NaN, in half precision where the
+    top two logits tie after rounding (about 1.5% of random bfloat16 rows at V = 4096) and, in
+    float32, where they tie within the last bits of a sum taken in another order (torch's matmul's
+    order can change with the number of rows). Its ``sample`` likewise always draws a row's NaN
+    logit (log-probability NaN), where FlashHead's draws another candidate (log-probability NaN too).
     """
 
     def __init__(self, embedding: Tensor):

@@ -1,7 +1,9 @@
 """Python entry points for the ``torch.ops.flashhead`` ops, and their fake kernels.
 
 Argument checks (dtype, rank, shape, device, ranges of int arguments) live in the C++ ops so that
-``torch.ops.flashhead.*`` callers get them too; they raise ``TypeError`` / ``ValueError`` naming
+``torch.ops.flashhead.*`` callers get them too (but for the wrappers' checks of Python scalar types:
+the dispatcher takes ``True`` for an int argument, and a one-element tensor through ``int()``, a
+host sync on a GPU); they raise ``TypeError`` / ``ValueError`` naming
 the argument and what was expected. They read metadata only, never tensor data, so the ops stay
 free of host syncs. Data-dependent checks (ids inside a cluster table) cost a sync and run once,
 when a head is built: see :func:`validate_cluster_table`. The kernels stay memory-safe even for
