@@ -1090,6 +1090,34 @@ def test_cli_options_at_their_bounds(tmp_path, monkeypatch, capsys):
         assert f"spec: error: {message}" in capsys.readouterr().err, bad
 
 
+def test_a_synthetic_spec_run_stops_at_no_eos(tmp_path, monkeypatch, capsys):
+    """A synthetic run's tokens are the draft's proposals: an EOS among them, accepted at random, ended
+    one head's run and not another's, so the heads were compared over other token counts."""
+    monkeypatch.setenv("FLASHHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    _save_tiny_model_with_tokenizer(tmp_path / "model")
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps(dict(question_id=1, category="a", turns=["w1 w7 w19"])))
+    out = tmp_path / "spec.json"
+    argv = ["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--prompts", str(questions), "--max-new-tokens", "6",
+            "--k", "3", "--head", "dense", "--mode", "baseline,deferred", "--device", "cpu", "--fast",
+            "--synthetic-acceptance", "1", "--json", str(out)]
+    config_file = tmp_path / "model" / "generation_config.json"
+    config = json.loads(config_file.read_text())
+    config["eos_token_id"] = None
+    config_file.write_text(json.dumps(config))
+    assert _spec_main(argv) == 0
+    runs = {run["label"]: run for run in json.loads(out.read_text())["runs"]}
+    # The target's EOS made the draft's second proposal, which every run then emits (R = 1 accepts all).
+    config["eos_token_id"] = runs["deferred/dense"]["tokens"][1]
+    config_file.write_text(json.dumps(config))
+    capsys.readouterr()
+    assert _spec_main(argv) == 0
+    again = {run["label"]: run for run in json.loads(out.read_text())["runs"]}
+    assert {label: run["new_tokens"] for label, run in again.items()} == {"baseline": 6, "deferred/dense": 6}
+    assert again["deferred/dense"]["tokens"] == runs["deferred/dense"]["tokens"]
+    assert "--synthetic-acceptance: no run stops at the target's EOS" in capsys.readouterr().err
+
+
 def test_a_pair_the_driver_refuses_is_a_usage_error_before_any_clustering(tmp_path, monkeypatch, capsys):
     # A recurrent draft (or a biased head) was refused by the driver only after the FlashHead draft's
     # clustering (minutes), in a traceback; an early exit of a recurrent target failed on its config.

@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--fast: how the draft runs its layers (Decoder.body; None: persistent, one kernel a step, or "
                              "for a draft it does not run (a float64 one) compiled on a GPU and eager on a CPU)")
     parser.add_argument("--synthetic-acceptance", type=float, default=None,
-                        help="--fast: accept each proposal with this probability instead of verifying (timing only; labelled synthetic)")
+                        help="--fast: accept each proposal with this probability instead of verifying (timing only; labelled "
+                             "synthetic; no run stops at an EOS)")
     parser.add_argument("--json", type=output_file, default="results/spec.json",
                         help="where to write every run and the summary")
 
@@ -218,6 +219,12 @@ def run(args, parser: argparse.ArgumentParser) -> int:
                          "text and has no chat template to add any)")
     vocab = output_embedding(target).shape[0]
     eos = sorted(eos_ids(None, getattr(getattr(target, "generation_config", None), "eos_token_id", None), vocab))  # the target's own
+    # A synthetic run's tokens are the draft's proposals: an EOS among them, accepted at random, ended one
+    # head's run and not another's, so they compared over other token counts. None stops early then (as in bench spec).
+    stops = [] if args.synthetic_acceptance is not None else eos
+    if eos and args.synthetic_acceptance is not None:
+        note("--synthetic-acceptance: no run stops at the target's EOS, so each emits --max-new-tokens tokens "
+             "(the proposals accepted at random would end one head's run at an EOS and not another's)")
     if not args.fast:  # the fast decoder refuses such a target itself
         rope_switch = length_dependent_rope(getattr(target, "config", None))
         for config, prompt in itertools.product(configs, prompts):  # before minutes of clustering, not mid-run
@@ -228,7 +235,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     draft = _load_draft(parser, args.draft, target, tokenizer, dtype, args.device) if any(c.head for c in configs) else None
     if draft is not None and not args.fast:
         try:  # the driver's checks of the pair (a recurrent state, a head bias), before minutes of clustering
-            _decoder(args, target, draft, None, eos)
+            _decoder(args, target, draft, None, stops)
         except (ValueError, TypeError) as error:
             parser.error(f"--draft {args.draft!r} with --target {args.target!r}: {error}")
     if any(c.head == "flashhead" for c in configs):
@@ -245,11 +252,11 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             target, draft = _fast_models(args, target, draft, max(len(p["input_ids"]) for p in prompts))
         except ValueError as error:
             parser.error(f"--fast: {error}")
-    decoders = {None: _decoder(args, target, None, None, eos)}
+    decoders = {None: _decoder(args, target, None, None, stops)}
     for kind in dict.fromkeys(c.head for c in configs if c.head):  # in --head order
         head = make_draft_head(kind, draft.lm_head if args.fast else draft, probes=args.probes, cluster_size=args.cluster_size,
                                kmeans_iters=args.kmeans_iters, seed=args.seed, special_token_ids=eos, progress=True)
-        decoders[kind] = _decoder(args, target, draft, head, eos)
+        decoders[kind] = _decoder(args, target, draft, head, stops)
 
     records = run_interleaved(decoders, configs, prompts, args.max_new_tokens, warmup_tokens=args.warmup_tokens)
     rows = summarize(records, configs)
