@@ -711,6 +711,22 @@ def test_a_target_with_active_dropout_warns_that_its_tokens_are_not_greedy():
         SpeculativeDecoder(gpt2).generate(prompt(0), mode="baseline", max_new_tokens=3)
 
 
+def test_a_dropout_rate_named_pdrop_warns_too():
+    # GPT-J applies attn_pdrop functionally, through no module: a target in training mode drew its
+    # tokens at random without a word.
+    torch.manual_seed(0)
+    config = transformers.GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, rotary_dim=8, n_positions=64,
+                                     attn_pdrop=0.5)
+    target = transformers.GPTJForCausalLM(config)  # built in training mode
+    assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in target.modules())
+    with pytest.warns(UserWarning, match="^target is in training mode and its dropout is active"):
+        SpeculativeDecoder(target).generate(prompt(0), mode="baseline", max_new_tokens=3)
+    config.attn_pdrop = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SpeculativeDecoder(target).generate(prompt(0), mode="baseline", max_new_tokens=3)
+
+
 def test_input_ids_on_the_meta_device_are_named():
     with pytest.raises(ValueError, match="^input_ids are on the meta device, which holds no values"):
         SpeculativeDecoder(tiny_model("llama")).generate(prompt(0).to("meta"), mode="baseline")

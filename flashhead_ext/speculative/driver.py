@@ -385,14 +385,15 @@ def require_dynamic_cache(model, role: str) -> None:
 def warn_if_dropout_active(model, role: str) -> None:
     """A warning when ``model`` is in training mode with a dropout that draws: its tokens are then
     random, not the greedy ones the driver promises (a model built as ``Cls(config)`` starts so).
-    A dropout is a module or, applied functionally (Llama's attention), a config setting (not a
-    classification head's or a summary's, which a causal LM does not apply)."""
+    A dropout is a module or, applied functionally (Llama's attention, GPT-J's ``attn_pdrop``), a
+    config setting (not a classification head's or a summary's, which a causal LM does not apply)."""
     if not model.training:
         return
     config = getattr(model, "config", None)
     settings = config.to_dict() if hasattr(config, "to_dict") else {}
     if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in model.modules()) or any(
-            "dropout" in key and not key.startswith(("classifier", "summary")) and isinstance(value, numbers.Real)
+            ("dropout" in key or key.endswith("pdrop")) and not key.startswith(("classifier", "summary"))
+            and isinstance(value, numbers.Real)
             and not isinstance(value, bool) and value > 0 for key, value in settings.items()):
         warnings.warn(f"{role} is in training mode and its dropout is active, so its tokens are random, not its greedy "
                       f"ones: call {role}.eval() first", UserWarning, stacklevel=callers_stacklevel())
