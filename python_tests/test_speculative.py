@@ -727,6 +727,36 @@ def test_a_dropout_rate_named_pdrop_warns_too():
         SpeculativeDecoder(target).generate(prompt(0), mode="baseline", max_new_tokens=3)
 
 
+def test_a_generation_past_a_learned_position_table_is_refused_before_any_forward():
+    # GPT-2's wpe: a round near the end verified positions past it and failed with a bare IndexError
+    # mid-run, or not, as its proposals happened to be accepted.
+    def gpt2(positions, layers, seed):
+        torch.manual_seed(seed)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4,
+                                                                    n_positions=positions)).eval()
+
+    target, ids = gpt2(32, 2, 0), prompt(1, 10)
+    decoder = SpeculativeDecoder(target, gpt2(32, 1, 5), k=4, eos_token_id=[])
+    for mode in ("ordinary", "deferred"):
+        with pytest.raises(ValueError, match=re.escape(
+                "the target's learned position table takes 32 positions (max_position_embeddings), and its forwards would "
+                "reach 34: prompt (10) + max_new_tokens (22) - 2 + k (4) must be at most 32")):
+            decoder.generate(ids, mode=mode, max_new_tokens=22)
+        # At the table's last position, and in baseline up to it, the tokens are the target's.
+        assert tuple(decoder.generate(ids, mode=mode, max_new_tokens=20).tokens) == greedy_tokens(target, ids, 20)
+    assert len(decoder.generate(ids, mode="baseline", max_new_tokens=23).tokens) == 23
+    with pytest.raises(ValueError, match=re.escape("would reach 33: prompt (10) + max_new_tokens (24) - 1 must be at most 32")):
+        decoder.generate(ids, mode="baseline", max_new_tokens=24)
+    # A draft's own table, shorter than the target's: its forwards reach one position fewer.
+    decoder = SpeculativeDecoder(gpt2(64, 2, 0), gpt2(30, 1, 5), k=4, eos_token_id=[])
+    with pytest.raises(ValueError, match=re.escape(
+            "the draft's learned position table takes 30 positions (max_position_embeddings), and its forwards would reach "
+            "31: prompt (10) + max_new_tokens (20) - 2 + k (4) - 1 must be at most 30")):
+        decoder.generate(ids, mode="ordinary", max_new_tokens=20)
+    assert len(decoder.generate(ids, mode="ordinary", max_new_tokens=19).tokens) == 19
+    assert len(decoder.generate(ids, mode="baseline", max_new_tokens=40).tokens) == 40  # the draft runs not
+
+
 def test_input_ids_on_the_meta_device_are_named():
     with pytest.raises(ValueError, match="^input_ids are on the meta device, which holds no values"):
         SpeculativeDecoder(tiny_model("llama")).generate(prompt(0).to("meta"), mode="baseline")
@@ -818,6 +848,25 @@ def test_the_cli_refuses_a_rope_switch_before_it_clusters(tmp_path, monkeypatch,
     assert exit_info.value.code == 2
     assert ("error: question 1, mode deferred: the target's dynamic RoPE changes its frequencies once a forward's sequence "
             "passes 16 positions" in capsys.readouterr().err)
+
+
+def test_the_cli_refuses_a_run_past_a_learned_position_table_before_it_clusters(tmp_path, monkeypatch, capsys):
+    # GPT-2's forward failed with an IndexError mid-run, after the draft's clustering.
+    from flashhead_ext.speculative import cli
+
+    _save_tiny_model_with_tokenizer(tmp_path / "model", arch="gpt2")
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                                         n_positions=16)).save_pretrained(tmp_path / "model")
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps(dict(question_id=1, category="a", turns=["w1 w7 w19 w3"])))
+    monkeypatch.setattr(cli, "make_draft_head", lambda *args, **kwargs: pytest.fail("refused before clustering"))
+    argv = ["--target", str(tmp_path / "model"), "--draft", "early-exit:1", "--k", "3", "--prompts", str(questions),
+            "--num-prompts", "1", "--mode", "baseline,deferred", "--device", "cpu", "--json", str(tmp_path / "spec.json")]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--max-new-tokens", "12"])  # baseline's longest forward is 4 + 12 - 1 = 15; deferred's 17
+    assert exit_info.value.code == 2
+    assert ("error: question 1, mode deferred: the target's learned position table takes 16 positions "
+            "(max_position_embeddings), and its forwards would reach 17" in capsys.readouterr().err)
 
 
 def test_the_cli_refuses_a_prompt_of_no_tokens_before_it_clusters(tmp_path, monkeypatch, capsys):

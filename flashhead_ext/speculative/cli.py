@@ -23,7 +23,8 @@ from ..fast.decoder import BODIES, FAMILY_NAMES
 from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS
 from .draft import early_exit_draft, make_draft_head
-from .driver import SpeculativeDecoder, check_draft_vocab, eos_ids, length_dependent_rope, rope_switch_problem
+from .driver import (SpeculativeDecoder, check_draft_vocab, eos_ids, learned_positions, length_dependent_rope,
+                     position_table_problem, rope_switch_problem)
 from .runner import encode_prompt, plan_configs, run_interleaved, summarize, format_summary, reading, write_json
 
 DESCRIPTION = ("Speculative decoding of Spec-Bench prompts: baseline, ordinary and deferred, with dense and FlashHead "
@@ -227,9 +228,11 @@ def run(args, parser: argparse.ArgumentParser) -> int:
              "(the proposals accepted at random would end one head's run at an EOS and not another's)")
     if not args.fast:  # the fast decoder refuses such a target itself
         rope_switch = length_dependent_rope(getattr(target, "config", None))
+        positions = learned_positions(target)
         for config, prompt in itertools.product(configs, prompts):  # before minutes of clustering, not mid-run
-            problem = rope_switch_problem(rope_switch, len(prompt["input_ids"]), args.max_new_tokens,
-                                          args.k if config.head else 0)
+            length, k = len(prompt["input_ids"]), args.k if config.head else 0
+            problem = (rope_switch_problem(rope_switch, length, args.max_new_tokens, k)
+                       or position_table_problem("target", positions, length, args.max_new_tokens, k))
             if problem:
                 parser.error(f"question {prompt['question_id']}, mode {config.mode}: {problem}")
     draft = _load_draft(parser, args.draft, target, tokenizer, dtype, args.device) if any(c.head for c in configs) else None

@@ -326,17 +326,22 @@ def _hooked_execution_device(module) -> Optional[torch.device]:
     return None
 
 
+def input_embeddings(model) -> Optional[torch.nn.Module]:
+    """``model``'s input embedding, or None where it names none (a plain module, or one wrapping a
+    model: transformers raises NotImplementedError where it finds none)."""
+    try:
+        return model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
 def target_input_device(target) -> torch.device:
     """Where ``target`` takes its input ids: where accelerate's hooks run its input embedding (or the
     model: ``cpu_offload_with_hook`` keeps the weights on the CPU and moves the model at each call),
     else the embedding's own device. A ValueError for meta weights with no hook to load them."""
     base = unwrapped(target)
-    try:
-        embedding = base.get_input_embeddings()
-    except (AttributeError, NotImplementedError):  # a module wrapping a model: its first weight takes the ids
-        embedding = None
-    weight = getattr(embedding, "weight", None)
-    if not isinstance(weight, Tensor):
+    weight = getattr(input_embeddings(base), "weight", None)
+    if not isinstance(weight, Tensor):  # a module wrapping a model: its first weight takes the ids
         weight = next(base.parameters())
     # The hook is on the module owning the weight (a PEFT LoRA embedding's base_layer, not the wrapper),
     # or on the model: cpu_offload_with_hook's on the one it was given, which may be a PEFT wrapper.
@@ -415,26 +420,59 @@ def length_dependent_rope(config) -> Optional[tuple]:
     return None
 
 
-def rope_switch_problem(rope_switch: Optional[tuple], prompt_tokens: int, max_new_tokens: int, k: int) -> Optional[str]:
-    """Why a generation of ``max_new_tokens`` after ``prompt_tokens`` (``k`` proposals a round; 0
-    in baseline) would not give the target's greedy tokens under ``rope_switch``
-    (:func:`length_dependent_rope`), or None. Its forwards' sequences reach at most prompt +
+def longest_forward(prompt_tokens: int, max_new_tokens: int, k: int) -> tuple[int, str]:
+    """The longest sequence the target's forwards see in a generation of ``max_new_tokens`` after
+    ``prompt_tokens`` (``k`` proposals a round; 0 in baseline), and its sum in words: prompt +
     max_new_tokens - 1, and where rounds propose (k > 0, from 3 new tokens: a round proposes only
-    while two are left to emit) prompt + max_new_tokens - 2 + k. ``longrope`` picks one of two
-    sets: a prompt already past the switch uses the long set in every forward. ``dynamic`` rescales
-    at every length past it."""
+    while two are left to emit) prompt + max_new_tokens - 2 + k. The draft's see one fewer."""
+    rounds = k > 0 and max_new_tokens >= 3
+    proposals = f" - 2 + k ({k})" if rounds else " - 1"
+    return (prompt_tokens + max_new_tokens + (k - 2 if rounds else -1),
+            f"prompt ({prompt_tokens}) + max_new_tokens ({max_new_tokens}){proposals}")
+
+
+def rope_switch_problem(rope_switch: Optional[tuple], prompt_tokens: int, max_new_tokens: int, k: int) -> Optional[str]:
+    """Why a generation (:func:`longest_forward`'s arguments) would not give the target's greedy
+    tokens under ``rope_switch`` (:func:`length_dependent_rope`), or None. ``longrope`` picks one of
+    two sets: a prompt already past the switch uses the long set in every forward. ``dynamic``
+    rescales at every length past it."""
     if rope_switch is None:
         return None
     rope_type, switch = rope_switch
-    rounds = k > 0 and max_new_tokens >= 3
-    longest = prompt_tokens + max_new_tokens + (k - 2 if rounds else -1)
+    longest, reach = longest_forward(prompt_tokens, max_new_tokens, k)
     if longest <= switch or (rope_type == "longrope" and prompt_tokens > switch):
         return None
-    proposals = f" - 2 + k ({k})" if rounds else " - 1"
     past = " (or a prompt longer than that)" if rope_type == "longrope" else ""
     return (f"the target's {rope_type} RoPE changes its frequencies once a forward's sequence passes {switch} positions, "
-            f"which a cache kept across the change does not reproduce: prompt ({prompt_tokens}) + max_new_tokens "
-            f"({max_new_tokens}){proposals} must be at most {switch}{past}")
+            f"which a cache kept across the change does not reproduce: {reach} must be at most {switch}{past}")
+
+
+def learned_positions(model) -> Optional[int]:
+    """How many positions ``model``'s learned absolute position table takes (GPT-2's ``wpe``, OPT's
+    ``embed_positions``: its config's ``max_position_embeddings``), or None for a model without one
+    (rotary and ALiBi models take any position)."""
+    inputs = input_embeddings(model)
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.Embedding) and module is not inputs and (leaf == "wpe" or "position" in leaf):
+            return int(getattr(getattr(model, "config", None), "max_position_embeddings", None) or module.num_embeddings)
+    return None
+
+
+def position_table_problem(role: str, positions: Optional[int], prompt_tokens: int, max_new_tokens: int,
+                           k: int) -> Optional[str]:
+    """Why ``role``'s forwards (the target's, or the draft's, one fewer) would run past its learned
+    position table of ``positions`` (:func:`learned_positions`) in a generation of
+    :func:`longest_forward`'s arguments, or None: its forward would fail with an IndexError mid-run."""
+    if positions is None:
+        return None
+    longest, reach = longest_forward(prompt_tokens, max_new_tokens, k)
+    if role == "draft":
+        longest, reach = longest - 1, f"{reach} - 1"
+    if longest <= positions:
+        return None
+    return (f"the {role}'s learned position table takes {positions} positions (max_position_embeddings), and its "
+            f"forwards would reach {longest}: {reach} must be at most {positions}")
 
 
 class SpeculativeDecoder:
@@ -483,6 +521,7 @@ class SpeculativeDecoder:
         self.eos = eos_ids(eos_token_id, getattr(getattr(target, "generation_config", None), "eos_token_id", None), vocab)
         warn_unapplied_generation_settings(greedy_logit_settings(target))
         self._rope_switch = length_dependent_rope(getattr(target, "config", None))
+        self._positions = {"target": learned_positions(unwrapped(target))}
         self.draft = draft
         self._head = self._attachment = None
         if draft is None:
@@ -515,6 +554,7 @@ class SpeculativeDecoder:
         # The body whose final hidden states the head scores: a PEFT model's base_model is PEFT's
         # wrapper of the whole causal LM, which returned logits (a crash at the first proposal).
         self._draft_body = plain_draft.base_model
+        self._positions["draft"] = learned_positions(plain_draft)
         self._draft_cache = cache_keyword(self._draft_body)
         self.draft_vocab = self.head.vocab_size
 
@@ -577,8 +617,10 @@ class SpeculativeDecoder:
         warn_if_dropout_active(self.target, "target")
         # k read once: another thread setting it mid-generation gave rounds of two sizes (wrong tokens).
         k = self.k if mode != "baseline" else 0
-        problem = rope_switch_problem(self._rope_switch, prompt.shape[1], max_new_tokens, k)
-        if problem:
+        problems = [rope_switch_problem(self._rope_switch, prompt.shape[1], max_new_tokens, k)]
+        problems += [position_table_problem(role, positions, prompt.shape[1], max_new_tokens, k)
+                     for role, positions in self._positions.items() if role == "target" or mode != "baseline"]
+        for problem in filter(None, problems):  # before any forward, not as an IndexError mid-run
             raise ValueError(problem)
         stats = GenerationStats(mode=mode, prompt_tokens=prompt.shape[1], k=k)
         output = Emitter(stats, self.eos, max_new_tokens)
