@@ -969,6 +969,20 @@ def test_from_hf_refuses_an_output_head_that_is_more_than_its_weight():
     Decoder.from_hf(transformers.LlamaModel(body.config), max_len=16)
 
 
+def test_from_hf_refuses_a_task_model_and_names_the_family_first():
+    # A sequence classifier with a tied config was decoded with its input embedding as an LM head,
+    # its own head ("score") unused; a Phi-2 was refused for its head's bias, as if that were all it lacked.
+    config = copy.deepcopy(hf_model("llama").config)
+    config.tie_word_embeddings, config.num_labels = True, 3
+    with pytest.raises(ValueError, match=r"^model is a LlamaForSequenceClassification, whose head is no language-model head"):
+        Decoder.from_hf(transformers.LlamaForSequenceClassification(config), max_len=16)
+    phi = transformers.PhiForCausalLM(transformers.PhiConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                                            num_hidden_layers=1, num_attention_heads=4))
+    assert phi.lm_head.bias is not None
+    with pytest.raises(ValueError, match=r"\(the fast decoder's family\), got model_type 'phi'$"):
+        Decoder.from_hf(phi, max_len=16)
+
+
 def test_a_generation_while_another_thread_generates_with_the_same_driver_or_models_is_refused():
     # Both ran over one set of caches and buffers: wrong tokens without an error.
     import threading

@@ -626,7 +626,13 @@ class Decoder:
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "state_dict"):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
+        DecoderConfig.from_hf(config, num_layers)  # the family first: a Phi's head bias is not all it lacks
         if hasattr(model, "get_output_embeddings"):  # the decoder computes hidden . weight, nothing else
+            if model.get_output_embeddings() is None and getattr(model, "base_model", model) is not model:
+                # A task model (sequence classification...): the tied embedding decoded in its head's place.
+                raise ValueError(f"model is a {type(model).__name__}, whose head is no language-model head "
+                                 "(get_output_embeddings() is None): pass a causal LM (...ForCausalLM), or its body "
+                                 "(model.base_model) to decode with its tied input embedding")
             check_plain_output_head(model)
         attachment = getattr(model, "flash_head", None)
         if attachment is not None and attachment.enabled:
