@@ -366,3 +366,17 @@ def test_the_eager_driver_decodes_a_target_split_over_two_gpus():
     accelerate.dispatch_model(target, device_map=device_map)
     assert target.lm_head.weight.device == torch.device("cuda:1")
     check_driver_decodes(target, tiny_llama(seed=1).double().to("cuda:0"), expected)
+
+
+def test_a_lora_on_a_learned_position_table_still_bounds_the_generation():
+    # PEFT wraps GPT-2's wpe: the module named wpe is no embedding, and the one that is, base_layer,
+    # named no table, so a generation past it failed with an IndexError mid-run again.
+    torch.manual_seed(0)
+    target = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=101, n_embd=32, n_layer=2, n_head=4,
+                                                                  n_positions=32)).eval()
+    tuned = peft.get_peft_model(target, peft.LoraConfig(r=2, target_modules=["wpe", "c_attn"])).eval()
+    ids = torch.randint(0, 101, (10,), generator=torch.Generator().manual_seed(1))
+    decoder = SpeculativeDecoder(tuned, copy.deepcopy(tuned), k=4, eos_token_id=[])
+    with pytest.raises(ValueError, match=r"^the target's learned position table takes 32 positions"):
+        decoder.generate(ids, mode="deferred", max_new_tokens=22)
+    assert len(decoder.generate(ids, mode="deferred", max_new_tokens=20).tokens) == 20

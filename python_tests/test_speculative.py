@@ -711,6 +711,44 @@ def test_a_target_with_active_dropout_warns_that_its_tokens_are_not_greedy():
         SpeculativeDecoder(gpt2).generate(prompt(0), mode="baseline", max_new_tokens=3)
 
 
+def test_an_opt_position_table_is_its_configs_not_its_rows():
+    # OPT's table is embed_positions (a "position" module, not GPT-2's wpe), of max_position_embeddings
+    # + 2 rows (its offset): 32 positions, not 34; past them its forward fails with an IndexError.
+    def opt(positions, layers, seed):
+        torch.manual_seed(seed)
+        return transformers.OPTForCausalLM(transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, word_embed_proj_dim=32, ffn_dim=64, num_hidden_layers=layers,
+            num_attention_heads=4, max_position_embeddings=positions)).eval()
+
+    target, ids = opt(32, 2, 0), prompt(1, 10)
+    assert target.model.decoder.embed_positions.num_embeddings == 34
+    decoder = SpeculativeDecoder(target, opt(32, 1, 5), k=4, eos_token_id=[])
+    with pytest.raises(ValueError, match=re.escape(
+            "the draft's learned position table takes 32 positions (max_position_embeddings), and its forwards would "
+            "reach 33: prompt (10) + max_new_tokens (22) - 2 + k (4) - 1 must be at most 32")):
+        SpeculativeDecoder(opt(64, 2, 0), opt(32, 1, 5), k=4, eos_token_id=[]).generate(ids, mode="ordinary",
+                                                                                      max_new_tokens=22)
+    with pytest.raises(ValueError, match=re.escape("takes 32 positions (max_position_embeddings), and its forwards would "
+                                                   "reach 34: prompt (10) + max_new_tokens (22) - 2 + k (4) must be")):
+        decoder.generate(ids, mode="deferred", max_new_tokens=22)
+    assert tuple(decoder.generate(ids, mode="deferred", max_new_tokens=20).tokens) == greedy_tokens(target, ids, 20)
+
+
+def test_a_sinusoidal_position_module_is_no_learned_table():
+    # XGLM's embed_positions is a module, not an embedding: it computes any position, so a generation
+    # past max_position_embeddings is the target's greedy one, not refused.
+    def xglm(layers, seed):
+        torch.manual_seed(seed)
+        return transformers.XGLMForCausalLM(transformers.XGLMConfig(
+            vocab_size=VOCAB, d_model=32, ffn_dim=64, num_layers=layers, attention_heads=4,
+            max_position_embeddings=16)).eval()
+
+    target, ids = xglm(2, 0), prompt(1, 10)
+    decoder = SpeculativeDecoder(target, xglm(1, 5), k=4, eos_token_id=[])
+    for mode in MODES:
+        assert tuple(decoder.generate(ids, mode=mode, max_new_tokens=20).tokens) == greedy_tokens(target, ids, 20), mode
+
+
 def test_a_dropout_rate_named_pdrop_warns_too():
     # GPT-J applies attn_pdrop functionally, through no module: a target in training mode drew its
     # tokens at random without a word.
@@ -1173,9 +1211,9 @@ def test_a_synthetic_spec_run_stops_at_no_eos(tmp_path, monkeypatch, capsys):
     assert _spec_main(argv) == 0
     runs = {run["label"]: run for run in json.loads(out.read_text())["runs"]}
     # The target's EOS made the draft's second proposal, which every run then emits (R = 1 accepts all).
+    assert "--synthetic-acceptance: no run stops" not in capsys.readouterr().err  # a target without an EOS: nothing to say
     config["eos_token_id"] = runs["deferred/dense"]["tokens"][1]
     config_file.write_text(json.dumps(config))
-    capsys.readouterr()
     assert _spec_main(argv) == 0
     again = {run["label"]: run for run in json.loads(out.read_text())["runs"]}
     assert {label: run["new_tokens"] for label, run in again.items()} == {"baseline": 6, "deferred/dense": 6}

@@ -453,7 +453,7 @@ def learned_positions(model) -> Optional[int]:
     (rotary and ALiBi models take any position)."""
     inputs = input_embeddings(model)
     for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
+        leaf = name.removesuffix(".base_layer").rsplit(".", 1)[-1]  # a PEFT LoRA layer's table is its base_layer
         if isinstance(module, torch.nn.Embedding) and module is not inputs and (leaf == "wpe" or "position" in leaf):
             return int(getattr(getattr(model, "config", None), "max_position_embeddings", None) or module.num_embeddings)
     return None
