@@ -221,7 +221,8 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     vocab = output_embedding(target).shape[0]
     eos = sorted(eos_ids(None, getattr(getattr(target, "generation_config", None), "eos_token_id", None), vocab))  # the target's own
     # A synthetic run's tokens are the draft's proposals: an EOS among them, accepted at random, ended one
-    # head's run and not another's, so they compared over other token counts. None stops early then (as in bench spec).
+    # head's run and not another's, so the heads were compared over different token counts. So no run
+    # stops early then, as in bench spec.
     stops = [] if args.synthetic_acceptance is not None else eos
     if eos and args.synthetic_acceptance is not None:
         note("--synthetic-acceptance: no run stops at the target's EOS, so each emits --max-new-tokens tokens "
