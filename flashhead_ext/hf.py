@@ -846,7 +846,8 @@ class FlashHeadAttachment:
         self._weights_checked_for = weight
 
     @_eager_only(f"the attached FlashHead is built on the host, where its clustering is checked (at a copied or "
-                 f"unpickled model's first call, and after its output weight was replaced or cast): {_BUILD_BEFORE_COMPILING}")
+                 f"unpickled model's first call, and after its output weight was replaced or cast; a head built inside a "
+                 f"torch.func transform is not kept): {_BUILD_BEFORE_COMPILING}")
     def _rebuild(self, compare_weights: bool = True) -> FlashHead:
         weight = self.linear.weight
         _check_head_dtype(weight)
@@ -862,7 +863,11 @@ class FlashHeadAttachment:
                 raise ValueError(f"{error}; {HEAD_CHANGED}") from error
         if compare_weights and self._weights_unchecked(weight):
             self._compare_weights(weight)
-        self._head, self._built_for = head, weight
+        # Built inside a torch.func transform (grad, vjp, jacrev), the head's tensors are wrappers of
+        # that transform's level, which dies with it: the head serves this call only. Kept, it made
+        # every later call fail ("Cannot access data pointer of Tensor that doesn't have storage").
+        if not torch._C._functorch.is_functorch_wrapped_tensor(head.embedding):
+            self._head, self._built_for = head, weight
         return head
 
     def _apply(self, fn, *args, **kwargs):

@@ -1299,6 +1299,32 @@ def test_a_head_built_in_inference_mode_serves_forwards_that_record_autograd():
         logits.logsumexp(-1).sum().backward()
 
 
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev"])
+def test_a_head_first_built_inside_a_torch_func_transform_is_not_kept(transform):
+    # A copy builds its head at its first call; made inside the transform, the head's tensors were
+    # that transform's wrappers, dead after it, and every later call failed on their storage.
+    model = _tiny_llama(tied=False)
+    attach(model, _tiny_assets(model, probes=3))
+    ids = torch.randint(0, 67, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids).logits
+    copied = copy.deepcopy(model)
+    inputs = copied.model.embed_tokens(ids).detach()
+
+    def last_state(embeds):  # a loss that does not go through the head's logits
+        return copied(inputs_embeds=embeds, output_hidden_states=True).hidden_states[-1].sum()
+
+    if transform == "grad":
+        gradient = torch.func.grad(last_state)(inputs)
+    elif transform == "vjp":
+        gradient = torch.func.vjp(last_state, inputs)[1](torch.tensor(1.0))[0]
+    else:
+        gradient = torch.func.jacrev(last_state)(inputs)
+    assert gradient.shape == inputs.shape and gradient.abs().sum() > 0
+    with torch.no_grad():
+        assert torch.equal(copied(ids).logits, expected)
+
+
 def test_training_only_the_head_of_an_attached_model_raises_at_backward():
     # A frozen body gives states that need no grad, and the head reads its weight detached: without
     # the check the loss needed no grad (torch's generic error), or, beside a term that does, the
