@@ -304,6 +304,18 @@ class DenseHead(_HeadBase):
         _check_embedding(embedding)
         self._keep_embedding(embedding)
 
+    def _logits_of(self, rows: Tensor) -> Tensor:
+        """``rows @ embedding.T``, differentiable to a weight given as an ``nn.Parameter`` (as
+        lm_head's logits are): the buffer is its detached view, over which a loss silently left
+        the head's term out of the weight's gradient."""
+        weight = self.__dict__.get("_weight")
+        # torch.compile cannot trace the data pointer _tied() compares: the kept weight is the
+        # buffer's unless its memory was replaced since (weight.data = ...), which eager calls see.
+        if (weight is not None and weight.requires_grad and torch.is_grad_enabled()
+                and (self._fits_weight() if torch.compiler.is_compiling() else self._tied())):
+            return rows @ weight.t()
+        return rows @ self.embedding.t()
+
     # Token ids have no gradient: recorded, the product saved its inputs for a backward that never
     # comes, and an embedding made in inference mode was refused as one.
     @torch.no_grad()
@@ -351,7 +363,7 @@ class DenseHead(_HeadBase):
         ops._require_optional_generator(generator)
         rows = self._rows(hidden)
         ops._require_generator_for(rows.device, generator)
-        scaled = (rows @ self.embedding.t()).float() / temperature
+        scaled = self._logits_of(rows).float() / temperature
         # Gumbel-max: argmax(logits/T + G) is a draw from softmax(logits/T), with no host sync.
         # float32 whatever torch's default dtype: bfloat16 uniforms cut the noise's tail off, so tokens
         # far below the top were never drawn.
@@ -364,7 +376,7 @@ class DenseHead(_HeadBase):
     def candidate_logits(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """Every token is a candidate: ids int32 ``[..., V]`` (0..V-1) and float32 logits ``[..., V]``."""
         rows = self._rows(hidden)
-        logits = (rows @ self.embedding.t()).float()
+        logits = self._logits_of(rows).float()
         # A row each, as FlashHead's: an expanded arange would make a write to one row change every row.
         ids = torch.arange(self.vocab_size, device=rows.device, dtype=torch.int32).repeat(rows.shape[0], 1)
         return self._unflatten(ids, hidden), self._unflatten(logits, hidden)

@@ -9,6 +9,7 @@ from typing import Optional, get_type_hints
 
 import pytest
 import torch
+from torch import nn
 
 import reference as ref
 from flashhead_ext import DenseHead, FlashHead, ops
@@ -195,6 +196,32 @@ def test_next_token_over_an_inference_mode_embedding_on_hidden_that_requires_gra
     head = make_head(replace(problem, embedding=embedding))
     hidden = problem.hidden.clone().requires_grad_()
     assert torch.equal(head.next_token(hidden), make_head(problem).next_token(problem.hidden))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("hidden_needs_grad", [True, False], ids=["tied_states", "frozen_states"])
+def test_dense_head_logits_differentiate_to_its_weight_as_lm_heads_do(hidden_needs_grad, compiled):
+    # The head computed over its detached buffer: the head's term of the weight's gradient was
+    # silently left out (with states from a tied input embedding), or the loss needed no grad.
+    generator = torch.Generator().manual_seed(11)
+    weight = nn.Parameter(torch.randn(53, 19, generator=generator))
+    ids, labels = torch.randint(0, 53, (2, 5), generator=generator)
+    head = DenseHead(weight)
+
+    def loss(logits_of):
+        hidden = weight[ids] * 0.5 if hidden_needs_grad else torch.randn(5, 19, generator=torch.Generator().manual_seed(2))
+        return nn.functional.cross_entropy(logits_of(hidden), labels)
+
+    candidate_logits = lambda hidden: head.candidate_logits(hidden)[1]
+    if compiled:
+        candidate_logits = torch.compile(candidate_logits, backend="aot_eager", fullgraph=True)
+    expected = torch.autograd.grad(loss(lambda hidden: hidden @ weight.t()), weight)[0]
+    torch.testing.assert_close(torch.autograd.grad(loss(candidate_logits), weight)[0], expected)
+    hidden = torch.randn(5, 19, generator=generator)
+    _, logprobs = head.sample(hidden, generator=torch.Generator().manual_seed(4))
+    assert torch.autograd.grad(logprobs.sum(), weight)[0].abs().sum() > 0
+    with torch.no_grad():
+        assert not head.candidate_logits(hidden)[1].requires_grad
 
 
 def test_flash_head_built_in_inference_mode_loads_states_outside_it():
