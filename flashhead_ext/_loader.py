@@ -9,9 +9,11 @@ from pathlib import Path
 
 import torch
 
+# --no-cache-dir: pip's cache keys a wheel it built from an index's sdist by the file, not by the
+# torch it was built against, so a reinstall without it put the stale build back.
 REBUILD_HINT = (
     "Rebuild it against the installed torch: "
-    "pip install --no-build-isolation --force-reinstall --no-deps <path to flashhead_ext source>"
+    "pip install --no-build-isolation --force-reinstall --no-deps --no-cache-dir <path to flashhead_ext source>"
 )
 
 
@@ -24,7 +26,7 @@ def build_info():
             f"flashhead_ext was imported from {Path(__file__).parent}, which holds no built extension "
             "(no _build_info.py beside it). From a source checkout's root, Python imports the checkout "
             "rather than an installed copy: run elsewhere, or install the checkout in place "
-            f"(pip install --no-build-isolation -e <path>). {REBUILD_HINT}"
+            "(pip install --no-build-isolation -e <path>)"
         ) from err
     return _build_info
 
@@ -33,7 +35,8 @@ def load_extension():
     info = build_info()
     if info.TORCH_VERSION != torch.__version__:
         raise ImportError(
-            f"flashhead_ext._C was built against torch {info.TORCH_VERSION} (CUDA {info.CUDA_VERSION}) "
+            f"flashhead_ext._C was built against torch {info.TORCH_VERSION} "
+            f"({f'CUDA {info.CUDA_VERSION} kernels' if info.CUDA_VERSION else 'CPU references only'}) "
             f"but torch {torch.__version__} (CUDA {torch.version.cuda}) is installed. {REBUILD_HINT}"
         )
     try:

@@ -85,6 +85,16 @@ def test_import_refuses_a_different_torch(monkeypatch):
         _loader.load_extension()
     message = str(err.value)
     assert "1.0.0+fake" in message and torch.__version__ in message and "Rebuild" in message
+    # pip's cache would give back the wheel built against the other torch
+    assert "--no-cache-dir" in message
+
+
+def test_import_refusal_says_a_cpu_only_build_was_one(monkeypatch):
+    fake = types.SimpleNamespace(TORCH_VERSION="1.0.0+fake", CUDA_VERSION=None, WITH_CUDA=False)
+    monkeypatch.setitem(sys.modules, "flashhead_ext._build_info", fake)
+    monkeypatch.setattr(flashhead_ext, "_build_info", fake, raising=False)
+    with pytest.raises(ImportError, match=r"built against torch 1\.0\.0\+fake \(CPU references only\)"):
+        _loader.load_extension()
 
 
 def test_import_says_when_nothing_was_built(monkeypatch):
@@ -95,6 +105,7 @@ def test_import_says_when_nothing_was_built(monkeypatch):
         _loader.load_extension()
     # Where it was imported from, and the way out when that is a checkout shadowing an installed copy.
     assert str(Path(flashhead_ext.__file__).parent) in str(err.value) and "pip install --no-build-isolation -e" in str(err.value)
+    assert "Rebuild" not in str(err.value)  # an installed copy elsewhere is fine: nothing to rebuild
 
 
 def test_import_refuses_the_same_torch_release_of_another_build(monkeypatch):
@@ -105,7 +116,7 @@ def test_import_refuses_the_same_torch_release_of_another_build(monkeypatch):
     monkeypatch.setattr(flashhead_ext, "_build_info", fake, raising=False)
     with pytest.raises(ImportError) as err:
         _loader.load_extension()
-    assert other in str(err.value) and "CUDA 9.9" in str(err.value)  # the CUDA it was built against
+    assert other in str(err.value) and "CUDA 9.9 kernels" in str(err.value)  # the CUDA it was built against
 
 
 def test_import_says_when_the_compiled_extension_fails_to_load(monkeypatch):
