@@ -612,11 +612,31 @@ def _is_exporting() -> bool:
 
 
 def _eager_only(reason: str):
-    """``torch.compiler.disable``, with ``reason`` where torch takes one (2.7 and later), so that the
-    error of ``torch.compile(fullgraph=True)`` at the graph break says why and what to do."""
-    if "reason" in inspect.signature(torch.compiler.disable).parameters:
-        return torch.compiler.disable(reason=reason)
-    return torch.compiler.disable
+    """Marks a method for ``torch.compiler.disable`` (with ``reason`` where torch takes one, 2.7 and
+    later, so that the error of ``torch.compile(fullgraph=True)`` at the graph break says why and
+    what to do). Applied by :func:`_disable_marked_methods`, not here: torch.compiler.disable
+    imports torch._dynamo, which made ``import flashhead_ext`` a second slower."""
+    def mark(method):
+        method._eager_only_reason = reason
+        return method
+    return mark
+
+
+_disabling = threading.Lock()
+
+
+def _disable_marked_methods(cls: type) -> None:
+    """Applies :func:`_eager_only`'s marks on ``cls``, once."""
+    with _disabling:
+        if cls.__dict__.get("_marked_methods_disabled"):
+            return
+        takes_reason = "reason" in inspect.signature(torch.compiler.disable).parameters
+        for name, method in list(vars(cls).items()):
+            reason = getattr(method, "_eager_only_reason", None)
+            if reason is not None:
+                setattr(cls, name, torch.compiler.disable(method, reason=reason) if takes_reason
+                        else torch.compiler.disable(method))
+        cls._marked_methods_disabled = True
 
 
 _BUILD_BEFORE_COMPILING = "call model.flash_head.head() once before compiling with fullgraph=True"
@@ -685,6 +705,11 @@ class FlashHeadAttachment:
     in place instead (``weight.copy_(new)`` under ``no_grad``). Setting ``assets`` (they then set
     ``probes``) or ``centroid_dtype`` builds the head anew at once.
     """
+
+    def __new__(cls, *args, **kwargs):
+        # Every attachment, made, copied or unpickled, is created here, before anything can compile it.
+        _disable_marked_methods(cls)
+        return super().__new__(cls)
 
     def __init__(self, linear: nn.Linear, assets, probes: Optional[int], centroid_dtype: Optional[torch.dtype] = None,
                  *, weights_checked: bool = False):

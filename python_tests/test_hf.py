@@ -11,6 +11,8 @@ import os
 import pickle
 import re
 import stat
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -1551,6 +1553,28 @@ def test_a_copied_model_compiled_in_one_graph_is_told_to_build_its_head_first():
         copied.flash_head.head()
         torch._dynamo.reset()
         _same_logits(torch.compile(copied, backend="eager", fullgraph=True)(ids).logits, copied(ids).logits)
+
+
+@pytest.mark.skipif("reason" not in inspect.signature(torch.compiler.disable).parameters,
+                    reason="torch.compiler.disable takes a reason from torch 2.7")
+def test_an_unpickled_model_in_a_fresh_process_has_its_host_checks_kept_out_of_compiled_graphs(tmp_path):
+    # The package marks its host-only methods for torch.compiler.disable when the first attachment
+    # is made (importing torch._dynamo at import cost a second): unpickling must make it too.
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    torch.save(_attached_tiny_llama_compilable(ids), tmp_path / "model.pt")
+    script = f"""
+import sys, torch, flashhead_ext
+assert "torch._dynamo" not in sys.modules, "import flashhead_ext imported torch._dynamo"
+model = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
+try:
+    with torch.no_grad():
+        torch.compile(model, backend="eager", fullgraph=True)(torch.tensor({ids.tolist()}))
+except torch._dynamo.exc.Unsupported as error:
+    print("refused:", "call model.flash_head.head() once before compiling" in str(error))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "refused: True"
 
 
 class _Logits(torch.nn.Module):
