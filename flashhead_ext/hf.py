@@ -836,10 +836,10 @@ class FlashHeadAttachment:
             traced = cached._over_embedding(weight.detach())
             traced.probes = self.probes
             return traced
-        if cached is None and _is_exporting():
-            raise RuntimeError("the attached FlashHead is built at its first call, which torch.export cannot trace (its "
-                               "checks read the weight's values): call model.flash_head.head() once before exporting "
-                               "a copied or unpickled model")
+        if cached is None and (_is_exporting() or torch.jit.is_tracing()):
+            raise RuntimeError("the attached FlashHead is built at its first call, which torch.export and torch.jit.trace "
+                               "cannot trace (its checks read the weight's values): call model.flash_head.head() once "
+                               "before exporting or tracing a copied or unpickled model")
         # A new weight object, dtype or device: what torch.compile can test while tracing (it
         # guards on them); a data pointer it cannot, so that test is left to eager calls.
         if (cached is None or self._built_for is not weight or cached.embedding.dtype != weight.dtype

@@ -224,6 +224,17 @@ def test_dense_head_logits_differentiate_to_its_weight_as_lm_heads_do(hidden_nee
         assert not head.candidate_logits(hidden)[1].requires_grad
 
 
+def test_flash_head_built_under_fake_tensor_mode_names_the_mode():
+    # Its checks read values: torch's own error named a data-dependent op, neither the argument nor the mode.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    problem = make_problem(SHAPE, torch.float32, "cpu")
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(tensor) for tensor in (problem.embedding, problem.centroids, problem.cluster_tokens)]
+        with pytest.raises(ValueError, match=r"centroids is a fake tensor \(FakeTensorMode's\)"):
+            FlashHead(*fakes, SHAPE.p)
+
+
 def test_flash_head_built_in_inference_mode_loads_states_outside_it():
     # Its buffers were inference tensors: a load outside inference mode raised torch's "Inplace update
     # to inference tensor" after copying the state in. A load inside it that changes the number of

@@ -1611,6 +1611,23 @@ def test_attached_model_exports_in_non_strict_mode():
         _same_logits(torch.export.export(_Logits(copied), (ids,), strict=False).module()(ids), model(ids).logits)
 
 
+def test_attached_model_traces_with_torch_jit_once_its_head_is_built():
+    ids = torch.tensor([[3, 1, 4, 1, 5], [2, 7, 1, 8, 2]])
+    other = torch.tensor([[6, 6, 1, 0, 9], [5, 4, 3, 2, 1]])
+    model = _tiny_llama(tied=False)
+    attach(model, _tiny_assets(model))
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        traced = torch.jit.trace(_Logits(model), (ids,), check_trace=False)
+        _same_logits(traced(other), model(other).logits)  # other tokens: the head's ops were traced, not their results
+        # A copy's head is built at its first call, whose checks read the weight: the trace turned its
+        # shapes into tensors and failed on "vocab_size must be a Python int".
+        with pytest.raises(RuntimeError, match=r"call model.flash_head.head\(\) once before exporting or tracing"):
+            torch.jit.trace(_Logits(copied), (ids,), check_trace=False)
+        copied.flash_head.head()
+        _same_logits(torch.jit.trace(_Logits(copied), (ids,), check_trace=False)(other), model(other).logits)
+
+
 def test_attached_model_compiles_on_weights_that_require_grad():
     # Outside no_grad the weights require grad, so torch.compile traces the backward too (inductor:
     # its partitioner may move backward work into the forward). The forward runs as in eager mode
