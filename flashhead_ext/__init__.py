@@ -1,7 +1,7 @@
 """flashhead_ext: FlashHead retrieval heads as torch ops (CPU reference + CUDA kernels)."""
-from ._loader import load_extension
+from . import _loader
 
-BUILD_INFO = load_extension()
+BUILD_INFO = _loader.load_extension()
 
 from . import ops  # noqa: E402
 from .assets import flash_head_for, load_assets, save_assets  # noqa: E402
