@@ -736,6 +736,7 @@ class FlashHeadAttachment:
         return {**self.__dict__, "_linear": self._linear(), "_head": None, "_built_for": None}
 
     def __setstate__(self, state):
+        _disable_marked_methods(type(self))  # pickle's protocols 0 and 1 create the object without __new__
         # "linear": pickled before the head was held weakly. None: the head was replaced and dropped.
         linear = state.pop("linear", None) if "_linear" not in state else state["_linear"]
         self.__dict__.update(state, _linear=_no_linear if linear is None else self._weak_linear(linear))

@@ -1557,11 +1557,12 @@ def test_a_copied_model_compiled_in_one_graph_is_told_to_build_its_head_first():
 
 @pytest.mark.skipif("reason" not in inspect.signature(torch.compiler.disable).parameters,
                     reason="torch.compiler.disable takes a reason from torch 2.7")
-def test_an_unpickled_model_in_a_fresh_process_has_its_host_checks_kept_out_of_compiled_graphs(tmp_path):
+@pytest.mark.parametrize("pickle_protocol", [1, 2])  # 1 creates objects without __new__; 2 is torch.save's
+def test_an_unpickled_model_in_a_fresh_process_has_its_host_checks_kept_out_of_compiled_graphs(tmp_path, pickle_protocol):
     # The package marks its host-only methods for torch.compiler.disable when the first attachment
     # is made (importing torch._dynamo at import cost a second): unpickling must make it too.
     ids = torch.tensor([[3, 1, 4, 1, 5]])
-    torch.save(_attached_tiny_llama_compilable(ids), tmp_path / "model.pt")
+    torch.save(_attached_tiny_llama_compilable(ids), tmp_path / "model.pt", pickle_protocol=pickle_protocol)
     script = f"""
 import sys, torch, flashhead_ext
 assert "torch._dynamo" not in sys.modules, "import flashhead_ext imported torch._dynamo"
