@@ -286,6 +286,25 @@ class _HeadBase(nn.Module):
         return self.next_token(hidden)
 
 
+class _AsWeight(torch.autograd.Function):
+    """The head's buffer with the kept weight's gradient: the values every call reads (also where
+    the weight's memory was replaced since, ``weight.data = ...``, which torch.compile cannot see),
+    the gradient passed to the weight."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(buffer: Tensor, weight: Tensor) -> Tensor:
+        return buffer.view_as(buffer)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, gradient: Tensor):
+        return None, gradient
+
+
 class DenseHead(_HeadBase):
     """The full-vocabulary head: ``logits = hidden @ embedding.T`` in the model dtype, as HF's lm_head.
 
@@ -308,13 +327,10 @@ class DenseHead(_HeadBase):
         """``rows @ embedding.T``, differentiable to a weight given as an ``nn.Parameter`` (as
         lm_head's logits are): the buffer is its detached view, over which a loss silently left
         the head's term out of the weight's gradient."""
-        weight = self.__dict__.get("_weight")
-        # torch.compile cannot trace the data pointer _tied() compares: the kept weight is the
-        # buffer's unless its memory was replaced since (weight.data = ...), which eager calls see.
-        if (weight is not None and weight.requires_grad and torch.is_grad_enabled()
-                and (self._fits_weight() if torch.compiler.is_compiling() else self._tied())):
-            return rows @ weight.t()
-        return rows @ self.embedding.t()
+        weight, embedding = self.__dict__.get("_weight"), self.embedding
+        if weight is not None and weight.requires_grad and torch.is_grad_enabled() and self._fits_weight():
+            embedding = _AsWeight.apply(embedding, weight)
+        return rows @ embedding.t()
 
     # Token ids have no gradient: recorded, the product saved its inputs for a backward that never
     # comes, and an embedding made in inference mode was refused as one.

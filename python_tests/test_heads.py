@@ -224,6 +224,26 @@ def test_dense_head_logits_differentiate_to_its_weight_as_lm_heads_do(hidden_nee
         assert not head.candidate_logits(hidden)[1].requires_grad
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("rows", [53, 60], ids=["same_shape", "other_shape"])
+def test_dense_head_reads_its_buffer_after_the_weights_memory_was_replaced(rows, compiled):
+    # weight.data = ...: the head keeps the memory it was given. Differentiable logits read the new
+    # weight where torch.compile, which cannot compare data pointers, saw a weight of the same shape.
+    generator = torch.Generator().manual_seed(5)
+    weight = nn.Parameter(torch.randn(53, 19, generator=generator))
+    head = DenseHead(weight)
+    weight.data = torch.randn(rows, 19, generator=generator)
+    hidden = torch.randn(4, 19, generator=generator)
+    candidate_logits = lambda hidden: head.candidate_logits(hidden)[1]
+    if compiled:
+        candidate_logits = torch.compile(candidate_logits, backend="aot_eager", fullgraph=True)
+    logits = candidate_logits(hidden)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, head.candidate_logits(hidden)[1])
+    assert torch.equal(logits.argmax(-1), head.next_token(hidden))
+    assert logits.requires_grad == (rows == 53)  # a weight of the buffer's shape still gets the gradient
+
+
 def test_flash_head_built_under_fake_tensor_mode_names_the_mode():
     # Its checks read values: torch's own error named a data-dependent op, neither the argument nor the mode.
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -233,6 +253,15 @@ def test_flash_head_built_under_fake_tensor_mode_names_the_mode():
         fakes = [mode.from_tensor(tensor) for tensor in (problem.embedding, problem.centroids, problem.cluster_tokens)]
         with pytest.raises(ValueError, match=r"centroids is a fake tensor \(FakeTensorMode's\)"):
             FlashHead(*fakes, SHAPE.p)
+
+
+def test_a_tensor_subclass_holding_values_is_not_refused_as_fake():
+    class Subclass(torch.Tensor):
+        pass
+
+    centroids = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    for got, expected in zip(ops.quantize_centroids(centroids.as_subclass(Subclass)), ops.quantize_centroids(centroids)):
+        assert torch.equal(got.as_subclass(torch.Tensor), expected)
 
 
 def test_flash_head_built_in_inference_mode_loads_states_outside_it():
