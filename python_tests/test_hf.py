@@ -1327,6 +1327,36 @@ def test_a_head_first_built_inside_a_torch_func_transform_is_not_kept(transform)
         assert torch.equal(copied(ids).logits, expected)
 
 
+def test_centroid_dtype_set_inside_a_torch_func_transform_is_the_next_calls():
+    # The head built inside the transform is not kept, and the one kept from before had the old
+    # centroids: later calls ran float32 centroids while centroid_dtype said fp8.
+    model = _tiny_llama(tied=False)
+    attach(model, _tiny_assets(model, probes=3))
+    model.flash_head.head()
+
+    def set_fp8(x):
+        model.flash_head.centroid_dtype = torch.float8_e4m3fn
+        return (x * 2).sum()
+
+    torch.func.grad(set_fp8)(torch.randn(3, generator=torch.Generator().manual_seed(1)))
+    assert model.flash_head.centroid_dtype == torch.float8_e4m3fn
+    assert model.flash_head.head().centroids.dtype == torch.float8_e4m3fn
+
+
+def test_a_subclass_of_the_attachment_gets_its_own_host_only_methods_disabled():
+    from flashhead_ext.hf import FlashHeadAttachment, _eager_only
+
+    class Attachment(FlashHeadAttachment):
+        @_eager_only("reads values on the host")
+        def host_check(self):
+            return "ran"
+
+    marked = Attachment.__dict__["host_check"]
+    made = Attachment.__new__(Attachment)
+    assert Attachment.__dict__["host_check"] is not marked  # given torch.compiler.disable
+    assert made.host_check() == "ran"
+
+
 def test_training_only_the_head_of_an_attached_model_raises_at_backward():
     # A frozen body gives states that need no grad, and the head reads its weight detached: without
     # the check the loss needed no grad (torch's generic error), or, beside a term that does, the
