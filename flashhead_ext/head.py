@@ -289,7 +289,8 @@ class _HeadBase(nn.Module):
 class _AsWeight(torch.autograd.Function):
     """The head's buffer with the kept weight's gradient: the values every call reads (also where
     the weight's memory was replaced since, ``weight.data = ...``, which torch.compile cannot see),
-    the gradient passed to the weight."""
+    the gradient passed to the weight. Exact either way: the gradient of ``h @ W.T`` with respect
+    to W does not depend on W's values."""
     generate_vmap_rule = True
 
     @staticmethod
@@ -328,7 +329,9 @@ class DenseHead(_HeadBase):
         lm_head's logits are): the buffer is its detached view, over which a loss silently left
         the head's term out of the weight's gradient."""
         weight, embedding = self.__dict__.get("_weight"), self.embedding
-        if weight is not None and weight.requires_grad and torch.is_grad_enabled() and self._fits_weight():
+        # Not in a torch.jit trace, which cannot save a Python Function: the traced weight gets no gradient.
+        if (weight is not None and weight.requires_grad and torch.is_grad_enabled() and self._fits_weight()
+                and not torch.jit.is_tracing()):
             embedding = _AsWeight.apply(embedding, weight)
         return rows @ embedding.t()
 

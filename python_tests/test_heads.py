@@ -224,6 +224,26 @@ def test_dense_head_logits_differentiate_to_its_weight_as_lm_heads_do(hidden_nee
         assert not head.candidate_logits(hidden)[1].requires_grad
 
 
+def test_a_module_over_a_dense_head_traced_with_grad_on_saves_and_loads():
+    # torch.jit cannot save a Python autograd Function, which the head's gradient to its weight uses.
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(19, 53, bias=False)  # its weight requires grad
+            self.head = DenseHead(self.linear.weight)
+
+        def forward(self, hidden):
+            return self.head.candidate_logits(hidden)[1]
+
+    torch.manual_seed(3)
+    module, hidden = Logits(), torch.randn(4, 19)
+    saved = io.BytesIO()
+    torch.jit.save(torch.jit.trace(module, (hidden,)), saved)
+    saved.seek(0)
+    other = torch.randn(6, 19)
+    torch.testing.assert_close(torch.jit.load(saved)(other), module(other))
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("rows", [53, 60], ids=["same_shape", "other_shape"])
 def test_dense_head_reads_its_buffer_after_the_weights_memory_was_replaced(rows, compiled):
