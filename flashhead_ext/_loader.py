@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-# --no-cache-dir: pip's cache keys a wheel it built from an index's sdist by the file, not by the
-# torch it was built against, so a reinstall without it put the stale build back.
+# --no-cache-dir: installed by name from an index, pip reuses the wheel it built from the sdist
+# before, whichever torch that was against, so the reinstall put the stale build back.
 REBUILD_HINT = (
     "Rebuild it against the installed torch: "
-    "pip install --no-build-isolation --force-reinstall --no-deps --no-cache-dir <path to flashhead_ext source>"
+    "pip install --no-build-isolation --force-reinstall --no-deps --no-cache-dir <flashhead_ext's source directory or sdist>"
 )
 
 
@@ -37,7 +37,8 @@ def load_extension():
         raise ImportError(
             f"flashhead_ext._C was built against torch {info.TORCH_VERSION} "
             f"({f'CUDA {info.CUDA_VERSION} kernels' if info.CUDA_VERSION else 'CPU references only'}) "
-            f"but torch {torch.__version__} (CUDA {torch.version.cuda}) is installed. {REBUILD_HINT}"
+            f"but torch {torch.__version__} ({f'CUDA {torch.version.cuda}' if torch.version.cuda else 'a CPU build'}) is "
+            f"installed. {REBUILD_HINT}"
         )
     try:
         from . import _C  # noqa: F401  (registers torch.ops.flashhead.*)

@@ -623,22 +623,25 @@ def _eager_only(reason: str):
 
 
 _disabling = threading.Lock()
+# Kept apart from the classes, since built-in bases (object, dict) take no attributes.
+_classes_disabled: weakref.WeakSet = weakref.WeakSet()
 
 
 def _disable_marked_methods(cls: type) -> None:
     """Applies :func:`_eager_only`'s marks on ``cls`` and the classes it derives from, once each."""
+    if cls in _classes_disabled:
+        return
     with _disabling:
         takes_reason = "reason" in inspect.signature(torch.compiler.disable).parameters
         for klass in cls.__mro__:
-            if klass.__dict__.get("_marked_methods_disabled"):
+            if klass in _classes_disabled:
                 continue
             for name, method in list(vars(klass).items()):
                 reason = getattr(method, "_eager_only_reason", None)
                 if reason is not None:
                     setattr(klass, name, torch.compiler.disable(method, reason=reason) if takes_reason
                             else torch.compiler.disable(method))
-            if klass is not object:  # built-in: its attributes cannot be set
-                klass._marked_methods_disabled = True
+            _classes_disabled.add(klass)
 
 
 _BUILD_BEFORE_COMPILING = "call model.flash_head.head() once before compiling with fullgraph=True"
@@ -894,9 +897,10 @@ class FlashHeadAttachment:
         # Built inside a torch.func transform (grad, vjp, jacrev), the head's tensors are wrappers of
         # that transform's level, which dies with it: the head serves this call only. Kept, it made
         # every later call fail ("Cannot access data pointer of Tensor that doesn't have storage").
-        kept = not torch._C._functorch.is_functorch_wrapped_tensor(head.embedding)
-        # Not kept, none is: a head kept from before would serve later calls with the old settings.
-        self._head, self._built_for = (head, weight) if kept else (None, None)
+        cacheable = not torch._C._functorch.is_functorch_wrapped_tensor(head.embedding)
+        # Where this one cannot be cached, none is: a head cached from before would serve later
+        # calls with the settings this rebuild replaced.
+        self._head, self._built_for = (head, weight) if cacheable else (None, None)
         return head
 
     def _apply(self, fn, *args, **kwargs):

@@ -88,11 +88,13 @@ def test_import_refuses_a_different_torch(monkeypatch):
     assert "--no-cache-dir" in message
 
 
-def test_import_refusal_says_a_cpu_only_build_was_one(monkeypatch):
+def test_import_refusal_says_a_cpu_only_build_was_one_and_a_cpu_torch_is_one(monkeypatch):
     fake = types.SimpleNamespace(TORCH_VERSION="1.0.0+fake", CUDA_VERSION=None, WITH_CUDA=False)
     monkeypatch.setitem(sys.modules, "flashhead_ext._build_info", fake)
     monkeypatch.setattr(flashhead_ext, "_build_info", fake, raising=False)
-    with pytest.raises(ImportError, match=r"built against torch 1\.0\.0\+fake \(CPU references only\)"):
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build of torch: it said "CUDA None"
+    with pytest.raises(ImportError, match=r"built against torch 1\.0\.0\+fake \(CPU references only\) but torch "
+                                          r"\S+ \(a CPU build\) is installed"):
         _loader.load_extension()
 
 

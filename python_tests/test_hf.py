@@ -1343,10 +1343,12 @@ def test_centroid_dtype_set_inside_a_torch_func_transform_is_the_next_calls():
     assert model.flash_head.head().centroids.dtype == torch.float8_e4m3fn
 
 
-def test_a_subclass_of_the_attachment_gets_its_own_host_only_methods_disabled():
+@pytest.mark.parametrize("builtin_base", [False, True], ids=["attachment", "with_dict"])
+def test_a_subclass_of_the_attachment_gets_its_own_host_only_methods_disabled(builtin_base):
+    # A built-in base (dict) takes no attributes: a flag set on every class of the MRO raised a TypeError.
     from flashhead_ext.hf import FlashHeadAttachment, _eager_only
 
-    class Attachment(FlashHeadAttachment):
+    class Attachment(FlashHeadAttachment, *([dict] if builtin_base else [])):
         @_eager_only("reads values on the host")
         def host_check(self):
             return "ran"

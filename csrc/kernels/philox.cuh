@@ -23,7 +23,7 @@ enum RandomStream : uint32_t { kClusterStream = 0, kTokenStream = 1 };
 FH_HOST_DEVICE uint32_t philox_first_word(uint64_t seed, uint32_t col, uint32_t row, uint32_t stream) {
   uint32_t c0 = col, c1 = row, c2 = stream, c3 = 0;
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-FH_UNROLL
+  FH_UNROLL
   for (int round = 0; round < 10; ++round) {
     const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0;
     const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2;
