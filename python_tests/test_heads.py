@@ -224,6 +224,8 @@ def test_dense_head_logits_differentiate_to_its_weight_as_lm_heads_do(hidden_nee
         assert not head.candidate_logits(hidden)[1].requires_grad
 
 
+# torch 2.14 deprecates torch.jit; the tracer warns on every shape check it turns into a constant.
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::torch.jit.TracerWarning")
 def test_a_module_over_a_dense_head_traced_with_grad_on_saves_and_loads():
     # torch.jit cannot save a Python autograd Function, which the head's gradient to its weight uses.
     class Logits(nn.Module):

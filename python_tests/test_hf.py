@@ -1644,6 +1644,8 @@ def test_attached_model_exports_in_non_strict_mode():
         _same_logits(torch.export.export(_Logits(copied), (ids,), strict=False).module()(ids), model(ids).logits)
 
 
+# torch 2.14 deprecates torch.jit; the tracer warns on every shape check it turns into a constant.
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::torch.jit.TracerWarning")
 def test_attached_model_traces_with_torch_jit_once_its_head_is_built():
     ids = torch.tensor([[3, 1, 4, 1, 5], [2, 7, 1, 8, 2]])
     other = torch.tensor([[6, 6, 1, 0, 9], [5, 4, 3, 2, 1]])
