@@ -24,7 +24,7 @@ from ..hf import output_embedding
 from ..prompts import DEFAULT_PROMPTS
 from .draft import early_exit_draft, make_draft_head
 from .driver import (SpeculativeDecoder, check_draft_vocab, eos_ids, learned_positions, length_dependent_rope,
-                     position_table_problem, rope_switch_problem)
+                     length_problem)
 from .runner import encode_prompt, plan_configs, run_interleaved, summarize, format_summary, reading, write_json
 
 DESCRIPTION = ("Speculative decoding of Spec-Bench prompts: baseline, ordinary and deferred, with dense and FlashHead "
@@ -232,8 +232,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         positions = learned_positions(target)
         for config, prompt in itertools.product(configs, prompts):  # before minutes of clustering, not mid-run
             length, k = len(prompt["input_ids"]), args.k if config.head else 0
-            problem = (rope_switch_problem(rope_switch, length, args.max_new_tokens, k)
-                       or position_table_problem("target", positions, length, args.max_new_tokens, k))
+            problem = length_problem(rope_switch, {"target": positions}, length, args.max_new_tokens, k)
             if problem:
                 parser.error(f"question {prompt['question_id']}, mode {config.mode}: {problem}")
     draft = _load_draft(parser, args.draft, target, tokenizer, dtype, args.device) if any(c.head for c in configs) else None

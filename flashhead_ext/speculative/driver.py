@@ -475,6 +475,16 @@ def position_table_problem(role: str, positions: Optional[int], prompt_tokens: i
             f"forwards would reach {longest}: {reach} must be at most {positions}")
 
 
+def length_problem(rope_switch: Optional[tuple], positions: dict, prompt_tokens: int, max_new_tokens: int,
+                   k: int) -> Optional[str]:
+    """The first reason a generation (:func:`longest_forward`'s arguments) cannot be run, before any
+    forward: the target's RoPE switch (:func:`rope_switch_problem`), or a position table of a role
+    in ``positions`` (``{role: positions}``, :func:`position_table_problem`); or None."""
+    problems = [rope_switch_problem(rope_switch, prompt_tokens, max_new_tokens, k)]
+    problems += [position_table_problem(role, table, prompt_tokens, max_new_tokens, k) for role, table in positions.items()]
+    return next(filter(None, problems), None)
+
+
 class SpeculativeDecoder:
     """Greedy decoding of ``target``, optionally sped up by ``draft`` proposing ``k`` tokens a round.
 
@@ -617,10 +627,9 @@ class SpeculativeDecoder:
         warn_if_dropout_active(self.target, "target")
         # k read once: another thread setting it mid-generation gave rounds of two sizes (wrong tokens).
         k = self.k if mode != "baseline" else 0
-        problems = [rope_switch_problem(self._rope_switch, prompt.shape[1], max_new_tokens, k)]
-        problems += [position_table_problem(role, positions, prompt.shape[1], max_new_tokens, k)
-                     for role, positions in self._positions.items() if role == "target" or mode != "baseline"]
-        for problem in filter(None, problems):  # before any forward, not as an IndexError mid-run
+        positions = {role: table for role, table in self._positions.items() if role == "target" or mode != "baseline"}
+        problem = length_problem(self._rope_switch, positions, prompt.shape[1], max_new_tokens, k)
+        if problem:  # before any forward, not as an IndexError mid-run
             raise ValueError(problem)
         stats = GenerationStats(mode=mode, prompt_tokens=prompt.shape[1], k=k)
         output = Emitter(stats, self.eos, max_new_tokens)
