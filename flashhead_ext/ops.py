@@ -42,6 +42,7 @@ from typing import Callable, Optional, ParamSpec, TypeGuard, TypeVar, Union
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 _ops = torch.ops.flashhead
 
@@ -83,13 +84,10 @@ def _require_values(name: str, value: Tensor, detail: str = ": materialise it fi
     torch's own error for it names no argument."""
     if value.is_meta:
         raise ValueError(f"{name} is on the meta device, which holds no values{detail}")
-    if type(value) not in (Tensor, torch.nn.Parameter):  # only a subclass can be fake: plain tensors skip the test
-        from torch._subclasses.fake_tensor import is_fake
-
-        if is_fake(value):  # torch's own error named a data-dependent op, neither the argument nor the mode
-            raise ValueError(f"{name} is a fake tensor (FakeTensorMode's), which holds no values to read: build the "
-                             "head (an attached model's: model.flash_head.head()) or run this outside the mode "
-                             "(torch.compile and torch.export trace a built head)")
+    if is_fake(value):  # torch's own error named a data-dependent op, neither the argument nor the mode
+        raise ValueError(f"{name} is a fake tensor (FakeTensorMode's), which holds no values to read: build the "
+                         "head (an attached model's: model.flash_head.head()) or run this outside the mode "
+                         "(torch.compile and torch.export trace a built head)")
 
 
 def _require_bool(name: str, value) -> bool:
