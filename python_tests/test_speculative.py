@@ -756,7 +756,11 @@ def test_a_dropout_rate_named_pdrop_warns_too():
     config = transformers.GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, rotary_dim=8, n_positions=64,
                                      attn_pdrop=0.5)
     target = transformers.GPTJForCausalLM(config)  # built in training mode
-    assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in target.modules())
+    # transformers 5.17 applied it through an nn.Dropout (5.25 does not): without that module only the rate is left.
+    for module in list(target.modules()):
+        for child_name, child in module.named_children():
+            if isinstance(child, torch.nn.Dropout):
+                setattr(module, child_name, torch.nn.Identity())
     warned = []
     for rate in (0.5, 0.0):
         config.attn_pdrop = rate
