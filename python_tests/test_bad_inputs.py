@@ -429,6 +429,24 @@ def test_out_must_not_share_memory_with_any_input(name, device):
 
 
 @device_params
+@pytest.mark.parametrize("shared", ["hidden's last element", "out's last element"])
+def test_out_sharing_one_element_at_an_end_is_refused(shared, device):
+    # Spans end after their last element: a check one element short saw no overlap of one end.
+    args = valid_args(device)
+    hidden = args["hidden"]
+    out_bytes = SHAPE.B * 8
+    if shared == "hidden's last element":  # hidden's last 4 bytes are out's first
+        buffer = torch.zeros(4 + hidden.nbytes + out_bytes, dtype=torch.uint8, device=device)
+        hidden_at, out_at = 4, hidden.nbytes
+    else:  # out's last int64 holds hidden's first 2 elements
+        buffer = torch.zeros(out_bytes - 8 + hidden.nbytes, dtype=torch.uint8, device=device)
+        hidden_at, out_at = out_bytes - 8, 0
+    args["hidden"] = buffer[hidden_at:hidden_at + hidden.nbytes].view(hidden.dtype).view(hidden.shape).copy_(hidden)
+    args["out"] = buffer[out_at:out_at + out_bytes].view(torch.int64)
+    expect(ValueError, "out must not share memory with hidden", "decode_greedy_out", args)
+
+
+@device_params
 def test_raw_ops_check_too(device):
     # The C++ checks guard torch.ops.flashhead callers that bypass the Python wrappers.
     a = valid_args(device)

@@ -186,6 +186,20 @@ def test_fused_linear(M, K, N, option, dtype):
     assert_close(out, fused_linear64(**args), dtype, "out")
 
 
+@device_params
+@dtype_params
+def test_eps_zero_is_a_valid_norm_epsilon(dtype, device):
+    # eps >= 0 is the contract: 0 normalizes by the root mean square alone (rows drawn nonzero), in
+    # fused_linear's norm and rotary_cache_write's q/k norms; a check that refused it passed every
+    # other test, which drew eps from 1e-6 up.
+    args = on(linear_args(3, 17, 5, "norm+residual", dtype, eps=0.0), device)
+    assert_close(ops.fused_linear(**args), fused_linear64(**args), dtype, "fused_linear")
+    args = on({**rotary_args(3, 4, 2, 10, 9, 2, True, dtype), "eps": 0.0}, device)
+    before = (args["k_cache"].clone(), args["v_cache"].clone())
+    expected = rotary_cache_write64(**clone(args))
+    check_rotary(run_rotary(args), expected, before, 2, dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_fused_linear_rounds_once_after_the_bias(dtype):
     # The bias joins the float32 sum before its one rounding to the input dtype. Dyadic inputs make

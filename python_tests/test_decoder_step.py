@@ -165,11 +165,12 @@ def check_step(got, expected, before, length, dtype, what="", tol=TOL):
 # ---- CPU against float64 ----------------------------------------------------------------------
 
 # (name, L, D, I, H, KV, hd, max_len, qk_norm, eps, scale): odd sizes, GQA groups 2, 1 (MHA) and 5
-# (one KV head), with and without q/k norms; a large eps where an op that dropped it would fail.
+# (one KV head), with and without q/k norms; a large eps where an op that dropped it would fail, and
+# eps 0, which the op accepts (a check that refused it had passed every test).
 CPU_CASES = [
     ("odd-gqa2-qk-norm", 3, 40, 72, 4, 2, 10, 12, True, 0.1, None),
     ("gqa2-no-qk-norm", 2, 64, 96, 6, 3, 16, 9, False, 1e-6, None),
-    ("mha-qk-norm", 2, 24, 40, 3, 3, 8, 7, True, 1e-6, 0.37),
+    ("mha-qk-norm", 2, 24, 40, 3, 3, 8, 7, True, 0.0, 0.37),
     ("one-kv-head", 1, 36, 20, 5, 1, 12, 6, False, 0.1, None),
 ]
 # The cache length before the token, as a function of max_len: the edges and both sides out of range.

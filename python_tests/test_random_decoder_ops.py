@@ -351,7 +351,7 @@ def draw_step(index: int, device: str) -> StepDraw:
     input_scale = rng.choice([1.0, torch.tensor(D ** 0.5).to(dtype).item(), rng.uniform(0.25, 4.0)])
     return StepDraw(L, D, I, H, KV, hd, max_len, length, rng.random() < 0.5, rng.random() < 0.4,
                     rng.random() < 0.4, rng.choice(["silu", "gelu_tanh"]), sliding_layers, window, rng.random() < 0.5,
-                    input_scale, rng.choice([1e-6, 1e-5, 0.1]),
+                    input_scale, rng.choice([1e-6, 1e-5, 0.1, 0.0]),
                     None if rng.random() < 0.5 else rng.uniform(0.05, 3.0) / math.sqrt(hd),
                     rng.choice(["contiguous", "contiguous", "strided"]), dtype)
 
