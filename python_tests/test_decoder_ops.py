@@ -218,6 +218,41 @@ def test_fused_linear_rounds_once_after_the_bias(dtype):
     assert not torch.equal(twice, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fused_linear_gate_rounds_the_activation_then_the_product(dtype):
+    # h = silu(gate) * up in the input dtype (docs/kernels.md): silu rounded, then the product. An
+    # identity weight makes each output one product, so the result shows h's bits.
+    g = generator("fused_linear gate rounds twice", str(dtype))
+    M, K = 5, 37
+    x = randn(g, M, 2 * K, dtype=dtype, scale=2.0)
+    gate, up = x.chunk(2, dim=1)
+    want = F.silu(gate) * up
+    assert torch.equal(ops.fused_linear(x, torch.eye(K, dtype=dtype), gated=True), want)
+    # The inputs can tell the two apart: one rounding of the float32 product gives other bits here.
+    assert not torch.equal((F.silu(gate.float()) * up.float()).to(dtype), want)
+
+
+def test_ops_record_no_history_under_no_grad():
+    # Under torch.no_grad a result takes no grad_fn, as torch's own ops: a backward through it would
+    # otherwise raise the op's "not implemented" instead of torch's "does not require grad".
+    args = rotary_args(2, 4, 2, 8, 10, 3, True, torch.float32)
+    with torch.no_grad():
+        out = ops.fused_linear(args["qkv"].requires_grad_(), torch.ones(5, 64))
+        q = ops.rotary_cache_write(**args)
+    assert out.grad_fn is None and not out.requires_grad
+    assert q.grad_fn is None and not q.requires_grad
+
+
+@pytest.mark.parametrize("cache", ["k_cache", "v_cache"])
+def test_length_must_not_share_memory_with_the_caches(cache):
+    # length is read while the caches are written: its 8 bytes inside a cache are refused too.
+    args = rotary_args(1, 2, 1, 8, 6, 0, False, torch.float32)
+    length = args[cache].view(-1)[-2:].view(torch.int64).view(())
+    length.fill_(1)
+    args["length"] = length
+    expect(ValueError, f"length must not share memory with {cache}", "rotary_cache_write", args)
+
+
 @device_params
 def test_fused_linear_static_weight_same_result(device):
     # static_weight only lets the CUDA kernel read the weight before the previous kernel has ended.

@@ -49,11 +49,13 @@ def test_out_of_range_candidate_ids_give_neg_inf(device):
     assert_values_close(got, ref.candidate_logits(problem.hidden, problem.embedding, candidates), problem.logit_tol())
 
 
-def _table_with_invalid_cluster(problem):
-    """Cluster 0 holds only ids the ops must mask: padding, ids >= V and negative ids."""
+def _table_with_invalid_cluster(problem, lead=0):
+    """Cluster 0 holds only ids the ops must mask: padding, ids >= V and negative ids, the one at
+    ``lead`` first."""
     table = problem.cluster_tokens.clone()
     b = table.shape[1]
-    table[0] = torch.tensor([-1, problem.vocab, -5, INT32_MAX, INT32_MIN, problem.vocab + 3, -1, -2][:b], dtype=torch.int32)
+    invalid = torch.tensor([-1, problem.vocab, -5, INT32_MAX, INT32_MIN, problem.vocab + 3, -1, -2][:b], dtype=torch.int32)
+    table[0] = invalid.roll(-lead)
     # Make cluster 0 the best for every row: its centroid is each row's direction, scaled up.
     centroids = problem.centroids.clone()
     centroids[0] = problem.hidden.float().sum(0).to(centroids.dtype) * 10
@@ -68,9 +70,12 @@ batch_params = pytest.mark.parametrize("batch", [3, 64])
 
 @device_params
 @batch_params
-def test_all_masked_rows_give_token_minus_one(device, batch):
+@pytest.mark.parametrize("lead", [0, 1, 3], ids=["padding-first", "V-first", "int32-max-first"])
+def test_all_masked_rows_give_token_minus_one(device, batch, lead):
+    # With every slot masked the best is slot 0 by the tie-break: its id must not leak out unchecked
+    # (padding first had hidden that).
     base = make_problem(Shape(B=batch, D=16, C=21, b=8, p=1), device=device, integer=True)
-    problem = _table_with_invalid_cluster(base.with_(hidden=base.hidden.abs() + 1))
+    problem = _table_with_invalid_cluster(base.with_(hidden=base.hidden.abs() + 1), lead)
     assert (ref.select_clusters(problem.hidden, problem.centroids, 1)[0] == 0).all()
     tokens = ops.decode_greedy(*problem.args())
     assert tokens.tolist() == [-1] * batch
@@ -78,6 +83,9 @@ def test_all_masked_rows_give_token_minus_one(device, batch):
     sampled, _ = ops.decode_sample(*problem.args()[:5], 1.0, None, seed=3)
     # The sampled cluster may differ, but a token is either a real token or -1, never garbage.
     assert ((sampled == -1) | ((sampled >= 0) & (sampled < problem.vocab))).all()
+    # With that cluster alone the draw must take it: -1 for every row.
+    alone = problem.with_(centroids=problem.centroids[:1], cluster_tokens=problem.cluster_tokens[:1])
+    assert ops.decode_sample(*alone.args()[:5], 1.0, None, seed=3)[0].tolist() == [-1] * batch
     # An always-on extra token rescues every row.
     extra = torch.tensor([problem.vocab - 1, -1], dtype=torch.int32, device=device)
     rescued = ops.decode_greedy(*problem.args()[:5], extra)
